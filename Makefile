@@ -1,0 +1,25 @@
+.PHONY: setup test test-fast lint demo clean
+
+VENV := .venv
+PY := $(VENV)/bin/python
+
+setup:
+	@bash scripts/setup.sh
+
+# The whole suite: unit, protocol, transfer engines over loopback, decode node, vLLM on CPU.
+test: setup
+	@$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+
+# Everything but the tests that start vLLM.
+test-fast: setup
+	@$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
+
+lint: setup
+	@$(VENV)/bin/ruff check tilert_serve tilert_operator tests bench
+	@$(VENV)/bin/lint-imports
+
+demo: setup
+	@$(PY) -m tilert_serve.local.demo
+
+clean:
+	rm -rf $(VENV) .pytest_cache

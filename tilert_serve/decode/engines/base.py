@@ -1,0 +1,88 @@
+"""The interface every decode engine implements (reference PyTorch engine, real TileRT).
+
+The decode node owns the protocol, the buffers and the stop rules; an engine only turns injected
+attention state plus a first token into more tokens. One engine is loaded per node; each admitted
+request gets its own `Sequence` (TileRT holds one at a time, the reference engine as many as the node
+has slots).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class LayerState:
+    """One attention layer's prompt state, already in the engine's layout and dtype."""
+
+    #: [seq_len, kv_lora_rank]: the normalised MLA latent (what vLLM caches as kv_c).
+    kv: torch.Tensor
+    #: [seq_len, qk_rope_head_dim]: the rotary key, RoPE already applied (as vLLM caches it).
+    pe: torch.Tensor
+    #: [seq_len, index_head_dim]: sparse-attention indexer keys, Hadamard-rotated; None without an indexer.
+    ki: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class InjectedState:
+    """A prefilled request's state: every main layer, then the MTP draft layers."""
+
+    layers: list[LayerState]
+    #: Number of prompt tokens whose state is in `layers` (positions 0 .. seq_len-1).
+    seq_len: int
+    #: The prompt's last token id (position seq_len-1): MTP's warm start recomputes that position.
+    last_prompt_token: int
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Sampling settings the engine applies itself. temperature 0 means greedy."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class DecodeStep:
+    """What one engine step produced: one or more tokens (MTP accepts drafts)."""
+
+    token_ids: list[int]
+    #: Draft tokens proposed by MTP this step and how many of them were accepted.
+    drafted: int = 0
+    accepted: int = 0
+
+
+class Sequence(Protocol):
+    """One request's decode, started from injected state."""
+
+    def decode(self, first_token: int, sampling: Sampling, max_new_tokens: int) -> Iterator[DecodeStep]:
+        """Yield steps after `first_token` (the token the prefill sampled) until max_new_tokens."""
+        ...
+
+    def close(self) -> None:
+        """Release this sequence's engine-side state. Idempotent."""
+        ...
+
+
+class DecodeEngine(Protocol):
+    name: str
+    #: Attention layers the engine takes state for, main layers first, then MTP layers.
+    num_layers: int
+    num_mtp_layers: int
+    max_seq_len: int
+    #: How many sequences the engine can hold at once (TileRT: 1).
+    max_sequences: int
+
+    def load(self) -> None:
+        """Load weights and prepare the engine. Called once at node start."""
+        ...
+
+    def start(self, state: InjectedState) -> Sequence:
+        """Inject a prefilled request's state and return its sequence, ready to decode."""
+        ...

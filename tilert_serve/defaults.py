@@ -1,0 +1,20 @@
+"""Defaults that more than one component must agree on: the one source for ports and limits.
+
+The operator's renderers, the local runner, the decode node, the router and the connector all import
+these; nothing else spells the numbers.
+"""
+
+from typing import Final
+
+#: The decode node's control-plane port (handoff protocol), as upstream TileRT uses.
+DECODE_CTRL_PORT: Final = 5556
+#: The decode node's HTTP port (admission, token stream, health, metrics).
+DECODE_HTTP_PORT: Final = 5557
+#: The router's OpenAI-compatible HTTP port.
+ROUTER_PORT: Final = 8000
+#: vLLM's OpenAI server port (prefill and native decode pods).
+VLLM_PORT: Final = 8100
+#: How long an admission ticket holds a decode slot before the node frees it, in seconds.
+TICKET_TTL_S: Final = 30.0
+#: Where the handoff's shared secret is mounted in pods.
+SECRET_PATH: Final = "/etc/tilert-pd/handoff/secret"
