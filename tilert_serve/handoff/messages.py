@@ -1,0 +1,145 @@
+"""The handoff control-plane messages, one class per kind, each with its wire type byte.
+
+A handoff, on one TCP connection from a prefill sender (one per TP rank) to a decode node:
+
+    node   -> sender  Challenge   node nonce
+    sender -> node    Auth        HMAC(secret, node nonce, sender nonce), sender nonce
+    node   -> sender  Hello       node's proof, protocol and layout, transfer engine peer info
+    sender -> node    Request     request id or ticket, token count, last prompt token, prompt ids
+    node   -> sender  Accept      the slot's receive regions  | Reject (reason)
+    (sender writes the bytes one-sidedly through the transfer engine)
+    sender -> node    Done        ok or the write error
+    node   -> sender  Ack         the node has the state (or why not)
+
+Either side may send Error and close on a protocol violation. Fields added within a protocol
+version must be optional; unknown fields from a newer peer are ignored, unknown kinds are errors.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tilert_serve.handoff.errors import MessageError, RejectReason
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="ignore", frozen=True)
+    KIND: ClassVar[int]
+
+
+class Challenge(Message):
+    KIND: ClassVar[int] = 1
+    nonce: str = Field(min_length=32, max_length=128)
+    node: str
+
+
+class Auth(Message):
+    KIND: ClassVar[int] = 2
+    mac: str
+    nonce: str = Field(min_length=32, max_length=128)
+    sender: str
+
+
+class Region(BaseModel):
+    """A registered memory range of the node, in the transfer engine's address space."""
+
+    model_config = ConfigDict(frozen=True)
+    shard: int = Field(ge=0)
+    addr: int = Field(ge=0)
+    nbytes: int = Field(ge=0)
+
+
+class LayoutInfo(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="ignore")
+    model: str
+    kv_cache_dtype: str
+    version: int
+    num_layers: int
+    fingerprint: str
+
+
+class Hello(Message):
+    KIND: ClassVar[int] = 3
+    #: HMAC(secret, sender nonce, node nonce): proves the node, so state never goes to an impostor.
+    mac: str
+    node: str
+    layout: LayoutInfo
+    max_seq_len: int
+    slots_total: int
+    slots_free: int
+    #: Transfer engine name and whatever its peers need to write to us (session id, NIXL metadata).
+    transfer: str
+    peer: dict[str, Any]
+
+
+class Request(Message):
+    KIND: ClassVar[int] = 4
+    request_id: str = Field(min_length=1, max_length=256)
+    #: The router's admission ticket; None takes any free slot (ungated callers, tests).
+    ticket: str | None = None
+    num_tokens: int = Field(ge=1)
+    last_prompt_token: int = Field(ge=0)
+    #: The prompt's token ids, for detokenising the output in context; may be empty.
+    prompt_token_ids: list[int] = []
+    layout_fingerprint: str
+    sender_rank: int = Field(default=0, ge=0)
+    num_senders: int = Field(default=1, ge=1)
+
+
+class Accept(Message):
+    KIND: ClassVar[int] = 5
+    request_id: str
+    slot: int
+    #: Bumped every time the slot is reused, so a late Done from an earlier use is recognised.
+    generation: int
+    #: The slot's receive region on each shard; offsets inside come from the layout's placement.
+    regions: list[Region]
+    max_tokens: int
+
+
+class Reject(Message):
+    KIND: ClassVar[int] = 6
+    request_id: str = ""
+    reason: RejectReason
+    message: str
+
+
+class Done(Message):
+    KIND: ClassVar[int] = 7
+    request_id: str
+    generation: int
+    ok: bool
+    nbytes: int = Field(ge=0)
+    error: str | None = None
+
+
+class Ack(Message):
+    KIND: ClassVar[int] = 8
+    request_id: str
+    status: Literal["complete", "waiting_for_ranks", "failed"]
+    message: str = ""
+
+
+class Error(Message):
+    KIND: ClassVar[int] = 9
+    reason: RejectReason
+    message: str
+
+
+KINDS: dict[int, type[Message]] = {
+    cls.KIND: cls for cls in (Challenge, Auth, Hello, Request, Accept, Reject, Done, Ack, Error)
+}
+
+
+def from_body(kind: int, body: dict[str, Any]) -> Message:
+    """Build the typed message of `kind` from a decoded JSON body; errors name the field."""
+    cls = KINDS.get(kind)
+    if cls is None:
+        raise MessageError(f"unknown message kind 0x{kind:02x}; known kinds: {sorted(KINDS)}")
+    try:
+        return cls.model_validate(body)
+    except ValidationError as exc:
+        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
+        raise MessageError(f"invalid {cls.__name__} message: {problems}") from exc
