@@ -1,0 +1,188 @@
+"""Renderers: every example and a matrix of specs render to objects that pass kubernetes-validate
+--strict; commands follow the components' contracts; RDMA, hostNetwork and overrides are wired."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from typing import Any
+
+import kubernetes_validate
+import pdc_helpers as helpers
+import pytest
+import yaml
+
+from tilert_operator import cli_render, constants, render, validation
+from tilert_operator import spec as specmod
+from tilert_operator.render import commands
+from tilert_serve import defaults
+from tilert_serve.router import config as router_config
+
+
+def _render(spec: dict[str, Any], name: str = "t", ns: str = "ns") -> list[dict[str, Any]]:
+    return render.all_manifests(specmod.parse(spec), name, ns, secret_token="s3cret")
+
+
+def _by(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def _strict(objs: list[dict[str, Any]]) -> None:
+    for obj in objs:
+        kubernetes_validate.validate(obj, helpers.K8S_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("path", helpers.EXAMPLES, ids=lambda p: p.stem)
+def test_examples_render_valid_manifests(path: Any) -> None:
+    doc = yaml.safe_load(path.read_text())
+    objs = cli_render.render_document(doc, None, with_secret=True)
+    _strict(objs)
+    ns = doc["metadata"].get("namespace", "default")
+    assert all(o["metadata"]["namespace"] == ns for o in objs)
+    assert render.all_manifests(specmod.parse(doc["spec"]), "x", "y", secret_token="a") == render.all_manifests(
+        specmod.parse(doc["spec"]), "x", "y", secret_token="a"), "rendering must be deterministic"
+
+
+MATRIX = list(itertools.product(
+    ["mooncake", "nixl"], ["tcp", "rdma"], [False, True],  # engine, protocol, hostNetwork
+    [(1, 0), (0, 1), (2, 1)],  # tilert, native replicas
+    ["tiny", "volume"],
+))  # fmt: skip
+
+
+@pytest.mark.parametrize(("engine", "protocol", "host_net", "pools", "weights"), MATRIX)
+def test_matrix_renders_valid_manifests(engine: str, protocol: str, host_net: bool, pools: tuple[int, int], weights: str) -> None:
+    rdma: dict[str, Any] = {"hostNetwork": host_net}
+    if protocol == "rdma":
+        rdma["resources"] = {"rdma/ib": 1}
+        if not host_net:
+            rdma["networks"] = ["rdma-net"]
+    w = {"tiny": True} if weights == "tiny" else {"tiny": False, "volume": {"persistentVolumeClaim": {"claimName": "c"}}}
+    spec = helpers.minimal(
+        model={"weights": w},
+        transfer={"engine": engine, "protocol": protocol, "rdma": rdma},
+        decode={"tilert": {"replicas": pools[0]}, "native": {"replicas": pools[1]}},
+    )
+    parsed, problems = validation.validate(spec, "t")
+    assert problems == []
+    objs = _render(spec)
+    _strict(objs)
+    kinds = sorted(f"{o['kind']}/{o['metadata']['name']}" for o in objs)
+    assert ("StatefulSet/t-tilert-decode" in kinds) == bool(pools[0])
+    assert ("Deployment/t-native-decode" in kinds) == bool(pools[1])
+    assert any(k.startswith("NetworkPolicy/") for k in kinds) != host_net
+    prefill = _by(objs, "Deployment", "t-prefill")["spec"]["template"]
+    c = prefill["spec"]["containers"][0]
+    if protocol == "rdma":
+        assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
+        assert c["resources"]["limits"]["rdma/ib"] == 1
+    else:
+        assert "securityContext" not in c
+    if host_net:
+        assert prefill["spec"]["hostNetwork"] and prefill["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
+        assert prefill["spec"]["affinity"]["podAntiAffinity"]
+    assert bool(prefill["spec"].get("initContainers")) == (weights == "tiny")
+    assert parsed == specmod.parse(spec), "renderers must not change the spec"
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+def test_prefill_command_follows_the_connector_contract() -> None:
+    spec = specmod.parse(helpers.example("glm5-b200-rdma")["spec"])
+    argv = commands.commands(spec)[constants.PREFILL].argv
+    assert argv[:3] == ["vllm", "serve", "/models/GLM-5-FP8"]
+    assert _arg(argv, "--port") == str(defaults.VLLM_PORT)
+    assert _arg(argv, "--kv-cache-dtype") == "fp8_ds_mla"
+    assert json.loads(_arg(argv, "--speculative-config")) == {"method": "mtp", "num_speculative_tokens": 1}
+    kv = json.loads(_arg(argv, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "MultiConnector" and kv["kv_role"] == "kv_producer"
+    tilert, native = kv["kv_connector_extra_config"]["connectors"]
+    assert tilert == {
+        "kv_connector": "TileRTConnector",
+        "kv_connector_module_path": "tilert_serve.pd_vllm.prefill_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "tilert_model": "glm5", "tilert_max_seq_len": 202752, "tilert_transfer": "mooncake",
+            "tilert_protocol": "rdma", "tilert_secret_path": defaults.SECRET_PATH,
+        },
+    }  # fmt: skip
+    assert native == {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}
+
+
+def test_prefill_without_native_pool_runs_tilert_connector_alone() -> None:
+    spec = specmod.parse(helpers.example("deepseek-v32")["spec"])
+    kv = json.loads(_arg(commands.commands(spec)[constants.PREFILL].argv, "--kv-transfer-config"))
+    assert kv["kv_connector"] == "TileRTConnector"
+    assert kv["kv_connector_extra_config"]["tilert_transfer"] == "nixl"
+
+
+def test_decode_node_and_router_commands() -> None:
+    spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
+    cmds = commands.commands(spec)
+    argv = cmds[constants.TILERT].argv
+    assert argv[:2] == ["tilert-pd", "decode-node"]
+    expect = {"--tilert-model": "mla", "--engine": "reference", "--slots": "4", "--ctrl-port": str(defaults.DECODE_CTRL_PORT),
+              "--http-port": str(defaults.DECODE_HTTP_PORT), "--transfer": "mooncake", "--protocol": "tcp",
+              "--secret-file": defaults.SECRET_PATH, "--max-seq-len": "2048", "--kv-cache-dtype": "bfloat16", "--host": "0.0.0.0"}
+    assert {f: _arg(argv, f) for f in expect} == expect
+    assert cmds[constants.ROUTER].argv == ["tilert-pd", "router", "--config", "/etc/tilert-pd/router/config.yaml",
+                                           "--host", "0.0.0.0", "--port", str(defaults.ROUTER_PORT)]
+    native = cmds[constants.NATIVE].argv
+    assert json.loads(_arg(native, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
+    local = commands.commands(spec, commands.Paths(model_dir="/tmp/m", secret_file="/tmp/s", host="127.0.0.1"))
+    assert _arg(local[constants.TILERT].argv, "--secret-file") == "/tmp/s"
+
+
+def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:
+    spec = specmod.parse(helpers.example("glm5-b200-rdma")["spec"])
+    node = router_config.TileRTNode(name="glm5-tilert-decode-0", http_url="http://10.0.0.5:5557", ctrl_host="192.168.1.5")
+    cm = render.router.configmap(spec, "glm5", "serving", [node])
+    (tmp_path / "config.yaml").write_text(cm["data"]["config.yaml"])
+    cfg = router_config.load(tmp_path / "config.yaml")
+    assert cfg.tilert == [node]
+    assert cfg.prefill == ["http://glm5-prefill.serving.svc:8100"]
+    assert cfg.native == ["http://glm5-native-decode.serving.svc:8100"]
+    assert cfg.api_keys_file == "/etc/tilert-pd/router-keys/keys"
+    assert cfg.policy.tilert_aliases == ["glm-5-turbo"]
+
+
+def test_secret_and_multus_wiring() -> None:
+    objs = _render(helpers.example("glm5-b200-rdma")["spec"], "glm5", "serving")
+    sts = _by(objs, "StatefulSet", "glm5-tilert-decode")
+    tmpl = sts["spec"]["template"]
+    assert tmpl["metadata"]["annotations"]["k8s.v1.cni.cncf.io/networks"] == "serving/rdma-net"
+    mounts = {m["name"]: m["mountPath"] for m in tmpl["spec"]["containers"][0]["volumeMounts"]}
+    assert mounts["handoff-secret"] + "/secret" == defaults.SECRET_PATH
+    assert tmpl["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert sts["spec"]["serviceName"] == "glm5-tilert-decode"
+    assert _by(objs, "Service", "glm5-tilert-decode")["spec"]["clusterIP"] == "None"
+    env = {e["name"]: e.get("value") for e in tmpl["spec"]["containers"][0]["env"]}
+    assert env["MC_GID_INDEX"] == "3"
+
+
+def test_network_policies_fence_the_ports() -> None:
+    objs = _render(helpers.example("tiny-cpu")["spec"], "tiny")
+    pol = _by(objs, "NetworkPolicy", "tiny-tilert-decode")["spec"]["ingress"]
+    assert pol[0] == {"from": [{"podSelector": {"matchLabels": {constants.LABEL_CLUSTER: "tiny", constants.LABEL_COMPONENT: constants.PREFILL}}}]}
+    assert pol[1]["ports"] == [{"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}]
+    assert pol[1]["from"][0]["podSelector"]["matchLabels"][constants.LABEL_COMPONENT] == constants.ROUTER
+
+
+def test_overrides_are_a_merge_patch() -> None:
+    spec = helpers.minimal(prefill={"overrides": {"spec": {"template": {"spec": {"priorityClassName": "high"}}}, "metadata": {"annotations": {"a": "b"}}}})
+    dep = _by(_render(spec), "Deployment", "t-prefill")
+    assert dep["spec"]["template"]["spec"]["priorityClassName"] == "high"
+    assert dep["metadata"]["annotations"] == {"a": "b"}
+    assert dep["spec"]["template"]["spec"]["containers"][0]["name"] == "vllm"
+
+
+def test_cli_render_prints_yaml_and_rejects_bad_files(tmp_path: Any, capsys: Any) -> None:
+    assert cli_render.main(["-f", str(helpers.EXAMPLES[0])]) == 0
+    docs = list(yaml.safe_load_all(capsys.readouterr().out))
+    assert docs[0]["kind"] == "Secret"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(helpers.cr(helpers.minimal(prefill={"mtp": {"enabled": False}}))))
+    assert cli_render.main(["-f", str(bad)]) == 1
+    assert "spec.prefill.mtp.enabled" in capsys.readouterr().err

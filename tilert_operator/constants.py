@@ -1,0 +1,68 @@
+"""Names every part of the operator agrees on: API identity, label keys, child names, images.
+
+Ports and the handoff secret's path are not here: they live in `tilert_serve.defaults`, the one source
+the serving components share.
+"""
+
+from __future__ import annotations
+
+from typing import Final
+
+GROUP: Final = "pd.tilert.ai"
+VERSION: Final = "v1alpha1"
+KIND: Final = "PDCluster"
+PLURAL: Final = "pdclusters"
+API_VERSION: Final = f"{GROUP}/{VERSION}"
+
+#: The one server-side-apply field manager: every write of a child uses it, so ownership is stable
+#: across operator restarts and versions.
+FIELD_MANAGER: Final = "tilert-pd-operator"
+
+# Label keys. `cluster` and `component` select a pool's pods (Services, NetworkPolicies, the
+# operator's pod index); the app.kubernetes.io ones are for people and tools.
+LABEL_CLUSTER: Final = f"{GROUP}/cluster"
+LABEL_COMPONENT: Final = f"{GROUP}/component"
+LABEL_NAME: Final = "app.kubernetes.io/name"
+LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
+LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
+LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+MANAGED_BY: Final = "tilert-pd-operator"
+
+# Component names: label values, child-name suffixes and keys of `commands()`.
+PREFILL: Final = "prefill"
+TILERT: Final = "tilert-decode"
+NATIVE: Final = "native-decode"
+ROUTER: Final = "router"
+COMPONENTS: Final = (PREFILL, TILERT, NATIVE, ROUTER)
+
+#: Multus writes each pod's attachments here (JSON list of {name, interface, ips, ...}).
+MULTUS_NETWORKS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/networks"
+MULTUS_STATUS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/network-status"
+
+#: Where the model weights are mounted in every pod that loads them.
+MODEL_MOUNT: Final = "/models"
+#: Where the router's ConfigMap and API-key Secret are mounted.
+ROUTER_CONFIG_DIR: Final = "/etc/tilert-pd/router"
+ROUTER_CONFIG_FILE: Final = f"{ROUTER_CONFIG_DIR}/config.yaml"
+ROUTER_KEYS_DIR: Final = "/etc/tilert-pd/router-keys"
+#: Key of the handoff secret inside its Secret object.
+HANDOFF_SECRET_KEY: Final = "secret"
+
+# Default images. One place, so the chart and the docs can point at them.
+DEFAULT_VLLM_IMAGE: Final = "ghcr.io/tilert-pd/vllm:0.1.0"
+DEFAULT_DECODE_IMAGE: Final = "ghcr.io/tilert-pd/tilert-pd:0.1.0"
+DEFAULT_ROUTER_IMAGE: Final = "ghcr.io/tilert-pd/tilert-pd:0.1.0"
+
+#: TileRT's kernels shard one model over exactly this many GPUs (upstream ShowHandsDSALayer.num_devices).
+TILERT_GPUS: Final = 8
+#: Device-plugin resource of NVIDIA GPUs.
+GPU_RESOURCE: Final = "nvidia.com/gpu"
+
+
+def child_name(cluster: str, component: str) -> str:
+    """Name of a component's children (workload, Service, ConfigMap): `<cluster>-<component>`."""
+    return f"{cluster}-{component}"
+
+
+def handoff_secret_name(cluster: str) -> str:
+    return f"{cluster}-handoff"

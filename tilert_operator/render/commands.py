@@ -1,0 +1,170 @@
+"""Each component's command line and environment: the one source for pods and local processes.
+
+`commands(spec)` gives what a pod runs; `tilert-pd local` calls the same function with local paths
+and hosts, so the demo runs exactly what the cluster runs. Pod-specific wiring (downward-API env,
+volumes, probes) stays in the pod renderers.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+
+from tilert_operator import constants
+from tilert_operator.spec import PDClusterSpec
+from tilert_serve import defaults
+
+#: Module vLLM loads TileRTConnector from.
+TILERT_CONNECTOR_MODULE = "tilert_serve.pd_vllm.prefill_connector"
+TINY_MODEL = "tiny-model"
+
+
+@dataclass(frozen=True)
+class ContainerCommand:
+    argv: list[str]
+    env: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Paths:
+    """Where a component finds its files and how it binds: pods and local runs differ only here."""
+
+    #: Directory of the checkpoint.
+    model_dir: str
+    #: File with the handoff's shared secret.
+    secret_file: str = defaults.SECRET_PATH
+    #: The router's config.yaml.
+    router_config: str = constants.ROUTER_CONFIG_FILE
+    #: Address servers bind to.
+    host: str = "0.0.0.0"
+
+    @classmethod
+    def pod(cls, spec: PDClusterSpec) -> Paths:
+        return cls(model_dir=spec.model.model_dir)
+
+
+def _json(obj: object) -> str:
+    # Compact and key-ordered: the argument is stable, so a re-render never restarts a pod.
+    return json.dumps(obj, separators=(",", ":"), sort_keys=True)
+
+
+def has_native_pool(spec: PDClusterSpec) -> bool:
+    return spec.decode.native.replicas > 0 and spec.prefill.native_connector != "none"
+
+
+def tilert_connector(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
+    return {
+        "kv_connector": "TileRTConnector",
+        "kv_connector_module_path": TILERT_CONNECTOR_MODULE,
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "tilert_model": spec.model.tilert_model,
+            "tilert_max_seq_len": spec.model.max_seq_len,
+            "tilert_transfer": spec.transfer.engine,
+            "tilert_protocol": spec.transfer.protocol,
+            "tilert_secret_path": paths.secret_file,
+        },
+    }
+
+
+def prefill_kv_transfer_config(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
+    """TileRTConnector alone, or MultiConnector[TileRTConnector, native] when a native pool exists.
+
+    TileRTConnector comes first: MultiConnector asks children in order and TileRT claims only
+    requests carrying tilert_host, so native requests fall through to the native connector.
+    """
+    tilert = tilert_connector(spec, paths)
+    if not has_native_pool(spec):
+        return tilert
+    native = {"kv_connector": spec.prefill.native_connector, "kv_role": "kv_producer"}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"connectors": [tilert, native]},
+    }
+
+
+def speculative_config(spec: PDClusterSpec) -> dict[str, object] | None:
+    mtp = spec.prefill.mtp
+    if not mtp.enabled:
+        return None
+    return {"method": "mtp", "num_speculative_tokens": mtp.num_speculative_tokens}
+
+
+def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
+    return [
+        "vllm", "serve", paths.model_dir,
+        "--served-model-name", spec.model.name,
+        "--host", paths.host,
+        "--port", str(defaults.VLLM_PORT),
+        "--tensor-parallel-size", str(tp),
+        "--max-model-len", str(spec.model.max_seq_len),
+        "--kv-cache-dtype", spec.model.resolved_kv_cache_dtype,
+    ]  # fmt: skip
+
+
+def prefill(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
+    argv = _vllm_common(spec, paths, spec.prefill.tensor_parallel_size)
+    argv += ["--kv-transfer-config", _json(prefill_kv_transfer_config(spec, paths))]
+    spec_cfg = speculative_config(spec)
+    if spec_cfg is not None:
+        argv += ["--speculative-config", _json(spec_cfg)]
+    return ContainerCommand(argv + list(spec.prefill.extra_args), dict(spec.transfer.rdma.env))
+
+
+def native_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
+    argv = _vllm_common(spec, paths, spec.decode.native.tensor_parallel_size)
+    connector = spec.prefill.native_connector if spec.prefill.native_connector != "none" else "NixlConnector"
+    argv += ["--kv-transfer-config", _json({"kv_connector": connector, "kv_role": "kv_consumer"})]
+    spec_cfg = speculative_config(spec)
+    if spec_cfg is not None:
+        argv += ["--speculative-config", _json(spec_cfg)]
+    return ContainerCommand(argv + list(spec.decode.native.extra_args), dict(spec.transfer.rdma.env))
+
+
+def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
+    t = spec.decode.tilert
+    argv = [
+        "tilert-pd", "decode-node",
+        "--model-dir", paths.model_dir,
+        "--tilert-model", spec.model.tilert_model,
+        "--engine", t.engine,
+        "--slots", str(t.slots),
+        "--host", paths.host,
+        "--ctrl-port", str(t.ctrl_port),
+        "--http-port", str(t.http_port),
+        "--transfer", spec.transfer.engine,
+        "--protocol", spec.transfer.protocol,
+        "--secret-file", paths.secret_file,
+        "--max-seq-len", str(spec.model.max_seq_len),
+        "--kv-cache-dtype", spec.model.resolved_kv_cache_dtype,
+    ]  # fmt: skip
+    return ContainerCommand(argv, dict(spec.transfer.rdma.env))
+
+
+def router(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
+    argv = [
+        "tilert-pd", "router",
+        "--config", paths.router_config,
+        "--host", paths.host,
+        "--port", str(spec.router.service.port),
+    ]  # fmt: skip
+    return ContainerCommand(argv)
+
+
+def tiny_model(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
+    """Writes the tiny checkpoint (spec.model.weights.tiny); deterministic, so every pod gets the same."""
+    return ContainerCommand(["tilert-pd", "tiny-model", "--out", paths.model_dir])
+
+
+def commands(spec: PDClusterSpec, paths: Paths | None = None) -> dict[str, ContainerCommand]:
+    """The command of every component the spec runs, keyed by component name."""
+    paths = paths or Paths.pod(spec)
+    out = {constants.PREFILL: prefill(spec, paths), constants.ROUTER: router(spec, paths)}
+    if spec.decode.tilert.replicas:
+        out[constants.TILERT] = tilert_decode(spec, paths)
+    if spec.decode.native.replicas:
+        out[constants.NATIVE] = native_decode(spec, paths)
+    if spec.model.weights.tiny:
+        out[TINY_MODEL] = tiny_model(spec, paths)
+    return out

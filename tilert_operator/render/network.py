@@ -1,0 +1,76 @@
+"""The handoff's shared Secret and the NetworkPolicies that fence the data plane.
+
+Policies: only prefill pods reach TileRT decode pods on anything but HTTP (the ctrl port plus the
+transfer engine's data ports, which Mooncake and NIXL pick at run time); only the router reaches the
+HTTP ports of prefill and decode pods; the native pool and prefill reach each other (the native
+connector moves KV between them). Host-network pods are outside NetworkPolicy's reach, so none are
+rendered under hostNetwork.
+"""
+
+from __future__ import annotations
+
+import base64
+
+from tilert_operator import constants
+from tilert_operator.render import pods
+from tilert_operator.render.pods import Manifest
+from tilert_operator.spec import PDClusterSpec
+from tilert_serve import defaults
+
+
+def handoff_secret(cluster: str, namespace: str, token: str) -> Manifest:
+    """The handoff secret; the operator creates it once (never re-applies it), so it stays stable."""
+    meta = pods.metadata(cluster, namespace, "handoff", name=constants.handoff_secret_name(cluster))
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "data": {constants.HANDOFF_SECRET_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def _peer(cluster: str, component: str) -> Manifest:
+    return {"podSelector": {"matchLabels": pods.selector(cluster, component)}}
+
+
+def _policy(cluster: str, namespace: str, component: str, ingress: list[Manifest]) -> Manifest:
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": pods.metadata(cluster, namespace, component),
+        "spec": {
+            "podSelector": {"matchLabels": pods.selector(cluster, component)},
+            "policyTypes": ["Ingress"],
+            "ingress": ingress,
+        },
+    }
+
+
+def _tcp(port: int) -> list[Manifest]:
+    return [{"protocol": "TCP", "port": port}]
+
+
+def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:
+    if not spec.network_policies.enabled or spec.transfer.rdma.host_network:
+        return []
+    router = _peer(cluster, constants.ROUTER)
+    prefill = _peer(cluster, constants.PREFILL)
+    native = _peer(cluster, constants.NATIVE)
+    out = []
+    prefill_in = [{"from": [router], "ports": _tcp(defaults.VLLM_PORT)}]
+    if spec.decode.native.replicas:
+        prefill_in.append({"from": [native]})
+    out.append(_policy(cluster, namespace, constants.PREFILL, prefill_in))
+    t = spec.decode.tilert
+    if t.replicas:
+        out.append(_policy(cluster, namespace, constants.TILERT, [
+            {"from": [prefill]},
+            {"from": [router], "ports": _tcp(t.http_port)},
+        ]))  # fmt: skip
+    if spec.decode.native.replicas:
+        out.append(_policy(cluster, namespace, constants.NATIVE, [
+            {"from": [router], "ports": _tcp(defaults.VLLM_PORT)},
+            {"from": [prefill]},
+        ]))  # fmt: skip
+    return out

@@ -1,0 +1,237 @@
+"""Shared pieces of the pool renderers: labels, containers, the data-plane wiring (model volume,
+/dev/shm, handoff secret, RDMA resources, Multus, IPC_LOCK, hostNetwork) and overrides.
+
+Every function returns fresh dicts and never mutates the spec (the spec is frozen anyway).
+"""
+
+from __future__ import annotations
+
+import copy
+import posixpath
+from typing import Any
+
+from tilert_operator import constants
+from tilert_operator.render.commands import ContainerCommand, Paths, tiny_model
+from tilert_operator.spec import PDClusterSpec, Pool
+from tilert_serve import defaults
+
+Manifest = dict[str, Any]
+
+
+def selector(cluster: str, component: str) -> dict[str, str]:
+    """The labels that select a pool's pods (Services, NetworkPolicies, the operator's index)."""
+    return {constants.LABEL_CLUSTER: cluster, constants.LABEL_COMPONENT: component}
+
+
+def labels(cluster: str, component: str) -> dict[str, str]:
+    return selector(cluster, component) | {
+        constants.LABEL_NAME: "tilert-pd",
+        constants.LABEL_INSTANCE: cluster,
+        constants.LABEL_PART_OF: "tilert-pd",
+        constants.LABEL_MANAGED_BY: constants.MANAGED_BY,
+    }
+
+
+def metadata(cluster: str, namespace: str, component: str, name: str | None = None) -> Manifest:
+    return {
+        "name": name or constants.child_name(cluster, component),
+        "namespace": namespace,
+        "labels": labels(cluster, component),
+    }
+
+
+def merge_patch(target: Any, patch: Any) -> Any:
+    """RFC 7386 JSON merge patch: dicts merge, null deletes, everything else (lists too) replaces."""
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for key, value in patch.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = merge_patch(out.get(key), value)
+    return out
+
+
+def apply_overrides(workload: Manifest, pool: Pool) -> Manifest:
+    return merge_patch(workload, pool.overrides) if pool.overrides else workload
+
+
+def env_list(cmd: ContainerCommand, extra: list[Manifest] | None = None) -> list[Manifest]:
+    env: list[Manifest] = [{"name": k, "value": v} for k, v in sorted(cmd.env.items())]
+    return env + (extra or [])
+
+
+def http_probe(path: str, port: int, *, period: int = 10, failures: int = 3) -> Manifest:
+    return {
+        "httpGet": {"path": path, "port": port},
+        "periodSeconds": period,
+        "failureThreshold": failures,
+        "timeoutSeconds": 5,
+    }
+
+
+def container(
+    name: str,
+    image: str,
+    cmd: ContainerCommand,
+    *,
+    ports: list[tuple[str, int]],
+    resources: Manifest,
+    mounts: list[Manifest] | None = None,
+    extra_env: list[Manifest] | None = None,
+) -> Manifest:
+    out: Manifest = {
+        "name": name,
+        "image": image,
+        "command": list(cmd.argv),
+        "ports": [{"name": n, "containerPort": p, "protocol": "TCP"} for n, p in ports],
+        "resources": resources,
+    }
+    env = env_list(cmd, extra_env)
+    if env:
+        out["env"] = env
+    if mounts:
+        out["volumeMounts"] = mounts
+    return out
+
+
+def resources(pool: Pool, *, gpus: int, extra: dict[str, int] | None = None) -> Manifest:
+    """The pool's requests/limits plus GPUs and RDMA devices (device plugins need them as limits)."""
+    res: Manifest = copy.deepcopy(pool.resources)
+    devices = dict(extra or {})
+    if gpus:
+        devices[constants.GPU_RESOURCE] = gpus
+    if devices:
+        res["limits"] = dict(res.get("limits") or {}) | devices
+        res["requests"] = dict(res.get("requests") or {}) | devices
+    return res
+
+
+def scheduling(pool: Pool) -> Manifest:
+    out: Manifest = {}
+    if pool.node_selector:
+        out["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        out["tolerations"] = copy.deepcopy(pool.tolerations)
+    return out
+
+
+#: Host-network pods that listen on the same ports and so must not share a node: both vLLM pools use
+#: VLLM_PORT; TileRT nodes clash only with each other (validation keeps their ports off vLLM's).
+_SAME_PORTS: dict[str, frozenset[str]] = {
+    constants.PREFILL: frozenset({constants.PREFILL, constants.NATIVE}),
+    constants.NATIVE: frozenset({constants.PREFILL, constants.NATIVE}),
+    constants.TILERT: frozenset({constants.TILERT}),
+}
+
+
+class DataPlane:
+    """The wiring prefill and decode pods share: model, shm, secret and RDMA."""
+
+    def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool) -> None:
+        self.spec = spec
+        self.cluster = cluster
+        self.secret = secret
+        self.paths = Paths.pod(spec)
+
+    def rdma_devices(self) -> dict[str, int]:
+        return dict(self.spec.transfer.rdma.resources) if self.spec.transfer.protocol == "rdma" else {}
+
+    def volumes(self) -> list[Manifest]:
+        w = self.spec.model.weights
+        model: Manifest = {"name": "model"} | (copy.deepcopy(w.volume) if w.volume else {"emptyDir": {}})
+        vols = [model, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": self.spec.transfer.shm_size}}]
+        if self.secret:
+            vols.append({
+                "name": "handoff-secret",
+                "secret": {
+                    "secretName": constants.handoff_secret_name(self.cluster),
+                    "defaultMode": 0o400,
+                    "items": [{"key": constants.HANDOFF_SECRET_KEY, "path": posixpath.basename(defaults.SECRET_PATH)}],
+                },
+            })  # fmt: skip
+        return vols
+
+    def mounts(self) -> list[Manifest]:
+        out: list[Manifest] = [
+            {"name": "model", "mountPath": constants.MODEL_MOUNT, "readOnly": True},
+            {"name": "shm", "mountPath": "/dev/shm"},
+        ]
+        if self.secret:
+            out.append({"name": "handoff-secret", "mountPath": posixpath.dirname(defaults.SECRET_PATH), "readOnly": True})
+        return out
+
+    def init_containers(self, image: str) -> list[Manifest]:
+        if not self.spec.model.weights.tiny:
+            return []
+        cmd = tiny_model(self.spec, self.paths)
+        return [{
+            "name": "tiny-model",
+            "image": image,
+            "command": list(cmd.argv),
+            "volumeMounts": [{"name": "model", "mountPath": constants.MODEL_MOUNT}],
+        }]  # fmt: skip
+
+    def security_context(self) -> Manifest | None:
+        # RDMA pins (registers) memory: the container needs IPC_LOCK to lift its memlock limit.
+        if self.spec.transfer.protocol != "rdma":
+            return None
+        return {"capabilities": {"add": ["IPC_LOCK"]}}
+
+    def pod_annotations(self) -> dict[str, str]:
+        nets = self.spec.transfer.rdma.networks
+        return {constants.MULTUS_NETWORKS_ANNOTATION: ",".join(nets)} if nets else {}
+
+    def pod_fields(self, component: str) -> Manifest:
+        """hostNetwork, its DNS policy and one-pod-per-node anti-affinity (ports are the node's)."""
+        if not self.spec.transfer.rdma.host_network:
+            return {}
+        return {
+            "hostNetwork": True,
+            # Without this, host-network pods resolve with the node's resolv.conf and miss Services.
+            "dnsPolicy": "ClusterFirstWithHostNet",
+            "affinity": {
+                "podAntiAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": [{
+                        "labelSelector": {
+                            "matchLabels": {constants.LABEL_CLUSTER: self.cluster},
+                            "matchExpressions": [{
+                                "key": constants.LABEL_COMPONENT,
+                                "operator": "In",
+                                "values": sorted(_SAME_PORTS[component]),
+                            }],
+                        },
+                        "topologyKey": "kubernetes.io/hostname",
+                    }],
+                },
+            },
+        }  # fmt: skip
+
+    def downward_env(self) -> list[Manifest]:
+        return [
+            {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+            {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        ]
+
+
+def pod_template(
+    *,
+    cluster: str,
+    component: str,
+    containers: list[Manifest],
+    pool: Pool,
+    init_containers: list[Manifest] | None = None,
+    volumes: list[Manifest] | None = None,
+    annotations: dict[str, str] | None = None,
+    extra: Manifest | None = None,
+) -> Manifest:
+    meta: Manifest = {"labels": labels(cluster, component)}
+    if annotations:
+        meta["annotations"] = annotations
+    spec: Manifest = {"containers": containers, **scheduling(pool), **(extra or {})}
+    if init_containers:
+        spec["initContainers"] = init_containers
+    if volumes:
+        spec["volumes"] = volumes
+    return {"metadata": meta, "spec": spec}

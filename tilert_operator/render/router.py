@@ -1,0 +1,123 @@
+"""The router: a Deployment, a Service, and the ConfigMap holding its config.yaml (routing policy and
+endpoint list). The operator rewrites the ConfigMap when TileRT nodes come and go; the router reloads
+it without a restart, so nothing on the pod template depends on the endpoint list."""
+
+from __future__ import annotations
+
+import posixpath
+from collections.abc import Sequence
+
+from tilert_operator import constants
+from tilert_operator.render import commands, native_decode, pods, prefill
+from tilert_operator.render.pods import Manifest
+from tilert_operator.spec import PDClusterSpec
+from tilert_serve.router import config as router_config
+
+COMPONENT = constants.ROUTER
+
+
+def config(
+    spec: PDClusterSpec,
+    *,
+    prefill_urls: Sequence[str],
+    tilert_nodes: Sequence[router_config.TileRTNode],
+    native_urls: Sequence[str],
+    api_keys_file: str | None,
+) -> router_config.RouterConfig:
+    """The router's configuration from the spec and the live endpoints (pods and local runs alike)."""
+    p = spec.router.policy
+    return router_config.RouterConfig(
+        model=spec.model.name,
+        prefill=list(prefill_urls),
+        tilert=list(tilert_nodes),
+        native=list(native_urls),
+        policy=router_config.RoutingPolicy(
+            header=p.header,
+            tilert_aliases=list(p.tilert_aliases),
+            native_aliases=list(p.native_aliases),
+            default=p.default,
+            when_tilert_full=p.when_tilert_full,
+            unsupported_on_tilert=p.unsupported_on_tilert,
+        ),
+        api_keys_file=api_keys_file,
+    )
+
+
+def api_keys_file(spec: PDClusterSpec) -> str | None:
+    s = spec.router.api_keys_secret
+    return posixpath.join(constants.ROUTER_KEYS_DIR, s.key) if s else None
+
+
+def pod_config(
+    spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode]
+) -> router_config.RouterConfig:
+    native = [native_decode.url(cluster, namespace)] if spec.decode.native.replicas else []
+    return config(
+        spec,
+        prefill_urls=[prefill.url(cluster, namespace)],
+        tilert_nodes=tilert_nodes,
+        native_urls=native,
+        api_keys_file=api_keys_file(spec),
+    )
+
+
+def configmap(
+    spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode]
+) -> Manifest:
+    cfg = pod_config(spec, cluster, namespace, tilert_nodes)
+    return {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": pods.metadata(cluster, namespace, COMPONENT),
+        "data": {posixpath.basename(constants.ROUTER_CONFIG_FILE): router_config.dump(cfg)},
+    }
+
+
+def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
+    r = spec.router
+    port = r.service.port
+    cmd = commands.router(spec, commands.Paths.pod(spec))
+    mounts: list[Manifest] = [{"name": "config", "mountPath": constants.ROUTER_CONFIG_DIR, "readOnly": True}]
+    volumes: list[Manifest] = [{"name": "config", "configMap": {"name": constants.child_name(cluster, COMPONENT)}}]
+    if r.api_keys_secret:
+        mounts.append({"name": "api-keys", "mountPath": constants.ROUTER_KEYS_DIR, "readOnly": True})
+        volumes.append({"name": "api-keys", "secret": {"secretName": r.api_keys_secret.name, "defaultMode": 0o400}})
+    c = pods.container("router", r.image, cmd, ports=[("http", port)], resources=pods.resources(r, gpus=0), mounts=mounts)
+    c["readinessProbe"] = pods.http_probe("/health", port, period=5)
+    c["livenessProbe"] = pods.http_probe("/health", port, period=20, failures=6)
+    template = pods.pod_template(cluster=cluster, component=COMPONENT, containers=[c], pool=r, volumes=volumes)
+    out: Manifest = {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": pods.metadata(cluster, namespace, COMPONENT),
+        "spec": {
+            "replicas": r.replicas,
+            "selector": {"matchLabels": pods.selector(cluster, COMPONENT)},
+            "template": template,
+        },
+    }
+    return pods.apply_overrides(out, r)
+
+
+def service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
+    r = spec.router
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": pods.metadata(cluster, namespace, COMPONENT),
+        "spec": {
+            "type": r.service.type,
+            "selector": pods.selector(cluster, COMPONENT),
+            "ports": [{"name": "http", "port": r.service.port, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def render(
+    spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode] = ()
+) -> list[Manifest]:
+    return [
+        configmap(spec, cluster, namespace, tilert_nodes),
+        deployment(spec, cluster, namespace),
+        service(spec, cluster, namespace),
+    ]
