@@ -1,5 +1,8 @@
 """The router's configuration: what the operator writes into the router's ConfigMap (config.yaml) and
 what `tilert-pd local` writes for local runs. One model, parsed in one place.
+
+Every field added after the first version has a default, so a config.yaml rendered by an older operator
+still parses (the operator's renderer and this model are edited by different people).
 """
 
 from __future__ import annotations
@@ -50,6 +53,32 @@ class Timeouts(_Strict):
     prefill_s: float = 600.0
     #: Between two tokens of a decode stream.
     idle_stream_s: float = 60.0
+    #: One admission call on a TileRT node (it answers from memory: short).
+    admit_s: float = 2.0
+    #: From the generate call to its response headers: the node waits for the KV handoff before it
+    #: answers, and answers 504 itself when the handoff is late; this bounds a node that never answers.
+    decode_start_s: float = 60.0
+    #: A cancel call; it runs in the background, so it only bounds how long a slot may stay unknown.
+    cancel_s: float = 2.0
+
+
+class HealthChecks(_Strict):
+    #: Seconds between two probes of every endpoint (GET /health on vLLM, GET /ready on TileRT nodes).
+    interval_s: float = Field(default=2.0, gt=0)
+    timeout_s: float = Field(default=1.0, gt=0)
+    #: Consecutive failures (probes or transport errors) that eject an endpoint.
+    failures_to_eject: int = Field(default=2, ge=1)
+    #: Consecutive successful probes that bring an ejected endpoint back.
+    successes_to_return: int = Field(default=1, ge=1)
+
+
+class Limits(_Strict):
+    #: Largest accepted request body; larger bodies get a 413 before anything is parsed.
+    max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
+    #: Concurrent requests per native decode server; beyond it the native pool counts as full.
+    native_max_inflight: int = Field(default=256, ge=1)
+    #: Pooled upstream connections per host (prefill, native decode, TileRT node).
+    connections_per_host: int = Field(default=0, ge=0)
 
 
 class RouterConfig(_Strict):
@@ -64,6 +93,17 @@ class RouterConfig(_Strict):
     timeouts: Timeouts = Timeouts()
     #: File with one API key per line; None = no authentication.
     api_keys_file: str | None = None
+    health: HealthChecks = HealthChecks()
+    limits: Limits = Limits()
+    #: Model name sent to the vLLM servers, when it differs from the served name (vLLM checks it).
+    upstream_model: str | None = None
+    #: Seconds between two checks of the config file for changes (ConfigMap symlink swaps included).
+    reload_interval_s: float = Field(default=2.0, gt=0)
+
+    def served_models(self) -> list[str]:
+        """Every name a client may put in `model`: the served name and the routing aliases."""
+        names = [self.model, *self.policy.tilert_aliases, *self.policy.native_aliases]
+        return list(dict.fromkeys(names))
 
 
 def load(path: str | Path) -> RouterConfig:

@@ -1,0 +1,74 @@
+"""The router's aiohttp application: `make_app(config)` for tests, the CLI and `tilert-pd local`.
+
+Run it with `handler_cancellation=True` (as `run_router` does): a client that disconnects then
+cancels its handler at once, which aborts the prefill call and cancels the TileRT ticket; without it
+aiohttp would only notice the disconnect at the next write.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from aiohttp import web
+
+from tilert_serve.router import handlers, health, reload, upstream
+from tilert_serve.router.config import RouterConfig
+from tilert_serve.router.errors import error_middleware
+from tilert_serve.router.metrics import Metrics
+from tilert_serve.router.pools import Pools
+from tilert_serve.router.state import STATE, RouterState, read_api_keys
+
+log = logging.getLogger(__name__)
+
+
+async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
+    state = app[STATE]
+    state.session = upstream.new_session(state.config.limits)
+    yield
+    # Let cancels already sent finish (they free TileRT slots), then close the pool.
+    if state.background:
+        await asyncio.wait(list(state.background), timeout=state.config.timeouts.cancel_s)
+    await state.session.close()
+    state.session = None
+
+
+def make_app(
+    config: RouterConfig,
+    *,
+    config_path: str | Path | None = None,
+    health_checks: bool = True,
+) -> web.Application:
+    """Build the router. `config_path`: the file `config` came from, watched and reloaded;
+    `health_checks=False` leaves every endpoint routable (tests that script failures themselves)."""
+    state = RouterState(
+        config=config,
+        config_path=Path(config_path) if config_path is not None else None,
+        pools=Pools(config),
+        metrics=Metrics(),
+        api_keys=read_api_keys(config.api_keys_file),
+    )
+    app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
+    app[STATE] = state
+    app.cleanup_ctx.append(_session_ctx)
+    if health_checks:
+        app.cleanup_ctx.append(health.health_ctx)
+    app.cleanup_ctx.append(reload.reload_ctx)
+    app.add_routes(handlers.routes())
+    return app
+
+
+async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Start the app on host:port (0 = any free port) with handler cancellation on; returns the runner
+    (its `addresses` give the bound port; `await runner.cleanup()` stops it)."""
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, backlog=2048)
+    await site.start()
+    return runner
+
+
+def bound_port(runner: web.AppRunner) -> int:
+    return int(runner.addresses[0][1])

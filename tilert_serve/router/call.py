@@ -1,0 +1,101 @@
+"""One client request in flight: its parsed body, its id, and the response being written to it.
+
+Both paths write through `Call`, which knows whether the first byte has gone out: before it, a
+failure may be retried or answered with a JSON error; after it, only an SSE error event can end the
+stream (errors.STREAMING tells the middleware to stay out of it).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from tilert_serve.router import sse
+from tilert_serve.router.config import RouterConfig
+from tilert_serve.router.errors import STREAMING
+from tilert_serve.router.openai_request import ParsedRequest
+from tilert_serve.router.state import RouterState
+
+
+@dataclass
+class Call:
+    request: web.Request
+    state: RouterState
+    #: The config in force when the request arrived; a reload does not change it for this request.
+    cfg: RouterConfig
+    req: ParsedRequest
+    request_id: str
+    t0: float = field(default_factory=time.perf_counter)
+    #: Endpoints that failed this request: a retry goes elsewhere.
+    exclude: set[str] = field(default_factory=set)
+    #: The SSE response once prepared (first byte sent).
+    response: web.StreamResponse | None = None
+    path: str = ""
+    _last_write: float = 0.0
+
+    @property
+    def upstream_headers(self) -> dict[str, str]:
+        # vLLM takes X-Request-Id as its own request id, so logs line up across router, prefill, decode.
+        return {"X-Request-Id": self.request_id}
+
+    def upstream_body(self) -> dict[str, Any]:
+        """A copy of the client's body with the model name vLLM serves."""
+        body = dict(self.req.body)
+        body["model"] = self.cfg.upstream_model or self.cfg.model
+        return body
+
+    @property
+    def started(self) -> bool:
+        return self.response is not None
+
+    async def start_stream(self) -> web.StreamResponse:
+        resp = web.StreamResponse(
+            headers={
+                "Content-Type": "text/event-stream",
+                "Cache-Control": "no-cache",
+                "X-Request-Id": self.request_id,
+                "X-PD-Route": self.path,
+            }
+        )
+        self.request[STREAMING] = True
+        await resp.prepare(self.request)
+        self.response = resp
+        return resp
+
+    async def write(self, data: bytes, *, tokens: bool = True) -> None:
+        """Write stream bytes; `tokens` = they carry generated text (counted for TTFT and ITL)."""
+        assert self.response is not None
+        await self.response.write(data)
+        if tokens:
+            self._observe_token()
+
+    def _observe_token(self) -> None:
+        now = time.perf_counter()
+        m = self.state.metrics
+        if self._last_write == 0.0:
+            m.ttft.labels(self.path).observe(now - self.t0)
+        else:
+            m.itl.labels(self.path).observe(now - self._last_write)
+        self._last_write = now
+
+    def observe_first_token_unstreamed(self) -> None:
+        """Non-streamed requests: TTFT is when the router had the first token (it holds it back)."""
+        self._observe_token()
+
+    async def fail_stream(self, message: str, type: str = "upstream_error", code: str | None = None) -> None:
+        assert self.response is not None
+        await self.response.write(sse.error(message, type, code))
+        await self.response.write(sse.DONE)
+        await self.response.write_eof()
+
+    def json(self, obj: dict[str, Any], status: int = 200) -> web.Response:
+        return web.Response(
+            status=status,
+            body=json.dumps(obj, separators=(",", ":")).encode(),
+            content_type="application/json",
+            headers={"X-Request-Id": self.request_id, "X-PD-Route": self.path},
+        )

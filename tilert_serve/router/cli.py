@@ -1,0 +1,54 @@
+"""`tilert-pd router --config FILE [--host H] [--port P]`: run the router until SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+
+from tilert_serve import defaults
+from tilert_serve.router import config as config_mod
+from tilert_serve.router.app import make_app, start
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, help="router config.yaml (the ConfigMap's file); reloaded on change")
+    parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
+    parser.add_argument("--port", type=int, default=defaults.ROUTER_PORT,
+                        help=f"listen port (default {defaults.ROUTER_PORT})")
+    parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    parser.add_argument("--no-health-checks", action="store_true", help="do not probe upstreams")
+
+
+async def _main(args: argparse.Namespace) -> int:
+    cfg = config_mod.load(args.config)
+    app = make_app(cfg, config_path=args.config, health_checks=not args.no_health_checks)
+    runner = await start(app, args.host, args.port)
+    logging.getLogger(__name__).info("router listening on %s:%d (model %s)", args.host, args.port, cfg.model)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop  # the faster event loop when installed; the router works without it
+    except ImportError:
+        return asyncio.run(_main(args))
+    return uvloop.run(_main(args))
+
+
+if __name__ == "__main__":
+    import sys
+
+    p = argparse.ArgumentParser(prog="tilert-pd router")
+    add_arguments(p)
+    sys.exit(run(p.parse_args()))

@@ -1,0 +1,226 @@
+"""HTTP handlers: the two OpenAI endpoints, models, health, readiness and metrics."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+from aiohttp import web
+
+from tilert_serve.router import native_path, openai_request, policy, tilert_path
+from tilert_serve.router.call import Call
+from tilert_serve.router.errors import REQUEST_ID, RouterError
+from tilert_serve.router.metrics import CONTENT_TYPE
+from tilert_serve.router.openai_request import Kind
+from tilert_serve.router.state import STATE, RouterState
+from tilert_serve.router.upstream import UpstreamError
+
+log = logging.getLogger(__name__)
+
+_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one; set on the request."""
+    rid = request.headers.get("X-Request-Id", "")
+    if not _ID_OK.match(rid):
+        rid = uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    return rid
+
+
+def check_api_key(state: RouterState, request: web.Request) -> None:
+    if not state.api_keys:
+        return
+    auth = request.headers.get("Authorization", "")
+    key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+    if key not in state.api_keys:
+        raise RouterError(401, "invalid or missing API key (Authorization: Bearer <key>)",
+                          type="invalid_request_error", code="invalid_api_key")
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "chat")
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _serve(request, "completions")
+
+
+async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
+    state = request.app[STATE]
+    cfg = state.config
+    rid = request_id(request)
+    check_api_key(state, request)
+    raw = await request.read()  # past client_max_size aiohttp raises 413, rendered by the middleware
+    try:
+        req = openai_request.parse(kind, raw, cfg.served_models())
+    except RouterError as err:
+        state.metrics.rejections.labels(str(err.status)).inc()
+        raise
+    call = Call(request=request, state=state, cfg=cfg, req=req, request_id=rid)
+    outcome = "error"
+    try:
+        resp = await _route(call)
+        outcome = "ok"
+        return resp
+    except RouterError as err:
+        state.metrics.rejections.labels(str(err.status)).inc()
+        outcome = f"http_{err.status}"
+        raise
+    finally:
+        if call.path:
+            state.metrics.requests.labels(call.path, outcome).inc()
+
+
+async def _route(call: Call) -> web.StreamResponse:
+    """Pick the path and serve; a failure before the first byte is retried once, elsewhere."""
+    st, cfg = call.state, call.cfg
+    m = st.metrics
+    want = policy.requested(cfg.policy, call.request.headers.get(cfg.policy.header), call.req.model)
+    last: UpstreamError | None = None
+    for attempt in range(2):
+        node, adm, decision = await _choose(call, want)
+        call.path = decision.route
+        m.routes.labels(decision.route, decision.reason).inc()
+        m.inflight.labels(decision.route).inc()
+        try:
+            if node is not None and adm is not None:
+                return await tilert_path.serve(call, node, adm)
+            return await native_path.serve(call)
+        except UpstreamError as err:
+            last = err
+            m.upstream_errors.labels(err.pool, err.kind).inc()
+            _note_failure(st, err)
+            log.warning("request %s: attempt %d on %s failed: %s", call.request_id, attempt + 1,
+                        decision.route, err)
+            if call.started:
+                raise  # cannot happen by contract: paths end started streams themselves
+            if not err.retryable or attempt == 1:
+                break
+            call.exclude.add(err.url)
+            m.retries.inc()
+        finally:
+            m.inflight.labels(decision.route).dec()
+    assert last is not None
+    status = 504 if last.kind == "timeout" else (503 if last.kind == "no_endpoint" else 502)
+    raise RouterError(status, f"{last.pool} failed: {last.message}", type="upstream_error", code=last.kind)
+
+
+def _note_failure(st: RouterState, err: UpstreamError) -> None:
+    """Transport failures count toward ejection like failed probes (passive health checking)."""
+    if err.kind not in ("connect", "transport", "timeout"):
+        return
+    for ep in st.pools.all():
+        if ep.url == err.url:
+            ep.record_failure(st.config.health, err.message)
+
+
+async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tilert_path.Admission | None,
+                                                    policy.Decision]:
+    """Decide the path; on TileRT, reserve a slot and admit. A node that turns out full is skipped
+    (bounded by the number of nodes); one that finds the request too long sends it native."""
+    st, cfg = call.state, call.cfg
+    m = st.metrics
+    pools = st.pools
+    tried: set[str] = set(call.exclude)
+    too_long: str | None = None
+    for _ in range(len(pools.tilert) + 1):
+        native = pools.native_state(cfg.limits.native_max_inflight)
+        free = pools.tilert_free(tried) and too_long is None
+        try:
+            decision = policy.decide(cfg.policy, call.req, want, tilert_nodes=len(pools.tilert),
+                                     tilert_free=free, native=native)
+        except RouterError:
+            if too_long is not None:
+                raise RouterError(400, too_long, param="max_tokens", code="too_long") from None
+            raise
+        if decision.route == "native":
+            if too_long is not None:
+                decision = policy.Decision("native", "too long for tilert")
+            return None, None, decision
+        node = pools.reserve_tilert(tried)  # same loop turn as the check: no other request in between
+        assert node is not None
+        m.slots.labels(node.spec.name).set(node.in_use)
+        try:
+            adm = await tilert_path.admit(call, node)
+            return node, adm, decision
+        except tilert_path.NodeFull as full:
+            node.full_until = time.monotonic() + full.retry_after_s
+            tried.add(node.url)
+        except tilert_path.TooLong as exc:
+            too_long = str(exc)
+        except UpstreamError as err:
+            m.upstream_errors.labels("tilert", err.kind).inc()
+            _note_failure(st, err)
+            tried.add(node.url)
+        except BaseException:
+            pools.release(node)
+            raise
+        pools.release(node)
+        m.slots.labels(node.spec.name).set(node.in_use)
+    raise RouterError(429, "the TileRT decode pool is full; retry later", type="rate_limit_error",
+                      code="pool_full", headers={"Retry-After": str(cfg.policy.retry_after_s)})
+
+
+async def models(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    request_id(request)
+    check_api_key(state, request)
+    created = int(state.started)
+    data = [
+        {"id": name, "object": "model", "created": created, "owned_by": "tilert-pd", "root": state.config.model}
+        for name in state.config.served_models()
+    ]
+    return web.json_response({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    """Ready = every configured pool has a probed-healthy prefill and a probed-healthy decode."""
+    state = request.app[STATE]
+    pools = state.pools
+    reasons: list[str] = []
+
+    def has(eps: list, what: str) -> None:  # type: ignore[type-arg]
+        if not any(e.healthy is True for e in eps):
+            detail = "; ".join(f"{e.url}: {e.last_error or 'not probed yet'}" for e in eps if e.healthy is not True)
+            reasons.append(f"no healthy {what}" + (f" ({detail})" if detail else ""))
+
+    has(list(pools.prefill.values()), "prefill server")
+    if pools.tilert:
+        has(list(pools.tilert.values()), "TileRT node")
+    if pools.native:
+        has(list(pools.native.values()), "native decode server")
+    if not pools.tilert and not pools.native:
+        reasons.append("no decode pool configured")
+    body = {
+        "ready": not reasons,
+        "reasons": reasons,
+        "tilert_slots": {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy}
+                         for n in pools.tilert.values()},
+    }
+    return web.json_response(body, status=200 if not reasons else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    state = request.app[STATE]
+    for ep in state.pools.all():
+        state.metrics.healthy.labels(ep.pool, ep.url).set(-1 if ep.healthy is None else int(ep.healthy))
+    return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def routes() -> list[web.RouteDef]:
+    return [
+        web.post("/v1/chat/completions", chat_completions),
+        web.post("/v1/completions", completions),
+        web.get("/v1/models", models),
+        web.get("/health", health),
+        web.get("/ready", ready),
+        web.get("/metrics", metrics),
+    ]

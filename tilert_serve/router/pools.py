@@ -1,0 +1,131 @@
+"""Endpoint state: health, in-flight counts and the TileRT slot table. Plain objects, no I/O.
+
+Everything here runs on the event loop thread, and the check-and-reserve of a TileRT slot happens
+without an `await` in between, so two requests can never take the same last slot.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from tilert_serve.router.config import HealthChecks, RouterConfig, TileRTNode
+
+
+@dataclass(eq=False)
+class Endpoint:
+    url: str
+    pool: str  # "prefill" | "native" | "tilert"
+    #: None until the first probe: routable (optimistic) but not counted as ready.
+    healthy: bool | None = None
+    fails: int = 0
+    oks: int = 0
+    inflight: int = 0
+    #: Last failure, for /ready's reasons.
+    last_error: str = ""
+
+    @property
+    def routable(self) -> bool:
+        return self.healthy is not False
+
+    def record_ok(self, hc: HealthChecks) -> None:
+        self.fails = 0
+        self.oks += 1
+        if self.healthy is not True and (self.healthy is None or self.oks >= hc.successes_to_return):
+            self.healthy = True
+
+    def record_failure(self, hc: HealthChecks, why: str) -> None:
+        self.oks = 0
+        self.fails += 1
+        self.last_error = why
+        if self.fails >= hc.failures_to_eject:
+            self.healthy = False
+
+
+@dataclass(eq=False)
+class Node(Endpoint):
+    """A TileRT decode node: an endpoint with a slot table."""
+
+    spec: TileRTNode = field(default=None)  # type: ignore[assignment]
+    #: Slots this router holds on the node (admitted or being admitted, not yet known to be free).
+    in_use: int = 0
+    #: The node answered 429 although we counted a free slot: do not ask it again before this time.
+    full_until: float = 0.0
+
+    @property
+    def free(self) -> int:
+        if self.full_until > time.monotonic():
+            return 0
+        return max(self.spec.slots - self.in_use, 0)
+
+
+class Pools:
+    def __init__(self, config: RouterConfig) -> None:
+        self.prefill: dict[str, Endpoint] = {}
+        self.native: dict[str, Endpoint] = {}
+        self.tilert: dict[str, Node] = {}
+        self._rr = itertools.count()
+        self.apply(config)
+
+    def apply(self, config: RouterConfig) -> None:
+        """Take a new endpoint list; endpoints that stay keep their health and counters.
+
+        Requests in flight hold their own Endpoint objects, so one removed mid-request is released
+        on that object and simply forgotten afterwards.
+        """
+        self.prefill = {u: self.prefill.get(u) or Endpoint(u, "prefill") for u in config.prefill}
+        self.native = {u: self.native.get(u) or Endpoint(u, "native") for u in config.native}
+        nodes: dict[str, Node] = {}
+        for spec in config.tilert:
+            old = self.tilert.get(spec.name)
+            if old is not None and old.url == spec.http_url:
+                old.spec = spec
+                nodes[spec.name] = old
+            else:
+                nodes[spec.name] = Node(spec.http_url, "tilert", spec=spec)
+        self.tilert = nodes
+
+    def all(self) -> Iterable[Endpoint]:
+        yield from self.prefill.values()
+        yield from self.native.values()
+        yield from self.tilert.values()
+
+    def _least_loaded(self, eps: Iterable[Endpoint], exclude: set[str], cap: int | None = None) -> Endpoint | None:
+        cands = [e for e in eps if e.routable and e.url not in exclude and (cap is None or e.inflight < cap)]
+        if not cands:
+            return None
+        low = min(e.inflight for e in cands)
+        best = [e for e in cands if e.inflight == low]
+        # Rotate among equals so an idle pool spreads requests instead of always using the first.
+        return best[next(self._rr) % len(best)]
+
+    def pick_prefill(self, exclude: set[str]) -> Endpoint | None:
+        return self._least_loaded(self.prefill.values(), exclude)
+
+    def pick_native(self, exclude: set[str], cap: int) -> Endpoint | None:
+        return self._least_loaded(self.native.values(), exclude, cap)
+
+    def native_state(self, cap: int) -> str:
+        """'ok' when a native decode can take a request now, 'full' when all are at the cap, else 'none'."""
+        up = [e for e in self.native.values() if e.routable]
+        if not up:
+            return "none"
+        return "ok" if any(e.inflight < cap for e in up) else "full"
+
+    def tilert_free(self, exclude: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
+        return any(n.routable and n.free > 0 and n.url not in exclude for n in self.tilert.values())
+
+    def reserve_tilert(self, exclude: set[str]) -> Node | None:
+        """Take one slot on the node with the most free slots; None when every node is full."""
+        cands = [n for n in self.tilert.values() if n.routable and n.url not in exclude and n.free > 0]
+        if not cands:
+            return None
+        node = max(cands, key=lambda n: n.free)
+        node.in_use += 1
+        return node
+
+    @staticmethod
+    def release(node: Node) -> None:
+        node.in_use = max(node.in_use - 1, 0)

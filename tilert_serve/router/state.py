@@ -1,0 +1,73 @@
+"""What one router app holds: the config in force, the pools, the metrics, the upstream session.
+
+Stored under one typed AppKey (aiohttp's "no singletons" advice); handlers read `state.config` once
+per request, so a reload never changes a request half-way through.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Coroutine
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+
+from tilert_serve.router.config import RouterConfig
+from tilert_serve.router.metrics import Metrics
+from tilert_serve.router.pools import Pools
+
+log = logging.getLogger(__name__)
+
+
+def read_api_keys(path: str | None) -> frozenset[str]:
+    if not path:
+        return frozenset()
+    lines = Path(path).read_text().splitlines()
+    return frozenset(k.strip() for k in lines if k.strip() and not k.startswith("#"))
+
+
+@dataclass
+class RouterState:
+    config: RouterConfig
+    #: The file the config came from, watched for changes; None = fixed config (tests, embedding).
+    config_path: Path | None
+    pools: Pools
+    metrics: Metrics
+    api_keys: frozenset[str]
+    #: Set by the session cleanup_ctx; every upstream call goes through this one pooled session.
+    session: aiohttp.ClientSession | None = None
+    #: Fire-and-forget work (TileRT cancels) that must outlive the request that started it.
+    background: set[asyncio.Task[Any]] = field(default_factory=set)
+    #: Wall-clock start, for /v1/models' `created`.
+    started: float = field(default_factory=time.time)
+
+    @property
+    def http(self) -> aiohttp.ClientSession:
+        assert self.session is not None, "router used outside its app's lifetime"
+        return self.session
+
+    def apply(self, config: RouterConfig) -> None:
+        """Swap in a new config; the pools keep the state of endpoints that stay."""
+        keys = read_api_keys(config.api_keys_file)
+        self.pools.apply(config)
+        self.api_keys = keys
+        self.config = config
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.background.add(task)
+        task.add_done_callback(self._done)
+        return task
+
+    def _done(self, task: asyncio.Task[Any]) -> None:
+        self.background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.error("background task failed", exc_info=task.exception())
+
+
+STATE = web.AppKey("tilert_router_state", RouterState)

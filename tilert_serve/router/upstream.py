@@ -1,0 +1,104 @@
+"""Calls to vLLM servers and TileRT nodes, with failures sorted into kinds the router acts on."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import aiohttp
+
+from tilert_serve.router.config import Limits
+
+
+class UpstreamError(Exception):
+    """An upstream call failed. `retryable` = another endpoint may well succeed (5xx, transport)."""
+
+    def __init__(
+        self,
+        pool: str,
+        url: str,
+        kind: str,
+        message: str,
+        *,
+        status: int | None = None,
+        retryable: bool = True,
+        body: Any = None,
+    ) -> None:
+        super().__init__(f"{pool} {url}: {kind}: {message}")
+        self.pool = pool
+        self.url = url
+        self.kind = kind
+        self.message = message
+        self.status = status
+        self.retryable = retryable
+        #: The upstream's error body when it sent one (a 4xx from vLLM is passed to the client).
+        self.body = body
+
+
+def new_session(limits: Limits) -> aiohttp.ClientSession:
+    # One pooled session for every upstream: keep-alive connections are what makes the router cheap
+    # (vLLM's demo proxy opened a session per request; vllm #26122). limit=0: the pools' own caps
+    # (TileRT slots, native in-flight cap) bound concurrency, not the connector.
+    connector = aiohttp.TCPConnector(
+        limit=0, limit_per_host=limits.connections_per_host, keepalive_timeout=60, ttl_dns_cache=60
+    )
+    # No session-wide timeout: each call sets its own per phase.
+    return aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False,
+        json_serialize=lambda o: json.dumps(o, separators=(",", ":")),
+    )
+
+
+def error_message(body: Any, fallback: str) -> str:
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and err.get("message"):
+            return str(err["message"])
+        if isinstance(err, str):
+            return err
+        if isinstance(body.get("message"), str):
+            return str(body["message"])
+    return fallback
+
+
+async def read_error_body(resp: aiohttp.ClientResponse) -> Any:
+    try:
+        raw = await resp.read()
+        return json.loads(raw) if raw else None
+    except (TimeoutError, ValueError, aiohttp.ClientError):
+        return None
+
+
+async def post_json(
+    session: aiohttp.ClientSession,
+    pool: str,
+    url: str,
+    body: dict[str, Any],
+    *,
+    headers: dict[str, str],
+    timeout: aiohttp.ClientTimeout,
+) -> tuple[int, dict[str, Any]]:
+    """POST JSON and read a JSON object back. Returns (status, body) for 2xx and 4xx; raises
+    UpstreamError for transport failures, timeouts, 5xx and bodies that are not JSON objects."""
+    try:
+        async with session.post(url, json=body, headers=headers, timeout=timeout) as resp:
+            raw = await resp.read()
+            status = resp.status
+    except TimeoutError as exc:
+        raise UpstreamError(pool, url, "timeout", f"no answer within {timeout.total or timeout.sock_read} s") from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamError(pool, url, "connect", str(exc)) from exc
+    except aiohttp.ClientError as exc:
+        raise UpstreamError(pool, url, "transport", f"{type(exc).__name__}: {exc}") from exc
+    try:
+        parsed = json.loads(raw) if raw else None
+    except ValueError:
+        parsed = None
+    if status >= 500:
+        raise UpstreamError(
+            pool, url, f"http_{status}", error_message(parsed, raw[:200].decode(errors="replace")),
+            status=status, body=parsed,
+        )
+    if not isinstance(parsed, dict):
+        raise UpstreamError(pool, url, "bad_response", f"HTTP {status}: body is not a JSON object", status=status)
+    return status, parsed
