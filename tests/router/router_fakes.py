@@ -206,6 +206,8 @@ class FakePrefill(Fake):
         self.first_token = 42
         self.finish_reason = "length"
         self.tilert_status = "queued"
+        self.fail_handoffs = 0  # the first N TileRT requests report tilert_status "failed"
+        self.handoffs_seen = 0
         self.cached_tokens: int | None = 3
         self.prompt_tokens = 7
         self.kv_params: dict[str, Any] | None = {"remote_engine_id": "p0", "remote_block_ids": [1, 2]}
@@ -241,13 +243,15 @@ class FakePrefill(Fake):
         chat = request.path.endswith("chat/completions")
         kvp_out: dict[str, Any] | None
         if "tilert_ticket" in kvp_in:
+            self.handoffs_seen += 1
+            status = "failed" if self.handoffs_seen <= self.fail_handoffs else self.tilert_status
             kvp_out = {"tilert_first_token": self.first_token, "tilert_num_tokens": self.prompt_tokens,
-                       "tilert_status": self.tilert_status, "tilert_error": None}
-            if self.tilert_status == "queued" and self.finish_reason != "stop":
+                       "tilert_status": status, "tilert_error": None}
+            if status == "queued" and self.finish_reason != "stop":
                 for n in self.nodes:
                     n.handoff(kvp_in["tilert_ticket"])
             else:
-                kvp_out["tilert_error"] = "scripted handoff failure" if self.tilert_status != "queued" else None
+                kvp_out["tilert_error"] = "scripted handoff failure" if status != "queued" else None
         else:
             kvp_out = self.kv_params
         usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": 1,

@@ -68,7 +68,7 @@ async def serve(call: Call) -> web.StreamResponse:
     try:
         try:
             status, pj = await post_json(
-                st.http, "prefill", prefill.url + api_path(call), prefill_body(call),
+                st.http, "prefill", prefill.url, api_path(call), prefill_body(call),
                 headers=call.upstream_headers,
                 timeout=aiohttp.ClientTimeout(total=cfg.timeouts.prefill_s, sock_connect=cfg.timeouts.connect_s),
             )

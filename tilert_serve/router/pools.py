@@ -93,7 +93,10 @@ class Pools:
         yield from self.tilert.values()
 
     def _least_loaded(self, eps: Iterable[Endpoint], exclude: set[str], cap: int | None = None) -> Endpoint | None:
-        cands = [e for e in eps if e.routable and e.url not in exclude and (cap is None or e.inflight < cap)]
+        """The routable endpoint with the fewest requests in flight. `exclude` (endpoints that failed
+        this request) is a preference: with no other choice, a retry goes to the same one again."""
+        up = [e for e in eps if e.routable and (cap is None or e.inflight < cap)]
+        cands = [e for e in up if e.url not in exclude] or up
         if not cands:
             return None
         low = min(e.inflight for e in cands)

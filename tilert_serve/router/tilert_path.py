@@ -64,16 +64,17 @@ class _Slot:
             Pools.release(self.node)
             self.call.state.metrics.slots.labels(self.node.spec.name).set(self.node.in_use)
 
-    def cancel(self, reason: str) -> None:
-        """Cancel the ticket in the background and release the slot once the node answered."""
+    def cancel(self, reason: str) -> asyncio.Task[None] | None:
+        """Cancel the ticket in the background and release the slot once the node answered.
+        Returns the cancel's task (None when nothing was left to cancel)."""
         if self.done:
-            return
+            return None
         if self.ticket is None:
             self.release()
-            return
+            return None
         ticket, self.ticket = self.ticket, None
         self.call.state.metrics.cancels.labels(reason).inc()
-        self.call.state.spawn(_cancel(self.call, self.node, ticket, self))
+        return self.call.state.spawn(_cancel(self.call, self.node, ticket, self))
 
 
 async def _cancel(call: Call, node: Node, ticket: str, slot: _Slot) -> None:
@@ -102,7 +103,8 @@ async def admit(call: Call, node: Node) -> Admission:
     status, body = await post_json(
         call.state.http,
         "tilert",
-        node.url + "/v1/admit",
+        node.url,
+        "/v1/admit",
         {"request_id": call.request_id, "prompt_tokens": None, "max_tokens": call.req.max_tokens},
         headers=call.upstream_headers,
         timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s),
@@ -186,8 +188,14 @@ async def serve(call: Call, node: Node, adm: Admission) -> web.StreamResponse:
     slot.ticket = adm.ticket
     try:
         return await _serve(call, node, adm, slot)
+    except UpstreamError:
+        # The caller may retry, possibly on this node: wait until the node has freed the slot.
+        task = slot.cancel("failed")
+        if task is not None:
+            await asyncio.shield(task)
+        raise
     finally:
-        # Whatever happened (error, client gone: CancelledError), the ticket is cancelled and the slot
+        # Whatever else happened (client gone: CancelledError), the ticket is cancelled and the slot
         # released unless the node already reported it free.
         slot.cancel("aborted")
 
@@ -205,7 +213,7 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     prefill.inflight += 1
     try:
         status, pj = await post_json(
-            st.http, "prefill", prefill.url + _api_path(call), prefill_body(call, node, adm),
+            st.http, "prefill", prefill.url, _api_path(call), prefill_body(call, node, adm),
             headers=call.upstream_headers,
             timeout=aiohttp.ClientTimeout(total=cfg.timeouts.prefill_s, sock_connect=cfg.timeouts.connect_s),
         )

@@ -73,15 +73,17 @@ async def post_json(
     session: aiohttp.ClientSession,
     pool: str,
     url: str,
+    path: str,
     body: dict[str, Any],
     *,
     headers: dict[str, str],
     timeout: aiohttp.ClientTimeout,
 ) -> tuple[int, dict[str, Any]]:
-    """POST JSON and read a JSON object back. Returns (status, body) for 2xx and 4xx; raises
-    UpstreamError for transport failures, timeouts, 5xx and bodies that are not JSON objects."""
+    """POST JSON to `url` + `path` and read a JSON object back. Returns (status, body) for 2xx and
+    4xx; raises UpstreamError (naming the endpoint `url`) for transport failures, timeouts, 5xx and
+    bodies that are not JSON objects."""
     try:
-        async with session.post(url, json=body, headers=headers, timeout=timeout) as resp:
+        async with session.post(url + path, json=body, headers=headers, timeout=timeout) as resp:
             raw = await resp.read()
             status = resp.status
     except TimeoutError as exc:
