@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import re
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
@@ -70,11 +72,24 @@ _HTTP_TYPES = {
 }
 
 
+_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+
+def assign_request_id(request: web.Request) -> str:
+    """The client's X-Request-Id when it is a sane token, else a fresh one; stored on the request."""
+    rid = request.headers.get("X-Request-Id", "")
+    if not _ID_OK.match(rid):
+        rid = uuid.uuid4().hex
+    request[REQUEST_ID] = rid
+    return rid
+
+
 @web.middleware
 async def error_middleware(
     request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
 ) -> web.StreamResponse:
-    request_id = request.get(REQUEST_ID)
+    # The id is assigned here, first, so that every error response carries it too.
+    request_id = assign_request_id(request)
     try:
         return await handler(request)
     except RouterError as err:

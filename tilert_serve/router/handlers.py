@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import logging
-import re
 import time
-import uuid
 
 from aiohttp import web
 
@@ -18,18 +16,6 @@ from tilert_serve.router.state import STATE, RouterState
 from tilert_serve.router.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
-
-_ID_OK = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
-
-
-def request_id(request: web.Request) -> str:
-    """The client's X-Request-Id when it is a sane token, else a fresh one; set on the request."""
-    rid = request.headers.get("X-Request-Id", "")
-    if not _ID_OK.match(rid):
-        rid = uuid.uuid4().hex
-    request[REQUEST_ID] = rid
-    return rid
-
 
 def check_api_key(state: RouterState, request: web.Request) -> None:
     if not state.api_keys:
@@ -52,7 +38,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[STATE]
     cfg = state.config
-    rid = request_id(request)
+    rid = request[REQUEST_ID]
     check_api_key(state, request)
     raw = await request.read()  # past client_max_size aiohttp raises 413, rendered by the middleware
     try:
@@ -167,7 +153,6 @@ async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tiler
 
 async def models(request: web.Request) -> web.Response:
     state = request.app[STATE]
-    request_id(request)
     check_api_key(state, request)
     created = int(state.started)
     data = [

@@ -14,6 +14,7 @@ import os
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import yaml
 from aiohttp import web
 from pydantic import ValidationError
 
@@ -37,7 +38,7 @@ def reload_now(state: RouterState) -> bool:
     try:
         new = config_mod.load(state.config_path)
         state.apply(new)  # also when equal: the API keys file may have changed
-    except (OSError, ValueError, ValidationError) as exc:
+    except (OSError, ValueError, ValidationError, yaml.YAMLError) as exc:
         state.metrics.config_reloads.labels("error").inc()
         log.error("config %s not reloaded, keeping the old one: %s", state.config_path, exc)
         return False
@@ -55,7 +56,10 @@ async def _watch(state: RouterState) -> None:
         sig = _signature(state.config_path)
         if sig is not None and sig != last:
             last = sig
-            reload_now(state)
+            try:
+                reload_now(state)
+            except Exception:  # a bad reload must never stop the watcher
+                log.exception("config reload failed")
 
 
 async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
