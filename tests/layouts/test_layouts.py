@@ -1,5 +1,7 @@
 """Layout sizes, placement and conversions (reference/tilert-upstream.md §8-9 for the published sizes)."""
 
+import itertools
+
 import pytest
 import torch
 
@@ -73,13 +75,13 @@ def test_placement_blocks_never_overlap_and_fit_their_shard():
     for shard, blocks in spans.items():
         blocks.sort()
         assert blocks[0][0] == 0 and blocks[-1][1] == place.shard_nbytes(shard)
-        assert all(a[1] == b[0] for a, b in zip(blocks, blocks[1:], strict=False))
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(blocks))
 
 
 def test_senders_split_layers_round_robin():
     layout = layouts.get("glm5", "fp8")
     split = [layouts.senders_layers(layout, r, 8) for r in range(8)]
-    assert sorted(sum(split, [])) == list(range(79))
+    assert sorted(itertools.chain.from_iterable(split)) == list(range(79))
     assert split[1][:3] == [1, 9, 17]
     with pytest.raises(ValueError, match="rank 8"):
         layouts.senders_layers(layout, 8, 8)

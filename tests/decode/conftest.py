@@ -1,0 +1,149 @@
+"""A decode node in the test's event loop, with a recording engine double: the double keeps every
+InjectedState it is handed (so tests can check conversion exactly) and emits predictable tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import aiohttp
+import pytest
+import torch
+from aiohttp import web
+
+from tilert_serve import layouts, transfer
+from tilert_serve.decode.engines.base import DecodeStep, InjectedState, Sampling
+from tilert_serve.decode.http import make_app
+from tilert_serve.decode.node import DecodeNode, NodeConfig
+
+HERE = Path(__file__).parent
+SENDER_ENV = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib",
+              "MC_LOG_LEVEL": "ERROR"}
+SECRET = b"0123456789abcdef0123456789abcdef"
+
+
+class RecordingEngine:
+    """Two tokens a step (one accepted MTP draft): first+1, first+2, ..."""
+
+    name = "recording"
+
+    def __init__(self, layout: layouts.Layout, max_seq_len: int, max_sequences: int) -> None:
+        self.num_layers, self.num_mtp_layers = layout.num_layers, layout.num_mtp_layers
+        self.max_seq_len, self.max_sequences = max_seq_len, max_sequences
+        self.dtype = torch.float32
+        self.started: list[InjectedState] = []
+        self.step_delay_s = 0.0
+
+    def load(self) -> None:
+        pass
+
+    def start(self, state: InjectedState) -> _Seq:
+        self.started.append(state.__class__(
+            layers=[type(layer)(kv=layer.kv.clone(), pe=layer.pe.clone(),
+                                ki=None if layer.ki is None else layer.ki.clone()) for layer in state.layers],
+            seq_len=state.seq_len, last_prompt_token=state.last_prompt_token))
+        return _Seq(self)
+
+
+@dataclass
+class _Seq:
+    engine: RecordingEngine
+    closed: bool = False
+
+    def decode(self, first_token: int, sampling: Sampling, max_new_tokens: int) -> Iterator[DecodeStep]:
+        tok, produced = first_token, 0
+        while produced < max_new_tokens:
+            time.sleep(self.engine.step_delay_s)
+            yield DecodeStep([tok + 1, tok + 2], drafted=1, accepted=1)
+            tok, produced = tok + 2, produced + 2
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@dataclass
+class RunningNode:
+    node: DecodeNode
+    engine: RecordingEngine
+    url: str
+    secret_file: Path
+    session: aiohttp.ClientSession
+
+    @property
+    def ctrl_port(self) -> int:
+        return self.node.ctrl_port
+
+    async def admit(self, request_id: str = "r", **extra: object) -> tuple[int, dict]:
+        async with self.session.post(f"{self.url}/v1/admit", json={"request_id": request_id, **extra}) as r:
+            return r.status, await r.json()
+
+    async def generate(self, ticket: str, first_token: int = 100, max_tokens: int = 6,
+                       **extra: object) -> tuple[int, list[dict]]:
+        body = {"ticket": ticket, "first_token": first_token, "max_tokens": max_tokens, **extra}
+        async with self.session.post(f"{self.url}/v1/generate", json=body) as r:
+            if r.status != 200:
+                return r.status, [await r.json()]
+            events = []
+            async for line in r.content:
+                if line.startswith(b"data: "):
+                    import json
+                    events.append(json.loads(line[6:]))
+            return 200, events
+
+    async def send(self, case: str, num_tokens: int, seed: int, engine: str, ticket: str | None,
+                   *flags: str, request_id: str = "req-1", secret_file: Path | None = None) -> str:
+        """Run a sender process; returns its RESULT/ACCEPTED line."""
+        args = [sys.executable, str(HERE / "sender_proc.py"), case, str(num_tokens), str(seed), engine,
+                "127.0.0.1", str(self.ctrl_port), str(secret_file or self.secret_file), request_id]
+        if ticket:
+            args.append(ticket)
+        proc = await asyncio.create_subprocess_exec(*args, *flags, stdout=asyncio.subprocess.PIPE,
+                                                    env=SENDER_ENV)
+        out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        lines = [ln for ln in out.decode().splitlines() if ln.startswith(("RESULT ", "ACCEPTED"))]
+        assert lines, f"sender printed nothing useful (rc {proc.returncode}): {out.decode()[-2000:]}"
+        return lines[-1]
+
+
+@pytest.fixture
+def secret_file(tmp_path: Path) -> Path:
+    path = tmp_path / "secret"
+    path.write_bytes(SECRET)
+    return path
+
+
+@contextlib.asynccontextmanager
+async def running_node(layout: layouts.Layout, secret_file: Path, *, transfer_name: str = "mooncake",
+                       slots: int = 1, max_seq_len: int = 256, ticket_ttl_s: float = 30.0,
+                       handoff_timeout_s: float = 30.0, shards: int = 1, tokenizer: object = None,
+                       eos: frozenset[int] = frozenset()) -> AsyncIterator[RunningNode]:
+    for key in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES"):
+        os.environ.setdefault(key, SENDER_ENV[key])
+    engine = RecordingEngine(layout, max_seq_len, slots)
+    config = NodeConfig(name="node-0", max_seq_len=max_seq_len, slots=slots, host="127.0.0.1", ctrl_port=0,
+                        http_port=0, shards=shards, devices=("cpu",) * shards, ticket_ttl_s=ticket_ttl_s,
+                        handoff_timeout_s=handoff_timeout_s)
+    mover = transfer.create(transfer_name, host="127.0.0.1", protocol="tcp", role="node")
+    node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=SECRET, tokenizer=tokenizer,
+                      eos_token_ids=eos)
+    runner = web.AppRunner(make_app(node))
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    for _ in range(200):
+        if node.ready:
+            break
+        await asyncio.sleep(0.02)
+    assert node.ready, node.failed
+    async with aiohttp.ClientSession() as session:
+        try:
+            yield RunningNode(node, engine, f"http://127.0.0.1:{port}", secret_file, session)
+        finally:
+            await runner.cleanup()

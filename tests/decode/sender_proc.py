@@ -1,0 +1,65 @@
+"""A prefill-side sender in its own process (the tests' other end of the wire).
+
+usage: sender_proc.py CASE NUM_TOKENS SEED ENGINE HOST PORT SECRET_FILE REQUEST_ID [TICKET] [--die-after-accept]
+Prints one line `RESULT {json}`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import signal
+import sys
+
+import torch
+
+from tilert_serve import transfer
+from tilert_serve.handoff import auth, messages
+from tilert_serve.handoff.framing import SyncChannel
+from tilert_serve.handoff.sender import HandoffRequest, Sender
+from tilert_serve.layouts import Placement
+
+sys.path.insert(0, os.path.dirname(__file__))
+import synthetic
+
+
+def die_after_accept(host: str, port: int, secret: bytes, req: HandoffRequest, fingerprint: str) -> None:
+    chan = SyncChannel.connect(host, port, timeout=10)
+    challenge = chan.recv()
+    assert isinstance(challenge, messages.Challenge)
+    nonce = auth.new_nonce()
+    chan.send(messages.Auth(mac=auth.sender_mac(secret, challenge.nonce, nonce), nonce=nonce, sender="doomed"))
+    chan.recv()
+    chan.send(messages.Request(request_id=req.request_id, ticket=req.ticket, num_tokens=req.num_tokens,
+                               last_prompt_token=req.last_prompt_token, layout_fingerprint=fingerprint))
+    accept = chan.recv()
+    print("ACCEPTED", type(accept).__name__, flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def main() -> None:
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    case, n, seed, engine_name, host, port, secret_file, request_id = args[:8]
+    ticket = args[8] if len(args) > 8 else None
+    layout = synthetic.layout_for(case)
+    num_tokens = int(n)
+    secret = auth.load_secret(secret_file)
+    req = HandoffRequest(request_id=request_id, num_tokens=num_tokens, last_prompt_token=11, ticket=ticket,
+                         prompt_token_ids=list(range(num_tokens)))
+    if "--die-after-accept" in sys.argv:
+        die_after_accept(host, int(port), secret, req, layout.fingerprint)
+    staging = Placement(layout, max_tokens=num_tokens)
+    buf = torch.zeros(staging.total_nbytes(), dtype=torch.uint8)
+    synthetic.fill(staging, [buf], num_tokens, int(seed))
+    engine = transfer.create(engine_name, host="127.0.0.1", protocol="tcp", role="sender")
+    engine.register(buf.data_ptr(), buf.numel())
+    sender = Sender(name="test-sender", secret=secret, engine=engine, staging=staging,
+                    staging_addrs=[buf.data_ptr()], timeout_s=20)
+    result = sender.send(host, int(port), req)
+    print("RESULT " + json.dumps(dataclasses.asdict(result)), flush=True)
+    os._exit(0)  # NIXL/UCX teardown can crash at exit (reference/transfer-engines.md §3.5)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The decode node's HTTP API: admission, the token stream, cancel, health, readiness, metrics.
+
+    POST /v1/admit     {"request_id", "prompt_tokens"?, "max_tokens"?} -> ticket | 429 node_full | 400 too_long
+    POST /v1/generate  {"ticket", "first_token", "max_tokens", "sampling"?, "stop_token_ids"?, "ignore_eos"?}
+                       -> text/event-stream of {"token_ids", "text"} events, then {"done": true, ...}
+    POST /v1/cancel    {"ticket"} or {"request_id"} -> {"cancelled": bool}
+    GET  /health, /ready, /metrics, /v1/status
+
+Errors are {"error": {"type", "message"}}; once a stream has started, an error is an SSE `error`
+event that ends it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from typing import Any
+
+from aiohttp import web
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from tilert_serve.decode.engines.base import Sampling
+from tilert_serve.decode.node import DecodeNode, GenerateParams, HandoffFailed
+from tilert_serve.decode.slots import NodeFull, SlotState, UnknownTicket
+
+log = logging.getLogger(__name__)
+NODE = web.AppKey("node", DecodeNode)
+MAX_BODY = 1 << 20
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class AdmitBody(_Body):
+    request_id: str = Field(min_length=1, max_length=256)
+    prompt_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0)
+
+
+class SamplingBody(_Body):
+    temperature: float = Field(default=0.0, ge=0.0)
+    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: int = Field(default=0, ge=0)
+    seed: int | None = None
+
+
+class GenerateBody(_Body):
+    ticket: str
+    request_id: str | None = None
+    first_token: int = Field(ge=0)
+    max_tokens: int = Field(ge=0)
+    sampling: SamplingBody = SamplingBody()
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+
+
+class CancelBody(_Body):
+    ticket: str | None = None
+    request_id: str | None = None
+
+
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
+    return web.json_response({"error": {"type": kind, "message": message}}, status=status, headers=headers)
+
+
+async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+    try:
+        data = json.loads(await request.read())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"type": "invalid_json", "message": str(exc)}}),
+                                 content_type="application/json") from exc
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        raise web.HTTPBadRequest(text=json.dumps({"error": {"type": "invalid_request", "message": msg}}),
+                                 content_type="application/json") from exc
+
+
+async def admit(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    body: AdmitBody = await _parse(request, AdmitBody)
+    if not node.ready:
+        return _error(503, "not_ready", "the decode node is still starting; retry on another node")
+    need = (body.prompt_tokens or 0) + (body.max_tokens or 0)
+    if need > node.config.max_seq_len:
+        node.metrics.admissions.labels("too_long").inc()
+        return _error(400, "too_long", f"prompt_tokens + max_tokens = {need} exceeds this node's max_seq_len "
+                                       f"{node.config.max_seq_len}; send it to the native pool")
+    try:
+        slot = node.slots.admit(body.request_id)
+    except NodeFull as exc:
+        node.metrics.admissions.labels("full").inc()
+        return _error(429, "node_full", str(exc), headers={"Retry-After": "1"})
+    node.metrics.admissions.labels("admitted").inc()
+    node.slot_changed(slot)
+    return web.json_response({"ticket": slot.ticket, "slot": slot.index, "expires_in_s": node.config.ticket_ttl_s,
+                              "ctrl_host": node.config.advertise_host, "ctrl_port": node.ctrl_port})
+
+
+async def generate(request: web.Request) -> web.StreamResponse:
+    node = request.app[NODE]
+    body: GenerateBody = await _parse(request, GenerateBody)
+    try:
+        slot = node.slots.by_ticket(body.ticket)
+    except UnknownTicket as exc:
+        return _error(404, "unknown_ticket", str(exc))
+    if slot.state is SlotState.DECODING:
+        return _error(409, "already_generating", "this ticket's decode is already streaming")
+    try:
+        await node.wait_for_state(slot)
+    except HandoffFailed as exc:
+        return _error(504 if exc.timeout else 502, "handoff_timeout" if exc.timeout else "handoff_failed", str(exc))
+    params = GenerateParams(first_token=body.first_token, max_tokens=body.max_tokens,
+                            sampling=Sampling(**body.sampling.model_dump()),
+                            stop_token_ids=frozenset(body.stop_token_ids), ignore_eos=body.ignore_eos)
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    events = node.decode(slot, params)
+    try:
+        async for event in events:
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+    except (ConnectionResetError, ConnectionError):
+        log.info("client of slot %d went away; decode cancelled", slot.index)
+    except Exception as exc:
+        log.exception("decode stream of slot %d failed", slot.index)
+        err = {"error": {"type": "decode_failed", "message": f"{type(exc).__name__}: {exc}"}}
+        try:
+            await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
+        except ConnectionError:
+            pass
+    finally:
+        await events.aclose()
+    return resp
+
+
+async def cancel(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    body: CancelBody = await _parse(request, CancelBody)
+    slot = None
+    if body.ticket:
+        try:
+            slot = node.slots.by_ticket(body.ticket)
+        except UnknownTicket:
+            slot = None
+    elif body.request_id:
+        slot = node.slots.by_request(body.request_id)
+    else:
+        return _error(400, "invalid_request", "give a ticket or a request_id")
+    if slot is None:
+        return web.json_response({"cancelled": False})
+    node.cancel(slot)
+    return web.json_response({"cancelled": True})
+
+
+async def health(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    if node.failed:
+        return web.json_response({"status": "failed", "reason": node.failed}, status=500)
+    return web.json_response({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    if node.ready:
+        return web.json_response({"ready": True})
+    reason = node.failed or ("stopping" if node.stopping else "engine loading or buffers not registered yet")
+    return web.json_response({"ready": False, "reason": reason}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    return web.Response(body=request.app[NODE].metrics.render(), content_type="text/plain")
+
+
+async def status(request: web.Request) -> web.Response:
+    node = request.app[NODE]
+    return web.json_response({
+        "name": node.config.name, "ready": node.ready, "layout": node.layout.describe(),
+        "engine": node.engine.name, "transfer": node.transfer.name, "max_seq_len": node.config.max_seq_len,
+        "slots": [{"index": s.index, "state": s.state.value, "request_id": s.request_id} for s in node.slots.slots],
+        "ctrl": {"host": node.config.advertise_host, "port": node.ctrl_port},
+    })
+
+
+def make_app(node: DecodeNode) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY)
+    app[NODE] = node
+    app.add_routes([
+        web.post("/v1/admit", admit), web.post("/v1/generate", generate), web.post("/v1/cancel", cancel),
+        web.get("/health", health), web.get("/ready", ready), web.get("/metrics", metrics),
+        web.get("/v1/status", status),
+    ])
+
+    async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
+        # Start in the background so /health answers while the engine loads (minutes for big models).
+        starting = asyncio.create_task(node.start(), name="node-start")
+        starting.add_done_callback(_report_start_failure(node))
+        yield
+        if not starting.done():
+            starting.cancel()
+        await node.stop()
+
+    app.cleanup_ctx.append(lifecycle)
+    return app
+
+
+def _report_start_failure(node: DecodeNode):  # type: ignore[no-untyped-def]
+    def done(task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and task.exception() is not None:
+            node.failed = f"start failed: {type(task.exception()).__name__}: {task.exception()}"
+            log.error("decode node %s could not start: %s", node.config.name, node.failed)
+    return done

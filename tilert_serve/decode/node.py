@@ -1,0 +1,287 @@
+"""The decode node: receive buffers, gated slots, the control-plane server, and the decode of each
+admitted request (convert -> inject -> decode with MTP -> stop rules -> text).
+
+Threads: the event loop owns the slot table, the control plane and HTTP; engine work (convert,
+inject, decode steps) runs in a pool with one worker per slot and reports back through the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tilert_serve import defaults
+from tilert_serve.decode import ctrl
+from tilert_serve.decode.buffers import ReceiveBuffers
+from tilert_serve.decode.detokenize import Detokenizer
+from tilert_serve.decode.engines.base import DecodeEngine, Sampling
+from tilert_serve.decode.metrics import NodeMetrics
+from tilert_serve.decode.slots import Slot, SlotState, SlotTable
+from tilert_serve.decode.stopping import cut
+from tilert_serve.handoff import messages
+from tilert_serve.layouts import Layout, convert
+from tilert_serve.transfer import TransferEngine
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    name: str
+    max_seq_len: int
+    slots: int = 1
+    host: str = "0.0.0.0"
+    #: The address senders are told to reach (Hello) and the router is told (admit).
+    advertise_host: str = "127.0.0.1"
+    ctrl_port: int = defaults.DECODE_CTRL_PORT
+    http_port: int = defaults.DECODE_HTTP_PORT
+    shards: int = 1
+    devices: tuple[str, ...] = ("cpu",)
+    ticket_ttl_s: float = defaults.TICKET_TTL_S
+    #: From a sender's Accept to its Done.
+    handoff_timeout_s: float = 60.0
+    #: Longest silence between two engine steps before the stream is failed.
+    step_timeout_s: float = 120.0
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    first_token: int
+    max_tokens: int
+    sampling: Sampling = field(default_factory=Sampling)
+    stop_token_ids: frozenset[int] = frozenset()
+    ignore_eos: bool = False
+
+
+class HandoffFailed(Exception):
+    """The state did not arrive: the sender failed, vanished, or the deadline passed."""
+
+    def __init__(self, message: str, timeout: bool) -> None:
+        super().__init__(message)
+        self.timeout = timeout
+
+
+@dataclass
+class _Waiters:
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    cancel: threading.Event = field(default_factory=threading.Event)
+
+
+class DecodeNode:
+    def __init__(self, config: NodeConfig, *, layout: Layout, engine: DecodeEngine, transfer: TransferEngine,
+                 secret: bytes, tokenizer: Any = None, eos_token_ids: frozenset[int] = frozenset(),
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if engine.num_layers != layout.num_layers:
+            raise ValueError(f"engine {engine.name} takes {engine.num_layers} layers, layout {layout.model} has "
+                             f"{layout.num_layers}: the checkpoint and --tilert-model disagree")
+        if config.slots > engine.max_sequences:
+            raise ValueError(f"--slots {config.slots} exceeds what engine {engine.name} holds at once "
+                             f"({engine.max_sequences}); use --slots {engine.max_sequences}")
+        if config.max_seq_len > engine.max_seq_len:
+            raise ValueError(f"--max-seq-len {config.max_seq_len} exceeds the engine's {engine.max_seq_len}")
+        self.config = config
+        self.layout = layout
+        self.engine = engine
+        self.transfer = transfer
+        self.secret = secret
+        self.tokenizer = tokenizer
+        self.eos_token_ids = eos_token_ids
+        self.slots = SlotTable(config.slots, ticket_ttl_s=config.ticket_ttl_s,
+                               handoff_timeout_s=config.handoff_timeout_s, clock=clock)
+        self.metrics = NodeMetrics(config.slots)
+        self.buffers = ReceiveBuffers(layout, max_seq_len=config.max_seq_len, slots=config.slots,
+                                      shards=config.shards, devices=list(config.devices))
+        self.engine_dtype: torch.dtype = getattr(engine, "dtype", torch.float32)
+        self._waiters = [_Waiters() for _ in range(config.slots)]
+        self._pool = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="decode")
+        self._server: asyncio.Server | None = None
+        self._reaper: asyncio.Task[None] | None = None
+        self.ctrl_port = config.ctrl_port
+        self.ready = False
+        self.stopping = False
+        #: Why start failed, if it did (reported by /health and /ready).
+        self.failed: str | None = None
+
+    # -- lifecycle -------------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Load the engine, register the buffers, open the control port. /ready turns true after."""
+        await asyncio.to_thread(self.engine.load)
+        self.buffers.register(self.transfer)
+        self._server = await asyncio.start_server(lambda r, w: ctrl.handle(self, r, w),
+                                                  self.config.host, self.config.ctrl_port)
+        self.ctrl_port = self._server.sockets[0].getsockname()[1]
+        self._reaper = asyncio.create_task(self._reap(), name="slot-reaper")
+        self.ready = True
+        log.info("decode node %s ready: %d slots, layout %s, ctrl %s:%d, %.1f MB receive buffers",
+                 self.config.name, self.config.slots, self.layout.describe(), self.config.advertise_host,
+                 self.ctrl_port, self.buffers.nbytes / 1e6)
+
+    async def stop(self) -> None:
+        self.stopping, self.ready = True, False
+        for w in self._waiters:
+            w.cancel.set()
+        if self._reaper:
+            self._reaper.cancel()
+        if self._server:
+            self._server.close()
+            await self._server.wait_closed()
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.buffers.unregister()
+        self.transfer.close()
+
+    async def _reap(self) -> None:
+        while True:
+            await asyncio.sleep(0.1)
+            for freed in self.slots.expire():
+                self.metrics.expired.labels(freed.state.value).inc()
+                log.info("slot %d freed by its deadline in state %s (request %s)", freed.index,
+                         freed.state.value, freed.request_id)
+                self.slot_changed(self.slots.slots[freed.index])
+
+    # -- slot events (called by the control plane and HTTP) -------------------------------------
+
+    def slot_changed(self, slot: Slot) -> None:
+        self.metrics.slots_busy.set(self.slots.busy)
+        waiters = self._waiters[slot.index]
+        waiters.event.set()
+        waiters.event = asyncio.Event()
+
+    def fail_slot(self, slot: Slot, generation: int, error: str) -> None:
+        if slot.generation == generation:
+            self.slots.fail(slot, error)
+            self.metrics.handoffs.labels("failed").inc()
+            self.slot_changed(slot)
+
+    def rank_done(self, slot: Slot, generation: int, rank: int, done: messages.Done) -> bool:
+        complete = self.slots.done(slot, generation, rank, done.ok, done.nbytes, done.error)
+        if complete:
+            self.metrics.handoffs.labels("complete").inc()
+            self.metrics.handoff_bytes.inc(slot.nbytes)
+            self.metrics.handoff_seconds.observe(slot.t_ready - slot.t_accept)
+        elif not done.ok:
+            self.metrics.handoffs.labels("failed").inc()
+        self.slot_changed(slot)
+        return complete
+
+    def hello(self, mac: str) -> messages.Hello:
+        return messages.Hello(mac=mac, node=self.config.name,
+                              layout=messages.LayoutInfo(**self.layout.describe()),  # type: ignore[arg-type]
+                              max_seq_len=self.config.max_seq_len, slots_total=self.config.slots,
+                              slots_free=self.slots.free, transfer=self.transfer.name,
+                              peer=self.transfer.peer_info())
+
+    def release(self, slot: Slot) -> None:
+        self.slots.release(slot)
+        self.slot_changed(slot)
+
+    def cancel(self, slot: Slot) -> None:
+        """Free a slot; a running decode stops at its next step and frees it itself."""
+        if slot.state is SlotState.DECODING:
+            self._waiters[slot.index].cancel.set()
+        else:
+            self.release(slot)
+
+    # -- generate --------------------------------------------------------------------------------
+
+    async def wait_for_state(self, slot: Slot) -> None:
+        """Wait until the slot's state has landed; HandoffFailed if it will not."""
+        generation = slot.generation
+        while slot.state in (SlotState.RESERVED, SlotState.RECEIVING) and slot.generation == generation:
+            remaining = slot.deadline - self.slots.clock()
+            try:
+                await asyncio.wait_for(self._waiters[slot.index].event.wait(), max(remaining, 0.0) + 0.05)
+            except TimeoutError:
+                pass
+            if self.slots.clock() >= slot.deadline and slot.state in (SlotState.RESERVED, SlotState.RECEIVING):
+                waited = self.slots.clock() - slot.t_admit
+                self.release(slot)
+                raise HandoffFailed(f"the prefill's state did not arrive within {waited:.1f} s of admission", True)
+        if slot.generation != generation or slot.state is SlotState.FREE:
+            raise HandoffFailed("the ticket was cancelled or expired while waiting for the state", True)
+        if slot.state is SlotState.FAILED:
+            error = slot.error or "handoff failed"
+            self.release(slot)
+            raise HandoffFailed(error, False)
+
+    async def decode(self, slot: Slot, p: GenerateParams) -> AsyncIterator[dict[str, Any]]:
+        """Stream a READY slot's decode as events; always frees the slot at the end."""
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+        cancel = self._waiters[slot.index].cancel
+        cancel.clear()
+        self.slots.start_decoding(slot)
+        self.slot_changed(slot)
+        stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+        work = loop.run_in_executor(self._pool, self._decode_thread, slot, p, cancel, put)
+        detok = (Detokenizer(self.tokenizer, slot.prompt_token_ids, p.first_token)
+                 if self.tokenizer is not None else None)
+        produced = drafted = accepted = 0
+        timings: dict[str, float] = {"wire_wait_ms": (slot.t_ready - slot.t_accept) * 1e3}
+        finish: str | None = None
+        try:
+            while finish is None:
+                kind, value = await asyncio.wait_for(queue.get(), self.config.step_timeout_s)
+                if kind == "timing":
+                    timings.update(value)
+                elif kind == "step":
+                    drafted, accepted = drafted + value.drafted, accepted + value.accepted
+                    tokens, finish = cut(value.token_ids, produced, p.max_tokens, stop_ids)
+                    produced += len(tokens)
+                    if tokens:
+                        yield {"token_ids": tokens, "text": detok.push(tokens) if detok else ""}
+                elif kind == "error":
+                    raise value
+                elif kind == "end":
+                    finish = "cancelled" if cancel.is_set() else "length"
+            decode_s = timings.pop("_decode_start", None)
+            decode_ms = (time.perf_counter() - decode_s) * 1e3 if decode_s else 0.0
+            timings.update(decode_ms=decode_ms, tpot_ms=decode_ms / produced if produced else 0.0,
+                           mtp_acceptance=accepted / drafted if drafted else 0.0)
+            self.metrics.requests.labels(finish).inc()
+            self.metrics.mtp_drafted.inc(drafted)
+            self.metrics.mtp_accepted.inc(accepted)
+            if produced:
+                self.metrics.tpot_seconds.observe(decode_ms / produced / 1e3)
+            yield {"done": True, "finish_reason": finish, "num_tokens": produced,
+                   "mtp": {"drafted": drafted, "accepted": accepted}, "timings": timings}
+        finally:
+            cancel.set()
+            try:
+                await asyncio.shield(work)
+            except Exception:  # already reported through the queue
+                pass
+            self.release(slot)
+
+    def _decode_thread(self, slot: Slot, p: GenerateParams, cancel: threading.Event,
+                       put: Callable[[tuple[str, Any]], None]) -> None:
+        try:
+            t0 = time.perf_counter()
+            state = convert.to_injected_state(self.buffers.views(slot.index), self.buffers.placement,
+                                              slot.num_tokens, slot.last_prompt_token, self.engine_dtype)
+            t1 = time.perf_counter()
+            seq = self.engine.start(state)
+            t2 = time.perf_counter()
+            self.metrics.convert_seconds.observe(t1 - t0)
+            self.metrics.inject_seconds.observe(t2 - t1)
+            put(("timing", {"convert_ms": (t1 - t0) * 1e3, "inject_ms": (t2 - t1) * 1e3, "_decode_start": t2}))
+            try:
+                for step in seq.decode(p.first_token, p.sampling, p.max_tokens):
+                    if cancel.is_set():
+                        break
+                    put(("step", step))
+            finally:
+                seq.close()
+            put(("end", None))
+        except Exception as exc:
+            log.exception("decode of slot %d failed", slot.index)
+            put(("error", exc))

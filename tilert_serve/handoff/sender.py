@@ -1,0 +1,139 @@
+"""The sending side of a handoff: one blocking call per request and sender rank.
+
+Used by TileRTConnector's background sender thread (never by the forward pass) and by tests and
+benchmarks. The state must already sit in a registered staging buffer laid out by `staging`
+(a Placement of the same layout). Remote failures are returned as a result, not raised: the caller
+turns them into metrics and kv_transfer_params and goes on serving.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from tilert_serve.handoff import auth, messages
+from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason
+from tilert_serve.handoff.framing import SyncChannel
+from tilert_serve.layouts import Placement, senders_layers, write_ranges
+from tilert_serve.transfer import TransferEngine, TransferError, WriteOp
+
+
+@dataclass(frozen=True)
+class HandoffRequest:
+    request_id: str
+    num_tokens: int
+    last_prompt_token: int
+    ticket: str | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    rank: int = 0
+    num_senders: int = 1
+
+
+@dataclass
+class HandoffResult:
+    ok: bool
+    #: A RejectReason value, "unreachable", "timeout", "transfer_failed" or "protocol"; None when ok.
+    reason: str | None = None
+    message: str = ""
+    nbytes: int = 0
+    #: Seconds: connect+handshake, writes, done->ack.
+    handshake_s: float = 0.0
+    write_s: float = 0.0
+    ack_s: float = 0.0
+
+
+class Sender:
+    def __init__(self, *, name: str, secret: bytes, engine: TransferEngine, staging: Placement,
+                 staging_addrs: list[int], timeout_s: float = 30.0) -> None:
+        self.name = name
+        self.secret = secret
+        self.engine = engine
+        self.staging = staging
+        self.staging_addrs = staging_addrs
+        self.timeout_s = timeout_s
+        # Peer handle per node engine identity: connecting (NIXL metadata load) is done once per node.
+        self._peers: dict[str, str] = {}
+
+    def send(self, host: str, port: int, req: HandoffRequest) -> HandoffResult:
+        t0 = time.monotonic()
+        try:
+            chan = SyncChannel.connect(host, port, timeout=self.timeout_s)
+        except OSError as exc:
+            return HandoffResult(False, "unreachable", f"cannot reach decode node {host}:{port}: {exc}")
+        try:
+            return self._send(chan, req, t0)
+        except TimeoutError:
+            return HandoffResult(False, "timeout", f"decode node {host}:{port} did not answer in {self.timeout_s} s")
+        except (OSError, ConnectionError) as exc:
+            return HandoffResult(False, "unreachable", f"connection to decode node {host}:{port} lost: {exc}")
+        except (FrameError, MessageError) as exc:
+            return HandoffResult(False, "protocol", f"decode node {host}:{port} sent an invalid message: {exc}")
+        finally:
+            chan.close()
+
+    def _expect(self, chan: SyncChannel, kind: type[messages.Message]) -> messages.Message:
+        msg = chan.recv()
+        if isinstance(msg, (messages.Reject, messages.Error)) or isinstance(msg, kind):
+            return msg
+        raise MessageError(f"expected {kind.__name__}, got {type(msg).__name__}")
+
+    def _send(self, chan: SyncChannel, req: HandoffRequest, t0: float) -> HandoffResult:
+        challenge = self._expect(chan, messages.Challenge)
+        if not isinstance(challenge, messages.Challenge):
+            return _refused(challenge)
+        nonce = auth.new_nonce()
+        chan.send(messages.Auth(mac=auth.sender_mac(self.secret, challenge.nonce, nonce), nonce=nonce,
+                                sender=self.name))
+        hello = self._expect(chan, messages.Hello)
+        if not isinstance(hello, messages.Hello):
+            return _refused(hello)
+        if not auth.verify(auth.node_mac(self.secret, challenge.nonce, nonce), hello.mac):
+            chan.send(messages.Error(reason=RejectReason.UNAUTHENTICATED, message="node proof does not verify"))
+            return HandoffResult(False, RejectReason.UNAUTHENTICATED.value,
+                                 f"decode node {hello.node} does not hold the handoff secret; state not sent")
+        layout = self.staging.layout
+        if hello.layout.fingerprint != layout.fingerprint:
+            msg = (f"node {hello.node} runs layout {hello.layout.model}/{hello.layout.kv_cache_dtype} "
+                   f"v{hello.layout.version} ({hello.layout.num_layers} layers), this prefill "
+                   f"{layout.model}/{layout.kv_cache_dtype} v{layout.version} ({layout.num_layers} layers)")
+            chan.send(messages.Error(reason=RejectReason.LAYOUT, message=msg))
+            return HandoffResult(False, RejectReason.LAYOUT.value, msg)
+        key = f"{hello.transfer}:{hello.peer.get('session_id') or hello.peer.get('agent')}"
+        if key not in self._peers:
+            self._peers[key] = self.engine.connect(hello.peer)
+        chan.send(messages.Request(request_id=req.request_id, ticket=req.ticket, num_tokens=req.num_tokens,
+                                   last_prompt_token=req.last_prompt_token,
+                                   prompt_token_ids=req.prompt_token_ids, layout_fingerprint=layout.fingerprint,
+                                   sender_rank=req.rank, num_senders=req.num_senders))
+        accept = self._expect(chan, messages.Accept)
+        if not isinstance(accept, messages.Accept):
+            return _refused(accept)
+        t1 = time.monotonic()
+        dst = Placement(layout, max_tokens=accept.max_tokens, shards=len(accept.regions))
+        ranges = write_ranges(self.staging, dst, senders_layers(layout, req.rank, req.num_senders), req.num_tokens)
+        ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes)
+               for r in ranges]
+        nbytes = sum(o.nbytes for o in ops)
+        try:
+            self.engine.write(self._peers[key], ops)
+        except TransferError as exc:
+            # The node may have restarted with new buffers: forget its handle, tell it, report.
+            self._peers.pop(key, None)
+            chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
+                                    error=str(exc)))
+            return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
+        t2 = time.monotonic()
+        chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes))
+        ack = self._expect(chan, messages.Ack)
+        t3 = time.monotonic()
+        if not isinstance(ack, messages.Ack) or ack.status == "failed":
+            detail = ack.message if isinstance(ack, (messages.Ack, messages.Reject, messages.Error)) else ""
+            return HandoffResult(False, "protocol", f"node did not take the state: {detail}", nbytes, t1 - t0,
+                                 t2 - t1, t3 - t2)
+        return HandoffResult(True, None, "", nbytes, t1 - t0, t2 - t1, t3 - t2)
+
+
+def _refused(msg: messages.Message) -> HandoffResult:
+    if isinstance(msg, (messages.Reject, messages.Error)):
+        return HandoffResult(False, msg.reason.value, msg.message)
+    return HandoffResult(False, "protocol", f"unexpected {type(msg).__name__}")
