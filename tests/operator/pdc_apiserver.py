@@ -1,0 +1,572 @@
+"""A Kubernetes API test server: kmock 0.8's KubernetesEmulator (HTTP server, request parsing,
+discovery, bundled built-in resources) plus the compatibility layer an operator test needs.
+
+Added, each something a real kube-apiserver does (see shared/reference/kubernetes-testing.md §2):
+uid / resourceVersion / creationTimestamp / generation; generateName; 409 on duplicate create and on
+stale resourceVersion preconditions; 422 on a failed JSON-patch test; the status subresource kept
+apart from the main endpoint; server-side apply that creates a missing object; PUT; lists with
+kind/apiVersion and label/field selectors; watches as JSON lines with replay from a
+resourceVersion, selectors and timeoutSeconds, subscribed under the writers' lock (no lost events);
+background cascading deletion by ownerReferences; a CRD becomes a served resource with
+Established=True; /version says v1.32; Table output with the CRD's printer columns for kubectl.
+For tests: a log of every call (RBAC coverage), fault injection (409/500 on chosen calls), and
+direct object writes (a test plays the controllers that would create and ready pods).
+
+Not emulated (not proven by tests on this server): schema validation, defaulting and pruning, CEL,
+admission webhooks, RBAC enforcement, SSA field ownership (apply replaces the applied top-level
+fields and merges metadata labels/annotations), strategic-merge list merging, controllers (no pod
+is ever created from a Deployment), 410 Gone, dryRun.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import datetime
+import json
+import re
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp.web
+import kmock
+import yaml
+from kmock._internal import rendering
+
+Res = tuple[str, str, str]  # group, version, plural
+Key = tuple[Res, str | None, str]  # resource, namespace, name
+Obj = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Call:
+    verb: str
+    group: str
+    resource: str  # plural or plural/subresource
+    namespace: str | None
+    user_agent: str
+
+
+@dataclass
+class Fault:
+    status: int
+    times: int
+    verb: str | None = None
+    resource: str | None = None
+    user_agent: str | None = "tilert-pd-operator"
+
+
+class ApiError(Exception):
+    def __init__(self, code: int, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.code, self.reason, self.message = code, reason, message
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _status(code: int, reason: str, message: str) -> Obj:
+    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": reason, "message": message, "code": code}
+
+
+def _merge(target: Any, patch: Any) -> Any:
+    if not isinstance(patch, dict):
+        return copy.deepcopy(patch)
+    out = copy.deepcopy(target) if isinstance(target, dict) else {}
+    for k, v in patch.items():
+        if v is None:
+            out.pop(k, None)
+        else:
+            out[k] = _merge(out.get(k), v)
+    return out
+
+
+def _pointer(path: str) -> list[str]:
+    return [p.replace("~1", "/").replace("~0", "~") for p in path.split("/")[1:]]
+
+
+def _json_patch(obj: Obj, ops: list[Obj]) -> Obj:
+    obj = copy.deepcopy(obj)
+    for op in ops:
+        parts = _pointer(op["path"])
+        parent: Any = obj
+        for p in parts[:-1]:
+            parent = parent[int(p)] if isinstance(parent, list) else parent.setdefault(p, {})
+        last = parts[-1]
+        kind = op["op"]
+        if kind == "test":
+            current = parent[int(last)] if isinstance(parent, list) else parent.get(last)
+            if current != op.get("value"):
+                raise ApiError(422, "Invalid", f"the JSON-patch test at {op['path']} failed")
+        elif kind in ("add", "replace"):
+            if isinstance(parent, list):
+                if last == "-":
+                    parent.append(op["value"])
+                elif kind == "add":
+                    parent.insert(int(last), op["value"])
+                else:
+                    parent[int(last)] = op["value"]
+            else:
+                parent[last] = op["value"]
+        elif kind == "remove":
+            if isinstance(parent, list):
+                parent.pop(int(last))
+            else:
+                parent.pop(last, None)
+        else:
+            raise ApiError(422, "Invalid", f"unsupported JSON-patch op {kind}")
+    return obj
+
+
+_SEL = re.compile(r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w./-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
+
+
+def _split_selector(text: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += ch == "("
+        depth -= ch == ")"
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    return [*out, cur] if cur.strip() else out
+
+
+def label_match(selector: str | None, labels: dict[str, str]) -> bool:
+    for term in _split_selector(selector or ""):
+        m = _SEL.match(term)
+        if not m:
+            raise ApiError(400, "BadRequest", f"unable to parse label selector term {term!r}")
+        neg, key, op, value, setop, values = m.groups()
+        if setop:
+            vals = {v.strip() for v in values.split(",")}
+            ok = labels.get(key) in vals if setop == "in" else labels.get(key) not in vals
+        elif op in ("=", "=="):
+            ok = labels.get(key) == value
+        elif op == "!=":
+            ok = labels.get(key) != value
+        else:
+            ok = key in labels
+        if neg:
+            ok = not ok
+        if not ok:
+            return False
+    return True
+
+
+def field_match(selector: str | None, obj: Obj) -> bool:
+    for term in _split_selector(selector or ""):
+        key, op, value = re.split(r"(!=|==|=)", term.strip(), maxsplit=1)
+        node: Any = obj
+        for part in key.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        ok = str(node or "") == value
+        if (op == "!=") == ok:
+            return False
+    return True
+
+
+def _jsonpath(obj: Obj, path: str) -> Any:
+    """The JSONPath subset printer columns use: .a.b and .list[?(@.k=="v")].field."""
+    node: Any = obj
+    for part in re.findall(r"\.([\w-]+)(\[\?\(@\.(\w+)==\"([^\"]*)\"\)\])?", path):
+        name, has_filter, fkey, fval = part
+        node = node.get(name) if isinstance(node, dict) else None
+        if has_filter:
+            node = next((i for i in node or [] if isinstance(i, dict) and i.get(fkey) == fval), None)
+    return node
+
+
+class ApiServer(kmock.KubernetesEmulator):
+    def __attrs_post_init__(self) -> None:
+        super().__attrs_post_init__()
+        self.resources.load_bundled()
+        self.store: dict[Key, Obj] = {}
+        self.rv = 0
+        self.events: list[tuple[int, Res, Obj]] = []
+        self.subs: dict[Res, set[asyncio.Queue[Obj]]] = defaultdict(set)
+        self.calls: list[Call] = []
+        self.faults: list[Fault] = []
+        self.crds: dict[Res, Obj] = {}
+        self.wlock = asyncio.Lock()
+
+    # ---- discovery / version -------------------------------------------------------------------
+
+    async def _serve_server_version(self, request: rendering.Request) -> rendering.Payload:
+        return {"major": "1", "minor": "32", "gitVersion": "v1.32.0", "platform": "linux/amd64"}
+
+    async def _serve_version(self, request: rendering.Request) -> rendering.Payload:
+        # kmock spells the core group's groupVersion "/v1"; kubectl then finds no core resources.
+        payload = await super()._serve_version(request)
+        if isinstance(payload, dict) and payload.get("groupVersion") == "/v1":
+            payload["groupVersion"] = "v1"
+        return payload
+
+    def info(self, res: Res) -> Any:
+        for r in self.resources:
+            if (r.group, r.version, r.plural) == res:
+                return self.resources[r]
+        return None
+
+    def kind_of(self, res: Res) -> str:
+        info = self.info(res)
+        if info is None or not info.kind:
+            raise ApiError(404, "NotFound", f"the server could not find the requested resource {res}")
+        return str(info.kind)
+
+    def api_version(self, res: Res) -> str:
+        return f"{res[0]}/{res[1]}" if res[0] else res[1]
+
+    def has_status(self, res: Res) -> bool:
+        info = self.info(res)
+        return bool(info is not None and "status" in info.subresources)
+
+    # ---- test helpers ------------------------------------------------------------------------
+
+    def fail(self, status: int, times: int = 1, *, verb: str | None = None, resource: str | None = None) -> None:
+        """The next `times` matching operator calls answer `status` (409 Conflict or 5xx)."""
+        self.faults.append(Fault(status, times, verb, resource))
+
+    def objects(self, plural: str, namespace: str | None = None) -> list[Obj]:
+        return [copy.deepcopy(o) for (res, ns, _), o in self.store.items() if res[2] == plural and (namespace is None or ns == namespace)]
+
+    def get(self, plural: str, namespace: str | None, name: str) -> Obj | None:
+        for (res, ns, n), o in self.store.items():
+            if res[2] == plural and ns == namespace and n == name:
+                return copy.deepcopy(o)
+        return None
+
+    async def put(self, res: Res, obj: Obj) -> Obj:
+        """Create or replace an object directly, status included (tests playing controllers)."""
+        async with self.wlock:
+            meta = obj["metadata"]
+            key = (res, meta.get("namespace"), meta["name"])
+            old = self.store.get(key)
+            new = copy.deepcopy(obj)
+            new.setdefault("apiVersion", self.api_version(res))
+            new.setdefault("kind", self.kind_of(res))
+            if old is None:
+                self._stamp_new(new)
+                return self._commit(res, key, new, "ADDED")
+            new["metadata"] = old["metadata"] | {k: v for k, v in new["metadata"].items() if k not in ("uid", "creationTimestamp")}
+            return self._commit(res, key, new, "MODIFIED")
+
+    async def remove(self, res: Res, namespace: str | None, name: str) -> None:
+        async with self.wlock:
+            self._delete((res, namespace, name))
+
+    # ---- core ----------------------------------------------------------------------------------
+
+    def _stamp_new(self, obj: Obj) -> None:
+        meta = obj["metadata"]
+        meta["uid"] = str(uuid.uuid4())
+        meta["creationTimestamp"] = _now()
+        meta["generation"] = 1
+
+    def _commit(self, res: Res, key: Key, obj: Obj, kind: str) -> Obj:
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        self.store[key] = obj
+        self._emit(res, kind, obj)
+        return copy.deepcopy(obj)
+
+    def _emit(self, res: Res, kind: str, obj: Obj) -> None:
+        event = {"type": kind, "object": copy.deepcopy(obj)}
+        self.events.append((self.rv, res, event))
+        if len(self.events) > 200_000:
+            del self.events[:100_000]
+        for q in self.subs[res]:
+            q.put_nowait(event)
+
+    def _delete(self, key: Key) -> Obj:
+        obj = self.store.get(key)
+        if obj is None:
+            raise ApiError(404, "NotFound", f'{key[0][2]} "{key[2]}" not found')
+        if obj["metadata"].get("finalizers"):
+            if not obj["metadata"].get("deletionTimestamp"):
+                obj = copy.deepcopy(obj)
+                obj["metadata"]["deletionTimestamp"] = _now()
+                return self._commit(key[0], key, obj, "MODIFIED")
+            return copy.deepcopy(obj)
+        del self.store[key]
+        self.rv += 1
+        obj["metadata"]["resourceVersion"] = str(self.rv)
+        self._emit(key[0], "DELETED", obj)
+        self._collect(obj["metadata"]["uid"])
+        return copy.deepcopy(obj)
+
+    def _collect(self, uid: str) -> None:
+        """Background cascading deletion: dependents go when their owner goes."""
+        for key, obj in list(self.store.items()):
+            refs = obj["metadata"].get("ownerReferences") or []
+            if key in self.store and any(r.get("uid") == uid for r in refs):
+                self._delete(key)
+
+    def _changed(self, old: Obj, new: Obj) -> bool:
+        strip = lambda o: {k: v for k, v in o.items() if k != "metadata"} | {  # noqa: E731
+            "metadata": {k: v for k, v in o["metadata"].items() if k != "resourceVersion"}
+        }
+        return bool(strip(old) != strip(new))
+
+    def _update(self, res: Res, key: Key, old: Obj, new: Obj, *, subresource: str | None) -> Obj:
+        new["apiVersion"], new["kind"] = old["apiVersion"], old["kind"]
+        for k in ("uid", "creationTimestamp", "generation", "deletionTimestamp", "resourceVersion"):
+            if k in old["metadata"]:
+                new["metadata"][k] = old["metadata"][k]
+            else:
+                new["metadata"].pop(k, None)
+        new["metadata"]["name"], new["metadata"]["namespace"] = old["metadata"]["name"], old["metadata"].get("namespace")
+        if key[1] is None:
+            new["metadata"].pop("namespace", None)
+        if self.has_status(res):
+            if subresource == "status":
+                new = copy.deepcopy(old) | {"status": new.get("status")}
+            elif "status" in old:
+                new["status"] = old["status"]
+            else:
+                new.pop("status", None)
+        body_old = {k: v for k, v in old.items() if k not in ("metadata", "status")}
+        body_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
+        if body_old != body_new:
+            new["metadata"]["generation"] = old["metadata"].get("generation", 1) + 1
+        if not self._changed(old, new):
+            return copy.deepcopy(old)
+        if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
+            self.store[key] = new
+            return self._delete(key)
+        return self._commit(res, key, new, "MODIFIED")
+
+    # ---- request handling --------------------------------------------------------------------
+
+    @staticmethod
+    def _verb(request: rendering.Request) -> str:
+        method = str(request.method.value if hasattr(request.method, "value") else request.method).upper()
+        if method == "GET":
+            if request.name:
+                return "get"
+            return "watch" if request.params.get("watch") in ("true", "1") else "list"
+        return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete" if request.name else "deletecollection"}.get(method, method.lower())
+
+    def _record(self, request: rendering.Request, res: Res, verb: str) -> None:
+        plural = res[2] + (f"/{request.subresource}" if request.subresource else "")
+        ua = request.headers.get("User-Agent", "")
+        self.calls.append(Call(verb, res[0], plural, request.namespace, ua))
+        for f in self.faults:
+            if f.times > 0 and (f.verb in (None, verb)) and (f.resource in (None, plural)) and ua.startswith(f.user_agent or ""):
+                f.times -= 1
+                reason = "Conflict" if f.status == 409 else "InternalError"
+                raise ApiError(f.status, reason, f"injected {f.status} for {verb} {plural}")
+
+    async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
+        if request.resource is None or request.action is None or not request.resource.plural:
+            return await super()._handle(request)  # discovery, /version and non-API paths
+        r = request.resource
+        res: Res = (r.group or "", r.version or "", r.plural or "")
+        verb = self._verb(request)
+        try:
+            self._record(request, res, verb)
+            if verb == "watch":
+                return await self._watch(request, res)
+            if verb in ("get", "list"):
+                return await self._read(request, res, verb)
+            async with self.wlock:
+                obj, code = self._write(request, res, verb)
+            return aiohttp.web.json_response(obj, status=code)
+        except ApiError as e:
+            return aiohttp.web.json_response(_status(e.code, e.reason, e.message), status=e.code)
+
+    def _body(self, request: rendering.Request) -> Any:
+        if (request.data is not None and not isinstance(request.data, (str, bytes)) and hasattr(request.data, "keys")) or isinstance(request.data, list):
+            return copy.deepcopy(request.data) if isinstance(request.data, (dict, list)) else dict(request.data)
+        try:
+            return yaml.safe_load(request.text) if request.text else None
+        except yaml.YAMLError as e:
+            raise ApiError(400, "BadRequest", f"cannot parse the body: {e}") from e
+
+    async def _read(self, request: rendering.Request, res: Res, verb: str) -> aiohttp.web.StreamResponse:
+        kind = self.kind_of(res)
+        if verb == "get":
+            obj = self.store.get((res, request.namespace, request.name or ""))
+            if obj is None:
+                raise ApiError(404, "NotFound", f'{res[2]} "{request.name}" not found')
+            return aiohttp.web.json_response(obj)
+        items = [copy.deepcopy(o) for (kres, ns, _), o in sorted(self.store.items(), key=lambda kv: (kv[0][1] or "", kv[0][2]))
+                 if kres == res and (request.namespace is None or ns == request.namespace)
+                 and label_match(request.params.get("labelSelector"), o["metadata"].get("labels") or {})
+                 and field_match(request.params.get("fieldSelector"), o)]
+        if "as=Table" in request.headers.get("Accept", ""):
+            return aiohttp.web.json_response(self._table(res, items))
+        for item in items:
+            item.pop("apiVersion", None), item.pop("kind", None)  # like a real list
+        return aiohttp.web.json_response({
+            "kind": f"{kind}List", "apiVersion": self.api_version(res),
+            "metadata": {"resourceVersion": str(self.rv)}, "items": items,
+        })  # fmt: skip
+
+    def _table(self, res: Res, items: list[Obj]) -> Obj:
+        crd = self.crds.get(res)
+        cols = (crd["spec"]["versions"][0].get("additionalPrinterColumns") or []) if crd else [
+            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+        defs = [{"name": "Name", "type": "string", "format": "name", "description": "", "priority": 0}]
+        defs += [{"name": c["name"], "type": c["type"], "format": "", "description": c.get("description", ""), "priority": 0} for c in cols]
+
+        def cell(item: Obj, col: Obj) -> Any:
+            value = _jsonpath(item, col["jsonPath"])
+            if col["type"] == "date" and value:
+                created = datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+                secs = int((datetime.datetime.now(datetime.UTC) - created).total_seconds())
+                return f"{secs}s" if secs < 120 else f"{secs // 60}m"
+            return "" if value is None else value
+
+        rows = [{"cells": [i["metadata"]["name"], *[cell(i, c) for c in cols]],
+                 "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": i["metadata"]}} for i in items]
+        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(self.rv)}, "columnDefinitions": defs, "rows": rows}
+
+    def _write(self, request: rendering.Request, res: Res, verb: str) -> tuple[Obj, int]:
+        ns, name, sub = request.namespace, request.name, request.subresource
+        if verb == "create":
+            obj = self._body(request)
+            if not isinstance(obj, dict):
+                raise ApiError(400, "BadRequest", "the body must be an object")
+            meta = obj.setdefault("metadata", {})
+            if not meta.get("name"):
+                if not meta.get("generateName"):
+                    raise ApiError(422, "Invalid", "metadata.name or metadata.generateName is required")
+                meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
+            if ns is not None:
+                meta["namespace"] = ns
+            key = (res, ns, meta["name"])
+            if key in self.store:
+                raise ApiError(409, "AlreadyExists", f'{res[2]} "{meta["name"]}" already exists')
+            obj["apiVersion"], obj["kind"] = self.api_version(res), self.kind_of(res)
+            if self.has_status(res):
+                obj.pop("status", None)
+            for k in ("uid", "resourceVersion", "deletionTimestamp"):
+                meta.pop(k, None)
+            self._stamp_new(obj)
+            if res == ("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
+                self._serve_crd(obj)
+            return self._commit(res, key, obj, "ADDED"), 201
+        key = (res, ns, name or "")
+        if verb == "delete":
+            return self._delete(key), 200
+        if verb not in ("patch", "update"):
+            raise ApiError(405, "MethodNotAllowed", f"{verb} is not supported by this test server")
+        ctype = request.headers.get("Content-Type", "").split(";")[0].strip()
+        body = self._body(request)
+        old = self.store.get(key)
+        if verb == "patch" and ctype == "application/apply-patch+yaml":
+            if old is None:
+                if sub:
+                    raise ApiError(404, "NotFound", f'{res[2]} "{name}" not found')
+                body.setdefault("metadata", {})["name"] = name
+                if ns is not None:
+                    body["metadata"]["namespace"] = ns
+                body["apiVersion"], body["kind"] = self.api_version(res), self.kind_of(res)
+                if self.has_status(res):
+                    body.pop("status", None)
+                self._stamp_new(body)
+                return self._commit(res, key, body, "ADDED"), 201
+            # One field manager: the applied top-level fields replace ours; metadata merges.
+            new = copy.deepcopy(old)
+            for k, v in body.items():
+                if k != "metadata":
+                    new[k] = copy.deepcopy(v)
+            for k, v in (body.get("metadata") or {}).items():
+                if k in ("labels", "annotations") and isinstance(v, dict):
+                    new["metadata"][k] = (new["metadata"].get(k) or {}) | v
+                elif k not in ("resourceVersion", "uid"):
+                    new["metadata"][k] = copy.deepcopy(v)
+            return self._update(res, key, old, new, subresource=sub), 200
+        if old is None:
+            raise ApiError(404, "NotFound", f'{res[2]} "{name}" not found')
+        want_rv = (body or {}).get("metadata", {}).get("resourceVersion") if isinstance(body, dict) else None
+        if want_rv and want_rv != old["metadata"]["resourceVersion"]:
+            raise ApiError(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again")
+        if verb == "update":
+            return self._update(res, key, old, copy.deepcopy(body), subresource=sub), 200
+        if ctype == "application/json-patch+json":
+            new = _json_patch(old, body)
+        else:  # merge and strategic-merge patches (strategic handled as merge)
+            new = _merge(old, body)
+        return self._update(res, key, old, new, subresource=sub), 200
+
+    def _serve_crd(self, crd: Obj) -> None:
+        spec, names = crd["spec"], crd["spec"]["names"]
+        for v in spec["versions"]:
+            res: Res = (spec["group"], v["name"], names["plural"])
+            self.resources[f"{spec['group']}/{v['name']}/{names['plural']}"] = kmock.ResourceInfo(
+                kind=names["kind"], namespaced=spec.get("scope") == "Namespaced", singular=names.get("singular"),
+                shortnames=set(names.get("shortNames") or []), categories=set(names.get("categories") or []),
+                subresources=set((v.get("subresources") or {}).keys()),
+                verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
+            )  # fmt: skip
+            self.crds[res] = crd
+        crd["status"] = {"acceptedNames": names, "conditions": [
+            {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts"},
+            {"type": "Established", "status": "True", "reason": "InitialNamesAccepted"}]}
+
+    async def _watch(self, request: rendering.Request, res: Res) -> aiohttp.web.StreamResponse:
+        raw = request._raw_request
+        assert raw is not None
+        self.kind_of(res)
+        queue: asyncio.Queue[Obj] = asyncio.Queue()
+        since = int(request.params.get("resourceVersion") or 0)
+        async with self.wlock:  # subscribe and snapshot atomically: no event falls in between
+            self.subs[res].add(queue)
+            if since:
+                backlog = [e for rv, r, e in self.events if r == res and rv > since]
+            else:
+                backlog = [{"type": "ADDED", "object": copy.deepcopy(o)} for (r, _, _), o in self.store.items() if r == res]
+        timeout = float(request.params.get("timeoutSeconds") or 3600)
+        labels, fields = request.params.get("labelSelector"), request.params.get("fieldSelector")
+
+        def wanted(event: Obj) -> bool:
+            o = event["object"]
+            return (request.namespace is None or o["metadata"].get("namespace") == request.namespace) and label_match(
+                labels, o["metadata"].get("labels") or {}) and field_match(fields, o)
+
+        resp = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+        try:
+            await resp.prepare(raw)
+            for event in backlog:
+                if wanted(event):
+                    await resp.write(json.dumps(event).encode() + b"\n")
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + timeout
+            while (left := deadline - loop.time()) > 0:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=left)
+                except TimeoutError:
+                    break
+                if wanted(event):
+                    await resp.write(json.dumps(event).encode() + b"\n")
+            await resp.write_eof()
+        except (ConnectionResetError, asyncio.CancelledError):
+            pass
+        finally:
+            self.subs[res].discard(queue)
+        return resp
+
+
+async def serve() -> tuple[ApiServer, Any]:
+    """Start the server on a free loopback port; returns (server, kmock Server) — exit both to stop."""
+    handler = ApiServer()
+    await handler.__aenter__()
+    srv = kmock.Server(handler)
+    await srv.__aenter__()
+    return handler, srv
+
+
+def kubeconfig(url: str) -> str:
+    return yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "test",
+        "clusters": [{"name": "test", "cluster": {"server": url.rstrip("/")}}],
+        "users": [{"name": "test", "user": {"token": "test-token"}}],
+        "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "default"}}],
+    })  # fmt: skip

@@ -1,0 +1,148 @@
+"""The operator end to end over HTTP: kopf's KopfRunner against the API test server (kmock 0.8 plus
+the compatibility layer in pdc_apiserver.py), driven partly with kubectl. A test plays the workload
+controllers and kubelet: it creates the pods and marks them ready."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from typing import Any
+
+import pdc_harness as h
+import pdc_helpers as helpers
+import pytest
+import yaml
+from kopf.testing import KopfRunner
+
+from tilert_operator import constants
+from tilert_operator import spec as specmod
+from tilert_operator.render import commands
+
+WRITES = ("create", "patch", "update", "delete")
+
+
+@pytest.fixture(autouse=True)
+def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TILERT_PD_RESYNC_S", "1")
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", "0")
+    monkeypatch.setenv("TILERT_PD_WATCH_TIMEOUT_S", "10")
+
+
+def kubectl(apiserver: Any, *args: str, stdin: str | None = None) -> str:
+    out = subprocess.run(["kubectl", "--kubeconfig", apiserver.kubeconfig, *args], input=stdin, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
+def operator_writes(apiserver: Any) -> list[Any]:
+    return [c for c in apiserver.server.calls if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb in WRITES]
+
+
+def put_pod(apiserver: Any, obj: dict[str, Any]) -> None:
+    apiserver.call(apiserver.server.put(h.POD, obj))
+
+
+def router_nodes(apiserver: Any, ns: str, cluster: str) -> list[dict[str, Any]] | None:
+    cm = apiserver.server.get("configmaps", ns, f"{cluster}-router")
+    return None if cm is None else yaml.safe_load(cm["data"]["config.yaml"])["tilert"]
+
+
+def test_lifecycle(apiserver: Any) -> None:
+    srv = apiserver.server
+    doc = h.pdc(helpers.example("tiny-cpu"))
+    spec = specmod.parse(doc["spec"])
+    with KopfRunner(h.ARGS, timeout=30) as runner:
+        kubectl(apiserver, "create", "--validate=false", "-f", "-", stdin=yaml.safe_dump(doc))
+        body = h.wait_for("the PDCluster", lambda: srv.get("pdclusters", "default", "tiny"))
+        uid = body["metadata"]["uid"]
+
+        # Children appear, owned by the PDCluster, with the rendered commands.
+        dep = h.wait_for("prefill Deployment", lambda: srv.get("deployments", "default", "tiny-prefill"))
+        assert dep["metadata"]["ownerReferences"][0]["uid"] == uid
+        assert dep["spec"]["template"]["spec"]["containers"][0]["command"] == commands.commands(spec)[constants.PREFILL].argv
+        sts = h.wait_for("TileRT StatefulSet", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode"))
+        assert sts["spec"]["template"]["spec"]["containers"][0]["command"] == commands.commands(spec)[constants.TILERT].argv
+        for plural, name in [("services", "tiny-tilert-decode"), ("deployments", "tiny-native-decode"), ("configmaps", "tiny-router"),
+                             ("deployments", "tiny-router"), ("services", "tiny-router"), ("secrets", "tiny-handoff"),
+                             ("networkpolicies", "tiny-tilert-decode")]:
+            h.wait_for(f"{plural}/{name}", lambda p=plural, n=name: srv.get(p, "default", n))
+        body = h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready") and srv.get("pdclusters", "default", "tiny"))
+        assert h.condition(body, "SpecValid")["status"] == "True"
+        assert h.condition(body, "Ready")["reason"] == "NotServing"
+
+        # Mark pods ready -> Ready, with the TileRT endpoints wired into the router's ConfigMap.
+        for comp in (constants.PREFILL, constants.ROUTER, constants.NATIVE):
+            put_pod(apiserver, h.pod("tiny", comp, 0, owner=srv.get("deployments", "default", f"tiny-{comp}")))
+        put_pod(apiserver, h.pod("tiny", constants.TILERT, 0, ip="10.1.0.1", owner=sts))
+        put_pod(apiserver, h.pod("tiny", constants.TILERT, 1, ip="10.1.0.2", owner=sts))
+        body = h.wait_for("Ready", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True"
+                          and srv.get("pdclusters", "default", "tiny"))
+        assert h.condition(body, "Ready")["reason"] == "Serving"
+        assert h.condition(body, "EndpointsWired")["status"] == "True"
+        assert body["status"]["replicas"] == {"prefill": "1/1", "tilert": "2/2", "native": "1/1", "router": "1/1"}
+        assert [e["ctrlHost"] for e in body["status"]["endpoints"]] == ["10.1.0.1", "10.1.0.2"]
+        nodes = router_nodes(apiserver, "default", "tiny")
+        assert nodes is not None and [n["http_url"] for n in nodes] == ["http://10.1.0.1:5557", "http://10.1.0.2:5557"]
+        events = srv.objects("events", "default")
+        assert any(e["reason"] == "Serving" and e["involvedObject"]["uid"] == uid for e in events)
+
+        # A node goes unready -> it leaves the endpoint list within seconds; Ready stays, Degraded.
+        put_pod(apiserver, h.pod("tiny", constants.TILERT, 1, ip="10.1.0.2", ready=False, owner=sts))
+        h.wait_for("endpoint removal", lambda: router_nodes(apiserver, "default", "tiny") == [nodes[0]], timeout=5)
+        h.wait_for("Degraded", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "Degraded")
+
+        # `kubectl get pdc` shows the printer columns.
+        table = kubectl(apiserver, "get", "pdc")
+        header, row = table.splitlines()[:2]
+        assert header.split() == ["NAME", "READY", "PREFILL", "TILERT", "NATIVE", "ROUTER", "AGE"]
+        assert row.split()[:6] == ["tiny", "True", "1/1", "1/2", "1/1", "1/1"]
+
+        # Edit the spec -> children change.
+        kubectl(apiserver, "patch", "pdc", "tiny", "--type=merge", "-p", json.dumps({"spec": {"prefill": {"replicas": 2}, "decode": {"tilert": {"slots": 8}}}}))
+        h.wait_for("prefill scaled", lambda: srv.get("deployments", "default", "tiny-prefill")["spec"]["replicas"] == 2)
+        h.wait_for("slots in args", lambda: "8" == (lambda a: a[a.index("--slots") + 1])(
+            srv.get("statefulsets", "default", "tiny-tilert-decode")["spec"]["template"]["spec"]["containers"][0]["command"]))
+        h.wait_for("slots in router config", lambda: router_nodes(apiserver, "default", "tiny")[0]["slots"] == 8)
+
+        # Delete a child -> it returns; hand-edit a child -> it is put back.
+        kubectl(apiserver, "delete", "configmaps", "tiny-router")
+        h.wait_for("ConfigMap back", lambda: srv.get("configmaps", "default", "tiny-router"), timeout=5)
+        kubectl(apiserver, "patch", "deployments", "tiny-router", "--type=merge", "-p", '{"spec":{"replicas":5}}')
+        h.wait_for("replicas restored", lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 1, timeout=5)
+
+        # Idle resyncs write nothing.
+        time.sleep(1.5)
+        before = len(operator_writes(apiserver))
+        reads_before = len([c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER)])
+        time.sleep(3.5)
+        assert operator_writes(apiserver)[before:] == []
+        assert len([c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER)]) > reads_before, "resyncs did run"
+        snapshot = {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies", "events")}
+    assert runner.exception is None
+
+    # Restart the operator: nothing duplicated, nothing rewritten, no new Events.
+    before = len(operator_writes(apiserver))
+    with KopfRunner(h.ARGS, timeout=30) as runner:
+        h.wait_for("resumed resyncs", lambda: sum(1 for c in srv.calls[-50:] if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb == "list") >= 12)
+        time.sleep(1.5)
+        assert operator_writes(apiserver)[before:] == []
+        assert {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in snapshot} == snapshot
+
+        # Injected 409 and 500 answers: the operator retries and converges.
+        srv.fail(409, times=2, verb="patch")
+        srv.fail(500, times=3, verb="list", resource="pods")
+        srv.fail(500, times=1, verb="delete")
+        kubectl(apiserver, "patch", "pdc", "tiny", "--type=merge", "-p", json.dumps({"spec": {"decode": {"native": {"replicas": 0}}, "router": {"replicas": 2}}}))
+        h.wait_for("native pool removed", lambda: srv.get("deployments", "default", "tiny-native-decode") is None, timeout=15)
+        h.wait_for("router scaled", lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 2, timeout=15)
+        assert all(f.times == 0 for f in srv.faults), "every injected fault was hit"
+        h.wait_for("generation observed", lambda: (lambda b: b["status"].get("observedGeneration") == b["metadata"]["generation"])(
+            srv.get("pdclusters", "default", "tiny")))
+
+        # Delete the PDCluster: every child goes (garbage collection by ownerReferences).
+        kubectl(apiserver, "delete", "pdc", "tiny")
+        kinds = ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies", "pods")
+        h.wait_for("all gone", lambda: not any(srv.objects(p, "default") for p in kinds) or None, timeout=5)
+        assert srv.get("pdclusters", "default", "tiny") is None
+    assert runner.exception is None

@@ -1,0 +1,139 @@
+"""The PDCluster status from observed facts, pure: conditions with reasons and actionable messages.
+
+The operator is the only writer of every condition. Ready means the stack serves disaggregated
+requests: a prefill and a router are ready and every configured decode pool can take requests (the
+TileRT pool through wired endpoints). Missing replicas beyond that make Ready=True with reason
+Degraded, and the pool's own condition False.
+"""
+
+from __future__ import annotations
+
+import datetime
+from collections.abc import Sequence
+from typing import Any
+
+from tilert_operator import constants
+from tilert_operator.observe import PoolState
+from tilert_operator.validation import Problem
+from tilert_serve.router.config import TileRTNode
+
+CONDITION_TYPES = ("SpecValid", "PrefillReady", "TileRTDecodeReady", "NativeDecodeReady", "RouterReady", "EndpointsWired", "Ready")
+POOL_CONDITIONS = {
+    constants.PREFILL: "PrefillReady",
+    constants.TILERT: "TileRTDecodeReady",
+    constants.NATIVE: "NativeDecodeReady",
+    constants.ROUTER: "RouterReady",
+}
+#: Status keys of the pools (printer columns read status.replicas.<key>).
+POOL_KEYS = {constants.PREFILL: "prefill", constants.TILERT: "tilert", constants.NATIVE: "native", constants.ROUTER: "router"}
+
+Condition = dict[str, Any]
+
+
+def _cond(type_: str, ok: bool, reason: str, message: str) -> Condition:
+    return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
+
+
+def _selector_hint(cluster: str, component: str) -> str:
+    return f"kubectl get pods -l {constants.LABEL_CLUSTER}={cluster},{constants.LABEL_COMPONENT}={component}"
+
+
+def pool_condition(cluster: str, component: str, state: PoolState) -> Condition:
+    type_ = POOL_CONDITIONS[component]
+    if state.desired == 0:
+        return _cond(type_, True, "NoReplicas", f"{component} has 0 replicas in the spec")
+    if state.ready >= state.desired:
+        return _cond(type_, True, "AllReady", f"{state.text} {component} pods ready")
+    return _cond(type_, False, "PodsNotReady", f"{state.text} {component} pods ready; see {_selector_hint(cluster, component)}")
+
+
+def invalid(problems: Sequence[Problem]) -> list[Condition]:
+    message = "; ".join(str(p) for p in problems)
+    return [
+        _cond("SpecValid", False, "InvalidSpec", f"{message}. Nothing in the cluster was changed."),
+        _cond("Ready", False, "InvalidSpec", "fix the spec (see SpecValid)"),
+    ]
+
+
+def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRTNode]) -> list[Condition]:
+    out = [_cond("SpecValid", True, "Valid", "the spec passed all checks")]
+    out += [pool_condition(cluster, c, pools[c]) for c in POOL_CONDITIONS]
+    tilert = pools[constants.TILERT]
+    if tilert.desired == 0:
+        out.append(_cond("EndpointsWired", True, "NoTileRTPool", "no TileRT pool; the router sends everything to the native pool"))
+    elif wired:
+        out.append(_cond("EndpointsWired", True, "Wired", f"{len(wired)} TileRT node(s) in the router's endpoint list"))
+    else:
+        out.append(_cond("EndpointsWired", False, "NoReadyNodes",
+                         f"no TileRT node is ready to wire; see {_selector_hint(cluster, constants.TILERT)}"))
+    missing = []
+    if pools[constants.PREFILL].ready == 0:
+        missing.append("no prefill pod is ready")
+    if pools[constants.ROUTER].ready == 0:
+        missing.append("no router pod is ready")
+    if tilert.desired and not wired:
+        missing.append("no TileRT node is wired")
+    native = pools[constants.NATIVE]
+    if native.desired and native.ready == 0:
+        missing.append("no native decode pod is ready")
+    if missing:
+        out.append(_cond("Ready", False, "NotServing", "; ".join(missing)))
+    else:
+        short = [f"{POOL_KEYS[c]} {s.text}" for c, s in pools.items() if s.ready < s.desired]
+        if short:
+            out.append(_cond("Ready", True, "Degraded", "serving, below desired replicas: " + ", ".join(short)))
+        else:
+            out.append(_cond("Ready", True, "Serving", "all pools ready and TileRT endpoints wired"))
+    return out
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def with_transition_times(new: list[Condition], old: list[Condition], generation: int | None) -> list[Condition]:
+    """Keep lastTransitionTime of conditions whose status did not change."""
+    by_type = {c.get("type"): c for c in old}
+    out = []
+    for c in new:
+        prev = by_type.get(c["type"])
+        stamp = prev.get("lastTransitionTime") if prev and prev.get("status") == c["status"] else None
+        out.append(c | {"lastTransitionTime": stamp or now(), "observedGeneration": generation})
+    return out
+
+
+def transitions(new: list[Condition], old: list[Condition]) -> list[Condition]:
+    """Conditions whose status changed (or appeared): each gets an Event."""
+    before = {c.get("type"): c.get("status") for c in old}
+    return [c for c in new if before.get(c["type"]) != c["status"]]
+
+
+def build(
+    *,
+    generation: int | None,
+    conditions_: list[Condition],
+    old: dict[str, Any],
+    pools: dict[str, PoolState] | None = None,
+    endpoints: Sequence[TileRTNode] = (),
+) -> dict[str, Any]:
+    status: dict[str, Any] = {
+        "observedGeneration": generation,
+        "conditions": with_transition_times(conditions_, old.get("conditions") or [], generation),
+    }
+    if pools is not None:
+        status["pools"] = {POOL_KEYS[c]: {"ready": s.ready, "desired": s.desired} for c, s in pools.items()}
+        status["replicas"] = {POOL_KEYS[c]: s.text for c, s in pools.items()}
+        status["endpoints"] = [
+            {"name": n.name, "httpUrl": n.http_url, "ctrlHost": n.ctrl_host, "ctrlPort": n.ctrl_port} for n in endpoints
+        ]
+    return status
+
+
+def same(new: dict[str, Any], old: dict[str, Any]) -> bool:
+    """Whether writing `new` would change nothing a reader cares about (idle resyncs write nothing)."""
+    def strip(s: dict[str, Any]) -> dict[str, Any]:
+        conds = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s.get("conditions") or []]
+        return {k: v for k, v in s.items() if k != "conditions"} | {"conditions": conds}
+
+    n, o = strip(new), strip(old)
+    return all(o.get(k) == v for k, v in n.items())

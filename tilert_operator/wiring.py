@@ -1,0 +1,109 @@
+"""kopf registration and settings only; the logic lives in controller, reconcile and admission.
+
+Run: `kopf run -m tilert_operator.wiring --all-namespaces --standalone
+      --liveness=http://0.0.0.0:8081/healthz`
+Environment: TILERT_PD_RESYNC_S (default 30), TILERT_PD_CONCURRENCY (16), TILERT_PD_METRICS_PORT
+(8080; 0 = off), TILERT_PD_WEBHOOK_PORT with TILERT_PD_WEBHOOK_CERT/KEY (admission webhook; unset =
+off, the CRD's CEL rules still apply and the operator reports SpecValid=False).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import kopf
+from aiohttp import web
+
+from tilert_operator import admission, constants, kubeapi
+from tilert_operator.controller import Controller, Settings
+
+log = logging.getLogger(__name__)
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    try:
+        return float(raw) if raw else default
+    except ValueError as e:
+        raise kopf.PermanentError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 30") from e
+
+
+@kopf.on.login()
+def login(**_: Any) -> kopf.ConnectionInfo:
+    c = kubeapi.load_connection()
+    return kopf.ConnectionInfo(
+        server=c.server, ca_path=c.ca_path, insecure=c.insecure, scheme=c.scheme, token=c.token,
+        certificate_path=c.cert_path, private_key_path=c.key_path,
+    )  # fmt: skip
+
+
+@kopf.on.startup()
+async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    # Our own prefixes, so another kopf operator in the cluster never reads or writes our marks.
+    settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP, key="last-handled-configuration")
+    settings.posting.enabled = False  # we post our own Events, on condition transitions
+    settings.networking.request_timeout = 60
+    settings.watching.server_timeout = int(_env_float("TILERT_PD_WATCH_TIMEOUT_S", 300))
+    settings.watching.client_timeout = settings.watching.server_timeout + 30
+    port = os.environ.get("TILERT_PD_WEBHOOK_PORT")
+    if port:
+        settings.admission.server = kopf.WebhookServer(
+            port=int(port), certfile=os.environ.get("TILERT_PD_WEBHOOK_CERT"), pkeyfile=os.environ.get("TILERT_PD_WEBHOOK_KEY"),
+        )  # fmt: skip
+        settings.admission.managed = None  # the chart owns the ValidatingWebhookConfiguration
+
+    api = kubeapi.Client(kubeapi.load_connection())
+    memo.api = api
+    memo.controller = Controller(
+        api,
+        Settings(resync_s=_env_float("TILERT_PD_RESYNC_S", 30.0), concurrency=int(_env_float("TILERT_PD_CONCURRENCY", 16))),
+    )
+    metrics_port = int(_env_float("TILERT_PD_METRICS_PORT", 8080))
+    memo.metrics_runner = await _serve_metrics(memo.controller, api, metrics_port) if metrics_port else None
+
+
+async def _serve_metrics(controller: Controller, api: kubeapi.Client, port: int) -> web.AppRunner:
+    async def metrics(_: web.Request) -> web.Response:
+        return web.Response(text=controller.metrics.render(api.calls), content_type="text/plain")
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, host=os.environ.get("TILERT_PD_METRICS_HOST", "0.0.0.0"), port=port).start()
+    return runner
+
+
+@kopf.on.cleanup()
+async def cleanup(memo: kopf.Memo, **_: Any) -> None:
+    await memo.controller.stop()
+    if memo.metrics_runner is not None:
+        await memo.metrics_runner.cleanup()
+    await memo.api.close()
+
+
+@kopf.on.event(constants.GROUP, constants.VERSION, constants.PLURAL)
+async def pdcluster_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+    body = event["object"]
+    memo.controller.observe(dict(body), deleted=event["type"] == "DELETED")
+
+
+@kopf.on.event("", "v1", "pods", labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY})
+async def pod_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    cluster = labels.get(constants.LABEL_CLUSTER)
+    if cluster and namespace:
+        memo.controller.kick(namespace, cluster)
+
+
+def validate(spec: kopf.Spec, name: str | None, old: kopf.Body | None, **_: Any) -> None:
+    admission.check(dict(spec), name or "", dict(old.get("spec") or {}) if old else None)
+
+
+# kopf refuses to start with admission handlers but no webhook server: register the handler only
+# where the webhook is configured (the chart sets the port and the certificate).
+if os.environ.get("TILERT_PD_WEBHOOK_PORT"):
+    kopf.on.validate(constants.GROUP, constants.VERSION, constants.PLURAL, id="validate-pdcluster")(validate)
