@@ -14,6 +14,8 @@ import sys
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("tilert_serve.tinymodel.cli", "write a tiny DeepSeek-V3-style checkpoint"),
     "decode-node": ("tilert_serve.decode.cli", "run a TileRT decode node"),
+    "router": ("tilert_serve.router.cli", "run the OpenAI-compatible router"),
+    "render": ("tilert_operator.cli_render", "print the manifests a PDCluster renders to (like helm template)"),
 }
 
 

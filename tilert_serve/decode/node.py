@@ -8,6 +8,7 @@ inject, decode steps) runs in a pool with one worker per slot and reports back t
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import threading
 import time
@@ -79,7 +80,8 @@ class DecodeNode:
     def __init__(self, config: NodeConfig, *, layout: Layout, engine: DecodeEngine, transfer: TransferEngine,
                  secret: bytes, tokenizer: Any = None, eos_token_ids: frozenset[int] = frozenset(),
                  clock: Callable[[], float] = time.monotonic) -> None:
-        if engine.num_layers != layout.num_layers:
+        # An engine decoding without MTP takes the main layers only; the MTP layer's state still arrives.
+        if engine.num_layers not in (layout.num_layers, layout.num_main_layers):
             raise ValueError(f"engine {engine.name} takes {engine.num_layers} layers, layout {layout.model} has "
                              f"{layout.num_layers}: the checkpoint and --tilert-model disagree")
         if config.slots > engine.max_sequences:
@@ -268,6 +270,8 @@ class DecodeNode:
             t0 = time.perf_counter()
             state = convert.to_injected_state(self.buffers.views(slot.index), self.buffers.placement,
                                               slot.num_tokens, slot.last_prompt_token, self.engine_dtype)
+            if len(state.layers) > self.engine.num_layers:
+                state = dataclasses.replace(state, layers=state.layers[:self.engine.num_layers])
             t1 = time.perf_counter()
             seq = self.engine.start(state)
             t2 = time.perf_counter()

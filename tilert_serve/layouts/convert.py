@@ -15,10 +15,10 @@ import math
 
 import torch
 
-from tilert_serve.decode.engines.base import InjectedState, LayerState
 from tilert_serve.layouts.base import Layout
 from tilert_serve.layouts.placement import Placement
 from tilert_serve.layouts.registry import INDEX_HEAD_DIM, INDEXER_PAGE_TOKENS
+from tilert_serve.layouts.state import InjectedState, LayerState
 
 _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 _FP8_BLOCK = 128

@@ -1,0 +1,110 @@
+"""`tilert-pd decode-node`: run a TileRT decode node (HTTP API + handoff control plane)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import socket
+from pathlib import Path
+
+from tilert_serve import defaults, layouts, transfer
+from tilert_serve.decode import engines
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model-dir", required=True, help="checkpoint directory (config.json, weights, tokenizer)")
+    p.add_argument("--tilert-model", required=True, choices=["glm5", "deepseek_v3_2", "mla"],
+                   help="state layout family; mla = small DeepSeek-V3-style models")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="the prefill's vLLM KV-cache dtype (fp8_ds_mla, bfloat16, float32); auto = fp8_ds_mla for "
+                        "glm5/deepseek_v3_2, the checkpoint's dtype for mla")
+    p.add_argument("--engine", default="reference", choices=engines.ENGINES)
+    p.add_argument("--slots", type=int, default=1, help="sequences decoded at once (tilert: 1)")
+    p.add_argument("--max-seq-len", type=int, required=True, help="longest prompt + output, in tokens")
+    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--advertise-host", default=os.environ.get("POD_IP") or None,
+                   help="address senders and the router reach this node at (default: $POD_IP, else the hostname's)")
+    p.add_argument("--ctrl-port", type=int, default=defaults.DECODE_CTRL_PORT)
+    p.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT)
+    p.add_argument("--transfer", default="mooncake", choices=transfer.ENGINES)
+    p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
+    p.add_argument("--secret-file", default=defaults.SECRET_PATH)
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (engine and receive buffers)")
+    p.add_argument("--shards", type=int, default=1, help="receive-buffer shards, one per GPU (cuda:0..N-1)")
+    p.add_argument("--dtype", default="auto", help="engine dtype for the reference engine: float32, bfloat16")
+    p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP draft tokens per step; 0 = off")
+    p.add_argument("--ticket-ttl", type=float, default=defaults.TICKET_TTL_S, help="seconds a ticket holds a slot")
+    p.add_argument("--name", default=os.environ.get("POD_NAME") or socket.gethostname())
+    p.add_argument("--log-level", default="INFO")
+
+
+def _layout(args: argparse.Namespace, hf_config: dict | None) -> layouts.Layout:
+    if args.tilert_model == "mla":
+        if hf_config is None:
+            raise SystemExit(f"decode-node: {args.model_dir}/config.json is missing; the mla layout reads the "
+                             "layer count from it")
+        dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else _checkpoint_dtype(hf_config)
+        return layouts.for_hf_config("mla", hf_config, dtype)
+    dtype = "fp8_ds_mla" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
+    return layouts.get(args.tilert_model, dtype)
+
+
+def _checkpoint_dtype(hf_config: dict) -> str:
+    return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
+        str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"), "bfloat16")
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from aiohttp import web
+
+    from tilert_serve.decode.http import make_app
+    from tilert_serve.decode.node import DecodeNode, NodeConfig
+    from tilert_serve.handoff.auth import load_secret
+
+    model_dir = Path(args.model_dir)
+    config_path = model_dir / "config.json"
+    hf_config = json.loads(config_path.read_text()) if config_path.exists() else None
+    try:
+        layout = _layout(args, hf_config)
+        secret = load_secret(args.secret_file)
+    except (ValueError, OSError) as exc:
+        raise SystemExit(f"decode-node: {exc}") from exc
+    advertise = args.advertise_host or socket.gethostbyname(socket.gethostname())
+    dtype = args.dtype if args.dtype != "auto" else (_checkpoint_dtype(hf_config or {}) if args.device == "cpu"
+                                                     else "bfloat16")
+    engine = engines.create(engines.EngineSpec(
+        name=args.engine, model_dir=str(model_dir), tilert_model=args.tilert_model, max_seq_len=args.max_seq_len,
+        max_sequences=args.slots, device=args.device, dtype=dtype,
+        num_speculative_tokens=args.num_speculative_tokens))
+    devices = tuple([args.device] if args.shards == 1 else [f"cuda:{i}" for i in range(args.shards)])
+    config = NodeConfig(name=args.name, max_seq_len=args.max_seq_len, slots=args.slots, host=args.host,
+                        advertise_host=advertise, ctrl_port=args.ctrl_port, http_port=args.http_port,
+                        shards=args.shards, devices=devices, ticket_ttl_s=args.ticket_ttl)
+    mover = transfer.create(args.transfer, host=advertise, protocol=args.protocol, role=args.name)
+    tokenizer, eos = _tokenizer(model_dir)
+    node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
+                      eos_token_ids=eos)
+    web.run_app(make_app(node), host=args.host, port=args.http_port, print=None, access_log=None)
+    return 0
+
+
+def _tokenizer(model_dir: Path) -> tuple[object | None, frozenset[int]]:
+    """The checkpoint's tokenizer (for text deltas) and its EOS ids (generation_config.json wins)."""
+    eos: set[int] = set()
+    gen_config = model_dir / "generation_config.json"
+    if gen_config.exists():
+        value = json.loads(gen_config.read_text()).get("eos_token_id")
+        eos.update(value if isinstance(value, list) else [] if value is None else [value])
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+    except (OSError, ValueError):
+        logging.getLogger(__name__).warning("no tokenizer in %s: streams carry token ids without text", model_dir)
+        return None, frozenset(eos)
+    if tok.eos_token_id is not None and not eos:
+        eos.add(int(tok.eos_token_id))
+    return tok, frozenset(eos)
