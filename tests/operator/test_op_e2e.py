@@ -5,8 +5,10 @@ controllers and kubelet: it creates the pods and marks them ready."""
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import time
+import urllib.request
 from typing import Any
 
 import pdc_harness as h
@@ -48,7 +50,18 @@ def router_nodes(apiserver: Any, ns: str, cluster: str) -> list[dict[str, Any]] 
     return None if cm is None else yaml.safe_load(cm["data"]["config.yaml"])["tilert"]
 
 
-def test_lifecycle(apiserver: Any) -> None:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _http(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=5) as resp:
+        return str(resp.read().decode())
+
+
+def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     srv = apiserver.server
     doc = h.pdc(helpers.example("tiny-cpu"))
     spec = specmod.parse(doc["spec"])
@@ -123,11 +136,17 @@ def test_lifecycle(apiserver: Any) -> None:
 
     # Restart the operator: nothing duplicated, nothing rewritten, no new Events.
     before = len(operator_writes(apiserver))
-    with KopfRunner(h.ARGS, timeout=30) as runner:
+    metrics_port, live_port = _free_port(), _free_port()
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", str(metrics_port))
+    monkeypatch.setenv("TILERT_PD_METRICS_HOST", "127.0.0.1")
+    with KopfRunner([*h.ARGS, f"--liveness=http://127.0.0.1:{live_port}/healthz"], timeout=30) as runner:
         h.wait_for("resumed resyncs", lambda: sum(1 for c in srv.calls[-50:] if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb == "list") >= 12)
         time.sleep(1.5)
         assert operator_writes(apiserver)[before:] == []
         assert {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in snapshot} == snapshot
+        text = _http(f"http://127.0.0.1:{metrics_port}/metrics")
+        assert 'tilert_pd_pdclusters{state="ready"} 1' in text and "tilert_pd_reconcile_duration_seconds_count" in text
+        h.wait_for("liveness", lambda: _http(f"http://127.0.0.1:{live_port}/healthz"))
 
         # Injected 409 and 500 answers: the operator retries and converges.
         srv.fail(409, times=2, verb="patch")

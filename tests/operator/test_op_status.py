@@ -1,0 +1,67 @@
+"""Observed state and status, pure: readiness, RDMA addresses, conditions, idle comparison, metrics."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pdc_harness as h
+import pdc_helpers as helpers
+
+from tilert_operator import constants, observe, reconcile, status
+from tilert_operator import spec as specmod
+from tilert_operator.metrics import Metrics
+
+
+def test_rdma_address_comes_from_multus_status_else_pod_ip() -> None:
+    spec = specmod.parse(helpers.example("glm5-b200-rdma")["spec"])
+    pods = [
+        h.pod("glm5", constants.TILERT, 0, "serving", ip="10.0.0.1", rdma_net="serving/rdma-net", rdma_ip="192.168.0.1"),
+        h.pod("glm5", constants.TILERT, 1, "serving", ip="10.0.0.2"),
+        h.pod("glm5", constants.TILERT, 2, "serving", ip="10.0.0.3", ready=False),
+    ]
+    nodes = observe.tilert_nodes(spec, pods)
+    assert [(n.name, n.ctrl_host, n.http_url) for n in nodes] == [
+        ("glm5-tilert-decode-0", "192.168.0.1", "http://10.0.0.1:5557"),
+        ("glm5-tilert-decode-1", "10.0.0.2", "http://10.0.0.2:5557"),
+    ]
+    terminating = h.pod("glm5", constants.TILERT, 0, "serving")
+    terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
+    assert not observe.is_ready(terminating)
+
+
+def test_conditions_say_what_is_missing() -> None:
+    pools = {constants.PREFILL: observe.PoolState(0, 1), constants.TILERT: observe.PoolState(0, 2),
+             constants.NATIVE: observe.PoolState(0, 0), constants.ROUTER: observe.PoolState(1, 1)}
+    conds = {c["type"]: c for c in status.conditions("c", pools, [])}
+    assert set(conds) == set(status.CONDITION_TYPES)
+    assert conds["Ready"]["status"] == "False" and "no prefill pod is ready" in conds["Ready"]["message"]
+    assert conds["PrefillReady"]["message"].endswith("pd.tilert.ai/component=prefill")
+    assert conds["NativeDecodeReady"]["reason"] == "NoReplicas"
+    assert conds["EndpointsWired"]["reason"] == "NoReadyNodes"
+
+
+def test_status_comparison_ignores_transition_times() -> None:
+    pools = {c: observe.PoolState(1, 1) for c in status.POOL_CONDITIONS}
+    first = status.build(generation=1, conditions_=status.conditions("c", pools, []), old={}, pools=pools)
+    again = status.build(generation=1, conditions_=status.conditions("c", pools, []), old=first, pools=pools)
+    assert status.same(again, first)
+    assert status.transitions(again["conditions"], first["conditions"]) == []
+    newer = status.build(generation=2, conditions_=status.conditions("c", pools, []), old=first, pools=pools)
+    assert not status.same(newer, first)
+
+
+def test_contains_tolerates_server_defaults_and_canonical_quantities() -> None:
+    want = {"spec": {"replicas": 1, "template": {"spec": {"containers": [{"name": "a", "resources": {"limits": {"nvidia.com/gpu": 8}}}]}}}}
+    have = {"spec": {"replicas": 1, "revisionHistoryLimit": 10, "template": {"spec": {"dnsPolicy": "ClusterFirst", "containers": [
+        {"name": "a", "imagePullPolicy": "Always", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}}}
+    assert reconcile.contains(have, want)
+    assert not reconcile.contains({"spec": {"replicas": 2}}, {"spec": {"replicas": 1}})
+
+
+def test_metrics_text() -> None:
+    m = Metrics()
+    m.observe(0.02)
+    m.states[("ns", "a")] = "ready"
+    text = m.render(Counter({"list": 3}))
+    assert 'tilert_pd_reconcile_duration_seconds_bucket{le="0.025"} 1' in text
+    assert 'tilert_pd_pdclusters{state="ready"} 1' in text and 'tilert_pd_api_calls_total{verb="list"} 3' in text
