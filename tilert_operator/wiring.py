@@ -45,6 +45,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP, key="last-handled-configuration")
+    # Watch only our pods, filtered by the API server (a handler's labels= filters client-side, after
+    # every pod in the cluster has crossed the wire).
+    settings.watching.label_selectors["", "v1", "pods"] = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
     settings.posting.enabled = False  # we post our own Events, on condition transitions
     settings.networking.request_timeout = 60
     settings.watching.server_timeout = int(_env_float("TILERT_PD_WATCH_TIMEOUT_S", 300))

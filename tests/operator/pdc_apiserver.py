@@ -47,6 +47,7 @@ class Call:
     resource: str  # plural or plural/subresource
     namespace: str | None
     user_agent: str
+    label_selector: str | None = None
 
 
 @dataclass
@@ -355,7 +356,7 @@ class ApiServer(kmock.KubernetesEmulator):
     def _record(self, request: rendering.Request, res: Res, verb: str) -> None:
         plural = res[2] + (f"/{request.subresource}" if request.subresource else "")
         ua = request.headers.get("User-Agent", "")
-        self.calls.append(Call(verb, res[0], plural, request.namespace, ua))
+        self.calls.append(Call(verb, res[0], plural, request.namespace, ua, request.params.get("labelSelector")))
         for f in self.faults:
             if f.times > 0 and (f.verb in (None, verb)) and (f.resource in (None, plural)) and ua.startswith(f.user_agent or ""):
                 f.times -= 1

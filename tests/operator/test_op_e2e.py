@@ -70,6 +70,11 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         body = h.wait_for("the PDCluster", lambda: srv.get("pdclusters", "default", "tiny"))
         uid = body["metadata"]["uid"]
 
+        # kopf watches only the operator's pods, filtered by the server.
+        pod_watches = h.wait_for("pod watch", lambda: [
+            c for c in srv.calls if c.resource == "pods" and c.verb in ("list", "watch") and c.user_agent.startswith("kopf/")])
+        assert all(c.label_selector == f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}" for c in pod_watches)
+
         # Children appear, owned by the PDCluster, with the rendered commands.
         dep = h.wait_for("prefill Deployment", lambda: srv.get("deployments", "default", "tiny-prefill"))
         assert dep["metadata"]["ownerReferences"][0]["uid"] == uid
