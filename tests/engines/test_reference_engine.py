@@ -1,0 +1,257 @@
+"""The reference engine on the generated tiny model: MTP decoding, sequences, sampling, bad input."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+import torch
+
+from tilert_serve.decode.engines import reference_model as rm
+from tilert_serve.decode.engines.base import InjectedState, LayerState, Sampling
+from tilert_serve.decode.engines.reference import (
+    InjectedStateError,
+    NoFreeSequenceError,
+    ReferenceEngine,
+)
+
+GREEDY = Sampling()
+
+
+def prompts(count: int, seed: int = 7) -> list[list[int]]:
+    """Token-id prompts of varied lengths (1 to 40), skipping the BOS/EOS ids 0 and 1."""
+    rng = random.Random(seed)
+    lengths = [1, 2, 5, 16, 17, 23, 40, 9, 31, 3, 12, 28][:count]
+    return [[rng.randrange(2, 512) for _ in range(n)] for n in lengths]
+
+
+def decode(
+    engine: ReferenceEngine, prompt: list[int], sampling: Sampling, max_new: int
+) -> tuple[list[int], int, int]:
+    """prefill + decode; returns (first token + new tokens, drafted, accepted)."""
+    state, first = engine.prefill(prompt)
+    seq = engine.start(state)
+    try:
+        tokens, drafted, accepted = [first], 0, 0
+        for step in seq.decode(first, sampling, max_new):
+            tokens += step.token_ids
+            drafted += step.drafted
+            accepted += step.accepted
+        assert len(tokens) == max_new + 1
+        return tokens, drafted, accepted
+    finally:
+        seq.close()
+
+
+def naive_greedy(weights: rm.ModelWeights, prompt: list[int], count: int) -> list[int]:
+    """Greedy decoding by recomputing the whole sequence each token: no cache, no MTP."""
+    rope = rm.Rope.build(weights.config, len(prompt) + count, dtype=weights.dtype, device=weights.device)
+    seq = list(prompt)
+    with torch.inference_mode():
+        for _ in range(count):
+            hidden, _ = rm.forward_main(weights, torch.tensor([seq]), rope, 0, None)
+            seq.append(int(rm.logits(weights, hidden[0, -1]).argmax()))
+    return seq[len(prompt) :]
+
+
+def test_mtp_greedy_equals_plain_greedy(make_engine) -> None:
+    plain = make_engine(num_speculative_tokens=0)
+    expected = [decode(plain, p, GREEDY, 20)[0] for p in prompts(12)]
+    # The cached, incremental engine agrees with recomputing everything from scratch.
+    for p, want in zip(prompts(4), expected, strict=False):
+        assert naive_greedy(plain.weights, p, 21) == want
+    for k in (1, 2, 3):
+        engine = make_engine(num_speculative_tokens=k)
+        got = [decode(engine, p, GREEDY, 20)[0] for p in prompts(12)]
+        assert got == expected, f"num_speculative_tokens={k}"
+
+
+def test_mtp_acceptance_is_clearly_positive(make_engine) -> None:
+    engine = make_engine(num_speculative_tokens=1)
+    drafted = accepted = 0
+    for p in prompts(12):
+        _, d, a = decode(engine, p, GREEDY, 24)
+        drafted += d
+        accepted += a
+    rate = accepted / drafted
+    print(f"MTP acceptance (1 draft token, greedy): {accepted}/{drafted} = {rate:.2f}")
+    assert drafted >= 12 * 12
+    assert rate > 0.25
+
+
+def test_steps_report_drafts_and_tokens(make_engine) -> None:
+    engine = make_engine(num_speculative_tokens=2)
+    state, first = engine.prefill(prompts(5)[4])
+    seq = engine.start(state)
+    try:
+        steps = list(seq.decode(first, GREEDY, 10))
+    finally:
+        seq.close()
+    assert sum(len(s.token_ids) for s in steps) == 10
+    for s in steps:
+        assert 0 <= s.accepted <= s.drafted <= 2
+        assert 1 <= len(s.token_ids) <= s.accepted + 1
+    assert any(s.accepted > 0 for s in steps)
+
+
+def test_sequences_decode_independently(make_engine) -> None:
+    engine = make_engine(num_speculative_tokens=1)
+    ps = prompts(4)[1:4]
+    alone = [decode(engine, p, GREEDY, 12)[0] for p in ps]
+    # Now all three at once, their steps interleaved round-robin.
+    started = [engine.prefill(p) for p in ps]
+    seqs = [engine.start(state) for state, _ in started]
+    try:
+        assert engine.free_sequences == engine.max_sequences - 3
+        iters = [seq.decode(first, GREEDY, 12) for seq, (_, first) in zip(seqs, started, strict=True)]
+        outs = [[first] for _, first in started]
+        live = set(range(3))
+        while live:
+            for i in sorted(live):
+                step = next(iters[i], None)
+                if step is None:
+                    live.discard(i)
+                else:
+                    outs[i] += step.token_ids
+    finally:
+        for seq in seqs:
+            seq.close()
+    assert outs == alone
+    assert engine.free_sequences == engine.max_sequences
+
+
+def test_seeded_sampling_is_reproducible_and_differs_across_seeds(make_engine) -> None:
+    engine = make_engine(num_speculative_tokens=2)
+    p = prompts(5)[4]
+    s1 = Sampling(temperature=1.0, top_p=0.95, top_k=50, seed=1)
+    s2 = Sampling(temperature=1.0, top_p=0.95, top_k=50, seed=2)
+    a = decode(engine, p, s1, 32)[0]
+    assert decode(engine, p, s1, 32)[0] == a
+    assert decode(engine, p, s2, 32)[0] != a
+    # MTP depth changes how randomness is consumed, not whether it is seeded.
+    plain = make_engine(num_speculative_tokens=0)
+    assert decode(plain, p, s1, 32)[0] == decode(plain, p, s1, 32)[0]
+
+
+def test_speculative_sampling_keeps_the_target_distribution(make_engine) -> None:
+    """The first token after the prefill's token is verified against a draft; over many seeds its
+    frequencies must follow the model's own distribution at that position."""
+    engine = make_engine(num_speculative_tokens=1)
+    p = prompts(4)[3]
+    sampling = Sampling(temperature=2.0, top_k=20)
+    state, first = engine.prefill(p)
+    w = engine.weights
+    rope = rm.Rope.build(w.config, len(p) + 1, dtype=w.dtype, device=w.device)
+    with torch.inference_mode():
+        hidden, _ = rm.forward_main(w, torch.tensor([[*p, first]]), rope, 0, None)
+        from tilert_serve.decode.engines.sampling import probabilities
+
+        target = probabilities(rm.logits(w, hidden[0, -1:]), sampling)[0]
+    counts: Counter[int] = Counter()
+    runs = 300
+    for seed in range(runs):
+        seq = engine.start(state)
+        try:
+            step = next(seq.decode(first, Sampling(temperature=2.0, top_k=20, seed=seed), 2))
+        finally:
+            seq.close()
+        assert step.drafted == 1
+        counts[step.token_ids[0]] += 1
+    empirical = torch.zeros_like(target)
+    for tok, n in counts.items():
+        empirical[tok] = n / runs
+    tv = 0.5 * float((empirical - target).abs().sum())
+    assert set(counts) <= set(torch.nonzero(target).flatten().tolist())
+    assert tv < 0.12, f"total variation {tv:.3f} between sampled and target distributions"
+
+
+def test_bfloat16_engine_decodes(make_engine) -> None:
+    engine = make_engine(dtype="bfloat16", num_speculative_tokens=1)
+    tokens, drafted, _ = decode(engine, prompts(4)[3], GREEDY, 12)
+    assert len(tokens) == 13 and drafted > 0
+    assert all(0 <= t < 512 for t in tokens)
+
+
+# -- bad input ------------------------------------------------------------------------------------
+
+
+def _state(engine: ReferenceEngine, n: int) -> InjectedState:
+    return engine.prefill(prompts(12)[6][:n])[0]
+
+
+def test_seq_len_over_max_seq_len_is_rejected(make_engine) -> None:
+    small = make_engine(max_seq_len=8)
+    big = make_engine()
+    state = _state(big, 12)
+    with pytest.raises(InjectedStateError, match=r"seq_len=12 exceeds max_seq_len=8"):
+        small.start(state)
+    with pytest.raises(ValueError, match=r"prompt of 12 tokens exceeds max_seq_len=8"):
+        small.prefill(prompts(12)[6][:12])
+    assert small.free_sequences == small.max_sequences
+
+
+def test_wrong_layer_count_is_rejected(make_engine) -> None:
+    engine = make_engine()
+    state = _state(engine, 6)
+    short = InjectedState(layers=state.layers[:-1], seq_len=6, last_prompt_token=state.last_prompt_token)
+    with pytest.raises(InjectedStateError, match=r"has 2 layers; this engine takes 3 \(2 main \+ 1 MTP\)"):
+        engine.start(short)
+    no_mtp = make_engine(num_speculative_tokens=0)
+    with pytest.raises(InjectedStateError, match=r"has 3 layers; this engine takes 2 \(2 main \+ 0 MTP\)"):
+        no_mtp.start(state)
+
+
+def test_wrong_shapes_are_rejected(make_engine) -> None:
+    engine = make_engine()
+    state = _state(engine, 6)
+    layers = list(state.layers)
+    layers[1] = LayerState(kv=layers[1].kv[:, :256], pe=layers[1].pe)
+    with pytest.raises(
+        InjectedStateError, match=r"layer 1 \(main\) kv has shape \(6, 256\), expected \(6, 512\)"
+    ):
+        engine.start(InjectedState(layers=layers, seq_len=6, last_prompt_token=1))
+    layers = list(state.layers)
+    layers[2] = LayerState(kv=layers[2].kv, pe=layers[2].pe[:5])
+    with pytest.raises(
+        InjectedStateError, match=r"layer 2 \(MTP\) pe has shape \(5, 64\), expected \(6, 64\)"
+    ):
+        engine.start(InjectedState(layers=layers, seq_len=6, last_prompt_token=1))
+    with pytest.raises(InjectedStateError, match=r"last_prompt_token=9999 is outside the vocabulary"):
+        engine.start(InjectedState(layers=state.layers, seq_len=6, last_prompt_token=9999))
+    assert engine.free_sequences == engine.max_sequences
+
+
+def test_decode_limits_are_checked(make_engine) -> None:
+    engine = make_engine(max_seq_len=16)
+    state, first = engine.prefill(prompts(12)[6][:10])
+    seq = engine.start(state)
+    try:
+        with pytest.raises(ValueError, match=r"max_new_tokens=7 does not fit.*at most 6 new tokens"):
+            seq.decode(first, GREEDY, 7)
+        with pytest.raises(ValueError, match=r"sampling.top_p=0.0"):
+            seq.decode(first, Sampling(temperature=1.0, top_p=0.0), 3)
+        with pytest.raises(ValueError, match=r"first_token: token id 512 is outside"):
+            seq.decode(512, GREEDY, 3)
+        # Exactly filling the cache works.
+        assert sum(len(s.token_ids) for s in seq.decode(first, GREEDY, 6)) == 6
+        with pytest.raises(RuntimeError, match=r"already called"):
+            seq.decode(first, GREEDY, 1)
+    finally:
+        seq.close()
+    seq.close()  # idempotent
+    with pytest.raises(RuntimeError, match=r"closed sequence"):
+        seq.decode(first, GREEDY, 1)
+
+
+def test_no_free_sequence_is_reported(make_engine) -> None:
+    engine = make_engine(max_sequences=2)
+    state = _state(engine, 4)
+    held = [engine.start(state), engine.start(state)]
+    try:
+        with pytest.raises(NoFreeSequenceError, match=r"all 2 sequences are in use"):
+            engine.start(state)
+    finally:
+        for seq in held:
+            seq.close()
+    engine.start(state).close()

@@ -1,0 +1,357 @@
+"""The reference decode engine: DeepSeek-V3-style decoding with MTP in plain PyTorch (CPU or CUDA).
+
+What the TileRT pool runs where TileRT itself cannot (anything but Blackwell). It takes the state
+vLLM's prefill left in its MLA cache (per layer: normalised latent ``kv_c`` [seq, kv_lora_rank] and
+roped ``k_pe`` [seq, rope_dim], main layers then the MTP layer) and decodes from the token the
+prefill sampled, speculating with the MTP layer from the first step, as TileRT does:
+
+1. warm start: recompute position seq_len-1 with the last prompt token; this rebuilds the main
+   model's hidden state there, which MTP needs and which the cache does not hold;
+2. MTP drafts k tokens from (that hidden state, first token), applied recursively for k > 1;
+3. the main model verifies the pending token plus the drafts in one forward; greedy keeps the
+   drafts that equal its argmax, sampling uses speculative sampling (see ``sampling``); either way
+   the output is what plain decoding would give, plus one bonus token per step;
+4. MTP runs over the newly accepted positions (writing its cache there) and drafts again.
+
+Each sequence owns one slot of a preallocated per-layer cache [max_sequences, max_seq_len, latent].
+``prefill`` computes the same state from token ids, as ground truth for tests and layout checks.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from tilert_serve.decode.engines import reference_model as rm
+from tilert_serve.decode.engines import sampling as smp
+from tilert_serve.decode.engines.base import DecodeStep, InjectedState, LayerState, Sampling
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class InjectedStateError(ValueError):
+    """An InjectedState does not match the engine (layer count, shapes, length, token id)."""
+
+
+class NoFreeSequenceError(RuntimeError):
+    """Every sequence slot is in use; close a sequence first."""
+
+
+@dataclass(frozen=True)
+class ReferenceSettings:
+    model_dir: str
+    device: str = "cpu"
+    #: "float32", "bfloat16" or "float16": weights, activations and cache.
+    dtype: str = "float32"
+    #: Positions per sequence: prompt plus generated tokens must fit.
+    max_seq_len: int = 2048
+    max_sequences: int = 4
+    #: Draft tokens per step (the MTP layer applied recursively); 0 disables MTP.
+    num_speculative_tokens: int = 1
+
+    def validate(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype={self.dtype!r}: expected one of {sorted(_DTYPES)}")
+        if self.max_seq_len < 2:
+            raise ValueError(f"max_seq_len={self.max_seq_len}: must be at least 2")
+        if self.max_sequences < 1:
+            raise ValueError(f"max_sequences={self.max_sequences}: must be at least 1")
+        if self.num_speculative_tokens < 0:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: must be >= 0")
+
+
+class ReferenceEngine:
+    """DecodeEngine for DeepSeek-V3-style checkpoints (the layout vLLM loads)."""
+
+    name = "reference"
+
+    def __init__(self, settings: ReferenceSettings) -> None:
+        settings.validate()
+        self.settings = settings
+        self.config = rm.read_config(settings.model_dir)
+        c = self.config
+        k = settings.num_speculative_tokens
+        if k > 0 and c.num_nextn_predict_layers != 1:
+            raise rm.CheckpointError(
+                f"num_speculative_tokens={k} needs exactly one MTP layer; config.json has "
+                f"num_nextn_predict_layers={c.num_nextn_predict_layers} (set num_speculative_tokens=0 to decode without MTP)"
+            )
+        self.num_mtp_layers = 1 if k > 0 else 0
+        self.num_layers = c.num_hidden_layers + self.num_mtp_layers
+        self.max_seq_len = settings.max_seq_len
+        self.max_sequences = settings.max_sequences
+        self.num_speculative_tokens = k
+        self.device = torch.device(settings.device)
+        self.dtype = _DTYPES[settings.dtype]
+        self._weights: rm.ModelWeights | None = None
+        self._rope: rm.Rope | None = None
+        #: One [max_sequences, max_seq_len, latent] tensor per layer (main layers, then MTP).
+        self._caches: list[torch.Tensor] = []
+        self._free_slots: list[int] = []
+        self._lock = threading.Lock()  # guards _free_slots
+
+    # -- DecodeEngine -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        if self._weights is not None:
+            return
+        self._weights = rm.load_weights(
+            Path(self.settings.model_dir),
+            dtype=self.dtype,
+            device=self.device,
+            with_mtp=self.num_mtp_layers > 0,
+        )
+        # The verify step may run k positions past the last token it can emit; cover them all.
+        self._rope = rm.Rope.build(
+            self.config, self.max_seq_len + self.num_speculative_tokens, dtype=self.dtype, device=self.device
+        )
+        self._caches = [
+            torch.zeros(
+                self.max_sequences,
+                self.max_seq_len,
+                self.config.latent_dim,
+                dtype=self.dtype,
+                device=self.device,
+            )
+            for _ in range(self.num_layers)
+        ]
+        self._free_slots = list(range(self.max_sequences - 1, -1, -1))
+
+    def start(self, state: InjectedState) -> ReferenceSequence:
+        self._check_loaded()
+        self._check_state(state)
+        with self._lock:
+            if not self._free_slots:
+                raise NoFreeSequenceError(f"all {self.max_sequences} sequences are in use (max_sequences)")
+            slot = self._free_slots.pop()
+        try:
+            n = state.seq_len
+            for cache, layer in zip(self._caches, state.layers, strict=True):
+                row = cache[slot]
+                row[:n, : self.config.kv_lora_rank] = layer.kv.to(device=self.device, dtype=self.dtype)
+                row[:n, self.config.kv_lora_rank :] = layer.pe.to(device=self.device, dtype=self.dtype)
+        except BaseException:
+            self._release(slot)
+            raise
+        return ReferenceSequence(self, slot, state.seq_len, state.last_prompt_token)
+
+    # -- ground truth -------------------------------------------------------------------------
+
+    def prefill(self, prompt_token_ids: list[int]) -> tuple[InjectedState, int]:
+        """Run the prompt through the model as vLLM's prefill does: the state vLLM's MLA cache
+        holds for positions 0..n-1 (main layers, then the MTP layer fed the prompt shifted by one
+        and the greedy first token) and that greedy first token."""
+        self._check_loaded()
+        w, rope = self._weights, self._rope
+        assert w is not None and rope is not None
+        n = len(prompt_token_ids)
+        if n < 1:
+            raise ValueError("prompt_token_ids is empty")
+        if n > self.max_seq_len:
+            raise ValueError(f"prompt of {n} tokens exceeds max_seq_len={self.max_seq_len}")
+        self._check_token(max(prompt_token_ids), "prompt_token_ids")
+        self._check_token(min(prompt_token_ids), "prompt_token_ids")
+        c = self.config
+        tokens = torch.tensor([prompt_token_ids], device=self.device)
+        with torch.inference_mode():
+            caches = [
+                torch.empty(1, n, c.latent_dim, dtype=self.dtype, device=self.device)
+                for _ in range(self.num_layers)
+            ]
+            hidden, _ = rm.forward_main(w, tokens, rope, 0, caches[: c.num_hidden_layers])
+            first = int(rm.logits(w, hidden[0, -1]).argmax())
+            if self.num_mtp_layers:
+                shifted = torch.cat([tokens[:, 1:], torch.tensor([[first]], device=self.device)], dim=1)
+                rm.forward_mtp(w, 0, shifted, hidden, rope, 0, caches[-1])
+        layers = [
+            LayerState(kv=cache[0, :, : c.kv_lora_rank].clone(), pe=cache[0, :, c.kv_lora_rank :].clone())
+            for cache in caches
+        ]
+        return InjectedState(layers=layers, seq_len=n, last_prompt_token=int(prompt_token_ids[-1])), first
+
+    # -- internals ----------------------------------------------------------------------------
+
+    @property
+    def weights(self) -> rm.ModelWeights:
+        self._check_loaded()
+        assert self._weights is not None
+        return self._weights
+
+    def _check_loaded(self) -> None:
+        if self._weights is None:
+            raise RuntimeError("ReferenceEngine.load() has not been called")
+
+    def _check_token(self, token: int, what: str) -> None:
+        if not 0 <= token < self.config.vocab_size:
+            raise ValueError(
+                f"{what}: token id {token} is outside the vocabulary [0, {self.config.vocab_size})"
+            )
+
+    def _check_state(self, state: InjectedState) -> None:
+        c = self.config
+        if len(state.layers) != self.num_layers:
+            raise InjectedStateError(
+                f"InjectedState has {len(state.layers)} layers; this engine takes {self.num_layers} "
+                f"({c.num_hidden_layers} main + {self.num_mtp_layers} MTP)"
+            )
+        n = state.seq_len
+        if n < 1:
+            raise InjectedStateError(f"InjectedState.seq_len={n}: must be at least 1")
+        if n > self.max_seq_len:
+            raise InjectedStateError(f"InjectedState.seq_len={n} exceeds max_seq_len={self.max_seq_len}")
+        if not 0 <= state.last_prompt_token < c.vocab_size:
+            raise InjectedStateError(
+                f"InjectedState.last_prompt_token={state.last_prompt_token} is outside the vocabulary [0, {c.vocab_size})"
+            )
+        for i, layer in enumerate(state.layers):
+            which = f"layer {i} ({'MTP' if i >= c.num_hidden_layers else 'main'})"
+            for field_name, tensor, width in (
+                ("kv", layer.kv, c.kv_lora_rank),
+                ("pe", layer.pe, c.qk_rope_head_dim),
+            ):
+                if tuple(tensor.shape) != (n, width):
+                    raise InjectedStateError(
+                        f"InjectedState {which} {field_name} has shape {tuple(tensor.shape)}, expected ({n}, {width})"
+                    )
+                if not tensor.is_floating_point():
+                    raise InjectedStateError(
+                        f"InjectedState {which} {field_name} has dtype {tensor.dtype}, expected a float type"
+                    )
+            if layer.ki is not None:
+                raise InjectedStateError(
+                    f"InjectedState {which} carries indexer keys (ki); this model has no indexer"
+                )
+
+    def _release(self, slot: int) -> None:
+        with self._lock:
+            if slot not in self._free_slots:
+                self._free_slots.append(slot)
+
+    @property
+    def free_sequences(self) -> int:
+        with self._lock:
+            return len(self._free_slots)
+
+
+class ReferenceSequence:
+    """One request's decode in one cache slot. ``decode`` runs once; ``close`` frees the slot."""
+
+    def __init__(self, engine: ReferenceEngine, slot: int, seq_len: int, last_prompt_token: int) -> None:
+        self._engine = engine
+        self._slot = slot
+        self._seq_len = seq_len
+        self._last_prompt_token = last_prompt_token
+        self._closed = False
+        self._started = False
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self._engine._release(self._slot)
+
+    def decode(self, first_token: int, sampling: Sampling, max_new_tokens: int) -> Iterator[DecodeStep]:
+        """Yield steps of tokens after ``first_token`` until ``max_new_tokens`` tokens are out
+        (``first_token`` itself is not yielded and not counted). Checks run before the first step."""
+        if self._closed:
+            raise RuntimeError("decode() on a closed sequence")
+        if self._started:
+            raise RuntimeError("decode() was already called on this sequence")
+        smp.validate(sampling)
+        self._engine._check_token(first_token, "first_token")
+        if max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens={max_new_tokens}: must be >= 0")
+        limit = self._engine.max_seq_len - self._seq_len
+        if max_new_tokens > limit:
+            raise ValueError(
+                f"max_new_tokens={max_new_tokens} does not fit: prompt of {self._seq_len} tokens plus "
+                f"{max_new_tokens} new ones exceeds max_seq_len={self._engine.max_seq_len} (at most {limit} new tokens)"
+            )
+        self._started = True
+        return self._steps(first_token, sampling, max_new_tokens)
+
+    def _steps(self, first_token: int, sampling: Sampling, max_new_tokens: int) -> Iterator[DecodeStep]:
+        eng = self._engine
+        w, rope = eng.weights, eng._rope
+        assert rope is not None
+        slot = self._slot
+        main_caches = [c[slot : slot + 1] for c in eng._caches[: eng.config.num_hidden_layers]]
+        mtp_cache = eng._caches[-1][slot : slot + 1] if eng.num_mtp_layers else None
+        generator = None
+        if sampling.temperature > 0:
+            generator = torch.Generator(device=eng.device)
+            if sampling.seed is None:
+                generator.seed()
+            else:
+                generator.manual_seed(sampling.seed)
+        dev = eng.device
+
+        def token_tensor(ids: list[int]) -> torch.Tensor:
+            return torch.tensor([ids], device=dev)
+
+        with torch.inference_mode():
+            pos = self._seq_len  # position of `cur`, the newest token not yet through the main model
+            cur = token_tensor([first_token])
+            emitted = 0
+            # MTP inputs not yet run: hidden states at positions mtp_start.. paired with the token
+            # one position later (the last of those tokens is `cur`).
+            mtp_hidden: torch.Tensor | None = None
+            mtp_tokens: torch.Tensor | None = None
+            mtp_start = pos - 1
+            if mtp_cache is not None and max_new_tokens > 1:
+                # Warm start: the cache has the prompt's keys but not the hidden state at seq_len-1.
+                mtp_hidden, _ = rm.forward_main(
+                    w, token_tensor([self._last_prompt_token]), rope, pos - 1, main_caches
+                )
+                mtp_tokens = cur
+
+            while emitted < max_new_tokens:
+                remaining = max_new_tokens - emitted
+                # Drafts past what can still be emitted, or past the cache, are wasted work.
+                k = min(eng.num_speculative_tokens, remaining - 1, eng.max_seq_len - 1 - pos)
+                drafts = torch.empty(0, dtype=torch.long, device=dev)
+                if k > 0 and mtp_hidden is not None and mtp_tokens is not None and mtp_cache is not None:
+                    g, _ = rm.forward_mtp(w, 0, mtp_tokens, mtp_hidden, rope, mtp_start, mtp_cache)
+                    g = g[:, -1:]
+                    draft_list = [rm.logits(w, g[0, -1]).argmax(dim=-1, keepdim=True)]
+                    for j in range(1, k):
+                        g, _ = rm.forward_mtp(
+                            w, 0, draft_list[-1].view(1, 1), g, rope, pos + j - 1, mtp_cache
+                        )
+                        draft_list.append(rm.logits(w, g[0, -1]).argmax(dim=-1, keepdim=True))
+                    drafts = torch.cat(draft_list)
+                    k = drafts.shape[0]
+                else:
+                    k = 0
+
+                inputs = torch.cat([cur, drafts.view(1, -1)], dim=1)
+                hidden, _ = rm.forward_main(w, inputs, rope, pos, main_caches)
+                lg = rm.logits(w, hidden[0])
+                if generator is None:
+                    verdict = smp.greedy_verify(lg, drafts)
+                else:
+                    verdict = smp.sample_verify(lg, drafts, sampling, generator)
+                # The one host read per step: the step's tokens and how many drafts held.
+                values = verdict.tolist()
+                accepted = values[-1]
+                new_tokens = values[: accepted + 1]
+
+                take = new_tokens[:remaining]
+                emitted += len(take)
+                yield DecodeStep(token_ids=take, drafted=k, accepted=accepted)
+
+                step_tokens = verdict[: accepted + 1].view(1, -1)
+                if mtp_cache is not None:
+                    # The MTP layer next runs over every position this step settled: hidden at p,
+                    # token at p+1. Positions skipped when k was 0 are carried along.
+                    new_hidden = hidden[:, : accepted + 1]
+                    if k == 0 and mtp_hidden is not None and mtp_tokens is not None:
+                        mtp_hidden = torch.cat([mtp_hidden, new_hidden], dim=1)
+                        mtp_tokens = torch.cat([mtp_tokens, step_tokens], dim=1)
+                    else:
+                        mtp_hidden, mtp_tokens, mtp_start = new_hidden, step_tokens, pos
+                pos += accepted + 1
+                cur = step_tokens[:, -1:]
