@@ -54,14 +54,16 @@ class Sender:
         # Peer handle per node engine identity: connecting (NIXL metadata load) is done once per node.
         self._peers: dict[str, str] = {}
 
-    def send(self, host: str, port: int, req: HandoffRequest) -> HandoffResult:
+    def send(self, host: str, port: int, req: HandoffRequest, error: str | None = None) -> HandoffResult:
+        """Hand the request's staged state to the node. With `error`, write nothing and tell the node
+        at once that this request's state will not come (so its slot frees now, not at the deadline)."""
         t0 = time.monotonic()
         try:
             chan = SyncChannel.connect(host, port, timeout=self.timeout_s)
         except OSError as exc:
             return HandoffResult(False, "unreachable", f"cannot reach decode node {host}:{port}: {exc}")
         try:
-            return self._send(chan, req, t0)
+            return self._send(chan, req, t0, error)
         except TimeoutError:
             return HandoffResult(False, "timeout", f"decode node {host}:{port} did not answer in {self.timeout_s} s")
         except (OSError, ConnectionError) as exc:
@@ -77,7 +79,7 @@ class Sender:
             return msg
         raise MessageError(f"expected {kind.__name__}, got {type(msg).__name__}")
 
-    def _send(self, chan: SyncChannel, req: HandoffRequest, t0: float) -> HandoffResult:
+    def _send(self, chan: SyncChannel, req: HandoffRequest, t0: float, error: str | None) -> HandoffResult:
         challenge = self._expect(chan, messages.Challenge)
         if not isinstance(challenge, messages.Challenge):
             return _refused(challenge)
@@ -109,6 +111,11 @@ class Sender:
         if not isinstance(accept, messages.Accept):
             return _refused(accept)
         t1 = time.monotonic()
+        if error is not None:
+            chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
+                                    error=error))
+            self._expect(chan, messages.Ack)
+            return HandoffResult(False, "prefill_failed", error, handshake_s=t1 - t0)
         dst = Placement(layout, max_tokens=accept.max_tokens, shards=len(accept.regions))
         ranges = write_ranges(self.staging, dst, senders_layers(layout, req.rank, req.num_senders), req.num_tokens)
         ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes)

@@ -1,0 +1,172 @@
+"""TileRTConnector pieces without a running engine: config, the claim filter, the scheduler side
+driven with vLLM's own SchedulerOutput types, and the gather out of paged caches."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+
+import pytest
+import torch
+from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+from tilert_serve import layouts
+from tilert_serve.pd_vllm.config import ConfigError, ConnectorConfig
+from tilert_serve.pd_vllm.extract import PagedCache, gather
+from tilert_serve.pd_vllm.metadata import Destination
+from tilert_serve.pd_vllm.scheduler import TileRTScheduler
+from tilert_serve.pd_vllm.worker import classify
+
+BASE = {"tilert_model": "mla", "tilert_max_seq_len": 256, "tilert_local_host": "127.0.0.1"}
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [({"tilert_max_seq_len": 256}, "needs tilert_model"),
+     ({**BASE, "tilert_modle": "mla"}, r"unknown TileRTConnector keys \['tilert_modle'\]"),
+     ({**BASE, "tilert_host": "10.0.0.1"}, "destination is per request"),
+     ({**BASE, "tilert_max_seq_len": "many"}, "tilert_max_seq_len='many' is not a int"),
+     ({**BASE, "tilert_transfer": "rdma"}, "tilert_transfer='rdma'"),
+     ({**BASE, "tilert_model": "llama"}, "tilert_model='llama'"),
+     ({**BASE, "tilert_staging_requests": 0}, "must be at least 1")],
+)
+def test_bad_config_names_the_key(extra, message):
+    with pytest.raises(ConfigError, match=message):
+        ConnectorConfig.from_extra_config(extra)
+
+
+def test_config_defaults():
+    cfg = ConnectorConfig.from_extra_config(BASE)
+    assert (cfg.transfer, cfg.protocol, cfg.staging_requests, cfg.local_host) == ("mooncake", "tcp", 2, "127.0.0.1")
+
+
+def test_claim_filter_and_destination_parsing():
+    assert Destination.claims({"tilert_host": "h"})
+    assert not Destination.claims({"do_remote_decode": True})
+    assert not Destination.claims(None)
+    assert Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 5556, "tilert_ticket": "t"}) == \
+        Destination("h", 5556, "t")
+    with pytest.raises(ValueError, match="tilert_ctrl_port must be a port number"):
+        Destination.parse({"tilert_host": "h", "tilert_ctrl_port": "5556"})
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    kv_transfer_params: dict | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+    status: object = field(default_factory=lambda: SimpleNamespace(name="FINISHED_LENGTH_CAPPED"))
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+def _new(req: FakeRequest, blocks: list[int], computed: int = 0) -> NewRequestData:
+    return NewRequestData(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[],
+                          sampling_params=None, pooling_params=None, block_ids=(blocks,), num_computed_tokens=computed,
+                          lora_request=None)
+
+
+def _output(new: list[NewRequestData], cached: CachedRequestData, scheduled: dict[str, int]) -> SchedulerOutput:
+    return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled,
+                           total_num_scheduled_tokens=sum(scheduled.values()), scheduled_spec_decode_tokens={},
+                           scheduled_encoder_inputs={}, num_common_prefix_blocks=[], finished_req_ids=set(),
+                           free_encoder_mm_hashes=[])
+
+
+def _cached(req_ids: list[str], new_blocks: list, computed: list[int], resumed: set[str] | None = None):
+    return CachedRequestData(req_ids=req_ids, resumed_req_ids=resumed or set(), new_token_ids=[[] for _ in req_ids],
+                             all_token_ids={}, new_block_ids=new_blocks, num_computed_tokens=computed,
+                             num_output_tokens=[0 for _ in req_ids])
+
+
+DEST = {"tilert_host": "127.0.0.1", "tilert_ctrl_port": 5556, "tilert_ticket": "tk"}
+
+
+def test_chunked_prefill_sends_once_with_every_block():
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    claimed = FakeRequest("a", list(range(100, 264)), dict(DEST))  # 164 tokens in chunks 9/63/63/29
+    plain = FakeRequest("b", list(range(30)))
+    for r in (claimed, plain):
+        sched.on_new_request(r)
+    assert sched.tracked == 1  # the unclaimed request is not even remembered
+    steps = [
+        _output([_new(claimed, [3]), _new(plain, [7, 8])], _cached([], [], []), {"a": 9, "b": 30}),
+        _output([], _cached(["a"], [([1, 4, 5, 6],)], [9]), {"a": 63}),
+        _output([], _cached(["a"], [([9, 10, 11, 12],)], [72]), {"a": 63}),
+        _output([], _cached(["a"], [([13],)], [135]), {"a": 29}),
+    ]
+    metas = [sched.build_meta(s) for s in steps]
+    assert [len(m.jobs) for m in metas] == [0, 0, 0, 1]
+    job = metas[-1].jobs[0]
+    assert job.block_ids == ([3, 1, 4, 5, 6, 9, 10, 11, 12, 13],)
+    assert (job.num_tokens, job.last_prompt_token, job.dest.ticket) == (164, 263, "tk")
+    claimed.output_token_ids = [42]
+    assert sched.request_finished(claimed) == {"tilert_num_tokens": 164, "tilert_first_token": 42,
+                                               "tilert_status": "queued"}
+    assert sched.request_finished(plain) is None
+    assert sched.tracked == 0
+
+
+def test_resumed_request_replaces_its_block_table():
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    r = FakeRequest("a", list(range(40)), dict(DEST))
+    sched.on_new_request(r)
+    sched.build_meta(_output([_new(r, [1, 2])], _cached([], [], []), {"a": 20}))
+    meta = sched.build_meta(_output([], _cached(["a"], [([7, 8, 9],)], [0], resumed={"a"}), {"a": 40}))
+    assert meta.jobs[0].block_ids == ([7, 8, 9],)
+
+
+@pytest.mark.parametrize(
+    ("params", "tokens", "error"),
+    [({"tilert_host": "h"}, 10, "bad kv_transfer_params: tilert_ctrl_port"),
+     (DEST, 300, "exceeds tilert_max_seq_len 256")],
+)
+def test_requests_that_cannot_go_are_reported_not_sent(params, tokens, error):
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    r = FakeRequest("a", list(range(tokens)), dict(params))
+    sched.on_new_request(r)
+    assert sched.build_meta(_output([_new(r, [1])], _cached([], [], []), {"a": tokens})).jobs == []
+    out = sched.request_finished(r)
+    assert out["tilert_status"] == "failed" and error in out["tilert_error"]
+
+
+def test_aborted_before_its_prefill_completes():
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    r = FakeRequest("a", list(range(50)), dict(DEST), status=SimpleNamespace(name="FINISHED_ABORTED"))
+    sched.on_new_request(r)
+    sched.build_meta(_output([_new(r, [1, 2])], _cached([], [], []), {"a": 20}))
+    out = sched.request_finished(r)
+    assert out["tilert_status"] == "failed" and "FINISHED_ABORTED" in out["tilert_error"]
+
+
+def test_gather_takes_exactly_the_requests_rows():
+    num_blocks, bs = 12, 16
+    caches = {f"model.layers.{i}.self_attn.attn": torch.randn(num_blocks, 1, bs, 576) for i in range(3)}
+    layout, paged = classify(caches, "mla", {}, {0: bs}, num_hidden_layers=2)
+    assert (layout.num_layers, layout.num_mtp_layers, layout.kv_cache_dtype) == (3, 1, "float32")
+    staging = layouts.Placement(layout, max_tokens=64)
+    region = [torch.zeros(staging.total_nbytes(), dtype=torch.uint8)]
+    blocks = [5, 2, 9]
+    n = 37
+    assert gather(paged, (blocks,), n, staging, region) == layout.request_bytes(n)
+    for lid in range(3):
+        _, off = staging.offset("mla", lid)
+        got = region[0][off:off + n * 576 * 4].view(torch.float32).view(n, 576)
+        flat = caches[f"model.layers.{lid}.self_attn.attn"].view(-1, 576)
+        want = torch.stack([flat[blocks[t // bs] * bs + t % bs] for t in range(n)])
+        assert torch.equal(got, want)
+
+
+def test_classify_rejects_a_cache_the_layout_does_not_describe():
+    with pytest.raises(ValueError, match="bytes per block"):
+        classify({"model.layers.0.attn": torch.zeros(4, 1, 16, 512)}, "mla", {}, {0: 16}, num_hidden_layers=1)
+    with pytest.raises(ValueError, match="not 0..1"):
+        classify({f"model.layers.{i}.attn": torch.zeros(4, 1, 16, 576) for i in (0, 2)}, "mla", {}, {0: 16}, 2)
+    fp8 = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 64, 656, dtype=torch.uint8) for i in range(79)}
+    fp8 |= {f"model.layers.{i}.self_attn.indexer.k_cache": torch.zeros(4, 64, 132, dtype=torch.uint8)
+            for i in range(79)}
+    layout, paged = classify(fp8, "glm5", {}, {0: 64}, num_hidden_layers=78)
+    assert layout.kv_cache_dtype == "fp8_ds_mla" and len(paged) == 158

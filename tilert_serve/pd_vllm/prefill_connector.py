@@ -1,0 +1,144 @@
+"""TileRTConnector: vLLM's prefill hands requests bound for TileRT to a decode node.
+
+Load it with --kv-transfer-config (alone, or as a child of MultiConnector beside a native connector):
+
+    {"kv_connector": "TileRTConnector",
+     "kv_connector_module_path": "tilert_serve.pd_vllm.prefill_connector",
+     "kv_role": "kv_producer",
+     "kv_connector_extra_config": {"tilert_model": "glm5", "tilert_max_seq_len": 202752, ...}}
+
+Only requests whose kv_transfer_params carry `tilert_host` are claimed (the router adds it with
+tilert_ctrl_port and tilert_ticket); for every other request each hook is a no-op and no keys are
+returned. Keys this connector returns are namespaced `tilert_*` so MultiConnector never clashes.
+
+Hooks implemented
+  scheduler: on_new_request (claim), update_state_after_alloc (block ids), build_connector_meta
+             (jobs for requests whose prompt completes this step), request_finished[_all_groups]
+             (tilert_status, tilert_first_token, tilert_num_tokens; blocks freed at once).
+  worker:    register_kv_caches (classify layers, staging, transfer engine, sender thread),
+             wait_for_save (gather into staging after the drafter; hand to the sender),
+             get_kv_connector_stats, shutdown.
+No-ops, and why: get_num_new_matched_tokens -> (0, False) (a producer loads nothing);
+start_load_kv / wait_for_layer_load (nothing to load); save_kv_layer (the MTP layer and DSA indexer
+caches are complete only at wait_for_save, so extraction happens there once).
+Reading path: config.py -> metadata.py -> scheduler.py -> worker.py (extract.py, stats.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from tilert_serve.pd_vllm.config import ConnectorConfig
+from tilert_serve.pd_vllm.metadata import TileRTConnectorMetadata
+from tilert_serve.pd_vllm.scheduler import TileRTScheduler
+from tilert_serve.pd_vllm.stats import TileRTPromMetrics, TileRTStats
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self.config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
+        self._scheduler: TileRTScheduler | None = None
+        self._worker: Any = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = TileRTScheduler(self.config)
+        else:
+            from vllm.distributed.parallel_state import (
+                get_tensor_model_parallel_rank,
+                get_tensor_model_parallel_world_size,
+            )
+
+            from tilert_serve.pd_vllm.worker import TileRTWorker
+
+            if vllm_config.parallel_config.pipeline_parallel_size > 1:
+                raise ValueError("TileRTConnector does not support pipeline parallelism; use tensor parallelism")
+            group_of: dict[str, int] = {}
+            block_size_of: dict[int, int] = {}
+            for g, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", []) or []):
+                block_size_of[g] = group.kv_cache_spec.block_size
+                for name in group.layer_names:
+                    group_of[name] = g
+            hf = vllm_config.model_config.hf_config
+            self._worker = TileRTWorker(self.config, rank=get_tensor_model_parallel_rank(),
+                                        world_size=get_tensor_model_parallel_world_size(), group_of=group_of,
+                                        block_size_of=block_size_of,
+                                        num_hidden_layers=int(hf.num_hidden_layers))
+
+    # -- scheduler side ----------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        return 0, False
+
+    def on_new_request(self, request: Request) -> None:
+        assert self._scheduler is not None
+        self._scheduler.on_new_request(request)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks.get_block_ids())
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_meta(scheduler_output)
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.request_finished(request)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        assert self._scheduler is not None
+        return False, self._scheduler.request_finished(request)
+
+    # -- worker side -------------------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return
+
+    def wait_for_save(self) -> None:
+        if not self.has_connector_metadata():
+            return
+        meta = self._get_connector_metadata()
+        if isinstance(meta, TileRTConnectorMetadata) and meta.jobs:
+            self._worker.save(meta.jobs)
+
+    def get_kv_connector_stats(self) -> TileRTStats | None:
+        return self._worker.take_stats() if self._worker is not None else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> TileRTStats | None:
+        return TileRTStats(data=data) if data is not None else TileRTStats()
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> TileRTPromMetrics:
+        return TileRTPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown()

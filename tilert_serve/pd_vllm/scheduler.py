@@ -1,0 +1,115 @@
+"""TileRTConnector, scheduler side (runs in vLLM's EngineCore process).
+
+Follows claimed requests across (chunked) prefill steps, accumulating their block ids, and in the
+step that completes a request's prompt tells the workers to extract and send it. Unclaimed requests
+never enter any structure here.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from tilert_serve.pd_vllm.config import ConnectorConfig
+from tilert_serve.pd_vllm.metadata import Destination, ReqId, SendJob, TileRTConnectorMetadata
+
+if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Claimed:
+    request: Request
+    dest: Destination | None
+    #: Why this request will not be handed off (bad params, too long); None while it still can.
+    refused: str | None
+    block_ids: tuple[list[int], ...] = ()
+    #: Set once the step completing the prompt was scheduled and the job went to the workers.
+    queued: bool = False
+
+
+class TileRTScheduler:
+    def __init__(self, config: ConnectorConfig) -> None:
+        self.config = config
+        #: req_id -> state, for claimed requests between on_new_request and request_finished.
+        self._claimed: dict[ReqId, _Claimed] = {}
+
+    def on_new_request(self, request: Request) -> None:
+        params = request.kv_transfer_params
+        if not Destination.claims(params):
+            return
+        dest, refused = None, None
+        try:
+            dest = Destination.parse(params)  # type: ignore[arg-type]
+        except ValueError as exc:
+            refused = f"bad kv_transfer_params: {exc}"
+        if refused is None and request.num_prompt_tokens > self.config.max_seq_len:
+            refused = (f"prompt of {request.num_prompt_tokens} tokens exceeds tilert_max_seq_len "
+                       f"{self.config.max_seq_len}")
+        if refused:
+            log.warning("request %s will not be handed to TileRT: %s", request.request_id, refused)
+        self._claimed[request.request_id] = _Claimed(request, dest, refused)
+
+    def update_state_after_alloc(self, request: Request, block_ids: tuple[list[int], ...]) -> None:
+        claimed = self._claimed.get(request.request_id)
+        if claimed is not None and not claimed.block_ids:
+            claimed.block_ids = tuple(list(b) for b in block_ids)
+
+    def build_meta(self, out: SchedulerOutput) -> TileRTConnectorMetadata:
+        meta = TileRTConnectorMetadata()
+        if not self._claimed:
+            return meta
+        progress: dict[ReqId, int] = {}
+        for new in out.scheduled_new_reqs:
+            claimed = self._claimed.get(new.req_id)
+            if claimed is not None:
+                claimed.block_ids = tuple(list(b) for b in new.block_ids)
+                progress[new.req_id] = new.num_computed_tokens
+        cached = out.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            claimed = self._claimed.get(req_id)
+            if claimed is None:
+                continue
+            new_blocks = cached.new_block_ids[i]
+            if req_id in cached.resumed_req_ids:  # a resumed request gets its whole block table anew
+                claimed.block_ids = tuple(list(b) for b in (new_blocks or ()))
+            elif new_blocks is not None:
+                claimed.block_ids = tuple(old + list(new) for old, new in
+                                          zip(claimed.block_ids or tuple([] for _ in new_blocks), new_blocks,
+                                              strict=True))
+            progress[req_id] = cached.num_computed_tokens[i]
+        for req_id, computed in progress.items():
+            claimed = self._claimed[req_id]
+            n = claimed.request.num_prompt_tokens
+            if claimed.queued or claimed.refused or claimed.dest is None:
+                continue
+            if computed + out.num_scheduled_tokens.get(req_id, 0) >= n:
+                prompt = list(claimed.request.prompt_token_ids or [])
+                meta.jobs.append(SendJob(req_id=req_id, dest=claimed.dest, num_tokens=n,
+                                         last_prompt_token=prompt[n - 1], prompt_token_ids=prompt,
+                                         block_ids=claimed.block_ids))
+                claimed.queued = True
+        return meta
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """The params the router reads. Blocks are freed at once: the state was copied out in the step."""
+        claimed = self._claimed.pop(request.request_id, None)
+        if claimed is None:
+            return None
+        params: dict[str, Any] = {"tilert_num_tokens": request.num_prompt_tokens}
+        if request.output_token_ids:
+            params["tilert_first_token"] = int(request.output_token_ids[0])
+        if claimed.queued:
+            params["tilert_status"] = "queued"
+        else:
+            params["tilert_status"] = "failed"
+            params["tilert_error"] = claimed.refused or f"request ended ({request.status.name}) before its prefill did"
+        return params
+
+    @property
+    def tracked(self) -> int:
+        return len(self._claimed)

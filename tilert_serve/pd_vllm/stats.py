@@ -1,0 +1,66 @@
+"""Handoff statistics, reported through vLLM's own connector-stats path so they appear in the
+prefill's log and on its /metrics endpoint (as vllm:tilert_* counters)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+
+
+def _empty() -> dict[str, Any]:
+    return {"handoffs": {}, "bytes": 0, "extract_s": 0.0, "send_s": 0.0}
+
+
+@dataclass
+class TileRTStats(KVConnectorStats):
+    data: dict[str, Any] = field(default_factory=_empty)
+
+    def record(self, outcome: str, nbytes: int = 0, extract_s: float = 0.0, send_s: float = 0.0) -> None:
+        self.data["handoffs"][outcome] = self.data["handoffs"].get(outcome, 0) + 1
+        self.data["bytes"] += nbytes
+        self.data["extract_s"] += extract_s
+        self.data["send_s"] += send_s
+
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
+        for k, v in other.data.get("handoffs", {}).items():
+            self.data["handoffs"][k] = self.data["handoffs"].get(k, 0) + v
+        for k in ("bytes", "extract_s", "send_s"):
+            self.data[k] += other.data.get(k, 0)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        out: dict[str, int | float] = {f"tilert_{k}": v for k, v in sorted(self.data["handoffs"].items())}
+        out["tilert_bytes"] = self.data["bytes"]
+        out["tilert_extract_s"] = round(self.data["extract_s"], 4)
+        out["tilert_send_s"] = round(self.data["send_s"], 4)
+        return out
+
+    def is_empty(self) -> bool:
+        return not self.data["handoffs"]
+
+
+class TileRTPromMetrics(KVConnectorPromMetrics):
+    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        counter = self._counter_cls
+        self._handoffs = counter("vllm:tilert_handoffs", "TileRT handoffs by outcome",
+                                 labelnames=[*labelnames, "outcome"])
+        self._bytes = counter("vllm:tilert_handoff_bytes", "State bytes sent to TileRT nodes",
+                              labelnames=labelnames)
+        self._send_s = counter("vllm:tilert_handoff_seconds", "Seconds spent sending state", labelnames=labelnames)
+        self._extract_s = counter("vllm:tilert_extract_seconds", "Seconds spent gathering state into staging",
+                                  labelnames=labelnames)
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        labels = self.per_engine_labelvalues[engine_idx]
+        for outcome, n in transfer_stats_data.get("handoffs", {}).items():
+            self._handoffs.labels(*labels, outcome).inc(n)
+        self._bytes.labels(*labels).inc(transfer_stats_data.get("bytes", 0))
+        self._send_s.labels(*labels).inc(transfer_stats_data.get("send_s", 0.0))
+        self._extract_s.labels(*labels).inc(transfer_stats_data.get("extract_s", 0.0))

@@ -1,0 +1,227 @@
+"""TileRTConnector, worker side (runs in each vLLM worker process, one per TP rank).
+
+In `wait_for_save` (after the target model and the MTP drafter have written the step's KV) each
+claimed request that finished its prompt this step is gathered from the paged caches into a
+pre-registered staging region, and handed to a background sender thread that does the handshake,
+the one-sided writes and done. The forward pass never waits on the network: a full staging pool or
+a failed gather only costs this request its handoff (the node is told at once), never the step.
+
+Block contract: the copy happens inside the step, before wait_for_save returns (on CUDA it is
+enqueued on the current stream, so later kernels that reuse the blocks run after it; the sender
+waits on an event before writing). request_finished therefore frees blocks at once (no delay-free,
+no has_pending_push_work, no get_finished reports), which keeps vLLM's block accounting untouched.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import re
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tilert_serve import layouts, transfer
+from tilert_serve.handoff import auth
+from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, Sender
+from tilert_serve.layouts import Layout, Placement
+from tilert_serve.pd_vllm.config import ConnectorConfig
+from tilert_serve.pd_vllm.extract import PagedCache, check_cache, gather
+from tilert_serve.pd_vllm.metadata import SendJob
+from tilert_serve.pd_vllm.stats import TileRTStats
+
+log = logging.getLogger(__name__)
+_LAYER_ID = re.compile(r"layers\.(\d+)\.")
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
+                torch.uint8: "fp8_ds_mla"}
+
+
+def classify(kv_caches: dict[str, torch.Tensor], tilert_model: str, group_of: dict[str, int],
+             block_size_of: dict[int, int], num_hidden_layers: int) -> tuple[Layout, list[PagedCache]]:
+    """The layout the registered caches imply, and each cache's (layer, plane)."""
+    caches: list[PagedCache] = []
+    for name, tensor in kv_caches.items():
+        m = _LAYER_ID.search(name)
+        if m is None:
+            raise ValueError(f"KV cache {name!r} has no layer number; TileRTConnector cannot place it")
+        plane = "indexer" if ("indexer" in name or "index_k" in name) else "mla"
+        group = group_of.get(name, 0)
+        caches.append(PagedCache(name, int(m.group(1)), plane, tensor, block_size_of.get(group, 16), group))
+    mla = sorted(c.layer for c in caches if c.plane == "mla")
+    if mla != list(range(len(mla))):
+        raise ValueError(f"MLA layers {mla} are not 0..{len(mla) - 1}; is this a DeepSeek-V3-style model?")
+    dtype = _DTYPE_NAMES.get(next(c.tensor.dtype for c in caches if c.plane == "mla"))
+    if dtype is None:
+        raise ValueError(f"unsupported KV-cache dtype {caches[0].tensor.dtype}")
+    mtp = len(mla) - num_hidden_layers
+    if tilert_model == "mla":
+        layout = layouts.get("mla", dtype, num_layers=len(mla), num_mtp_layers=max(mtp, 0))
+    else:
+        layout = layouts.get(tilert_model, dtype, num_layers=len(mla))
+    for c in caches:
+        check_cache(c, layout)
+    return layout, sorted(caches, key=lambda c: (c.layer, c.plane))
+
+
+class StagingPool:
+    """`slots` staging regions of one rank's share of the layout, allocated and registered once."""
+
+    def __init__(self, staging: Placement, rank: int, slots: int, device: torch.device) -> None:
+        self.placement, self.rank = staging, rank
+        self.region_nbytes = staging.shard_nbytes(rank)
+        self.buffer = torch.zeros(slots * self.region_nbytes, dtype=torch.uint8, device=device)
+        self._free = list(range(slots - 1, -1, -1))
+        self._lock = threading.Lock()  # guards _free: the forward thread takes, the sender thread gives back
+
+    def acquire(self) -> int | None:
+        with self._lock:
+            return self._free.pop() if self._free else None
+
+    def release(self, index: int) -> None:
+        with self._lock:
+            self._free.append(index)
+
+    @property
+    def free(self) -> int:
+        with self._lock:
+            return len(self._free)
+
+    def region(self, index: int) -> list[torch.Tensor | None]:
+        """Per staging shard; only this rank's shard exists here."""
+        out: list[torch.Tensor | None] = [None] * self.placement.shards
+        out[self.rank] = self.buffer[index * self.region_nbytes:(index + 1) * self.region_nbytes]
+        return out
+
+    def addrs(self, index: int) -> list[int]:
+        out = [0] * self.placement.shards
+        out[self.rank] = self.buffer.data_ptr() + index * self.region_nbytes
+        return out
+
+
+@dataclass
+class _Work:
+    job: SendJob
+    staging_index: int | None
+    event: Any
+    extract_s: float
+    error: str | None = None
+
+
+_STOP = object()
+
+
+class TileRTWorker:
+    def __init__(self, config: ConnectorConfig, *, rank: int, world_size: int, group_of: dict[str, int],
+                 block_size_of: dict[int, int], num_hidden_layers: int) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.group_of, self.block_size_of = group_of, block_size_of
+        self.num_hidden_layers = num_hidden_layers
+        self.secret = auth.load_secret(config.secret_path)
+        self.layout: Layout | None = None
+        self.caches: list[PagedCache] = []
+        self.pool: StagingPool | None = None
+        self.stats = TileRTStats()
+        self._stats_lock = threading.Lock()  # guards stats: the sender thread records, the step thread takes
+        #: Jobs waiting for the sender thread: _Work items, or _STOP.
+        self._queue: queue.Queue[Any] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._mover: transfer.TransferEngine | None = None
+
+    def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        layout, caches = classify(kv_caches, self.config.tilert_model, self.group_of, self.block_size_of,
+                                  self.num_hidden_layers)
+        mine = set(layouts.senders_layers(layout, self.rank, self.world_size))
+        self.layout, self.caches = layout, [c for c in caches if c.layer in mine]
+        staging = Placement(layout, max_tokens=self.config.max_seq_len, shards=self.world_size)
+        device = caches[0].tensor.device
+        self.pool = StagingPool(staging, self.rank, self.config.staging_requests, device)
+        self._mover = transfer.create(self.config.transfer, host=self.config.local_host,
+                                      protocol=self.config.protocol, role=f"prefill-{self.rank}")
+        self._mover.register(self.pool.buffer.data_ptr(), self.pool.buffer.numel(),
+                             "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
+        self._sender = Sender(name=f"prefill-rank{self.rank}", secret=self.secret, engine=self._mover,
+                              staging=staging, staging_addrs=[0] * self.world_size, timeout_s=self.config.timeout_s)
+        self._thread = threading.Thread(target=self._run, name="tilert-sender", daemon=True)
+        self._thread.start()
+        log.info("TileRTConnector rank %d/%d: layout %s, %d layers here, staging %d x %.1f MB (%s), %s/%s",
+                 self.rank, self.world_size, layout.describe(), len(mine), self.config.staging_requests,
+                 self.pool.region_nbytes / 1e6, device, self.config.transfer, self.config.protocol)
+
+    def save(self, jobs: list[SendJob]) -> None:
+        """Called from wait_for_save: gather each job into staging and queue it. Never raises."""
+        for job in jobs:
+            t0 = time.perf_counter()
+            assert self.pool is not None
+            index = self.pool.acquire()
+            if index is None:
+                self._queue.put(_Work(job, None, None, 0.0, f"prefill staging full ({self.config.staging_requests} "
+                                                            "requests in flight); raise tilert_staging_requests"))
+                continue
+            try:
+                gather(self.caches, job.block_ids, job.num_tokens, self.pool.placement,
+                       self.pool.region(index))  # type: ignore[arg-type]
+                event = None
+                if self.pool.buffer.is_cuda:
+                    event = torch.cuda.Event()
+                    event.record()
+            except Exception as exc:  # a bug here must not take the forward pass down
+                log.exception("gathering request %s into staging failed", job.req_id)
+                self.pool.release(index)
+                self._queue.put(_Work(job, None, None, 0.0, f"gather failed: {exc}"))
+                continue
+            self._queue.put(_Work(job, index, event, time.perf_counter() - t0))
+
+    def _run(self) -> None:
+        while True:
+            work = self._queue.get()
+            if work is _STOP:
+                return
+            try:
+                result = self._send(work)
+            except Exception as exc:  # keep the thread alive for the next request
+                log.exception("handoff of %s crashed", work.job.req_id)
+                result = HandoffResult(False, "internal", str(exc))
+            finally:
+                if work.staging_index is not None:
+                    assert self.pool is not None
+                    self.pool.release(work.staging_index)
+            with self._stats_lock:
+                self.stats.record("ok" if result.ok else (result.reason or "failed"), result.nbytes,
+                                  work.extract_s, result.handshake_s + result.write_s + result.ack_s)
+            if not result.ok:
+                log.warning("handoff of %s to %s:%d failed: %s: %s", work.job.req_id, work.job.dest.host,
+                            work.job.dest.ctrl_port, result.reason, result.message)
+
+    def _send(self, work: _Work) -> HandoffResult:
+        job = work.job
+        req = HandoffRequest(request_id=job.req_id, num_tokens=job.num_tokens, last_prompt_token=job.last_prompt_token,
+                             ticket=job.dest.ticket, prompt_token_ids=job.prompt_token_ids, rank=self.rank,
+                             num_senders=self.world_size)
+        if work.staging_index is None:
+            return self._sender.send(job.dest.host, job.dest.ctrl_port, req, error=work.error or "not staged")
+        if work.event is not None:
+            work.event.synchronize()
+        assert self.pool is not None
+        self._sender.staging_addrs = self.pool.addrs(work.staging_index)
+        return self._sender.send(job.dest.host, job.dest.ctrl_port, req)
+
+    def take_stats(self) -> TileRTStats | None:
+        with self._stats_lock:
+            if self.stats.is_empty():
+                return None
+            stats, self.stats = self.stats, TileRTStats()
+        return stats
+
+    def shutdown(self) -> None:
+        if self._thread is not None:
+            self._queue.put(_STOP)
+            self._thread.join(timeout=self.config.timeout_s)
+            self._thread = None
+        if self._mover is not None and self.pool is not None:
+            self._mover.unregister(self.pool.buffer.data_ptr())
+            self._mover.close()
+            self._mover = None
