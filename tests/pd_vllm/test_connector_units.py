@@ -12,7 +12,7 @@ from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, Schedul
 
 from tilert_serve import layouts
 from tilert_serve.pd_vllm.config import ConfigError, ConnectorConfig
-from tilert_serve.pd_vllm.extract import PagedCache, gather
+from tilert_serve.pd_vllm.extract import gather
 from tilert_serve.pd_vllm.metadata import Destination
 from tilert_serve.pd_vllm.scheduler import TileRTScheduler
 from tilert_serve.pd_vllm.worker import classify
@@ -163,7 +163,7 @@ def test_gather_takes_exactly_the_requests_rows():
 def test_classify_rejects_a_cache_the_layout_does_not_describe():
     with pytest.raises(ValueError, match="bytes per block"):
         classify({"model.layers.0.attn": torch.zeros(4, 1, 16, 512)}, "mla", {}, {0: 16}, num_hidden_layers=1)
-    with pytest.raises(ValueError, match="not 0..1"):
+    with pytest.raises(ValueError, match=r"not 0\.\.1"):
         classify({f"model.layers.{i}.attn": torch.zeros(4, 1, 16, 576) for i in (0, 2)}, "mla", {}, {0: 16}, 2)
     fp8 = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 64, 656, dtype=torch.uint8) for i in range(79)}
     fp8 |= {f"model.layers.{i}.self_attn.indexer.k_cache": torch.zeros(4, 64, 132, dtype=torch.uint8)
