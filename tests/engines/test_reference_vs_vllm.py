@@ -2,7 +2,9 @@
 
 One vLLM instance (float32, real weights, MTP speculative config) produces greedy token ids for a
 dozen prompts of different lengths, several longer than one 16-token CPU block; the reference
-engine's prefill + MTP decode must give the same ids for every prompt.
+engine's prefill + MTP decode must give the same ids for every prompt. The same instance also
+hands back the MLA cache rows its prefill wrote (main layers and the MTP layer), which must equal
+the reference engine's own prefill state.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from tilert_serve.decode.engines.base import Sampling
 
@@ -22,6 +25,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 MAX_TOKENS = 16
 LENGTHS = [1, 2, 4, 7, 11, 15, 16, 17, 24, 33, 48, 65]
+DUMPED = [0, 7, 9]  # prompts (1, 17 and 33 tokens) whose cache rows vLLM hands back
 
 
 def _prompts() -> list[list[int]]:
@@ -30,16 +34,23 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_outputs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[int]]:
+def vllm_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
     work = tmp_path_factory.mktemp("vllm")
-    requests = work / "requests.json"
-    requests.write_text(
-        json.dumps({"prompts": _prompts(), "max_tokens": MAX_TOKENS, "num_speculative_tokens": 1})
+    request = work / "request.json"
+    prompts = _prompts()
+    request.write_text(
+        json.dumps(
+            {
+                "prompts": prompts,
+                "max_tokens": MAX_TOKENS,
+                "num_speculative_tokens": 1,
+                "dump_prompts": [prompts[i] for i in DUMPED],
+            }
+        )
     )
-    out = work / "out.json"
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     proc = subprocess.run(
-        [sys.executable, str(HERE / "vllm_greedy.py"), str(tiny_model_dir), str(requests), str(out)],
+        [sys.executable, str(HERE / "vllm_run.py"), str(tiny_model_dir), str(request), str(work)],
         cwd=work,
         env=env,
         capture_output=True,
@@ -47,13 +58,15 @@ def vllm_outputs(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory)
         timeout=240,
     )
     assert proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(out.read_text())
+    result = json.loads((work / "result.json").read_text())
+    result["cache_rows"] = torch.load(work / "cache_rows.pt")
     print(f"vLLM init {result['seconds_init']:.1f} s, generate {result['seconds_generate']:.2f} s")
-    return result["outputs"]
+    return result
 
 
 @pytest.mark.slow
-def test_reference_engine_matches_vllm_greedy(make_engine, vllm_outputs: list[list[int]]) -> None:
+def test_reference_engine_matches_vllm_greedy(make_engine, vllm_run: dict) -> None:
+    vllm_outputs = vllm_run["outputs"]
     engine = make_engine(num_speculative_tokens=1)
     drafted = accepted = 0
     mismatches = []
@@ -75,3 +88,23 @@ def test_reference_engine_matches_vllm_greedy(make_engine, vllm_outputs: list[li
     assert not mismatches, "\n".join(mismatches)
     # The outputs are not degenerate: prompts lead to different continuations.
     assert len({tuple(o) for o in vllm_outputs}) == len(vllm_outputs)
+
+
+@pytest.mark.slow
+def test_prefill_state_equals_vllm_cache_rows(make_engine, vllm_run: dict) -> None:
+    """What ``prefill`` returns is what vLLM's MLA cache holds after its prefill step: normalised
+    kv_c || roped k_pe for every main layer, and the MTP layer's rows from the drafter's pass over
+    the prompt shifted by one token (the sampled first token last, position 0's embedding zeroed)."""
+    engine = make_engine(num_speculative_tokens=1)
+    prompts = _prompts()
+    for i, rows, vllm_first in zip(DUMPED, vllm_run["cache_rows"], vllm_run["first_tokens"], strict=True):
+        state, first = engine.prefill(prompts[i])
+        assert first == vllm_first
+        names = sorted(rows, key=lambda n: int(n.split(".")[2]))  # model.layers.<i>.self_attn.attn
+        assert len(names) == engine.num_layers, names
+        for lid, name in enumerate(names):
+            got = torch.cat([state.layers[lid].kv, state.layers[lid].pe], dim=-1)
+            want = rows[name]
+            assert want.shape == got.shape == (len(prompts[i]), 576)
+            err = float((got - want).abs().max())
+            assert err < 1e-4, f"prompt of {len(prompts[i])} tokens, {name}: max abs difference {err}"
