@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
@@ -14,43 +16,59 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+class _Cached:
+    """A labelled metric whose children are looked up once per label set: prometheus_client's
+    `labels()` costs a lock and a few dict operations, and the hot path calls it several times per
+    request. Label values here are bounded (paths, node names, error kinds, status codes)."""
+
+    def __init__(self, metric: Any) -> None:
+        self._metric = metric
+        self._children: dict[tuple[str, ...], Any] = {}
+
+    def labels(self, *values: str) -> Any:
+        child = self._children.get(values)
+        if child is None:
+            child = self._children[values] = self._metric.labels(*values)
+        return child
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
         p = "tilert_router_"
-        self.ttft = Histogram(p + "ttft_seconds", "Request arrival to first token written, by path",
-                              ["path"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram(p + "inter_token_seconds", "Gap between two chunks written to the client",
-                             ["path"], buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "request_duration_seconds", "Request arrival to the last byte, by path",
-                             ["path"], buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill = Histogram(p + "prefill_seconds", "Prefill call duration, by path",
-                                 ["path"], buckets=_LATENCY_BUCKETS, registry=r)
+        self.ttft = _Cached(Histogram(p + "ttft_seconds", "Request arrival to first token written, by path",
+                              ["path"], buckets=_LATENCY_BUCKETS, registry=r))
+        self.itl = _Cached(Histogram(p + "inter_token_seconds", "Gap between two chunks written to the client",
+                             ["path"], buckets=_ITL_BUCKETS, registry=r))
+        self.e2e = _Cached(Histogram(p + "request_duration_seconds", "Request arrival to the last byte, by path",
+                             ["path"], buckets=_LATENCY_BUCKETS, registry=r))
+        self.prefill = _Cached(Histogram(p + "prefill_seconds", "Prefill call duration, by path",
+                                 ["path"], buckets=_LATENCY_BUCKETS, registry=r))
         self.handoff = Histogram(p + "handoff_seconds",
                                  "Prefill answer to the first token from the TileRT node (KV handoff)",
                                  buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = Counter(p + "requests_total", "Finished requests by path and outcome",
-                                ["path", "outcome"], registry=r)
-        self.routes = Counter(p + "routes_total", "Routing decisions by path and reason",
-                              ["path", "reason"], registry=r)
-        self.admissions = Counter(p + "admissions_total", "TileRT admission calls by node and result",
-                                  ["node", "result"], registry=r)
-        self.rejections = Counter(p + "rejections_total", "Requests answered 4xx/5xx by the router, by code",
-                                  ["code"], registry=r)
-        self.upstream_errors = Counter(p + "upstream_errors_total", "Upstream failures by pool and kind",
-                                       ["pool", "kind"], registry=r)
+        self.requests = _Cached(Counter(p + "requests_total", "Finished requests by path and outcome",
+                                ["path", "outcome"], registry=r))
+        self.routes = _Cached(Counter(p + "routes_total", "Routing decisions by path and reason",
+                              ["path", "reason"], registry=r))
+        self.admissions = _Cached(Counter(p + "admissions_total", "TileRT admission calls by node and result",
+                                  ["node", "result"], registry=r))
+        self.rejections = _Cached(Counter(p + "rejections_total", "Requests answered 4xx/5xx by the router, by code",
+                                  ["code"], registry=r))
+        self.upstream_errors = _Cached(Counter(p + "upstream_errors_total", "Upstream failures by pool and kind",
+                                       ["pool", "kind"], registry=r))
         self.retries = Counter(p + "retries_total", "Requests retried before their first byte",
                                registry=r)
-        self.cancels = Counter(p + "tilert_cancels_total", "Cancel calls to TileRT nodes by reason",
-                               ["reason"], registry=r)
-        self.inflight = Gauge(p + "inflight_requests", "Requests in flight by path", ["path"], registry=r)
-        self.slots = Gauge(p + "tilert_slots_in_use", "TileRT slots this router holds, by node",
-                           ["node"], registry=r)
-        self.healthy = Gauge(p + "endpoint_healthy", "1 healthy, 0 ejected, -1 not probed yet",
-                             ["pool", "endpoint"], registry=r)
-        self.config_reloads = Counter(p + "config_reloads_total", "Config reloads by result",
-                                      ["result"], registry=r)
+        self.cancels = _Cached(Counter(p + "tilert_cancels_total", "Cancel calls to TileRT nodes by reason",
+                               ["reason"], registry=r))
+        self.inflight = _Cached(Gauge(p + "inflight_requests", "Requests in flight by path", ["path"], registry=r))
+        self.slots = _Cached(Gauge(p + "tilert_slots_in_use", "TileRT slots this router holds, by node",
+                           ["node"], registry=r))
+        self.healthy = _Cached(Gauge(p + "endpoint_healthy", "1 healthy, 0 ejected, -1 not probed yet",
+                             ["pool", "endpoint"], registry=r))
+        self.config_reloads = _Cached(Counter(p + "config_reloads_total", "Config reloads by result",
+                                      ["result"], registry=r))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -202,7 +202,8 @@ def parse(kind: Kind, raw: bytes, served_models: list[str]) -> ParsedRequest:
     top_k = _opt_int(body, "top_k", -1)
     seed = _opt_int(body, "seed")
 
-    unsupported = [name for name, default in _TILERT_UNSUPPORTED.items() if _needs(body.get(name), default)]
+    # Only the keys the body has: most requests carry few of these fields.
+    unsupported = sorted(k for k in body.keys() & _TILERT_UNSUPPORTED.keys() if _needs(body[k], _TILERT_UNSUPPORTED[k]))
     if n is not None and n > 1:
         unsupported.append("n")
     if batch:

@@ -5,6 +5,7 @@ The native path relays vLLM's own bodies and only rewrites `usage` (`with_cached
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -61,6 +62,7 @@ class ChunkWriter:
     model: str
     created: int = field(default_factory=lambda: int(time.time()))
     _role_sent: bool = False
+    _template: tuple[bytes, bytes] | None = None
 
     @property
     def id(self) -> str:
@@ -80,6 +82,17 @@ class ChunkWriter:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             obj = "text_completion"
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+
+    def content_chunk(self, text: str) -> bytes:
+        """A whole SSE event carrying only text (every chunk after the first): the constant parts are
+        encoded once per request, only the text is JSON-escaped per chunk."""
+        if self._template is None:
+            marker = "\x00TEXT\x00"
+            enc = json.dumps(self.chunk(marker), separators=(",", ":"))
+            head, tail = enc.split(json.dumps(marker))
+            self._template = (b"data: " + head.encode(), tail.encode() + b"\n\n")
+        head_b, tail_b = self._template
+        return head_b + json.dumps(text).encode() + tail_b
 
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"

@@ -39,6 +39,10 @@ class Decoder:
                 break
             raw = buf[start : end + 2]
             start = end + 2
+            if raw.startswith(b"data: ") and raw.find(b"\n", 6) == len(raw) - 2:
+                # The common case, one data line: no line splitting needed.
+                events.append(Event("message", raw[6:-2].decode("utf-8", errors="replace"), raw))
+                continue
             ev = _parse(raw)
             if ev is not None:
                 events.append(ev)

@@ -181,6 +181,15 @@ class _Out:
         elif text:
             self.parts.append(text)
 
+    async def texts(self, parts: list[str]) -> None:
+        if not parts:
+            return
+        if not self.call.req.stream:
+            self.parts.extend(parts)
+            return
+        assert self.call.response is not None  # the first token started the stream
+        await self.call.write(self.writer.content_chunk("".join(parts)))
+
 
 async def serve(call: Call, node: Node, adm: Admission) -> web.StreamResponse:
     """Serve the request on `node`, whose slot is reserved and admitted (`adm`)."""
@@ -318,8 +327,12 @@ async def _generate(
         dec = sse.Decoder()
         first = True
         async for chunk in resp.content.iter_any():
+            # Tokens that arrived in one network read go out as one chunk, in one write: the client
+            # sees text as soon as the router has it, at a fraction of the per-event cost.
+            pending: list[str] = []
             for ev in dec.feed(chunk):
                 if ev.event == "error":
+                    await out.texts(pending)
                     try:
                         msg = error_message(json.loads(ev.data), "decode node error")
                     except ValueError:
@@ -327,6 +340,7 @@ async def _generate(
                     return await _decode_failed(call, node, "stream_error", msg)
                 obj = json.loads(ev.data)
                 if obj.get("done"):
+                    await out.texts(pending)
                     # The node frees the slot when it finishes: nothing to cancel.
                     slot.ticket = None
                     slot.release()
@@ -339,10 +353,12 @@ async def _generate(
                 n_tokens += len(obj.get("token_ids") or ())
                 text = stops.feed(obj.get("text") or "")
                 if text:
-                    await out.text(text)
+                    pending.append(text)
                 if stops.stopped:
+                    await out.texts(pending)
                     slot.cancel("stop string")
                     return "stop", n_tokens
+            await out.texts(pending)
         return await _decode_failed(call, node, "truncated", "decode stream ended without a done event")
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         kind = "timeout" if isinstance(exc, TimeoutError) else "stream_broken"
