@@ -84,3 +84,23 @@ def test_decide():
     assert ei.value.status == 400 and "tools" in ei.value.message
     assert policy.requested(RoutingPolicy(tilert_aliases=["m-fast"]), None, "m-fast") == "tilert"
     assert policy.requested(RoutingPolicy(), "NATIVE", "m") == "native"
+
+
+def test_config_written_by_an_older_operator_still_parses():
+    """The fields of the first config model only: every later field has a default."""
+    import yaml
+
+    from tilert_serve.router import config
+
+    old = yaml.safe_load("""
+model: m
+prefill: [http://p:8100]
+tilert: [{name: t0, http_url: "http://t0:5557", ctrl_host: t0, slots: 2}]
+native: [http://d:8100]
+policy: {header: x-pd-route, default: auto, when_tilert_full: native, retry_after_s: 1}
+timeouts: {connect_s: 5, prefill_s: 600, idle_stream_s: 60}
+api_keys_file: null
+""")
+    cfg = config.RouterConfig.model_validate(old)
+    assert cfg.timeouts.admit_s == 2.0 and cfg.limits.native_max_inflight == 256
+    assert cfg.served_models() == ["m"]
