@@ -25,6 +25,7 @@ import copy
 import datetime
 import json
 import re
+import time
 import uuid
 from collections import defaultdict
 from dataclasses import dataclass
@@ -188,6 +189,8 @@ class ApiServer(kmock.KubernetesEmulator):
         super().__attrs_post_init__()
         self.resources.load_bundled()
         self.store: dict[Key, Obj] = {}
+        #: The same objects by resource, so a list scans one resource, not the whole store.
+        self.by_res: dict[Res, dict[Key, Obj]] = defaultdict(dict)
         self.rv = 0
         self.events: list[tuple[int, Res, Obj]] = []
         self.subs: dict[Res, set[asyncio.Queue[Obj]]] = defaultdict(set)
@@ -195,6 +198,8 @@ class ApiServer(kmock.KubernetesEmulator):
         self.faults: list[Fault] = []
         self.crds: dict[Res, Obj] = {}
         self.wlock = asyncio.Lock()
+        #: When each object was first created (monotonic seconds), for the benchmark.
+        self.added_at: dict[Key, float] = {}
 
     # ---- discovery / version -------------------------------------------------------------------
 
@@ -273,6 +278,9 @@ class ApiServer(kmock.KubernetesEmulator):
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
         self.store[key] = obj
+        self.by_res[res][key] = obj
+        if kind == "ADDED":
+            self.added_at[key] = time.monotonic()
         self._emit(res, kind, obj)
         return copy.deepcopy(obj)
 
@@ -295,6 +303,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 return self._commit(key[0], key, obj, "MODIFIED")
             return copy.deepcopy(obj)
         del self.store[key]
+        self.by_res[key[0]].pop(key, None)
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
         self._emit(key[0], "DELETED", obj)
@@ -303,7 +312,7 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _collect(self, uid: str) -> None:
         """Background cascading deletion: dependents go when their owner goes."""
-        for key, obj in list(self.store.items()):
+        for key, obj in list(self.store.items()):  # every resource: owners and dependents differ in kind
             refs = obj["metadata"].get("ownerReferences") or []
             if key in self.store and any(r.get("uid") == uid for r in refs):
                 self._delete(key)
@@ -338,7 +347,7 @@ class ApiServer(kmock.KubernetesEmulator):
         if not self._changed(old, new):
             return copy.deepcopy(old)
         if new["metadata"].get("deletionTimestamp") and not new["metadata"].get("finalizers"):
-            self.store[key] = new
+            self.store[key] = self.by_res[res][key] = new
             return self._delete(key)
         return self._commit(res, key, new, "MODIFIED")
 
@@ -396,10 +405,11 @@ class ApiServer(kmock.KubernetesEmulator):
             if obj is None:
                 raise ApiError(404, "NotFound", f'{res[2]} "{request.name}" not found')
             return aiohttp.web.json_response(obj)
-        items = [copy.deepcopy(o) for (kres, ns, _), o in sorted(self.store.items(), key=lambda kv: (kv[0][1] or "", kv[0][2]))
-                 if kres == res and (request.namespace is None or ns == request.namespace)
+        items = [copy.deepcopy(o) for (_, ns, _), o in self.by_res[res].items()
+                 if (request.namespace is None or ns == request.namespace)
                  and label_match(request.params.get("labelSelector"), o["metadata"].get("labels") or {})
                  and field_match(request.params.get("fieldSelector"), o)]
+        items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
         if "as=Table" in request.headers.get("Accept", ""):
             return aiohttp.web.json_response(self._table(res, items))
         for item in items:
@@ -523,7 +533,7 @@ class ApiServer(kmock.KubernetesEmulator):
             if since:
                 backlog = [e for rv, r, e in self.events if r == res and rv > since]
             else:
-                backlog = [{"type": "ADDED", "object": copy.deepcopy(o)} for (r, _, _), o in self.store.items() if r == res]
+                backlog = [{"type": "ADDED", "object": copy.deepcopy(o)} for o in self.by_res[res].values()]
         timeout = float(request.params.get("timeoutSeconds") or 3600)
         labels, fields = request.params.get("labelSelector"), request.params.get("fieldSelector")
 

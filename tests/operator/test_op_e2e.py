@@ -102,8 +102,9 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         assert [e["ctrlHost"] for e in body["status"]["endpoints"]] == ["10.1.0.1", "10.1.0.2"]
         nodes = router_nodes(apiserver, "default", "tiny")
         assert nodes is not None and [n["http_url"] for n in nodes] == ["http://10.1.0.1:5557", "http://10.1.0.2:5557"]
-        events = srv.objects("events", "default")
-        assert any(e["reason"] == "Serving" and e["involvedObject"]["uid"] == uid for e in events)
+        # The Event follows the status write that reported the transition.
+        h.wait_for("Serving event", lambda: any(e["reason"] == "Serving" and e["involvedObject"]["uid"] == uid
+                                                 for e in srv.objects("events", "default")), timeout=5)
 
         # A node goes unready -> it leaves the endpoint list within seconds; Ready stays, Degraded.
         put_pod(apiserver, h.pod("tiny", constants.TILERT, 1, ip="10.1.0.2", ready=False, owner=sts))

@@ -95,7 +95,7 @@ def test_invalid_spec_changes_nothing(apiserver: Any) -> None:
         apiserver.call(srv.put(h.PDC, body | {"metadata": body["metadata"] | {"generation": 2}}))
         h.wait_for("children", lambda: srv.get("deployments", "default", "bad-prefill"))
         h.wait_for("SpecValid=True", lambda: h.condition(srv.get("pdclusters", "default", "bad"), "SpecValid").get("status") == "True")
-        events = [e["message"] for e in srv.objects("events", "default")]
-        assert any(m.startswith("SpecValid=False") for m in events) and any(m.startswith("SpecValid=True") for m in events)
+        h.wait_for("SpecValid events", lambda: (lambda ms: any(m.startswith("SpecValid=False") for m in ms) and any(
+            m.startswith("SpecValid=True") for m in ms))([e["message"] for e in srv.objects("events", "default")]), timeout=5)
     assert runner.exception is None
     _ = json  # keep the import for debugging dumps
