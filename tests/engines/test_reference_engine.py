@@ -255,3 +255,16 @@ def test_no_free_sequence_is_reported(make_engine) -> None:
         for seq in held:
             seq.close()
     engine.start(state).close()
+
+
+def test_close_mid_decode_stops_and_frees_the_slot(make_engine) -> None:
+    engine = make_engine(num_speculative_tokens=1)
+    state, first = engine.prefill(prompts(5)[4])
+    seq = engine.start(state)
+    steps = seq.decode(first, GREEDY, 20)
+    next(steps)
+    # Between steps the caller is back in normal autograd mode.
+    assert not torch.is_inference_mode_enabled()
+    seq.close()
+    assert engine.free_sequences == engine.max_sequences
+    assert list(steps) == []

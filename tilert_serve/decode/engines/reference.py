@@ -247,11 +247,16 @@ class ReferenceSequence:
         self._last_prompt_token = last_prompt_token
         self._closed = False
         self._started = False
+        # Held while a step runs, so close() from another thread (a client gone) never frees the
+        # slot under a step that is still writing into it.
+        self._step_lock = threading.Lock()
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self._engine._release(self._slot)
+        """Free the slot; a decode still iterating stops before its next step. Idempotent."""
+        with self._step_lock:
+            if not self._closed:
+                self._closed = True
+                self._engine._release(self._slot)
 
     def decode(self, first_token: int, sampling: Sampling, max_new_tokens: int) -> Iterator[DecodeStep]:
         """Yield steps of tokens after ``first_token`` until ``max_new_tokens`` tokens are out
@@ -271,87 +276,121 @@ class ReferenceSequence:
                 f"{max_new_tokens} new ones exceeds max_seq_len={self._engine.max_seq_len} (at most {limit} new tokens)"
             )
         self._started = True
-        return self._steps(first_token, sampling, max_new_tokens)
+        decoder = _Decoder(
+            self._engine, self._slot, self._seq_len, self._last_prompt_token, first_token, sampling
+        )
+        return self._run(decoder, max_new_tokens)
 
-    def _steps(self, first_token: int, sampling: Sampling, max_new_tokens: int) -> Iterator[DecodeStep]:
-        eng = self._engine
-        w, rope = eng.weights, eng._rope
-        assert rope is not None
-        slot = self._slot
-        main_caches = [c[slot : slot + 1] for c in eng._caches[: eng.config.num_hidden_layers]]
-        mtp_cache = eng._caches[-1][slot : slot + 1] if eng.num_mtp_layers else None
-        generator = None
+    def _run(self, decoder: _Decoder, max_new_tokens: int) -> Iterator[DecodeStep]:
+        # Each step runs under inference_mode inside `step`; holding the mode across `yield` would
+        # leak it into the caller's thread between steps.
+        emitted = 0
+        while emitted < max_new_tokens:
+            with self._step_lock:
+                if self._closed:
+                    return
+                step = decoder.step(max_new_tokens - emitted)
+            emitted += len(step.token_ids)
+            yield step
+
+
+class _Decoder:
+    """The draft/verify loop of one sequence, one step per call.
+
+    Between steps: the main cache is valid below ``pos``; ``cur`` is the token at ``pos`` (sampled,
+    not yet through the main model); ``mtp_hidden``/``mtp_tokens`` are the MTP layer's pending
+    inputs for positions ``mtp_start..pos-1`` (the hidden state at p and the token at p+1, the last
+    of which is ``cur``).
+    """
+
+    def __init__(
+        self,
+        engine: ReferenceEngine,
+        slot: int,
+        seq_len: int,
+        last_prompt_token: int,
+        first_token: int,
+        sampling: Sampling,
+    ) -> None:
+        self.engine = engine
+        self.w = engine.weights
+        assert engine._rope is not None
+        self.rope = engine._rope
+        self.main_caches = [c[slot : slot + 1] for c in engine._caches[: engine.config.num_hidden_layers]]
+        self.mtp_cache = engine._caches[-1][slot : slot + 1] if engine.num_mtp_layers else None
+        self.sampling = sampling
+        self.generator: torch.Generator | None = None
         if sampling.temperature > 0:
-            generator = torch.Generator(device=eng.device)
+            self.generator = torch.Generator(device=engine.device)
             if sampling.seed is None:
-                generator.seed()
+                self.generator.seed()
             else:
-                generator.manual_seed(sampling.seed)
-        dev = eng.device
+                self.generator.manual_seed(sampling.seed)
+        self.pos = seq_len
+        self.cur = self._tokens([first_token])
+        self.last_prompt_token = last_prompt_token
+        self.mtp_hidden: torch.Tensor | None = None
+        self.mtp_tokens: torch.Tensor | None = None
+        self.mtp_start = seq_len - 1
+        self.warm = False
 
-        def token_tensor(ids: list[int]) -> torch.Tensor:
-            return torch.tensor([ids], device=dev)
+    def _tokens(self, ids: list[int]) -> torch.Tensor:
+        return torch.tensor([ids], device=self.engine.device)
 
-        with torch.inference_mode():
-            pos = self._seq_len  # position of `cur`, the newest token not yet through the main model
-            cur = token_tensor([first_token])
-            emitted = 0
-            # MTP inputs not yet run: hidden states at positions mtp_start.. paired with the token
-            # one position later (the last of those tokens is `cur`).
-            mtp_hidden: torch.Tensor | None = None
-            mtp_tokens: torch.Tensor | None = None
-            mtp_start = pos - 1
-            if mtp_cache is not None and max_new_tokens > 1:
-                # Warm start: the cache has the prompt's keys but not the hidden state at seq_len-1.
-                mtp_hidden, _ = rm.forward_main(
-                    w, token_tensor([self._last_prompt_token]), rope, pos - 1, main_caches
-                )
-                mtp_tokens = cur
+    def _warm_start(self) -> None:
+        # The cache holds the prompt's keys but not the main model's hidden state at seq_len-1,
+        # which the MTP layer needs next to the first token: recompute that one position (its
+        # cache row is rewritten with the same values, up to rounding).
+        self.mtp_hidden, _ = rm.forward_main(
+            self.w, self._tokens([self.last_prompt_token]), self.rope, self.pos - 1, self.main_caches
+        )
+        self.mtp_tokens = self.cur
 
-            while emitted < max_new_tokens:
-                remaining = max_new_tokens - emitted
-                # Drafts past what can still be emitted, or past the cache, are wasted work.
-                k = min(eng.num_speculative_tokens, remaining - 1, eng.max_seq_len - 1 - pos)
-                drafts = torch.empty(0, dtype=torch.long, device=dev)
-                if k > 0 and mtp_hidden is not None and mtp_tokens is not None and mtp_cache is not None:
-                    g, _ = rm.forward_mtp(w, 0, mtp_tokens, mtp_hidden, rope, mtp_start, mtp_cache)
-                    g = g[:, -1:]
-                    draft_list = [rm.logits(w, g[0, -1]).argmax(dim=-1, keepdim=True)]
-                    for j in range(1, k):
-                        g, _ = rm.forward_mtp(
-                            w, 0, draft_list[-1].view(1, 1), g, rope, pos + j - 1, mtp_cache
-                        )
-                        draft_list.append(rm.logits(w, g[0, -1]).argmax(dim=-1, keepdim=True))
-                    drafts = torch.cat(draft_list)
-                    k = drafts.shape[0]
-                else:
-                    k = 0
+    def _draft(self, k: int) -> torch.Tensor:
+        assert self.mtp_hidden is not None and self.mtp_tokens is not None and self.mtp_cache is not None
+        w, rope, cache = self.w, self.rope, self.mtp_cache
+        g, _ = rm.forward_mtp(w, 0, self.mtp_tokens, self.mtp_hidden, rope, self.mtp_start, cache)
+        g = g[:, -1:]
+        drafts = [rm.logits(w, g[0, -1]).argmax(dim=-1, keepdim=True)]
+        # Deeper drafts: the same MTP layer again, on its own output hidden state and last draft,
+        # one position further each time (vLLM's recursion for a single MTP module).
+        for j in range(1, k):
+            g, _ = rm.forward_mtp(w, 0, drafts[-1].view(1, 1), g, rope, self.pos + j - 1, cache)
+            drafts.append(rm.logits(w, g[0, -1]).argmax(dim=-1, keepdim=True))
+        return torch.cat(drafts)
 
-                inputs = torch.cat([cur, drafts.view(1, -1)], dim=1)
-                hidden, _ = rm.forward_main(w, inputs, rope, pos, main_caches)
-                lg = rm.logits(w, hidden[0])
-                if generator is None:
-                    verdict = smp.greedy_verify(lg, drafts)
-                else:
-                    verdict = smp.sample_verify(lg, drafts, sampling, generator)
-                # The one host read per step: the step's tokens and how many drafts held.
-                values = verdict.tolist()
-                accepted = values[-1]
-                new_tokens = values[: accepted + 1]
+    @torch.inference_mode()
+    def step(self, remaining: int) -> DecodeStep:
+        eng = self.engine
+        # Drafts past what can still be emitted, or past the cache, are wasted work.
+        k = min(eng.num_speculative_tokens, remaining - 1, eng.max_seq_len - 1 - self.pos)
+        if k > 0 and not self.warm:
+            self._warm_start()
+            self.warm = True
+        drafts = self._draft(k) if k > 0 else torch.empty(0, dtype=torch.long, device=eng.device)
 
-                take = new_tokens[:remaining]
-                emitted += len(take)
-                yield DecodeStep(token_ids=take, drafted=k, accepted=accepted)
+        hidden, _ = rm.forward_main(
+            self.w, torch.cat([self.cur, drafts.view(1, -1)], dim=1), self.rope, self.pos, self.main_caches
+        )
+        lg = rm.logits(self.w, hidden[0])
+        if self.generator is None:
+            verdict = smp.greedy_verify(lg, drafts)
+        else:
+            verdict = smp.sample_verify(lg, drafts, self.sampling, self.generator)
+        # The one host read per step: the step's tokens and how many drafts held.
+        values = verdict.tolist()
+        accepted = values[-1]
 
-                step_tokens = verdict[: accepted + 1].view(1, -1)
-                if mtp_cache is not None:
-                    # The MTP layer next runs over every position this step settled: hidden at p,
-                    # token at p+1. Positions skipped when k was 0 are carried along.
-                    new_hidden = hidden[:, : accepted + 1]
-                    if k == 0 and mtp_hidden is not None and mtp_tokens is not None:
-                        mtp_hidden = torch.cat([mtp_hidden, new_hidden], dim=1)
-                        mtp_tokens = torch.cat([mtp_tokens, step_tokens], dim=1)
-                    else:
-                        mtp_hidden, mtp_tokens, mtp_start = new_hidden, step_tokens, pos
-                pos += accepted + 1
-                cur = step_tokens[:, -1:]
+        settled = verdict[: accepted + 1].view(1, -1)
+        if self.mtp_cache is not None and self.warm:
+            # The MTP layer next runs over every position this step settled (hidden at p, token at
+            # p+1). A step without drafts leaves its positions pending for the next MTP run.
+            new_hidden = hidden[:, : accepted + 1]
+            if k == 0 and self.mtp_hidden is not None and self.mtp_tokens is not None:
+                self.mtp_hidden = torch.cat([self.mtp_hidden, new_hidden], dim=1)
+                self.mtp_tokens = torch.cat([self.mtp_tokens, settled], dim=1)
+            else:
+                self.mtp_hidden, self.mtp_tokens, self.mtp_start = new_hidden, settled, self.pos
+        self.pos += accepted + 1
+        self.cur = settled[:, -1:]
+        return DecodeStep(token_ids=values[: accepted + 1][:remaining], drafted=k, accepted=accepted)
