@@ -6,9 +6,20 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+import torch
 
 from tilert_serve.decode.engines.reference import ReferenceEngine, ReferenceSettings
 from tilert_serve.tinymodel.generate import TinySpec, generate
+
+
+@pytest.fixture(scope="module", autouse=True)
+def single_torch_thread() -> Iterator[None]:
+    """One intra-op thread while these tests run: the tiny model gains nothing from more, and on a
+    shared 2-core machine busy-waiting torch threads made the same tests 100x slower."""
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(previous)
 
 
 @pytest.fixture(scope="session")

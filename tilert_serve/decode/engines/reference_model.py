@@ -433,9 +433,10 @@ def mla_attention(
     q_lat = torch.einsum("bthp,hpl->bthl", q_nope, w.w_uk)
     q_full = torch.cat([q_lat, q_pe], dim=-1).reshape(b, t * heads, c.latent_dim)
     scores = torch.matmul(q_full, keys.transpose(1, 2)).float() * c.softmax_scale  # [B, T*h, S]
-    q_pos = torch.arange(start, start + t, device=x.device).repeat_interleave(heads)
-    visible = torch.arange(s, device=x.device)[None, :] <= q_pos[:, None]
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if t > 1:  # a single query sees every row up to itself: no mask to build
+        q_pos = torch.arange(start, start + t, device=x.device).repeat_interleave(heads)
+        visible = torch.arange(s, device=x.device)[None, :] <= q_pos[:, None]
+        scores = scores.masked_fill(~visible, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(x.dtype)
     o_lat = torch.matmul(probs, keys[..., : c.kv_lora_rank]).view(b, t, heads, c.kv_lora_rank)
     o = torch.einsum("bthl,hlv->bthv", o_lat, w.w_uv).reshape(b, t, heads * c.v_head_dim)
