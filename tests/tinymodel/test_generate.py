@@ -10,12 +10,14 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors import safe_open
 from transformers import AutoConfig, AutoTokenizer
 
 from tilert_serve import cli
 from tilert_serve.decode.engines import reference_model as rm
-from tilert_serve.tinymodel.generate import TinySpec, generate
+from tilert_serve.tinymodel import mtp_fit
+from tilert_serve.tinymodel.generate import TinySpec, generate, model_config, random_tensors
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -84,6 +86,7 @@ def test_checkpoint_is_a_deepseek_v3_with_one_mtp_layer(tmp_path: Path) -> None:
     text = "The quick brown fox jumps over the lazy dog."
     ids = tok(text).input_ids
     assert max(ids) < cfg["vocab_size"] and tok.decode(ids) == text
+    assert len(tok) == cfg["vocab_size"]  # every id the model can emit decodes
     gen = json.loads((tmp_path / "generation_config.json").read_text())
     assert gen["eos_token_id"] == cfg["eos_token_id"]
 
@@ -98,5 +101,26 @@ def test_cli_writes_a_model_and_rejects_bad_flags(tmp_path: Path, capsys: pytest
     assert "MTP draft accuracy" in capsys.readouterr().out
     cfg = json.loads((tmp_path / "m" / "config.json").read_text())
     assert (cfg["n_routed_experts"], cfg["num_experts_per_tok"]) == (8, 3)
+    assert (
+        cli.main(["tiny-model", "--out", str(tmp_path / "v"), "--vocab", "1024", "--mtp-fit-steps", "0"]) == 0
+    )
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "v")) == 1024
     assert cli.main(["tiny-model", "--out", str(tmp_path / "x"), "--experts", "4", "--top-k", "5"]) == 2
     assert "--top-k 5" in capsys.readouterr().out
+
+
+def test_mtp_export_inverts_the_loader_and_fitting_runs() -> None:
+    spec = TinySpec(hidden=64, vocab=300)
+    config = model_config(spec, 0, 1)
+    tensors = random_tensors(spec)
+    cfg = rm.ModelConfig.from_dict(config)
+    mtp = rm.build_weights(cfg, tensors).mtp[0]
+    exported = mtp_fit.export_layer(cfg, cfg.num_hidden_layers, mtp)
+    for name, t in exported.items():
+        assert torch.equal(t, tensors[name]), name
+    trained = dict(tensors)
+    report = mtp_fit.fit(config, trained, steps=2, seed=0, avoid={0, 1})
+    assert report.steps == 2 and report.final_loss == report.final_loss  # not NaN
+    changed = [n for n in exported if not torch.equal(trained[n], tensors[n])]
+    assert "model.layers.2.eh_proj.weight" in changed
+    assert all(torch.equal(trained[n], tensors[n]) for n in tensors if not n.startswith("model.layers.2."))

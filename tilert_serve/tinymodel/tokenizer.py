@@ -42,8 +42,7 @@ Why test with a tiny model? Because it loads in seconds and still exercises ever
 
 
 def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
-    """Byte-level BPE with BOS/EOS specials; at most ``vocab_size`` entries (fewer if the corpus
-    runs out of merges). Training is deterministic."""
+    """Byte-level BPE with BOS/EOS specials and exactly ``vocab_size`` entries. Deterministic."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
         raise ValueError(
             f"vocab {vocab_size} is too small: byte-level BPE needs at least {256 + len(SPECIAL_TOKENS)}"
@@ -58,6 +57,11 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
         show_progress=False,
     )
     tok.train_from_iterator(CORPUS.splitlines(keepends=True), trainer)
+    # The corpus runs out of merges near 850 entries; reserved specials fill the rest so that every
+    # id the model can emit decodes (vLLM detokenises each generated id).
+    missing = vocab_size - tok.get_vocab_size()
+    if missing > 0:
+        tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
     return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
 
 
