@@ -35,6 +35,11 @@ NATIVE: Final = "native-decode"
 ROUTER: Final = "router"
 COMPONENTS: Final = (PREFILL, TILERT, NATIVE, ROUTER)
 
+#: Hash of the intent last applied to a child. Server-side apply drops fields the operator stops
+#: applying, but only if it applies again: a changed hash makes it apply even when every field it
+#: still wants is already there (a subset check alone would miss a removed field).
+APPLIED_HASH_ANNOTATION: Final = f"{GROUP}/applied-hash"
+
 #: Multus writes each pod's attachments here (JSON list of {name, interface, ips, ...}).
 MULTUS_NETWORKS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/networks"
 MULTUS_STATUS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/network-status"

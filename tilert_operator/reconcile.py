@@ -8,6 +8,8 @@ when it changed, and an Event per condition transition.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import secrets
 from dataclasses import dataclass, field
@@ -54,6 +56,13 @@ def owner_reference(body: Obj) -> Obj:
 
 def adopt(obj: Obj, body: Obj) -> Obj:
     obj["metadata"]["ownerReferences"] = [owner_reference(body)]
+    return obj
+
+
+def stamp(obj: Obj) -> Obj:
+    """Record the intent's hash on the child (see constants.APPLIED_HASH_ANNOTATION)."""
+    digest = hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:20]
+    obj["metadata"].setdefault("annotations", {})[constants.APPLIED_HASH_ANNOTATION] = digest
     return obj
 
 
@@ -139,7 +148,7 @@ async def reconcile(api: Client, body: Obj) -> Outcome:
     nodes = observe.tilert_nodes(spec, pods)
     pools = observe.pool_states(spec, pods)
 
-    desired = {_key(o): adopt(o, body) for o in render.children(spec, cluster, ns, nodes)}
+    desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes)}
     for kind in CHILD_KINDS:
         actual = {_key(o | {"kind": kind}): o for o in await api.list(kind, ns, selector) if _owned_by(o, meta["uid"])}
         for key, want in desired.items():

@@ -103,12 +103,13 @@ def with_transition_times(new: list[Condition], old: list[Condition], generation
 
 
 def transitions(new: list[Condition], old: list[Condition]) -> list[Condition]:
-    """Conditions whose status changed: each gets an Event. On the first status only Ready does
+    """Conditions whose status or reason changed: each gets an Event. On the first status only Ready does
     (one Event per new PDCluster, not seven), plus SpecValid when the spec is invalid."""
     if not old:
         return [c for c in new if c["type"] == "Ready" or (c["type"] == "SpecValid" and c["status"] == "False")]
-    before = {c.get("type"): c.get("status") for c in old}
-    return [c for c in new if before.get(c["type"]) != c["status"]]
+    # A reason change is a transition too (Ready: Degraded -> Serving), a message change is not.
+    before = {c.get("type"): (c.get("status"), c.get("reason")) for c in old}
+    return [c for c in new if before.get(c["type"]) != (c["status"], c["reason"])]
 
 
 def build(

@@ -102,8 +102,8 @@ async def pod_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo,
         memo.controller.kick(namespace, cluster)
 
 
-def validate(spec: kopf.Spec, name: str | None, old: kopf.Body | None, **_: Any) -> None:
-    admission.check(dict(spec), name or "", dict(old.get("spec") or {}) if old else None)
+def validate(spec: kopf.Spec, name: str, old: kopf.Body | None = None, **_: Any) -> None:
+    admission.check(dict(spec), name, dict(old.get("spec") or {}) if old else None)
 
 
 # kopf refuses to start with admission handlers but no webhook server: register the handler only

@@ -65,3 +65,12 @@ def test_metrics_text() -> None:
     text = m.render(Counter({"list": 3}))
     assert 'tilert_pd_reconcile_duration_seconds_bucket{le="0.025"} 1' in text
     assert 'tilert_pd_pdclusters{state="ready"} 1' in text and 'tilert_pd_api_calls_total{verb="list"} 3' in text
+
+
+def test_applied_hash_changes_when_a_field_is_removed() -> None:
+    """A removed field must still trigger an apply (SSA then drops it): the hash annotation differs."""
+    with_field = reconcile.stamp({"metadata": {"name": "a"}, "spec": {"x": 1, "y": 2}})
+    without = reconcile.stamp({"metadata": {"name": "a"}, "spec": {"x": 1}})
+    key = constants.APPLIED_HASH_ANNOTATION
+    assert with_field["metadata"]["annotations"][key] != without["metadata"]["annotations"][key]
+    assert not reconcile.contains(with_field, without), "the live object (old hash) no longer contains the new intent"
