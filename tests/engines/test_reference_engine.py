@@ -241,3 +241,10 @@ def test_close_mid_decode_stops_and_frees_the_slot(make_engine) -> None:
     seq.close()
     assert engine.free_sequences == engine.max_sequences
     assert list(steps) == []
+
+
+def test_drafting_stops_at_the_end_of_the_cache(make_engine) -> None:
+    """With the cache nearly full, drafts are cut short instead of running past max_seq_len."""
+    prompt = prompts(12)[6][:10]
+    plain = decode(make_engine(max_seq_len=16, num_speculative_tokens=0), prompt, GREEDY, 6)[0]
+    assert decode(make_engine(max_seq_len=16, num_speculative_tokens=3), prompt, GREEDY, 6)[0] == plain

@@ -43,6 +43,8 @@ class NoFreeSequenceError(RuntimeError):
 
 @dataclass(frozen=True)
 class ReferenceSettings:
+    """How to run the reference engine (``engines.create`` builds these from the node's flags)."""
+
     model_dir: str
     device: str = "cpu"
     #: "float32", "bfloat16" or "float16": weights, activations and cache.
@@ -105,10 +107,8 @@ class ReferenceEngine:
             device=self.device,
             with_mtp=self.num_mtp_layers > 0,
         )
-        # The verify step may run k positions past the last token it can emit; cover them all.
-        self._rope = rm.Rope.build(
-            self.config, self.max_seq_len + self.num_speculative_tokens, dtype=self.dtype, device=self.device
-        )
+        # Drafting is clamped to the cache, so no position reaches max_seq_len.
+        self._rope = rm.Rope.build(self.config, self.max_seq_len, dtype=self.dtype, device=self.device)
         self._caches = [
             torch.zeros(
                 self.max_sequences,
