@@ -125,8 +125,14 @@ def test_decode_node_and_router_commands() -> None:
     assert argv[:2] == ["tilert-pd", "decode-node"]
     expect = {"--tilert-model": "mla", "--engine": "reference", "--slots": "4", "--ctrl-port": str(defaults.DECODE_CTRL_PORT),
               "--http-port": str(defaults.DECODE_HTTP_PORT), "--transfer": "mooncake", "--protocol": "tcp",
-              "--secret-file": defaults.SECRET_PATH, "--max-seq-len": "2048", "--kv-cache-dtype": "bfloat16", "--host": "0.0.0.0"}
+              "--secret-file": defaults.SECRET_PATH, "--max-seq-len": "2048", "--kv-cache-dtype": "bfloat16", "--host": "0.0.0.0",
+              "--num-speculative-tokens": "1"}
     assert {f: _arg(argv, f) for f in expect} == expect
+    assert "--device" not in argv, "a CPU node keeps decode-node's cpu default"
+    glm = commands.commands(specmod.parse(helpers.example("glm5-b200-rdma")["spec"]))[constants.TILERT].argv
+    assert (_arg(glm, "--device"), _arg(glm, "--shards")) == ("cuda:0", "8")
+    no_mtp = commands.commands(specmod.parse(helpers.minimal(decode={"tilert": {"mtp": False}})))[constants.TILERT].argv
+    assert _arg(no_mtp, "--num-speculative-tokens") == "0"
     assert cmds[constants.ROUTER].argv == ["tilert-pd", "router", "--config", "/etc/tilert-pd/router/config.yaml",
                                            "--host", "0.0.0.0", "--port", str(defaults.ROUTER_PORT)]
     native = cmds[constants.NATIVE].argv

@@ -138,7 +138,12 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         "--secret-file", paths.secret_file,
         "--max-seq-len", str(spec.model.max_seq_len),
         "--kv-cache-dtype", spec.model.resolved_kv_cache_dtype,
+        # MTP resumes from the draft-layer KV the prefill computed: same depth on both sides.
+        "--num-speculative-tokens", str(spec.prefill.mtp.num_speculative_tokens if t.mtp else 0),
     ]  # fmt: skip
+    if t.gpus:
+        # One receive-buffer shard per GPU (cuda:0..N-1); the engine's own device is the first.
+        argv += ["--device", "cuda:0", "--shards", str(t.gpus)]
     return ContainerCommand(argv, dict(spec.transfer.rdma.env))
 
 

@@ -1,0 +1,64 @@
+"""The rendered command lines parse with the components' own argument parsers: decode-node, router,
+tiny-model, and (slow: imports vLLM) `vllm serve`, whose parser also builds the KVTransferConfig."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import pdc_helpers as helpers
+import pytest
+
+from tilert_operator import constants
+from tilert_operator import spec as specmod
+from tilert_operator.render import commands
+
+EXAMPLES = [p.stem for p in helpers.EXAMPLES]
+
+
+def _cmds(example: str) -> dict[str, commands.ContainerCommand]:
+    return commands.commands(specmod.parse(helpers.example(example)["spec"]))
+
+
+def _parse(module: Any, argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    module.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_decode_node_parses_the_rendered_command(example: str) -> None:
+    from tilert_serve.decode import cli
+
+    cmd = _cmds(example)[constants.TILERT]
+    args = _parse(cli, cmd.argv[2:])
+    spec = specmod.parse(helpers.example(example)["spec"])
+    assert (args.engine, args.slots, args.ctrl_port, args.http_port) == (
+        spec.decode.tilert.engine, spec.decode.tilert.slots, spec.decode.tilert.ctrl_port, spec.decode.tilert.http_port)
+
+
+@pytest.mark.parametrize("example", EXAMPLES)
+def test_router_and_tiny_model_parse_the_rendered_commands(example: str) -> None:
+    from tilert_serve.router import cli as router_cli
+    from tilert_serve.tinymodel import cli as tiny_cli
+
+    cmds = _cmds(example)
+    assert _parse(router_cli, cmds[constants.ROUTER].argv[2:]).config == "/etc/tilert-pd/router/config.yaml"
+    if commands.TINY_MODEL in cmds:
+        assert _parse(tiny_cli, cmds[commands.TINY_MODEL].argv[2:]).out == "/models"
+
+
+@pytest.mark.slow
+def test_vllm_serve_parses_the_rendered_commands() -> None:
+    vllm_args = pytest.importorskip("vllm.entrypoints.launchers.cli_args")
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    for example in EXAMPLES:
+        cmds = _cmds(example)
+        for comp in (constants.PREFILL, constants.NATIVE):
+            if comp not in cmds:
+                continue
+            args = vllm_args.make_arg_parser(FlexibleArgumentParser()).parse_args(cmds[comp].argv[2:])
+            kv = args.kv_transfer_config
+            assert kv.kv_role == ("kv_producer" if comp == constants.PREFILL else "kv_consumer")
+            assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 1}
