@@ -3,7 +3,7 @@
 Run: `kopf run -m tilert_operator.wiring --all-namespaces --standalone
       --liveness=http://0.0.0.0:8081/healthz`
 Environment: TILERT_PD_RESYNC_S (default 30), TILERT_PD_CONCURRENCY (16), TILERT_PD_METRICS_PORT
-(8080; 0 = off), TILERT_PD_WEBHOOK_PORT with TILERT_PD_WEBHOOK_CERT/KEY (admission webhook; unset =
+(8080; 0 = off), TILERT_PD_API_TIMEOUT_S (30, per API call), TILERT_PD_WEBHOOK_PORT with TILERT_PD_WEBHOOK_CERT/KEY (admission webhook; unset =
 off, the CRD's CEL rules still apply and the operator reports SpecValid=False).
 """
 
@@ -59,7 +59,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )  # fmt: skip
         settings.admission.managed = None  # the chart owns the ValidatingWebhookConfiguration
 
-    api = kubeapi.Client(kubeapi.load_connection())
+    api = kubeapi.Client(kubeapi.load_connection(), retry=kubeapi.Retry(timeout=_env_float("TILERT_PD_API_TIMEOUT_S", 30.0)))
     memo.api = api
     memo.controller = Controller(
         api,

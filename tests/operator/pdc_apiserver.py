@@ -58,6 +58,8 @@ class Fault:
     verb: str | None = None
     resource: str | None = None
     user_agent: str | None = "tilert-pd-operator"
+    #: Answer late instead of failing (status is then ignored): a client-side timeout.
+    delay: float = 0.0
 
 
 class ApiError(Exception):
@@ -234,9 +236,10 @@ class ApiServer(kmock.KubernetesEmulator):
 
     # ---- test helpers ------------------------------------------------------------------------
 
-    def fail(self, status: int, times: int = 1, *, verb: str | None = None, resource: str | None = None) -> None:
-        """The next `times` matching operator calls answer `status` (409 Conflict or 5xx)."""
-        self.faults.append(Fault(status, times, verb, resource))
+    def fail(self, status: int, times: int = 1, *, verb: str | None = None, resource: str | None = None, delay: float = 0.0) -> None:
+        """The next `times` matching operator calls answer `status` (409 Conflict or 5xx), or, with
+        a delay, answer normally but that late."""
+        self.faults.append(Fault(status, times, verb, resource, delay=delay))
 
     def objects(self, plural: str, namespace: str | None = None) -> list[Obj]:
         return [copy.deepcopy(o) for (res, ns, _), o in self.store.items() if res[2] == plural and (namespace is None or ns == namespace)]
@@ -362,15 +365,19 @@ class ApiServer(kmock.KubernetesEmulator):
             return "watch" if request.params.get("watch") in ("true", "1") else "list"
         return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete" if request.name else "deletecollection"}.get(method, method.lower())
 
-    def _record(self, request: rendering.Request, res: Res, verb: str) -> None:
+    def _record(self, request: rendering.Request, res: Res, verb: str) -> float:
+        """Log the call; apply an injected fault. Returns a delay to wait before answering."""
         plural = res[2] + (f"/{request.subresource}" if request.subresource else "")
         ua = request.headers.get("User-Agent", "")
         self.calls.append(Call(verb, res[0], plural, request.namespace, ua, request.params.get("labelSelector")))
         for f in self.faults:
             if f.times > 0 and (f.verb in (None, verb)) and (f.resource in (None, plural)) and ua.startswith(f.user_agent or ""):
                 f.times -= 1
+                if f.delay:
+                    return f.delay
                 reason = "Conflict" if f.status == 409 else "InternalError"
                 raise ApiError(f.status, reason, f"injected {f.status} for {verb} {plural}")
+        return 0.0
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
         if request.resource is None or request.action is None or not request.resource.plural:
@@ -379,7 +386,9 @@ class ApiServer(kmock.KubernetesEmulator):
         res: Res = (r.group or "", r.version or "", r.plural or "")
         verb = self._verb(request)
         try:
-            self._record(request, res, verb)
+            delay = self._record(request, res, verb)
+            if delay:
+                await asyncio.sleep(delay)
             if verb == "watch":
                 return await self._watch(request, res)
             if verb in ("get", "list"):

@@ -171,3 +171,18 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         h.wait_for("all gone", lambda: not any(srv.objects(p, "default") for p in kinds) or None, timeout=5)
         assert srv.get("pdclusters", "default", "tiny") is None
     assert runner.exception is None
+
+
+def test_api_timeouts_are_retried(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Calls that answer after the client's timeout are retried; the stack still comes up."""
+    monkeypatch.setenv("TILERT_PD_API_TIMEOUT_S", "0.5")
+    srv = apiserver.server
+    srv.fail(0, times=2, verb="list", resource="pods", delay=1.5)
+    srv.fail(0, times=1, verb="patch", resource="deployments", delay=1.5)
+    with KopfRunner(h.ARGS, timeout=30) as runner:
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+        h.wait_for("children", lambda: srv.get("deployments", "default", "tiny-router") and srv.get("statefulsets", "default", "tiny-tilert-decode"))
+        h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True")
+        assert all(f.times == 0 for f in srv.faults)
+    assert runner.exception is None
+    assert "failed (TimeoutError" in runner.output or "failed (ServerTimeoutError" in runner.output, "the timeouts were hit and retried"

@@ -139,6 +139,11 @@ def test_decode_node_and_router_commands() -> None:
     assert json.loads(_arg(native, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
     local = commands.commands(spec, commands.Paths(model_dir="/tmp/m", secret_file="/tmp/s", host="127.0.0.1"))
     assert _arg(local[constants.TILERT].argv, "--secret-file") == "/tmp/s"
+    # A local run gives each process its own ports; everything else is what the pods run.
+    node1 = commands.tilert_decode(spec, commands.Paths(model_dir="/tmp/m", ctrl_port=6001, http_port=6002))
+    assert (_arg(node1.argv, "--ctrl-port"), _arg(node1.argv, "--http-port")) == ("6001", "6002")
+    native = commands.native_decode(spec, commands.Paths(model_dir="/tmp/m", vllm_port=8200))
+    assert _arg(native.argv, "--port") == "8200"
 
 
 def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:

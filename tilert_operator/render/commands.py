@@ -37,6 +37,13 @@ class Paths:
     router_config: str = constants.ROUTER_CONFIG_FILE
     #: Address servers bind to.
     host: str = "0.0.0.0"
+    # Ports. Pods use the defaults and the spec's; a local run puts several servers on one host and
+    # gives each process its own (e.g. prefill and native decode cannot both take VLLM_PORT).
+    vllm_port: int = defaults.VLLM_PORT
+    #: None = the spec's decode.tilert.ctrlPort / httpPort, router.service.port.
+    ctrl_port: int | None = None
+    http_port: int | None = None
+    router_port: int | None = None
 
     @classmethod
     def pod(cls, spec: PDClusterSpec) -> Paths:
@@ -96,7 +103,7 @@ def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
         "vllm", "serve", paths.model_dir,
         "--served-model-name", spec.model.name,
         "--host", paths.host,
-        "--port", str(defaults.VLLM_PORT),
+        "--port", str(paths.vllm_port),
         "--tensor-parallel-size", str(tp),
         "--max-model-len", str(spec.model.max_seq_len),
         "--kv-cache-dtype", spec.model.resolved_kv_cache_dtype,
@@ -131,8 +138,8 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         "--engine", t.engine,
         "--slots", str(t.slots),
         "--host", paths.host,
-        "--ctrl-port", str(t.ctrl_port),
-        "--http-port", str(t.http_port),
+        "--ctrl-port", str(paths.ctrl_port or t.ctrl_port),
+        "--http-port", str(paths.http_port or t.http_port),
         "--transfer", spec.transfer.engine,
         "--protocol", spec.transfer.protocol,
         "--secret-file", paths.secret_file,
@@ -152,7 +159,7 @@ def router(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         "tilert-pd", "router",
         "--config", paths.router_config,
         "--host", paths.host,
-        "--port", str(spec.router.service.port),
+        "--port", str(paths.router_port or spec.router.service.port),
     ]  # fmt: skip
     return ContainerCommand(argv)
 
