@@ -14,7 +14,9 @@ from tilert_serve.decode.engines.reference import (
     InjectedStateError,
     NoFreeSequenceError,
     ReferenceEngine,
+    ReferenceSettings,
 )
+from tilert_serve.tinymodel.generate import TinySpec, generate
 
 
 def naive_greedy(weights: rm.ModelWeights, prompt: list[int], count: int) -> list[int]:
@@ -248,3 +250,19 @@ def test_drafting_stops_at_the_end_of_the_cache(make_engine) -> None:
     prompt = prompts(12)[6][:10]
     plain = decode(make_engine(max_seq_len=16, num_speculative_tokens=0), prompt, GREEDY, 6)[0]
     assert decode(make_engine(max_seq_len=16, num_speculative_tokens=3), prompt, GREEDY, 6)[0] == plain
+
+
+def test_model_without_query_lora(tmp_path) -> None:
+    """q_lora_rank null (q_proj straight from the hidden state, as DeepSeek-V2-Lite): the cached
+    MTP decode still equals recomputed greedy decoding. (Checked once against vLLM by hand too.)"""
+    generate(TinySpec(seed=1, q_lora_rank=0), tmp_path)
+    outs = {}
+    for k in (0, 2):
+        engine = ReferenceEngine(
+            ReferenceSettings(model_dir=str(tmp_path), max_seq_len=64, num_speculative_tokens=k)
+        )
+        engine.load()
+        assert engine.weights.layers[0].attn.q_a is None
+        outs[k] = [decode(engine, p, GREEDY, 12)[0] for p in prompts(4)]
+    assert outs[0] == outs[2]
+    assert naive_greedy(engine.weights, prompts(4)[2], 13) == outs[0][2]

@@ -53,7 +53,7 @@ class TinySpec:
     #: vLLM on CPU needs ``vllm_cpu.VLLM_CPU_COMPILATION_CONFIG`` for correct RoPE with any head
     #: count (its rotary kernel mis-strides MLA's query and key views).
     heads: int = 2
-    q_lora_rank: int = 64
+    q_lora_rank: int = 64  # 0: no query LoRA (q_proj), as DeepSeek-V2-Lite
     intermediate: int = 512  # dense MLP width
     moe_intermediate: int = 128  # per expert
     experts: int = 4
@@ -73,6 +73,8 @@ class TinySpec:
             )
         if self.hidden % 2 or self.hidden < 16:
             raise ValueError(f"--hidden {self.hidden}: must be even and at least 16")
+        if self.q_lora_rank < 0:
+            raise ValueError(f"--q-lora-rank {self.q_lora_rank}: must be >= 0 (0 = no query LoRA)")
         if self.heads < 1:
             raise ValueError(f"--heads {self.heads}: need at least 1")
 
@@ -89,7 +91,7 @@ def model_config(spec: TinySpec, bos_id: int, eos_id: int) -> dict[str, Any]:
         "num_hidden_layers": spec.layers,
         "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.heads,
-        "q_lora_rank": spec.q_lora_rank,
+        "q_lora_rank": spec.q_lora_rank or None,
         "kv_lora_rank": KV_LORA_RANK,
         "qk_nope_head_dim": QK_NOPE_HEAD_DIM,
         "qk_rope_head_dim": QK_ROPE_HEAD_DIM,
@@ -137,12 +139,17 @@ def _layer_tensors(spec: TinySpec, gen: torch.Generator, idx: int, moe: bool) ->
     t: dict[str, torch.Tensor] = {
         f"{p}.input_layernorm.weight": _norm_weight(gen, h),
         f"{p}.post_attention_layernorm.weight": _norm_weight(gen, h),
-        f"{p}.self_attn.q_a_proj.weight": _normal(gen, spec.q_lora_rank, h, std=h**-0.5),
-        f"{p}.self_attn.q_a_layernorm.weight": _norm_weight(gen, spec.q_lora_rank),
-        # x2: sharper attention, so the context (not only the last token) shapes the output.
-        f"{p}.self_attn.q_b_proj.weight": _normal(
+    }
+    # x2 on the query: sharper attention, so the context (not only the last token) shapes the output.
+    if spec.q_lora_rank > 0:
+        t[f"{p}.self_attn.q_a_proj.weight"] = _normal(gen, spec.q_lora_rank, h, std=h**-0.5)
+        t[f"{p}.self_attn.q_a_layernorm.weight"] = _norm_weight(gen, spec.q_lora_rank)
+        t[f"{p}.self_attn.q_b_proj.weight"] = _normal(
             gen, heads * qk, spec.q_lora_rank, std=2.0 * spec.q_lora_rank**-0.5
-        ),
+        )
+    else:  # DeepSeek-V2-Lite style: no query LoRA
+        t[f"{p}.self_attn.q_proj.weight"] = _normal(gen, heads * qk, h, std=2.0 * h**-0.5)
+    t |= {
         f"{p}.self_attn.kv_a_proj_with_mqa.weight": _normal(
             gen, KV_LORA_RANK + QK_ROPE_HEAD_DIM, h, std=h**-0.5
         ),

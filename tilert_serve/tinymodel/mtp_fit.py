@@ -158,13 +158,15 @@ def export_layer(cfg: rm.ModelConfig, idx: int, mtp: rm.MTPWeights) -> dict[str,
         f"{p}.post_attention_layernorm.weight": mtp.block.post_attn_norm,
     }
     a = mtp.block.attn
-    assert a.q_a is not None and a.q_a_norm is not None
+    if a.q_a is not None and a.q_a_norm is not None:
+        out[f"{p}.self_attn.q_a_proj.weight"] = a.q_a
+        out[f"{p}.self_attn.q_a_layernorm.weight"] = a.q_a_norm
+        out[f"{p}.self_attn.q_b_proj.weight"] = a.q_b
+    else:
+        out[f"{p}.self_attn.q_proj.weight"] = a.q_b
     kv_b = torch.cat([a.w_uk, a.w_uv.transpose(1, 2)], dim=1)  # [heads, nope + v, kv_lora]
     out.update(
         {
-            f"{p}.self_attn.q_a_proj.weight": a.q_a,
-            f"{p}.self_attn.q_a_layernorm.weight": a.q_a_norm,
-            f"{p}.self_attn.q_b_proj.weight": a.q_b,
             f"{p}.self_attn.kv_a_proj_with_mqa.weight": a.kv_a,
             f"{p}.self_attn.kv_a_layernorm.weight": a.kv_a_norm,
             f"{p}.self_attn.kv_b_proj.weight": kv_b.reshape(-1, cfg.kv_lora_rank),
