@@ -40,6 +40,10 @@ COMPONENTS: Final = (PREFILL, TILERT, NATIVE, ROUTER)
 #: still wants is already there (a subset check alone would miss a removed field).
 APPLIED_HASH_ANNOTATION: Final = f"{GROUP}/applied-hash"
 
+#: On prefill and TileRT pod templates: a hash of the handoff token, so a new token (the Secret was
+#: deleted and regenerated) rolls both sides together instead of leaving them disagreeing.
+SECRET_VERSION_ANNOTATION: Final = f"{GROUP}/handoff-secret-version"
+
 #: Multus writes each pod's attachments here (JSON list of {name, interface, ips, ...}).
 MULTUS_NETWORKS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/networks"
 MULTUS_STATUS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/network-status"

@@ -120,14 +120,19 @@ async def _write_status(api: Client, body: Obj, new: dict[str, Any], out: Outcom
         await _event(api, body, cond, out)
 
 
-async def ensure_secret(api: Client, body: Obj) -> None:
+async def ensure_secret(api: Client, body: Obj) -> Obj:
+    """The handoff Secret, created with a fresh token when absent (never re-applied: the token must
+    not change under running pods)."""
     meta = body["metadata"]
     name = constants.handoff_secret_name(meta["name"])
-    if await api.get("Secret", meta["namespace"], name) is not None:
-        return
+    existing = await api.get("Secret", meta["namespace"], name)
+    if existing is not None:
+        return existing
     secret = adopt(network.handoff_secret(meta["name"], meta["namespace"], secrets.token_urlsafe(32)), body)
-    if await api.create(secret) is None and await api.get("Secret", meta["namespace"], name) is None:
+    created = await api.create(secret) or await api.get("Secret", meta["namespace"], name)
+    if created is None:
         raise ApiError(409, "POST", f"secrets/{name}", "create answered AlreadyExists but the Secret is absent; retrying")
+    return created
 
 
 async def reconcile(api: Client, body: Obj) -> Outcome:
@@ -142,13 +147,13 @@ async def reconcile(api: Client, body: Obj) -> Outcome:
         await _write_status(api, body, status.build(generation=generation, conditions_=status.invalid(problems), old=body.get("status") or {}), out)
         return out
 
-    await ensure_secret(api, body)
+    version = network.secret_version_of(await ensure_secret(api, body))
     selector = f"{constants.LABEL_CLUSTER}={cluster}"
     pods = await api.list("Pod", ns, selector)
     nodes = observe.tilert_nodes(spec, pods)
     pools = observe.pool_states(spec, pods)
 
-    desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes)}
+    desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes, version)}
     for kind in CHILD_KINDS:
         actual = {_key(o | {"kind": kind}): o for o in await api.list(kind, ns, selector) if _owned_by(o, meta["uid"])}
         for key, want in desired.items():

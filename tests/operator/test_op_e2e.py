@@ -124,6 +124,19 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             srv.get("statefulsets", "default", "tiny-tilert-decode")["spec"]["template"]["spec"]["containers"][0]["command"]))
         h.wait_for("slots in router config", lambda: router_nodes(apiserver, "default", "tiny")[0]["slots"] == 8)
 
+        # The handoff Secret is deleted -> a new token; prefill and TileRT pods roll to it together.
+        def version(plural: str, name: str) -> str:
+            return str(srv.get(plural, "default", name)["spec"]["template"]["metadata"]["annotations"][constants.SECRET_VERSION_ANNOTATION])
+
+        old_version = version("deployments", "tiny-prefill")
+        assert version("statefulsets", "tiny-tilert-decode") == old_version
+        kubectl(apiserver, "delete", "secrets", "tiny-handoff")
+        h.wait_for("new token rolled out", lambda: version("deployments", "tiny-prefill") != old_version, timeout=5)
+        h.wait_for("both sides agree", lambda: version("statefulsets", "tiny-tilert-decode") == version("deployments", "tiny-prefill"), timeout=5)
+
+        # `kubectl wait` works against the status conditions.
+        kubectl(apiserver, "wait", "--for=condition=Ready", "pdc/tiny", "--timeout=10s")
+
         # Delete a child -> it returns; hand-edit a child -> it is put back.
         kubectl(apiserver, "delete", "configmaps", "tiny-router")
         h.wait_for("ConfigMap back", lambda: srv.get("configmaps", "default", "tiny-router"), timeout=5)

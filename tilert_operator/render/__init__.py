@@ -19,11 +19,13 @@ def children(
     cluster: str,
     namespace: str,
     tilert_nodes: Sequence[TileRTNode] = (),
+    secret_version: str | None = None,
 ) -> list[Manifest]:
-    """Every child the operator server-side-applies (the handoff Secret is created apart, once)."""
+    """Every child the operator server-side-applies (the handoff Secret is created apart, once).
+    `secret_version` (network.secret_version of the token) goes on the pods that mount the Secret."""
     return [
-        *prefill.render(spec, cluster, namespace),
-        *tilert_decode.render(spec, cluster, namespace),
+        *prefill.render(spec, cluster, namespace, secret_version),
+        *tilert_decode.render(spec, cluster, namespace, secret_version),
         *native_decode.render(spec, cluster, namespace),
         *router.render(spec, cluster, namespace, tilert_nodes),
         *network.network_policies(spec, cluster, namespace),
@@ -39,4 +41,7 @@ def all_manifests(
     tilert_nodes: Sequence[TileRTNode] = (),
 ) -> list[Manifest]:
     """What `tilert-pd render` prints: the Secret first (pods mount it), then the children."""
-    return [network.handoff_secret(cluster, namespace, secret_token), *children(spec, cluster, namespace, tilert_nodes)]
+    return [
+        network.handoff_secret(cluster, namespace, secret_token),
+        *children(spec, cluster, namespace, tilert_nodes, network.secret_version(secret_token)),
+    ]

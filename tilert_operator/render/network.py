@@ -10,6 +10,7 @@ rendered under hostNetwork.
 from __future__ import annotations
 
 import base64
+import hashlib
 
 from tilert_operator import constants
 from tilert_operator.render import pods
@@ -28,6 +29,16 @@ def handoff_secret(cluster: str, namespace: str, token: str) -> Manifest:
         "type": "Opaque",
         "data": {constants.HANDOFF_SECRET_KEY: base64.b64encode(token.encode()).decode()},
     }
+
+
+def secret_version(token: str) -> str:
+    """A short, one-way version of the token for pod annotations (rolls pods when it changes)."""
+    return hashlib.sha256(token.encode()).hexdigest()[:16]
+
+
+def secret_version_of(secret: Manifest) -> str | None:
+    raw = (secret.get("data") or {}).get(constants.HANDOFF_SECRET_KEY)
+    return secret_version(base64.b64decode(raw).decode()) if raw else None
 
 
 def _peer(cluster: str, component: str) -> Manifest:

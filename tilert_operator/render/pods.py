@@ -129,10 +129,11 @@ _SAME_PORTS: dict[str, frozenset[str]] = {
 class DataPlane:
     """The wiring prefill and decode pods share: model, shm, secret and RDMA."""
 
-    def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool) -> None:
+    def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool, secret_version: str | None = None) -> None:
         self.spec = spec
         self.cluster = cluster
         self.secret = secret
+        self.secret_version = secret_version
         self.paths = Paths.pod(spec)
 
     def rdma_devices(self) -> dict[str, int]:
@@ -180,8 +181,13 @@ class DataPlane:
         return {"capabilities": {"add": ["IPC_LOCK"]}}
 
     def pod_annotations(self) -> dict[str, str]:
+        out: dict[str, str] = {}
         nets = self.spec.transfer.rdma.networks
-        return {constants.MULTUS_NETWORKS_ANNOTATION: ",".join(nets)} if nets else {}
+        if nets:
+            out[constants.MULTUS_NETWORKS_ANNOTATION] = ",".join(nets)
+        if self.secret and self.secret_version:
+            out[constants.SECRET_VERSION_ANNOTATION] = self.secret_version
+        return out
 
     def pod_fields(self, component: str) -> Manifest:
         """hostNetwork, its DNS policy and one-pod-per-node anti-affinity (ports are the node's)."""

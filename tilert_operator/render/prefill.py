@@ -11,9 +11,9 @@ from tilert_serve import defaults
 COMPONENT = constants.PREFILL
 
 
-def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
+def deployment(spec: PDClusterSpec, cluster: str, namespace: str, secret_version: str | None = None) -> Manifest:
     p = spec.prefill
-    dp = pods.DataPlane(spec, cluster, secret=True)
+    dp = pods.DataPlane(spec, cluster, secret=True, secret_version=secret_version)
     cmd = commands.prefill(spec, dp.paths)
     # The NIXL side channel must advertise the pod's own address to the native decode pods.
     env = [*dp.downward_env(), {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
@@ -73,5 +73,5 @@ def url(cluster: str, namespace: str) -> str:
     return f"http://{constants.child_name(cluster, COMPONENT)}.{namespace}.svc:{defaults.VLLM_PORT}"
 
 
-def render(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:
-    return [deployment(spec, cluster, namespace), service(spec, cluster, namespace)]
+def render(spec: PDClusterSpec, cluster: str, namespace: str, secret_version: str | None = None) -> list[Manifest]:
+    return [deployment(spec, cluster, namespace, secret_version), service(spec, cluster, namespace)]

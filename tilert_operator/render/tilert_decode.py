@@ -11,9 +11,9 @@ from tilert_operator.spec import PDClusterSpec
 COMPONENT = constants.TILERT
 
 
-def statefulset(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
+def statefulset(spec: PDClusterSpec, cluster: str, namespace: str, secret_version: str | None = None) -> Manifest:
     t = spec.decode.tilert
-    dp = pods.DataPlane(spec, cluster, secret=True)
+    dp = pods.DataPlane(spec, cluster, secret=True, secret_version=secret_version)
     cmd = commands.tilert_decode(spec, dp.paths)
     c = pods.container(
         "decode",
@@ -73,7 +73,7 @@ def headless_service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manif
     }
 
 
-def render(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:
+def render(spec: PDClusterSpec, cluster: str, namespace: str, secret_version: str | None = None) -> list[Manifest]:
     if not spec.decode.tilert.replicas:
         return []
-    return [statefulset(spec, cluster, namespace), headless_service(spec, cluster, namespace)]
+    return [statefulset(spec, cluster, namespace, secret_version), headless_service(spec, cluster, namespace)]
