@@ -104,10 +104,16 @@ def test_chunked_prefill_sends_once_with_every_block():
     assert job.block_ids == ([3, 1, 4, 5, 6, 9, 10, 11, 12, 13],)
     assert (job.num_tokens, job.last_prompt_token, job.dest.ticket) == (164, 263, "tk")
     claimed.output_token_ids = [42]
-    assert sched.request_finished(claimed) == {"tilert_num_tokens": 164, "tilert_first_token": 42,
-                                               "tilert_status": "queued"}
-    assert sched.request_finished(plain) is None
+    assert sched.request_finished(claimed) == (True, {"tilert_num_tokens": 164, "tilert_first_token": 42,
+                                                      "tilert_status": "queued"})
+    assert sched.request_finished(plain) == (False, None)
     assert sched.tracked == 0
+    # Blocks stay held (and the engine keeps stepping) until a worker reports the copy done.
+    assert sched.pending_copies == 1
+    sched.sent({"someone-else"})
+    assert sched.pending_copies == 1
+    sched.sent({"a"})
+    assert sched.pending_copies == 0
 
 
 def test_resumed_request_replaces_its_block_table():
@@ -129,8 +135,8 @@ def test_requests_that_cannot_go_are_reported_not_sent(params, tokens, error):
     r = FakeRequest("a", list(range(tokens)), dict(params))
     sched.on_new_request(r)
     assert sched.build_meta(_output([_new(r, [1])], _cached([], [], []), {"a": tokens})).jobs == []
-    out = sched.request_finished(r)
-    assert out["tilert_status"] == "failed" and error in out["tilert_error"]
+    delay, out = sched.request_finished(r)
+    assert not delay and out["tilert_status"] == "failed" and error in out["tilert_error"]
 
 
 def test_aborted_before_its_prefill_completes():
@@ -138,8 +144,8 @@ def test_aborted_before_its_prefill_completes():
     r = FakeRequest("a", list(range(50)), dict(DEST), status=SimpleNamespace(name="FINISHED_ABORTED"))
     sched.on_new_request(r)
     sched.build_meta(_output([_new(r, [1, 2])], _cached([], [], []), {"a": 20}))
-    out = sched.request_finished(r)
-    assert out["tilert_status"] == "failed" and "FINISHED_ABORTED" in out["tilert_error"]
+    delay, out = sched.request_finished(r)
+    assert not delay and out["tilert_status"] == "failed" and "FINISHED_ABORTED" in out["tilert_error"]
 
 
 def test_gather_takes_exactly_the_requests_rows():

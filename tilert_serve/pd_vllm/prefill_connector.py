@@ -14,10 +14,12 @@ returned. Keys this connector returns are namespaced `tilert_*` so MultiConnecto
 Hooks implemented
   scheduler: on_new_request (claim), update_state_after_alloc (block ids), build_connector_meta
              (jobs for requests whose prompt completes this step), request_finished[_all_groups]
-             (tilert_status, tilert_first_token, tilert_num_tokens; blocks freed at once).
+             (tilert_status, tilert_first_token, tilert_num_tokens; blocks held until copied out),
+             update_connector_output + has_pending_push_work (keep stepping until every copy is done).
   worker:    register_kv_caches (classify layers, staging, transfer engine, sender thread),
              wait_for_save (gather into staging after the drafter; hand to the sender),
-             get_kv_connector_stats, shutdown.
+             get_finished (ids copied out: their blocks may be freed), get_kv_connector_stats, shutdown.
+Block contract: see worker.py.
 No-ops, and why: get_num_new_matched_tokens -> (0, False) (a producer loads nothing);
 start_load_kv / wait_for_layer_load (nothing to load); save_kv_layer (the MTP layer and DSA indexer
 caches are complete only at wait_for_save, so extraction happens there once).
@@ -99,12 +101,19 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return False, self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request)
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
-        return False, self._scheduler.request_finished(request)
+        return self._scheduler.request_finished(request)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        assert self._scheduler is not None
+        self._scheduler.sent(connector_output.finished_sending or set())
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.pending_copies > 0
 
     # -- worker side -------------------------------------------------------------------------------
 
@@ -121,11 +130,17 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
         return
 
     def wait_for_save(self) -> None:
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        if isinstance(meta, TileRTConnectorMetadata) and meta.jobs:
-            self._worker.save(meta.jobs)
+        # Every step, empty or not: jobs waiting for staging are retried here.
+        jobs: list = []
+        if self.has_connector_metadata():
+            meta = self._get_connector_metadata()
+            if isinstance(meta, TileRTConnectorMetadata):
+                jobs = meta.jobs
+        self._worker.expect(jobs)
+        self._worker.step(jobs)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return self._worker.finished(finished_req_ids), None
 
     def get_kv_connector_stats(self) -> TileRTStats | None:
         return self._worker.take_stats() if self._worker is not None else None

@@ -37,6 +37,8 @@ class TileRTScheduler:
         self.config = config
         #: req_id -> state, for claimed requests between on_new_request and request_finished.
         self._claimed: dict[ReqId, _Claimed] = {}
+        #: Finished requests whose blocks the workers still copy out (delay-free until reported).
+        self._copying: set[ReqId] = set()
 
     def on_new_request(self, request: Request) -> None:
         params = request.kv_transfer_params
@@ -95,20 +97,29 @@ class TileRTScheduler:
                 claimed.queued = True
         return meta
 
-    def request_finished(self, request: Request) -> dict[str, Any] | None:
-        """The params the router reads. Blocks are freed at once: the state was copied out in the step."""
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        """(delay_free, the params the router reads). Blocks of a queued job stay until it is copied."""
         claimed = self._claimed.pop(request.request_id, None)
         if claimed is None:
-            return None
+            return False, None
         params: dict[str, Any] = {"tilert_num_tokens": request.num_prompt_tokens}
         if request.output_token_ids:
             params["tilert_first_token"] = int(request.output_token_ids[0])
         if claimed.queued:
             params["tilert_status"] = "queued"
-        else:
-            params["tilert_status"] = "failed"
-            params["tilert_error"] = claimed.refused or f"request ended ({request.status.name}) before its prefill did"
-        return params
+            self._copying.add(request.request_id)
+            return True, params
+        params["tilert_status"] = "failed"
+        params["tilert_error"] = claimed.refused or f"request ended ({request.status.name}) before its prefill did"
+        return False, params
+
+    def sent(self, finished_sending: set[ReqId]) -> None:
+        """Workers reported these copied out (MultiConnector passes every child's ids: keep ours)."""
+        self._copying -= finished_sending
+
+    @property
+    def pending_copies(self) -> int:
+        return len(self._copying)
 
     @property
     def tracked(self) -> int:

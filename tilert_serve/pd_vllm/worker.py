@@ -3,13 +3,17 @@
 In `wait_for_save` (after the target model and the MTP drafter have written the step's KV) each
 claimed request that finished its prompt this step is gathered from the paged caches into a
 pre-registered staging region, and handed to a background sender thread that does the handshake,
-the one-sided writes and done. The forward pass never waits on the network: a full staging pool or
-a failed gather only costs this request its handoff (the node is told at once), never the step.
+the one-sided writes and done. The forward pass never waits on the network.
 
-Block contract: the copy happens inside the step, before wait_for_save returns (on CUDA it is
-enqueued on the current stream, so later kernels that reuse the blocks run after it; the sender
-waits on an event before writing). request_finished therefore frees blocks at once (no delay-free,
-no has_pending_push_work, no get_finished reports), which keeps vLLM's block accounting untouched.
+Block contract: delay the free until the copy is done. request_finished returns delay_free=True for
+every request with a send job; the worker reports the id in get_finished once its rows are in
+staging (or the job was given up), which frees the blocks. Blocks are held for the gather only,
+never for the network. When every staging region is busy, the job waits (its blocks stay valid)
+and is gathered in a later step's wait_for_save, which vLLM calls every step, empty ones included,
+while has_pending_push_work keeps the engine stepping; after tilert_timeout_s it is given up and
+the node told at once. With TP > 1 every rank gathers and reports its own layers, so the default
+get_finished_count (all ranks) is right. On CUDA the gather is enqueued on the current stream
+before the blocks can be reused, and the sender waits on an event before writing.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import queue
 import re
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -128,6 +133,15 @@ class TileRTWorker:
         self._stats_lock = threading.Lock()  # guards stats: the sender thread records, the step thread takes
         #: Jobs waiting for the sender thread: _Work items, or _STOP.
         self._queue: queue.Queue[Any] = queue.Queue()
+        # Step-thread state (only wait_for_save and get_finished touch these):
+        #: jobs not yet gathered, oldest first, with the time they arrived.
+        self._waiting: deque[tuple[SendJob, float]] = deque()
+        #: ids of every job this rank received and has not reported yet.
+        self._expected: set[str] = set()
+        #: ids gathered (or given up): their blocks are no longer read.
+        self._copied: set[str] = set()
+        #: ids vLLM has reported finished (a sending id may only be reported after that).
+        self._finished: set[str] = set()
         self._thread: threading.Thread | None = None
         self._mover: transfer.TransferEngine | None = None
 
@@ -151,16 +165,24 @@ class TileRTWorker:
                  self.rank, self.world_size, layout.describe(), len(mine), self.config.staging_requests,
                  self.pool.region_nbytes / 1e6, device, self.config.transfer, self.config.protocol)
 
-    def save(self, jobs: list[SendJob]) -> None:
-        """Called from wait_for_save: gather each job into staging and queue it. Never raises."""
-        for job in jobs:
-            t0 = time.perf_counter()
-            assert self.pool is not None
+    def step(self, jobs: list[SendJob]) -> None:
+        """Called from every wait_for_save: gather what staging has room for, oldest first. Never raises."""
+        now = time.monotonic()
+        self._waiting.extend((job, now) for job in jobs)
+        assert self.pool is not None
+        while self._waiting:
+            job, since = self._waiting[0]
             index = self.pool.acquire()
             if index is None:
-                self._queue.put(_Work(job, None, None, 0.0, f"prefill staging full ({self.config.staging_requests} "
-                                                            "requests in flight); raise tilert_staging_requests"))
-                continue
+                # Staging is busy: the oldest waits (blocks held), unless it has waited too long.
+                if now - since > self.config.timeout_s:
+                    self._waiting.popleft()
+                    self._give_up(job, f"prefill staging stayed full for {self.config.timeout_s:.0f} s "
+                                       f"({self.config.staging_requests} regions); raise tilert_staging_requests")
+                    continue
+                return
+            self._waiting.popleft()
+            t0 = time.perf_counter()
             try:
                 gather(self.caches, job.block_ids, job.num_tokens, self.pool.placement,
                        self.pool.region(index))  # type: ignore[arg-type]
@@ -171,9 +193,27 @@ class TileRTWorker:
             except Exception as exc:  # a bug here must not take the forward pass down
                 log.exception("gathering request %s into staging failed", job.req_id)
                 self.pool.release(index)
-                self._queue.put(_Work(job, None, None, 0.0, f"gather failed: {exc}"))
+                self._give_up(job, f"gather failed: {exc}")
                 continue
+            self._copied.add(job.req_id)
             self._queue.put(_Work(job, index, event, time.perf_counter() - t0))
+
+    def _give_up(self, job: SendJob, error: str) -> None:
+        """The blocks are no longer needed; the node hears at once that the state will not come."""
+        self._copied.add(job.req_id)
+        self._queue.put(_Work(job, None, None, 0.0, error))
+
+    def finished(self, finished_req_ids: set[str]) -> set[str] | None:
+        """Ids whose blocks vLLM may free: copied out (or given up) and reported finished by vLLM."""
+        self._finished |= finished_req_ids & self._expected
+        ready = self._copied & self._finished
+        self._copied -= ready
+        self._finished -= ready
+        self._expected -= ready
+        return ready or None
+
+    def expect(self, jobs: list[SendJob]) -> None:
+        self._expected.update(j.req_id for j in jobs)
 
     def _run(self) -> None:
         while True:

@@ -1,0 +1,82 @@
+"""The worker's block contract: a job's blocks are released (reported in get_finished) only after
+its rows are in staging and vLLM has finished the request; a full staging pool makes jobs wait, not
+fail, until they have waited tilert_timeout_s. The sender runs for real against a closed port."""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import pytest
+import torch
+
+from tilert_serve.pd_vllm.config import ConnectorConfig
+from tilert_serve.pd_vllm.metadata import Destination, SendJob
+from tilert_serve.pd_vllm.worker import TileRTWorker
+
+
+def _closed_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture
+def worker(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123456789abcdef")
+    cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
+                                             "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
+                                             "tilert_staging_requests": 1, "tilert_timeout_s": 0.5})
+    w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
+    w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
+    yield w
+    w.shutdown()
+
+
+def job(req_id: str, port: int) -> SendJob:
+    return SendJob(req_id=req_id, dest=Destination("127.0.0.1", port, None), num_tokens=20, last_prompt_token=3,
+                   prompt_token_ids=list(range(20)), block_ids=([1, 2],))
+
+
+def _until(cond, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_blocks_are_released_after_the_copy_and_the_finish(worker):
+    port = _closed_port()
+    a, b = job("a", port), job("b", port)
+    worker.expect([a, b])
+    worker.step([a, b])  # one staging region: a is copied, b waits with its blocks held
+    assert worker.finished(set()) is None  # vLLM has not finished them yet
+    assert worker.finished({"a", "b"}) == {"a"}
+    _until(lambda: worker.pool.free == 1)  # the sender failed (closed port) and gave staging back
+    worker.step([])  # an empty step: b now gets the region
+    assert worker.finished(set()) == {"b"}
+    assert worker.finished({"a", "b"}) is None  # each id is reported once
+    _until(lambda: worker.pool.free == 1)
+    stats = worker.take_stats()
+    assert stats is not None and stats.data["handoffs"] == {"unreachable": 2}
+
+
+def test_a_job_that_waits_too_long_is_given_up_and_released(worker):
+    port = _closed_port()
+    a, b = job("a", port), job("b", port)
+    worker.pool.acquire()  # staging is busy with something that never returns
+    worker.expect([a, b])
+    worker.step([a, b])
+    assert worker.finished({"a", "b"}) is None
+    time.sleep(0.6)
+    worker.step([])
+    assert worker.finished(set()) == {"a", "b"}
+    # Both are still announced to their node (here unreachable), so its slot would free at once.
+    _until(lambda: worker.stats.data["handoffs"].get("unreachable", 0) == 2)
+
+
+def test_unknown_ids_are_never_reported(worker):
+    assert worker.finished({"not-ours"}) is None
