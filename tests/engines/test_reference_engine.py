@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections import Counter
 
 import pytest
@@ -266,3 +267,20 @@ def test_model_without_query_lora(tmp_path) -> None:
         outs[k] = [decode(engine, p, GREEDY, 12)[0] for p in prompts(4)]
     assert outs[0] == outs[2]
     assert naive_greedy(engine.weights, prompts(4)[2], 13) == outs[0][2]
+
+
+def test_unsupported_config_is_named(tiny_model_dir, tmp_path) -> None:
+    raw = json.loads((tiny_model_dir / "config.json").read_text())
+    with pytest.raises(rm.CheckpointError, match=r"rope_scaling type 'linear' is not supported"):
+        rm.ModelConfig.from_dict({**raw, "rope_scaling": {"type": "linear", "factor": 2.0}})
+    with pytest.raises(
+        rm.CheckpointError, match=r"rope_scaling \(yarn\) is missing 'original_max_position_embeddings'"
+    ):
+        rm.ModelConfig.from_dict({**raw, "rope_scaling": {"type": "yarn", "factor": 2.0}})
+    with pytest.raises(rm.CheckpointError, match=r"config.json is missing 'kv_lora_rank'"):
+        rm.ModelConfig.from_dict({k: v for k, v in raw.items() if k != "kv_lora_rank"})
+    (tmp_path / "config.json").write_text(json.dumps({**raw, "num_nextn_predict_layers": 2}))
+    with pytest.raises(rm.CheckpointError, match=r"needs exactly one MTP layer.*num_nextn_predict_layers=2"):
+        ReferenceEngine(ReferenceSettings(model_dir=str(tmp_path), num_speculative_tokens=1))
+    with pytest.raises(rm.CheckpointError, match=r"no \*.safetensors file"):
+        ReferenceEngine(ReferenceSettings(model_dir=str(tmp_path), num_speculative_tokens=0)).load()

@@ -8,7 +8,8 @@ vLLM in float32:
   cached per token is ``kv_a_layernorm(kv_c) || rope(k_pe)`` (576 values for DeepSeek-V3), the same
   row vLLM's MLA cache holds. Attention uses the absorbed form (q_nope @ W_UK against the latent,
   output through W_UV), softmax scale ``qk_head_dim ** -0.5``.
-* RoPE: GPT-J style (interleaved pairs, vLLM ``is_neox_style=False``) on the last 64 dims only.
+* RoPE: GPT-J style (interleaved pairs, vLLM ``is_neox_style=False``) on the last 64 dims only;
+  DeepSeek's YaRN scaling when config.json asks for it (frequencies, cos/sin magnitude, softmax scale).
 * MoE: vLLM's grouped top-k with sigmoid or softmax scores, ``e_score_correction_bias`` steering only
   the choice (weights are the unbiased scores), optional renormalisation, then
   ``shared(x) + routed_scaling_factor * routed(x)``.
@@ -22,6 +23,7 @@ writing into a cache) and training (a batch of whole sequences, no cache, autogr
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +35,70 @@ from safetensors import safe_open
 
 class CheckpointError(ValueError):
     """The checkpoint directory does not hold a model this engine can run."""
+
+
+def yarn_get_mscale(scale: float, mscale: float) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """DeepSeek's YaRN RoPE scaling, as vLLM applies it (DeepseekScalingRotaryEmbedding)."""
+
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32
+    beta_slow: float = 1
+    mscale: float = 1.0
+    mscale_all_dim: float = 0.0
+    #: vLLM scales the softmax by yarn_get_mscale(factor, mscale_all_dim) ** 2 ("deepseek_yarn"),
+    #: except when the config sets attention_factor 1.0 ("deepseek_llama_scaling").
+    scales_softmax: bool = True
+
+    @classmethod
+    def from_config(cls, rope: dict[str, Any]) -> YarnScaling | None:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind == "default":
+            return None
+        if kind not in ("yarn", "deepseek_yarn"):
+            raise CheckpointError(
+                f"config.json rope_scaling type {kind!r} is not supported by the reference engine "
+                "(supported: none, or DeepSeek's 'yarn')"
+            )
+        try:
+            return cls(
+                factor=float(rope["factor"]),
+                original_max_position_embeddings=int(rope["original_max_position_embeddings"]),
+                beta_fast=float(rope.get("beta_fast", 32)),
+                beta_slow=float(rope.get("beta_slow", 1)),
+                mscale=float(rope.get("mscale", 1.0)),
+                mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)),
+                scales_softmax=rope.get("attention_factor") != 1.0,
+            )
+        except KeyError as e:
+            raise CheckpointError(f"config.json rope_scaling (yarn) is missing {e.args[0]!r}") from e
+
+    def inv_freq(self, rotary_dim: int, theta: float) -> torch.Tensor:
+        pos_freqs = theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim)
+        extrapolation = 1.0 / pos_freqs
+        interpolation = 1.0 / (self.factor * pos_freqs)
+
+        def correction_dim(rotations: float) -> float:
+            return (
+                rotary_dim * math.log(self.original_max_position_embeddings / (rotations * 2 * math.pi))
+            ) / (2 * math.log(theta))
+
+        low = max(math.floor(correction_dim(self.beta_fast)), 0)
+        high = min(math.ceil(correction_dim(self.beta_slow)), rotary_dim - 1)
+        if low == high:
+            high += 0.001
+        ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float) - low) / (high - low), 0, 1)
+        keep = 1 - ramp  # 1: extrapolate (high frequencies), 0: interpolate
+        return interpolation * (1 - keep) + extrapolation * keep
+
+    @property
+    def cos_sin_scale(self) -> float:
+        return yarn_get_mscale(self.factor, self.mscale) / yarn_get_mscale(self.factor, self.mscale_all_dim)
 
 
 @dataclass(frozen=True)
@@ -66,6 +132,8 @@ class ModelConfig:
     max_position_embeddings: int
     num_nextn_predict_layers: int
     eos_token_id: int | None = None
+    #: None for plain RoPE, else DeepSeek's YaRN scaling (config.json rope_scaling type "yarn").
+    yarn: YarnScaling | None = None
 
     @property
     def qk_head_dim(self) -> int:
@@ -78,7 +146,11 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return self.qk_head_dim**-0.5
+        scale = self.qk_head_dim**-0.5
+        if self.yarn is not None and self.yarn.scales_softmax:
+            m = yarn_get_mscale(self.yarn.factor, self.yarn.mscale_all_dim)
+            scale = scale * m * m
+        return scale
 
     def is_moe_layer(self, layer_idx: int) -> bool:
         # vLLM's rule, applied to the MTP layer's index too (it is num_hidden_layers + i).
@@ -93,12 +165,7 @@ class ModelConfig:
         if raw.get("hidden_act", "silu") != "silu":
             raise CheckpointError(f"config.json hidden_act={raw['hidden_act']!r}: only 'silu' is supported")
         rope = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
-        rope_type = rope.get("rope_type", rope.get("type", "default"))
-        if rope_type != "default":
-            raise CheckpointError(
-                f"config.json rope_scaling type {rope_type!r} is not supported by the reference engine; "
-                "use a checkpoint without rope_scaling"
-            )
+        yarn = YarnScaling.from_config(rope)
         rope_theta = raw.get("rope_theta", rope.get("rope_theta", 10000.0))
         eos = raw.get("eos_token_id")
         if isinstance(eos, list):
@@ -139,6 +206,7 @@ class ModelConfig:
                 max_position_embeddings=int(raw.get("max_position_embeddings", 8192)),
                 num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers", 0)),
                 eos_token_id=None if eos is None else int(eos),
+                yarn=yarn,
             )
         except KeyError as e:
             raise CheckpointError(f"config.json is missing {e.args[0]!r}") from e
@@ -351,13 +419,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def rope_tables(
-    length: int, rotary_dim: int, theta: float, *, dtype: torch.dtype, device: torch.device | str
+    length: int,
+    rotary_dim: int,
+    theta: float,
+    *,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    yarn: YarnScaling | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """cos, sin [length, rotary_dim // 2], built in float32 then cast (vLLM's cos_sin_cache)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+    if yarn is None:
+        inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, dtype=torch.float) / rotary_dim))
+        scale = 1.0
+    else:
+        inv_freq, scale = yarn.inv_freq(rotary_dim, theta), yarn.cos_sin_scale
     t = torch.arange(length, dtype=torch.float)
     freqs = torch.einsum("i,j -> ij", t, inv_freq)
-    return freqs.cos().to(device=device, dtype=dtype), freqs.sin().to(device=device, dtype=dtype)
+    cos, sin = freqs.cos(), freqs.sin()
+    if scale != 1.0:
+        cos, sin = cos * scale, sin * scale
+    return cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -378,7 +459,9 @@ class Rope:
     def build(
         cls, config: ModelConfig, length: int, *, dtype: torch.dtype, device: torch.device | str
     ) -> Rope:
-        cos, sin = rope_tables(length, config.qk_rope_head_dim, config.rope_theta, dtype=dtype, device=device)
+        cos, sin = rope_tables(
+            length, config.qk_rope_head_dim, config.rope_theta, dtype=dtype, device=device, yarn=config.yarn
+        )
         return cls(cos=cos, sin=sin)
 
     def at(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
