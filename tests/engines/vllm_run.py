@@ -9,7 +9,7 @@ usage: python vllm_run.py MODEL_DIR REQUEST_JSON OUT_DIR
   REQUEST_JSON: {"prompts": [[ids], ...], "max_tokens": N, "num_speculative_tokens": K,
                  "dump_prompts": [[ids], ...]}
   OUT_DIR/result.json: {"outputs": [[ids], ...], "first_tokens": [id per dump prompt],
-                        "seconds_init": s, "seconds_generate": s}
+                        "seconds_init": s, "seconds_generate": s, "spec_decode": {counter: value}}
   OUT_DIR/cache_rows.pt: per dump prompt, {attention layer name: [n, 576] rows read from vLLM's KV
                          cache at the slots the prefill step wrote}, main layers and the MTP layer
 """
@@ -52,11 +52,17 @@ def main(model_dir: str, request_path: str, out_dir: str) -> None:
         speculative_config=spec,
         seed=0,
         compilation_config=VLLM_CPU_COMPILATION_CONFIG,
+        disable_log_stats=False,  # for the speculative-decoding counters below
     )
     t1 = time.monotonic()
     greedy = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], ignore_eos=True)
     results = llm.generate([TokensPrompt(prompt_token_ids=p) for p in req["prompts"]], greedy, use_tqdm=False)
     t2 = time.monotonic()
+    spec_counts = {
+        m.name: m.value
+        for m in llm.get_metrics()
+        if m.name in ("vllm:spec_decode_num_draft_tokens", "vllm:spec_decode_num_accepted_tokens")
+    }
 
     # Cache rows: after each attention layer (target and drafter) runs, read its cache at the slots
     # this step wrote. One prompt per generate call, max_tokens=1: the step is the prefill plus the
@@ -94,6 +100,8 @@ def main(model_dir: str, request_path: str, out_dir: str) -> None:
         "first_tokens": firsts,
         "seconds_init": t1 - t0,
         "seconds_generate": t2 - t1,
+        # vLLM's own MTP counters over the greedy run: draft tokens proposed and accepted.
+        "spec_decode": spec_counts,
     }
     (out / "result.json").write_text(json.dumps(result))
 
