@@ -7,7 +7,7 @@ vLLM in float32:
 * MLA: q through q_a_proj -> q_a_layernorm -> q_b_proj (or q_proj without q-LoRA); the latent row
   cached per token is ``kv_a_layernorm(kv_c) || rope(k_pe)`` (576 values for DeepSeek-V3), the same
   row vLLM's MLA cache holds. Attention uses the absorbed form (q_nope @ W_UK against the latent,
-  output through W_UV), softmax scale ``qk_head_dim ** -0.5``.
+  output through W_UV), softmax scale ``qk_head_dim ** -0.5`` (times YaRN's mscale squared).
 * RoPE: GPT-J style (interleaved pairs, vLLM ``is_neox_style=False``) on the last 64 dims only;
   DeepSeek's YaRN scaling when config.json asks for it (frequencies, cos/sin magnitude, softmax scale).
 * MoE: vLLM's grouped top-k with sigmoid or softmax scores, ``e_score_correction_bias`` steering only
