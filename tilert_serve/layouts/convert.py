@@ -60,12 +60,21 @@ def indexer_pages_to_keys(pages: torch.Tensor, num_tokens: int, out_dtype: torch
     return (keys @ hadamard_matrix(INDEX_HEAD_DIM).to(keys.device)).to(out_dtype)
 
 
+def _fused_cuda(region: list[torch.Tensor], placement: Placement, out_dtype: torch.dtype) -> bool:
+    return (len(region) == 1 and region[0].is_cuda and out_dtype == torch.bfloat16
+            and placement.layout.kv_cache_dtype == "fp8_ds_mla")
+
+
 def to_injected_state(region: list[torch.Tensor], placement: Placement, num_tokens: int,
                       last_prompt_token: int, out_dtype: torch.dtype) -> InjectedState:
     """Read one slot's received bytes (`region[shard]` = that shard's uint8 buffer) into engine tensors."""
     layout = placement.layout
     if num_tokens > placement.max_tokens:
         raise ValueError(f"{num_tokens} tokens exceed the slot's capacity of {placement.max_tokens}")
+    if _fused_cuda(region, placement, out_dtype):
+        from tilert_serve.layouts import convert_triton
+
+        return convert_triton.to_injected_state(region[0], placement, num_tokens, last_prompt_token)
     mla = layout.plane("mla")
     layers: list[LayerState] = []
     for lid in range(layout.num_layers):
@@ -105,7 +114,7 @@ def keys_to_indexer_pages(keys: torch.Tensor) -> torch.Tensor:
     """Unrotated indexer keys [n, 128] -> [ceil(n/64), 8448] uint8 pages (fp8 + per-token scale)."""
     n = keys.shape[0]
     pages = math.ceil(n / INDEXER_PAGE_TOKENS)
-    padded = torch.zeros(pages * INDEXER_PAGE_TOKENS, INDEX_HEAD_DIM)
+    padded = torch.zeros(pages * INDEXER_PAGE_TOKENS, INDEX_HEAD_DIM, device=keys.device)
     padded[:n] = keys.float()
     scales = (padded.abs().amax(-1, keepdim=True) / _FP8_MAX).clamp(min=1e-12)
     values = (padded / scales).to(torch.float8_e4m3fn).view(torch.uint8)

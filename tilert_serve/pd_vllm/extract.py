@@ -84,3 +84,31 @@ def gather(caches: list[PagedCache], block_ids: tuple[list[int], ...], num_token
         torch.index_select(src, 0, idx, out=dst)
         written += nbytes
     return written
+
+
+class Gatherer:
+    """The gather a worker runs every job: the fused Triton kernels on CUDA, `gather` elsewhere."""
+
+    def __init__(self, caches: list[PagedCache], staging: Placement, shard: int) -> None:
+        self.caches, self.staging, self.shard = caches, staging, shard
+        self._fused: list[tuple[int, int, object]] = []
+        if caches and caches[0].tensor.is_cuda:
+            from tilert_serve.pd_vllm.extract_triton import PlaneGather
+
+            for plane in staging.layout.planes:
+                mine = [c for c in caches if c.plane == plane.name]
+                if mine:
+                    # A block holds block_size tokens: as rows, or as one page (pages are blocks).
+                    self._fused.append((mine[0].group, mine[0].block_size, PlaneGather([c.tensor for c in mine], [c.layer for c in mine], plane.name,
+                                                    staging, mine[0].block_size, shard)))
+
+    def __call__(self, block_ids: tuple[list[int], ...], num_tokens: int, region: list[torch.Tensor]) -> int:
+        if not self._fused:
+            return gather(self.caches, block_ids, num_tokens, self.staging, region)
+        written = 0
+        device = self.caches[0].tensor.device
+        for group, tokens_per_block, fused in self._fused:
+            blocks = (num_tokens + tokens_per_block - 1) // tokens_per_block
+            ids = torch.tensor(block_ids[group][:blocks], dtype=torch.int64).to(device, non_blocking=True)
+            written += fused(ids, num_tokens, region[self.shard])  # type: ignore[operator]
+        return written

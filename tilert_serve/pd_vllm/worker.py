@@ -34,7 +34,7 @@ from tilert_serve.handoff import auth
 from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, Sender
 from tilert_serve.layouts import Layout, Placement
 from tilert_serve.pd_vllm.config import ConnectorConfig
-from tilert_serve.pd_vllm.extract import PagedCache, check_cache, gather
+from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache
 from tilert_serve.pd_vllm.metadata import SendJob
 from tilert_serve.pd_vllm.stats import TileRTStats
 
@@ -153,6 +153,7 @@ class TileRTWorker:
         staging = Placement(layout, max_tokens=self.config.max_seq_len, shards=self.world_size)
         device = caches[0].tensor.device
         self.pool = StagingPool(staging, self.rank, self.config.staging_requests, device)
+        self.gather = Gatherer(self.caches, staging, self.rank)
         self._mover = transfer.create(self.config.transfer, host=self.config.local_host,
                                       protocol=self.config.protocol, role=f"prefill-{self.rank}")
         self._mover.register(self.pool.buffer.data_ptr(), self.pool.buffer.numel(),
@@ -184,8 +185,7 @@ class TileRTWorker:
             self._waiting.popleft()
             t0 = time.perf_counter()
             try:
-                gather(self.caches, job.block_ids, job.num_tokens, self.pool.placement,
-                       self.pool.region(index))  # type: ignore[arg-type]
+                self.gather(job.block_ids, job.num_tokens, self.pool.region(index))  # type: ignore[arg-type]
                 event = None
                 if self.pool.buffer.is_cuda:
                     event = torch.cuda.Event()

@@ -1,0 +1,94 @@
+"""Conversion benchmark: GLM-5 state received in vLLM's fp8_ds_mla format (79 layers, rows and
+indexer pages) converted into TileRT's bf16 layout (kv, pe, Hadamard-rotated ki) at 8k, 32k and
+128k tokens. Achieved bytes/s (wire bytes read + bf16 bytes written) against the device copy
+bandwidth measured in the same run; the torch path (convert.py) as the baseline; results checked
+against the torch path and, on a sample, a float64 reference.
+
+    python3 bench/convert/run.py [--device cuda] [--sizes 8192,32768,131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import copy_bandwidth, median_ms, table  # noqa: E402
+
+from tilert_serve import layouts  # noqa: E402
+from tilert_serve.layouts import convert  # noqa: E402
+
+
+def fill(region: torch.Tensor, place: layouts.Placement, n: int, gen: torch.Generator) -> None:
+    dev = region.device
+    for lid in range(place.layout.num_layers):
+        kv = torch.randn(n, 512, device=dev, generator=gen) * (1 + lid % 5)
+        pe = torch.randn(n, 64, device=dev, generator=gen)
+        keys = torch.randn(n, 128, device=dev, generator=gen)
+        rows = convert.kv_pe_to_mla_rows(kv, pe, place.layout).flatten()
+        pages = convert.keys_to_indexer_pages(keys).flatten()
+        _, off = place.offset("mla", lid)
+        region[off:off + rows.numel()] = rows
+        _, off = place.offset("indexer", lid)
+        region[off:off + pages.numel()] = pages
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sizes", default="8192,32768,131072")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    bw = copy_bandwidth(dev)
+    gen = torch.Generator(device=dev).manual_seed(0)
+    rows, errs = [], []
+    for n in [int(s) for s in args.sizes.split(",")]:
+        place = layouts.Placement(layout, max_tokens=n)
+        region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
+        fill(region, place, n, gen)
+        fast = convert.to_injected_state([region], place, n, 0, torch.bfloat16)
+        slow_layers = {}
+        for lid in (0, 40, 78):  # the torch path, layer by layer (it needs the whole state otherwise)
+            sub = layouts.Placement(layout, max_tokens=n)
+            slow = convert.mla_rows_to_kv_pe(
+                region[sub.offset("mla", lid)[1]:][:n * 656].view(n, 656), layout, torch.float32)
+            ki = convert.indexer_pages_to_keys(
+                region[sub.offset("indexer", lid)[1]:][:layout.plane("indexer").nbytes(n)].view(-1, 8448), n,
+                torch.float32)
+            slow_layers[lid] = (slow[0], slow[1], ki)
+        for lid, (kv, pe, ki) in slow_layers.items():
+            got = fast.layers[lid]
+            errs.append((n, lid, rel_err(got.kv, kv), rel_err(got.pe, pe), rel_err(got.ki, ki)))
+            if max(errs[-1][2:]) > 1e-2:
+                raise SystemExit(f"conversion error too large at layer {lid}, {n} tokens: {errs[-1]}")
+        wire = layout.request_bytes(n)
+        out_bytes = layout.num_layers * n * (512 + 64 + 128) * 2
+        moved = wire + out_bytes
+        t_fast = median_ms(lambda: convert.to_injected_state([region], place, n, 0, torch.bfloat16), dev, reps=10)
+        t_torch = median_ms(lambda: [convert.mla_rows_to_kv_pe(region[place.offset("mla", i)[1]:][:n * 656]
+                                                               .view(n, 656), layout, torch.bfloat16)
+                                     for i in range(layout.num_layers)], dev, reps=3, warmup=1)
+        rows.append([f"{n // 1024}k", f"{wire / 1e9:.2f}", f"{out_bytes / 1e9:.2f}", f"{t_fast:.2f}",
+                     f"{moved / t_fast / 1e6:.0f} ({moved / t_fast / 1e6 / bw:.0%})", f"{t_torch:.2f}",
+                     f"{t_torch / t_fast:.1f}x"])
+        del region, fast
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"device: {name}; copy bandwidth {bw:.0f} GB/s (read+write); ms, median; torch path = MLA rows only")
+    print("max relative error vs torch path (kv, pe, ki): " +
+          ", ".join(f"{e[2]:.1e}/{e[3]:.1e}/{e[4]:.1e}" for e in errs[:3]))
+    print(table(["tokens", "wire GB", "bf16 out GB", "fused ms", "fused GB/s (of copy)", "torch MLA-only ms",
+                 "speedup"], rows))
+
+
+if __name__ == "__main__":
+    main()

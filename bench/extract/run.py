@@ -1,0 +1,78 @@
+"""Extraction benchmark: one request's GLM-5 state (79 layers, fp8_ds_mla rows of 656 bytes in
+64-token blocks, plus indexer pages) gathered from paged caches into staging at 8k, 32k and 128k
+tokens. Against, in the same run: the device copy bandwidth, and one index_select per layer over
+token slots (the upstream approach, also this project's CPU path). The fused result is checked
+byte for byte against the index_select one.
+
+    python3 bench/extract/run.py [--device cuda] [--sizes 8192,32768,131072]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from common import copy_bandwidth, median_ms, table  # noqa: E402
+
+from tilert_serve import layouts  # noqa: E402
+from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather  # noqa: E402
+
+BLOCK = 64
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--sizes", default="8192,32768,131072")
+    args = ap.parse_args()
+    dev = torch.device(args.device)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    num_blocks = max(sizes) // BLOCK * 5 // 4
+    gen = torch.Generator(device=dev).manual_seed(0)
+    caches: list[PagedCache] = []
+    for lid in range(layout.num_layers):
+        mla = torch.randint(0, 256, (num_blocks, BLOCK, 656), dtype=torch.uint8, device=dev, generator=gen)
+        idx = torch.randint(0, 256, (num_blocks, BLOCK, 132), dtype=torch.uint8, device=dev, generator=gen)
+        caches += [PagedCache(f"l{lid}.mla", lid, "mla", mla, BLOCK, 0),
+                   PagedCache(f"l{lid}.indexer", lid, "indexer", idx, BLOCK, 0)]
+    staging = layouts.Placement(layout, max_tokens=max(sizes))
+    ref = torch.zeros(staging.total_nbytes(), dtype=torch.uint8, device=dev)
+    out = torch.zeros_like(ref)
+    fused = Gatherer(caches, staging, 0)
+    bw = copy_bandwidth(dev)
+    rows = []
+    for n in sizes:
+        blocks = random.Random(n).sample(range(num_blocks), (n + BLOCK - 1) // BLOCK)
+        ids = (blocks,)
+        nbytes = layout.request_bytes(n)
+        gather(caches, ids, n, staging, [ref])
+        out.fill_(0xA5)  # poison: every byte the request owns must be written
+        assert fused(ids, n, [out]) == nbytes
+        for lid in range(layout.num_layers):
+            for plane in layout.planes:
+                _, off = staging.offset(plane.name, lid)
+                k = plane.nbytes(n)
+                if not torch.equal(out[off:off + k], ref[off:off + k]):
+                    raise SystemExit(f"fused gather differs at layer {lid} plane {plane.name} ({n} tokens)")
+        src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        t_copy = median_ms(lambda: dst.copy_(src), dev)
+        t_sel = median_ms(lambda: gather(caches, ids, n, staging, [ref]), dev)
+        t_fused = median_ms(lambda: fused(ids, n, [out]), dev)
+        del src, dst
+        gbs = lambda ms: 2 * nbytes / ms / 1e6  # noqa: E731
+        rows.append([f"{n // 1024}k", f"{nbytes / 1e9:.3f}", f"{t_copy:.3f}", f"{t_sel:.3f} ({gbs(t_sel) / bw:.0%})",
+                     f"{t_fused:.3f} ({gbs(t_fused) / bw:.0%})", f"{t_sel / t_fused:.2f}x"])
+    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    print(f"device: {name}; copy bandwidth {bw:.0f} GB/s (read+write); ms, median; % = of copy bandwidth")
+    print(table(["tokens", "GB", "copy ms", "index_select/layer ms", "fused ms", "fused vs index_select"], rows))
+
+
+if __name__ == "__main__":
+    main()

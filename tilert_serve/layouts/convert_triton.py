@@ -1,0 +1,97 @@
+"""CUDA conversion of received fp8_ds_mla state into the engine's bf16 tensors, in one pass.
+
+Two Triton kernels, each over every layer in one launch:
+  - MLA rows (656 B: 512 fp8 latent values, 4 fp32 block scales, 64 bf16 RoPE values) -> kv [L, n, 512]
+    and pe [L, n, 64] in bf16;
+  - indexer pages (64 tokens x 128 fp8 values, then 64 fp32 scales) -> dequantised, multiplied by the
+    orthonormal Hadamard matrix on the tensor cores, stored as ki [L, n, 128] bf16.
+Each byte of the wire is read once and each output written once, so the conversion runs near the
+device's copy bandwidth (bench/convert). The torch path in convert.py is the reference it is
+tested against.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilert_serve.layouts.convert import hadamard_matrix
+from tilert_serve.layouts.placement import Placement
+from tilert_serve.layouts.registry import FP8_DS_MLA_ROW_BYTES, INDEXER_PAGE_BYTES
+from tilert_serve.layouts.state import InjectedState, LayerState
+
+_ROW = FP8_DS_MLA_ROW_BYTES
+_PAGE = INDEXER_PAGE_BYTES
+
+
+@triton.jit
+def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, ROW: tl.constexpr, BLOCK_T: tl.constexpr):
+    pid_t = tl.program_id(0)
+    layer = tl.program_id(1)
+    t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    tmask = t < n
+    rows = src + tl.load(layer_off + layer) + t.to(tl.int64) * ROW  # uint8 pointers, one per token
+    g = tl.arange(0, 4)
+    c = tl.arange(0, 128)
+    col = g[:, None] * 128 + c[None, :]  # [4, 128]
+    vptr = (rows[:, None, None] + col[None, :, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    vals = tl.load(vptr, mask=tmask[:, None, None], other=0.0).to(tl.float32)
+    sptr = (rows + 512).to(tl.pointer_type(tl.float32), bitcast=True)
+    scales = tl.load(sptr[:, None] + g[None, :], mask=tmask[:, None], other=0.0)
+    kv = (vals * scales[:, :, None]).to(tl.bfloat16)
+    out_row = layer.to(tl.int64) * n + t.to(tl.int64)
+    tl.store(kv_out + out_row[:, None, None] * 512 + col[None, :, :], kv, mask=tmask[:, None, None])
+    d = tl.arange(0, 64)
+    pptr = (rows + 528).to(tl.pointer_type(tl.bfloat16), bitcast=True)
+    pe = tl.load(pptr[:, None] + d[None, :], mask=tmask[:, None], other=0.0)
+    tl.store(pe_out + out_row[:, None] * 64 + d[None, :], pe, mask=tmask[:, None])
+
+
+@triton.jit
+def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, PAGE: tl.constexpr):
+    page = tl.program_id(0)
+    layer = tl.program_id(1)
+    base = src + tl.load(layer_off + layer) + page.to(tl.int64) * PAGE
+    r = tl.arange(0, 64)
+    c = tl.arange(0, 128)
+    vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    vals = tl.load(vptr).to(tl.float32)
+    scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r)
+    x = (vals * scales[:, None]).to(tl.bfloat16)
+    h = tl.load(hadamard + c[:, None] * 128 + c[None, :])
+    y = tl.dot(x, h)
+    t = page * 64 + r
+    out_row = layer.to(tl.int64) * n + t.to(tl.int64)
+    tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
+
+
+def _layer_offsets(placement: Placement, plane: str, device: torch.device) -> torch.Tensor:
+    offs = []
+    for lid in range(placement.layout.num_layers):
+        shard, off = placement.offset(plane, lid)
+        if shard != 0:
+            raise ValueError("the CUDA conversion takes one shard; convert each GPU's shard separately")
+        offs.append(off)
+    return torch.tensor(offs, dtype=torch.int64, device=device)
+
+
+def to_injected_state(region: torch.Tensor, placement: Placement, num_tokens: int, last_prompt_token: int,
+                      *, block_t: int = 32) -> InjectedState:
+    """One slot's received fp8_ds_mla bytes (a uint8 CUDA tensor) -> bf16 engine state, per layer views."""
+    layout = placement.layout
+    if layout.kv_cache_dtype != "fp8_ds_mla":
+        raise ValueError(f"the CUDA conversion handles fp8_ds_mla, not {layout.kv_cache_dtype}")
+    dev, n, num_layers = region.device, num_tokens, layout.num_layers
+    kv = torch.empty(num_layers, n, layout.kv_lora_rank, dtype=torch.bfloat16, device=dev)
+    pe = torch.empty(num_layers, n, layout.rope_dim, dtype=torch.bfloat16, device=dev)
+    _mla_rows_kernel[(triton.cdiv(n, block_t), num_layers)](
+        region, _layer_offsets(placement, "mla", dev), kv, pe, n, ROW=_ROW, BLOCK_T=block_t)
+    ki = None
+    if layout.index_head_dim:
+        ki = torch.empty(num_layers, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
+        h = hadamard_matrix(layout.index_head_dim).to(device=dev, dtype=torch.bfloat16)
+        _indexer_pages_kernel[(triton.cdiv(n, 64), num_layers)](
+            region, _layer_offsets(placement, "indexer", dev), h, ki, n, PAGE=_PAGE)
+    layers = [LayerState(kv=kv[i], pe=pe[i], ki=None if ki is None else ki[i]) for i in range(num_layers)]
+    return InjectedState(layers=layers, seq_len=n, last_prompt_token=last_prompt_token)

@@ -1,0 +1,71 @@
+"""CUDA extraction: one Triton launch per plane copies a request's blocks of every layer from vLLM's
+paged caches into staging.
+
+Within a paged block a plane's rows are contiguous, so the copy works on whole blocks (41,984 bytes
+of MLA rows or one 8,448-byte indexer page for GLM-5), 16-byte words, no per-token indexing; the last
+block copies only the request's rows. The per-layer token-level index_select in extract.py is the
+reference (and the CPU path) it is tested and benchmarked against (bench/extract).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tilert_serve.layouts import Placement
+
+_WORD = 4  # bytes moved per element; rows and pages of every layout are multiples of 16 bytes
+
+
+@triton.jit
+def _gather_blocks_kernel(src_table, block_ids, dst, dst_off, units_per_block, unit_words, n_units,
+                          block_words, CHUNK: tl.constexpr):
+    j = tl.program_id(0)
+    layer = tl.program_id(1)
+    chunk = tl.program_id(2)
+    src = tl.load(src_table + layer).to(tl.pointer_type(tl.int32))
+    bid = tl.load(block_ids + j)
+    units_here = tl.minimum(units_per_block, n_units - j * units_per_block)
+    words_here = units_here * unit_words
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    mask = offs < words_here
+    vals = tl.load(src + bid * block_words + offs, mask=mask)
+    out = dst + tl.load(dst_off + layer) + j.to(tl.int64) * units_per_block * unit_words
+    tl.store(out + offs, vals, mask=mask)
+
+
+class PlaneGather:
+    """A fused gather for one plane across a list of layers' caches (fixed at registration)."""
+
+    def __init__(self, caches: list[torch.Tensor], layers: list[int], plane: str, staging: Placement,
+                 block_size: int, shard: int) -> None:
+        p = staging.layout.plane(plane)
+        self.units_per_block = block_size if p.unit_tokens == 1 else 1
+        self.unit_tokens = p.unit_tokens
+        if p.unit_bytes % _WORD:
+            raise ValueError(f"{plane} units of {p.unit_bytes} bytes are not whole {_WORD}-byte words")
+        self.unit_words = p.unit_bytes // _WORD
+        self.block_words = self.units_per_block * self.unit_words
+        dev = caches[0].device
+        for c in caches:
+            if c[0].numel() * c.element_size() != self.block_words * _WORD:
+                raise ValueError(f"a {plane} cache block holds {c[0].numel() * c.element_size()} bytes, "
+                                 f"expected {self.block_words * _WORD}")
+        self.src_table = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=dev)
+        offs = []
+        for lid in layers:
+            s, off = staging.offset(plane, lid)
+            assert s == shard and off % _WORD == 0
+            offs.append(off // _WORD)
+        self.dst_off = torch.tensor(offs, dtype=torch.int64, device=dev)
+        self.num_layers = len(caches)
+
+    def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor, chunk: int = 2048) -> int:
+        n_units = (num_tokens + self.unit_tokens - 1) // self.unit_tokens
+        n_blocks = (n_units + self.units_per_block - 1) // self.units_per_block
+        grid = (n_blocks, self.num_layers, triton.cdiv(self.block_words, chunk))
+        _gather_blocks_kernel[grid](self.src_table, block_ids, region.view(torch.int32), self.dst_off,
+                                    self.units_per_block, self.unit_words, n_units, self.block_words,
+                                    CHUNK=chunk)
+        return n_units * self.unit_words * _WORD * self.num_layers
