@@ -16,6 +16,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).parent))  # helper modules next to the tests
 
 import pdc_apiserver
+import pdc_crd_validator
 
 T = TypeVar("T")
 CRD = Path(__file__).resolve().parents[2] / "crds" / "pdcluster.yaml"
@@ -71,6 +72,8 @@ def apiserver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Serve
             st.server._commit(CRD_RES, (CRD_RES, None, obj["metadata"]["name"]), obj, "ADDED")
 
     st.call(install())
+    schema = pdc_crd_validator.load_schema()
+    st.server.validators[("pd.tilert.ai", "v1alpha1", "pdclusters")] = lambda obj, old: pdc_crd_validator.validate(obj, old, schema)
     try:
         yield st
     finally:

@@ -200,6 +200,10 @@ class ApiServer(kmock.KubernetesEmulator):
         self.faults: list[Fault] = []
         self.crds: dict[Res, Obj] = {}
         self.wlock = asyncio.Lock()
+        #: Per-resource admission: (object, old or None) -> (defaulted object, errors). Tests install
+        #: the CRD's schema + CEL validator for PDClusters, so the server defaults and rejects like a
+        #: real one would, for spec and status writes alike.
+        self.validators: dict[Res, Any] = {}
         #: When each object was first created (monotonic seconds), for the benchmark.
         self.added_at: dict[Key, float] = {}
 
@@ -320,6 +324,15 @@ class ApiServer(kmock.KubernetesEmulator):
             if key in self.store and any(r.get("uid") == uid for r in refs):
                 self._delete(key)
 
+    def _admit(self, res: Res, obj: Obj, old: Obj | None) -> Obj:
+        validator = self.validators.get(res)
+        if validator is None:
+            return obj
+        defaulted, errors = validator(obj, old)
+        if errors:
+            raise ApiError(422, "Invalid", f'{self.kind_of(res)}.{self.api_version(res).split("/")[0]} "{obj["metadata"].get("name")}" is invalid: ' + "; ".join(errors))
+        return dict(defaulted)
+
     def _changed(self, old: Obj, new: Obj) -> bool:
         strip = lambda o: {k: v for k, v in o.items() if k != "metadata"} | {  # noqa: E731
             "metadata": {k: v for k, v in o["metadata"].items() if k != "resourceVersion"}
@@ -343,6 +356,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 new["status"] = old["status"]
             else:
                 new.pop("status", None)
+        new = self._admit(res, new, old)
         body_old = {k: v for k, v in old.items() if k not in ("metadata", "status")}
         body_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
         if body_old != body_new:
@@ -468,6 +482,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 obj.pop("status", None)
             for k in ("uid", "resourceVersion", "deletionTimestamp"):
                 meta.pop(k, None)
+            obj = self._admit(res, obj, None)
             self._stamp_new(obj)
             if res == ("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
                 self._serve_crd(obj)
@@ -490,6 +505,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 body["apiVersion"], body["kind"] = self.api_version(res), self.kind_of(res)
                 if self.has_status(res):
                     body.pop("status", None)
+                body = self._admit(res, body, None)
                 self._stamp_new(body)
                 return self._commit(res, key, body, "ADDED"), 201
             # One field manager: the applied top-level fields replace ours; metadata merges.

@@ -117,6 +117,11 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         assert header.split() == ["NAME", "READY", "PREFILL", "TILERT", "NATIVE", "ROUTER", "AGE"]
         assert row.split()[:6] == ["tiny", "True", "1/1", "1/2", "1/1", "1/1"]
 
+        # The test server applies the CRD's schema and CEL rules, like a real API server would.
+        refused = subprocess.run(["kubectl", "--kubeconfig", apiserver.kubeconfig, "patch", "pdc", "tiny", "--type=merge", "-p",
+                                  '{"spec":{"decode":{"tilert":{"replicas":0},"native":{"replicas":0}}}}'], capture_output=True, text=True, timeout=30)
+        assert refused.returncode != 0 and "at least one decode replica" in refused.stderr, refused.stderr
+
         # Edit the spec -> children change.
         kubectl(apiserver, "patch", "pdc", "tiny", "--type=merge", "-p", json.dumps({"spec": {"prefill": {"replicas": 2}, "decode": {"tilert": {"slots": 8}}}}))
         h.wait_for("prefill scaled", lambda: srv.get("deployments", "default", "tiny-prefill")["spec"]["replicas"] == 2)
