@@ -37,7 +37,6 @@ def copy_bandwidth(device: torch.device, nbytes: int = 4 << 30) -> float:
     src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     ms = median_ms(lambda: dst.copy_(src), device)
-    del src, dst
     return 2 * nbytes / ms / 1e6
 
 

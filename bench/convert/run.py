@@ -16,10 +16,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth, median_ms, table  # noqa: E402
+from common import copy_bandwidth, median_ms, table
 
-from tilert_serve import layouts  # noqa: E402
-from tilert_serve.layouts import convert  # noqa: E402
+from tilert_serve import layouts
+from tilert_serve.layouts import convert
 
 
 def fill(region: torch.Tensor, place: layouts.Placement, n: int, gen: torch.Generator) -> None:
@@ -72,14 +72,19 @@ def main() -> None:
         wire = layout.request_bytes(n)
         out_bytes = layout.num_layers * n * (512 + 64 + 128) * 2
         moved = wire + out_bytes
-        t_fast = median_ms(lambda: convert.to_injected_state([region], place, n, 0, torch.bfloat16), dev, reps=10)
-        t_torch = median_ms(lambda: [convert.mla_rows_to_kv_pe(region[place.offset("mla", i)[1]:][:n * 656]
-                                                               .view(n, 656), layout, torch.bfloat16)
-                                     for i in range(layout.num_layers)], dev, reps=3, warmup=1)
+        def fused(r: torch.Tensor = region, p: layouts.Placement = place, k: int = n) -> object:
+            return convert.to_injected_state([r], p, k, 0, torch.bfloat16)
+
+        def torch_path(r: torch.Tensor = region, p: layouts.Placement = place, k: int = n) -> object:
+            return [convert.mla_rows_to_kv_pe(r[p.offset("mla", i)[1]:][:k * 656].view(k, 656), layout,
+                                              torch.bfloat16) for i in range(layout.num_layers)]
+
+        t_fast = median_ms(fused, dev, reps=10)
+        t_torch = median_ms(torch_path, dev, reps=3, warmup=1)
         rows.append([f"{n // 1024}k", f"{wire / 1e9:.2f}", f"{out_bytes / 1e9:.2f}", f"{t_fast:.2f}",
                      f"{moved / t_fast / 1e6:.0f} ({moved / t_fast / 1e6 / bw:.0%})", f"{t_torch:.2f}",
                      f"{t_torch / t_fast:.1f}x"])
-        del region, fast
+        del region, fast, fused, torch_path
         if dev.type == "cuda":
             torch.cuda.empty_cache()
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"

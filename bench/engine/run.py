@@ -15,10 +15,10 @@ import time
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import table  # noqa: E402
+from common import table
 
-from tilert_serve.decode.engines.base import Sampling  # noqa: E402
-from tilert_serve.decode.engines.reference import ReferenceEngine, ReferenceSettings  # noqa: E402
+from tilert_serve.decode.engines.base import Sampling
+from tilert_serve.decode.engines.reference import ReferenceEngine, ReferenceSettings
 
 
 def run(engine: ReferenceEngine, prompt: list[int], tokens: int, device: torch.device) -> tuple[float, float]:

@@ -17,10 +17,10 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import copy_bandwidth, median_ms, table  # noqa: E402
+from common import copy_bandwidth, median_ms, table
 
-from tilert_serve import layouts  # noqa: E402
-from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather  # noqa: E402
+from tilert_serve import layouts
+from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather
 
 BLOCK = 64
 
@@ -62,11 +62,14 @@ def main() -> None:
                     raise SystemExit(f"fused gather differs at layer {lid} plane {plane.name} ({n} tokens)")
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        t_copy = median_ms(lambda: dst.copy_(src), dev)
-        t_sel = median_ms(lambda: gather(caches, ids, n, staging, [ref]), dev)
-        t_fused = median_ms(lambda: fused(ids, n, [out]), dev)
-        del src, dst
-        gbs = lambda ms: 2 * nbytes / ms / 1e6  # noqa: E731
+        t_copy = median_ms(lambda s=src, d=dst: d.copy_(s), dev)
+        t_sel = median_ms(lambda i=ids, k=n: gather(caches, i, k, staging, [ref]), dev)
+        t_fused = median_ms(lambda i=ids, k=n: fused(i, k, [out]), dev)
+        src = dst = None
+
+        def gbs(ms: float, nbytes: int = nbytes) -> float:
+            return 2 * nbytes / ms / 1e6
+
         rows.append([f"{n // 1024}k", f"{nbytes / 1e9:.3f}", f"{t_copy:.3f}", f"{t_sel:.3f} ({gbs(t_sel) / bw:.0%})",
                      f"{t_fused:.3f} ({gbs(t_fused) / bw:.0%})", f"{t_sel / t_fused:.2f}x"])
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
