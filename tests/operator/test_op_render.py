@@ -197,3 +197,11 @@ def test_cli_render_prints_yaml_and_rejects_bad_files(tmp_path: Any, capsys: Any
     bad.write_text(yaml.safe_dump(helpers.cr(helpers.minimal(prefill={"mtp": {"enabled": False}}))))
     assert cli_render.main(["-f", str(bad)]) == 1
     assert "spec.prefill.mtp.enabled" in capsys.readouterr().err
+
+
+def test_tilert_pd_render_subcommand(capsys: Any) -> None:
+    from tilert_serve import cli
+
+    assert cli.main(["render", "-f", str(helpers.ROOT / "examples" / "deepseek-v32.yaml"), "--no-secret"]) == 0
+    kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]
+    assert "Secret" not in kinds and kinds.count("StatefulSet") == 1
