@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
 from typing import Any
@@ -204,3 +205,23 @@ def test_api_timeouts_are_retried(apiserver: Any, monkeypatch: pytest.MonkeyPatc
         assert all(f.times == 0 for f in srv.faults)
     assert runner.exception is None
     assert "failed (TimeoutError" in runner.output or "failed (ServerTimeoutError" in runner.output, "the timeouts were hit and retried"
+
+
+def test_operator_subcommand_starts_and_reports_liveness(apiserver: Any) -> None:
+    """`tilert-pd operator` (what the chart runs) logs in, serves its liveness probe and stops on SIGTERM."""
+    port = _free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "tilert_operator.cli_operator", "--liveness", f"http://127.0.0.1:{port}/healthz"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        h.wait_for("liveness", lambda: _try_http(f"http://127.0.0.1:{port}/healthz"), timeout=30, interval=0.25)
+    finally:
+        proc.terminate()
+        out = proc.communicate(timeout=30)[0]
+    assert proc.returncode == 0, out[-2000:]
+
+
+def _try_http(url: str) -> str | None:
+    try:
+        return _http(url)
+    except OSError:
+        return None
