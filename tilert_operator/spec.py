@@ -168,6 +168,8 @@ class Router(Pool):
 
 class NetworkPolicies(_Section):
     enabled: bool = True
+    #: NetworkPolicyPeers also admitted to the HTTP ports (a metrics scraper such as Prometheus).
+    metrics_from: list[dict[str, Any]] = []
 
 
 class PDClusterSpec(_Section):

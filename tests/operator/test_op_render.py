@@ -205,3 +205,14 @@ def test_tilert_pd_render_subcommand(capsys: Any) -> None:
     assert cli.main(["render", "-f", str(helpers.ROOT / "examples" / "deepseek-v32.yaml"), "--no-secret"]) == 0
     kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]
     assert "Secret" not in kinds and kinds.count("StatefulSet") == 1
+
+
+def test_metrics_scrapers_reach_http_ports_only() -> None:
+    prom = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    objs = _render(helpers.minimal(networkPolicies={"metricsFrom": [prom]}, decode={"native": {"replicas": 1}}))
+    _strict(objs)
+    tilert = _by(objs, "NetworkPolicy", "t-tilert-decode")["spec"]["ingress"]
+    assert prom not in tilert[0]["from"], "never on the ctrl or transfer ports"
+    assert prom in tilert[1]["from"] and tilert[1]["ports"] == [{"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}]
+    for name in ("t-prefill", "t-native-decode"):
+        assert prom in _by(objs, "NetworkPolicy", name)["spec"]["ingress"][0]["from"]

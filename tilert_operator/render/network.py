@@ -10,6 +10,7 @@ rendered under hostNetwork.
 from __future__ import annotations
 
 import base64
+import copy
 import hashlib
 
 from tilert_operator import constants
@@ -68,8 +69,10 @@ def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[
     router = _peer(cluster, constants.ROUTER)
     prefill = _peer(cluster, constants.PREFILL)
     native = _peer(cluster, constants.NATIVE)
+    # Extra peers (a metrics scraper) on the HTTP ports only, never on the ctrl or transfer ports.
+    scrapers = [copy.deepcopy(p) for p in spec.network_policies.metrics_from]
     out = []
-    prefill_in = [{"from": [router], "ports": _tcp(defaults.VLLM_PORT)}]
+    prefill_in = [{"from": [router, *scrapers], "ports": _tcp(defaults.VLLM_PORT)}]
     if spec.decode.native.replicas:
         prefill_in.append({"from": [native]})
     out.append(_policy(cluster, namespace, constants.PREFILL, prefill_in))
@@ -77,11 +80,11 @@ def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[
     if t.replicas:
         out.append(_policy(cluster, namespace, constants.TILERT, [
             {"from": [prefill]},
-            {"from": [router], "ports": _tcp(t.http_port)},
+            {"from": [router, *scrapers], "ports": _tcp(t.http_port)},
         ]))  # fmt: skip
     if spec.decode.native.replicas:
         out.append(_policy(cluster, namespace, constants.NATIVE, [
-            {"from": [router], "ports": _tcp(defaults.VLLM_PORT)},
+            {"from": [router, *scrapers], "ports": _tcp(defaults.VLLM_PORT)},
             {"from": [prefill]},
         ]))  # fmt: skip
     return out
