@@ -9,11 +9,14 @@ kind/apiVersion and label/field selectors; watches as JSON lines with replay fro
 resourceVersion, selectors and timeoutSeconds, subscribed under the writers' lock (no lost events);
 background cascading deletion by ownerReferences; a CRD becomes a served resource with
 Established=True; /version says v1.32; Table output with the CRD's printer columns for kubectl.
-For tests: a log of every call (RBAC coverage), fault injection (409/500 on chosen calls), and
-direct object writes (a test plays the controllers that would create and ready pods).
+Admission: a per-resource validator hook; the tests install the CRD's schema + CEL validator
+(pdc_crd_validator.py), so PDCluster writes, status included, are defaulted and rejected (422).
+For tests: a log of every call (RBAC coverage), fault injection (409/500, or a late answer for
+client timeouts, on chosen calls), and direct object writes (a test plays the controllers that
+would create and ready pods).
 
-Not emulated (not proven by tests on this server): schema validation, defaulting and pruning, CEL,
-admission webhooks, RBAC enforcement, SSA field ownership (apply replaces the applied top-level
+Not emulated (not proven by tests on this server): schema validation of built-in kinds, pruning,
+Kubernetes CEL extension libraries, admission webhooks, RBAC enforcement, SSA field ownership (apply replaces the applied top-level
 fields and merges metadata labels/annotations), strategic-merge list merging, controllers (no pod
 is ever created from a Deployment), 410 Gone, dryRun.
 """
