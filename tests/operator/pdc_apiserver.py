@@ -27,7 +27,6 @@ import asyncio
 import copy
 import datetime
 import json
-import re
 import time
 import uuid
 from collections import defaultdict
@@ -36,6 +35,7 @@ from typing import Any
 
 import aiohttp.web
 import kmock
+import pdc_k8s_semantics as sem
 import yaml
 from kmock._internal import rendering
 
@@ -65,128 +65,12 @@ class Fault:
     delay: float = 0.0
 
 
-class ApiError(Exception):
-    def __init__(self, code: int, reason: str, message: str) -> None:
-        super().__init__(message)
-        self.code, self.reason, self.message = code, reason, message
-
-
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _status(code: int, reason: str, message: str) -> Obj:
     return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": reason, "message": message, "code": code}
-
-
-def _merge(target: Any, patch: Any) -> Any:
-    if not isinstance(patch, dict):
-        return copy.deepcopy(patch)
-    out = copy.deepcopy(target) if isinstance(target, dict) else {}
-    for k, v in patch.items():
-        if v is None:
-            out.pop(k, None)
-        else:
-            out[k] = _merge(out.get(k), v)
-    return out
-
-
-def _pointer(path: str) -> list[str]:
-    return [p.replace("~1", "/").replace("~0", "~") for p in path.split("/")[1:]]
-
-
-def _json_patch(obj: Obj, ops: list[Obj]) -> Obj:
-    obj = copy.deepcopy(obj)
-    for op in ops:
-        parts = _pointer(op["path"])
-        parent: Any = obj
-        for p in parts[:-1]:
-            parent = parent[int(p)] if isinstance(parent, list) else parent.setdefault(p, {})
-        last = parts[-1]
-        kind = op["op"]
-        if kind == "test":
-            current = parent[int(last)] if isinstance(parent, list) else parent.get(last)
-            if current != op.get("value"):
-                raise ApiError(422, "Invalid", f"the JSON-patch test at {op['path']} failed")
-        elif kind in ("add", "replace"):
-            if isinstance(parent, list):
-                if last == "-":
-                    parent.append(op["value"])
-                elif kind == "add":
-                    parent.insert(int(last), op["value"])
-                else:
-                    parent[int(last)] = op["value"]
-            else:
-                parent[last] = op["value"]
-        elif kind == "remove":
-            if isinstance(parent, list):
-                parent.pop(int(last))
-            else:
-                parent.pop(last, None)
-        else:
-            raise ApiError(422, "Invalid", f"unsupported JSON-patch op {kind}")
-    return obj
-
-
-_SEL = re.compile(r"^\s*(!?)([\w./-]+)\s*(?:(==|=|!=)\s*([\w./-]*)|\s+(in|notin)\s*\(([^)]*)\))?\s*$")
-
-
-def _split_selector(text: str) -> list[str]:
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += ch == "("
-        depth -= ch == ")"
-        if ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-        else:
-            cur += ch
-    return [*out, cur] if cur.strip() else out
-
-
-def label_match(selector: str | None, labels: dict[str, str]) -> bool:
-    for term in _split_selector(selector or ""):
-        m = _SEL.match(term)
-        if not m:
-            raise ApiError(400, "BadRequest", f"unable to parse label selector term {term!r}")
-        neg, key, op, value, setop, values = m.groups()
-        if setop:
-            vals = {v.strip() for v in values.split(",")}
-            ok = labels.get(key) in vals if setop == "in" else labels.get(key) not in vals
-        elif op in ("=", "=="):
-            ok = labels.get(key) == value
-        elif op == "!=":
-            ok = labels.get(key) != value
-        else:
-            ok = key in labels
-        if neg:
-            ok = not ok
-        if not ok:
-            return False
-    return True
-
-
-def field_match(selector: str | None, obj: Obj) -> bool:
-    for term in _split_selector(selector or ""):
-        key, op, value = re.split(r"(!=|==|=)", term.strip(), maxsplit=1)
-        node: Any = obj
-        for part in key.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        ok = str(node or "") == value
-        if (op == "!=") == ok:
-            return False
-    return True
-
-
-def _jsonpath(obj: Obj, path: str) -> Any:
-    """The JSONPath subset printer columns use: .a.b and .list[?(@.k=="v")].field."""
-    node: Any = obj
-    for part in re.findall(r"\.([\w-]+)(\[\?\(@\.(\w+)==\"([^\"]*)\"\)\])?", path):
-        name, has_filter, fkey, fval = part
-        node = node.get(name) if isinstance(node, dict) else None
-        if has_filter:
-            node = next((i for i in node or [] if isinstance(i, dict) and i.get(fkey) == fval), None)
-    return node
 
 
 class ApiServer(kmock.KubernetesEmulator):
@@ -231,7 +115,7 @@ class ApiServer(kmock.KubernetesEmulator):
     def kind_of(self, res: Res) -> str:
         info = self.info(res)
         if info is None or not info.kind:
-            raise ApiError(404, "NotFound", f"the server could not find the requested resource {res}")
+            raise sem.ApiError(404, "NotFound", f"the server could not find the requested resource {res}")
         return str(info.kind)
 
     def api_version(self, res: Res) -> str:
@@ -305,7 +189,7 @@ class ApiServer(kmock.KubernetesEmulator):
     def _delete(self, key: Key) -> Obj:
         obj = self.store.get(key)
         if obj is None:
-            raise ApiError(404, "NotFound", f'{key[0][2]} "{key[2]}" not found')
+            raise sem.ApiError(404, "NotFound", f'{key[0][2]} "{key[2]}" not found')
         if obj["metadata"].get("finalizers"):
             if not obj["metadata"].get("deletionTimestamp"):
                 obj = copy.deepcopy(obj)
@@ -333,7 +217,7 @@ class ApiServer(kmock.KubernetesEmulator):
             return obj
         defaulted, errors = validator(obj, old)
         if errors:
-            raise ApiError(422, "Invalid", f'{self.kind_of(res)}.{self.api_version(res).split("/")[0]} "{obj["metadata"].get("name")}" is invalid: ' + "; ".join(errors))
+            raise sem.ApiError(422, "Invalid", f'{self.kind_of(res)}.{self.api_version(res).split("/")[0]} "{obj["metadata"].get("name")}" is invalid: ' + "; ".join(errors))
         return dict(defaulted)
 
     def _changed(self, old: Obj, new: Obj) -> bool:
@@ -393,7 +277,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 if f.delay:
                     return f.delay
                 reason = "Conflict" if f.status == 409 else "InternalError"
-                raise ApiError(f.status, reason, f"injected {f.status} for {verb} {plural}")
+                raise sem.ApiError(f.status, reason, f"injected {f.status} for {verb} {plural}")
         return 0.0
 
     async def _handle(self, request: rendering.Request) -> aiohttp.web.StreamResponse:
@@ -413,7 +297,7 @@ class ApiServer(kmock.KubernetesEmulator):
             async with self.wlock:
                 obj, code = self._write(request, res, verb)
             return aiohttp.web.json_response(obj, status=code)
-        except ApiError as e:
+        except sem.ApiError as e:
             return aiohttp.web.json_response(_status(e.code, e.reason, e.message), status=e.code)
 
     def _body(self, request: rendering.Request) -> Any:
@@ -422,19 +306,19 @@ class ApiServer(kmock.KubernetesEmulator):
         try:
             return yaml.safe_load(request.text) if request.text else None
         except yaml.YAMLError as e:
-            raise ApiError(400, "BadRequest", f"cannot parse the body: {e}") from e
+            raise sem.ApiError(400, "BadRequest", f"cannot parse the body: {e}") from e
 
     async def _read(self, request: rendering.Request, res: Res, verb: str) -> aiohttp.web.StreamResponse:
         kind = self.kind_of(res)
         if verb == "get":
             obj = self.store.get((res, request.namespace, request.name or ""))
             if obj is None:
-                raise ApiError(404, "NotFound", f'{res[2]} "{request.name}" not found')
+                raise sem.ApiError(404, "NotFound", f'{res[2]} "{request.name}" not found')
             return aiohttp.web.json_response(obj)
         items = [copy.deepcopy(o) for (_, ns, _), o in self.by_res[res].items()
                  if (request.namespace is None or ns == request.namespace)
-                 and label_match(request.params.get("labelSelector"), o["metadata"].get("labels") or {})
-                 and field_match(request.params.get("fieldSelector"), o)]
+                 and sem.label_match(request.params.get("labelSelector"), o["metadata"].get("labels") or {})
+                 and sem.field_match(request.params.get("fieldSelector"), o)]
         items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
         if "as=Table" in request.headers.get("Accept", ""):
             return aiohttp.web.json_response(self._table(res, items))
@@ -453,7 +337,7 @@ class ApiServer(kmock.KubernetesEmulator):
         defs += [{"name": c["name"], "type": c["type"], "format": "", "description": c.get("description", ""), "priority": 0} for c in cols]
 
         def cell(item: Obj, col: Obj) -> Any:
-            value = _jsonpath(item, col["jsonPath"])
+            value = sem.jsonpath(item, col["jsonPath"])
             if col["type"] == "date" and value:
                 created = datetime.datetime.strptime(value, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
                 secs = int((datetime.datetime.now(datetime.UTC) - created).total_seconds())
@@ -469,17 +353,17 @@ class ApiServer(kmock.KubernetesEmulator):
         if verb == "create":
             obj = self._body(request)
             if not isinstance(obj, dict):
-                raise ApiError(400, "BadRequest", "the body must be an object")
+                raise sem.ApiError(400, "BadRequest", "the body must be an object")
             meta = obj.setdefault("metadata", {})
             if not meta.get("name"):
                 if not meta.get("generateName"):
-                    raise ApiError(422, "Invalid", "metadata.name or metadata.generateName is required")
+                    raise sem.ApiError(422, "Invalid", "metadata.name or metadata.generateName is required")
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             if ns is not None:
                 meta["namespace"] = ns
             key = (res, ns, meta["name"])
             if key in self.store:
-                raise ApiError(409, "AlreadyExists", f'{res[2]} "{meta["name"]}" already exists')
+                raise sem.ApiError(409, "AlreadyExists", f'{res[2]} "{meta["name"]}" already exists')
             obj["apiVersion"], obj["kind"] = self.api_version(res), self.kind_of(res)
             if self.has_status(res):
                 obj.pop("status", None)
@@ -494,14 +378,14 @@ class ApiServer(kmock.KubernetesEmulator):
         if verb == "delete":
             return self._delete(key), 200
         if verb not in ("patch", "update"):
-            raise ApiError(405, "MethodNotAllowed", f"{verb} is not supported by this test server")
+            raise sem.ApiError(405, "MethodNotAllowed", f"{verb} is not supported by this test server")
         ctype = request.headers.get("Content-Type", "").split(";")[0].strip()
         body = self._body(request)
         old = self.store.get(key)
         if verb == "patch" and ctype == "application/apply-patch+yaml":
             if old is None:
                 if sub:
-                    raise ApiError(404, "NotFound", f'{res[2]} "{name}" not found')
+                    raise sem.ApiError(404, "NotFound", f'{res[2]} "{name}" not found')
                 body.setdefault("metadata", {})["name"] = name
                 if ns is not None:
                     body["metadata"]["namespace"] = ns
@@ -523,16 +407,16 @@ class ApiServer(kmock.KubernetesEmulator):
                     new["metadata"][k] = copy.deepcopy(v)
             return self._update(res, key, old, new, subresource=sub), 200
         if old is None:
-            raise ApiError(404, "NotFound", f'{res[2]} "{name}" not found')
+            raise sem.ApiError(404, "NotFound", f'{res[2]} "{name}" not found')
         want_rv = (body or {}).get("metadata", {}).get("resourceVersion") if isinstance(body, dict) else None
         if want_rv and want_rv != old["metadata"]["resourceVersion"]:
-            raise ApiError(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again")
+            raise sem.ApiError(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again")
         if verb == "update":
             return self._update(res, key, old, copy.deepcopy(body), subresource=sub), 200
         if ctype == "application/json-patch+json":
-            new = _json_patch(old, body)
+            new = sem.json_patch(old, body)
         else:  # merge and strategic-merge patches (strategic handled as merge)
-            new = _merge(old, body)
+            new = sem.merge(old, body)
         return self._update(res, key, old, new, subresource=sub), 200
 
     def _serve_crd(self, crd: Obj) -> None:
@@ -567,8 +451,8 @@ class ApiServer(kmock.KubernetesEmulator):
 
         def wanted(event: Obj) -> bool:
             o = event["object"]
-            return (request.namespace is None or o["metadata"].get("namespace") == request.namespace) and label_match(
-                labels, o["metadata"].get("labels") or {}) and field_match(fields, o)
+            return (request.namespace is None or o["metadata"].get("namespace") == request.namespace) and sem.label_match(
+                labels, o["metadata"].get("labels") or {}) and sem.field_match(fields, o)
 
         resp = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         try:
