@@ -44,12 +44,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sizes", default="8192,32768,131072")
+    ap.add_argument("--tune", action="store_true", help="also time tokens per program and warp counts")
     args = ap.parse_args()
     dev = torch.device(args.device)
     layout = layouts.get("glm5", "fp8_ds_mla")
     bw = copy_bandwidth(dev)
     gen = torch.Generator(device=dev).manual_seed(0)
-    rows, errs = [], []
+    rows: list[list[str]] = []
+    errs: list[tuple] = []
+    tuning: list[str] = []
     for n in [int(s) for s in args.sizes.split(",")]:
         place = layouts.Placement(layout, max_tokens=n)
         region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
@@ -80,6 +83,16 @@ def main() -> None:
                                               torch.bfloat16) for i in range(layout.num_layers)]
 
         t_fast = median_ms(fused, dev, reps=10)
+        if args.tune and dev.type == "cuda":
+            from tilert_serve.layouts import convert_triton
+
+            for block_t in (16, 32, 64):
+                for warps in (4, 8):
+                    def variant(r=region, p=place, k=n, b=block_t, w=warps) -> object:
+                        return convert_triton.to_injected_state(r, p, k, 0, block_t=b, num_warps=w)
+                    t = median_ms(variant, dev, reps=10)
+                    tuning.append(f"{n // 1024}k block_t={block_t} warps={warps}: {t:.2f} ms "
+                                  f"({moved / t / 1e6 / bw:.0%})")
         t_torch = median_ms(torch_path, dev, reps=3, warmup=1)
         rows.append([f"{n // 1024}k", f"{wire / 1e9:.2f}", f"{out_bytes / 1e9:.2f}", f"{t_fast:.2f}",
                      f"{moved / t_fast / 1e6:.0f} ({moved / t_fast / 1e6 / bw:.0%})", f"{t_torch:.2f}",
@@ -91,6 +104,7 @@ def main() -> None:
     print(f"device: {name}; copy bandwidth {bw:.0f} GB/s (read+write); ms, median; torch path = MLA rows only")
     print("max relative error vs torch path (kv, pe, ki): " +
           ", ".join(f"{e[2]:.1e}/{e[3]:.1e}/{e[4]:.1e}" for e in errs[:3]))
+    print("\n".join(tuning))
     print(table(["tokens", "wire GB", "bf16 out GB", "fused ms", "fused GB/s (of copy)", "torch MLA-only ms",
                  "speedup"], rows))
 

@@ -29,6 +29,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sizes", default="8192,32768,131072")
+    ap.add_argument("--tune", action="store_true", help="also time chunk sizes and warp counts of the kernel")
     args = ap.parse_args()
     dev = torch.device(args.device)
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -46,7 +47,8 @@ def main() -> None:
     out = torch.zeros_like(ref)
     fused = Gatherer(caches, staging, 0)
     bw = copy_bandwidth(dev)
-    rows = []
+    rows: list[list[str]] = []
+    tuning: list[str] = []
     for n in sizes:
         blocks = random.Random(n).sample(range(num_blocks), (n + BLOCK - 1) // BLOCK)
         ids = (blocks,)
@@ -72,8 +74,20 @@ def main() -> None:
 
         rows.append([f"{n // 1024}k", f"{nbytes / 1e9:.3f}", f"{t_copy:.3f}", f"{t_sel:.3f} ({gbs(t_sel) / bw:.0%})",
                      f"{t_fused:.3f} ({gbs(t_fused) / bw:.0%})", f"{t_sel / t_fused:.2f}x"])
+        if args.tune and dev.type == "cuda":
+            for chunk in (1024, 2048, 4096, 8192):
+                for warps in (4, 8):
+                    def variant(i=ids, k=n, c=chunk, w=warps) -> int:
+                        total = 0
+                        for group, _, plane_gather in fused._fused:
+                            total += plane_gather(torch.tensor(i[group][:(k + BLOCK - 1) // BLOCK], device=dev), k,
+                                                  out, chunk=c, num_warps=w)
+                        return total
+                    t = median_ms(variant, dev)
+                    tuning.append(f"{n // 1024}k chunk={chunk} warps={warps}: {t:.3f} ms ({gbs(t) / bw:.0%})")
     name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
     print(f"device: {name}; copy bandwidth {bw:.0f} GB/s (read+write); ms, median; % = of copy bandwidth")
+    print("\n".join(tuning))
     print(table(["tokens", "GB", "copy ms", "index_select/layer ms", "fused ms", "fused vs index_select"], rows))
 
 

@@ -12,6 +12,8 @@ tested against.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -23,6 +25,9 @@ from tilert_serve.layouts.state import InjectedState, LayerState
 
 _ROW = FP8_DS_MLA_ROW_BYTES
 _PAGE = INDEXER_PAGE_BYTES
+#: Tokens per program and warps: picked on an H200 with `bench/convert/run.py --tune`.
+BLOCK_T = 16
+NUM_WARPS = 4
 
 
 @triton.jit
@@ -31,7 +36,8 @@ def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, ROW: tl.constexpr, BLOCK
     layer = tl.program_id(1)
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n
-    rows = src + tl.load(layer_off + layer) + t.to(tl.int64) * ROW  # uint8 pointers, one per token
+    # Offsets are multiples of 16 bytes (rows are 656 = 16 x 41 bytes): saying so lets loads vectorize.
+    rows = src + tl.multiple_of(tl.load(layer_off + layer), 16) + t.to(tl.int64) * ROW  # one pointer per token
     g = tl.arange(0, 4)
     c = tl.arange(0, 128)
     col = g[:, None] * 128 + c[None, :]  # [4, 128]
@@ -52,7 +58,7 @@ def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, ROW: tl.constexpr, BLOCK
 def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, PAGE: tl.constexpr):
     page = tl.program_id(0)
     layer = tl.program_id(1)
-    base = src + tl.load(layer_off + layer) + page.to(tl.int64) * PAGE
+    base = src + tl.multiple_of(tl.load(layer_off + layer), 16) + page.to(tl.int64) * PAGE
     r = tl.arange(0, 64)
     c = tl.arange(0, 128)
     vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
@@ -66,7 +72,9 @@ def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, PAGE: tl.constexp
     tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
 
 
+@functools.cache
 def _layer_offsets(placement: Placement, plane: str, device: torch.device) -> torch.Tensor:
+    """Byte offset of each layer's plane in a slot region (cached: a node converts with one placement)."""
     offs = []
     for lid in range(placement.layout.num_layers):
         shard, off = placement.offset(plane, lid)
@@ -76,8 +84,13 @@ def _layer_offsets(placement: Placement, plane: str, device: torch.device) -> to
     return torch.tensor(offs, dtype=torch.int64, device=device)
 
 
+@functools.cache
+def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
+    return hadamard_matrix(dim).to(device=device, dtype=torch.bfloat16)
+
+
 def to_injected_state(region: torch.Tensor, placement: Placement, num_tokens: int, last_prompt_token: int,
-                      *, block_t: int = 32) -> InjectedState:
+                      *, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> InjectedState:
     """One slot's received fp8_ds_mla bytes (a uint8 CUDA tensor) -> bf16 engine state, per layer views."""
     layout = placement.layout
     if layout.kv_cache_dtype != "fp8_ds_mla":
@@ -86,12 +99,12 @@ def to_injected_state(region: torch.Tensor, placement: Placement, num_tokens: in
     kv = torch.empty(num_layers, n, layout.kv_lora_rank, dtype=torch.bfloat16, device=dev)
     pe = torch.empty(num_layers, n, layout.rope_dim, dtype=torch.bfloat16, device=dev)
     _mla_rows_kernel[(triton.cdiv(n, block_t), num_layers)](
-        region, _layer_offsets(placement, "mla", dev), kv, pe, n, ROW=_ROW, BLOCK_T=block_t)
+        region, _layer_offsets(placement, "mla", dev), kv, pe, n, ROW=_ROW, BLOCK_T=block_t, num_warps=num_warps)
     ki = None
     if layout.index_head_dim:
         ki = torch.empty(num_layers, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
-        h = hadamard_matrix(layout.index_head_dim).to(device=dev, dtype=torch.bfloat16)
         _indexer_pages_kernel[(triton.cdiv(n, 64), num_layers)](
-            region, _layer_offsets(placement, "indexer", dev), h, ki, n, PAGE=_PAGE)
+            region, _layer_offsets(placement, "indexer", dev), _hadamard(layout.index_head_dim, dev), ki, n,
+            PAGE=_PAGE, num_warps=num_warps)
     layers = [LayerState(kv=kv[i], pe=pe[i], ki=None if ki is None else ki[i]) for i in range(num_layers)]
     return InjectedState(layers=layers, seq_len=n, last_prompt_token=last_prompt_token)

@@ -16,22 +16,27 @@ import triton.language as tl
 from tilert_serve.layouts import Placement
 
 _WORD = 4  # bytes moved per element; rows and pages of every layout are multiples of 16 bytes
+#: Words per program and warps per program: picked on an H200 with `bench/extract/run.py --tune`.
+CHUNK_WORDS = 8192
+NUM_WARPS = 8
 
 
 @triton.jit
-def _gather_blocks_kernel(src_table, block_ids, dst, dst_off, units_per_block, unit_words, n_units,
+def _gather_blocks_kernel(src0, src_table, block_ids, dst, dst_off, units_per_block, unit_words, n_units,
                           block_words, CHUNK: tl.constexpr):
     j = tl.program_id(0)
     layer = tl.program_id(1)
     chunk = tl.program_id(2)
-    src = tl.load(src_table + layer).to(tl.pointer_type(tl.int32))
+    # Layer caches are addressed relative to the first one, a pointer argument Triton knows is 16-byte
+    # aligned; with the offsets' alignment stated too, loads and stores compile to 16-byte vectors.
+    src = src0 + tl.multiple_of(tl.load(src_table + layer), 4)
     bid = tl.load(block_ids + j)
     units_here = tl.minimum(units_per_block, n_units - j * units_per_block)
     words_here = units_here * unit_words
     offs = chunk * CHUNK + tl.arange(0, CHUNK)
     mask = offs < words_here
     vals = tl.load(src + bid * block_words + offs, mask=mask)
-    out = dst + tl.load(dst_off + layer) + j.to(tl.int64) * units_per_block * unit_words
+    out = dst + tl.multiple_of(tl.load(dst_off + layer), 4) + j.to(tl.int64) * units_per_block * unit_words
     tl.store(out + offs, vals, mask=mask)
 
 
@@ -52,20 +57,28 @@ class PlaneGather:
             if c[0].numel() * c.element_size() != self.block_words * _WORD:
                 raise ValueError(f"a {plane} cache block holds {c[0].numel() * c.element_size()} bytes, "
                                  f"expected {self.block_words * _WORD}")
-        self.src_table = torch.tensor([c.data_ptr() for c in caches], dtype=torch.int64, device=dev)
+        base = caches[0].data_ptr()
+        if any((c.data_ptr() - base) % 16 for c in caches):
+            raise ValueError(f"{plane} caches are not 16-byte aligned relative to each other")
+        #: Word offsets of every layer's cache from the first (which is passed as a pointer).
+        self.src_table = torch.tensor([(c.data_ptr() - base) // _WORD for c in caches], dtype=torch.int64,
+                                      device=dev)
+        self.src0 = caches[0].view(torch.int32) if caches[0].is_contiguous() else caches[0]
         offs = []
         for lid in layers:
             s, off = staging.offset(plane, lid)
-            assert s == shard and off % _WORD == 0
+            if s != shard or off % 16:
+                raise ValueError(f"layer {lid} {plane} staging offset {off} is not a 16-byte multiple on shard {shard}")
             offs.append(off // _WORD)
         self.dst_off = torch.tensor(offs, dtype=torch.int64, device=dev)
         self.num_layers = len(caches)
 
-    def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor, chunk: int = 2048) -> int:
+    def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor, chunk: int = CHUNK_WORDS,
+                 num_warps: int = NUM_WARPS) -> int:
         n_units = (num_tokens + self.unit_tokens - 1) // self.unit_tokens
         n_blocks = (n_units + self.units_per_block - 1) // self.units_per_block
         grid = (n_blocks, self.num_layers, triton.cdiv(self.block_words, chunk))
-        _gather_blocks_kernel[grid](self.src_table, block_ids, region.view(torch.int32), self.dst_off,
+        _gather_blocks_kernel[grid](self.src0, self.src_table, block_ids, region.view(torch.int32), self.dst_off,
                                     self.units_per_block, self.unit_words, n_units, self.block_words,
-                                    CHUNK=chunk)
+                                    CHUNK=chunk, num_warps=num_warps)
         return n_units * self.unit_words * _WORD * self.num_layers
