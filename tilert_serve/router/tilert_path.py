@@ -315,6 +315,7 @@ async def _generate(
     except (TimeoutError, aiohttp.ClientError) as exc:
         kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
         return await _decode_failed(call, node, kind, f"generate call failed: {type(exc).__name__} {exc}")
+    drained = False  # the response went to a background drain, which releases it
     try:
         if resp.status != 200:
             body = await read_error_body(resp)
@@ -345,6 +346,10 @@ async def _generate(
                     slot.ticket = None
                     slot.release()
                     _observe_timings(call, obj)
+                    # The stream's end follows the done event: read it in the background so the
+                    # connection goes back to the pool instead of being closed.
+                    st.spawn(_drain(resp, t.cancel_s))
+                    drained = True
                     n = obj.get("num_tokens")
                     return str(obj.get("finish_reason") or "stop"), int(n) if isinstance(n, int) else n_tokens
                 if first:
@@ -364,7 +369,18 @@ async def _generate(
         kind = "timeout" if isinstance(exc, TimeoutError) else "stream_broken"
         return await _decode_failed(call, node, kind, f"decode stream failed: {type(exc).__name__} {exc}")
     finally:
-        resp.close()
+        if not drained:
+            resp.close()
+
+
+async def _drain(resp: aiohttp.ClientResponse, timeout_s: float) -> None:
+    try:
+        async with asyncio.timeout(timeout_s):
+            await resp.read()
+    except (TimeoutError, aiohttp.ClientError):
+        pass
+    finally:
+        resp.release()
 
 
 async def _decode_failed(call: Call, node: Node, kind: str, message: str) -> tuple[str, int]:
