@@ -206,6 +206,11 @@ async def main(a: argparse.Namespace) -> None:
                 rows.append((f"ratio {path} / {base}: req/s; req per CPU-second",
                              f"{best[path][0] / best[base][0]:.2f}x; {best[path][2] / best[base][2]:.2f}x"))
 
+    finally:
+        st.stop()
+
+    st = Stage(tmp, 0)  # fresh processes: the latency phase does not inherit the saturation's state
+    try:
         # 2. Added TTFT at half of the router's saturation rate (open loop), against direct calls.
         #    Targets take turns in short slices, round after round, so that bursts of other work on
         #    this shared box fall on all of them alike.

@@ -200,3 +200,21 @@ async def test_too_long_goes_native(make_stack):
     r = await c.completions.create(model=MODEL, prompt="a", max_tokens=50)
     assert len(s.native.bodies) == 1 and r.choices[0].finish_reason == "length"
     assert s.state.pools.tilert["t0"].in_use == 0
+
+
+@pytest.mark.parametrize("route", ["tilert", "native"])
+async def test_client_gone_mid_stream_is_not_an_upstream_error(make_stack, route, caplog):
+    s = await make_stack()
+    s.node.token_interval_s = 0.05
+    s.native.token_interval_s = 0.05
+    s.native.tokens = 50
+    body = {"model": MODEL, "prompt": "a", "max_tokens": 50, "stream": True}
+    async with aiohttp.ClientSession() as http:
+        resp = await http.post(s.router_url + "/v1/completions", json=body, headers={"x-pd-route": route})
+        await resp.content.readuntil(b"\n\n")
+        resp.close()
+    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0
+                 and s.state.pools.native[s.native.url].inflight == 0)
+    await asyncio.sleep(0.2)
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    assert 'kind="stream_broken"' not in s.state.metrics.render().decode()

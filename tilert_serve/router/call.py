@@ -16,7 +16,7 @@ from aiohttp import web
 
 from tilert_serve.router import sse
 from tilert_serve.router.config import RouterConfig
-from tilert_serve.router.errors import STREAMING
+from tilert_serve.router.errors import STREAMING, ClientGone
 from tilert_serve.router.openai_request import ParsedRequest
 from tilert_serve.router.state import RouterState
 
@@ -62,16 +62,32 @@ class Call:
             }
         )
         self.request[STREAMING] = True
-        await resp.prepare(self.request)
+        try:
+            await resp.prepare(self.request)
+        except ConnectionResetError as exc:
+            raise ClientGone(str(exc)) from exc
         self.response = resp
         return resp
 
     async def write(self, data: bytes, *, tokens: bool = True) -> None:
         """Write stream bytes; `tokens` = they carry generated text (counted for TTFT and ITL)."""
         assert self.response is not None
-        await self.response.write(data)
+        try:
+            await self.response.write(data)
+        except ConnectionResetError as exc:  # aiohttp's ClientConnectionResetError is one too
+            raise ClientGone(str(exc)) from exc
         if tokens:
             self._observe_token()
+
+    async def end(self, data: bytes = b"") -> None:
+        """Write the stream's last bytes and close it."""
+        assert self.response is not None
+        try:
+            if data:
+                await self.response.write(data)
+            await self.response.write_eof()
+        except ConnectionResetError as exc:
+            raise ClientGone(str(exc)) from exc
 
     def _observe_token(self) -> None:
         now = time.perf_counter()
@@ -88,9 +104,11 @@ class Call:
 
     async def fail_stream(self, message: str, type: str = "upstream_error", code: str | None = None) -> None:
         assert self.response is not None
-        await self.response.write(sse.error(message, type, code))
-        await self.response.write(sse.DONE)
-        await self.response.write_eof()
+        try:
+            await self.response.write(sse.error(message, type, code) + sse.DONE)
+            await self.response.write_eof()
+        except ConnectionResetError as exc:
+            raise ClientGone(str(exc)) from exc
 
     def json(self, obj: dict[str, Any], status: int = 200) -> web.Response:
         return web.Response(

@@ -50,6 +50,11 @@ class RouterError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ClientGone(Exception):
+    """The client closed its connection while the router was writing to it: nothing more to send.
+    Kept apart from aiohttp's client errors, which here mean an upstream failed."""
+
+
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> RouterError:
     return RouterError(400, message, param=param, code=code)
 

@@ -9,7 +9,7 @@ from aiohttp import web
 
 from tilert_serve.router import native_path, openai_request, policy, tilert_path
 from tilert_serve.router.call import Call
-from tilert_serve.router.errors import REQUEST_ID, RouterError
+from tilert_serve.router.errors import REQUEST_ID, ClientGone, RouterError
 from tilert_serve.router.metrics import CONTENT_TYPE
 from tilert_serve.router.openai_request import Kind
 from tilert_serve.router.state import STATE, RouterState
@@ -56,6 +56,12 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
         state.metrics.rejections.labels(str(err.status)).inc()
         outcome = f"http_{err.status}"
         raise
+    except ClientGone:
+        # The paths already let go of their upstreams (TileRT tickets are cancelled in their finally).
+        outcome = "client_gone"
+        log.info("request %s: client went away", rid)
+        assert call.response is not None
+        return call.response
     finally:
         if call.path:
             state.metrics.requests.labels(call.path, outcome).inc()

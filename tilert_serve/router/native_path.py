@@ -182,7 +182,7 @@ async def _relay(call: Call, decode: Endpoint, resp: aiohttp.ClientResponse, cac
         return call.response
     assert call.response is not None
     call.state.metrics.e2e.labels("native").observe(time.perf_counter() - call.t0)
-    await call.response.write_eof()
+    await call.end()
     return call.response
 
 

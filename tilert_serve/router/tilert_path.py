@@ -282,14 +282,12 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     m.e2e.labels("tilert").observe(time.perf_counter() - call.t0)
     if not r.stream:
         return call.json(writer.whole("".join(out.parts), finish_reason, u))
-    resp = call.response
-    assert resp is not None
-    await resp.write(sse.data(writer.chunk("", finish_reason)))
+    last = sse.data(writer.chunk("", finish_reason))
     if r.include_usage:
-        await resp.write(sse.data(writer.usage_chunk(u)))
-    await resp.write(sse.DONE)
-    await resp.write_eof()
-    return resp
+        last += sse.data(writer.usage_chunk(u))
+    await call.end(last + sse.DONE)
+    assert call.response is not None
+    return call.response
 
 
 def _api_path(call: Call) -> str:
