@@ -24,7 +24,8 @@ COPY tilert_operator ./tilert_operator
 # --no-deps: the serving dependencies (torch, ...) stay out; the import check proves they are not needed.
 RUN pip install --no-deps . \
  && cd / && rm -rf /src \
- && python -c "import tilert_operator.cli_operator, tilert_operator.wiring"
+ && python -c "import tilert_operator.cli_operator, tilert_operator.wiring" \
+ && tilert-pd operator --help >/dev/null
 
 # A numeric non-root user, so the chart's runAsNonRoot/runAsUser 65532 can be verified by the kubelet.
 USER 65532:65532

@@ -155,3 +155,25 @@ def test_operator_image_matches_the_chart() -> None:
     (cmd,) = [json.loads(a) for k, a in steps if k == "CMD"]
     container = "command: [\"tilert-pd\", \"operator\"]"
     assert cmd == ["tilert-pd", "operator"] and container in (ROOT / "charts/tilert-pd/templates/deployment.yaml").read_text()
+
+
+def _default_images() -> dict[str, str]:
+    crd = yaml.safe_load((ROOT / "crds" / "pdcluster.yaml").read_text())
+    spec = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]
+    return {
+        "prefill": spec["prefill"]["properties"]["image"]["default"],
+        "decode.tilert": spec["decode"]["properties"]["tilert"]["properties"]["image"]["default"],
+        "decode.native": spec["decode"]["properties"]["native"]["properties"]["image"]["default"],
+        "router": spec["router"]["properties"]["image"]["default"],
+    }
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="the CRD and tilert_operator/constants.py default to ghcr.io/tilert-pd/vllm and "
+    "ghcr.io/tilert-pd/tilert-pd, which docker/ does not build; changing them means editing crds/ "
+    "and constants.py (not this test's owner). Remove this mark when they agree.",
+)
+def test_crd_default_images_are_images_docker_builds() -> None:
+    built = set(IMAGES.values())
+    assert {pool: image for pool, image in _default_images().items() if image not in built} == {}

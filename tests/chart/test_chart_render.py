@@ -155,6 +155,23 @@ def test_operator_deployment_contract(chart: Any, case: str) -> None:
         assert not [o for o in objs if o["kind"].startswith("ClusterRole")]
 
 
+def test_operator_command_and_args_are_accepted_by_the_cli(chart: Any) -> None:
+    # The chart runs `tilert-pd operator ARGS`: the subcommand must exist and accept every argument.
+    import argparse
+
+    from tilert_operator import cli_operator
+    from tilert_serve.cli import SUBCOMMANDS
+
+    assert SUBCOMMANDS["operator"][0] == "tilert_operator.cli_operator"
+    for case, (values, namespace) in MATRIX.items():
+        objs, _ = _render(chart, values, namespace)
+        (c,) = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
+        parser = argparse.ArgumentParser(exit_on_error=False)
+        cli_operator.add_arguments(parser)
+        args = parser.parse_args(c["args"])
+        assert args.namespace == chart.merge_values(values)["operator"]["watchNamespaces"], case
+
+
 def test_every_env_var_the_chart_sets_is_read_by_the_operator(chart: Any) -> None:
     # A typo in an env name would silently fall back to the operator's default.
     read = set(re.findall(r"TILERT_PD_[A-Z_]+", WIRING.read_text()))
