@@ -151,3 +151,15 @@ async def _until(cond, timeout: float = 2.0) -> None:
             return
         await asyncio.sleep(0.01)
     assert cond()
+
+
+async def test_no_max_tokens_sends_a_number_to_the_node(make_stack):
+    """The node's generate needs an int: the config's default, capped by the node's max_seq_len."""
+    s = await make_stack(limits={"default_max_tokens": 100})
+    r = await s.client().completions.create(model=MODEL, prompt="a", extra_headers=ROUTE)
+    assert s.node.generates[0]["max_tokens"] == 99
+    assert r.usage.completion_tokens == 100
+    node = s.state.pools.tilert["t0"]
+    node.spec = node.spec.model_copy(update={"max_seq_len": 20})
+    await s.client().completions.create(model=MODEL, prompt="a", extra_headers=ROUTE)
+    assert s.node.generates[1]["max_tokens"] == 20 - 7 - 1  # 7 prompt tokens, the first token from prefill

@@ -30,6 +30,8 @@ class TileRTNode(_Strict):
     ctrl_host: str
     ctrl_port: int = defaults.DECODE_CTRL_PORT
     slots: int = Field(default=1, ge=1)
+    #: The node's context limit, when known: caps the tokens asked for a request without max_tokens.
+    max_seq_len: int | None = Field(default=None, ge=1)
 
 
 class RoutingPolicy(_Strict):
@@ -77,6 +79,9 @@ class Limits(_Strict):
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
     #: Concurrent requests per native decode server; beyond it the native pool counts as full.
     native_max_inflight: int = Field(default=256, ge=1)
+    #: Tokens to generate on the TileRT path when the client gives no max_tokens (the node needs a
+    #: number; vLLM's own default is "up to the context length", which the router cannot know).
+    default_max_tokens: int = Field(default=4096, ge=1)
     #: Pooled upstream connections per host (prefill, native decode, TileRT node).
     connections_per_host: int = Field(default=0, ge=0)
 

@@ -145,14 +145,19 @@ def prefill_body(call: Call, node: Node, adm: Admission) -> dict[str, Any]:
     return body
 
 
-def generate_body(call: Call, adm: Admission, first_token: int) -> dict[str, Any]:
+def generate_body(call: Call, node: Node, adm: Admission, first_token: int, prompt_tokens: int) -> dict[str, Any]:
     r = call.req
+    limit = r.max_tokens
+    if limit is None:
+        limit = call.cfg.limits.default_max_tokens
+        if node.spec.max_seq_len is not None:
+            limit = min(limit, max(node.spec.max_seq_len - prompt_tokens, 1))
     return {
         "ticket": adm.ticket,
         "request_id": call.request_id,
         "first_token": first_token,
         # The node counts tokens after the first one, which the prefill produced.
-        "max_tokens": None if r.max_tokens is None else r.max_tokens - 1,
+        "max_tokens": max(limit - 1, 0),
         "sampling": {
             # OpenAI's defaults where the client set nothing; top_k -1 = off (vLLM's convention).
             "temperature": 1.0 if r.temperature is None else r.temperature,
@@ -269,7 +274,8 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
         finish_reason = "stop" if (finish == "stop" or stops.stopped) else "length"
     else:
         assert isinstance(first_token, int)
-        finish_reason, n = await _generate(call, node, adm, first_token, stops, out, slot, t_first)
+        finish_reason, n = await _generate(call, node, adm, first_token, prompt_tokens, stops, out, slot,
+                                           t_first)
         completion_tokens += n
         if finish_reason == "error":
             assert call.response is not None  # the stream already ends with an error event
@@ -295,8 +301,8 @@ def _api_path(call: Call) -> str:
 
 
 async def _generate(
-    call: Call, node: Node, adm: Admission, first_token: int, stops: StopMatcher, out: _Out, slot: _Slot,
-    t_first: float,
+    call: Call, node: Node, adm: Admission, first_token: int, prompt_tokens: int, stops: StopMatcher, out: _Out,
+    slot: _Slot, t_first: float,
 ) -> tuple[str, int]:
     """Stream tokens from the node. Returns (finish_reason, tokens after the first); "error" when the
     stream failed after the first byte (the SSE error event is already written)."""
@@ -306,7 +312,7 @@ async def _generate(
     try:
         async with asyncio.timeout(t.decode_start_s):
             resp = await st.http.post(
-                node.url + "/v1/generate", json=generate_body(call, adm, first_token),
+                node.url + "/v1/generate", json=generate_body(call, node, adm, first_token, prompt_tokens),
                 headers=call.upstream_headers,
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s),
             )
