@@ -87,6 +87,17 @@ def _env(container: dict[str, Any]) -> dict[str, str]:
     return {e["name"]: e.get("value", "") for e in container.get("env", [])}
 
 
+def test_values_schema_is_a_valid_draft7_schema_and_accepts_the_defaults() -> None:
+    # Helm reports a broken schema only as a confusing install error; check it as a schema first.
+    import json
+
+    import jsonschema
+
+    schema = json.loads((CHART_DIR / "values.schema.json").read_text())
+    jsonschema.Draft7Validator.check_schema(schema)
+    jsonschema.Draft7Validator(schema).validate(yaml.safe_load((CHART_DIR / "values.yaml").read_text()))
+
+
 def test_lint_strict_is_clean_for_every_matrix_entry() -> None:
     for case, (values, namespace) in MATRIX.items():
         report = helm.lint(CHART_DIR, values, strict=True, namespace=namespace, kube_version="v1.29.0")
