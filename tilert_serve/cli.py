@@ -16,6 +16,8 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "decode-node": ("tilert_serve.decode.cli", "run a TileRT decode node"),
     "router": ("tilert_serve.router.cli", "run the OpenAI-compatible router"),
     "render": ("tilert_operator.cli_render", "print the manifests a PDCluster renders to (like helm template)"),
+    "operator": ("tilert_operator.cli_operator", "run the PDCluster operator"),
+    "local": ("tilert_serve.local.cli", "run a PDCluster's components as local processes"),
 }
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 PY = sys.executable
 TRANSFER_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "ERROR",
-                "GLOG_minloglevel": "2", "VLLM_LOGGING_LEVEL": "WARNING"}
+                "GLOG_minloglevel": "2"}
 
 
 def free_port() -> int:

@@ -4,7 +4,8 @@ Decoding each new token alone breaks multi-byte characters and tokenizers that c
 text by context (leading spaces), so each delta is the difference between decoding a short window
 with and without the new tokens, and nothing is emitted while the text ends in an incomplete
 character. The window starts with the prompt's tail and the first token, whose text the router
-already sent.
+already sent, unless that token ends in an incomplete character: then the prefill could not send
+its text, and it is emitted here with the token that completes it.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ class Detokenizer:
         self.ids = [*context_ids[-_CONTEXT:], first_token]
         self.prefix = 0
         self.read = len(self.ids)
+        if self._text(self.ids).endswith(_REPLACEMENT):
+            self.read -= 1
 
     def _text(self, ids: list[int]) -> str:
         return str(self.tok.decode(ids, skip_special_tokens=True))

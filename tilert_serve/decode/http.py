@@ -42,7 +42,8 @@ class AdmitBody(_Body):
 class SamplingBody(_Body):
     temperature: float = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=0)
+    #: 0 or -1 (vLLM's and the OpenAI extensions' spelling) mean no top-k.
+    top_k: int = Field(default=0, ge=-1)
     seed: int | None = None
 
 
@@ -114,7 +115,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except HandoffFailed as exc:
         return _error(504 if exc.timeout else 502, "handoff_timeout" if exc.timeout else "handoff_failed", str(exc))
     params = GenerateParams(first_token=body.first_token, max_tokens=body.max_tokens,
-                            sampling=Sampling(**body.sampling.model_dump()),
+                            sampling=Sampling(**(body.sampling.model_dump() | {"top_k": max(body.sampling.top_k, 0)})),
                             stop_token_ids=frozenset(body.stop_token_ids), ignore_eos=body.ignore_eos)
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await resp.prepare(request)

@@ -157,3 +157,19 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def _register() -> None:
+    # MultiConnector rebuilds its children's stats in the API-server process by registry name; a
+    # connector loaded by module path is not in vLLM's registry unless it puts itself there, and an
+    # unknown name there kills vLLM's output handler ("Connector 'TileRTConnector' is not registered").
+    # vLLM imports this module in that process when it builds the connectors' Prometheus metrics.
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    try:
+        KVConnectorFactory.register_connector(TileRTConnector.__name__, __name__, TileRTConnector.__name__)
+    except ValueError:  # already registered (imported twice)
+        pass
+
+
+_register()

@@ -21,7 +21,8 @@ _PROGRESS_DELAY_US = 100
 _WRITE_TIMEOUT_S = 60.0
 
 
-def _import_nixl() -> Any:
+def import_nixl() -> Any:
+    """NIXL's Python API, with its progress thread patched to poll instead of spin (see above)."""
     # Must precede UCX's initialisation in this process.
     os.environ.setdefault("UCX_MODULES", "^ib")
     try:
@@ -54,7 +55,7 @@ class NixlEngine:
     name = "nixl"
 
     def __init__(self, agent_name: str) -> None:
-        api = _import_nixl()
+        api = import_nixl()
         self._api = api
         config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
         self._agent = api.nixl_agent(agent_name, config)

@@ -1,0 +1,201 @@
+"""`tilert-pd local up|status|down`: run a PDCluster's components as local processes on loopback.
+
+`up` generates the tiny model on first use, starts every component from the same rendered commands
+the operator puts in pods, shows progress while engines load, fails with the component's log tail
+if one does not come up (stopping the others), and returns once all are ready, leaving them running
+in the background. `status` lists each component with its URL and health; `down` stops them all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tilert_operator import constants
+from tilert_serve import defaults
+from tilert_serve.local import plan as planmod
+from tilert_serve.local import runner
+from tilert_serve.router import config as router_config
+
+DEFAULT_HOME = Path(os.environ.get("TILERT_PD_HOME", ".tilert-pd"))
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    sub = p.add_subparsers(dest="action", required=True, metavar="ACTION")
+    up = sub.add_parser("up", help="start a PDCluster's components locally and wait until they are ready")
+    up.add_argument("-f", "--filename", required=True, help="PDCluster YAML (e.g. examples/tiny-cpu.yaml)")
+    up.add_argument("--router-port", type=int, default=defaults.ROUTER_PORT)
+    up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every component")
+    st = sub.add_parser("status", help="list the local components with their URLs and health")
+    st.add_argument("--json", action="store_true")
+    sub.add_parser("down", help="stop every local component")
+    for q in (up, st, *sub.choices.values()):
+        if not any(a.dest == "home" for a in q._actions):
+            q.add_argument("--home", type=Path, default=DEFAULT_HOME, help="state directory (default %(default)s)")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        return {"up": up, "status": status, "down": down}[args.action](args)
+    except (FileNotFoundError, ValueError, runner.StartFailed) as exc:
+        print(f"tilert-pd local {args.action}: {exc}", file=sys.stderr)
+        return 1
+
+
+def _load(filename: str) -> tuple[str, Any]:
+    from tilert_operator import validation
+
+    doc = yaml.safe_load(Path(filename).read_text())
+    if not isinstance(doc, dict) or doc.get("kind") != "PDCluster":
+        raise ValueError(f"{filename} is not a PDCluster (kind: {doc.get('kind') if isinstance(doc, dict) else None})")
+    name = str(doc.get("metadata", {}).get("name") or "")
+    spec, problems = validation.validate(doc.get("spec") or {}, name)
+    if problems or spec is None:
+        raise ValueError(f"{filename} is not a valid PDCluster:\n" + "\n".join(f"  - {p}" for p in problems))
+    return name, spec
+
+
+def _model_dir(home: Path, name: str, spec: Any) -> Path:
+    if spec.model.weights.tiny:
+        return (home / "models" / f"{name}-tiny").resolve()
+    volume = spec.model.weights.volume or {}
+    host = (volume.get("hostPath") or {}).get("path")
+    if not host:
+        raise ValueError("local runs read weights from spec.model.weights.tiny or a hostPath volume; this spec "
+                         "has neither")
+    return (Path(host) / spec.model.weights.sub_path).resolve()
+
+
+def up(args: argparse.Namespace) -> int:
+    name, spec = _load(args.filename)
+    home: Path = args.home
+    state_dir = (home / name).resolve()
+    if (state_dir / runner.STATE_FILE).exists():
+        _, old = runner.load(state_dir)
+        if any(runner.alive(p.pid) for p in old):
+            raise ValueError(f"{name} is already running locally; `tilert-pd local down` first")
+    if runner.port_in_use(args.router_port):
+        raise ValueError(f"port {args.router_port} is taken; pass --router-port")
+    state_dir.mkdir(parents=True, exist_ok=True)
+    secret = state_dir / "handoff-secret"
+    secret.write_text(secrets.token_hex(32))
+    secret.chmod(0o600)
+    model_dir = _model_dir(home, name, spec)
+    prefill_n, tilert_n, native_n = planmod.replica_counts(spec)
+    ports = planmod.Ports(router=args.router_port, prefill=[runner.free_port() for _ in range(prefill_n)],
+                          native=[runner.free_port() for _ in range(native_n)],
+                          tilert=[(runner.free_port(), runner.free_port()) for _ in range(tilert_n)])
+    p = planmod.plan(spec, ports=ports, model_dir=str(model_dir), secret_file=str(secret),
+                     router_config_file=str(state_dir / "router.yaml"))
+    (state_dir / "router.yaml").write_text(router_config.dump(p.router_config))
+    say = lambda msg: print(msg, flush=True)  # noqa: E731
+    say(f"tilert-pd local: {name} from {args.filename} (state in {state_dir})")
+    if p.tiny_model is not None and not (model_dir / "config.json").exists():
+        say(f"  generating the tiny model into {model_dir} ...")
+        subprocess.run(p.tiny_model, check=True, stdout=subprocess.DEVNULL)
+    started: list[runner.Running] = []
+    meta = {"cluster": name, "file": str(Path(args.filename).resolve()), "started": time.time(),
+            "router": f"http://127.0.0.1:{args.router_port}"}
+    try:
+        engines = [c for c in p.components if c.kind != constants.ROUTER]
+        for c in engines:
+            say(f"  start  {c.name:<10} {c.url}")
+            started.append(runner.start(_with_side_channel(c), state_dir))
+        runner.save(state_dir, meta, started)
+        runner.wait_ready(started, args.timeout, say)
+        router = next(c for c in p.components if c.kind == constants.ROUTER)
+        say(f"  start  {router.name:<10} {router.url}")
+        started.append(runner.start(router, state_dir))
+        runner.save(state_dir, meta, started)
+        runner.wait_ready(started[-1:], 60, say)
+        _warm_up(spec, meta["router"], say)
+    except BaseException:
+        say("  stopping what was started ...")
+        runner.stop(started)
+        (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
+        raise
+    say(f"ready: the OpenAI API is at {meta['router']}/v1 (model {spec.model.name!r}); "
+        "`tilert-pd local status`, `tilert-pd local down`")
+    return 0
+
+
+def _warm_up(spec: Any, router: object, say: Any) -> None:
+    """One short request down each decode path, so `up` returns a stack that serves both.
+
+    The first native request makes vLLM's NIXL connector handshake with the prefill; on a loaded
+    2-core machine that can outlast NIXL's 5 s handshake timeout once, hence a few attempts.
+    """
+    routes = [r for r, n in (("tilert", spec.decode.tilert.replicas), ("native", spec.decode.native.replicas)) if n]
+    for route in routes:
+        body = json.dumps({"model": spec.model.name, "prompt": "warm up", "max_tokens": 2}).encode()
+        error = ""
+        for attempt in range(1, 4):
+            t0 = time.monotonic()
+            req = urllib.request.Request(f"{router}/v1/completions", data=body, headers={
+                "Content-Type": "application/json", spec.router.policy.header: route})
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    r.read()
+                say(f"  warm   {route:<10} first request served in {time.monotonic() - t0:.1f} s")
+                break
+            except (urllib.error.URLError, OSError) as exc:
+                error = str(exc)
+                say(f"  warm   {route:<10} attempt {attempt} failed: {error}")
+        else:
+            raise ValueError(f"the {route} path does not serve ({error}); see the logs in the state directory")
+
+
+def _with_side_channel(c: planmod.Component) -> planmod.Component:
+    # Each vLLM on this host needs its own NIXL side-channel port (the default 5600 would clash).
+    if c.kind in (constants.PREFILL, constants.NATIVE):
+        return planmod.Component(c.name, c.kind, c.argv,
+                                 {**c.env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(runner.free_port())},
+                                 c.url, c.ready_url, c.ctrl_port)
+    return c
+
+
+def _states(home: Path) -> list[Path]:
+    return sorted(p.parent for p in home.glob(f"*/{runner.STATE_FILE}")) if home.exists() else []
+
+
+def status(args: argparse.Namespace) -> int:
+    rows = []
+    for state_dir in _states(args.home):
+        meta, procs = runner.load(state_dir)
+        for p in procs:
+            running = runner.alive(p.pid)
+            rows.append({"cluster": meta["cluster"], "name": p.name, "kind": p.kind, "url": p.url, "pid": p.pid,
+                         "running": running, "ready": running and runner.probe(p.ready_url), "log": p.log})
+    if args.json:
+        print(json.dumps(rows, indent=2))
+    elif not rows:
+        print("no local stack is running")
+    else:
+        for r in rows:
+            health = "ready" if r["ready"] else ("starting" if r["running"] else "stopped")
+            print(f"{r['cluster']:<12} {r['name']:<10} {health:<9} {r['url']:<28} {r['log']}")
+    return 0
+
+
+def down(args: argparse.Namespace) -> int:
+    states = _states(args.home)
+    if not states:
+        print("no local stack is running")
+        return 0
+    for state_dir in states:
+        meta, procs = runner.load(state_dir)
+        runner.stop(procs)
+        (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
+        print(f"stopped {meta['cluster']} ({len(procs)} processes)")
+    return 0

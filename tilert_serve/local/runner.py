@@ -1,0 +1,155 @@
+"""Starting, watching and stopping a local stack's processes (the I/O edge of `tilert-pd local`).
+
+Each component runs in its own process session, detached from the terminal, with its log in the
+state directory; state.json records what runs where, so `status` and `down` work from any shell.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from tilert_serve.local.plan import Component
+
+STATE_FILE = "state.json"
+
+
+@dataclass
+class Running:
+    name: str
+    kind: str
+    pid: int
+    url: str
+    ready_url: str
+    log: str
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as s:
+        return s.connect_ex((host, port)) == 0
+
+
+def start(component: Component, state_dir: Path) -> Running:
+    log = state_dir / f"{component.name}.log"
+    env = {**os.environ, **component.env}
+    if "PYTHONPATH" in component.env and os.environ.get("PYTHONPATH"):
+        env["PYTHONPATH"] = os.pathsep.join((component.env["PYTHONPATH"], os.environ["PYTHONPATH"]))
+    with log.open("wb") as fh:
+        proc = subprocess.Popen(component.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True, env=env)
+    return Running(component.name, component.kind, proc.pid, component.url, component.ready_url, str(log))
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    # A zombie child of this process counts as gone.
+    try:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        return done == 0
+    except ChildProcessError:
+        return True
+
+
+def probe(url: str, timeout: float = 2.0) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as r:
+            return r.status == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def tail(path: str, lines: int = 40) -> str:
+    try:
+        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return "(no log)"
+
+
+class StartFailed(RuntimeError):
+    def __init__(self, running: Running, why: str) -> None:
+        super().__init__(f"{running.name} {why}; its log ({running.log}) ends with:\n{tail(running.log)}")
+        self.running = running
+
+
+def wait_ready(procs: list[Running], timeout: float, report: Callable[[str], None]) -> None:
+    """Wait for every process to answer its readiness URL, reporting progress; StartFailed otherwise."""
+    t0 = time.monotonic()
+    pending = {p.name: p for p in procs}
+    last_report = 0.0
+    while pending:
+        for name, p in list(pending.items()):
+            if not alive(p.pid):
+                raise StartFailed(p, "exited during start")
+            if probe(p.ready_url):
+                report(f"  ready  {name:<10} {p.url}  ({time.monotonic() - t0:.0f} s)")
+                del pending[name]
+        elapsed = time.monotonic() - t0
+        if pending and elapsed > timeout:
+            raise StartFailed(next(iter(pending.values())), f"was not ready after {timeout:.0f} s")
+        if pending and elapsed - last_report >= 10:
+            report(f"  waiting for {', '.join(sorted(pending))} ({elapsed:.0f} s; vLLM takes ~30-60 s on a CPU)")
+            last_report = elapsed
+        time.sleep(0.5)
+
+
+def stop(procs: list[Running], grace_s: float = 15.0) -> None:
+    """SIGTERM every process group, wait, then SIGKILL what is left."""
+    for p in procs:
+        _signal_group(p.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(alive(p.pid) or _group_alive(p.pid) for p in procs):
+        time.sleep(0.2)
+    for p in procs:
+        _signal_group(p.pid, signal.SIGKILL)
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def save(state_dir: Path, meta: dict[str, object], procs: list[Running]) -> None:
+    data = {**meta, "components": [asdict(p) for p in procs]}
+    tmp = state_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(state_dir / STATE_FILE)
+
+
+def load(state_dir: Path) -> tuple[dict[str, object], list[Running]]:
+    path = state_dir / STATE_FILE
+    if not path.exists():
+        raise FileNotFoundError(f"no local stack recorded in {state_dir}; start one with `tilert-pd local up -f FILE`")
+    data = json.loads(path.read_text())
+    procs = [Running(**c) for c in data.pop("components")]
+    return data, procs
+
