@@ -58,9 +58,9 @@ ROUTER_KEYS_DIR: Final = "/etc/tilert-pd/router-keys"
 HANDOFF_SECRET_KEY: Final = "secret"
 
 # Default images. One place, so the chart and the docs can point at them.
-DEFAULT_VLLM_IMAGE: Final = "ghcr.io/tilert-pd/vllm:0.1.0"
-DEFAULT_DECODE_IMAGE: Final = "ghcr.io/tilert-pd/tilert-pd:0.1.0"
-DEFAULT_ROUTER_IMAGE: Final = "ghcr.io/tilert-pd/tilert-pd:0.1.0"
+DEFAULT_VLLM_IMAGE: Final = "ghcr.io/tilert-pd/vllm-prefill:0.1.0-cuda"
+DEFAULT_DECODE_IMAGE: Final = "ghcr.io/tilert-pd/serve:0.1.0-cuda"
+DEFAULT_ROUTER_IMAGE: Final = "ghcr.io/tilert-pd/serve:0.1.0-cpu"
 
 #: TileRT's kernels shard one model over exactly this many GPUs (upstream ShowHandsDSALayer.num_devices).
 TILERT_GPUS: Final = 8
