@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.procs import PY, Proc, free_port
+from tests.e2e.procs import PY, Proc
+from tilert_serve.local.runner import free_port
 from tilert_serve.tinymodel.vllm_cpu import compilation_config_arg
 
 MAX_SEQ_LEN = 512

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from tests.e2e.procs import free_port
+from tilert_serve.local.runner import free_port
 
 pytestmark = pytest.mark.slow
 

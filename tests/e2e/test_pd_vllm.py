@@ -17,6 +17,7 @@ import pytest
 
 from tests.e2e.conftest import Stack, start_node
 from tests.e2e.procs import metric, post_json, sse_events
+from tilert_serve.local.runner import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -120,7 +121,7 @@ def _dying_ctrl_server() -> tuple[int, threading.Event]:
 
 def test_failed_handoffs_leave_vllm_serving_and_free_its_blocks(stack: Stack, tmp_path):
     dying_port, stop = _dying_ctrl_server()
-    closed_port = _closed_port()
+    closed_port = free_port()
     # A node that is killed between admission and handoff.
     doomed, doomed_url, doomed_ctrl = start_node(tmp_path, stack.model_dir, stack.secret_file, "doomed-node", slots=1)
     doomed.wait_ready(f"{doomed_url}/ready", 120)
@@ -141,7 +142,7 @@ def test_failed_handoffs_leave_vllm_serving_and_free_its_blocks(stack: Stack, tm
 
 
 def test_a_thousand_failed_handoffs_leak_nothing(stack: Stack):
-    port = _closed_port()
+    port = free_port()
     before_rss = _group_rss_mb(stack.procs["prefill"].popen.pid)
     before = metric(stack.prefill_url, "vllm:tilert_handoffs_total", 'outcome="unreachable"') \
         if _has(stack, "unreachable") else 0.0
@@ -164,14 +165,6 @@ def test_a_thousand_failed_handoffs_leak_nothing(stack: Stack):
 def _flush(stack: Stack) -> None:
     """One more engine step: connector stats reach vLLM's /metrics with the step after a handoff."""
     post_json(f"{stack.prefill_url}/v1/completions", {"model": "tiny", "prompt": [5, 6], "max_tokens": 1})
-
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _has(stack: Stack, outcome: str) -> bool:

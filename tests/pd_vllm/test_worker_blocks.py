@@ -4,23 +4,15 @@ fail, until they have waited tilert_timeout_s. The sender runs for real against 
 
 from __future__ import annotations
 
-import socket
 import time
 
 import pytest
 import torch
 
+from tilert_serve.local.runner import free_port
 from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.pd_vllm.metadata import Destination, SendJob
 from tilert_serve.pd_vllm.worker import TileRTWorker
-
-
-def _closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 @pytest.fixture
@@ -49,7 +41,7 @@ def _until(cond, timeout=10.0):
 
 
 def test_blocks_are_released_after_the_copy_and_the_finish(worker):
-    port = _closed_port()
+    port = free_port()
     a, b = job("a", port), job("b", port)
     worker.expect([a, b])
     worker.step([a, b])  # one staging region: a is copied, b waits with its blocks held
@@ -65,7 +57,7 @@ def test_blocks_are_released_after_the_copy_and_the_finish(worker):
 
 
 def test_a_job_that_waits_too_long_is_given_up_and_released(worker):
-    port = _closed_port()
+    port = free_port()
     a, b = job("a", port), job("b", port)
     worker.pool.acquire()  # staging is busy with something that never returns
     worker.expect([a, b])
