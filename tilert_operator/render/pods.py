@@ -126,6 +126,10 @@ _SAME_PORTS: dict[str, frozenset[str]] = {
 }
 
 
+#: vLLM advertises its NIXL side channel at the pod's own address, for the native decode pods.
+NIXL_SIDE_CHANNEL_ENV: Manifest = {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+
+
 class DataPlane:
     """The wiring prefill and decode pods share: model, shm, secret and RDMA."""
 
@@ -214,6 +218,61 @@ class DataPlane:
             },
         }  # fmt: skip
 
+    def workload(
+        self,
+        *,
+        kind: str,
+        namespace: str,
+        component: str,
+        pool: Pool,
+        container_name: str,
+        cmd: ContainerCommand,
+        ports: list[tuple[str, int]],
+        ready: Manifest,
+        health_port: int,
+        extra_env: list[Manifest] | None = None,
+        spec_fields: Manifest | None = None,
+    ) -> Manifest:
+        """A data-plane Deployment or StatefulSet: one container with the shared wiring and probes."""
+        c = container(
+            container_name,
+            pool.image,
+            cmd,
+            ports=ports,
+            resources=resources(pool, gpus=pool.gpus, extra=self.rdma_devices()),
+            mounts=self.mounts(),
+            extra_env=[*self.downward_env(), *(extra_env or [])],
+        )
+        c["readinessProbe"] = ready
+        c["livenessProbe"] = http_probe("/health", health_port, period=20, failures=6)
+        # Loading a large checkpoint takes minutes; the startup probe holds liveness off until then.
+        c["startupProbe"] = http_probe("/health", health_port, failures=360)
+        sc = self.security_context()
+        if sc:
+            c["securityContext"] = sc
+        template = pod_template(
+            cluster=self.cluster,
+            component=component,
+            containers=[c],
+            pool=pool,
+            init_containers=self.init_containers(pool.image),
+            volumes=self.volumes(),
+            annotations=self.pod_annotations(),
+            extra=self.pod_fields(component),
+        )
+        out: Manifest = {
+            "apiVersion": "apps/v1",
+            "kind": kind,
+            "metadata": metadata(self.cluster, namespace, component),
+            "spec": {
+                "replicas": pool.replicas,
+                **(spec_fields or {}),
+                "selector": {"matchLabels": selector(self.cluster, component)},
+                "template": template,
+            },
+        }
+        return apply_overrides(out, pool)
+
     def downward_env(self) -> list[Manifest]:
         return [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
@@ -241,3 +300,12 @@ def pod_template(
     if volumes:
         spec["volumes"] = volumes
     return {"metadata": meta, "spec": spec}
+
+
+def service(cluster: str, namespace: str, component: str, ports: list[tuple[str, int]], *,
+            headless: bool = False) -> Manifest:
+    spec: Manifest = {"clusterIP": "None"} if headless else {}
+    spec["selector"] = selector(cluster, component)
+    spec["ports"] = [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports]
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(cluster, namespace, component),
+            "spec": spec}
