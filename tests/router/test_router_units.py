@@ -104,3 +104,16 @@ api_keys_file: null
     cfg = config.RouterConfig.model_validate(old)
     assert cfg.timeouts.admit_s == 2.0 and cfg.limits.native_max_inflight == 256
     assert cfg.served_models() == ["m"]
+
+
+def test_panic_routing_when_a_whole_pool_is_ejected():
+    from tilert_serve.router.config import RouterConfig
+    from tilert_serve.router.pools import Pools
+
+    pools = Pools(RouterConfig(model="m", prefill=["http://a", "http://b"], native=["http://n"]))
+    pools.prefill["http://a"].healthy = False
+    assert pools.pick_prefill(set()).url == "http://b"  # a healthy one is preferred
+    pools.prefill["http://b"].healthy = False
+    pools.native["http://n"].healthy = False
+    assert pools.pick_prefill(set()) is not None  # none healthy: still try rather than fail for sure
+    assert pools.native_state(10) == "ok"

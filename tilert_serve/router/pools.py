@@ -61,6 +61,14 @@ class Node(Endpoint):
         return max(self.spec.slots - self.in_use, 0)
 
 
+def _live(eps: Iterable[Endpoint]) -> list[Endpoint]:
+    """The routable endpoints; when a pool has none, all of them ("panic" routing, as Envoy does):
+    probes that time out under overload would otherwise eject the last prefill or decode server and
+    turn a slow pool into a dead one. /ready still reports the pool unhealthy."""
+    eps = list(eps)
+    return [e for e in eps if e.routable] or eps
+
+
 class Pools:
     def __init__(self, config: RouterConfig) -> None:
         self.prefill: dict[str, Endpoint] = {}
@@ -95,7 +103,7 @@ class Pools:
     def _least_loaded(self, eps: Iterable[Endpoint], exclude: set[str], cap: int | None = None) -> Endpoint | None:
         """The routable endpoint with the fewest requests in flight. `exclude` (endpoints that failed
         this request) is a preference: with no other choice, a retry goes to the same one again."""
-        up = [e for e in eps if e.routable and (cap is None or e.inflight < cap)]
+        up = [e for e in _live(eps) if cap is None or e.inflight < cap]
         cands = [e for e in up if e.url not in exclude] or up
         if not cands:
             return None
@@ -112,7 +120,7 @@ class Pools:
 
     def native_state(self, cap: int) -> str:
         """'ok' when a native decode can take a request now, 'full' when all are at the cap, else 'none'."""
-        up = [e for e in self.native.values() if e.routable]
+        up = _live(self.native.values())
         if not up:
             return "none"
         return "ok" if any(e.inflight < cap for e in up) else "full"
