@@ -10,7 +10,7 @@ from collections.abc import Callable
 import torch
 
 
-def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 20, warmup: int = 3) -> float:
+def median_ms(fn: Callable[[], object], device: torch.device, reps: int = 50, warmup: int = 10) -> float:
     for _ in range(warmup):
         fn()
     if device.type == "cuda":

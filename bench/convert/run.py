@@ -82,7 +82,7 @@ def main() -> None:
             return [convert.mla_rows_to_kv_pe(r[p.offset("mla", i)[1]:][:k * 656].view(k, 656), layout,
                                               torch.bfloat16) for i in range(layout.num_layers)]
 
-        t_fast = median_ms(fused, dev, reps=10)
+        t_fast = median_ms(fused, dev)
         if args.tune and dev.type == "cuda":
             from tilert_serve.layouts import convert_triton
 
@@ -90,7 +90,7 @@ def main() -> None:
                 for warps in (4, 8):
                     def variant(r=region, p=place, k=n, b=block_t, w=warps) -> object:
                         return convert_triton.to_injected_state(r, p, k, 0, block_t=b, num_warps=w)
-                    t = median_ms(variant, dev, reps=10)
+                    t = median_ms(variant, dev, reps=20, warmup=10)
                     tuning.append(f"{n // 1024}k block_t={block_t} warps={warps}: {t:.2f} ms "
                                   f"({moved / t / 1e6 / bw:.0%})")
         t_torch = median_ms(torch_path, dev, reps=3, warmup=1)

@@ -75,8 +75,8 @@ def main() -> None:
         rows.append([f"{n // 1024}k", f"{nbytes / 1e9:.3f}", f"{t_copy:.3f}", f"{t_sel:.3f} ({gbs(t_sel) / bw:.0%})",
                      f"{t_fused:.3f} ({gbs(t_fused) / bw:.0%})", f"{t_sel / t_fused:.2f}x"])
         if args.tune and dev.type == "cuda":
-            for chunk in (1024, 2048, 4096, 8192):
-                for warps in (4, 8):
+            for chunk in (4096, 8192, 16384, None):
+                for warps in (8, 16):
                     def variant(i=ids, k=n, c=chunk, w=warps) -> int:
                         total = 0
                         for group, _, plane_gather in fused._fused:

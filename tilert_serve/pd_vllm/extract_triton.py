@@ -16,8 +16,9 @@ import triton.language as tl
 from tilert_serve.layouts import Placement
 
 _WORD = 4  # bytes moved per element; rows and pages of every layout are multiples of 16 bytes
-#: Words per program and warps per program: picked on an H200 with `bench/extract/run.py --tune`.
-CHUNK_WORDS = 8192
+#: Words per program (None: one program per block, its size rounded up to a power of two) and warps
+#: per program: picked on an H200 with `bench/extract/run.py --tune`.
+CHUNK_WORDS: int | None = 8192
 NUM_WARPS = 8
 
 
@@ -73,8 +74,9 @@ class PlaneGather:
         self.dst_off = torch.tensor(offs, dtype=torch.int64, device=dev)
         self.num_layers = len(caches)
 
-    def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor, chunk: int = CHUNK_WORDS,
-                 num_warps: int = NUM_WARPS) -> int:
+    def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor,
+                 chunk: int | None = CHUNK_WORDS, num_warps: int = NUM_WARPS) -> int:
+        chunk = chunk or triton.next_power_of_2(self.block_words)
         n_units = (num_tokens + self.unit_tokens - 1) // self.unit_tokens
         n_blocks = (n_units + self.units_per_block - 1) // self.units_per_block
         grid = (n_blocks, self.num_layers, triton.cdiv(self.block_words, chunk))
