@@ -89,5 +89,7 @@ def tilert_nodes(spec: PDClusterSpec, pods: list[dict[str, Any]]) -> list[TileRT
             ctrl_host=rdma_address(pod, spec) or ip,
             ctrl_port=t.ctrl_port,
             slots=t.slots,
+            # Lets the router cap max_tokens for requests that give none.
+            max_seq_len=spec.model.max_seq_len,
         ))  # fmt: skip
     return out

@@ -86,7 +86,8 @@ def plan(spec: PDClusterSpec, *, ports: Ports, model_dir: str, secret_file: str,
         out.append(Component(name, constants.TILERT, argv, {**LOCAL_ENV, **SINGLE_THREAD, **cmd.env},
                              f"http://{host}:{http}", f"http://{host}:{http}/ready", ctrl_port=ctrl))
         nodes.append(router_config.TileRTNode(name=name, http_url=f"http://{host}:{http}", ctrl_host=host,
-                                              ctrl_port=ctrl, slots=spec.decode.tilert.slots))
+                                              ctrl_port=ctrl, slots=spec.decode.tilert.slots,
+                                              max_seq_len=spec.model.max_seq_len))
     for i, port in enumerate(ports.native):
         cmd = commands.native_decode(spec, _with(base, vllm_port=port))
         out.append(Component(f"native-{i}", constants.NATIVE, _local_argv(cmd.argv), {**LOCAL_ENV, **cmd.env},
