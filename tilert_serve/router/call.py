@@ -48,6 +48,25 @@ class Call:
         body["model"] = self.cfg.upstream_model or self.cfg.model
         return body
 
+    def prefill_body(self, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
+        """The prefill leg, either path: the client's request cut to its first token, not streamed (vLLM
+        returns kv_transfer_params only on non-streamed responses), marked for the decode side."""
+        body = self.upstream_body()
+        body["max_tokens"] = 1
+        if self.req.kind == "chat":
+            body["max_completion_tokens"] = 1
+        body["stream"] = False
+        body.pop("stream_options", None)
+        # min_tokens > 1 would contradict max_tokens=1; the decode gets the client's value back.
+        body.pop("min_tokens", None)
+        body.pop("min_completion_tokens", None)
+        body["kv_transfer_params"] = kv_transfer_params
+        return body
+
+    @property
+    def api_path(self) -> str:
+        return "/v1/chat/completions" if self.req.kind == "chat" else "/v1/completions"
+
     @property
     def started(self) -> bool:
         return self.response is not None

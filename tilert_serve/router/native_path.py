@@ -36,22 +36,8 @@ _REMOTE_DECODE = {
 }
 
 
-def api_path(call: Call) -> str:
-    return "/v1/chat/completions" if call.req.kind == "chat" else "/v1/completions"
-
-
 def prefill_body(call: Call) -> dict[str, Any]:
-    body = call.upstream_body()
-    body["max_tokens"] = 1
-    if call.req.kind == "chat":
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
-    body.pop("stream_options", None)
-    # min_tokens > 1 would contradict max_tokens=1; the decode gets the client's value back.
-    body.pop("min_tokens", None)
-    body.pop("min_completion_tokens", None)
-    body["kv_transfer_params"] = dict(_REMOTE_DECODE)
-    return body
+    return call.prefill_body(dict(_REMOTE_DECODE))
 
 
 async def serve(call: Call) -> web.StreamResponse:
@@ -68,7 +54,7 @@ async def serve(call: Call) -> web.StreamResponse:
     try:
         try:
             status, pj = await post_json(
-                st.http, "prefill", prefill.url, api_path(call), prefill_body(call),
+                st.http, "prefill", prefill.url, call.api_path, prefill_body(call),
                 headers=call.upstream_headers,
                 timeout=aiohttp.ClientTimeout(total=cfg.timeouts.prefill_s, sock_connect=cfg.timeouts.connect_s),
             )
@@ -95,7 +81,7 @@ def _client_error(status: int, body: dict[str, Any]) -> RouterError:
 
 async def _decode(call: Call, decode: Endpoint, body: dict[str, Any], cached: int | None) -> web.StreamResponse:
     st, t = call.state, call.cfg.timeouts
-    url = decode.url + api_path(call)
+    url = decode.url + call.api_path
     try:
         async with asyncio.timeout(t.decode_start_s):
             resp = await st.http.post(

@@ -130,19 +130,11 @@ async def admit(call: Call, node: Node) -> Admission:
 
 
 def prefill_body(call: Call, node: Node, adm: Admission) -> dict[str, Any]:
-    body = call.upstream_body()
-    body["max_tokens"] = 1
-    if call.req.kind == "chat":
-        body["max_completion_tokens"] = 1
-    body["stream"] = False
-    body.pop("stream_options", None)
-    body.pop("min_tokens", None)
-    body["kv_transfer_params"] = {
+    return call.prefill_body({
         "tilert_host": adm.ctrl_host or node.spec.ctrl_host,
         "tilert_ctrl_port": adm.ctrl_port or node.spec.ctrl_port,
         "tilert_ticket": adm.ticket,
-    }
-    return body
+    })
 
 
 def generate_body(call: Call, node: Node, adm: Admission, first_token: int, prompt_tokens: int) -> dict[str, Any]:
@@ -227,7 +219,7 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     prefill.inflight += 1
     try:
         status, pj = await post_json(
-            st.http, "prefill", prefill.url, _api_path(call), prefill_body(call, node, adm),
+            st.http, "prefill", prefill.url, call.api_path, prefill_body(call, node, adm),
             headers=call.upstream_headers,
             timeout=aiohttp.ClientTimeout(total=cfg.timeouts.prefill_s, sock_connect=cfg.timeouts.connect_s),
         )
@@ -294,10 +286,6 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     await call.end(last + sse.DONE)
     assert call.response is not None
     return call.response
-
-
-def _api_path(call: Call) -> str:
-    return "/v1/chat/completions" if call.req.kind == "chat" else "/v1/completions"
 
 
 async def _generate(
