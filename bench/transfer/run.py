@@ -17,6 +17,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -53,6 +54,22 @@ class Target:
         self.proc.wait(30)
 
 
+def _measure(name: str, target: Target, src: np.ndarray, sizes: list[int], reps: int,
+             write: Callable[[int], None]) -> dict[int, list[float]]:
+    """GB/s of `write(n)` into the target's zeroed buffer, each write checked by md5 there."""
+    out: dict[int, list[float]] = {}
+    for n in sizes:
+        out[n] = []
+        for _ in range(reps):
+            target.ask(f"zero {n}")
+            t0 = time.perf_counter()
+            write(n)
+            out[n].append(n / (time.perf_counter() - t0) / 1e9)
+            if target.ask(f"md5 {n}") != hashlib.md5(src[:n].tobytes()).hexdigest():
+                raise RuntimeError(f"{name}: bytes differ after a {n}-byte write")
+    return out
+
+
 def bench_engine(method: str, src: np.ndarray, sizes: list[int], reps: int) -> dict[int, list[float]]:
     from tilert_serve import transfer
 
@@ -62,43 +79,29 @@ def bench_engine(method: str, src: np.ndarray, sizes: list[int], reps: int) -> d
     engine = transfer.create(method, host="127.0.0.1", protocol="tcp", role="bench-sender")
     engine.register(src.ctypes.data, src.nbytes)
     peer = engine.connect(target.info["peer"])
-    out: dict[int, list[float]] = {}
     try:
-        for n in sizes:
-            out[n] = []
-            for _ in range(reps):
-                target.ask(f"zero {n}")
-                t0 = time.perf_counter()
-                engine.write(peer, [transfer.WriteOp(src.ctypes.data, target.info["addr"], n)])
-                out[n].append(n / (time.perf_counter() - t0) / 1e9)
-                if target.ask(f"md5 {n}") != hashlib.md5(src[:n].tobytes()).hexdigest():
-                    raise RuntimeError(f"{method}: bytes differ after a {n}-byte write")
+        return _measure(method, target, src, sizes, reps, lambda n: engine.write(
+            peer, [transfer.WriteOp(src.ctypes.data, target.info["addr"], n)]))
     finally:
         target.close()
-    return out
 
 
 def bench_raw(src: np.ndarray, sizes: list[int], reps: int) -> dict[int, list[float]]:
     target = Target("raw", max(sizes))
     sock = socket.create_connection(("127.0.0.1", target.info["port"]))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    out: dict[int, list[float]] = {}
+
+    def write(n: int) -> None:
+        sock.sendall(n.to_bytes(8, "big"))
+        sock.sendall(memoryview(src)[:n])
+        if sock.recv(1) != b"k":
+            raise RuntimeError("raw: the target did not acknowledge")
+
     try:
-        for n in sizes:
-            out[n] = []
-            for _ in range(reps):
-                target.ask(f"zero {n}")
-                t0 = time.perf_counter()
-                sock.sendall(n.to_bytes(8, "big"))
-                sock.sendall(memoryview(src)[:n])
-                assert sock.recv(1) == b"k"
-                out[n].append(n / (time.perf_counter() - t0) / 1e9)
-                if target.ask(f"md5 {n}") != hashlib.md5(src[:n].tobytes()).hexdigest():
-                    raise RuntimeError("raw: bytes differ")
+        return _measure("raw tcp", target, src, sizes, reps, write)
     finally:
         sock.close()
         target.close()
-    return out
 
 
 def bench_memcpy(src: np.ndarray, sizes: list[int], reps: int) -> dict[int, list[float]]:
