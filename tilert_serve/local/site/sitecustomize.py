@@ -1,10 +1,11 @@
-"""Imported at start by every Python process `tilert-pd local` runs (its PYTHONPATH has this folder).
+"""Imported at start by every Python process `tilert-pd local` runs and by those of the CPU vLLM image
+(their PYTHONPATH has this folder, and TILERT_PD_PATCH_NIXL=1).
 
 NIXL's progress thread busy-polls a whole core per agent unless its delay is raised (reference:
 transfer-engines.md §3.3). vLLM's own NixlConnector creates such agents in the prefill and native
 decode servers; on a laptop or a 2-core CI box two spinning agents starve every other component and
-the native path times out. Patch the binding before any agent exists. Pods have cores to spare and
-are left alone.
+the native path times out. Patch the binding before any agent exists. GPU images leave it alone:
+their nodes have cores to spare and RDMA progress wants the lowest latency.
 """
 
 import os
