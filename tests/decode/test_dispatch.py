@@ -160,3 +160,13 @@ async def test_health_ready_status(secret_file):
             status = await r.json()
         assert status["layout"]["fingerprint"] == LAYOUT.fingerprint
         assert [s["state"] for s in status["slots"]] == ["free", "free"]
+
+
+async def test_max_tokens_past_the_nodes_capacity_ends_as_length(secret_file):
+    async with running_node(LAYOUT, secret_file, slots=1, max_seq_len=32) as n:
+        _, adm = await n.admit("cap")
+        assert json.loads((await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id="cap"))[7:])["ok"]
+        status, events = await n.generate(adm["ticket"], first_token=100, max_tokens=1000)
+        assert status == 200
+        # 20 prompt tokens + the first token + 11 more fill the 32 positions.
+        assert events[-1]["finish_reason"] == "length" and events[-1]["num_tokens"] == 11

@@ -216,6 +216,8 @@ class DecodeNode:
 
     async def decode(self, slot: Slot, p: GenerateParams) -> AsyncIterator[dict[str, Any]]:
         """Stream a READY slot's decode as events; always frees the slot at the end."""
+        # The sequence cannot grow past the engine's positions: a longer ask ends as "length" there.
+        p = dataclasses.replace(p, max_tokens=max(0, min(p.max_tokens, self.config.max_seq_len - slot.num_tokens - 1)))
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancel = self._waiters[slot.index].cancel
