@@ -61,7 +61,7 @@ def indexer_pages_to_keys(pages: torch.Tensor, num_tokens: int, out_dtype: torch
 
 
 def _fused_cuda(region: list[torch.Tensor], placement: Placement, out_dtype: torch.dtype) -> bool:
-    return (len(region) == 1 and region[0].is_cuda and out_dtype == torch.bfloat16
+    return (all(r.is_cuda for r in region) and out_dtype == torch.bfloat16
             and placement.layout.kv_cache_dtype == "fp8_ds_mla")
 
 
@@ -74,7 +74,7 @@ def to_injected_state(region: list[torch.Tensor], placement: Placement, num_toke
     if _fused_cuda(region, placement, out_dtype):
         from tilert_serve.layouts import convert_triton
 
-        return convert_triton.to_injected_state(region[0], placement, num_tokens, last_prompt_token)
+        return convert_triton.to_injected_state(region, placement, num_tokens, last_prompt_token)
     mla = layout.plane("mla")
     layers: list[LayerState] = []
     for lid in range(layout.num_layers):

@@ -73,15 +73,14 @@ def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, PAGE: tl.constexp
 
 
 @functools.cache
-def _layer_offsets(placement: Placement, plane: str, device: torch.device) -> torch.Tensor:
-    """Byte offset of each layer's plane in a slot region (cached: a node converts with one placement)."""
-    offs = []
-    for lid in range(placement.layout.num_layers):
-        shard, off = placement.offset(plane, lid)
-        if shard != 0:
-            raise ValueError("the CUDA conversion takes one shard; convert each GPU's shard separately")
-        offs.append(off)
+def _layer_offsets(placement: Placement, plane: str, shard: int, device: torch.device) -> torch.Tensor:
+    """Byte offset of each of `shard`'s layers' plane in its region (cached: one placement per node)."""
+    offs = [placement.offset(plane, lid)[1] for lid in _shard_layers(placement, shard)]
     return torch.tensor(offs, dtype=torch.int64, device=device)
+
+
+def _shard_layers(placement: Placement, shard: int) -> list[int]:
+    return [lid for lid in range(placement.layout.num_layers) if placement.shard_of(lid) == shard]
 
 
 @functools.cache
@@ -89,22 +88,38 @@ def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
     return hadamard_matrix(dim).to(device=device, dtype=torch.bfloat16)
 
 
-def to_injected_state(region: torch.Tensor, placement: Placement, num_tokens: int, last_prompt_token: int,
+def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: int, block_t: int,
+                   num_warps: int) -> list[LayerState]:
+    """Every layer of one shard, converted on that shard's GPU (two launches)."""
+    layout, dev = placement.layout, region.device
+    count = len(_shard_layers(placement, shard))
+    kv = torch.empty(count, n, layout.kv_lora_rank, dtype=torch.bfloat16, device=dev)
+    pe = torch.empty(count, n, layout.rope_dim, dtype=torch.bfloat16, device=dev)
+    _mla_rows_kernel[(triton.cdiv(n, block_t), count)](
+        region, _layer_offsets(placement, "mla", shard, dev), kv, pe, n, ROW=_ROW, BLOCK_T=block_t,
+        num_warps=num_warps)
+    ki = None
+    if layout.index_head_dim:
+        ki = torch.empty(count, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
+        _indexer_pages_kernel[(triton.cdiv(n, 64), count)](
+            region, _layer_offsets(placement, "indexer", shard, dev), _hadamard(layout.index_head_dim, dev), ki,
+            n, PAGE=_PAGE, num_warps=num_warps)
+    return [LayerState(kv=kv[i], pe=pe[i], ki=None if ki is None else ki[i]) for i in range(count)]
+
+
+def to_injected_state(regions: list[torch.Tensor], placement: Placement, num_tokens: int, last_prompt_token: int,
                       *, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> InjectedState:
-    """One slot's received fp8_ds_mla bytes (a uint8 CUDA tensor) -> bf16 engine state, per layer views."""
+    """One slot's received fp8_ds_mla bytes (a uint8 CUDA tensor per shard) -> bf16 engine state.
+
+    Each shard converts on its own GPU, so a node that spreads layers over 8 GPUs converts them in
+    parallel; layer `lid` comes back as views on the GPU of shard `lid % shards`, where TileRT's
+    injection copies from.
+    """
     layout = placement.layout
     if layout.kv_cache_dtype != "fp8_ds_mla":
         raise ValueError(f"the CUDA conversion handles fp8_ds_mla, not {layout.kv_cache_dtype}")
-    dev, n, num_layers = region.device, num_tokens, layout.num_layers
-    kv = torch.empty(num_layers, n, layout.kv_lora_rank, dtype=torch.bfloat16, device=dev)
-    pe = torch.empty(num_layers, n, layout.rope_dim, dtype=torch.bfloat16, device=dev)
-    _mla_rows_kernel[(triton.cdiv(n, block_t), num_layers)](
-        region, _layer_offsets(placement, "mla", dev), kv, pe, n, ROW=_ROW, BLOCK_T=block_t, num_warps=num_warps)
-    ki = None
-    if layout.index_head_dim:
-        ki = torch.empty(num_layers, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
-        _indexer_pages_kernel[(triton.cdiv(n, 64), num_layers)](
-            region, _layer_offsets(placement, "indexer", dev), _hadamard(layout.index_head_dim, dev), ki, n,
-            PAGE=_PAGE, num_warps=num_warps)
-    layers = [LayerState(kv=kv[i], pe=pe[i], ki=None if ki is None else ki[i]) for i in range(num_layers)]
-    return InjectedState(layers=layers, seq_len=n, last_prompt_token=last_prompt_token)
+    if len(regions) != placement.shards:
+        raise ValueError(f"{len(regions)} regions for a placement of {placement.shards} shards")
+    per_shard = [iter(_convert_shard(r, placement, s, num_tokens, block_t, num_warps)) for s, r in enumerate(regions)]
+    layers = [next(per_shard[placement.shard_of(lid)]) for lid in range(layout.num_layers)]
+    return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)
