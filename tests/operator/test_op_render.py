@@ -157,6 +157,11 @@ def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:
     assert cfg.native == ["http://glm5-native-decode.serving.svc:8100"]
     assert cfg.api_keys_file == "/etc/tilert-pd/router-keys/keys"
     assert cfg.policy.tilert_aliases == ["glm-5-turbo"]
+    # New TileRT pods reach the router through the headless Service's DNS within seconds.
+    d = cfg.tilert_discovery
+    assert d is not None and d.service == "glm5-tilert-decode.serving.svc"
+    assert (d.http_port, d.ctrl_port, d.slots, d.max_seq_len) == (
+        spec.decode.tilert.http_port, spec.decode.tilert.ctrl_port, spec.decode.tilert.slots, spec.model.max_seq_len)
 
 
 def test_secret_and_multus_wiring() -> None:

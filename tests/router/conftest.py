@@ -65,6 +65,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         n_prefill: int = 1,
         n_native: int = 1,
         health_checks: bool = False,
+        resolver: Any = None,
         **overrides: Any,
     ) -> Stack:
         nodes = [await FakeNode(f"t{i}", slots=s).start() for i, s in enumerate(node_slots)]
@@ -83,7 +84,7 @@ async def make_stack() -> AsyncIterator[StackFactory]:
             else:
                 raw[key] = value
         cfg = config.RouterConfig.model_validate(raw)
-        app = make_app(cfg, health_checks=health_checks)
+        app = make_app(cfg, health_checks=health_checks, **({"resolver": resolver} if resolver else {}))
         runner = await start(app, "127.0.0.1", 0)
         stack = Stack(f"http://127.0.0.1:{bound_port(runner)}", app, runner, nodes, prefills, natives, cfg)
         stacks.append(stack)

@@ -52,13 +52,26 @@ def pod_config(
     spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode]
 ) -> router_config.RouterConfig:
     native = [native_decode.url(cluster, namespace)] if spec.decode.native.replicas else []
-    return config(
+    cfg = config(
         spec,
         prefill_urls=[prefill.url(cluster, namespace)],
         tilert_nodes=tilert_nodes,
         native_urls=native,
         api_keys_file=api_keys_file(spec),
     )
+    t = spec.decode.tilert
+    if not t.replicas:
+        return cfg
+    # The headless Service's name resolves to the ready TileRT pods within seconds; the endpoint list
+    # in this ConfigMap reaches the router only when the kubelet syncs the volume (up to a minute).
+    discovery = router_config.TileRTDiscovery(
+        service=f"{constants.child_name(cluster, constants.TILERT)}.{namespace}.svc",
+        http_port=t.http_port,
+        ctrl_port=t.ctrl_port,
+        slots=t.slots,
+        max_seq_len=spec.model.max_seq_len,
+    )
+    return cfg.model_copy(update={"tilert_discovery": discovery})
 
 
 def configmap(

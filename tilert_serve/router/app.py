@@ -14,7 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tilert_serve.router import handlers, health, reload, upstream
+from tilert_serve.router import discovery, handlers, health, reload, upstream
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import error_middleware
 from tilert_serve.router.metrics import Metrics
@@ -40,9 +40,11 @@ def make_app(
     *,
     config_path: str | Path | None = None,
     health_checks: bool = True,
+    resolver: discovery.Resolver = discovery.resolve,
 ) -> web.Application:
     """Build the router. `config_path`: the file `config` came from, watched and reloaded;
-    `health_checks=False` leaves every endpoint routable (tests that script failures themselves)."""
+    `health_checks=False` leaves every endpoint routable (tests that script failures themselves);
+    `resolver` looks up TileRT nodes when the config asks for discovery (tests pass their own)."""
     state = RouterState(
         config=config,
         config_path=Path(config_path) if config_path is not None else None,
@@ -56,6 +58,7 @@ def make_app(
     if health_checks:
         app.cleanup_ctx.append(health.health_ctx)
     app.cleanup_ctx.append(reload.reload_ctx)
+    app.cleanup_ctx.append(discovery.discovery_ctx(resolver))
     app.add_routes(handlers.routes())
     return app
 

@@ -86,12 +86,30 @@ class Limits(_Strict):
     connections_per_host: int = Field(default=0, ge=0)
 
 
+class TileRTDiscovery(_Strict):
+    """Find TileRT nodes through the DNS name of their pool's headless Service.
+
+    Kubernetes answers that name with the addresses of the pool's ready pods only, within seconds of a
+    readiness change; a mounted ConfigMap reaches the router only when the kubelet syncs it (up to
+    about a minute). Nodes found here join the configured list (which wins for an address in both).
+    """
+
+    service: str
+    http_port: int = defaults.DECODE_HTTP_PORT
+    ctrl_port: int = defaults.DECODE_CTRL_PORT
+    slots: int = Field(default=1, ge=1)
+    max_seq_len: int | None = Field(default=None, ge=1)
+    interval_s: float = Field(default=2.0, gt=0)
+
+
 class RouterConfig(_Strict):
     #: The served model name clients use.
     model: str
     #: Base URLs of the vLLM prefill servers.
     prefill: list[str]
     tilert: list[TileRTNode] = []
+    #: Also take TileRT nodes from DNS (in a cluster: the pool's headless Service).
+    tilert_discovery: TileRTDiscovery | None = None
     #: Base URLs of the native vLLM decode servers.
     native: list[str] = []
     policy: RoutingPolicy = RoutingPolicy()
@@ -109,6 +127,13 @@ class RouterConfig(_Strict):
         """Every name a client may put in `model`: the served name and the routing aliases."""
         names = [self.model, *self.policy.tilert_aliases, *self.policy.native_aliases]
         return list(dict.fromkeys(names))
+
+
+def with_discovered(config: RouterConfig, discovered: list[TileRTNode]) -> RouterConfig:
+    """The configured TileRT nodes, then discovered ones at addresses the configuration does not name."""
+    known = {n.http_url for n in config.tilert}
+    extra = [n for n in discovered if n.http_url not in known]
+    return config.model_copy(update={"tilert": [*config.tilert, *extra]}) if extra else config
 
 
 def load(path: str | Path) -> RouterConfig:

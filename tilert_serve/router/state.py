@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tilert_serve.router.config import RouterConfig
+from tilert_serve.router.config import RouterConfig, TileRTNode, with_discovered
 from tilert_serve.router.metrics import Metrics
 from tilert_serve.router.pools import Pools
 
@@ -45,6 +45,14 @@ class RouterState:
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     #: Wall-clock start, for /v1/models' `created`.
     started: float = field(default_factory=time.time)
+    #: TileRT nodes found through DNS (discovery.py); merged into every config applied.
+    discovered: list[TileRTNode] = field(default_factory=list)
+    #: The config as loaded, before discovered nodes were merged in.
+    base_config: RouterConfig | None = None  # type: ignore[assignment]
+
+    def __post_init__(self) -> None:
+        if self.base_config is None:
+            self.base_config = self.config
 
     @property
     def http(self) -> aiohttp.ClientSession:
@@ -54,9 +62,15 @@ class RouterState:
     def apply(self, config: RouterConfig) -> None:
         """Swap in a new config; the pools keep the state of endpoints that stay."""
         keys = read_api_keys(config.api_keys_file)
-        self.pools.apply(config)
+        effective = with_discovered(config, self.discovered)
+        self.pools.apply(effective)
         self.api_keys = keys
-        self.config = config
+        self.base_config = config
+        self.config = effective
+
+    def set_discovered(self, nodes: list[TileRTNode]) -> None:
+        self.discovered = nodes
+        self.apply(self.base_config)
 
     def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.get_running_loop().create_task(coro)

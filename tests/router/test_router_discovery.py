@@ -1,0 +1,84 @@
+"""TileRT nodes found through DNS (the pool's headless Service) join the router within one lookup,
+and leave when the name stops naming them; configured nodes win for an address in both."""
+
+from __future__ import annotations
+
+import asyncio
+from urllib.parse import urlsplit
+
+from conftest import MODEL
+
+from tilert_serve.router import config
+from tilert_serve.router.app import make_app, start
+from tilert_serve.router.discovery import nodes_from, refresh
+from tilert_serve.router.state import STATE
+
+ROUTE = {"x-pd-route": "tilert"}
+
+
+def test_nodes_from_addresses_and_the_merge():
+    d = config.TileRTDiscovery(service="pool.ns.svc", http_port=5557, ctrl_port=5556, slots=2, max_seq_len=99)
+    nodes = nodes_from(["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::7"], d)
+    assert [n.http_url for n in nodes] == ["http://10.0.0.1:5557", "http://10.0.0.2:5557", "http://[fd00::7]:5557"]
+    assert (nodes[0].ctrl_host, nodes[0].ctrl_port, nodes[0].slots, nodes[0].max_seq_len) == ("10.0.0.1", 5556, 2, 99)
+    static = config.TileRTNode(name="pod-0", http_url="http://10.0.0.1:5557", ctrl_host="192.168.7.1")
+    cfg = config.RouterConfig(model="m", prefill=["http://p"], tilert=[static], tilert_discovery=d)
+    merged = config.with_discovered(cfg, nodes)
+    # The configured entry (with its RDMA address) stays; the others are added once.
+    assert [n.name for n in merged.tilert] == ["pod-0", "pool.ns.svc/10.0.0.2", "pool.ns.svc/fd00::7"]
+    assert config.with_discovered(cfg, []) is cfg
+
+
+async def test_a_discovered_node_serves_and_leaves(make_stack):
+    answer: list[str] = []
+
+    async def resolver(name: str) -> list[str]:
+        assert name == "pool.test"
+        return list(answer)
+
+    stack = await make_stack(tilert=[], resolver=resolver,
+                             tilert_discovery={"service": "pool.test", "http_port": 1, "interval_s": 3600})
+    node = stack.node
+    # Point discovery at the fake node's port (the fixture starts the nodes before writing the config).
+    stack.state.apply(stack.state.base_config.model_copy(update={"tilert_discovery": config.TileRTDiscovery(
+        service="pool.test", http_port=urlsplit(node.url).port, interval_s=3600)}))
+    assert not stack.state.pools.tilert
+
+    answer[:] = ["127.0.0.1"]
+    assert await refresh(stack.state, resolver)
+    assert not await refresh(stack.state, resolver)  # unchanged: nothing re-applied
+    assert [n.url for n in stack.state.pools.tilert.values()] == [node.url]
+    c = stack.client()
+    r = await c.completions.create(model=MODEL, prompt="hi", max_tokens=4, extra_headers=ROUTE)
+    assert r.choices[0].text and node.completed == 1
+
+    answer.clear()
+    assert await refresh(stack.state, resolver)
+    assert not stack.state.pools.tilert
+    # A config reload keeps what discovery found (and a later lookup can drop it).
+    answer[:] = ["127.0.0.1"]
+    assert await refresh(stack.state, resolver)
+    stack.state.apply(stack.state.base_config)
+    assert [n.url for n in stack.state.pools.tilert.values()] == [node.url]
+
+
+async def test_the_loop_runs_with_the_app(tmp_path):
+    calls: list[str] = []
+
+    async def resolver(name: str) -> list[str]:
+        calls.append(name)
+        return ["127.0.0.9"]
+
+    cfg = config.RouterConfig(model=MODEL, prefill=["http://127.0.0.1:9"], tilert_discovery=config.TileRTDiscovery(
+        service="svc.test", interval_s=0.05))
+    app = make_app(cfg, health_checks=False, resolver=resolver)
+    runner = await start(app, "127.0.0.1", 0)
+    try:
+        for _ in range(100):
+            if len(calls) >= 2:
+                break
+            await asyncio.sleep(0.02)
+        assert len(calls) >= 2 and set(calls) == {"svc.test"}
+        assert [n.ctrl_host for n in app[STATE].config.tilert] == ["127.0.0.9"]
+    finally:
+        await runner.cleanup()
