@@ -19,7 +19,7 @@ lint: setup
 	@$(VENV)/bin/lint-imports
 
 demo: setup
-	@$(PY) -m tilert_serve.local.demo
+	@$(PY) -m tilert_serve.local.demo $(DEMO_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
