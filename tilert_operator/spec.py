@@ -16,8 +16,8 @@ from tilert_operator import constants
 from tilert_serve import defaults
 
 TilertModel = Literal["glm5", "deepseek_v3_2", "mla"]
-KVCacheDtype = Literal["auto", "bfloat16", "fp8_ds_mla"]
-ResolvedKVCacheDtype = Literal["bfloat16", "fp8_ds_mla"]
+KVCacheDtype = Literal["auto", "bfloat16", "float32", "fp8_ds_mla"]
+ResolvedKVCacheDtype = Literal["bfloat16", "float32", "fp8_ds_mla"]
 TransferEngine = Literal["mooncake", "nixl"]
 TransferProtocol = Literal["tcp", "rdma"]
 NativeConnector = Literal["NixlConnector", "MooncakeConnector", "none"]

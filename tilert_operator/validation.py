@@ -86,6 +86,12 @@ def rule_kv_dtype(s: PDClusterSpec) -> Iterable[Problem]:
             f"fp8_ds_mla is the sparse-attention cache of glm5 and deepseek_v3_2, not of tilertModel "
             f"{s.model.tilert_model}; set kvCacheDtype: bfloat16 (or auto)",
         )
+    if s.model.kv_cache_dtype == "float32" and s.model.tilert_model in specmod.DSA_MODELS:
+        yield Problem(
+            "spec.model.kvCacheDtype",
+            f"float32 is for small mla models on CPUs; {s.model.tilert_model} hands off fp8_ds_mla or "
+            "bfloat16: set kvCacheDtype: auto",
+        )
 
 
 def rule_mtp(s: PDClusterSpec) -> Iterable[Problem]:

@@ -25,6 +25,8 @@ def test_demo_serves_both_paths_and_cleans_up(tmp_path):
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     results = [r for r in lines if "route" in r]
     assert {r["route"] for r in results} == {"tilert", "native"}
+    # Each request went the way it asked (the router's X-PD-Route says which way it went).
+    assert [(r["route"], r["served_by"]) for r in results] == [(r["route"], r["route"]) for r in results], results
     for r in results:
         assert r["chunks"] >= 1 and r["text"], r
         assert r["ttft_ms"] > 0

@@ -125,10 +125,13 @@ def test_decode_node_and_router_commands() -> None:
     assert argv[:2] == ["tilert-pd", "decode-node"]
     expect = {"--tilert-model": "mla", "--engine": "reference", "--slots": "4", "--ctrl-port": str(defaults.DECODE_CTRL_PORT),
               "--http-port": str(defaults.DECODE_HTTP_PORT), "--transfer": "mooncake", "--protocol": "tcp",
-              "--secret-file": defaults.SECRET_PATH, "--max-seq-len": "2048", "--kv-cache-dtype": "bfloat16", "--host": "0.0.0.0",
+              "--secret-file": defaults.SECRET_PATH, "--max-seq-len": "2048", "--kv-cache-dtype": "float32", "--host": "0.0.0.0",
               "--num-speculative-tokens": "1"}
     assert {f: _arg(argv, f) for f in expect} == expect
     assert "--device" not in argv, "a CPU node keeps decode-node's cpu default"
+    # vLLM has no float32 cache dtype: its cache follows a float32 model instead.
+    prefill = cmds[constants.PREFILL].argv
+    assert (_arg(prefill, "--kv-cache-dtype"), _arg(prefill, "--dtype")) == ("auto", "float32")
     glm = commands.commands(specmod.parse(helpers.example("glm5-b200-rdma")["spec"]))[constants.TILERT].argv
     assert (_arg(glm, "--device"), _arg(glm, "--shards")) == ("cuda:0", "8")
     no_mtp = commands.commands(specmod.parse(helpers.minimal(decode={"tilert": {"mtp": False}})))[constants.TILERT].argv

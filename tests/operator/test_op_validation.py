@@ -17,6 +17,8 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
      "spec.decode.tilert.gpus", "set gpus: 8, or engine: reference"),
     ("tilert-engine-mla", {"decode": {"tilert": {"engine": "tilert", "gpus": 8}}}, "spec.decode.tilert.engine", "set engine: reference"),
     ("kv-dtype-vs-model", {"model": {"kvCacheDtype": "fp8_ds_mla"}}, "spec.model.kvCacheDtype", "set kvCacheDtype: bfloat16"),
+    ("float32-vs-dsa-model", {"model": {"tilertModel": "glm5", "kvCacheDtype": "float32"}}, "spec.model.kvCacheDtype",
+     "set kvCacheDtype: auto"),
     ("mtp-on-prefill", {"prefill": {"mtp": {"enabled": False}}}, "spec.prefill.mtp.enabled", "set spec.prefill.mtp.enabled: true"),
     ("no-decode-pool", {"decode": {"tilert": {"replicas": 0}}}, "spec.decode", "set spec.decode.tilert.replicas or"),
     ("native-needs-connector", {"prefill": {"nativeConnector": "none"}, "decode": {"native": {"replicas": 1}}},

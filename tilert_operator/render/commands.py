@@ -99,15 +99,19 @@ def speculative_config(spec: PDClusterSpec) -> dict[str, object] | None:
 
 
 def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
-    return [
+    kv_dtype = spec.model.resolved_kv_cache_dtype
+    argv = [
         "vllm", "serve", paths.model_dir,
         "--served-model-name", spec.model.name,
         "--host", paths.host,
         "--port", str(paths.vllm_port),
         "--tensor-parallel-size", str(tp),
         "--max-model-len", str(spec.model.max_seq_len),
-        "--kv-cache-dtype", spec.model.resolved_kv_cache_dtype,
     ]  # fmt: skip
+    if kv_dtype == "float32":
+        # vLLM has no float32 cache dtype: its cache follows the model's dtype ("auto").
+        return [*argv, "--kv-cache-dtype", "auto", "--dtype", "float32"]
+    return [*argv, "--kv-cache-dtype", kv_dtype]
 
 
 def prefill(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:

@@ -49,6 +49,8 @@ def complete(router: str, model: str, prompt: str, route: str, max_tokens: int) 
     text = ""
     with urllib.request.urlopen(req, timeout=300) as r:
         request_id = r.headers.get("x-request-id", "")
+        # The path the router took; it differs from the one asked when that pool could not serve.
+        served_by = r.headers.get("x-pd-route", "")
         for raw in r:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -63,7 +65,8 @@ def complete(router: str, model: str, prompt: str, route: str, max_tokens: int) 
     total = time.perf_counter() - t0
     ttft = arrivals[0] if arrivals else total
     tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else 0.0
-    return {"route": route, "prompt": prompt, "text": text, "chunks": len(arrivals), "ttft_ms": ttft * 1e3,
+    return {"route": route, "served_by": served_by, "prompt": prompt, "text": text, "chunks": len(arrivals),
+            "ttft_ms": ttft * 1e3,
             "tpot_ms": tpot * 1e3, "total_ms": total * 1e3, "request_id": request_id}
 
 
@@ -93,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
                 res = complete(router, spec.model.name, prompt, route, args.max_tokens)
                 after = _metrics(nodes)
                 d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
-                if route == "tilert" and d.get("tilert_decode_handoff_seconds_count"):
+                if res["served_by"] == "tilert" and d.get("tilert_decode_handoff_seconds_count"):
                     res["handoff_ms"] = 1e3 * d["tilert_decode_handoff_seconds_sum"] / d["tilert_decode_handoff_seconds_count"]
                     drafted = d.get("tilert_decode_mtp_drafted_tokens_total", 0.0)
                     res["mtp_acceptance"] = d.get("tilert_decode_mtp_accepted_tokens_total", 0.0) / drafted if drafted else 0.0
@@ -117,9 +120,10 @@ def _print_table(results: list[dict[str, Any]], cluster: str) -> None:
           "noise, the paths are real)\n")
     print(f"{'path':<7} {'TTFT ms':>8} {'TPOT ms':>8} {'handoff ms':>10} {'MTP acc':>7}  prompt -> output")
     for r in results:
+        path = r["served_by"] if r["served_by"] == r["route"] else f"{r['route']}->{r['served_by']}"
         handoff = f"{r['handoff_ms']:.1f}" if "handoff_ms" in r else "-"
         mtp = f"{r['mtp_acceptance']:.2f}" if "mtp_acceptance" in r else "-"
-        print(f"{r['route']:<7} {r['ttft_ms']:>8.1f} {r['tpot_ms']:>8.1f} {handoff:>10} {mtp:>7}  "
+        print(f"{path:<7} {r['ttft_ms']:>8.1f} {r['tpot_ms']:>8.1f} {handoff:>10} {mtp:>7}  "
               f"{r['prompt'][:28]!r} -> {r['text'][:40]!r}")
     print("\nTTFT/TPOT: seen by the client (router in front). handoff: prefill -> decode node state transfer "
           "(Mooncake over TCP on loopback). MTP acc: draft tokens the decode node accepted.")

@@ -95,6 +95,9 @@ def plan(spec: PDClusterSpec, *, ports: Ports, model_dir: str, secret_file: str,
     cfg = router_render.config(spec, prefill_urls=[c.url for c in out if c.kind == constants.PREFILL],
                                tilert_nodes=nodes, native_urls=[c.url for c in out if c.kind == constants.NATIVE],
                                api_keys_file=None)
+    # Every component shares a few cores here: a probe can wait seconds for one, which says nothing
+    # about its health. Eject only what stays silent for longer.
+    cfg = cfg.model_copy(update={"health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3)})
     cmd = commands.router(spec, _with(base, router_port=ports.router))
     out.append(Component("router", constants.ROUTER, _local_argv(cmd.argv), {**LOCAL_ENV, **SINGLE_THREAD},
                          f"http://{host}:{ports.router}", f"http://{host}:{ports.router}/ready"))
