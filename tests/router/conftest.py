@@ -9,13 +9,11 @@ from typing import Any
 import openai
 import pytest
 from aiohttp import web
-from router_fakes import FakeNative, FakeNode, FakePrefill
+from router_fakes import MODEL, FakeNative, FakeNode, FakePrefill
 
 from tilert_serve.router import config
 from tilert_serve.router.app import bound_port, make_app, start
 from tilert_serve.router.state import STATE, RouterState
-
-MODEL = "tiny"
 
 
 @dataclass

@@ -18,6 +18,8 @@ from typing import Any
 
 from aiohttp import web
 
+#: The served model name in every scripted stack.
+MODEL = "tiny"
 WORDS = [f" w{i}" for i in range(1000)]
 
 
@@ -28,6 +30,15 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
     await site.start()
     port = runner.addresses[0][1]
     return runner, f"http://127.0.0.1:{port}"
+
+
+async def until(cond: Any, timeout: float = 2.0, step: float = 0.01) -> None:
+    """Wait for `cond()` (the router finishes some work after the client's response ends)."""
+    for _ in range(int(timeout / step)):
+        if cond():
+            return
+        await asyncio.sleep(step)
+    assert cond()
 
 
 class Fake:
@@ -192,7 +203,28 @@ class FakeNode(Fake):
         return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
 
 
-class FakePrefill(Fake):
+class FakeVLLM(Fake):
+    """What both vLLM fakes serve: completions (chat too) and /health."""
+
+    healthy = True
+
+    def app(self) -> web.Application:
+        app = web.Application()
+        app.add_routes([
+            web.post("/v1/completions", self.complete),
+            web.post("/v1/chat/completions", self.complete),
+            web.get("/health", self.health),
+        ])
+        return app
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(status=200 if self.healthy else 503)
+
+    async def complete(self, request: web.Request) -> web.StreamResponse:
+        raise NotImplementedError
+
+
+class FakePrefill(FakeVLLM):
     """A vLLM prefill server answering max_tokens=1 requests like the OpenAI server does."""
 
     def __init__(self, nodes: list[FakeNode] | None = None) -> None:
@@ -213,18 +245,6 @@ class FakePrefill(Fake):
         self.kv_params: dict[str, Any] | None = {"remote_engine_id": "p0", "remote_block_ids": [1, 2]}
         self.aborted = 0
         self.healthy = True
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.add_routes([
-            web.post("/v1/completions", self.complete),
-            web.post("/v1/chat/completions", self.complete),
-            web.get("/health", self.health),
-        ])
-        return app
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.healthy else 503)
 
     async def complete(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -268,7 +288,7 @@ class FakePrefill(Fake):
                                   "kv_transfer_params": kvp_out})
 
 
-class FakeNative(Fake):
+class FakeNative(FakeVLLM):
     """A native vLLM decode server: answers like vLLM's OpenAI server, streaming or not."""
 
     def __init__(self) -> None:
@@ -281,18 +301,6 @@ class FakeNative(Fake):
         self.active = 0
         self.max_active = 0
         self.healthy = True
-
-    def app(self) -> web.Application:
-        app = web.Application()
-        app.add_routes([
-            web.post("/v1/completions", self.complete),
-            web.post("/v1/chat/completions", self.complete),
-            web.get("/health", self.health),
-        ])
-        return app
-
-    async def health(self, request: web.Request) -> web.Response:
-        return web.Response(status=200 if self.healthy else 503)
 
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()

@@ -6,8 +6,7 @@ import asyncio
 
 import openai
 import pytest
-
-MODEL = "tiny"
+from router_fakes import MODEL
 
 
 @pytest.mark.parametrize("slots", [(3,), (1, 1, 1)], ids=["one-node-3-slots", "three-nodes-1-slot"])

@@ -5,8 +5,7 @@ from __future__ import annotations
 import aiohttp
 import openai
 import pytest
-
-MODEL = "tiny"
+from router_fakes import MODEL
 
 CASES = [
     ("/v1/completions", b"{not json", 400, "not valid JSON"),

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
-from conftest import MODEL
+from router_fakes import MODEL
 
 from tilert_serve.router import config
 from tilert_serve.router.app import make_app, start

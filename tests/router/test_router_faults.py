@@ -9,18 +9,10 @@ import time
 import aiohttp
 import openai
 import pytest
-from router_fakes import WORDS
+from router_fakes import MODEL, WORDS, until
 
-MODEL = "tiny"
 ROUTE = {"x-pd-route": "tilert"}
 
-
-async def _until(cond, timeout: float = 2.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    assert cond()
 
 
 async def test_prefill_500_retried_once_elsewhere(make_stack):
@@ -32,7 +24,7 @@ async def test_prefill_500_retried_once_elsewhere(make_stack):
         r = await c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE)
         assert r.choices[0].text == " hello w0 w1"
     assert s.node.active == 0
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0)
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0)
 
 
 async def test_prefill_500_everywhere_gives_openai_error(make_stack):
@@ -44,7 +36,7 @@ async def test_prefill_500_everywhere_gives_openai_error(make_stack):
     assert ei.value.status_code == 502
     assert "scripted prefill failure" in ei.value.message
     assert len(s.prefill.bodies) == 2  # tried, retried once, no more
-    await _until(lambda: s.node.active == 0 and s.state.pools.tilert["t0"].in_use == 0)
+    await until(lambda: s.node.active == 0 and s.state.pools.tilert["t0"].in_use == 0)
     # Still serving.
     s.prefill.fail_status = None
     r = await c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=ROUTE)
@@ -59,7 +51,7 @@ async def test_handoff_failure_retried_on_another_node(make_stack):
     assert res.choices[0].text == " hello w0 w1"
     used = {n.name for n in s.nodes if n.generates}
     assert len(used) == 1
-    await _until(lambda: all(n.active == 0 for n in s.nodes))
+    await until(lambda: all(n.active == 0 for n in s.nodes))
     # The node whose handoff failed got its ticket cancelled.
     assert sum(len(n.cancels) for n in s.nodes) == 1
 
@@ -74,7 +66,7 @@ async def test_decode_dies_mid_stream_sse_error(make_stack):
         async for ch in stream:
             got.append(ch.choices[0].text)
     assert "".join(got) == " hello" + "".join(WORDS[:2])
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0)
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0)
     r = await c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=ROUTE)
     assert r.choices[0].text == " hello w0"
 
@@ -87,7 +79,7 @@ async def test_generate_error_before_stream_nonstreamed_retried(make_stack):
     r = await c.completions.create(model=MODEL, prompt="a", max_tokens=3)
     assert r.choices[0].text == "".join(WORDS[:3])
     assert len(s.native.bodies) == 1
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0)
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0)
 
 
 async def test_generate_error_after_first_token_streamed(make_stack):
@@ -101,7 +93,7 @@ async def test_generate_error_after_first_token_streamed(make_stack):
         async for ch in stream:
             got.append(ch.choices[0].delta.content)
     assert got == [" hello"]
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0)
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0)
 
 
 async def test_slow_node_idle_timeout(make_stack):
@@ -114,7 +106,7 @@ async def test_slow_node_idle_timeout(make_stack):
         async for _ in stream:
             pass
     assert time.monotonic() - t0 < 3
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0)
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0)
     assert len(s.node.cancels) == 1
 
 
@@ -125,7 +117,7 @@ async def test_slow_prefill_timeout(make_stack):
     with pytest.raises(openai.APIStatusError) as ei:
         await c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE)
     assert ei.value.status_code == 504
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0)
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0)
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
@@ -140,7 +132,7 @@ async def test_client_disconnect_frees_slot_within_100ms(make_stack, phase):
         posting = asyncio.create_task(http.post(s.router_url + "/v1/completions", json=body, headers=ROUTE))
         if phase == "prefill":
             # No byte has come back yet (the prefill is running): drop the connection mid-wait.
-            await _until(lambda: len(s.prefill.bodies) == 1)
+            await until(lambda: len(s.prefill.bodies) == 1)
             await asyncio.sleep(0.05)
             t_close = time.monotonic()
             posting.cancel()
@@ -148,14 +140,14 @@ async def test_client_disconnect_frees_slot_within_100ms(make_stack, phase):
             resp = await posting
             assert resp.status == 200
             await resp.content.readuntil(b"\n\n")  # the first token
-            await _until(lambda: len(s.node.generates) == 1)
+            await until(lambda: len(s.node.generates) == 1)
             t_close = time.monotonic()
             resp.close()  # drops the connection
-    await _until(lambda: s.node.cancels and s.node.active == 0, timeout=1.0)
+    await until(lambda: s.node.cancels and s.node.active == 0, timeout=1.0)
     assert s.node.cancels[0][0] - t_close < 0.1
     if phase == "prefill":
-        await _until(lambda: s.prefill.aborted == 1, timeout=1.0)
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0)
+        await until(lambda: s.prefill.aborted == 1, timeout=1.0)
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0)
 
 
 async def test_full_pool_reject_gives_429_with_retry_after(make_stack):
@@ -163,7 +155,7 @@ async def test_full_pool_reject_gives_429_with_retry_after(make_stack):
     s.node.token_interval_s = 0.2
     c = s.client()
     first = asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE))
-    await _until(lambda: len(s.node.generates) == 1)
+    await until(lambda: len(s.node.generates) == 1)
     with pytest.raises(openai.RateLimitError) as ei:
         await c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE)
     assert ei.value.response.headers["Retry-After"] == "3"
@@ -175,7 +167,7 @@ async def test_full_pool_falls_back_to_native(make_stack):
     s.node.token_interval_s = 0.2
     c = s.client()
     first = asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=3))
-    await _until(lambda: len(s.node.generates) == 1)
+    await until(lambda: len(s.node.generates) == 1)
     r = await c.completions.create(model=MODEL, prompt="a", max_tokens=3)
     assert len(s.native.bodies) == 1 and r.choices[0].text == "".join(WORDS[:3])
     await first
@@ -213,7 +205,7 @@ async def test_client_gone_mid_stream_is_not_an_upstream_error(make_stack, route
         resp = await http.post(s.router_url + "/v1/completions", json=body, headers={"x-pd-route": route})
         await resp.content.readuntil(b"\n\n")
         resp.close()
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0
                  and s.state.pools.native[s.native.url].inflight == 0)
     await asyncio.sleep(0.2)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-from router_fakes import WORDS
+from router_fakes import MODEL, WORDS
 
-MODEL = "tiny"
 NATIVE = {"x-pd-route": "native"}
 
 

@@ -7,19 +7,10 @@ import os
 
 import aiohttp
 import yaml
+from router_fakes import MODEL, until
 
 from tilert_serve.router import config
 from tilert_serve.router.app import bound_port, make_app, start
-
-MODEL = "tiny"
-
-
-async def _until(cond, timeout: float = 3.0) -> None:
-    for _ in range(int(timeout / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    assert cond()
 
 
 async def _get(url: str) -> tuple[int, dict]:
@@ -29,18 +20,18 @@ async def _get(url: str) -> tuple[int, dict]:
 
 async def test_ready_needs_a_healthy_prefill_and_decode_per_pool(make_stack):
     s = await make_stack(health_checks=True, health={"interval_s": 0.05, "failures_to_eject": 1})
-    await _until(lambda: all(e.healthy for e in s.state.pools.all()))
+    await until(lambda: all(e.healthy for e in s.state.pools.all()), timeout=3.0, step=0.02)
     status, body = await _get(s.router_url + "/ready")
     assert status == 200 and body["ready"]
     s.node.ready = False  # TileRT node loading its engine
-    await _until(lambda: s.state.pools.tilert["t0"].healthy is False)
+    await until(lambda: s.state.pools.tilert["t0"].healthy is False, timeout=3.0, step=0.02)
     status, body = await _get(s.router_url + "/ready")
     assert status == 503 and "TileRT" in body["reasons"][0]
     # An ejected node gets no traffic: auto goes native.
     r = await s.client().completions.create(model=MODEL, prompt="a", max_tokens=2)
     assert len(s.native.bodies) == 1 and r.choices[0].text
     s.node.ready = True
-    await _until(lambda: s.state.pools.tilert["t0"].healthy is True)
+    await until(lambda: s.state.pools.tilert["t0"].healthy is True, timeout=3.0, step=0.02)
     await s.client().completions.create(model=MODEL, prompt="a", max_tokens=2)
     assert len(s.node.generates) == 1
 
@@ -49,7 +40,7 @@ async def test_dead_prefill_ejected_and_back(make_stack):
     s = await make_stack(n_prefill=2, health_checks=True, health={"interval_s": 0.05, "failures_to_eject": 2})
     dead = s.prefills[0]
     await dead.stop()
-    await _until(lambda: s.state.pools.prefill[dead.url].healthy is False)
+    await until(lambda: s.state.pools.prefill[dead.url].healthy is False, timeout=3.0, step=0.02)
     c = s.client()
     for _ in range(3):
         await c.completions.create(model=MODEL, prompt="a", max_tokens=2)
@@ -61,7 +52,7 @@ async def test_dead_prefill_ejected_and_back(make_stack):
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", port).start()
     try:
-        await _until(lambda: s.state.pools.prefill[dead.url].healthy is True)
+        await until(lambda: s.state.pools.prefill[dead.url].healthy is True, timeout=3.0, step=0.02)
     finally:
         await runner.cleanup()
 
@@ -110,7 +101,7 @@ async def test_config_reload_by_symlink_swap(make_stack, tmp_path):
             os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
             from tilert_serve.router.state import STATE
 
-            await _until(lambda: len(app[STATE].pools.tilert) == 1)
+            await until(lambda: len(app[STATE].pools.tilert) == 1, timeout=3.0, step=0.02)
             async with http.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2}) as resp:
                 assert resp.status == 200 and resp.headers["X-PD-Route"] == "tilert"
             # A broken file is refused; the old config stays in force.

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import pytest
-from router_fakes import WORDS
+from router_fakes import MODEL, WORDS, until
 
-MODEL = "tiny"
 ROUTE = {"x-pd-route": "tilert"}
 
 
@@ -83,7 +82,7 @@ async def test_first_token_ends_request_cancels_ticket(make_stack, case):
     assert r.choices[0].finish_reason == ("length" if case == "max_tokens_1" else "stop")
     assert r.usage.completion_tokens == 1
     assert s.node.generates == []
-    await _until(lambda: len(s.node.cancels) == 1 and s.state.pools.tilert["t0"].in_use == 0)
+    await until(lambda: len(s.node.cancels) == 1 and s.state.pools.tilert["t0"].in_use == 0)
     assert s.node.active == 0
 
 
@@ -98,7 +97,7 @@ async def test_stop_string_cut_and_cancelled(make_stack):
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == " hello w0 w1 "
     assert chunks[-1].choices[0].finish_reason == "stop"
-    await _until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0)
+    await until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0)
     assert len(s.node.cancels) == 1
 
 
@@ -142,15 +141,6 @@ async def test_unsupported_feature_goes_native_or_400(make_stack):
         await s2.client().completions.create(model=MODEL, prompt="a", max_tokens=3, presence_penalty=0.5,
                                              extra_headers=ROUTE)
 
-
-async def _until(cond, timeout: float = 2.0) -> None:
-    import asyncio
-
-    for _ in range(int(timeout / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    assert cond()
 
 
 async def test_no_max_tokens_sends_a_number_to_the_node(make_stack):

@@ -6,25 +6,21 @@ from tilert_operator import constants
 from tilert_operator.render import commands, pods
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
-from tilert_serve import defaults
 
 COMPONENT = constants.NATIVE
 
 
 def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
     dp = pods.DataPlane(spec, cluster, secret=False)
-    return dp.workload(kind="Deployment", namespace=namespace, component=COMPONENT, pool=spec.decode.native,
-                       container_name="vllm", cmd=commands.native_decode(spec, dp.paths),
-                       ports=[("http", defaults.VLLM_PORT)], ready=pods.http_probe("/health", defaults.VLLM_PORT),
-                       health_port=defaults.VLLM_PORT, extra_env=[pods.NIXL_SIDE_CHANNEL_ENV])
+    return pods.vllm_deployment(dp, namespace, COMPONENT, spec.decode.native, commands.native_decode(spec, dp.paths))
 
 
 def service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
-    return pods.service(cluster, namespace, COMPONENT, [("http", defaults.VLLM_PORT)])
+    return pods.vllm_service(cluster, namespace, COMPONENT)
 
 
 def url(cluster: str, namespace: str) -> str:
-    return f"http://{constants.child_name(cluster, COMPONENT)}.{namespace}.svc:{defaults.VLLM_PORT}"
+    return pods.vllm_url(cluster, namespace, COMPONENT)
 
 
 def render(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:

@@ -309,3 +309,20 @@ def service(cluster: str, namespace: str, component: str, ports: list[tuple[str,
     spec["ports"] = [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports]
     return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(cluster, namespace, component),
             "spec": spec}
+
+
+def vllm_deployment(dp: DataPlane, namespace: str, component: str, pool: Pool, cmd: ContainerCommand) -> Manifest:
+    """A vLLM server pool (prefill, native decode): one `vllm serve` container on VLLM_PORT."""
+    return dp.workload(kind="Deployment", namespace=namespace, component=component, pool=pool,
+                       container_name="vllm", cmd=cmd, ports=[("http", defaults.VLLM_PORT)],
+                       ready=http_probe("/health", defaults.VLLM_PORT), health_port=defaults.VLLM_PORT,
+                       extra_env=[NIXL_SIDE_CHANNEL_ENV])
+
+
+def vllm_service(cluster: str, namespace: str, component: str) -> Manifest:
+    return service(cluster, namespace, component, [("http", defaults.VLLM_PORT)])
+
+
+def vllm_url(cluster: str, namespace: str, component: str) -> str:
+    """A vLLM pool's Service URL as the router reaches it."""
+    return f"http://{constants.child_name(cluster, component)}.{namespace}.svc:{defaults.VLLM_PORT}"
