@@ -15,7 +15,7 @@ test-fast: setup
 	@$(PY) -m pytest -q -ra -m "not slow" $(PYTEST_ARGS)
 
 lint: setup
-	@$(VENV)/bin/ruff check tilert_serve tilert_operator tests bench
+	@$(VENV)/bin/ruff check tilert_serve operator tests bench
 	@$(VENV)/bin/lint-imports
 
 demo: setup

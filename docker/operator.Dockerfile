@@ -20,7 +20,7 @@ RUN pip install "kopf==1.45.2" "kubernetes==37.0.2" "pydantic>=2.7" "aiohttp>=3.
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tilert_serve ./tilert_serve
-COPY tilert_operator ./tilert_operator
+COPY operator ./operator
 # --no-deps: the serving dependencies (torch, ...) stay out; the import check proves they are not needed.
 RUN pip install --no-deps . \
  && cd / && rm -rf /src \

@@ -30,7 +30,7 @@ RUN pip install -c constraints.txt ".[transfer]" \
  && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 
 COPY tilert_serve ./tilert_serve
-COPY tilert_operator ./tilert_operator
+COPY operator ./operator
 RUN pip install --no-deps --force-reinstall . \
  && cd / && rm -rf /src \
  && python -c "import torch, mooncake.engine, nixl, tilert_serve.decode.cli, tilert_serve.router.cli"

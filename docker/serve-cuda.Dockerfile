@@ -43,7 +43,7 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 RUN pip install .
 COPY tilert_serve ./tilert_serve
-COPY tilert_operator ./tilert_operator
+COPY operator ./operator
 # The check imports no CUDA code: the build machine has no GPU (tilert and mooncake load it lazily).
 RUN pip install --no-deps --force-reinstall . \
  && cd / && rm -rf /src \

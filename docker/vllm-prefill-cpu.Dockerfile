@@ -30,7 +30,7 @@ RUN pip install -c constraints.txt ".[transfer,vllm]" \
  && (pip uninstall -y torchvision torchaudio torchcodec || true)
 
 COPY tilert_serve ./tilert_serve
-COPY tilert_operator ./tilert_operator
+COPY operator ./operator
 # Installed into site-packages, which vLLM's engine core and workers (separate processes, each
 # importing the connector by kv_connector_module_path) all search; the second check imports it in a
 # spawned child, as vLLM's workers do.

@@ -19,7 +19,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_BREAK_SYSTEM_PACKAGES
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY tilert_serve ./tilert_serve
-COPY tilert_operator ./tilert_operator
+COPY operator ./operator
 # Installed into the image's own interpreter's site-packages: vLLM starts its engine core and its
 # workers as separate processes (spawn or fork), each loading the connector by
 # kv_connector_module_path, and site-packages is the one place every one of them searches, whatever

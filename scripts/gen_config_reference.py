@@ -146,7 +146,7 @@ def render(crd: dict[str, Any]) -> str:
         f"Kind `{names['kind']}` (plural `{names['plural']}`"
         + (f", short name {', '.join(f'`{n}`' for n in short)}" if short else "")
         + f"), {spec['scope'].lower()}. The API server fills in the defaults when a PDCluster is created; the",
-        "operator reads the same defaults (`tilert_operator/spec.py`; a test keeps them equal).",
+        "operator reads the same defaults (`operator/tilert_operator/spec.py`; a test keeps them equal).",
     ]
     for version in spec["versions"]:
         if not version.get("served", True):

@@ -1,6 +1,6 @@
 """The Helm chart, with the real Helm engine: lint, render over a matrix of values, validate every
 rendered object with kubernetes-validate --strict, refuse bad values through values.schema.json, and
-keep the ClusterRole and the CRD identical to their one source (tilert_operator/rbac.yaml,
+keep the ClusterRole and the CRD identical to their one source (operator/tilert_operator/rbac.yaml,
 crds/pdcluster.yaml).
 
 Not proven here (no cluster on this machine): a real `helm install`/`upgrade`, RBAC enforcement,
@@ -22,8 +22,8 @@ helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the Helm engi
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = ROOT / "charts" / "tilert-pd"
 CRD_FILE = ROOT / "crds" / "pdcluster.yaml"
-RBAC_FILE = ROOT / "tilert_operator" / "rbac.yaml"
-WIRING = ROOT / "tilert_operator" / "wiring.py"
+RBAC_FILE = ROOT / "operator" / "tilert_operator" / "rbac.yaml"
+WIRING = ROOT / "operator" / "tilert_operator" / "wiring.py"
 CA = "TFMwdExTMUNSVWRKVGlCRFJWSlVTVVpKUTBGVVJTMHRMUzB0Q2c9PQ=="  # base64 text: only its shape matters here
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schema set shipped
 # by kubernetes-validate.
@@ -189,7 +189,7 @@ def test_every_env_var_the_chart_sets_is_read_by_the_operator(chart: Any) -> Non
     for case, (values, namespace) in MATRIX.items():
         objs, _ = _render(chart, values, namespace)
         (c,) = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
-        assert set(_env(c)) <= read, f"{case}: {set(_env(c)) - read} are not read by tilert_operator/wiring.py"
+        assert set(_env(c)) <= read, f"{case}: {set(_env(c)) - read} are not read by operator/tilert_operator/wiring.py"
 
 
 @pytest.mark.parametrize("case", [c for c, (v, _) in MATRIX.items() if v.get("webhook", {}).get("enabled")])
@@ -262,7 +262,7 @@ def test_cluster_role_is_exactly_rbac_yaml(chart: Any) -> None:
         objs, _ = _render(chart, values, namespace)
         roles = [o for o in objs if o["kind"] == "ClusterRole"]
         for role in roles:
-            assert role["rules"] == expected, f"{case}: ClusterRole differs from tilert_operator/rbac.yaml"
+            assert role["rules"] == expected, f"{case}: ClusterRole differs from operator/tilert_operator/rbac.yaml"
         assert roles or values.get("rbac", {}).get("create") is False
 
 

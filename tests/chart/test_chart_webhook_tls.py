@@ -3,7 +3,7 @@
 The chart renders a ValidatingWebhookConfiguration (Service DNS name, path, caBundle) and a Deployment
 whose env points the operator at the mounted kubernetes.io/tls Secret. Here a certificate is made for
 that DNS name, kopf's WebhookServer is built from the rendered env exactly as
-tilert_operator/wiring.py builds it, and an HTTPS client that trusts only the rendered caBundle and
+operator/tilert_operator/wiring.py builds it, and an HTTPS client that trusts only the rendered caBundle and
 checks the rendered host name posts an AdmissionReview to the rendered path. What a real API server
 adds (Service routing, its own TLS client) is not covered.
 """
@@ -57,7 +57,7 @@ async def test_webhook_serves_the_mounted_secret_to_the_rendered_client_config(c
     client = hook["clientConfig"]
     assert f"{client['service']['name']}.{client['service']['namespace']}.svc" == host
 
-    # As tilert_operator/wiring.py: WebhookServer(port=..., certfile=..., pkeyfile=...).
+    # As operator/tilert_operator/wiring.py: WebhookServer(port=..., certfile=..., pkeyfile=...).
     server = kopf.WebhookServer(port=int(env["TILERT_PD_WEBHOOK_PORT"]), certfile=env["TILERT_PD_WEBHOOK_CERT"], pkeyfile=env["TILERT_PD_WEBHOOK_KEY"])
     seen: list[str | None] = []
 

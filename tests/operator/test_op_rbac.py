@@ -21,7 +21,7 @@ from kopf.testing import KopfRunner
 
 from tilert_operator import constants
 
-ROLE = Path(__file__).resolve().parents[2] / "tilert_operator" / "rbac.yaml"
+ROLE = Path(__file__).resolve().parents[2] / "operator" / "tilert_operator" / "rbac.yaml"
 #: Verbs granted without the test server seeing them, with the reason.
 UNSEEN_OK = {
     # Server-side apply that creates an object is authorized as create as well on a real API server;

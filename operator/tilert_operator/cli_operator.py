@@ -1,7 +1,7 @@
 """`tilert-pd operator`: run the PDCluster operator (what the chart's Deployment runs).
 
 Equivalent to `kopf run -m tilert_operator.wiring --standalone ...`; settings beyond these flags come
-from the environment (see tilert_operator/wiring.py).
+from the environment (see operator/tilert_operator/wiring.py).
 """
 
 from __future__ import annotations
