@@ -45,12 +45,9 @@ class Controller:
     def __init__(self, api: Client, settings: Settings | None = None, metrics: Metrics | None = None) -> None:
         self.api = api
         self.settings = settings or Settings()
-        self.metrics = metrics or Metrics()
+        self.metrics = metrics or Metrics(api_calls=api.calls)
         self._workers: dict[Key, _Worker] = {}
         self._slots = asyncio.Semaphore(self.settings.concurrency)
-        #: Outcome of the latest reconcile per object (tests and the benchmark read it).
-        self.last: dict[Key, reconcile.Outcome] = {}
-        self.reconciles = 0
 
     def observe(self, body: Obj, deleted: bool = False) -> None:
         """A PDCluster event: keep the body, start or kick its worker, or stop it on deletion."""
@@ -106,17 +103,15 @@ class Controller:
                     raise
                 except Exception as e:
                     worker.failures += 1
-                    self.metrics.errors += 1
+                    self.metrics.reconcile_errors.inc()
                     delay = min(s.backoff_first_s * 2 ** (worker.failures - 1), s.backoff_max_s)
                     log.warning("[%s/%s] reconcile failed (%s); retrying in %.1fs", key[0], key[1], e, delay)
                     asyncio.get_running_loop().call_later(delay, worker.kick.set)
                     continue
                 finally:
-                    self.metrics.observe(time.perf_counter() - started)
-                    self.reconciles += 1
+                    self.metrics.reconcile_duration.observe(time.perf_counter() - started)
             worker.failures = 0
-            self.last[key] = outcome
-            self.metrics.writes += outcome.writes
+            self.metrics.writes.inc(outcome.writes)
             self.metrics.states[key] = outcome.state
             if outcome.written is not None and outcome.written.get("metadata", {}).get("uid") == worker.body["metadata"].get("uid"):
                 # Compare the next resync against what we wrote, not a body the watch has not caught up to.

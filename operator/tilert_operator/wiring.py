@@ -18,6 +18,7 @@ from aiohttp import web
 
 from tilert_operator import admission, constants, kubeapi
 from tilert_operator.controller import Controller, Settings
+from tilert_operator.metrics import CONTENT_TYPE, Metrics
 
 log = logging.getLogger(__name__)
 
@@ -66,15 +67,15 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         Settings(resync_s=_env_float("TILERT_PD_RESYNC_S", 30.0), concurrency=int(_env_float("TILERT_PD_CONCURRENCY", 16))),
     )
     metrics_port = int(_env_float("TILERT_PD_METRICS_PORT", 8080))
-    memo.metrics_runner = await _serve_metrics(memo.controller, api, metrics_port) if metrics_port else None
+    memo.metrics_runner = await _serve_metrics(memo.controller.metrics, metrics_port) if metrics_port else None
 
 
-async def _serve_metrics(controller: Controller, api: kubeapi.Client, port: int) -> web.AppRunner:
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text=controller.metrics.render(api.calls), content_type="text/plain")
+async def _serve_metrics(metrics: Metrics, port: int) -> web.AppRunner:
+    async def scrape(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
     app = web.Application()
-    app.router.add_get("/metrics", metrics)
+    app.router.add_get("/metrics", scrape)
     runner = web.AppRunner(app)
     await runner.setup()
     await web.TCPSite(runner, host=os.environ.get("TILERT_PD_METRICS_HOST", "0.0.0.0"), port=port).start()

@@ -1,4 +1,4 @@
-"""Shared test inputs: the examples and a small spec builder."""
+"""Shared test inputs: the examples and a small spec builder; a reader for the /metrics text."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = sorted((ROOT / "examples").glob("*.yaml"))
@@ -39,3 +40,13 @@ def deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
 
 def cr(spec: dict[str, Any], name: str = "t") -> dict[str, Any]:
     return {"apiVersion": "pd.tilert.ai/v1alpha1", "kind": "PDCluster", "metadata": {"name": name}, "spec": spec}
+
+
+def sample(text: str, name: str, **labels: str) -> float | None:
+    """The value of one series in Prometheus text, read with prometheus_client's own parser; None
+    when the series is absent."""
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and s.labels == labels:
+                return s.value
+    return None

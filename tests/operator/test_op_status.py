@@ -59,12 +59,22 @@ def test_contains_tolerates_server_defaults_and_canonical_quantities() -> None:
 
 
 def test_metrics_text() -> None:
-    m = Metrics()
-    m.observe(0.02)
+    calls: Counter[str] = Counter()
+    m = Metrics(api_calls=calls)
+    m.reconcile_duration.observe(0.02)
+    m.reconcile_errors.inc()
+    m.writes.inc(4)
     m.states[("ns", "a")] = "ready"
-    text = m.render(Counter({"list": 3}))
-    assert 'tilert_pd_reconcile_duration_seconds_bucket{le="0.025"} 1' in text
-    assert 'tilert_pd_pdclusters{state="ready"} 1' in text and 'tilert_pd_api_calls_total{verb="list"} 3' in text
+    calls["list"] += 3  # counted by the API client after the Metrics exists: read at scrape time
+    text = m.render().decode()
+    assert helpers.sample(text, "tilert_pd_reconcile_duration_seconds_bucket", le="0.01") == 0
+    assert helpers.sample(text, "tilert_pd_reconcile_duration_seconds_bucket", le="0.025") == 1
+    assert helpers.sample(text, "tilert_pd_reconcile_duration_seconds_count") == 1
+    assert helpers.sample(text, "tilert_pd_reconcile_errors_total") == 1
+    assert helpers.sample(text, "tilert_pd_writes_total") == 4
+    assert helpers.sample(text, "tilert_pd_pdclusters", state="ready") == 1
+    assert helpers.sample(text, "tilert_pd_pdclusters", state="invalid") == 0
+    assert helpers.sample(text, "tilert_pd_api_calls_total", verb="list") == 3
 
 
 def test_applied_hash_changes_when_a_field_is_removed() -> None:
