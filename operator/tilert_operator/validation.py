@@ -12,11 +12,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import pydantic
+from pydantic.alias_generators import to_camel
 
 from tilert_operator import constants
 from tilert_operator import spec as specmod
 from tilert_operator.spec import PDClusterSpec
-from tilert_serve import defaults
+from tilert_serve import defaults, pydantic_errors
 
 
 @dataclass(frozen=True)
@@ -182,23 +183,10 @@ def check(s: PDClusterSpec) -> list[Problem]:
     return [p for rule in RULES for p in rule(s)]
 
 
-def _camel(part: object) -> str:
-    if isinstance(part, int):
-        return f"[{part}]"
-    head, *rest = str(part).split("_")
-    return head + "".join(w[:1].upper() + w[1:] for w in rest)
-
-
 def explain(error: pydantic.ValidationError) -> list[Problem]:
     """pydantic's errors as Problems with the CRD's field spelling."""
-    out = []
-    for e in error.errors():
-        path = "spec"
-        for part in e["loc"]:
-            c = _camel(part)
-            path += c if c.startswith("[") else f".{c}"
-        out.append(Problem(path, f"{e['msg']} (got {e.get('input')!r})"))
-    return out
+    return [Problem(path, message)
+            for path, message in pydantic_errors.problems(error, root="spec", spell=to_camel, show_input=True)]
 
 
 def check_name(name: str) -> list[Problem]:

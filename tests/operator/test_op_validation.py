@@ -33,6 +33,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("weights-both", {"model": {"weights": {"tiny": True, "volume": {"emptyDir": {}}}}}, "spec.model.weights", "set exactly one of volume"),
     ("schema-type", {"prefill": {"replicas": "two"}}, "spec.prefill.replicas", "valid integer"),
     ("schema-enum", {"transfer": {"engine": "ucx"}}, "spec.transfer.engine", "'mooncake' or 'nixl'"),
+    ("schema-list-item", {"transfer": {"rdma": {"networks": ["n", 5]}}}, "spec.transfer.rdma.networks[1]", "valid string (got 5)"),
 ]
 
 

@@ -20,6 +20,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tilert_serve import pydantic_errors
 from tilert_serve.decode.engines.base import Sampling
 from tilert_serve.decode.node import DecodeNode, GenerateParams, HandoffFailed
 from tilert_serve.decode.slots import NodeFull, SlotState, UnknownTicket
@@ -75,7 +76,7 @@ async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
-        msg = "; ".join(f"{'.'.join(str(p) for p in e['loc']) or 'body'}: {e['msg']}" for e in exc.errors())
+        msg = pydantic_errors.summary(exc, top="body")
         raise web.HTTPBadRequest(text=json.dumps({"error": {"type": "invalid_request", "message": msg}}),
                                  content_type="application/json") from exc
 

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from tilert_serve import pydantic_errors
 from tilert_serve.handoff.errors import MessageError, RejectReason
 
 
@@ -141,5 +142,4 @@ def from_body(kind: int, body: dict[str, Any]) -> Message:
     try:
         return cls.model_validate(body)
     except ValidationError as exc:
-        problems = "; ".join(f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors())
-        raise MessageError(f"invalid {cls.__name__} message: {problems}") from exc
+        raise MessageError(f"invalid {cls.__name__} message: {pydantic_errors.summary(exc)}") from exc
