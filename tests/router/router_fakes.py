@@ -32,13 +32,14 @@ async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{port}"
 
 
-async def until(cond: Any, timeout: float = 2.0, step: float = 0.01) -> None:
-    """Wait for `cond()` (the router finishes some work after the client's response ends)."""
-    for _ in range(int(timeout / step)):
-        if cond():
-            return
+async def until(cond: Any, timeout: float = 15.0, step: float = 0.01) -> None:
+    """Wait for `cond()` (the router finishes some work after the client's response ends). The
+    timeout only stops a test that would hang: it is far above what any wait takes on an idle machine,
+    so a loaded one does not fail the test."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"condition not met within {timeout} s"
         await asyncio.sleep(step)
-    assert cond()
 
 
 class Fake:
@@ -89,6 +90,12 @@ class FakeNode(Fake):
         self.die_after: int | None = None  # drop the connection after this many token events
         self.stall_after: int | None = None  # stop sending (but keep the connection) after N events
         self.ready = True
+        #: Cleared, token streams wait before their first token until it is set again: a test holds a
+        #: slot or a decode for as long as it needs instead of guessing with token intervals.
+        self.go = asyncio.Event()
+        self.go.set()
+        #: Token events written, all streams together.
+        self.tokens_sent = 0
         self.handoff_timeout_s = 5.0
         self.last_generate_closed: float | None = None
 
@@ -158,6 +165,7 @@ class FakeNode(Fake):
         sent = 0
         finish = "length"
         try:
+            await self.go.wait()
             while sent < n_max:
                 if self.token_interval_s:
                     await asyncio.sleep(self.token_interval_s)
@@ -173,6 +181,7 @@ class FakeNode(Fake):
                 tok = 100 + sent
                 await resp.write(b"data: " + json.dumps({"token_ids": [tok], "text": WORDS[sent]}).encode() + b"\n\n")
                 sent += 1
+                self.tokens_sent += 1
                 if self.stop_after is not None and sent >= self.stop_after:
                     finish = "stop"
                     break

@@ -6,7 +6,7 @@ import asyncio
 
 import openai
 import pytest
-from router_fakes import MODEL
+from router_fakes import MODEL, until
 
 
 @pytest.mark.parametrize("slots", [(3,), (1, 1, 1)], ids=["one-node-3-slots", "three-nodes-1-slot"])
@@ -44,5 +44,5 @@ async def test_100_concurrent_against_3_slots(make_stack, overflow, slots):
     else:
         assert s.native.bodies == []
         assert len(done) == completed
-    await asyncio.sleep(0.05)
-    assert all(p.in_use == 0 for p in s.state.pools.tilert.values()) and all(n.active == 0 for n in s.nodes)
+    # Every slot comes back, some through background work that may outlive the last response.
+    await until(lambda: all(p.in_use == 0 for p in s.state.pools.tilert.values()) and all(n.active == 0 for n in s.nodes))

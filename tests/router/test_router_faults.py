@@ -4,7 +4,6 @@ node, a client that disconnects, a full pool."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import aiohttp
 import openai
@@ -98,14 +97,18 @@ async def test_generate_error_after_first_token_streamed(make_stack):
 
 async def test_slow_node_idle_timeout(make_stack):
     s = await make_stack(timeouts={"idle_stream_s": 0.3})
-    s.node.stall_after = 1
+    s.node.stall_after = 1  # then silent for an hour, the connection open
     c = s.client()
-    t0 = time.monotonic()
     stream = await c.completions.create(model=MODEL, prompt="a", max_tokens=10, stream=True, extra_headers=ROUTE)
-    with pytest.raises(openai.APIError, match="decode failed"):
+
+    async def drain() -> None:
         async for _ in stream:
             pass
-    assert time.monotonic() - t0 < 3
+
+    # Only the router's idle timeout can end this stream; the bound stops a test that would hang.
+    with pytest.raises(openai.APIError, match="decode failed") as ei:
+        await asyncio.wait_for(drain(), 60)
+    assert ei.value.code == "timeout"
     await until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0)
     assert len(s.node.cancels) == 1
 
@@ -121,56 +124,55 @@ async def test_slow_prefill_timeout(make_stack):
 
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
-async def test_client_disconnect_frees_slot_within_100ms(make_stack, phase):
+async def test_client_disconnect_cancels_the_ticket(make_stack, phase):
     s = await make_stack()
+    # The upstream never finishes on its own: only the client's disconnect can send the cancel.
     if phase == "prefill":
-        s.prefill.stall_s = 10
+        s.prefill.stall_s = 3600
     else:
-        s.node.token_interval_s = 0.2
+        s.node.stall_after = 1
     body = {"model": MODEL, "prompt": "a", "max_tokens": 50, "stream": True}
     async with aiohttp.ClientSession() as http:
         posting = asyncio.create_task(http.post(s.router_url + "/v1/completions", json=body, headers=ROUTE))
         if phase == "prefill":
             # No byte has come back yet (the prefill is running): drop the connection mid-wait.
             await until(lambda: len(s.prefill.bodies) == 1)
-            await asyncio.sleep(0.05)
-            t_close = time.monotonic()
             posting.cancel()
         else:
             resp = await posting
             assert resp.status == 200
             await resp.content.readuntil(b"\n\n")  # the first token
             await until(lambda: len(s.node.generates) == 1)
-            t_close = time.monotonic()
             resp.close()  # drops the connection
-    await until(lambda: s.node.cancels and s.node.active == 0, timeout=1.0)
-    assert s.node.cancels[0][0] - t_close < 0.1
+    await until(lambda: s.node.cancels and s.node.active == 0)
     if phase == "prefill":
-        await until(lambda: s.prefill.aborted == 1, timeout=1.0)
+        await until(lambda: s.prefill.aborted == 1)
     await until(lambda: s.state.pools.tilert["t0"].in_use == 0)
 
 
 async def test_full_pool_reject_gives_429_with_retry_after(make_stack):
     s = await make_stack(policy={"when_tilert_full": "reject", "retry_after_s": 3})
-    s.node.token_interval_s = 0.2
+    s.node.go.clear()  # the first request holds the only slot until the test lets it go
     c = s.client()
     first = asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE))
     await until(lambda: len(s.node.generates) == 1)
     with pytest.raises(openai.RateLimitError) as ei:
         await c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE)
     assert ei.value.response.headers["Retry-After"] == "3"
+    s.node.go.set()
     assert (await first).choices[0].finish_reason == "length"
 
 
 async def test_full_pool_falls_back_to_native(make_stack):
     s = await make_stack()
-    s.node.token_interval_s = 0.2
+    s.node.go.clear()
     c = s.client()
     first = asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=3))
     await until(lambda: len(s.node.generates) == 1)
     r = await c.completions.create(model=MODEL, prompt="a", max_tokens=3)
     assert len(s.native.bodies) == 1 and r.choices[0].text == "".join(WORDS[:3])
-    await first
+    s.node.go.set()
+    assert (await first).choices[0].text == " hello w0 w1"
 
 
 async def test_node_says_full_router_moves_on(make_stack):
@@ -205,8 +207,13 @@ async def test_client_gone_mid_stream_is_not_an_upstream_error(make_stack, route
         resp = await http.post(s.router_url + "/v1/completions", json=body, headers={"x-pd-route": route})
         await resp.content.readuntil(b"\n\n")
         resp.close()
-    await until(lambda: s.state.pools.tilert["t0"].in_use == 0 and s.node.active == 0
-                 and s.state.pools.native[s.native.url].inflight == 0)
-    await asyncio.sleep(0.2)
+    # The handler has ended (it counts the request last) and so has the cancel sent for it: every
+    # error they could log is in the log by then.
+    reg = s.state.metrics.registry
+    await until(lambda: reg.get_sample_value("tilert_router_requests_total",
+                                             {"path": route, "outcome": "client_gone"}) == 1
+                and not s.state.background)
+    assert s.state.pools.tilert["t0"].in_use == 0 and s.state.pools.native[s.native.url].inflight == 0
+    await until(lambda: s.node.active == 0)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
     assert 'kind="stream_broken"' not in s.state.metrics.render().decode()

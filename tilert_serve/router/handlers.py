@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 
@@ -62,6 +63,11 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
         log.info("request %s: client went away", rid)
         assert call.response is not None
         return call.response
+    except asyncio.CancelledError:
+        # Handler cancellation is on (app.start): a client that disconnects cancels its handler, most
+        # often before any write could notice.
+        outcome = "client_gone"
+        raise
     finally:
         if call.path:
             state.metrics.requests.labels(call.path, outcome).inc()
