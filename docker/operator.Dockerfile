@@ -13,16 +13,15 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # The operator imports neither torch nor transformers (tilert_operator renders manifests and talks to
-# the API), so the image holds only what it imports; the versions are pyproject.toml's `operator`
-# extra and the lower bounds of its base dependencies.
-RUN pip install "kopf==1.45.2" "kubernetes==37.0.2" "pydantic>=2.7" "aiohttp>=3.10" "pyyaml>=6"
-
+# the API): pyproject.toml's base dependencies and its `operator` extra are all it installs, from
+# pyproject.toml alone first (no packages yet), so editing the source does not reinstall them.
 WORKDIR /src
 COPY pyproject.toml README.md ./
+RUN pip install ".[operator]"
+
 COPY tilert_serve ./tilert_serve
 COPY operator ./operator
-# --no-deps: the serving dependencies (torch, ...) stay out; the import check proves they are not needed.
-RUN pip install --no-deps . \
+RUN pip install --no-deps --force-reinstall . \
  && cd / && rm -rf /src \
  && python -c "import tilert_operator.cli_operator, tilert_operator.wiring" \
  && tilert-pd operator --help >/dev/null

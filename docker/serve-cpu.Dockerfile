@@ -26,7 +26,7 @@ WORKDIR /src
 # Dependencies first, from pyproject.toml alone (no packages yet: this installs only the
 # requirements), so editing the source does not reinstall torch.
 COPY pyproject.toml README.md constraints.txt ./
-RUN pip install -c constraints.txt ".[transfer]" \
+RUN pip install -c constraints.txt ".[decode,router,tinymodel,transfer]" \
  && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 
 COPY tilert_serve ./tilert_serve

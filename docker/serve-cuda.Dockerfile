@@ -41,7 +41,7 @@ WORKDIR /src
 # Dependencies from pyproject.toml (no packages copied yet), then the source: editing the source does
 # not reinstall anything heavy.
 COPY pyproject.toml README.md ./
-RUN pip install .
+RUN pip install ".[decode,router]"
 COPY tilert_serve ./tilert_serve
 COPY operator ./operator
 # The check imports no CUDA code: the build machine has no GPU (tilert and mooncake load it lazily).

