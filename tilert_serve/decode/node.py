@@ -22,7 +22,7 @@ import torch
 from tilert_serve import defaults
 from tilert_serve.decode import ctrl
 from tilert_serve.decode.buffers import ReceiveBuffers
-from tilert_serve.decode.detokenize import Detokenizer
+from tilert_serve.decode.detokenize import detokenizer
 from tilert_serve.decode.engines.base import DecodeEngine, Sampling
 from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.decode.slots import Slot, SlotState, SlotTable
@@ -227,7 +227,7 @@ class DecodeNode:
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
         put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
         work = loop.run_in_executor(self._pool, self._decode_thread, slot, p, cancel, put)
-        detok = (Detokenizer(self.tokenizer, slot.prompt_token_ids, p.first_token)
+        detok = (detokenizer(self.tokenizer, slot.prompt_token_ids, p.first_token)
                  if self.tokenizer is not None else None)
         produced = drafted = accepted = 0
         timings: dict[str, float] = {"wire_wait_ms": (slot.t_ready - slot.t_accept) * 1e3}
