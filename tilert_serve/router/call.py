@@ -12,13 +12,16 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import aiohttp
 from aiohttp import web
 
 from tilert_serve.router import sse
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import STREAMING, ClientGone
 from tilert_serve.router.openai_request import ParsedRequest
+from tilert_serve.router.pools import Endpoint
 from tilert_serve.router.state import RouterState
+from tilert_serve.router.upstream import client_error, post_json
 
 
 @dataclass
@@ -62,6 +65,25 @@ class Call:
         body.pop("min_completion_tokens", None)
         body["kv_transfer_params"] = kv_transfer_params
         return body
+
+    async def prefill(self, ep: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+        """Run the prefill leg on `ep` (counted in flight while it runs, so the next pick sees it) and
+        return vLLM's answer. A refusal by vLLM is the client's error (RouterError); transport failures
+        and 5xx raise UpstreamError, for a retry elsewhere."""
+        t = self.cfg.timeouts
+        t0 = time.perf_counter()
+        ep.inflight += 1
+        try:
+            status, answer = await post_json(
+                self.state.http, "prefill", ep.url, self.api_path, body, headers=self.upstream_headers,
+                timeout=aiohttp.ClientTimeout(total=t.prefill_s, sock_connect=t.connect_s),
+            )
+        finally:
+            ep.inflight -= 1
+        self.state.metrics.prefill.labels(self.path).observe(time.perf_counter() - t0)
+        if status != 200:
+            raise client_error(status, answer)
+        return answer
 
     @property
     def api_path(self) -> str:

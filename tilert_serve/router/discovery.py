@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from aiohttp import web
 
 from tilert_serve.router.config import TileRTDiscovery, TileRTNode
-from tilert_serve.router.state import STATE, RouterState
+from tilert_serve.router.state import RouterState, task_ctx
 
 log = logging.getLogger(__name__)
 Resolver = Callable[[str], Awaitable[list[str]]]
@@ -62,13 +62,7 @@ async def _loop(state: RouterState, resolver: Resolver) -> None:
 
 
 def discovery_ctx(resolver: Resolver = resolve) -> Callable[[web.Application], AsyncIterator[None]]:
-    async def ctx(app: web.Application) -> AsyncIterator[None]:
-        task = asyncio.get_running_loop().create_task(_loop(app[STATE], resolver))
-        yield
-        task.cancel()
-        try:
-            await task
-        except asyncio.CancelledError:
-            pass
+    async def run(state: RouterState) -> None:
+        await _loop(state, resolver)
 
-    return ctx
+    return task_ctx(run)

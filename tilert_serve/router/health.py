@@ -7,13 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
 
 import aiohttp
-from aiohttp import web
 
 from tilert_serve.router.pools import Endpoint
-from tilert_serve.router.state import STATE, RouterState
+from tilert_serve.router.state import RouterState, task_ctx
 
 log = logging.getLogger(__name__)
 
@@ -53,12 +51,5 @@ async def _loop(state: RouterState) -> None:
         await asyncio.sleep(state.config.health.interval_s)
 
 
-async def health_ctx(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: the probe loop lives as long as the app."""
-    task = asyncio.get_running_loop().create_task(_loop(app[STATE]))
-    yield
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
+#: cleanup_ctx: the probe loop lives as long as the app.
+health_ctx = task_ctx(_loop)

@@ -19,9 +19,8 @@ from aiohttp import web
 
 from tilert_serve.router import openai_response, sse
 from tilert_serve.router.call import Call
-from tilert_serve.router.errors import RouterError
 from tilert_serve.router.pools import Endpoint
-from tilert_serve.router.upstream import UpstreamError, error_message, post_json, read_error_body
+from tilert_serve.router.upstream import UpstreamError, client_error, error_message, read_error_body
 
 log = logging.getLogger(__name__)
 
@@ -48,21 +47,9 @@ async def serve(call: Call) -> web.StreamResponse:
         which = "prefill" if prefill is None else "native decode"
         raise UpstreamError(which, "-", "no_endpoint", f"no healthy {which} server", retryable=False)
 
-    t_p = time.perf_counter()
-    prefill.inflight += 1
     decode.inflight += 1  # counted from now: the decode is committed to this request
     try:
-        try:
-            status, pj = await post_json(
-                st.http, "prefill", prefill.url, call.api_path, prefill_body(call),
-                headers=call.upstream_headers,
-                timeout=aiohttp.ClientTimeout(total=cfg.timeouts.prefill_s, sock_connect=cfg.timeouts.connect_s),
-            )
-        finally:
-            prefill.inflight -= 1
-        st.metrics.prefill.labels("native").observe(time.perf_counter() - t_p)
-        if status != 200:
-            raise _client_error(status, pj)
+        pj = await call.prefill(prefill, prefill_body(call))
         kvp = pj.get("kv_transfer_params")
         cached = openai_response.cached_tokens_of(pj)
         body = call.upstream_body()
@@ -71,12 +58,6 @@ async def serve(call: Call) -> web.StreamResponse:
         return await _decode(call, decode, body, cached)
     finally:
         decode.inflight -= 1
-
-
-def _client_error(status: int, body: dict[str, Any]) -> RouterError:
-    err = body.get("error")
-    etype = str(err.get("type")) if isinstance(err, dict) and err.get("type") else "invalid_request_error"
-    return RouterError(status, error_message(body, f"upstream answered {status}"), type=etype)
 
 
 async def _decode(call: Call, decode: Endpoint, body: dict[str, Any], cached: int | None) -> web.StreamResponse:
@@ -100,7 +81,7 @@ async def _decode(call: Call, decode: Endpoint, body: dict[str, Any], cached: in
             if resp.status >= 500:
                 raise UpstreamError("native", decode.url, f"http_{resp.status}",
                                     error_message(eb, "decode failed"), status=resp.status)
-            raise _client_error(resp.status, eb if isinstance(eb, dict) else {})
+            raise client_error(resp.status, eb)
         if not call.req.stream:
             return await _whole(call, decode, resp, cached)
         return await _relay(call, decode, resp, cached)

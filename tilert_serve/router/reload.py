@@ -11,15 +11,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import yaml
-from aiohttp import web
 from pydantic import ValidationError
 
 from tilert_serve.router import config as config_mod
-from tilert_serve.router.state import STATE, RouterState
+from tilert_serve.router.state import RouterState, task_ctx
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +47,8 @@ def reload_now(state: RouterState) -> bool:
 
 
 async def _watch(state: RouterState) -> None:
-    assert state.config_path is not None
+    if state.config_path is None:  # a fixed config: nothing to watch
+        return
     last = _signature(state.config_path)
     while True:
         await asyncio.sleep(state.config.reload_interval_s)
@@ -62,16 +61,5 @@ async def _watch(state: RouterState) -> None:
                 log.exception("config reload failed")
 
 
-async def reload_ctx(app: web.Application) -> AsyncIterator[None]:
-    """cleanup_ctx: watch the config file when the app was built from one."""
-    state = app[STATE]
-    if state.config_path is None:
-        yield
-        return
-    task = asyncio.get_running_loop().create_task(_watch(state))
-    yield
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        pass
+#: cleanup_ctx: watch the config file when the app was built from one.
+reload_ctx = task_ctx(_watch)

@@ -7,9 +7,10 @@ per request, so a reload never changes a request half-way through.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -85,3 +86,17 @@ class RouterState:
 
 
 STATE = web.AppKey("tilert_router_state", RouterState)
+
+
+def task_ctx(run: Callable[[RouterState], Coroutine[Any, Any, None]]) -> Callable[[web.Application], AsyncIterator[None]]:
+    """A cleanup_ctx running `run(state)` as long as the app: cancelled and awaited on shutdown, so that
+    a loop never outlives the upstream session it uses."""
+
+    async def ctx(app: web.Application) -> AsyncIterator[None]:
+        task = asyncio.get_running_loop().create_task(run(app[STATE]))
+        yield
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+    return ctx

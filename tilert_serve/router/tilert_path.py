@@ -22,7 +22,6 @@ from aiohttp import web
 
 from tilert_serve.router import openai_response, sse
 from tilert_serve.router.call import Call
-from tilert_serve.router.errors import RouterError
 from tilert_serve.router.pools import Node, Pools
 from tilert_serve.router.stops import StopMatcher
 from tilert_serve.router.upstream import UpstreamError, error_message, post_json, read_error_body
@@ -207,7 +206,7 @@ async def serve(call: Call, node: Node, adm: Admission) -> web.StreamResponse:
 
 
 async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.StreamResponse:
-    st, cfg, r = call.state, call.cfg, call.req
+    st, r = call.state, call.req
     m = st.metrics
     prefill = st.pools.pick_prefill(call.exclude)
     if prefill is None:
@@ -215,23 +214,8 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
 
     # 1. Prefill with the ticket: vLLM computes the prompt, samples the first token and, through the
     #    TileRT connector, ships the KV state to the node.
-    t_p = time.perf_counter()
-    prefill.inflight += 1
-    try:
-        status, pj = await post_json(
-            st.http, "prefill", prefill.url, call.api_path, prefill_body(call, node, adm),
-            headers=call.upstream_headers,
-            timeout=aiohttp.ClientTimeout(total=cfg.timeouts.prefill_s, sock_connect=cfg.timeouts.connect_s),
-        )
-    finally:
-        prefill.inflight -= 1
+    pj = await call.prefill(prefill, prefill_body(call, node, adm))
     t_first = time.perf_counter()
-    m.prefill.labels("tilert").observe(t_first - t_p)
-    if status != 200:
-        # vLLM refused the request itself (bad messages, prompt too long): the client's error, as is.
-        raise RouterError(status, error_message(pj, f"prefill answered {status}"),
-                          type=str((pj.get("error") or {}).get("type", "invalid_request_error"))
-                          if isinstance(pj.get("error"), dict) else "invalid_request_error")
     try:
         text, finish = openai_response.first_choice_text(r.kind, pj)
     except (KeyError, IndexError, TypeError) as exc:

@@ -8,6 +8,7 @@ from typing import Any
 import aiohttp
 
 from tilert_serve.router.config import Limits
+from tilert_serve.router.errors import RouterError
 
 
 class UpstreamError(Exception):
@@ -59,6 +60,14 @@ def error_message(body: Any, fallback: str) -> str:
         if isinstance(body.get("message"), str):
             return str(body["message"])
     return fallback
+
+
+def client_error(status: int, body: Any) -> RouterError:
+    """A vLLM server refused the client's request (bad messages, prompt too long): its error, for the
+    client as it is, whichever path asked."""
+    err = body.get("error") if isinstance(body, dict) else None
+    etype = str(err.get("type")) if isinstance(err, dict) and err.get("type") else "invalid_request_error"
+    return RouterError(status, error_message(body, f"upstream answered {status}"), type=etype)
 
 
 async def read_error_body(resp: aiohttp.ClientResponse) -> Any:
