@@ -1,22 +1,21 @@
 """Reference engine TPOT for the tiny model, MTP on and off, on CPU or CUDA: time per output token of
 one greedy decode after an injected 64-token prompt (median of runs). The MTP-off run is the baseline.
 
-    python3 bench/engine/run.py --model DIR [--device cuda] [--tokens 128]
+    python -m bench.engine.run --model DIR [--device cuda] [--tokens 128]
+
+DIR is a tiny checkpoint (`tilert-pd tiny-model --out DIR`, deterministic per seed). Each device
+writes its own section of bench/RESULTS.md (engine-cpu, engine-cuda).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from common import table
-
+from bench.common import record, table
 from tilert_serve.decode.engines.base import Sampling
 from tilert_serve.decode.engines.reference import ReferenceEngine, ReferenceSettings
 
@@ -59,11 +58,13 @@ def main() -> None:
         base = base or tpot
         rows.append(["off" if k == 0 else f"on ({k} draft)", f"{tpot:.2f}", f"{1e3 / tpot:.0f}",
                      f"{results[0][1]:.2f}", f"{base / tpot:.2f}x"])
-    name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({os.cpu_count()} cores)"
-    print(f"device: {name}; tiny model ({args.dtype}), 64-token prompt, {args.tokens} greedy tokens, median of "
-          f"{args.runs}")
-    print(table(["MTP", "TPOT ms", "tokens/s", "acceptance", "vs MTP off"], rows))
-
+    body = table(["MTP", "TPOT ms", "tokens/s", "acceptance", "vs MTP off"], rows)
+    notes = (f"Tiny model ({args.dtype}), 64-token prompt, {args.tokens} greedy tokens, median of {args.runs} runs "
+             "after one warm-up; baseline MTP off.")
+    print(body)
+    print(notes)
+    record(f"engine-{dev.type}", f"Reference engine TPOT on {dev.type} (`bench/engine/run.py`)", body, device=dev,
+           notes=notes)
 
 if __name__ == "__main__":
     main()

@@ -26,6 +26,8 @@ from typing import Any
 
 import yaml
 
+from bench.common import record, table
+
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
 
@@ -226,12 +228,14 @@ def main(argv: list[str] | None = None) -> int:
         ("operator RSS (MiB)", "rss_mib", "{:.1f}"),
         ("operator peak RSS (MiB)", "peak_rss_mib", "{:.1f}"),
     ]
-    print(f"| metric | 1 PDCluster (baseline) | {args.n} PDClusters | ratio |")
-    print("|---|---|---|---|")
+    cells = []
     for label, key, fmt in rows:
         a, b = base[key], big[key]
-        ratio = f"{b / a:.2f}x" if a else "-"
-        print(f"| {label} | {fmt.format(a)} | {fmt.format(b)} | {ratio} |")
+        cells.append([label, fmt.format(a), fmt.format(b), f"{b / a:.2f}x" if a else "-"])
+    body = table(["metric", "1 PDCluster (baseline)", f"{args.n} PDClusters", "ratio"], cells)
+    print(body)
+    record("operator", "Operator (`bench/operator/run.py`, CPU box)", body,
+           notes=f"Resync period {args.resync:g} s; load average (1 min) at the end {os.getloadavg()[0]:.1f}.")
     return 0 if big["writes_per_idle_resync"] == 0 else 1
 
 

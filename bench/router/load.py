@@ -6,9 +6,12 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
+
+from bench.router.pd import decode_body, prefill_body
 
 
 @dataclass
@@ -26,6 +29,8 @@ class Result:
     failed: int = 0
     ttft: list[float] = field(default_factory=list)
     token_lat: list[float] = field(default_factory=list)
+    #: CPU seconds the measured process used during the timed window (closed_loop with a `cpu` clock).
+    cpu_s: float = 0.0
 
 
 def body(tokens: int) -> dict:
@@ -37,10 +42,9 @@ async def one(http: aiohttp.ClientSession, t: Target, tokens: int, res: Result, 
     t0 = time.monotonic()
     try:
         if t.direct:
-            pb = dict(b, max_tokens=1, stream=False, kv_transfer_params={"do_remote_decode": True})
-            async with http.post(t.url + "/v1/completions", json=pb) as pr:
+            async with http.post(t.url + "/v1/completions", json=prefill_body(b)) as pr:
                 pj = await pr.json()
-            b = dict(b, kv_transfer_params=pj["kv_transfer_params"])
+            b = decode_body(b, pj)
         async with http.post(t.url + "/v1/completions", json=b, headers=t.headers) as resp:
             if resp.status != 200:
                 await resp.read()
@@ -78,14 +82,19 @@ def session(limit: int) -> aiohttp.ClientSession:
                                  timeout=aiohttp.ClientTimeout(total=120))
 
 
-async def closed_loop(t: Target, concurrency: int, seconds: float, tokens: int) -> tuple[float, Result]:
-    """Each of `concurrency` workers sends its next request when the previous one ends."""
+async def closed_loop(t: Target, concurrency: int, seconds: float, tokens: int,
+                      cpu: Callable[[], float] = lambda: 0.0) -> tuple[float, Result]:
+    """Each of `concurrency` workers sends its next request when the previous one ends.
+
+    `cpu` reads the measured process's CPU clock; it is read at the same two instants as the wall
+    clock, so the warm-up requests count in neither the rate nor the CPU time."""
     res = Result()
     async with session(concurrency) as http:
         # warm the pools
         await asyncio.gather(*(one(http, t, tokens, Result(), False) for _ in range(concurrency)))
-        deadline = time.monotonic() + seconds
+        c0 = cpu()
         t0 = time.monotonic()
+        deadline = t0 + seconds
 
         async def worker() -> None:
             while time.monotonic() < deadline:
@@ -93,6 +102,7 @@ async def closed_loop(t: Target, concurrency: int, seconds: float, tokens: int) 
 
         await asyncio.gather(*(worker() for _ in range(concurrency)))
         elapsed = time.monotonic() - t0
+        res.cpu_s = cpu() - c0
     return res.ok / elapsed, res
 
 

@@ -1,12 +1,16 @@
-"""Router benchmark against scripted upstreams on loopback, the router pinned to one core, with a
-naive relay built like vLLM's toy proxy measured in the same run as the baseline.
+"""Router benchmark against scripted upstreams on loopback, the router pinned to one core, with two
+baselines measured in the same run: vLLM's toy PD proxy rebuilt on its own stack (toy_relay.py:
+FastAPI + uvicorn + httpx, clients made once in the lifespan, as upstream) and the same flow on
+aiohttp with one ClientSession (aiohttp_relay.py).
 
-    .venv/bin/python -m bench.router.run [--seconds 5] [--quick]
+    .venv/bin/python -m bench.router.run [--seconds 5] [--repeats 3] [--runs 2]
 
-Processes: the router (or the naive relay) alone on core 0; the scripted upstreams and this load
-generator on the other cores. "direct" = the load generator itself calls the upstream's prefill then
-its decode over pooled connections: the same two calls the router makes, without the router, so
-router - direct is what the router adds.
+Processes: the router (or a relay) alone on core 0; the scripted upstreams and this load generator
+on the other cores. "direct" = the load generator itself calls the upstream's prefill then its decode
+over pooled connections: the same two calls the router makes, without the router, so router - direct
+is what the router adds. `--runs` repeats the whole measurement with fresh processes; the table has
+one column per run, so a quiet run and a disturbed one are read side by side. The table goes to
+bench/RESULTS.md through bench/common.py's `record`.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.common import record, table
 from bench.router.load import Target, closed_loop, open_loop
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,20 +110,15 @@ class Proc:
             self.p.kill()
 
 
-async def saturate(t: Target, pid: int, seconds: float, conc: int, tokens: int, repeats: int) -> tuple[float, float, float]:
-    """Best of `repeats` closed-loop runs (the box is shared: the best run is the least disturbed).
-    Returns (req/s, router core use, req per router CPU-second)."""
-    best = (0.0, 0.0, 0.0)
-    for _ in range(repeats):
-        c0 = cpu_seconds(pid)
-        rps, res = await closed_loop(t, conc, seconds, tokens)
-        cpu = cpu_seconds(pid) - c0
-        core = cpu / (res.ok / rps) if rps else 0.0
-        if res.failed:
-            print(f"  ! {t.name}: {res.failed} failed")
-        if rps > best[0]:
-            best = (rps, core, res.ok / cpu if cpu else float("nan"))
-    return best
+async def saturate(t: Target, pid: int, seconds: float, conc: int, tokens: int) -> tuple[float, float, float]:
+    """One closed-loop run. Returns (req/s, core use, req per CPU-second) of the process `pid`, CPU
+    counted over the timed window only (the warm-up requests are in neither the rate nor the CPU)."""
+    rps, res = await closed_loop(t, conc, seconds, tokens, cpu=lambda: cpu_seconds(pid))
+    if res.failed:
+        print(f"  ! {t.name}: {res.failed} failed")
+    elapsed = res.ok / rps if rps else 0.0
+    core = res.cpu_s / elapsed if elapsed else 0.0
+    return rps, core, (res.ok / res.cpu_s if res.cpu_s else float("nan"))
 
 
 async def rss_at(t: Target, pid: int, streams: int, tokens: int) -> tuple[float, float, int]:
@@ -137,8 +137,8 @@ async def rss_at(t: Target, pid: int, streams: int, tokens: int) -> tuple[float,
 
 
 RELAYS = {
-    "naive relay": "bench.router.naive_relay",  # aiohttp, new session per request
-    "toy relay": "bench.router.toy_relay",  # FastAPI + httpx, new client per request (the toy proxy's stack)
+    "toy proxy": "bench.router.toy_relay",  # FastAPI + uvicorn + httpx, clients made once (as upstream)
+    "aiohttp relay": "bench.router.aiohttp_relay",  # the same flow on aiohttp, one ClientSession
 }
 
 
@@ -183,9 +183,12 @@ def ms(x: float) -> str:
     return f"{x * 1e3:.2f}"
 
 
-async def main(a: argparse.Namespace) -> None:
-    tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
-    os.sched_setaffinity(0, OTHER_CORES)
+def both(rate: tuple[float, float, float], base: tuple[float, float, float]) -> str:
+    return f"{rate[0] / base[0]:.2f}x; {rate[2] / base[2]:.2f}x"
+
+
+async def measure(a: argparse.Namespace, tmp: Path) -> list[tuple[str, str]]:
+    """One whole run (fresh processes per phase); rows of (measure, value)."""
     rows: list[tuple[str, str]] = []
     secs, conc, toks = a.seconds, a.concurrency, 64
 
@@ -196,16 +199,18 @@ async def main(a: argparse.Namespace) -> None:
         best: dict[str, tuple[float, float, float]] = {}
         for _ in range(a.repeats):
             for t, pid in st.targets():
-                r = await saturate(t, pid, secs, conc, toks, 1)
+                r = await saturate(t, pid, secs, conc, toks)
                 if r[0] > best.get(t.name, (0.0,))[0]:
                     best[t.name] = r
-        for name, (rps, core, eff) in best.items():
-            rows.append((f"streamed req/s, {name}", f"{rps:.0f} (core use {core:.2f}; {eff:.0f} req per CPU-second)"))
+        for name, (rps, core, _eff) in best.items():
+            rows.append((f"streamed req/s, {name} (core use)", f"{rps:,.0f} ({core:.2f})"))
+        rows.append(("req per CPU-second: " + " / ".join(best),
+                     " / ".join(f"{eff:,.0f}" for _rps, _core, eff in best.values())))
         for base in RELAYS:
             for path in ("router native", "router TileRT"):
-                rows.append((f"ratio {path} / {base}: req/s; req per CPU-second",
-                             f"{best[path][0] / best[base][0]:.2f}x; {best[path][2] / best[base][2]:.2f}x"))
-
+                rows.append((f"ratio {path} / {base}: req/s; per CPU-second", both(best[path], best[base])))
+        rows.append(("ratio aiohttp relay / toy proxy: req/s; per CPU-second",
+                     both(best["aiohttp relay"], best["toy proxy"])))
     finally:
         st.stop()
 
@@ -220,7 +225,8 @@ async def main(a: argparse.Namespace) -> None:
         print(f"TTFT: open loop at {rate:.0f} req/s (half of saturation), {rounds} rounds of {slice_s:.1f} s slices",
               flush=True)
         targets = [(Target("direct", st.upstream, direct=True), st.procs[0].p.pid)]
-        targets += [(t, pid) for t, pid in st.targets() if t.name != "toy relay"]  # toy: capacity far below
+        # A baseline whose capacity is below the rate would only measure its own queue.
+        targets += [(t, pid) for t, pid in st.targets() if best[t.name][0] > rate * 1.2]
         ttfts: dict[str, list[float]] = {t.name: [] for t, _ in targets}
         cores: dict[str, list[float]] = {t.name: [] for t, _ in targets}
         failed = dict.fromkeys(ttfts, 0)
@@ -235,10 +241,13 @@ async def main(a: argparse.Namespace) -> None:
         rows.append(("TTFT p50 / p99, direct (ms)", f"{ms(d50)} / {ms(d99)}"))
         for t, _pid in targets[1:]:
             x = ttfts[t.name]
+            fail = f"; {failed[t.name]} failed" if failed[t.name] else ""
             rows.append((f"added TTFT p50 / p99, {t.name} (ms)",
-                         f"{ms(pct(x, .5) - d50)} / {ms(pct(x, .99) - d99)}  (TTFT {ms(pct(x, .5))} / "
-                         f"{ms(pct(x, .99))}; core use {statistics.median(cores[t.name]):.2f}; "
-                         f"failed {failed[t.name]})"))
+                         f"{ms(pct(x, .5) - d50)} / {ms(pct(x, .99) - d99)} (TTFT {ms(pct(x, .5))} / "
+                         f"{ms(pct(x, .99))}; core use {statistics.median(cores[t.name]):.2f}{fail})"))
+        skipped = [t.name for t, _ in st.targets() if t.name not in ttfts]
+        if skipped:
+            rows.append(("added TTFT, " + ", ".join(skipped), f"not measured: saturates below {rate * 1.2:,.0f} req/s"))
     finally:
         st.stop()
 
@@ -266,23 +275,34 @@ async def main(a: argparse.Namespace) -> None:
     try:
         print(f"RSS: {a.streams} concurrent streams", flush=True)
         for t, pid in st.targets():
-            if t.name == "toy relay":
-                continue  # a new httpx client (SSL context) per stream: 1,000 of them take minutes
             base, peak, ok = await rss_at(t, pid, a.streams, 16)
-            rows.append((f"RSS idle -> peak at {a.streams} streams, {t.name} (MB)",
-                         f"{base:.0f} -> {peak:.0f} ({ok} of {a.streams} ok)"))
+            rows.append((f"RSS idle -> peak at {a.streams:,} streams, {t.name} (MB)",
+                         f"{base:.0f} -> {peak:.0f} ({ok:,} of {a.streams:,} ok)"))
     finally:
         st.stop()
+    return rows
 
-    width = max(len(k) for k, _ in rows)
+
+async def main(a: argparse.Namespace) -> None:
+    tmp = Path(tempfile.mkdtemp(prefix="router-bench-"))
+    os.sched_setaffinity(0, OTHER_CORES)
+    runs: list[dict[str, str]] = []
+    loads: list[str] = []
+    for i in range(a.runs):
+        print(f"run {i + 1} of {a.runs}", flush=True)
+        before = os.getloadavg()[0]
+        runs.append(dict(await measure(a, tmp)))
+        loads.append(f"{before:.1f} -> {os.getloadavg()[0]:.1f}")
+    names = list(runs[0])
+    header = ["measure", *(f"run {i + 1}" for i in range(a.runs))]
+    body = table(header, [[k, *(r.get(k, "-") for r in runs)] for k in names])
+    note = (f"Router (or relay) pinned to core {sorted(ROUTER_CORE)}, load generator and upstreams on "
+            f"{sorted(OTHER_CORES)}; closed loop {a.concurrency} concurrent, {a.seconds:g} s x {a.repeats} "
+            f"interleaved, best kept; load average during each run (1 min): {'; '.join(loads)}.")
     print()
-    print(f"| {'measure'.ljust(width)} | value |")
-    print(f"|{'-' * (width + 2)}|-------|")
-    for k, v in rows:
-        print(f"| {k.ljust(width)} | {v} |")
-    print(f"\n{os.cpu_count()} cores; router (or relay) pinned to core {sorted(ROUTER_CORE)}, load generator and "
-          f"upstreams on {sorted(OTHER_CORES)}; python {sys.version.split()[0]}; load average at the end "
-          f"{os.getloadavg()[0]:.2f}")
+    print(body)
+    print(note)
+    record("router", "Router (`bench/router/run.py`, CPU box)", body, notes=note)
 
 
 def cli() -> None:
@@ -293,6 +313,7 @@ def cli() -> None:
     p.add_argument("--streams", type=int, default=1000)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--slice-seconds", type=float, default=1.0)
+    p.add_argument("--runs", type=int, default=2, help="whole runs, one table column each")
     a = p.parse_args()
     try:
         import uvloop

@@ -2,7 +2,7 @@
 loopback, against a raw TCP socket and memcpy measured in the same run (target: >= 0.7x the raw
 socket). Every write is checked by md5 on the target. GB/s = 1e9 bytes/s; best and median of reps.
 
-    .venv/bin/python bench/transfer/run.py [--sizes 64,256,1024] [--reps 3]
+    .venv/bin/python -m bench.transfer.run [--sizes 64,256,1024] [--reps 3]
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ import argparse
 import hashlib
 import json
 import os
-import platform
 import socket
 import statistics
 import subprocess
@@ -21,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
+
+from bench.common import record, table
 
 TARGET = Path(__file__).with_name("target.py")
 ENV = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "ERROR",
@@ -127,18 +128,19 @@ def main() -> None:
     results = {"memcpy": bench_memcpy(src, sizes, args.reps), "raw tcp": bench_raw(src, sizes, args.reps)}
     for method in ("mooncake", "nixl"):
         results[method] = bench_engine(method, src, sizes, args.reps)
-    print(f"machine: {platform.node()} {platform.machine()}, {os.cpu_count()} cores; GB/s best / median of "
-          f"{args.reps}; ratio = median vs raw tcp median")
-    head = "| method | " + " | ".join(f"{n // MIB} MiB" for n in sizes) + " |"
-    print(head)
-    print("|" + "---|" * (len(sizes) + 1))
     raw = {n: statistics.median(v) for n, v in results["raw tcp"].items()}
+    rows = []
     for method, per_size in results.items():
         cells = []
         for n, v in per_size.items():
             med = statistics.median(v)
             cells.append(f"{max(v):.2f} / {med:.2f} ({med / raw[n]:.2f}x)")
-        print(f"| {method} | " + " | ".join(cells) + " |")
+        rows.append([method, *cells])
+    body = table(["method", *(f"{n // MIB} MiB" for n in sizes)], rows)
+    notes = f"GB/s best / median of {args.reps}; ratio = median against the raw socket's median."
+    print(body)
+    print(notes)
+    record("transfer", "Transfer (`bench/transfer/run.py`, CPU box)", body, notes=notes)
     os._exit(0)
 
 

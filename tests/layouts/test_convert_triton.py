@@ -1,0 +1,101 @@
+"""The CUDA conversion (layouts/convert_triton.py) against the torch path in float32 on the CPU.
+
+Received fp8_ds_mla bytes are built from random engine tensors with convert.py's mirror functions, so
+the inputs are what vLLM's cache holds; token counts straddle the kernels' tiles (16 tokens per MLA
+program, 64 per indexer page). Timing lives in bench/convert; this file is only correctness.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilert_serve import layouts
+from tilert_serve.layouts import convert
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU"),
+]
+
+#: bf16 outputs of float32 math: the documented bound for bf16 results is 1e-3..1e-2 relative.
+TOLERANCE = 1e-2
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.double().cpu() - want.double().cpu()).norm() / want.double().cpu().norm())
+
+
+def received(place: layouts.Placement, n: int, seed: int, device: torch.device) -> list[torch.Tensor]:
+    """One slot's regions filled as vLLM would send them; bytes past `n` tokens are random too, so a
+    kernel that reads beyond the request shows in its output."""
+    gen = torch.Generator().manual_seed(seed)
+    regions = [torch.randint(0, 256, (place.shard_nbytes(s),), dtype=torch.uint8, generator=gen)
+               for s in range(place.shards)]
+    for lid in range(place.layout.num_layers):
+        # A different scale per layer: a kernel that mixes layers up cannot match by accident.
+        kv = torch.randn(n, 512, generator=gen) * (1 + lid % 5)
+        pe = torch.randn(n, 64, generator=gen)
+        keys = torch.randn(n, 128, generator=gen)
+        rows = convert.kv_pe_to_mla_rows(kv, pe, place.layout).flatten()
+        pages = convert.keys_to_indexer_pages(keys).flatten()
+        shard, off = place.offset("mla", lid)
+        regions[shard][off:off + rows.numel()] = rows
+        shard, off = place.offset("indexer", lid)
+        regions[shard][off:off + pages.numel()] = pages
+    return [r.to(device) for r in regions]
+
+
+def assert_matches_torch_path(regions: list[torch.Tensor], place: layouts.Placement, n: int) -> None:
+    from tilert_serve.layouts import convert_triton
+
+    got = convert_triton.to_injected_state(regions, place, n, 7)
+    want = convert.to_injected_state([r.cpu() for r in regions], place, n, 7, torch.float32)
+    assert (got.seq_len, got.last_prompt_token, len(got.layers)) == (n, 7, place.layout.num_layers)
+    for lid, (g, w) in enumerate(zip(got.layers, want.layers, strict=True)):
+        assert g.ki is not None and w.ki is not None
+        for name, a, b in (("kv", g.kv, w.kv), ("pe", g.pe, w.pe), ("ki", g.ki, w.ki)):
+            assert a.dtype == torch.bfloat16 and a.shape == b.shape, (lid, name, a.dtype, a.shape, b.shape)
+            assert a.device == regions[place.shard_of(lid)].device
+            assert torch.isfinite(a).all(), (lid, name)
+            err = rel_err(a, b)
+            assert err < TOLERANCE, f"layer {lid} {name}: relative error {err:.2e} at {n} tokens"
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 64, 65, 1000])
+def test_glm5_conversion_matches_the_torch_path(n: int) -> None:
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=1024)
+    assert_matches_torch_path(received(place, n, seed=n, device=torch.device("cuda")), place, n)
+
+
+def test_deepseek_v3_2_conversion_matches_the_torch_path() -> None:
+    place = layouts.Placement(layouts.get("deepseek_v3_2", "fp8_ds_mla"), max_tokens=256)
+    assert_matches_torch_path(received(place, 200, seed=1, device=torch.device("cuda")), place, 200)
+
+
+def test_sharded_regions_convert_shard_by_shard() -> None:
+    # Three shards on one GPU: the layer -> shard mapping and per-shard offsets are what is tested.
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=512, shards=3)
+    assert_matches_torch_path(received(place, 300, seed=3, device=torch.device("cuda")), place, 300)
+
+
+def test_the_public_entry_point_takes_the_kernels_for_bf16_on_cuda() -> None:
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=128)
+    regions = received(place, 100, seed=4, device=torch.device("cuda"))
+    got = convert.to_injected_state(regions, place, 100, 0, torch.bfloat16)
+    want = convert.to_injected_state([r.cpu() for r in regions], place, 100, 0, torch.float32)
+    assert got.layers[0].kv.is_cuda and got.layers[0].kv.dtype == torch.bfloat16
+    assert max(rel_err(g.kv, w.kv) for g, w in zip(got.layers, want.layers, strict=True)) < TOLERANCE
+
+
+def test_wrong_inputs_are_refused() -> None:
+    from tilert_serve.layouts import convert_triton
+
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=64, shards=2)
+    regions = received(place, 10, seed=5, device=torch.device("cuda"))
+    with pytest.raises(ValueError, match="1 regions for a placement of 2 shards"):
+        convert_triton.to_injected_state(regions[:1], place, 10, 0)
+    bf16 = layouts.Placement(layouts.get("glm5", "bfloat16"), max_tokens=64)
+    with pytest.raises(ValueError, match="handles fp8_ds_mla, not bfloat16"):
+        convert_triton.to_injected_state([torch.zeros(bf16.total_nbytes(), dtype=torch.uint8, device="cuda")],
+                                         bf16, 10, 0)

@@ -1,0 +1,92 @@
+"""The CUDA extraction (pd_vllm/extract_triton.py, through Gatherer) against the CPU gather
+(one index_select per layer and plane), byte for byte.
+
+The staging region is poisoned first: every byte the request owns must be overwritten with the
+reference's bytes, and every other byte must keep the poison (nothing written past the request or
+into another layer). Token counts straddle the 64-token blocks. Timing lives in bench/extract.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from tilert_serve import layouts
+from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU"),
+]
+
+BLOCK = 64  # fp8_ds_mla indexer pages cover 64 tokens, so vLLM runs the prefill with 64-token blocks
+POISON = 0xA5
+
+
+def caches_for(layout: layouts.Layout, layers: list[int], num_blocks: int, seed: int) -> list[PagedCache]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for lid in layers:
+        for plane in layout.planes:
+            # Per block: 64 MLA rows, or one indexer page of the same bytes a [64, 132] view holds.
+            per_token = plane.unit_bytes if plane.unit_tokens == 1 else plane.unit_bytes // BLOCK
+            t = torch.randint(0, 256, (num_blocks, BLOCK, per_token), dtype=torch.uint8, generator=gen)
+            out.append(PagedCache(f"l{lid}.{plane.name}", lid, plane.name, t.cuda(), BLOCK, 0))
+    return out
+
+
+def owned(place: layouts.Placement, layers: list[int], n: int) -> list[tuple[int, int, int]]:
+    """(shard, start, end) of every byte range the request's layers own in staging."""
+    out = []
+    for lid in layers:
+        for plane in place.layout.planes:
+            shard, off = place.offset(plane.name, lid)
+            out.append((shard, off, off + plane.nbytes(n)))
+    return out
+
+
+def check(place: layouts.Placement, caches: list[PagedCache], shard: int, n: int, num_blocks: int, seed: int) -> None:
+    ids = (random.Random(seed).sample(range(num_blocks), (n + BLOCK - 1) // BLOCK),)
+    cpu = [PagedCache(c.name, c.layer, c.plane, c.tensor.cpu(), c.block_size, c.group) for c in caches]
+    want = [torch.zeros(place.shard_nbytes(s), dtype=torch.uint8) for s in range(place.shards)]
+    expected_bytes = gather(cpu, ids, n, place, want)
+    got = [torch.full((place.shard_nbytes(s),), POISON, dtype=torch.uint8, device="cuda") for s in range(place.shards)]
+    fused = Gatherer(caches, place, shard)
+    assert fused._fused, "on CUDA the Gatherer must take the Triton kernels"
+    assert fused(ids, n, got) == expected_bytes
+    torch.cuda.synchronize()
+    back = [g.cpu() for g in got]
+    untouched = [torch.ones(place.shard_nbytes(s), dtype=torch.bool) for s in range(place.shards)]
+    for s, start, end in owned(place, sorted({c.layer for c in caches}), n):
+        assert torch.equal(back[s][start:end], want[s][start:end]), f"shard {s} bytes {start}..{end} differ ({n} tokens)"
+        untouched[s][start:end] = False
+    for s in range(place.shards):
+        stray = (back[s][untouched[s]] != POISON).nonzero()
+        assert stray.numel() == 0, f"shard {s}: {stray.numel()} bytes written outside the request ({n} tokens)"
+
+
+@pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4096])
+def test_glm5_fused_gather_equals_index_select(n: int) -> None:
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    place = layouts.Placement(layout, max_tokens=4096)
+    num_blocks = 4096 // BLOCK * 5 // 4
+    caches = caches_for(layout, list(range(layout.num_layers)), num_blocks, seed=n)
+    check(place, caches, 0, n, num_blocks, seed=n)
+
+
+def test_a_ranks_share_of_layers_lands_on_its_own_shard() -> None:
+    # Two staging shards; this rank holds the odd layers, which the placement puts on shard 1.
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    place = layouts.Placement(layout, max_tokens=512, shards=2)
+    layers = [lid for lid in range(layout.num_layers) if place.shard_of(lid) == 1]
+    caches = caches_for(layout, layers, 16, seed=7)
+    check(place, caches, 1, 300, 16, seed=7)
+
+
+def test_deepseek_v3_2_fused_gather_equals_index_select() -> None:
+    layout = layouts.get("deepseek_v3_2", "fp8_ds_mla")
+    place = layouts.Placement(layout, max_tokens=1024)
+    caches = caches_for(layout, list(range(layout.num_layers)), 20, seed=9)
+    check(place, caches, 0, 777, 20, seed=9)
