@@ -64,16 +64,22 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         n_native: int = 1,
         health_checks: bool = False,
         resolver: Any = None,
+        context: int | None = None,
         **overrides: Any,
     ) -> Stack:
-        nodes = [await FakeNode(f"t{i}", slots=s).start() for i, s in enumerate(node_slots)]
+        """`context`: one context length for every server, as the operator renders it (vLLM's
+        --max-model-len, the nodes' --max-seq-len and max_seq_len in the router's config)."""
+        nodes = [await FakeNode(f"t{i}", slots=s, **({"max_seq_len": context} if context else {})).start()
+                 for i, s in enumerate(node_slots)]
         prefills = [await FakePrefill(nodes).start() for _ in range(n_prefill)]
         natives = [await FakeNative().start() for _ in range(n_native)]
+        for v in [*prefills, *natives]:
+            v.max_model_len = context
         raw: dict[str, Any] = {
             "model": MODEL,
             "prefill": [p.url for p in prefills],
-            "tilert": [{"name": n.name, "http_url": n.url, "ctrl_host": "127.0.0.1", "slots": n.slots}
-                       for n in nodes],
+            "tilert": [{"name": n.name, "http_url": n.url, "ctrl_host": "127.0.0.1", "slots": n.slots,
+                        "max_seq_len": context} for n in nodes],
             "native": [n.url for n in natives],
         }
         for key, value in overrides.items():

@@ -23,6 +23,22 @@ MODEL = "tiny"
 WORDS = [f" w{i}" for i in range(1000)]
 
 
+def vllm_error(message: str, param: str) -> dict[str, Any]:
+    """The body vLLM 0.32 answers a request it refuses (a 400 BadRequestError naming the parameter)."""
+    return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
+
+
+def vllm_max_tokens_check(body: dict[str, Any], max_model_len: int | None) -> dict[str, Any] | None:
+    """vLLM 0.32 refuses a max_tokens past the context length up front, whatever the prompt; a prompt
+    + max_tokens past it is not refused but clamped (get_max_tokens)."""
+    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    mt = body.get(param)
+    if max_model_len is None or mt is None or mt <= max_model_len:
+        return None
+    return vllm_error(f"{param}={mt} cannot be greater than max_model_len={max_model_len}. Please request fewer "
+                      f"output tokens. (parameter={param}, value={mt})", param)
+
+
 async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
     await runner.setup()
@@ -64,6 +80,8 @@ class Ticket:
     id: str
     request_id: str
     created: float
+    #: The prompt's length, told by the prefill with the KV state (the handoff's num_tokens).
+    num_tokens: int = 0
     handed_off: asyncio.Event = field(default_factory=asyncio.Event)
     generating: bool = False
 
@@ -115,10 +133,11 @@ class FakeNode(Fake):
         ])
         return app
 
-    def handoff(self, ticket: str) -> bool:
+    def handoff(self, ticket: str, num_tokens: int = 0) -> bool:
         t = self.tickets.get(ticket)
         if t is None:
             return False
+        t.num_tokens = num_tokens
         t.handed_off.set()
         return True
 
@@ -162,6 +181,8 @@ class FakeNode(Fake):
         await resp.prepare(request)
         limit = body.get("max_tokens")
         n_max = self.default_tokens if limit is None else limit
+        # As the real node does: the sequence cannot grow past max_seq_len, a longer ask ends as "length".
+        n_max = max(0, min(n_max, self.max_seq_len - t.num_tokens - 1))
         sent = 0
         finish = "length"
         try:
@@ -251,6 +272,8 @@ class FakePrefill(FakeVLLM):
         self.handoffs_seen = 0
         self.cached_tokens: int | None = 3
         self.prompt_tokens = 7
+        #: vLLM's --max-model-len: longer prompts are refused as vLLM refuses them (None: no limit).
+        self.max_model_len: int | None = None
         self.kv_params: dict[str, Any] | None = {"remote_engine_id": "p0", "remote_block_ids": [1, 2]}
         self.aborted = 0
         self.healthy = True
@@ -262,6 +285,12 @@ class FakePrefill(FakeVLLM):
         if self.fail_status is not None and (self.fail_count == 0 or len(self.bodies) <= self.fail_count):
             return web.json_response({"error": {"message": "scripted prefill failure", "type": "internal"}},
                                      status=self.fail_status)
+        if self.max_model_len is not None and self.prompt_tokens > self.max_model_len:
+            return web.json_response(vllm_error(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"contains {self.prompt_tokens} input tokens, which exceeds this limit even without any output "
+                f"tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                f"value={self.prompt_tokens})", "input_tokens"), status=400)
         try:
             if self.stall_s:
                 await asyncio.sleep(self.stall_s)
@@ -278,7 +307,7 @@ class FakePrefill(FakeVLLM):
                        "tilert_status": status, "tilert_error": None}
             if status == "queued" and self.finish_reason != "stop":
                 for n in self.nodes:
-                    n.handoff(kvp_in["tilert_ticket"])
+                    n.handoff(kvp_in["tilert_ticket"], self.prompt_tokens)
             else:
                 kvp_out["tilert_error"] = "scripted handoff failure" if status != "queued" else None
         else:
@@ -307,6 +336,8 @@ class FakeNative(FakeVLLM):
         self.fail_status: int | None = None
         self.die_after: int | None = None
         self.cached_tokens_reported = 7  # what a decode that pulled the whole prompt would say
+        #: vLLM's --max-model-len (None: no limit); the prompt is always 7 tokens long.
+        self.max_model_len: int | None = None
         self.active = 0
         self.max_active = 0
         self.healthy = True
@@ -325,8 +356,13 @@ class FakeNative(FakeVLLM):
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "scripted decode failure", "type": "internal"}},
                                      status=self.fail_status)
+        refused = vllm_max_tokens_check(body, self.max_model_len)
+        if refused is not None:
+            return web.json_response(refused, status=400)
         chat = request.path.endswith("chat/completions")
         n = min(self.tokens, body.get("max_tokens") or self.tokens)
+        if self.max_model_len is not None:
+            n = min(n, self.max_model_len - 7)
         usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n,
                  "prompt_tokens_details": {"cached_tokens": self.cached_tokens_reported}}
         obj = "chat.completion" if chat else "text_completion"

@@ -35,7 +35,7 @@ class RouterError(Exception):
         *,
         type: str = "invalid_request_error",
         param: str | None = None,
-        code: str | None = None,
+        code: str | int | None = None,
         headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)

@@ -124,7 +124,7 @@ async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tiler
     m = st.metrics
     pools = st.pools
     tried: set[str] = set(call.exclude)
-    too_long: str | None = None
+    too_long: tilert_path.TooLong | None = None
     for _ in range(len(pools.tilert) + 1):
         native = pools.native_state(cfg.limits.native_max_inflight)
         free = pools.tilert_free(tried) and too_long is None
@@ -133,7 +133,7 @@ async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tiler
                                      tilert_free=free, native=native)
         except RouterError:
             if too_long is not None:
-                raise RouterError(400, too_long, param="max_tokens", code="too_long") from None
+                raise _too_long(call, too_long) from None
             raise
         if decision.route == "native":
             if too_long is not None:
@@ -149,7 +149,7 @@ async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tiler
             node.full_until = time.monotonic() + full.retry_after_s
             tried.add(node.url)
         except tilert_path.TooLong as exc:
-            too_long = str(exc)
+            too_long = exc
         except UpstreamError as err:
             m.upstream_errors.labels("tilert", err.kind).inc()
             _note_failure(st, err)
@@ -161,6 +161,20 @@ async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tiler
         m.slots.labels(node.spec.name).set(node.in_use)
     raise RouterError(429, "the TileRT decode pool is full; retry later", type="rate_limit_error",
                       code="pool_full", headers={"Retry-After": str(cfg.policy.retry_after_s)})
+
+
+def _too_long(call: Call, exc: tilert_path.TooLong) -> RouterError:
+    """vLLM's own refusal of a max_tokens past the context length (vllm/renderers/params.py), so that a
+    request no native server could take reads the same as one a native server refused."""
+    r = call.req
+    param = "max_completion_tokens" if r.kind == "chat" and r.body.get("max_completion_tokens") is not None \
+        else "max_tokens"
+    if r.max_tokens is not None and exc.max_seq_len is not None and r.max_tokens > exc.max_seq_len:
+        message = (f"{param}={r.max_tokens} cannot be greater than max_model_len={exc.max_seq_len}. "
+                   f"Please request fewer output tokens. (parameter={param}, value={r.max_tokens})")
+    else:
+        message = str(exc)
+    return RouterError(400, message, type="BadRequestError", param=param, code=400)
 
 
 async def models(request: web.Request) -> web.Response:

@@ -37,7 +37,11 @@ class NodeFull(Exception):
 
 
 class TooLong(Exception):
-    """The node answered 400 too_long: prompt + max_tokens exceed its max_seq_len."""
+    """The node answered 400 too_long: prompt + max_tokens exceed its max_seq_len (None: unknown here)."""
+
+    def __init__(self, message: str, max_seq_len: int | None) -> None:
+        super().__init__(message)
+        self.max_seq_len = max_seq_len
 
 
 @dataclass
@@ -104,6 +108,9 @@ async def admit(call: Call, node: Node) -> Admission:
         "tilert",
         node.url,
         "/v1/admit",
+        # The router does not tokenize: the prompt's length is known only once the prefill has run. A
+        # prompt + max_tokens past the node's max_seq_len ends as "length" on the node, as vLLM's own
+        # get_max_tokens clamps it on the native pool; a prompt past it fails the handoff (retried).
         {"request_id": call.request_id, "prompt_tokens": None, "max_tokens": call.req.max_tokens},
         headers=call.upstream_headers,
         timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s),
@@ -114,7 +121,7 @@ async def admit(call: Call, node: Node) -> Admission:
     err = body.get("error") if isinstance(body.get("error"), dict) else {}
     if status == 400 and err.get("type") == "too_long":
         m.admissions.labels(name, "too_long").inc()
-        raise TooLong(error_message(body, "prompt + max_tokens exceed the node's max_seq_len"))
+        raise TooLong(error_message(body, "prompt + max_tokens exceed the node's max_seq_len"), node.spec.max_seq_len)
     if status != 200 or not isinstance(body.get("ticket"), str):
         m.admissions.labels(name, "error").inc()
         raise UpstreamError("tilert", node.url, f"admit_http_{status}", error_message(body, "bad admit answer"),

@@ -66,8 +66,13 @@ def client_error(status: int, body: Any) -> RouterError:
     """A vLLM server refused the client's request (bad messages, prompt too long): its error, for the
     client as it is, whichever path asked."""
     err = body.get("error") if isinstance(body, dict) else None
-    etype = str(err.get("type")) if isinstance(err, dict) and err.get("type") else "invalid_request_error"
-    return RouterError(status, error_message(body, f"upstream answered {status}"), type=etype)
+    if not isinstance(err, dict):
+        err = {}
+    param, code = err.get("param"), err.get("code")
+    return RouterError(status, error_message(body, f"upstream answered {status}"),
+                       type=str(err.get("type") or "invalid_request_error"),
+                       param=param if isinstance(param, str) else None,
+                       code=code if isinstance(code, str | int) and not isinstance(code, bool) else None)
 
 
 async def read_error_body(resp: aiohttp.ClientResponse) -> Any:
