@@ -24,10 +24,14 @@ def field_path(loc: Sequence[int | str], *, root: str = "", spell: Callable[[str
 
 def problems(error: ValidationError, *, root: str = "", spell: Callable[[str], str] = str,
              show_input: bool = False) -> list[tuple[str, str]]:
-    """One (path, message) per error; `show_input` adds what was given (not for secrets or big bodies)."""
+    """One (path, message) per error. `show_input` adds the value given to a field (not for secrets or
+    big bodies); never for a missing field or an error about the whole input, whose input is all of it."""
     out = []
     for e in error.errors():
-        message = f"{e['msg']} (got {e.get('input')!r})" if show_input else e["msg"]
+        # Our validators' messages are written for the user; pydantic's "Value error, " prefix is noise.
+        message = str(e["ctx"]["error"]) if e["type"] == "value_error" and "ctx" in e else e["msg"]
+        if show_input and e["loc"] and e["type"] != "missing":
+            message += f" (got {e['input']!r})"
         out.append((field_path(e["loc"], root=root, spell=spell), message))
     return out
 

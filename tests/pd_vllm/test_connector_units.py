@@ -3,6 +3,7 @@ driven with vLLM's own SchedulerOutput types, and the gather out of paged caches
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
@@ -22,13 +23,14 @@ BASE = {"tilert_model": "mla", "tilert_max_seq_len": 256, "tilert_local_host": "
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [({"tilert_max_seq_len": 256}, "needs tilert_model"),
-     ({**BASE, "tilert_modle": "mla"}, r"unknown TileRTConnector keys \['tilert_modle'\]"),
+    [({"tilert_max_seq_len": 256}, r"tilert_model: Field required \(state layout family"),
+     ({**BASE, "tilert_modle": "mla"}, r"unknown TileRTConnector keys \['tilert_modle'\]; known keys: \['tilert_local_host'"),
      ({**BASE, "tilert_host": "10.0.0.1"}, "destination is per request"),
-     ({**BASE, "tilert_max_seq_len": "many"}, "tilert_max_seq_len='many' is not a int"),
-     ({**BASE, "tilert_transfer": "rdma"}, "tilert_transfer='rdma'"),
-     ({**BASE, "tilert_model": "llama"}, "tilert_model='llama'"),
-     ({**BASE, "tilert_staging_requests": 0}, "must be at least 1")],
+     ({**BASE, "tilert_max_seq_len": "many"}, r"tilert_max_seq_len: Input should be a valid integer.*\(got 'many'\)"),
+     ({**BASE, "tilert_transfer": "rdma"}, r"tilert_transfer: use one of \('mooncake', 'nixl'\) \(got 'rdma'\)"),
+     ({**BASE, "tilert_model": "llama"}, r"tilert_model: use one of .* \(got 'llama'\)"),
+     ({**BASE, "tilert_protocol": "udp"}, r"tilert_protocol: Input should be 'tcp' or 'rdma' \(got 'udp'\)"),
+     ({**BASE, "tilert_staging_requests": 0}, r"tilert_staging_requests: Input should be greater than or equal to 1")],
 )
 def test_bad_config_names_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -137,6 +139,23 @@ def test_requests_that_cannot_go_are_reported_not_sent(params, tokens, error):
     assert sched.build_meta(_output([_new(r, [1])], _cached([], [], []), {"a": tokens})).jobs == []
     delay, out = sched.request_finished(r)
     assert not delay and out["tilert_status"] == "failed" and error in out["tilert_error"]
+
+
+def test_connector_lines_reach_vllms_handler():
+    """vLLM logs through one handler on its `vllm` logger (propagation off); the connector's lines
+    must reach it, or they never show in the prefill's output."""
+    seen: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = seen.append  # type: ignore[method-assign]
+    vllm_logger = logging.getLogger("vllm")
+    vllm_logger.addHandler(handler)
+    try:
+        sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+        sched.on_new_request(FakeRequest("too-long", list(range(300)), dict(DEST)))
+    finally:
+        vllm_logger.removeHandler(handler)
+    assert [r.getMessage() for r in seen] == [
+        "request too-long will not be handed to TileRT: prompt of 300 tokens exceeds tilert_max_seq_len 256"]
 
 
 def test_aborted_before_its_prefill_completes():

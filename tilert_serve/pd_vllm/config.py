@@ -1,7 +1,8 @@
 """TileRTConnector settings, read once from kv_connector_extra_config at construction.
 
 Unknown or inconsistent keys fail at start, naming the key: a typo must not silently fall back to a
-default on a production prefill.
+default on a production prefill. Each field is spelled in the extra config as its alias
+(`tilert_max_seq_len`), which is also what errors name.
 """
 
 from __future__ import annotations
@@ -9,24 +10,12 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
-from tilert_serve import defaults, layouts, transfer
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-#: key -> (type, default or REQUIRED, help).
-REQUIRED = object()
-KEYS: dict[str, tuple[type, Any, str]] = {
-    "tilert_model": (str, REQUIRED, "state layout family: glm5, deepseek_v3_2 or mla"),
-    "tilert_max_seq_len": (int, REQUIRED, "longest prompt the TileRT pool takes; sizes the staging buffer"),
-    "tilert_transfer": (str, "mooncake", "byte mover: mooncake or nixl"),
-    "tilert_protocol": (str, "tcp", "tcp or rdma"),
-    "tilert_secret_path": (str, defaults.SECRET_PATH, "file holding the handoff's shared secret"),
-    "tilert_staging_requests": (int, 2, "requests whose state can wait in staging for the sender at once"),
-    "tilert_local_host": (str, "", "address the decode nodes reach this worker's transfer engine at "
-                                   "(default $POD_IP, else this host's address)"),
-    "tilert_timeout_s": (float, 30.0, "seconds a handoff may take before it is failed"),
-}
+from tilert_serve import defaults, layouts, pydantic_errors, transfer
+
 #: Keys people put in the static config that belong in each request's kv_transfer_params.
 PER_REQUEST_KEYS = ("tilert_host", "tilert_ctrl_port", "tilert_ticket")
 
@@ -35,51 +24,76 @@ class ConfigError(ValueError):
     pass
 
 
-@dataclass(frozen=True)
-class ConnectorConfig:
-    tilert_model: str
-    max_seq_len: int
-    transfer: str
-    protocol: str
-    secret_path: str
-    staging_requests: int
-    local_host: str
-    timeout_s: float
+class ConnectorConfig(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    tilert_model: str = Field(description="state layout family: glm5, deepseek_v3_2 or mla")
+    max_seq_len: int = Field(alias="tilert_max_seq_len", ge=1,
+                             description="longest prompt the TileRT pool takes; sizes the staging buffer")
+    transfer: str = Field("mooncake", alias="tilert_transfer", description="byte mover: mooncake or nixl")
+    protocol: Literal["tcp", "rdma"] = Field("tcp", alias="tilert_protocol", description="tcp or rdma")
+    secret_path: str = Field(defaults.SECRET_PATH, alias="tilert_secret_path",
+                             description="file holding the handoff's shared secret")
+    staging_requests: int = Field(2, alias="tilert_staging_requests", ge=1,
+                                  description="requests whose state can wait in staging for the sender at once")
+    local_host: str = Field("", alias="tilert_local_host", validate_default=True,
+                            description="address the decode nodes reach this worker's transfer engine at "
+                                        "(default $POD_IP, else this host's address)")
+    timeout_s: float = Field(30.0, alias="tilert_timeout_s", description="seconds a handoff may take before it is failed")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
+        try:
+            return cls.model_validate(dict(extra))
+        except ValidationError as exc:
+            raise ConfigError(_explain(exc)) from exc
+
+    @model_validator(mode="before")
+    @classmethod
+    def _known_keys_only(cls, extra: Any) -> Any:
+        # Checked before the fields so that the message lists every known key, and says where a
+        # per-request key belongs, instead of pydantic's one "extra inputs" error per key.
+        if not isinstance(extra, Mapping):
+            return extra
         misplaced = [k for k in extra if k in PER_REQUEST_KEYS]
         if misplaced:
-            raise ConfigError(f"kv_connector_extra_config has {misplaced}: the destination is per request; the "
-                              "router puts tilert_host/tilert_ctrl_port/tilert_ticket in kv_transfer_params")
-        unknown = sorted(set(extra) - set(KEYS))
+            raise ValueError(f"kv_connector_extra_config has {misplaced}: the destination is per request; the "
+                             "router puts tilert_host/tilert_ctrl_port/tilert_ticket in kv_transfer_params")
+        known = {f.alias or name for name, f in cls.model_fields.items()}
+        unknown = sorted(set(extra) - known)
         if unknown:
-            raise ConfigError(f"unknown TileRTConnector keys {unknown}; known keys: {sorted(KEYS)}")
-        values: dict[str, Any] = {}
-        for key, (typ, default, help_text) in KEYS.items():
-            if key not in extra:
-                if default is REQUIRED:
-                    raise ConfigError(f"kv_connector_extra_config needs {key} ({help_text})")
-                values[key] = default
-                continue
-            try:
-                values[key] = typ(extra[key])
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"{key}={extra[key]!r} is not a {typ.__name__} ({help_text})") from exc
-        if values["tilert_model"] not in layouts.registry.MODELS:
-            raise ConfigError(f"tilert_model={values['tilert_model']!r}: use one of {layouts.registry.MODELS}")
-        if values["tilert_transfer"] not in transfer.ENGINES:
-            raise ConfigError(f"tilert_transfer={values['tilert_transfer']!r}: use one of {transfer.ENGINES}")
-        if values["tilert_protocol"] not in ("tcp", "rdma"):
-            raise ConfigError(f"tilert_protocol={values['tilert_protocol']!r}: use tcp or rdma")
-        for key in ("tilert_max_seq_len", "tilert_staging_requests"):
-            if values[key] < 1:
-                raise ConfigError(f"{key}={values[key]} must be at least 1")
-        host = values["tilert_local_host"] or os.environ.get("POD_IP") or _own_address()
-        return cls(tilert_model=values["tilert_model"], max_seq_len=values["tilert_max_seq_len"],
-                   transfer=values["tilert_transfer"], protocol=values["tilert_protocol"],
-                   secret_path=values["tilert_secret_path"], staging_requests=values["tilert_staging_requests"],
-                   local_host=host, timeout_s=values["tilert_timeout_s"])
+            raise ValueError(f"unknown TileRTConnector keys {unknown}; known keys: {sorted(known)}")
+        return extra
+
+    @field_validator("tilert_model")
+    @classmethod
+    def _known_model(cls, value: str) -> str:
+        if value not in layouts.registry.MODELS:
+            raise ValueError(f"use one of {layouts.registry.MODELS}")
+        return value
+
+    @field_validator("transfer")
+    @classmethod
+    def _known_engine(cls, value: str) -> str:
+        if value not in transfer.ENGINES:
+            raise ValueError(f"use one of {transfer.ENGINES}")
+        return value
+
+    @field_validator("local_host")
+    @classmethod
+    def _default_host(cls, value: str) -> str:
+        return value or os.environ.get("POD_IP") or _own_address()
+
+
+def _explain(exc: ValidationError) -> str:
+    """pydantic's problems, each with the key's meaning (what a missing key is for, what a wrong
+    value should have been)."""
+    help_of = {f.alias or name: f.description for name, f in ConnectorConfig.model_fields.items()}
+    parts = []
+    for path, message in pydantic_errors.problems(exc, show_input=True):
+        # A problem with no path is about the whole config (unknown or misplaced keys) and says it all.
+        parts.append(f"kv_connector_extra_config.{path}: {message} ({help_of[path]})" if path else message)
+    return "; ".join(parts)
 
 
 def _own_address() -> str:

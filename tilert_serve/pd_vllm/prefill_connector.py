@@ -28,7 +28,6 @@ Reading path: config.py -> metadata.py -> scheduler.py -> worker.py (extract.py,
 
 from __future__ import annotations
 
-import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from tilert_serve.pd_vllm.config import ConnectorConfig
+from tilert_serve.pd_vllm.logs import get_logger
 from tilert_serve.pd_vllm.metadata import TileRTConnectorMetadata
 from tilert_serve.pd_vllm.scheduler import TileRTScheduler
 from tilert_serve.pd_vllm.stats import TileRTPromMetrics, TileRTStats
@@ -49,7 +49,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class TileRTConnector(KVConnectorBase_V1, SupportsHMA):

@@ -7,18 +7,18 @@ never enter any structure here.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from tilert_serve.pd_vllm.config import ConnectorConfig
+from tilert_serve.pd_vllm.logs import get_logger
 from tilert_serve.pd_vllm.metadata import Destination, ReqId, SendJob, TileRTConnectorMetadata
 
 if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass

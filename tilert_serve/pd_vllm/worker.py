@@ -18,7 +18,6 @@ before the blocks can be reused, and the sender waits on an event before writing
 
 from __future__ import annotations
 
-import logging
 import queue
 import re
 import threading
@@ -35,10 +34,11 @@ from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, Sender
 from tilert_serve.layouts import Layout, Placement
 from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache
+from tilert_serve.pd_vllm.logs import get_logger
 from tilert_serve.pd_vllm.metadata import SendJob
 from tilert_serve.pd_vllm.stats import TileRTStats
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 _LAYER_ID = re.compile(r"layers\.(\d+)\.")
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
                 torch.uint8: "fp8_ds_mla"}
