@@ -6,7 +6,8 @@ from __future__ import annotations
 import asyncio
 from urllib.parse import urlsplit
 
-from router_fakes import MODEL
+import aiohttp
+from router_fakes import MODEL, until
 
 from tilert_serve.router import config
 from tilert_serve.router.app import make_app, start
@@ -82,3 +83,62 @@ async def test_the_loop_runs_with_the_app(tmp_path):
         assert [n.ctrl_host for n in app[STATE].config.tilert] == ["127.0.0.9"]
     finally:
         await runner.cleanup()
+
+
+async def test_a_discovered_node_the_config_then_names_keeps_its_slots(make_stack):
+    """A pod found through DNS first, then named by the ConfigMap: the same node (its address), so a
+    request in flight still holds its one slot and the router asks no more of it."""
+    answer = ["127.0.0.1"]
+
+    async def resolver(name: str) -> list[str]:
+        return list(answer)
+
+    stack = await make_stack(tilert=[], resolver=resolver,
+                             tilert_discovery={"service": "pool.test", "interval_s": 3600})
+    node, st = stack.node, stack.state
+    st.apply(st.base_config.model_copy(update={"tilert_discovery": config.TileRTDiscovery(
+        service="pool.test", http_port=urlsplit(node.url).port, interval_s=3600)}))
+    await refresh(st, resolver)
+    node.go.clear()  # the first request keeps the node's only slot
+    c = stack.client()
+    first = asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=3))
+    await until(lambda: len(node.generates) == 1)
+
+    named = config.TileRTNode(name="tilert-0", http_url=node.url, ctrl_host="127.0.0.1")
+    st.apply(st.base_config.model_copy(update={"tilert": [named]}))
+    assert list(st.pools.tilert) == ["tilert-0"] and st.pools.tilert["tilert-0"].in_use == 1
+    r = await c.completions.create(model=MODEL, prompt="a", max_tokens=3)
+    assert r.choices[0].text and len(stack.native.bodies) == 1
+    assert node.rejected_full == 0  # the router knew the slot was taken
+    node.go.set()
+    await first
+    await until(lambda: st.pools.tilert["tilert-0"].in_use == 0)
+    metrics = st.metrics.render().decode()
+    assert 'tilert_router_tilert_slots_in_use{node="tilert-0"} 0.0' in metrics
+    assert "pool.test/" not in metrics.split("tilert_router_tilert_slots_in_use", 1)[1].split("# HELP", 1)[0]
+
+
+async def test_gauges_of_nodes_that_left_are_removed(make_stack):
+    stack = await make_stack(node_slots=(1, 1))
+    st = stack.state
+    c = stack.client()
+    for n in stack.nodes:
+        n.go.clear()  # both requests in flight at once: one on each node
+    both = [asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=ROUTE))
+            for _ in range(2)]
+    await until(lambda: all(n.generates for n in stack.nodes))
+    for n in stack.nodes:
+        n.go.set()
+    await asyncio.gather(*both)
+    async with aiohttp.ClientSession() as http, http.get(stack.router_url + "/metrics") as resp:
+        before = await resp.text()
+    gone = stack.nodes[1]
+    assert f'node="{gone.name}"' in before and f'endpoint="{gone.url}"' in before
+    st.apply(st.base_config.model_copy(update={"tilert": st.base_config.tilert[:1]}))
+    async with aiohttp.ClientSession() as http, http.get(stack.router_url + "/metrics") as resp:
+        after = await resp.text()
+    slot_lines = [ln for ln in after.splitlines() if ln.startswith("tilert_router_tilert_slots_in_use{")]
+    health_lines = [ln for ln in after.splitlines() if ln.startswith("tilert_router_endpoint_healthy{")]
+    assert slot_lines == [f'tilert_router_tilert_slots_in_use{{node="{stack.nodes[0].name}"}} 0.0']
+    assert not [ln for ln in health_lines if gone.url in ln]
+    assert [ln for ln in health_lines if stack.nodes[0].url in ln]

@@ -141,7 +141,7 @@ async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tiler
             return None, None, decision
         node = pools.reserve_tilert(tried)  # same loop turn as the check: no other request in between
         assert node is not None
-        m.slots.labels(node.spec.name).set(node.in_use)
+        st.note_slots(node)
         try:
             adm = await tilert_path.admit(call, node)
             return node, adm, decision
@@ -158,7 +158,7 @@ async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tiler
             pools.release(node)
             raise
         pools.release(node)
-        m.slots.labels(node.spec.name).set(node.in_use)
+        st.note_slots(node)
     raise RouterError(429, "the TileRT decode pool is full; retry later", type="rate_limit_error",
                       code="pool_full", headers={"Retry-After": str(cfg.policy.retry_after_s)})
 

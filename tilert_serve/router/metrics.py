@@ -31,6 +31,13 @@ class _Cached:
             child = self._children[values] = self._metric.labels(*values)
         return child
 
+    def keep_only(self, keep: set[tuple[str, ...]]) -> None:
+        """Drop every label set not in `keep` (series of endpoints that left the pools)."""
+        for values in list(self._children):
+            if values not in keep:
+                del self._children[values]
+                self._metric.remove(*values)
+
 
 class Metrics:
     def __init__(self) -> None:

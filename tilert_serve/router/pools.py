@@ -85,10 +85,13 @@ class Pools:
         """
         self.prefill = {u: self.prefill.get(u) or Endpoint(u, "prefill") for u in config.prefill}
         self.native = {u: self.native.get(u) or Endpoint(u, "native") for u in config.native}
+        # A node is its address: one found through DNS that the ConfigMap then names (another name, the
+        # same pod) keeps the slots this router holds on it.
+        by_url = {n.url: n for n in self.tilert.values()}
         nodes: dict[str, Node] = {}
         for spec in config.tilert:
-            old = self.tilert.get(spec.name)
-            if old is not None and old.url == spec.http_url:
+            old = by_url.get(spec.http_url)
+            if old is not None:
                 old.spec = spec
                 nodes[spec.name] = old
             else:

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from tilert_serve.router.config import RouterConfig, TileRTNode, with_discovered
 from tilert_serve.router.metrics import Metrics
-from tilert_serve.router.pools import Pools
+from tilert_serve.router.pools import Node, Pools
 
 log = logging.getLogger(__name__)
 
@@ -68,6 +68,18 @@ class RouterState:
         self.api_keys = keys
         self.base_config = config
         self.config = effective
+        # Gauges of endpoints that left (DNS churn gives every new pod a new address) would otherwise
+        # report their last value for ever; a renamed node reports under its new name at once.
+        self.metrics.healthy.keep_only({(ep.pool, ep.url) for ep in self.pools.all()})
+        self.metrics.slots.keep_only({(name,) for name in self.pools.tilert})
+        for node in self.pools.tilert.values():
+            self.note_slots(node)
+
+    def note_slots(self, node: Node) -> None:
+        """Report the slots held on `node`, unless it has left the pool (a request in flight may still
+        hold it) and with it its gauge."""
+        if self.pools.tilert.get(node.spec.name) is node:
+            self.metrics.slots.labels(node.spec.name).set(node.in_use)
 
     def set_discovered(self, nodes: list[TileRTNode]) -> None:
         self.discovered = nodes

@@ -65,7 +65,7 @@ class _Slot:
         if not self.done:
             self.done = True
             Pools.release(self.node)
-            self.call.state.metrics.slots.labels(self.node.spec.name).set(self.node.in_use)
+            self.call.state.note_slots(self.node)
 
     def cancel(self, reason: str) -> asyncio.Task[None] | None:
         """Cancel the ticket in the background and release the slot once the node answered.
