@@ -1,7 +1,7 @@
 """Scripted upstreams for the router tests: a vLLM prefill, a TileRT decode node and a native vLLM
 decode, each a small aiohttp app on port 0 that records what it received and can be told to fail,
 stall or die mid-stream. They follow the contracts in the router's issue (tilert_serve/router docs);
-the real vLLM path is covered by test_vllm_real.py.
+the real vLLM path is covered by test_router_vllm_real.py.
 
 The fake prefill plays the TileRT connector too: when a request carries `tilert_ticket`, it marks
 the ticket as handed off on the fake node it is linked to, as the real sender would over the wire.

@@ -4,25 +4,19 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import socket
 import sys
 
 import aiohttp
 
+from tilert_serve.local.runner import free_port
 from tilert_serve.router import config
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 async def test_cli_serves_and_stops(make_stack, tmp_path):
     s = await make_stack()
     path = tmp_path / "config.yaml"
     path.write_text(config.dump(s.cfg))
-    port = _free_port()
+    port = free_port()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "tilert_serve.router.cli", "--config", str(path), "--host", "127.0.0.1",
         "--port", str(port), "--log-level", "WARNING",

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,6 +24,7 @@ import pytest
 import tiny_llama
 from router_fakes import FakeNode
 
+from tilert_serve.local.runner import free_port
 from tilert_serve.router import config
 from tilert_serve.router.app import bound_port, make_app, start
 
@@ -33,17 +33,11 @@ pytestmark = pytest.mark.slow
 MODEL = "tiny"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="session")
 def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     base = tmp_path_factory.mktemp("vllm")
     model = tiny_llama.write(base / "tiny-llama")
-    port = _free_port()
+    port = free_port()
     log = open(base / "vllm.log", "wb")
     proc = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),

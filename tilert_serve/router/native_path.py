@@ -80,7 +80,7 @@ async def _decode(call: Call, decode: Endpoint, body: dict[str, Any], cached: in
             eb = await read_error_body(resp)
             if resp.status >= 500:
                 raise UpstreamError("native", decode.url, f"http_{resp.status}",
-                                    error_message(eb, "decode failed"), status=resp.status)
+                                    error_message(eb, "decode failed"))
             raise client_error(resp.status, eb)
         if not call.req.stream:
             return await _whole(call, decode, resp, cached)

@@ -51,10 +51,6 @@ class Decoder:
             raise ValueError(f"SSE event larger than {self._max} bytes")
         return events
 
-    @property
-    def pending(self) -> bytes:
-        return self._buf
-
 
 def _parse(raw: bytes) -> Event | None:
     event = "message"

@@ -47,7 +47,6 @@ class TooLong(Exception):
 @dataclass
 class Admission:
     ticket: str
-    slot: int
     ctrl_host: str
     ctrl_port: int
 
@@ -124,12 +123,10 @@ async def admit(call: Call, node: Node) -> Admission:
         raise TooLong(error_message(body, "prompt + max_tokens exceed the node's max_seq_len"), node.spec.max_seq_len)
     if status != 200 or not isinstance(body.get("ticket"), str):
         m.admissions.labels(name, "error").inc()
-        raise UpstreamError("tilert", node.url, f"admit_http_{status}", error_message(body, "bad admit answer"),
-                            status=status)
+        raise UpstreamError("tilert", node.url, f"admit_http_{status}", error_message(body, "bad admit answer"))
     m.admissions.labels(name, "ok").inc()
     return Admission(
         ticket=body["ticket"],
-        slot=int(body.get("slot", -1)),
         ctrl_host=str(body.get("ctrl_host") or node.spec.ctrl_host),
         ctrl_port=int(body.get("ctrl_port") or node.spec.ctrl_port),
     )

@@ -21,19 +21,14 @@ class UpstreamError(Exception):
         kind: str,
         message: str,
         *,
-        status: int | None = None,
         retryable: bool = True,
-        body: Any = None,
     ) -> None:
         super().__init__(f"{pool} {url}: {kind}: {message}")
         self.pool = pool
         self.url = url
         self.kind = kind
         self.message = message
-        self.status = status
         self.retryable = retryable
-        #: The upstream's error body when it sent one (a 4xx from vLLM is passed to the client).
-        self.body = body
 
 
 def new_session(limits: Limits) -> aiohttp.ClientSession:
@@ -113,8 +108,7 @@ async def post_json(
     if status >= 500:
         raise UpstreamError(
             pool, url, f"http_{status}", error_message(parsed, raw[:200].decode(errors="replace")),
-            status=status, body=parsed,
         )
     if not isinstance(parsed, dict):
-        raise UpstreamError(pool, url, "bad_response", f"HTTP {status}: body is not a JSON object", status=status)
+        raise UpstreamError(pool, url, "bad_response", f"HTTP {status}: body is not a JSON object")
     return status, parsed
