@@ -16,6 +16,7 @@ an injected clock; the node's event loop is its only caller (no locks).
 
 from __future__ import annotations
 
+import dataclasses
 import secrets
 import time
 from collections.abc import Callable
@@ -187,7 +188,7 @@ class SlotTable:
         freed = []
         for slot in self.slots:
             if slot.busy and slot.state is not SlotState.DECODING and now >= slot.deadline:
-                freed.append(Slot(slot.index, slot.state, slot.generation, slot.ticket, slot.request_id))
+                freed.append(dataclasses.replace(slot))
                 self.release(slot)
         return freed
 
