@@ -108,8 +108,8 @@ async def error_middleware(
         message = exc.text or exc.reason
         if exc.status == 413:
             message = f"request body too large: {message}"
-        err = RouterError(exc.status, message, type=_HTTP_TYPES.get(exc.status, "invalid_request_error"))
-        return error_response(err, request_id)
+        mapped = RouterError(exc.status, message, type=_HTTP_TYPES.get(exc.status, "invalid_request_error"))
+        return error_response(mapped, request_id)
     except Exception:
         if request.get(STREAMING):
             log.exception("request %s: unexpected error after the stream started", request_id)

@@ -13,6 +13,7 @@ from tilert_serve.router.call import Call
 from tilert_serve.router.errors import REQUEST_ID, ClientGone, RouterError
 from tilert_serve.router.metrics import CONTENT_TYPE
 from tilert_serve.router.openai_request import Kind
+from tilert_serve.router.pools import Node
 from tilert_serve.router.state import STATE, RouterState
 from tilert_serve.router.upstream import UpstreamError
 
@@ -116,8 +117,7 @@ def _note_failure(st: RouterState, err: UpstreamError) -> None:
             ep.record_failure(st.config.health, err.message)
 
 
-async def _choose(call: Call, want: str) -> tuple[tilert_path.Node | None, tilert_path.Admission | None,
-                                                    policy.Decision]:
+async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admission | None, policy.Decision]:
     """Decide the path; on TileRT, reserve a slot and admit. A node that turns out full is skipped
     (bounded by the number of nodes); one that finds the request too long sends it native."""
     st, cfg = call.state, call.cfg

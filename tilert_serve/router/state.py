@@ -49,11 +49,10 @@ class RouterState:
     #: TileRT nodes found through DNS (discovery.py); merged into every config applied.
     discovered: list[TileRTNode] = field(default_factory=list)
     #: The config as loaded, before discovered nodes were merged in.
-    base_config: RouterConfig | None = None  # type: ignore[assignment]
+    base_config: RouterConfig = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.base_config is None:
-            self.base_config = self.config
+        self.base_config = self.config
 
     @property
     def http(self) -> aiohttp.ClientSession:

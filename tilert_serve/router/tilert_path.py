@@ -117,8 +117,8 @@ async def admit(call: Call, node: Node) -> Admission:
     if status == 429:
         m.admissions.labels(name, "full").inc()
         raise NodeFull(float(body.get("retry_after_s") or call.cfg.policy.retry_after_s or 1))
-    err = body.get("error") if isinstance(body.get("error"), dict) else {}
-    if status == 400 and err.get("type") == "too_long":
+    err = body.get("error")
+    if status == 400 and isinstance(err, dict) and err.get("type") == "too_long":
         m.admissions.labels(name, "too_long").inc()
         raise TooLong(error_message(body, "prompt + max_tokens exceed the node's max_seq_len"), node.spec.max_seq_len)
     if status != 200 or not isinstance(body.get("ticket"), str):
