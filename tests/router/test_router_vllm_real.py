@@ -22,7 +22,7 @@ import aiohttp
 import openai
 import pytest
 import tiny_llama
-from router_fakes import FakeNode
+from router_fakes import FakeNode, until
 
 from tilert_serve.local.runner import free_port
 from tilert_serve.router import config
@@ -148,3 +148,25 @@ async def test_ready_with_real_vllm(router):
             await asyncio.sleep(0.05)
         assert resp.status == 200
 
+
+
+@pytest.mark.parametrize("route", ["native", "tilert"])
+async def test_context_length_answers_as_vllm_alone(router, route):
+    """vLLM runs with --max-model-len 256. Past it, the router answers what vLLM alone answers: a
+    max_tokens or a prompt past it is the same 400 body, a prompt + max_tokens past it ends as length."""
+    client, direct, node, _ = router
+    headers = {"x-pd-route": route}
+    for kw in ({"prompt": PROMPT, "max_tokens": 300}, {"prompt": "word " * 400, "max_tokens": 4}):
+        with pytest.raises(openai.BadRequestError) as want:
+            await direct.completions.create(model=MODEL, **kw)
+        with pytest.raises(openai.BadRequestError) as got:
+            await client.completions.create(model=MODEL, extra_headers=headers, **kw)
+        assert got.value.body == want.value.body
+    long = [5] * 200
+    want_ok = await direct.completions.create(model=MODEL, prompt=long, max_tokens=100, temperature=0,
+                                              extra_body={"ignore_eos": True})
+    got_ok = await client.completions.create(model=MODEL, prompt=long, max_tokens=100, temperature=0,
+                                             extra_body={"ignore_eos": True}, extra_headers=headers)
+    assert want_ok.choices[0].finish_reason == got_ok.choices[0].finish_reason == "length"
+    assert got_ok.usage.completion_tokens == want_ok.usage.completion_tokens == 256 - 200
+    await until(lambda: node.active == 0)  # a ticket taken on the TileRT route is given back
