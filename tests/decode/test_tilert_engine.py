@@ -14,15 +14,20 @@ from tilert_serve.decode.engines.tilert import TileRTEngine
 
 
 class _DecodeLayer:
-    """Accepts 2 tokens per step (1 draft + bonus): predicted = draft[0]+1, draft[0]+2."""
+    """Accepts 2 tokens per step (1 draft + bonus): predicted = draft[0]+1, draft[0]+2. Each forward
+    records the position it ran at: where set_cur_pos put it, then one further per step without MTP
+    (with MTP, where the next step starts depends on acceptance, which the double does not model)."""
 
-    def __init__(self, calls: list) -> None:
+    def __init__(self, calls: list, gen) -> None:
         self.calls = calls
+        self.gen = gen
         self.last: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor) -> None:
-        self.calls.append(("forward", tuple(tokens.shape), tokens.dtype, tokens.flatten().tolist()))
+        self.calls.append(("forward", tuple(tokens.shape), tokens.dtype, tokens.flatten().tolist(), self.gen.pos))
         self.last = tokens
+        if not self.gen.with_mtp:
+            self.gen.pos += 1
 
     def get_num_accepted(self, i: int) -> int:
         return 2
@@ -46,7 +51,9 @@ def fake_tilert(monkeypatch):
     class Generator:
         def __init__(self, **kwargs) -> None:
             calls.append(("generator", sorted(kwargs)))
-            self.decode_layer = _DecodeLayer(calls)
+            self.with_mtp = kwargs["with_mtp"]
+            self.pos: int | None = None
+            self.decode_layer = _DecodeLayer(calls, self)
 
         def init(self) -> None:
             calls.append(("init",))
@@ -60,6 +67,7 @@ def fake_tilert(monkeypatch):
 
         def set_cur_pos(self, pos: int) -> None:
             calls.append(("set_cur_pos", pos))
+            self.pos = pos
 
         def update_sampling_params(self, **kwargs) -> None:
             calls.append(("update_sampling_params", kwargs))
@@ -94,12 +102,27 @@ def test_calls_order_and_shapes(fake_tilert):
     assert ("set_cur_pos", 9) in fake_tilert
     forwards = [c for c in fake_tilert if c[0] == "forward"]
     # Warm start with the last prompt token, then the first sampled token, then the drafts.
-    assert forwards[0][1:] == ((1, 4), torch.int32, [7, 7, 7, 7])
+    assert forwards[0][1:] == ((1, 4), torch.int32, [7, 7, 7, 7], 9)
     assert forwards[1][3] == [20, 20, 20, 20]
     assert [t for s in steps for t in s.token_ids] == [21, 22, 23, 24, 25, 26]
     assert all((s.drafted, s.accepted) == (3, 1) for s in steps)
     assert names[-1] == "reset_sequence"
     assert names.index("update_sampling_params") < names.index("forward")
+
+
+def test_without_mtp_the_first_token_goes_after_the_prompt(fake_tilert):
+    """Position seq_len-1 holds the last prompt token (injected); vLLM's first token is position seq_len."""
+    engine = TileRTEngine(model="glm5", weights_dir="/w", max_seq_len=100, with_mtp=False, device="cpu")
+    engine.load()
+    seq = engine.start(_state())  # 10 prompt tokens, the last one 7
+    steps = list(seq.decode(first_token=20, sampling=Sampling(), max_new_tokens=3))
+    seq.close()
+    forwards = [(c[4], c[1], c[2], c[3]) for c in fake_tilert if c[0] == "forward"]
+    # The warm start recomputes position 9 with the prompt's own token (its prediction is dropped).
+    assert forwards == [(9, (1, 1), torch.int32, [7]), (10, (1, 1), torch.int32, [20]),
+                        (11, (1, 1), torch.int32, [21]), (12, (1, 1), torch.int32, [22])]
+    assert [t for s in steps for t in s.token_ids] == [21, 22, 23]
+    assert all((s.drafted, s.accepted) == (0, 0) for s in steps)
 
 
 def test_one_sequence_at_a_time_and_clear_errors(fake_tilert):

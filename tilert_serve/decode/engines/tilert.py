@@ -2,8 +2,8 @@
 
 Written against the API documented in reference/tilert-upstream.md §4-6: `tilert.load_backend`,
 the GLM-5 / DeepSeek-V3.2 generators, `inject_cache` with bf16 (ki, kv, pe) per layer including the
-MTP layer, `set_cur_pos`, and the MTP warm start (one step with the last prompt token to rebuild the
-hidden state MTP needs, then drafting from the token vLLM sampled). It cannot run on the machines
+MTP layer, `set_cur_pos`, and the warm start (one step with the last prompt token at seq_len-1, which with MTP
+rebuilds the hidden state the drafter needs, then decoding from the token vLLM sampled). It cannot run on the machines
 this project is developed on; tests drive it against a double that checks the calls, their order and
 tensor shapes (tests/decode/test_tilert_engine.py). Unverified on hardware.
 """
@@ -103,22 +103,25 @@ class TileRTSequence:
         self._open = True
 
     def _draft(self, token: int) -> torch.Tensor:
-        return torch.full((1, DRAFT_TOKENS + 1), token, dtype=torch.int32, device=self.engine.device)
+        width = DRAFT_TOKENS + 1 if self.engine.with_mtp else 1
+        return torch.full((1, width), token, dtype=torch.int32, device=self.engine.device)
 
     def decode(self, first_token: int, sampling: Sampling, max_new_tokens: int) -> Iterator[DecodeStep]:
         engine = self.engine
         engine._apply_sampling(sampling)
         dl = engine.gen.decode_layer
+        # Warm start, with or without MTP: start() set the position to seq_len-1, as upstream's inject
+        # does, so the first forward runs the last prompt token there (its outputs are discarded; the
+        # KV it writes is the one injected). With MTP this rebuilds the hidden state the drafter needs;
+        # either way vLLM's first token then lands at position seq_len, where it belongs.
+        dl.forward(self._draft(self.last_prompt_token))
         if not engine.with_mtp:
             prev = first_token
             for _ in range(max_new_tokens):
-                dl.forward(torch.tensor([[prev]], dtype=torch.int32, device=engine.device))
+                dl.forward(self._draft(prev))
                 prev = int(dl.get_predicted_tokens(0).flatten()[0])
                 yield DecodeStep([prev])
             return
-        # Warm start: recompute position seq_len-1 with the last prompt token (its outputs are
-        # discarded) so the MTP layer has the hidden state there, then draft from vLLM's first token.
-        dl.forward(self._draft(self.last_prompt_token))
         draft = self._draft(first_token)
         produced = 0
         while produced < max_new_tokens:
