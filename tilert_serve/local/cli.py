@@ -83,7 +83,7 @@ def up(args: argparse.Namespace) -> int:
     state_dir = (home / name).resolve()
     if (state_dir / runner.STATE_FILE).exists():
         _, old = runner.load(state_dir)
-        if any(runner.alive(p.pid) for p in old):
+        if any(runner.running(p) for p in old):
             raise ValueError(f"{name} is already running locally; `tilert-pd local down` first")
     if runner.port_in_use(args.router_port):
         raise ValueError(f"port {args.router_port} is taken; pass --router-port")
@@ -174,7 +174,7 @@ def status(args: argparse.Namespace) -> int:
     for state_dir in _states(args.home):
         meta, procs = runner.load(state_dir)
         for p in procs:
-            running = runner.alive(p.pid)
+            running = runner.running(p)
             rows.append({"cluster": meta["cluster"], "name": p.name, "kind": p.kind, "url": p.url, "pid": p.pid,
                          "running": running, "ready": running and runner.probe(p.ready_url), "log": p.log})
     if args.json:
@@ -195,7 +195,9 @@ def down(args: argparse.Namespace) -> int:
         return 0
     for state_dir in states:
         meta, procs = runner.load(state_dir)
-        runner.stop(procs)
+        others = runner.stop(procs)
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
         print(f"stopped {meta['cluster']} ({len(procs)} processes)")
+        for p in others:
+            print(f"  left pid {p.pid} alone: it is no longer {p.name} (that process ended; the PID was reused)")
     return 0

@@ -2,6 +2,9 @@
 
 Each component runs in its own process session, detached from the terminal, with its log in the
 state directory; state.json records what runs where, so `status` and `down` work from any shell.
+A recorded PID may belong to another process by the time `down` runs (the stack died, the machine
+rebooted): a process is ours only if its start time is the one recorded (Linux's /proc), and only
+ours are signalled.
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ class Running:
     url: str
     ready_url: str
     log: str
+    #: The process's start time (/proc/PID/stat, clock ticks after boot): with the PID it names one
+    #: process. None when it could not be read, and in state files written before it was recorded.
+    started: int | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -52,7 +58,34 @@ def start(component: Component, state_dir: Path) -> Running:
     with log.open("wb") as fh:
         proc = subprocess.Popen(component.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, env=env)
-    return Running(component.name, component.kind, proc.pid, component.url, component.ready_url, str(log))
+    return Running(component.name, component.kind, proc.pid, component.url, component.ready_url, str(log),
+                   started=start_time(proc.pid))
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks after boot), or None if there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 2 (the command name) is in parentheses and may hold spaces: count fields after its end.
+    return int(stat[stat.rindex(")") + 2:].split()[19])
+
+
+def ours(p: Running) -> bool:
+    """Whether p's PID still names the process we started, or the process group it led."""
+    if p.started is None:
+        return False
+    now = start_time(p.pid)
+    if now is not None:
+        return now == p.started
+    # The leader is gone. Its group may live on (vLLM's workers): Linux does not hand a PID to a new
+    # process while a process group still holds it, so a live group with this id is ours.
+    return _group_alive(p.pid)
+
+
+def running(p: Running) -> bool:
+    return ours(p) and alive(p.pid)
 
 
 def alive(pid: int) -> bool:
@@ -112,15 +145,19 @@ def wait_ready(procs: list[Running], timeout: float, report: Callable[[str], Non
         time.sleep(0.5)
 
 
-def stop(procs: list[Running], grace_s: float = 15.0) -> None:
-    """SIGTERM every process group, wait, then SIGKILL what is left."""
-    for p in procs:
+def stop(procs: list[Running], grace_s: float = 15.0) -> list[Running]:
+    """SIGTERM every process group that is still ours, wait, then SIGKILL what is left; returns the
+    processes left alone because their PID now names another process."""
+    mine = [p for p in procs if ours(p)]
+    for p in mine:
         _signal_group(p.pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and any(alive(p.pid) or _group_alive(p.pid) for p in procs):
+    while time.monotonic() < deadline and any(alive(p.pid) or _group_alive(p.pid) for p in mine):
         time.sleep(0.2)
-    for p in procs:
-        _signal_group(p.pid, signal.SIGKILL)
+    for p in mine:
+        if ours(p):  # checked again: during the grace period the PID may have gone to someone else
+            _signal_group(p.pid, signal.SIGKILL)
+    return [p for p in procs if p not in mine and start_time(p.pid) is not None]
 
 
 def _signal_group(pgid: int, sig: int) -> None:
