@@ -1,7 +1,7 @@
 """The typed PDCluster spec: one frozen pydantic model per CRD section, defaults equal to the CRD's.
 
 `crds/pdcluster.yaml` is the one source of the schema users see; this model is how the operator reads
-it. tests/operator/test_crd.py checks that every default here equals the CRD default, so the two
+it. tests/operator/test_op_crd.py checks that every default here equals the CRD default, so the two
 cannot drift. Field names are snake_case in Python and camelCase on the wire (the CRD's spelling).
 """
 
