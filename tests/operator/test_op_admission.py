@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import socket
 import time
 import urllib.request
 from typing import Any
@@ -13,12 +12,7 @@ import pdc_helpers as helpers
 from kopf.testing import KopfRunner
 
 from tilert_operator import admission, constants, wiring
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tilert_serve.local.runner import free_port
 
 
 def _review(spec: dict[str, Any], old: dict[str, Any] | None = None, name: str = "t") -> dict[str, Any]:
@@ -43,7 +37,7 @@ def _post(port: int, review: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_webhook_admits_good_and_rejects_bad_specs(apiserver: Any) -> None:
-    port = _free_port()
+    port = free_port()
     default = kopf.get_default_registry()  # kopf's CLI makes the runner's registry the default
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(wiring.login)

@@ -5,7 +5,6 @@ controllers and kubelet: it creates the pods and marks them ready."""
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from kopf.testing import KopfRunner
 from tilert_operator import constants
 from tilert_operator import spec as specmod
 from tilert_operator.render import commands
+from tilert_serve.local.runner import free_port
 
 WRITES = ("create", "patch", "update", "delete")
 
@@ -49,12 +49,6 @@ def put_pod(apiserver: Any, obj: dict[str, Any]) -> None:
 def router_nodes(apiserver: Any, ns: str, cluster: str) -> list[dict[str, Any]] | None:
     cm = apiserver.server.get("configmaps", ns, f"{cluster}-router")
     return None if cm is None else yaml.safe_load(cm["data"]["config.yaml"])["tilert"]
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _http(url: str) -> str:
@@ -161,7 +155,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
     # Restart the operator: nothing duplicated, nothing rewritten, no new Events.
     before = len(operator_writes(apiserver))
-    metrics_port, live_port = _free_port(), _free_port()
+    metrics_port, live_port = free_port(), free_port()
     monkeypatch.setenv("TILERT_PD_METRICS_PORT", str(metrics_port))
     monkeypatch.setenv("TILERT_PD_METRICS_HOST", "127.0.0.1")
     with KopfRunner([*h.ARGS, f"--liveness=http://127.0.0.1:{live_port}/healthz"], timeout=30) as runner:
@@ -211,7 +205,7 @@ def test_api_timeouts_are_retried(apiserver: Any, monkeypatch: pytest.MonkeyPatc
 
 def test_operator_subcommand_starts_and_reports_liveness(apiserver: Any) -> None:
     """`tilert-pd operator` (what the chart runs) logs in, serves its liveness probe and stops on SIGTERM."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "tilert_operator.cli_operator", "--liveness", f"http://127.0.0.1:{port}/healthz"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
