@@ -9,20 +9,13 @@ the reference engine's own prefill state.
 
 from __future__ import annotations
 
-import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
-import torch
+from engine_helpers import GREEDY, assert_prefill_state_equals, decode, run_vllm
 
-from tilert_serve.decode.engines.base import Sampling
-
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 MAX_TOKENS = 16
 LENGTHS = [1, 2, 4, 7, 11, 15, 16, 17, 24, 33, 48, 65]
 DUMPED = [0, 7, 9]  # prompts (1, 17 and 33 tokens) whose cache rows vLLM hands back
@@ -34,54 +27,23 @@ def _prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def vllm_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    work = tmp_path_factory.mktemp("vllm")
-    request = work / "request.json"
+def vllm_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     prompts = _prompts()
-    request.write_text(
-        json.dumps(
-            {
-                "prompts": prompts,
-                "max_tokens": MAX_TOKENS,
-                "num_speculative_tokens": 1,
-                "dump_prompts": [prompts[i] for i in DUMPED],
-            }
-        )
-    )
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(
-        [sys.executable, str(HERE / "vllm_run.py"), str(tiny_model_dir), str(request), str(work)],
-        cwd=work,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads((work / "result.json").read_text())
-    result["cache_rows"] = torch.load(work / "cache_rows.pt")
-    print(f"vLLM init {result['seconds_init']:.1f} s, generate {result['seconds_generate']:.2f} s")
-    return result
+    return run_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm"), prompts=prompts, max_tokens=MAX_TOKENS,
+                    num_speculative_tokens=1, dump_prompts=[prompts[i] for i in DUMPED])
 
 
 @pytest.mark.slow
-def test_reference_engine_matches_vllm_greedy(make_engine, vllm_run: dict) -> None:
+def test_reference_engine_matches_vllm_greedy(make_engine, vllm_run: dict[str, Any]) -> None:
     vllm_outputs = vllm_run["outputs"]
     engine = make_engine(num_speculative_tokens=1)
     drafted = accepted = 0
     mismatches = []
     for prompt, want in zip(_prompts(), vllm_outputs, strict=True):
         assert len(want) == MAX_TOKENS
-        state, first = engine.prefill(prompt)
-        seq = engine.start(state)
-        try:
-            got = [first]
-            for step in seq.decode(first, Sampling(), MAX_TOKENS - 1):
-                got += step.token_ids
-                drafted += step.drafted
-                accepted += step.accepted
-        finally:
-            seq.close()
+        got, d, a = decode(engine, prompt, GREEDY, MAX_TOKENS - 1)
+        drafted += d
+        accepted += a
         if got != want:
             mismatches.append(f"prompt of {len(prompt)} tokens:\n  vLLM      {want}\n  reference {got}")
     spec = vllm_run["spec_decode"]
@@ -98,20 +60,11 @@ def test_reference_engine_matches_vllm_greedy(make_engine, vllm_run: dict) -> No
 
 
 @pytest.mark.slow
-def test_prefill_state_equals_vllm_cache_rows(make_engine, vllm_run: dict) -> None:
+def test_prefill_state_equals_vllm_cache_rows(make_engine, vllm_run: dict[str, Any]) -> None:
     """What ``prefill`` returns is what vLLM's MLA cache holds after its prefill step: normalised
     kv_c || roped k_pe for every main layer, and the MTP layer's rows from the drafter's pass over
     the prompt shifted by one token (the sampled first token last, position 0's embedding zeroed)."""
     engine = make_engine(num_speculative_tokens=1)
     prompts = _prompts()
     for i, rows, vllm_first in zip(DUMPED, vllm_run["cache_rows"], vllm_run["first_tokens"], strict=True):
-        state, first = engine.prefill(prompts[i])
-        assert first == vllm_first
-        names = sorted(rows, key=lambda n: int(n.split(".")[2]))  # model.layers.<i>.self_attn.attn
-        assert len(names) == engine.num_layers, names
-        for lid, name in enumerate(names):
-            got = torch.cat([state.layers[lid].kv, state.layers[lid].pe], dim=-1)
-            want = rows[name]
-            assert want.shape == got.shape == (len(prompts[i]), 576)
-            err = float((got - want).abs().max())
-            assert err < 1e-4, f"prompt of {len(prompts[i])} tokens, {name}: max abs difference {err}"
+        assert assert_prefill_state_equals(engine, prompts[i], rows) == vllm_first

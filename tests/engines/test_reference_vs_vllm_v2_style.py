@@ -9,22 +9,16 @@ renormalisation over two expert groups, another routed scaling factor. One more 
 from __future__ import annotations
 
 import json
-import os
 import random
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-import torch
+from engine_helpers import GREEDY, assert_prefill_state_equals, decode, run_vllm
 from safetensors.torch import load_file, save_file
 
-from tilert_serve.decode.engines.base import Sampling
 from tilert_serve.decode.engines.reference import ReferenceEngine, ReferenceSettings
 from tilert_serve.tinymodel.generate import TinySpec, generate
 
-HERE = Path(__file__).resolve().parent
-REPO = HERE.parents[1]
 LENGTHS = [1, 6, 17, 40]
 
 
@@ -61,29 +55,8 @@ def test_v2_style_variant_matches_vllm(tmp_path: Path) -> None:
     _v2_style_model(model)
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in LENGTHS]
-    (tmp_path / "request.json").write_text(
-        json.dumps(
-            {"prompts": prompts, "max_tokens": 16, "num_speculative_tokens": 1, "dump_prompts": prompts[1:3]}
-        )
-    )
-    env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(HERE / "vllm_run.py"),
-            str(model),
-            str(tmp_path / "request.json"),
-            str(tmp_path),
-        ],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads((tmp_path / "result.json").read_text())
-    rows = torch.load(tmp_path / "cache_rows.pt")
+    result = run_vllm(model, tmp_path, prompts=prompts, max_tokens=16, num_speculative_tokens=1,
+                      dump_prompts=prompts[1:3])
 
     engine = ReferenceEngine(
         ReferenceSettings(model_dir=str(model), max_seq_len=128, num_speculative_tokens=1)
@@ -91,16 +64,6 @@ def test_v2_style_variant_matches_vllm(tmp_path: Path) -> None:
     engine.load()
     assert engine.config.yarn is not None and engine.weights.layers[0].attn.q_a is None
     for prompt, want in zip(prompts, result["outputs"], strict=True):
-        state, first = engine.prefill(prompt)
-        seq = engine.start(state)
-        try:
-            got = [first] + [t for step in seq.decode(first, Sampling(), 15) for t in step.token_ids]
-        finally:
-            seq.close()
-        assert got == want, f"prompt of {len(prompt)} tokens"
-    for prompt, dumped in zip(prompts[1:3], rows, strict=True):
-        state, _ = engine.prefill(prompt)
-        names = sorted(dumped, key=lambda n: int(n.split(".")[2]))
-        for layer, name in zip(state.layers, names, strict=True):
-            err = float((torch.cat([layer.kv, layer.pe], dim=-1) - dumped[name]).abs().max())
-            assert err < 1e-4, f"{name}: max abs difference {err}"
+        assert decode(engine, prompt, GREEDY, 15)[0] == want, f"prompt of {len(prompt)} tokens"
+    for prompt, rows in zip(prompts[1:3], result["cache_rows"], strict=True):
+        assert_prefill_state_equals(engine, prompt, rows)
