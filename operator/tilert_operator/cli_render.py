@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml  # type: ignore[import-untyped]  # no types-PyYAML in the environment
+import yaml
 
 from tilert_operator import constants, render, validation
 

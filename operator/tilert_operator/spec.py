@@ -134,6 +134,10 @@ class NativeDecode(Pool):
     extra_args: list[str] = []
 
 
+#: The pools of model servers (an image, GPUs per replica, replicas), as the data-plane renderers take them.
+ServingPool = Prefill | TileRTDecode | NativeDecode
+
+
 class Decode(_Section):
     tilert: TileRTDecode = TileRTDecode()
     native: NativeDecode = NativeDecode()

@@ -8,6 +8,7 @@ import logging
 import os
 import socket
 from pathlib import Path
+from typing import Any
 
 from tilert_serve import defaults, layouts, transfer
 from tilert_serve.decode import engines
@@ -40,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default="INFO")
 
 
-def _layout(args: argparse.Namespace, hf_config: dict | None) -> layouts.Layout:
+def _layout(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> layouts.Layout:
     if args.tilert_model == "mla":
         if hf_config is None:
             raise SystemExit(f"decode-node: {args.model_dir}/config.json is missing; the mla layout reads the "
@@ -51,7 +52,7 @@ def _layout(args: argparse.Namespace, hf_config: dict | None) -> layouts.Layout:
     return layouts.get(args.tilert_model, dtype)
 
 
-def _checkpoint_dtype(hf_config: dict) -> str:
+def _checkpoint_dtype(hf_config: dict[str, Any]) -> str:
     return {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}.get(
         str(hf_config.get("torch_dtype") or hf_config.get("dtype") or "bfloat16"), "bfloat16")
 

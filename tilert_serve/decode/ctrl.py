@@ -138,6 +138,7 @@ async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: async
         raise MessageError(f"Done carries generation {done.generation}, the slot was accepted as {generation}")
     conn.slot = None  # reported: a later disconnect no longer fails the slot
     complete = node.rank_done(slot, generation, req.sender_rank, done)
+    status: messages.AckStatus
     if not done.ok:
         status, msg = "failed", slot.error or done.error or ""
     else:

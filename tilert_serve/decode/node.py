@@ -12,7 +12,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncGenerator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -214,7 +214,7 @@ class DecodeNode:
             self.release(slot)
             raise HandoffFailed(error, False)
 
-    async def decode(self, slot: Slot, p: GenerateParams) -> AsyncIterator[dict[str, Any]]:
+    async def decode(self, slot: Slot, p: GenerateParams) -> AsyncGenerator[dict[str, Any], None]:
         """Stream a READY slot's decode as events; always frees the slot at the end."""
         # The sequence cannot grow past the engine's positions: a longer ask ends as "length" there.
         p = dataclasses.replace(p, max_tokens=max(0, min(p.max_tokens, self.config.max_seq_len - slot.num_tokens - 1)))
@@ -225,7 +225,10 @@ class DecodeNode:
         self.slots.start_decoding(slot)
         self.slot_changed(slot)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
-        put = lambda item: loop.call_soon_threadsafe(queue.put_nowait, item)  # noqa: E731
+
+        def put(item: tuple[str, Any]) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
         work = loop.run_in_executor(self._pool, self._decode_thread, slot, p, cancel, put)
         detok = (detokenizer(self.tokenizer, slot.prompt_token_ids, p.first_token)
                  if self.tokenizer is not None else None)

@@ -116,10 +116,14 @@ class Done(Message):
     error: str | None = None
 
 
+#: What the node answers a Done with: every rank's state has arrived, more ranks are to come, or it failed.
+AckStatus = Literal["complete", "waiting_for_ranks", "failed"]
+
+
 class Ack(Message):
     KIND: ClassVar[int] = 8
     request_id: str
-    status: Literal["complete", "waiting_for_ranks", "failed"]
+    status: AckStatus
     message: str = ""
 
 

@@ -106,7 +106,8 @@ def alive(pid: int) -> bool:
 def probe(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.status == 200
+            status: int = r.status
+            return status == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
 

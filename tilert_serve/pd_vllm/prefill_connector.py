@@ -40,11 +40,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.pd_vllm.logs import get_logger
-from tilert_serve.pd_vllm.metadata import TileRTConnectorMetadata
+from tilert_serve.pd_vllm.metadata import SendJob, TileRTConnectorMetadata
 from tilert_serve.pd_vllm.scheduler import TileRTScheduler
 from tilert_serve.pd_vllm.stats import TileRTPromMetrics, TileRTStats
 
 if TYPE_CHECKING:
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import PromMetric, PromMetricT
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.request import Request
@@ -131,7 +132,7 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
 
     def wait_for_save(self) -> None:
         # Every step, empty or not: jobs waiting for staging are retried here.
-        jobs: list = []
+        jobs: list[SendJob] = []
         if self.has_connector_metadata():
             meta = self._get_connector_metadata()
             if isinstance(meta, TileRTConnectorMetadata):
@@ -150,8 +151,8 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
         return TileRTStats(data=data) if data is not None else TileRTStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> TileRTPromMetrics:
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> TileRTPromMetrics:
         return TileRTPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:

@@ -4,9 +4,15 @@ prefill's log and on its /metrics endpoint (as vllm:tilert_* counters)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
-from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
+from prometheus_client import Counter
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+    PromMetric,
+    PromMetricT,
+)
 
 
 def _empty() -> dict[str, Any]:
@@ -45,10 +51,12 @@ class TileRTStats(KVConnectorStats):
 
 
 class TileRTPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
+                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
-        counter = self._counter_cls
+        # vLLM maps each prometheus_client class to a compatible one (its own, or Ray's wrapper): the
+        # class under the Counter key is a Counter.
+        counter = cast("type[Counter]", self._counter_cls)
         self._handoffs = counter("vllm:tilert_handoffs", "TileRT handoffs by outcome",
                                  labelnames=[*labelnames, "outcome"])
         self._bytes = counter("vllm:tilert_handoff_bytes", "State bytes sent to TileRT nodes",

@@ -110,7 +110,7 @@ class StagingPool:
 class _Work:
     job: SendJob
     staging_index: int | None
-    event: Any
+    event: torch.Event | None
     extract_s: float
     error: str | None = None
 
@@ -188,7 +188,7 @@ class TileRTWorker:
                 self.gather(job.block_ids, job.num_tokens, self.pool.region(index))  # type: ignore[arg-type]
                 event = None
                 if self.pool.buffer.is_cuda:
-                    event = torch.cuda.Event()
+                    event = torch.Event(device=self.pool.buffer.device)
                     event.record()
             except Exception as exc:  # a bug here must not take the forward pass down
                 log.exception("gathering request %s into staging failed", job.req_id)

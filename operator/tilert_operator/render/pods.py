@@ -12,7 +12,7 @@ from typing import Any
 
 from tilert_operator import constants
 from tilert_operator.render.commands import ContainerCommand, Paths, tiny_model
-from tilert_operator.spec import PDClusterSpec, Pool
+from tilert_operator.spec import NativeDecode, PDClusterSpec, Pool, Prefill, ServingPool
 from tilert_serve import defaults
 
 Manifest = dict[str, Any]
@@ -224,7 +224,7 @@ class DataPlane:
         kind: str,
         namespace: str,
         component: str,
-        pool: Pool,
+        pool: ServingPool,
         container_name: str,
         cmd: ContainerCommand,
         ports: list[tuple[str, int]],
@@ -311,7 +311,8 @@ def service(cluster: str, namespace: str, component: str, ports: list[tuple[str,
             "spec": spec}
 
 
-def vllm_deployment(dp: DataPlane, namespace: str, component: str, pool: Pool, cmd: ContainerCommand) -> Manifest:
+def vllm_deployment(dp: DataPlane, namespace: str, component: str, pool: Prefill | NativeDecode,
+                    cmd: ContainerCommand) -> Manifest:
     """A vLLM server pool (prefill, native decode): one `vllm serve` container on VLLM_PORT."""
     return dp.workload(kind="Deployment", namespace=namespace, component=component, pool=pool,
                        container_name="vllm", cmd=cmd, ports=[("http", defaults.VLLM_PORT)],

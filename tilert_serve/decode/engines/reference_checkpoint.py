@@ -74,7 +74,7 @@ class YarnScaling:
             ) / (2 * math.log(theta))
 
         low = max(math.floor(correction_dim(self.beta_fast)), 0)
-        high = min(math.ceil(correction_dim(self.beta_slow)), rotary_dim - 1)
+        high: float = min(math.ceil(correction_dim(self.beta_slow)), rotary_dim - 1)
         if low == high:
             high += 0.001
         ramp = torch.clamp((torch.arange(rotary_dim // 2, dtype=torch.float) - low) / (high - low), 0, 1)
@@ -131,7 +131,7 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        scale = self.qk_head_dim**-0.5
+        scale: float = self.qk_head_dim**-0.5  # as vLLM computes it, bit for bit
         if self.yarn is not None and self.yarn.scales_softmax:
             m = yarn_get_mscale(self.yarn.factor, self.yarn.mscale_all_dim)
             scale = scale * m * m
@@ -307,7 +307,7 @@ def build_weights(
         c = config
         kv_b = get(f"{prefix}.kv_b_proj.weight")  # [heads * (nope + v), kv_lora]
         kv_b = kv_b.view(c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-        w_uk, w_uv = kv_b.split([c.qk_nope_head_dim, c.v_head_dim], dim=1)
+        w_uk, w_uv = torch.split(kv_b, [c.qk_nope_head_dim, c.v_head_dim], dim=1)
         if c.q_lora_rank is not None:
             q_a, q_a_norm, q_b = (
                 get(f"{prefix}.q_a_proj.weight"),

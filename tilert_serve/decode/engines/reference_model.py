@@ -159,9 +159,9 @@ def mla_attention(
     else:
         q = F.linear(x, w.q_b)
     q = q.view(b, t, heads, c.qk_head_dim)
-    q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+    q_nope, q_pe = torch.split(q, [c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
     kv = F.linear(x, w.kv_a)
-    kv_c, k_pe = kv.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+    kv_c, k_pe = torch.split(kv, [c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
     cos, sin = rope.at(start, t)
     q_pe = apply_rope(q_pe, cos, sin)
     k_pe = apply_rope(k_pe.unsqueeze(-2), cos, sin).squeeze(-2)
