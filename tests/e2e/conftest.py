@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.procs import PY, Proc
+from tilert_serve import vllm_cpu
 from tilert_serve.local.runner import free_port
-from tilert_serve.tinymodel.vllm_cpu import compilation_config_arg
 
 MAX_SEQ_LEN = 512
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
+# The drafter's attention backend too: vLLM picks it separately (tilert_serve/vllm_cpu.py).
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1,
+                  "attention_backend": vllm_cpu.VLLM_CPU_ATTENTION_BACKEND})
 
 
 @dataclass
@@ -36,8 +38,7 @@ def vllm_argv(model_dir: Path, port: int, kv_transfer_config: dict | None) -> li
     argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "tiny",
             "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(MAX_SEQ_LEN), "--gpu-memory-utilization", "0.3",
-            "--kv-cache-memory-bytes", str(256 << 20), "--speculative-config", MTP,
-            "--compilation-config", compilation_config_arg()]
+            "--kv-cache-memory-bytes", str(256 << 20), "--speculative-config", MTP, *vllm_cpu.serve_args()]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return argv

@@ -12,6 +12,7 @@ import pytest
 from tilert_operator import constants
 from tilert_operator import spec as specmod
 from tilert_operator.render import commands
+from tilert_serve import vllm_cpu
 
 EXAMPLES = [p.stem for p in helpers.EXAMPLES]
 
@@ -61,4 +62,14 @@ def test_vllm_serve_parses_the_rendered_commands() -> None:
             args = vllm_args.make_arg_parser(FlexibleArgumentParser()).parse_args(cmds[comp].argv[2:])
             kv = args.kv_transfer_config
             assert kv.kv_role == ("kv_producer" if comp == constants.PREFILL else "kv_consumer")
-            assert args.speculative_config == {"method": "mtp", "num_speculative_tokens": 1}
+            # A pool without GPUs runs vLLM's CPU build: the drafter's attention backend is named too.
+            spec = specmod.parse(helpers.example(example)["spec"])
+            gpus = spec.prefill.gpus if comp == constants.PREFILL else spec.decode.native.gpus
+            expected: dict[str, Any] = {"method": "mtp", "num_speculative_tokens": 1}
+            if gpus == 0:
+                expected["attention_backend"] = vllm_cpu.VLLM_CPU_ATTENTION_BACKEND
+                assert args.attention_backend == vllm_cpu.VLLM_CPU_ATTENTION_BACKEND
+                assert args.compilation_config.custom_ops == vllm_cpu.VLLM_CPU_COMPILATION_CONFIG["custom_ops"]
+            else:
+                assert args.attention_backend is None
+            assert args.speculative_config == expected

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tilert_operator import constants
 from tilert_operator.spec import PDClusterSpec
-from tilert_serve import defaults
+from tilert_serve import defaults, vllm_cpu
 
 #: Module vLLM loads TileRTConnector from.
 TILERT_CONNECTOR_MODULE = "tilert_serve.pd_vllm.prefill_connector"
@@ -91,11 +91,29 @@ def prefill_kv_transfer_config(spec: PDClusterSpec, paths: Paths) -> dict[str, o
     }
 
 
-def speculative_config(spec: PDClusterSpec) -> dict[str, object] | None:
+def speculative_config(spec: PDClusterSpec, on_cpu: bool = False) -> dict[str, object] | None:
     mtp = spec.prefill.mtp
     if not mtp.enabled:
         return None
-    return {"method": "mtp", "num_speculative_tokens": mtp.num_speculative_tokens}
+    cfg: dict[str, object] = {"method": "mtp", "num_speculative_tokens": mtp.num_speculative_tokens}
+    if on_cpu:
+        # vLLM picks the drafter's attention backend on its own, whatever --attention-backend says.
+        cfg["attention_backend"] = vllm_cpu.VLLM_CPU_ATTENTION_BACKEND
+    return cfg
+
+
+def _vllm(spec: PDClusterSpec, paths: Paths, tp: int, gpus: int, kv_transfer_config: dict[str, object],
+          extra_args: list[str]) -> ContainerCommand:
+    """`vllm serve` for a pool; a pool without GPUs gets what vLLM's CPU build needs for MLA models."""
+    on_cpu = gpus == 0
+    argv = _vllm_common(spec, paths, tp)
+    if on_cpu:
+        argv += vllm_cpu.serve_args()
+    argv += ["--kv-transfer-config", _json(kv_transfer_config)]
+    spec_cfg = speculative_config(spec, on_cpu)
+    if spec_cfg is not None:
+        argv += ["--speculative-config", _json(spec_cfg)]
+    return ContainerCommand(argv + extra_args, dict(spec.transfer.rdma.env))
 
 
 def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
@@ -115,22 +133,16 @@ def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
 
 
 def prefill(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
-    argv = _vllm_common(spec, paths, spec.prefill.tensor_parallel_size)
-    argv += ["--kv-transfer-config", _json(prefill_kv_transfer_config(spec, paths))]
-    spec_cfg = speculative_config(spec)
-    if spec_cfg is not None:
-        argv += ["--speculative-config", _json(spec_cfg)]
-    return ContainerCommand(argv + list(spec.prefill.extra_args), dict(spec.transfer.rdma.env))
+    p = spec.prefill
+    return _vllm(spec, paths, p.tensor_parallel_size, p.gpus, prefill_kv_transfer_config(spec, paths),
+                 list(p.extra_args))
 
 
 def native_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
-    argv = _vllm_common(spec, paths, spec.decode.native.tensor_parallel_size)
+    n = spec.decode.native
     connector = spec.prefill.native_connector if spec.prefill.native_connector != "none" else "NixlConnector"
-    argv += ["--kv-transfer-config", _json({"kv_connector": connector, "kv_role": "kv_consumer"})]
-    spec_cfg = speculative_config(spec)
-    if spec_cfg is not None:
-        argv += ["--speculative-config", _json(spec_cfg)]
-    return ContainerCommand(argv + list(spec.decode.native.extra_args), dict(spec.transfer.rdma.env))
+    return _vllm(spec, paths, n.tensor_parallel_size, n.gpus, {"kv_connector": connector, "kv_role": "kv_consumer"},
+                 list(n.extra_args))
 
 
 def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:

