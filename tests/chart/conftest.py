@@ -17,6 +17,9 @@ CHART_DIR = Path(__file__).resolve().parents[2] / "charts" / "tilert-pd"
 
 @pytest.fixture(scope="session")
 def chart() -> Iterator[Any]:
-    helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the Helm engine) is a dev dependency")
+    # A plain import: make setup checks that the Helm engine loads, so a broken install fails here
+    # instead of skipping every chart test.
+    import helm_python as helm
+
     with helm.Chart.load(CHART_DIR) as loaded:
         yield loaded

@@ -13,11 +13,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
-
-helm = pytest.importorskip("helm_python", reason="helm-python-sdk (the Helm engine) is a dev dependency")
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = ROOT / "charts" / "tilert-pd"

@@ -25,6 +25,9 @@ def test_demo_serves_both_paths_and_cleans_up(tmp_path):
     lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     results = [r for r in lines if "route" in r]
     assert {r["route"] for r in results} == {"tilert", "native"}
+    # Completions and a chat turn on each route.
+    assert {(r["route"], r["api"]) for r in results} == {(route, api) for route in ("tilert", "native")
+                                                         for api in ("completions", "chat")}
     # Each request went the way it asked (the router's X-PD-Route says which way it went).
     assert [(r["route"], r["served_by"]) for r in results] == [(r["route"], r["route"]) for r in results], results
     for r in results:

@@ -43,7 +43,6 @@ def test_same_seed_gives_identical_files_and_other_seeds_differ(tmp_path: Path) 
 
 def test_checkpoint_is_a_deepseek_v3_with_one_mtp_layer(tmp_path: Path) -> None:
     report = generate(TinySpec(), tmp_path)
-    assert report.seconds < 30
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == ["DeepseekV3ForCausalLM"]
     assert (cfg["kv_lora_rank"], cfg["qk_rope_head_dim"]) == (512, 64)
@@ -124,3 +123,17 @@ def test_mtp_export_inverts_the_loader_and_fitting_runs() -> None:
     changed = [n for n in exported if not torch.equal(trained[n], tensors[n])]
     assert "model.layers.2.eh_proj.weight" in changed
     assert all(torch.equal(trained[n], tensors[n]) for n in tensors if not n.startswith("model.layers.2."))
+
+
+def test_the_tokenizer_speaks_chat_and_an_older_generation_is_stale(tmp_path: Path) -> None:
+    from tilert_serve import tinymodel
+
+    assert not tinymodel.is_current(tmp_path)
+    generate(TinySpec(), tmp_path)
+    tok = AutoTokenizer.from_pretrained(tmp_path)
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    assert text == "<|bos|><|user|>\nhi\n<|assistant|>\n"
+    assert tinymodel.is_current(tmp_path)
+    record = json.loads((tmp_path / tinymodel.SPEC_FILE).read_text())
+    (tmp_path / tinymodel.SPEC_FILE).write_text(json.dumps({**record, "generator": 1}))
+    assert not tinymodel.is_current(tmp_path)  # `tilert-pd local up` generates it again

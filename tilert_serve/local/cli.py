@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from tilert_operator import constants
-from tilert_serve import defaults
+from tilert_serve import defaults, tinymodel
 from tilert_serve.local import plan as planmod
 from tilert_serve.local import runner
 from tilert_serve.router import config as router_config
@@ -101,7 +101,7 @@ def up(args: argparse.Namespace) -> int:
     (state_dir / "router.yaml").write_text(router_config.dump(p.router_config))
     say = lambda msg: print(msg, flush=True)  # noqa: E731
     say(f"tilert-pd local: {name} from {args.filename} (state in {state_dir})")
-    if p.tiny_model is not None and not (model_dir / "config.json").exists():
+    if p.tiny_model is not None and not tinymodel.is_current(model_dir):
         say(f"  generating the tiny model into {model_dir} ...")
         subprocess.run(p.tiny_model, check=True, stdout=subprocess.DEVNULL)
     started: list[runner.Running] = []

@@ -2,9 +2,9 @@
 
 Starts examples/tiny-cpu.yaml with `tilert-pd local up` (router, vLLM prefill with TileRTConnector,
 two TileRT decode nodes on the reference engine, a native vLLM decode), streams a few completions
-through the router with `x-pd-route: tilert` and `x-pd-route: native`, prints each output with its
-timings (TTFT and TPOT as the client sees them; handoff time and MTP acceptance as the decode node
-measured them), and stops the stack. `--json` prints the same as JSON lines.
+and a chat turn through the router with `x-pd-route: tilert` and `x-pd-route: native`, prints each
+output with its timings (TTFT and TPOT as the client sees them; handoff time and MTP acceptance as
+the decode node measured them), and stops the stack. `--json` prints the same as JSON lines.
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from tilert_serve.local import runner
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a data center far away,",
            "Prefill is compute-bound; decode is bound by memory bandwidth, so"]
+# Most clients speak chat: one chat request per route (the tiny model's tokenizer has a template).
+CHAT = "What does a decode node do?"
 ROUTE_HEADER = "x-pd-route"
 
 
@@ -40,9 +42,16 @@ def _metrics(urls: list[str]) -> dict[str, float]:
     return total
 
 
-def complete(router: str, model: str, prompt: str, route: str, max_tokens: int) -> dict[str, Any]:
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True}
-    req = urllib.request.Request(f"{router}/v1/completions", data=json.dumps(body).encode(),
+def complete(router: str, model: str, prompt: str, route: str, max_tokens: int, chat: bool = False) -> dict[str, Any]:
+    """One streamed request through the router: a completion, or a chat turn with `prompt` as the
+    user's message."""
+    body: dict[str, Any] = {"model": model, "max_tokens": max_tokens, "temperature": 0, "stream": True}
+    if chat:
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    endpoint = "chat/completions" if chat else "completions"
+    req = urllib.request.Request(f"{router}/v1/{endpoint}", data=json.dumps(body).encode(),
                                  headers={"Content-Type": "application/json", ROUTE_HEADER: route})
     t0 = time.perf_counter()
     arrivals: list[float] = []
@@ -58,14 +67,16 @@ def complete(router: str, model: str, prompt: str, route: str, max_tokens: int) 
             chunk = json.loads(line[6:])
             if "error" in chunk:
                 raise RuntimeError(f"{route} request failed mid-stream: {chunk['error']}")
-            delta = chunk["choices"][0].get("text", "") if chunk.get("choices") else ""
+            choice = chunk["choices"][0] if chunk.get("choices") else {}
+            delta = ((choice.get("delta") or {}).get("content") if chat else choice.get("text")) or ""
             if delta:
                 arrivals.append(time.perf_counter() - t0)
                 text += delta
     total = time.perf_counter() - t0
     ttft = arrivals[0] if arrivals else total
     tpot = (arrivals[-1] - arrivals[0]) / (len(arrivals) - 1) if len(arrivals) > 1 else 0.0
-    return {"route": route, "served_by": served_by, "prompt": prompt, "text": text, "chunks": len(arrivals),
+    return {"route": route, "served_by": served_by, "api": "chat" if chat else "completions", "prompt": prompt,
+            "text": text, "chunks": len(arrivals),
             "ttft_ms": ttft * 1e3,
             "tpot_ms": tpot * 1e3, "total_ms": total * 1e3, "request_id": request_id}
 
@@ -91,9 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         nodes = [p.url for p in procs if p.kind == constants.TILERT]
         results = []
         for route in ("tilert", "native"):
-            for prompt in PROMPTS:
+            for prompt, chat in [*((p, False) for p in PROMPTS), (CHAT, True)]:
                 before = _metrics(nodes)
-                res = complete(router, spec.model.name, prompt, route, args.max_tokens)
+                res = complete(router, spec.model.name, prompt, route, args.max_tokens, chat)
                 after = _metrics(nodes)
                 d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
                 if res["served_by"] == "tilert" and d.get("tilert_decode_handoff_seconds_count"):
@@ -118,12 +129,13 @@ def main(argv: list[str] | None = None) -> int:
 def _print_table(results: list[dict[str, Any]], cluster: str) -> None:
     print(f"\n{cluster}: {len(results)} requests through the router (greedy, tiny random model: the text is "
           "noise, the paths are real)\n")
-    print(f"{'path':<7} {'TTFT ms':>8} {'TPOT ms':>8} {'handoff ms':>10} {'MTP acc':>7}  prompt -> output")
+    print(f"{'path':<7} {'api':<5} {'TTFT ms':>8} {'TPOT ms':>8} {'handoff ms':>10} {'MTP acc':>7}  prompt -> output")
     for r in results:
         path = r["served_by"] if r["served_by"] == r["route"] else f"{r['route']}->{r['served_by']}"
         handoff = f"{r['handoff_ms']:.1f}" if "handoff_ms" in r else "-"
         mtp = f"{r['mtp_acceptance']:.2f}" if "mtp_acceptance" in r else "-"
-        print(f"{path:<7} {r['ttft_ms']:>8.1f} {r['tpot_ms']:>8.1f} {handoff:>10} {mtp:>7}  "
+        api = "chat" if r["api"] == "chat" else "text"
+        print(f"{path:<7} {api:<5} {r['ttft_ms']:>8.1f} {r['tpot_ms']:>8.1f} {handoff:>10} {mtp:>7}  "
               f"{r['prompt'][:28]!r} -> {r['text'][:40]!r}")
     print("\nTTFT/TPOT: seen by the client (router in front). handoff: prefill -> decode node state transfer "
           "(Mooncake over TCP on loopback). MTP acc: draft tokens the decode node accepted.")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from tilert_serve.tinymodel import mtp_fit
+from tilert_serve.tinymodel import GENERATOR_VERSION, SPEC_FILE, mtp_fit
 from tilert_serve.tinymodel.tokenizer import BOS, EOS, train_tokenizer, write_tokenizer
 
 ARCHITECTURE = "DeepseekV3ForCausalLM"
@@ -243,7 +243,8 @@ def generate(spec: TinySpec, out_dir: str | Path) -> GenerateReport:
     (out / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     generation = {"bos_token_id": bos_id, "eos_token_id": eos_id, "_from_model_config": True}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2, sort_keys=True) + "\n")
-    (out / "tiny_spec.json").write_text(json.dumps(asdict(spec), indent=2, sort_keys=True) + "\n")
+    record = {**asdict(spec), "generator": GENERATOR_VERSION}
+    (out / SPEC_FILE).write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     save_file(
         {k: v.contiguous() for k, v in sorted(tensors.items())},
         str(out / "model.safetensors"),

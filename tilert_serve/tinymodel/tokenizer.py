@@ -11,6 +11,14 @@ BOS = "<|bos|>"
 EOS = "<|eos|>"
 SPECIAL_TOKENS = (BOS, EOS)
 
+# Most clients speak chat: a plain role-tagged template (vLLM renders it for /v1/chat/completions).
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}{{ '<|' + m['role'] + '|>\\n' }}"
+    "{% if m['content'] is string %}{{ m['content'] }}{% else %}"
+    "{% for part in m['content'] %}{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}"
+    "{% endif %}{{ '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}{% endif %}"
+)
+
 # Built-in training text: enough variety for a few hundred merges. Written for this project.
 CORPUS = """\
 The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.
@@ -62,7 +70,9 @@ def train_tokenizer(vocab_size: int) -> PreTrainedTokenizerFast:
     missing = vocab_size - tok.get_vocab_size()
     if missing > 0:
         tok.add_special_tokens([f"<|reserved_{i}|>" for i in range(missing)])
-    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=BOS, eos_token=EOS)  # type: ignore[no-untyped-call]
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 def write_tokenizer(tokenizer: PreTrainedTokenizerFast, out_dir: Path) -> None:
