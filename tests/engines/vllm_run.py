@@ -32,13 +32,15 @@ def main(model_dir: str, request_path: str, out_dir: str) -> None:
     from vllm.inputs import TokensPrompt
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-    from tilert_serve.tinymodel.vllm_cpu import VLLM_CPU_COMPILATION_CONFIG
+    from tilert_serve import vllm_cpu
 
     req = json.loads(Path(request_path).read_text())
     out = Path(out_dir)
     spec = None
     if req.get("num_speculative_tokens", 0) > 0:
-        spec = {"method": "mtp", "num_speculative_tokens": req["num_speculative_tokens"]}
+        # The drafter picks its own attention backend: the same one as the target model.
+        spec = {"method": "mtp", "num_speculative_tokens": req["num_speculative_tokens"],
+                "attention_backend": vllm_cpu.VLLM_CPU_ATTENTION_BACKEND}
     t0 = time.monotonic()
     llm = LLM(
         model=model_dir,
@@ -51,7 +53,7 @@ def main(model_dir: str, request_path: str, out_dir: str) -> None:
         max_num_batched_tokens=512,
         speculative_config=spec,
         seed=0,
-        compilation_config=VLLM_CPU_COMPILATION_CONFIG,
+        **vllm_cpu.llm_kwargs(),
         disable_log_stats=False,  # for the speculative-decoding counters below
     )
     t1 = time.monotonic()
