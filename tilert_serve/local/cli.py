@@ -17,8 +17,9 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import yaml
 
@@ -27,6 +28,9 @@ from tilert_serve import defaults, tinymodel
 from tilert_serve.local import plan as planmod
 from tilert_serve.local import runner
 from tilert_serve.router import config as router_config
+
+if TYPE_CHECKING:
+    from tilert_operator.spec import PDClusterSpec
 
 DEFAULT_HOME = Path(os.environ.get("TILERT_PD_HOME", ".tilert-pd"))
 
@@ -53,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _load(filename: str) -> tuple[str, Any]:
+def _load(filename: str) -> tuple[str, PDClusterSpec]:
     from tilert_operator import validation
 
     doc = yaml.safe_load(Path(filename).read_text())
@@ -66,7 +70,7 @@ def _load(filename: str) -> tuple[str, Any]:
     return name, spec
 
 
-def _model_dir(home: Path, name: str, spec: Any) -> Path:
+def _model_dir(home: Path, name: str, spec: PDClusterSpec) -> Path:
     if spec.model.weights.tiny:
         return (home / "models" / f"{name}-tiny").resolve()
     volume = spec.model.weights.volume or {}
@@ -75,6 +79,10 @@ def _model_dir(home: Path, name: str, spec: Any) -> Path:
         raise ValueError("local runs read weights from spec.model.weights.tiny or a hostPath volume; this spec "
                          "has neither")
     return (Path(host) / spec.model.weights.sub_path).resolve()
+
+
+def say(msg: str) -> None:
+    print(msg, flush=True)
 
 
 def up(args: argparse.Namespace) -> int:
@@ -99,7 +107,6 @@ def up(args: argparse.Namespace) -> int:
     p = planmod.plan(spec, ports=ports, model_dir=str(model_dir), secret_file=str(secret),
                      router_config_file=str(state_dir / "router.yaml"))
     (state_dir / "router.yaml").write_text(router_config.dump(p.router_config))
-    say = lambda msg: print(msg, flush=True)  # noqa: E731
     say(f"tilert-pd local: {name} from {args.filename} (state in {state_dir})")
     if p.tiny_model is not None and not tinymodel.is_current(model_dir):
         say(f"  generating the tiny model into {model_dir} ...")
@@ -130,7 +137,7 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
-def _warm_up(spec: Any, router: object, say: Any) -> None:
+def _warm_up(spec: PDClusterSpec, router: object, say: Callable[[str], None]) -> None:
     """One short request down each decode path, so `up` returns a stack that serves both.
 
     The first native request makes vLLM's NIXL connector handshake with the prefill; on a loaded
