@@ -102,7 +102,8 @@ def machine(device: torch.device | None = None) -> str:
     except OSError:
         pass
     mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    out = f"{len(os.sched_getaffinity(0))} cores of {cpu}, {mem:.0f} GiB, python {platform.python_version()}"
+    # os.cpu_count, not the affinity: the router benchmark pins itself to part of the box before recording.
+    out = f"{os.cpu_count()} cores of {cpu}, {mem:.0f} GiB, python {platform.python_version()}"
     if device is not None and device.type == "cuda":
         import torch
         import triton

@@ -57,7 +57,7 @@ def main() -> None:
         tpot = statistics.median(r[0] for r in results)
         base = base or tpot
         rows.append(["off" if k == 0 else f"on ({k} draft)", f"{tpot:.2f}", f"{1e3 / tpot:.0f}",
-                     f"{results[0][1]:.2f}", f"{base / tpot:.2f}x"])
+                     f"{results[0][1]:.2f}" if k else "-", f"{base / tpot:.2f}x"])
     body = table(["MTP", "TPOT ms", "tokens/s", "acceptance", "vs MTP off"], rows)
     notes = (f"Tiny model ({args.dtype}), 64-token prompt, {args.tokens} greedy tokens, median of {args.runs} runs "
              "after one warm-up; baseline MTP off.")
