@@ -149,11 +149,13 @@ def record(key: str, title: str, body: str, *, device: torch.device | None = Non
     return block
 
 
-def merge(other: Path, into: Path = RESULTS) -> list[str]:
-    """Copy every generated block of `other` into `into` (replacing blocks of the same key); returns the keys."""
+def merge(other: Path, keys: list[str] | None = None, into: Path = RESULTS) -> list[str]:
+    """Copy the generated blocks of `other` (those named in `keys`, or all) into `into`, replacing blocks
+    of the same key; returns the keys."""
     src = other.read_text()
     text = into.read_text()
-    keys = re.findall(r"<!-- bench:(\S+) begin", src)
+    found_keys = re.findall(re.escape("<!-- bench:") + r"(\S+)" + re.escape(" begin (generated"), src)
+    keys = [k for k in found_keys if keys is None or k in keys]
     for key in keys:
         begin, end = _markers(key)
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
@@ -169,6 +171,6 @@ def merge(other: Path, into: Path = RESULTS) -> list[str]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) != 3 or sys.argv[1] != "merge":
-        raise SystemExit("usage: python -m bench.common merge OTHER.md")
-    print("merged:", ", ".join(merge(Path(sys.argv[2]))))
+    if len(sys.argv) < 3 or sys.argv[1] != "merge":
+        raise SystemExit("usage: python -m bench.common merge OTHER.md [KEY ...]")
+    print("merged:", ", ".join(merge(Path(sys.argv[2]), sys.argv[3:] or None)))

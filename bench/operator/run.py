@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -25,8 +24,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from bench.common import record, table
+from tilert_serve.local.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
@@ -42,28 +44,19 @@ CHILDREN_PER_PDC = 13
 UA = "tilert-pd-operator"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _metrics(port: int) -> dict[str, float]:
-    out: dict[str, float] = {}
+def _metrics(port: int) -> list[Sample]:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        for line in resp.read().decode().splitlines():
-            if line and not line.startswith("#"):
-                key, value = line.rsplit(" ", 1)
-                out[key] = float(value)
-    return out
+        return [s for family in text_string_to_metric_families(resp.read().decode()) for s in family.samples]
 
 
-def _quantile(metrics: dict[str, float], q: float) -> float:
+def _value(samples: list[Sample], name: str) -> float:
+    return sum(s.value for s in samples if s.name == name)
+
+
+def _quantile(samples: list[Sample], q: float) -> float:
     """histogram_quantile as Prometheus computes it: linear within the bucket."""
-    buckets = sorted(
-        (float("inf") if k.split('le="')[1][:-2] == "+Inf" else float(k.split('le="')[1][:-2]), v)
-        for k, v in metrics.items() if k.startswith("tilert_pd_reconcile_duration_seconds_bucket")
-    )  # fmt: skip
+    buckets = sorted((float(s.labels["le"]), s.value) for s in samples
+                     if s.name == "tilert_pd_reconcile_duration_seconds_bucket")
     total = buckets[-1][1]
     if not total:
         return 0.0
@@ -105,7 +98,7 @@ def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
             st.server._commit(conftest.CRD_RES, (conftest.CRD_RES, None, crd["metadata"]["name"]), crd, "ADDED")
 
     st.call(install())
-    metrics_port = _free_port()
+    metrics_port = free_port()
     env = os.environ | {
         "KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(metrics_port),
         "TILERT_PD_METRICS_HOST": "127.0.0.1", "TILERT_PD_WATCH_TIMEOUT_S": "600",
@@ -156,7 +149,8 @@ def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
         time.sleep(resync * 2 + 1)
         m2 = _metrics(metrics_port)
         calls2, writes2 = len(_op_calls(st.server)), _writes(st.server)
-        idle_reconciles = m2["tilert_pd_reconcile_duration_seconds_count"] - m1["tilert_pd_reconcile_duration_seconds_count"]
+        reconciles = _value(m2, "tilert_pd_reconcile_duration_seconds_count")
+        idle_reconciles = reconciles - _value(m1, "tilert_pd_reconcile_duration_seconds_count")
         rss, hwm = _rss_kib(op.pid)
         return {
             "n": n,
@@ -165,12 +159,12 @@ def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
             "per_pdc_p99_s": _pct(per_pdc, 0.99),
             "reconcile_p50_s": _quantile(m2, 0.5),
             "reconcile_p99_s": _quantile(m2, 0.99),
-            "reconciles": m2["tilert_pd_reconcile_duration_seconds_count"],
+            "reconciles": reconciles,
             "calls_per_reconcile_idle": (calls2 - calls1) / max(idle_reconciles, 1),
-            "calls_per_reconcile_all": calls2 / max(m2["tilert_pd_reconcile_duration_seconds_count"], 1),
+            "calls_per_reconcile_all": calls2 / max(reconciles, 1),
             "idle_reconciles": idle_reconciles,
             "writes_per_idle_resync": (writes2 - writes1) / max(idle_reconciles, 1),
-            "errors": m2["tilert_pd_reconcile_errors_total"],
+            "errors": _value(m2, "tilert_pd_reconcile_errors_total"),
             "rss_mib": rss / 1024,
             "peak_rss_mib": hwm / 1024,
         }

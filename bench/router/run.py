@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -29,17 +28,12 @@ from pathlib import Path
 
 from bench.common import record, table
 from bench.router.load import Target, closed_loop, open_loop
+from tilert_serve.local.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 CORES = sorted(os.sched_getaffinity(0))
 ROUTER_CORE = {CORES[0]}
 OTHER_CORES = set(CORES[1:]) or ROUTER_CORE
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 LOGS = Path(tempfile.mkdtemp(prefix="router-bench-logs-"))

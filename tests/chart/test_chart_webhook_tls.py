@@ -14,7 +14,6 @@ import asyncio
 import base64
 import json
 import shutil
-import socket
 import ssl
 import subprocess
 from pathlib import Path
@@ -24,18 +23,14 @@ import kopf
 import pytest
 import yaml
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from tilert_serve.local.runner import free_port
 
 
 async def test_webhook_serves_the_mounted_secret_to_the_rendered_client_config(chart: Any, tmp_path: Path) -> None:
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("openssl is needed to make a test certificate")
-    port, namespace = _free_port(), "ops"
+    port, namespace = free_port(), "ops"
     host = f"tpd-tilert-pd-webhook.{namespace}.svc"
     # A self-signed certificate is its own CA: what `webhook.tls.caBundle` carries in that setup.
     subprocess.run(

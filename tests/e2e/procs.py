@@ -13,6 +13,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from prometheus_client.parser import text_string_to_metric_families
+
 PY = sys.executable
 TRANSFER_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "ERROR",
                 "GLOG_minloglevel": "2"}
@@ -70,15 +72,12 @@ def sse_events(url: str, body: dict, timeout: float = 120) -> list[dict]:
         return [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")]
 
 
-def metric(base_url: str, name: str, labels: str = "") -> float:
-    """Sum of a Prometheus metric's samples whose label set contains `labels`."""
+def metric(base_url: str, name: str, **labels: str) -> float:
+    """Sum of a Prometheus metric's samples whose labels include `labels`."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    total, seen = 0.0, False
-    for line in text.splitlines():
-        if line.startswith(name) and (line[len(name)] in "{ ") and labels in line:
-            total += float(line.rsplit(" ", 1)[1])
-            seen = True
-    if not seen:
-        raise KeyError(f"metric {name}{{{labels}}} not exported by {base_url}")
-    return total
+    found = [s.value for family in text_string_to_metric_families(text) for s in family.samples
+             if s.name == name and labels.items() <= s.labels.items()]
+    if not found:
+        raise KeyError(f"metric {name}{labels or ''} not exported by {base_url}")
+    return sum(found)

@@ -70,7 +70,7 @@ def test_pd_output_equals_vllm_greedy_with_mtp_from_the_first_step(stack: Stack)
         assert set(done["timings"]) >= {"wire_wait_ms", "convert_ms", "inject_ms", "decode_ms", "tpot_ms"}
     assert drafted > 0 and accepted > 0, "MTP never accepted a draft"
     print(f"MTP acceptance over {len(PROMPTS)} requests: {accepted}/{drafted} = {accepted / drafted:.2f}")
-    _wait_for(lambda: metric(stack.prefill_url, "vllm:tilert_handoffs_total", 'outcome="ok"') >= len(PROMPTS),
+    _wait_for(lambda: metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="ok") >= len(PROMPTS),
               "handoffs to be counted on vLLM's /metrics", extra_request=lambda: _flush(stack))
 
 
@@ -134,7 +134,7 @@ def test_failed_handoffs_leave_vllm_serving_and_free_its_blocks(stack: Stack, tm
         # vLLM goes on serving, through both paths, with correct output.
         assert pd(stack, PROMPTS[11])[0] == baseline(stack, PROMPTS[11])
         _wait_for(lambda: kv_usage(stack) == 0.0, "KV blocks to return")
-        _wait_for(lambda: sum(metric(stack.prefill_url, "vllm:tilert_handoffs_total", f'outcome="{o}"')
+        _wait_for(lambda: sum(metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome=o)
                               for o in ("unreachable", "protocol", "timeout") if _has(stack, o)) >= 3,
                   "the three failures to be counted", extra_request=lambda: _flush(stack))
     finally:
@@ -144,7 +144,7 @@ def test_failed_handoffs_leave_vllm_serving_and_free_its_blocks(stack: Stack, tm
 def test_a_thousand_failed_handoffs_leak_nothing(stack: Stack):
     port = free_port()
     before_rss = _group_rss_mb(stack.procs["prefill"].popen.pid)
-    before = metric(stack.prefill_url, "vllm:tilert_handoffs_total", 'outcome="unreachable"') \
+    before = metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="unreachable") \
         if _has(stack, "unreachable") else 0.0
 
     def one(i: int) -> None:
@@ -153,7 +153,7 @@ def test_a_thousand_failed_handoffs_leak_nothing(stack: Stack):
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, range(1000)))
     assert pd(stack, PROMPTS[2])[0] == baseline(stack, PROMPTS[2])  # still serving; also flushes stats
-    _wait_for(lambda: metric(stack.prefill_url, "vllm:tilert_handoffs_total", 'outcome="unreachable"') - before
+    _wait_for(lambda: metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="unreachable") - before
               >= 1000, "1000 failures to be counted", extra_request=lambda: _flush(stack))
     _wait_for(lambda: kv_usage(stack) == 0.0, "KV blocks to return")
     growth = _group_rss_mb(stack.procs["prefill"].popen.pid) - before_rss
@@ -169,7 +169,7 @@ def _flush(stack: Stack) -> None:
 
 def _has(stack: Stack, outcome: str) -> bool:
     try:
-        metric(stack.prefill_url, "vllm:tilert_handoffs_total", f'outcome="{outcome}"')
+        metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome=outcome)
         return True
     except KeyError:
         return False

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import sys
 import time
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
 
 from tilert_operator import constants
 from tilert_serve.local import cli as local_cli
@@ -27,6 +28,10 @@ PROMPTS = ["The quick brown fox", "Once upon a time, in a data center far away,"
 # Most clients speak chat: one chat request per route (the tiny model's tokenizer has a template).
 CHAT = "What does a decode node do?"
 ROUTE_HEADER = "x-pd-route"
+# The decode nodes' samples a request's handoff time, MTP acceptance and TPOT are read from.
+NODE_SAMPLES = ("tilert_decode_handoff_seconds_sum", "tilert_decode_handoff_seconds_count",
+                "tilert_decode_mtp_drafted_tokens_total", "tilert_decode_mtp_accepted_tokens_total",
+                "tilert_decode_tpot_seconds_sum", "tilert_decode_tpot_seconds_count")
 
 
 def _metrics(urls: list[str]) -> dict[str, float]:
@@ -34,11 +39,10 @@ def _metrics(urls: list[str]) -> dict[str, float]:
     total: dict[str, float] = {}
     for url in urls:
         with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
-            for line in r.read().decode().splitlines():
-                m = re.match(r"(tilert_decode_(?:handoff_seconds_(?:sum|count)|mtp_(?:drafted|accepted)_tokens_total"
-                             r"|tpot_seconds_(?:sum|count)))(?:\{[^}]*\})? ([0-9.e+-]+)$", line)
-                if m:
-                    total[m.group(1)] = total.get(m.group(1), 0.0) + float(m.group(2))
+            for family in text_string_to_metric_families(r.read().decode()):
+                for sample in family.samples:
+                    if sample.name in NODE_SAMPLES:
+                        total[sample.name] = total.get(sample.name, 0.0) + sample.value
     return total
 
 
