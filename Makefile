@@ -17,6 +17,7 @@ test-fast: setup
 lint: setup
 	@$(VENV)/bin/ruff check tilert_serve operator tests bench
 	@$(VENV)/bin/lint-imports
+	@$(VENV)/bin/mypy
 
 demo: setup
 	@$(PY) -m tilert_serve.local.demo $(DEMO_ARGS)

@@ -234,7 +234,9 @@ def generate(spec: TinySpec, out_dir: str | Path) -> GenerateReport:
     out.mkdir(parents=True, exist_ok=True)
 
     tokenizer = train_tokenizer(spec.vocab)
-    bos_id, eos_id = tokenizer.convert_tokens_to_ids([BOS, EOS])
+    ids = tokenizer.convert_tokens_to_ids([BOS, EOS])
+    assert isinstance(ids, list)  # a list in, a list out
+    bos_id, eos_id = ids
     config = model_config(spec, bos_id, eos_id)
     tensors = random_tensors(spec)
     report = mtp_fit.fit(config, tensors, steps=spec.mtp_fit_steps, seed=spec.seed, avoid={bos_id, eos_id})

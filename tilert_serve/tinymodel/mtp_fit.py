@@ -134,7 +134,7 @@ def fit(
             opt.zero_grad(set_to_none=True)
             lg = _mtp_logits(weights, train_s, train_h, rope)[:, PROMPT_LEN - 2 : -1]
             loss = F.cross_entropy(lg.reshape(-1, lg.shape[-1]), targets.reshape(-1))
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # torch 2.13 leaves Tensor.backward unannotated
             opt.step()
         for p in params:
             p.requires_grad_(False)
