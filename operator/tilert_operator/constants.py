@@ -44,9 +44,9 @@ APPLIED_HASH_ANNOTATION: Final = f"{GROUP}/applied-hash"
 #: deleted and regenerated) rolls both sides together instead of leaving them disagreeing.
 SECRET_VERSION_ANNOTATION: Final = f"{GROUP}/handoff-secret-version"
 
-#: Multus writes each pod's attachments here (JSON list of {name, interface, ips, ...}).
+#: The pod annotation that asks Multus for secondary networks (what Multus reports back is
+#: tilert_serve.dataplane.MULTUS_STATUS_ANNOTATION).
 MULTUS_NETWORKS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/networks"
-MULTUS_STATUS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/network-status"
 
 #: Where the model weights are mounted in every pod that loads them.
 MODEL_MOUNT: Final = "/models"

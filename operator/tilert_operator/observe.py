@@ -1,18 +1,20 @@
 """Observed state of a PDCluster's pods, pure: readiness per pool and the TileRT endpoint list.
 
-A TileRT node's address is its address on the RDMA network (from the Multus network-status
-annotation) when the spec names a secondary network, else its pod IP; the router reaches the node's
-HTTP port on the pod IP either way (the router is not on the RDMA network).
+A TileRT node's control address is its data-plane address (`tilert_serve.dataplane`, the decision
+the node makes for itself from the same annotation): its address on the RDMA network when the spec
+names secondary networks, else its pod IP. A ready node without its RDMA address is left out of the
+router and reported, never wired over the pod network. The router reaches the node's HTTP port on
+the pod IP either way (the router is not on the RDMA network).
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from typing import Any
 
 from tilert_operator import constants
 from tilert_operator.spec import PDClusterSpec
+from tilert_serve import dataplane
 from tilert_serve.router.config import TileRTNode
 
 
@@ -35,30 +37,19 @@ def is_ready(pod: dict[str, Any]) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
-def _network_matches(entry_name: str, wanted: str, namespace: str) -> bool:
-    # Multus reports "namespace/name"; the spec may say "name" (same namespace) or "namespace/name".
-    full = wanted if "/" in wanted else f"{namespace}/{wanted}"
-    return entry_name in (wanted, full)
-
-
-def rdma_address(pod: dict[str, Any], spec: PDClusterSpec) -> str | None:
-    nets = spec.transfer.rdma.networks
-    if not nets:
-        return None
+def data_plane(pod: dict[str, Any], spec: PDClusterSpec) -> dataplane.DataPlane:
     meta = pod.get("metadata", {})
-    raw = (meta.get("annotations") or {}).get(constants.MULTUS_STATUS_ANNOTATION)
-    if not raw:
-        return None
-    try:
-        entries = json.loads(raw)
-    except ValueError:
-        return None
-    for entry in entries if isinstance(entries, list) else []:
-        if isinstance(entry, dict) and _network_matches(str(entry.get("name", "")), nets[0], meta.get("namespace", "")):
-            ips = entry.get("ips") or []
-            if ips:
-                return str(ips[0])
-    return None
+    return dataplane.choose(spec.transfer.rdma.networks,
+                            (meta.get("annotations") or {}).get(dataplane.MULTUS_STATUS_ANNOTATION),
+                            meta.get("namespace", ""), pod.get("status", {}).get("podIP"))
+
+
+@dataclass(frozen=True)
+class Unwired:
+    """A ready TileRT pod left out of the router, and why."""
+
+    pod: str
+    problem: str
 
 
 def pods_of(pods: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
@@ -75,21 +66,25 @@ def pool_states(spec: PDClusterSpec, pods: list[dict[str, Any]]) -> dict[str, Po
     return {c: PoolState(sum(1 for p in pods_of(pods, c) if is_ready(p)), d) for c, d in desired.items()}
 
 
-def tilert_nodes(spec: PDClusterSpec, pods: list[dict[str, Any]]) -> list[TileRTNode]:
-    """Ready TileRT pods as router endpoints, sorted by name so the ConfigMap is stable."""
+def tilert_nodes(spec: PDClusterSpec, pods: list[dict[str, Any]]) -> tuple[list[TileRTNode], list[Unwired]]:
+    """Ready TileRT pods as router endpoints, sorted by name so the ConfigMap is stable, and the ready
+    pods that cannot be wired (no data-plane address)."""
     t = spec.decode.tilert
-    out = []
+    out, unwired = [], []
     for pod in sorted(pods_of(pods, constants.TILERT), key=lambda p: p["metadata"]["name"]):
         if not is_ready(pod):
             continue
-        ip = pod["status"]["podIP"]
+        where = data_plane(pod, spec)
+        if where.address is None:
+            unwired.append(Unwired(pod["metadata"]["name"], where.problem))
+            continue
         out.append(TileRTNode(
             name=pod["metadata"]["name"],
-            http_url=f"http://{ip}:{t.http_port}",
-            ctrl_host=rdma_address(pod, spec) or ip,
+            http_url=dataplane.http_url(pod["status"]["podIP"], t.http_port),
+            ctrl_host=where.address,
             ctrl_port=t.ctrl_port,
             slots=t.slots,
             # Lets the router cap max_tokens for requests that give none.
             max_seq_len=spec.model.max_seq_len,
         ))  # fmt: skip
-    return out
+    return out, unwired

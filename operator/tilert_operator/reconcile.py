@@ -150,7 +150,7 @@ async def reconcile(api: Client, body: Obj) -> Outcome:
     version = network.secret_version_of(await ensure_secret(api, body))
     selector = f"{constants.LABEL_CLUSTER}={cluster}"
     pods = await api.list("Pod", ns, selector)
-    nodes = observe.tilert_nodes(spec, pods)
+    nodes, unwired = observe.tilert_nodes(spec, pods)
     pools = observe.pool_states(spec, pods)
 
     desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes, version)}
@@ -167,7 +167,7 @@ async def reconcile(api: Client, body: Obj) -> Outcome:
                 await api.delete(kind, ns, have["metadata"]["name"])
                 out.deleted.append(key)
 
-    conds = status.conditions(cluster, pools, nodes)
+    conds = status.conditions(cluster, pools, nodes, unwired)
     ready = next(c for c in conds if c["type"] == "Ready")
     out.state = "ready" if ready["status"] == "True" else "not_ready"
     new = status.build(generation=generation, conditions_=conds, old=body.get("status") or {}, pools=pools, endpoints=nodes)

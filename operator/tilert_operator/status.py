@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tilert_operator import constants
-from tilert_operator.observe import PoolState
+from tilert_operator.observe import PoolState, Unwired
 from tilert_operator.validation import Problem
 from tilert_serve.router.config import TileRTNode
 
@@ -55,12 +55,19 @@ def invalid(problems: Sequence[Problem]) -> list[Condition]:
     ]
 
 
-def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRTNode]) -> list[Condition]:
+def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRTNode],
+               unwired: Sequence[Unwired] = ()) -> list[Condition]:
     out = [_cond("SpecValid", True, "Valid", "the spec passed all checks")]
     out += [pool_condition(cluster, c, pools[c]) for c in POOL_CONDITIONS]
     tilert = pools[constants.TILERT]
     if tilert.desired == 0:
         out.append(_cond("EndpointsWired", True, "NoTileRTPool", "no TileRT pool; the router sends everything to the native pool"))
+    elif unwired:
+        # Wiring such a node over the pod network would move the state over the wrong network (and,
+        # with rdma, not at all): it stays out of the router until Multus reports its address.
+        left_out = "; ".join(f"{u.pod}: {u.problem}" for u in unwired)
+        out.append(_cond("EndpointsWired", False, "DataPlaneAddressMissing",
+                         f"{len(unwired)} ready TileRT node(s) left out of the router ({len(wired)} wired): {left_out}"))
     elif wired:
         out.append(_cond("EndpointsWired", True, "Wired", f"{len(wired)} TileRT node(s) in the router's endpoint list"))
     else:
@@ -82,6 +89,8 @@ def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRT
         short = [f"{POOL_KEYS[c]} {s.text}" for c, s in pools.items() if s.ready < s.desired]
         if short:
             out.append(_cond("Ready", True, "Degraded", "serving, below desired replicas: " + ", ".join(short)))
+        elif unwired:
+            out.append(_cond("Ready", True, "Degraded", f"serving; {len(unwired)} TileRT node(s) not wired (see EndpointsWired)"))
         else:
             out.append(_cond("Ready", True, "Serving", "all pools ready and TileRT endpoints wired"))
     return out

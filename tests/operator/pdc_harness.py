@@ -9,6 +9,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from tilert_operator import constants
+from tilert_serve import dataplane
 
 T = TypeVar("T")
 POD = ("", "v1", "pods")
@@ -40,7 +41,7 @@ def pod(cluster: str, component: str, index: int, namespace: str = "default", *,
         meta["ownerReferences"] = [{"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
                                     "uid": owner["metadata"]["uid"], "controller": True}]
     if rdma_net:
-        meta["annotations"] = {constants.MULTUS_STATUS_ANNOTATION: json.dumps(
+        meta["annotations"] = {dataplane.MULTUS_STATUS_ANNOTATION: json.dumps(
             [{"name": "cbr0", "ips": [ip]}, {"name": rdma_net, "interface": "net1", "ips": [rdma_ip]}])}
     return {
         "apiVersion": "v1", "kind": "Pod", "metadata": meta,

@@ -12,21 +12,37 @@ from tilert_operator import spec as specmod
 from tilert_operator.metrics import Metrics
 
 
-def test_rdma_address_comes_from_multus_status_else_pod_ip() -> None:
+def test_the_ctrl_address_is_the_multus_rdma_address_and_a_node_without_one_is_not_wired() -> None:
     spec = specmod.parse(helpers.example("glm5-b200-rdma")["spec"])
     pods = [
         h.pod("glm5", constants.TILERT, 0, "serving", ip="10.0.0.1", rdma_net="serving/rdma-net", rdma_ip="192.168.0.1"),
         h.pod("glm5", constants.TILERT, 1, "serving", ip="10.0.0.2"),
         h.pod("glm5", constants.TILERT, 2, "serving", ip="10.0.0.3", ready=False),
     ]
-    nodes = observe.tilert_nodes(spec, pods)
+    nodes, unwired = observe.tilert_nodes(spec, pods)
     assert [(n.name, n.ctrl_host, n.http_url) for n in nodes] == [
         ("glm5-tilert-decode-0", "192.168.0.1", "http://10.0.0.1:5557"),
-        ("glm5-tilert-decode-1", "10.0.0.2", "http://10.0.0.2:5557"),
     ]
+    # Not wired over the pod network: reported, with the network it lacks and what to check.
+    assert [u.pod for u in unwired] == ["glm5-tilert-decode-1"]
+    assert "rdma-net" in unwired[0].problem and "NetworkAttachmentDefinition" in unwired[0].problem
+    pools = {constants.PREFILL: observe.PoolState(1, 1), constants.TILERT: observe.PoolState(2, 3),
+             constants.NATIVE: observe.PoolState(1, 1), constants.ROUTER: observe.PoolState(1, 1)}
+    conds = {c["type"]: c for c in status.conditions("glm5", pools, nodes, unwired)}
+    assert conds["EndpointsWired"]["status"] == "False"
+    assert conds["EndpointsWired"]["reason"] == "DataPlaneAddressMissing"
+    assert "glm5-tilert-decode-1" in conds["EndpointsWired"]["message"]
+    assert conds["Ready"]["reason"] == "Degraded"
     terminating = h.pod("glm5", constants.TILERT, 0, "serving")
     terminating["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
     assert not observe.is_ready(terminating)
+
+
+def test_without_secondary_networks_the_pod_ip_is_the_data_plane_and_ipv6_urls_have_brackets() -> None:
+    spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
+    nodes, unwired = observe.tilert_nodes(spec, [h.pod("tiny", constants.TILERT, 0, ip="fd00:10:244::5")])
+    assert not unwired
+    assert [(n.ctrl_host, n.http_url) for n in nodes] == [("fd00:10:244::5", "http://[fd00:10:244::5]:5557")]
 
 
 def test_conditions_say_what_is_missing() -> None:

@@ -7,10 +7,11 @@ import json
 import logging
 import os
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
-from tilert_serve import defaults, layouts, transfer
+from tilert_serve import dataplane, defaults, layouts, transfer
 from tilert_serve.decode import engines
 
 
@@ -24,9 +25,17 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="reference", choices=engines.ENGINES)
     p.add_argument("--slots", type=int, default=1, help="sequences decoded at once (tilert: 1)")
     p.add_argument("--max-seq-len", type=int, required=True, help="longest prompt + output, in tokens")
-    p.add_argument("--host", default="0.0.0.0", help="address to listen on")
+    p.add_argument("--host", default="0.0.0.0", help="address the HTTP API listens on")
     p.add_argument("--advertise-host", default=os.environ.get("POD_IP") or None,
-                   help="address senders and the router reach this node at (default: $POD_IP, else the hostname's)")
+                   help="the data-plane address when no --data-plane-networks are named: the control port listens "
+                        "there, senders and the router are told it (default: $POD_IP, else the hostname's)")
+    p.add_argument("--data-plane-networks", default="",
+                   help="comma-separated Multus networks (spec.transfer.rdma.networks): the data-plane address is "
+                        "this pod's address on the first one, read from --network-status-file; no fallback")
+    p.add_argument("--network-status-file", default=dataplane.NETWORK_STATUS_FILE,
+                   help="the pod's k8s.v1.cni.cncf.io/network-status annotation, mounted by the downward API")
+    p.add_argument("--network-status-timeout", type=float, default=120.0,
+                   help="seconds to wait for Multus to report the data-plane network before giving up")
     p.add_argument("--ctrl-port", type=int, default=defaults.DECODE_CTRL_PORT)
     p.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT)
     p.add_argument("--transfer", default="mooncake", choices=transfer.ENGINES)
@@ -73,7 +82,8 @@ def run(args: argparse.Namespace) -> int:
         secret = load_secret(args.secret_file)
     except (ValueError, OSError) as exc:
         raise SystemExit(f"decode-node: {exc}") from exc
-    advertise = args.advertise_host or socket.gethostbyname(socket.gethostname())
+    where = find_data_plane(args)
+    assert where.address is not None
     dtype = args.dtype if args.dtype != "auto" else (_checkpoint_dtype(hf_config or {}) if args.device == "cpu"
                                                      else "bfloat16")
     engine = engines.create(engines.EngineSpec(
@@ -82,14 +92,43 @@ def run(args: argparse.Namespace) -> int:
         num_speculative_tokens=args.num_speculative_tokens))
     devices = tuple([args.device] if args.shards == 1 else [f"cuda:{i}" for i in range(args.shards)])
     config = NodeConfig(name=args.name, max_seq_len=args.max_seq_len, slots=args.slots, host=args.host,
-                        advertise_host=advertise, ctrl_port=args.ctrl_port, http_port=args.http_port,
+                        advertise_host=where.address, ctrl_port=args.ctrl_port, http_port=args.http_port,
                         shards=args.shards, devices=devices, ticket_ttl_s=args.ticket_ttl)
-    mover = transfer.create(args.transfer, host=advertise, protocol=args.protocol, role=args.name)
+    mover = transfer.create(args.transfer, host=where.address, protocol=args.protocol, role=args.name,
+                            interface=where.interface)
     tokenizer, eos = _tokenizer(model_dir)
     node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
                       eos_token_ids=eos)
     web.run_app(make_app(node), host=args.host, port=args.http_port, print=None, access_log=None)
     return 0
+
+
+def find_data_plane(args: argparse.Namespace, sleep: float = 1.0) -> dataplane.DataPlane:
+    """This node's data-plane address (tilert_serve.dataplane). With networks named, Multus may write
+    the annotation after the container starts (the kubelet refreshes the mounted file within about a
+    minute): wait for it, saying so, and exit with the reason if it never comes."""
+    networks = [n.strip() for n in args.data_plane_networks.split(",") if n.strip()]
+    if not networks:
+        host = args.advertise_host or socket.gethostbyname(socket.gethostname())
+        return dataplane.DataPlane(host, None, "pod-ip")
+    status_file, namespace = Path(args.network_status_file), os.environ.get("POD_NAMESPACE", "")
+    log = logging.getLogger(__name__)
+    deadline = time.monotonic() + args.network_status_timeout
+    next_note = 0.0
+    while True:
+        raw = status_file.read_text() if status_file.exists() else None
+        where = dataplane.choose(networks, raw, namespace, None)
+        if where.address is not None:
+            log.info("data plane on %s (%s, interface %s)", where.address, where.source, where.interface or "?")
+            return where
+        now = time.monotonic()
+        if now >= deadline:
+            raise SystemExit(f"decode-node: no data-plane address after {args.network_status_timeout:.0f} s: "
+                             f"{where.problem} (read from {status_file})")
+        if now >= next_note:
+            log.info("waiting for Multus to report %s in %s", ", ".join(networks), status_file)
+            next_note = now + 10
+        time.sleep(sleep)
 
 
 def _tokenizer(model_dir: Path) -> tuple[object | None, frozenset[int]]:

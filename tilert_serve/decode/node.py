@@ -39,8 +39,10 @@ class NodeConfig:
     name: str
     max_seq_len: int
     slots: int = 1
+    #: The HTTP API's listen address (the pod network: the router and the kubelet's probes).
     host: str = "0.0.0.0"
-    #: The address senders are told to reach (Hello) and the router is told (admit).
+    #: The data-plane address (tilert_serve.dataplane): the control port listens there and only there,
+    #: and senders (Hello) and the router (admit) are told it.
     advertise_host: str = "127.0.0.1"
     ctrl_port: int = defaults.DECODE_CTRL_PORT
     http_port: int = defaults.DECODE_HTTP_PORT
@@ -119,7 +121,7 @@ class DecodeNode:
         await asyncio.to_thread(self.engine.load)
         self.buffers.register(self.transfer)
         self._server = await asyncio.start_server(lambda r, w: ctrl.handle(self, r, w),
-                                                  self.config.host, self.config.ctrl_port)
+                                                  self.config.advertise_host, self.config.ctrl_port)
         self.ctrl_port = self._server.sockets[0].getsockname()[1]
         self._reaper = asyncio.create_task(self._reap(), name="slot-reaper")
         self.ready = True

@@ -3,12 +3,15 @@
 
 Facts (reference/transfer-engines.md §2): `initialize(host, "P2PHANDSHAKE", "tcp"|"rdma", device)`,
 `batch_transfer_sync_write` returns 0 on success, writes outside the target's registrations fail
-with -1. TCP's default 64 KiB slice is ~1.7x slower than 1 MiB on loopback, hence the default below.
+with -1. Its environment per protocol (slice size) is transfer.transport_env's. Its handshake and data
+listeners bind every interface whatever address it is given (0.3.13 hard-codes the wildcard, with or
+without MC_TCP_BIND_ADDRESS): peers reach it at the advertised data-plane address, and with a
+secondary network the rendered NetworkPolicy closes the pod network's side to everything but the
+node's HTTP port.
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +24,6 @@ class MooncakeEngine:
     def __init__(self, host: str, protocol: str = "tcp", device_name: str = "") -> None:
         if protocol not in ("tcp", "rdma"):
             raise TransferError(f"mooncake protocol must be tcp or rdma, not {protocol!r}")
-        os.environ.setdefault("MC_TCP_SLICE_SIZE", str(1 << 20))
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:

@@ -9,7 +9,6 @@ system's libefa is present.
 from __future__ import annotations
 
 import base64
-import os
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,9 +21,8 @@ _WRITE_TIMEOUT_S = 60.0
 
 
 def import_nixl() -> Any:
-    """NIXL's Python API, with its progress thread patched to poll instead of spin (see above)."""
-    # Must precede UCX's initialisation in this process.
-    os.environ.setdefault("UCX_MODULES", "^ib")
+    """NIXL's Python API, with its progress thread patched to poll instead of spin (see above). UCX's
+    settings for the protocol are transfer.transport_env's, set before this by transfer.create."""
     try:
         from nixl import _api as nixl_api
     except ImportError as exc:

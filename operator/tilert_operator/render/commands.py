@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from tilert_operator import constants
 from tilert_operator.spec import PDClusterSpec
-from tilert_serve import defaults, vllm_cpu
+from tilert_serve import dataplane, defaults, vllm_cpu
 
 #: Module vLLM loads TileRTConnector from.
 TILERT_CONNECTOR_MODULE = "tilert_serve.pd_vllm.prefill_connector"
@@ -113,7 +113,8 @@ def _vllm(spec: PDClusterSpec, paths: Paths, tp: int, gpus: int, kv_transfer_con
     spec_cfg = speculative_config(spec, on_cpu)
     if spec_cfg is not None:
         argv += ["--speculative-config", _json(spec_cfg)]
-    return ContainerCommand(argv + extra_args, dict(spec.transfer.rdma.env))
+    env = {**vllm_cpu.serve_env(tp), **spec.transfer.rdma.env} if on_cpu else dict(spec.transfer.rdma.env)
+    return ContainerCommand(argv + extra_args, env)
 
 
 def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
@@ -167,6 +168,10 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
     if t.gpus:
         # One receive-buffer shard per GPU (cuda:0..N-1); the engine's own device is the first.
         argv += ["--device", "cuda:0", "--shards", str(t.gpus)]
+    if spec.transfer.rdma.networks:
+        # The node finds its own address on these in the Multus network-status file (dataplane.py).
+        argv += ["--data-plane-networks", ",".join(spec.transfer.rdma.networks),
+                 "--network-status-file", dataplane.NETWORK_STATUS_FILE]
     return ContainerCommand(argv, dict(spec.transfer.rdma.env))
 
 

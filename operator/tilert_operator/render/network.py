@@ -1,7 +1,8 @@
 """The handoff's shared Secret and the NetworkPolicies that fence the data plane.
 
 Policies: only prefill pods reach TileRT decode pods on anything but HTTP (the ctrl port plus the
-transfer engine's data ports, which Mooncake and NIXL pick at run time); only the router reaches the
+transfer engine's data ports, which Mooncake and NIXL pick at run time), and on the pod network only
+when the spec names no secondary network for the handoff; only the router reaches the
 HTTP ports of prefill and decode pods; the native pool and prefill reach each other (the native
 connector moves KV between them). Host-network pods are outside NetworkPolicy's reach, so none are
 rendered under hostNetwork.
@@ -78,10 +79,13 @@ def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[
     out.append(_policy(cluster, namespace, constants.PREFILL, prefill_in))
     t = spec.decode.tilert
     if t.replicas:
-        out.append(_policy(cluster, namespace, constants.TILERT, [
-            {"from": [prefill]},
-            {"from": [router, *scrapers], "ports": _tcp(t.http_port)},
-        ]))  # fmt: skip
+        tilert_in = [{"from": [router, *scrapers], "ports": _tcp(t.http_port)}]
+        if not spec.transfer.rdma.networks:
+            # The handoff crosses the pod network. With secondary networks it never does (the node
+            # binds its control port there, and its transfer engine is reached there), so the pod
+            # network admits the router alone: Mooncake's wildcard listeners stay closed on it.
+            tilert_in.insert(0, {"from": [prefill]})
+        out.append(_policy(cluster, namespace, constants.TILERT, tilert_in))
     if spec.decode.native.replicas:
         out.append(_policy(cluster, namespace, constants.NATIVE, [
             {"from": [router, *scrapers], "ports": _tcp(defaults.VLLM_PORT)},

@@ -231,16 +231,19 @@ class DataPlane:
         ready: Manifest,
         health_port: int,
         extra_env: list[Manifest] | None = None,
+        extra_volumes: list[tuple[Manifest, Manifest]] | None = None,
         spec_fields: Manifest | None = None,
     ) -> Manifest:
-        """A data-plane Deployment or StatefulSet: one container with the shared wiring and probes."""
+        """A data-plane Deployment or StatefulSet: one container with the shared wiring and probes;
+        `extra_volumes` are (volume, its mount) pairs of this workload's own."""
+        extra = extra_volumes or []
         c = container(
             container_name,
             pool.image,
             cmd,
             ports=ports,
             resources=resources(pool, gpus=pool.gpus, extra=self.rdma_devices()),
-            mounts=self.mounts(),
+            mounts=[*self.mounts(), *(m for _, m in extra)],
             extra_env=[*self.downward_env(), *(extra_env or [])],
         )
         c["readinessProbe"] = ready
@@ -256,7 +259,7 @@ class DataPlane:
             containers=[c],
             pool=pool,
             init_containers=self.init_containers(pool.image),
-            volumes=self.volumes(),
+            volumes=[*self.volumes(), *(v for v, _ in extra)],
             annotations=self.pod_annotations(),
             extra=self.pod_fields(component),
         )

@@ -1,0 +1,82 @@
+"""Where a TileRT node's data plane lives: one decision, made the same way by the node (from its own
+pod's annotations, mounted by the downward API) and by the operator (from the pod it watches).
+
+With `spec.transfer.rdma.networks` named, the data-plane address is the pod's address on the first
+of those networks that Multus reports in the pod's `k8s.v1.cni.cncf.io/network-status` annotation;
+there is no fallback to the pod IP (the bytes would silently cross the pod network): a missing entry
+is an error with its reason. Without networks it is the pod IP. Pure functions, plain data.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+#: The pod annotation Multus writes (k8snetworkplumbingwg network-attachment-definition spec, v1.2).
+MULTUS_STATUS_ANNOTATION: Final = "k8s.v1.cni.cncf.io/network-status"
+#: Where the decode node's pod mounts that annotation (a downwardAPI volume item).
+NETWORK_STATUS_FILE: Final = "/etc/tilert-pd/podinfo/network-status"
+
+
+@dataclass(frozen=True)
+class DataPlane:
+    """A node's data-plane address, the interface it is on (when known) and where it came from."""
+
+    address: str | None
+    interface: str | None
+    #: "multus:<namespace/name>", "pod-ip", or "missing".
+    source: str
+    #: Why the address is missing, with what to do; empty when found.
+    problem: str = ""
+
+
+def _network_matches(entry_name: str, wanted: str, namespace: str) -> bool:
+    # Multus reports "namespace/name"; the spec may say "name" (the pod's namespace) or "namespace/name".
+    full = wanted if "/" in wanted else f"{namespace}/{wanted}"
+    return entry_name in (wanted, full)
+
+
+def parse_network_status(raw: str | None) -> list[dict[str, Any]]:
+    """The annotation's entries; an absent or malformed annotation has none."""
+    if not raw:
+        return []
+    try:
+        entries = json.loads(raw)
+    except ValueError:
+        return []
+    return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
+
+
+def choose(networks: Sequence[str], network_status: str | None, namespace: str, pod_ip: str | None) -> DataPlane:
+    """The data-plane address for a pod: see the module docstring."""
+    if not networks:
+        return DataPlane(pod_ip, None, "pod-ip", "" if pod_ip else "the pod has no IP yet")
+    entries = parse_network_status(network_status)
+    for wanted in networks:
+        for entry in entries:
+            if _network_matches(str(entry.get("name", "")), wanted, namespace):
+                ips = [str(ip) for ip in entry.get("ips") or []]
+                if ips:
+                    iface = entry.get("interface")
+                    return DataPlane(ips[0], str(iface) if iface else None, f"multus:{entry['name']}")
+    names = ", ".join(networks)
+    seen = ", ".join(str(e.get("name")) for e in entries) or "none"
+    return DataPlane(None, None, "missing",
+                     f"Multus reports no address on {names} (networks in {MULTUS_STATUS_ANNOTATION}: {seen}); "
+                     "check the NetworkAttachmentDefinition named in spec.transfer.rdma.networks exists in the "
+                     "pod's namespace and that Multus attached it (kubectl describe pod)")
+
+
+def url_host(address: str) -> str:
+    """An address as a URL's host: IPv6 in brackets."""
+    try:
+        return f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+    except ValueError:
+        return address  # a DNS name
+
+
+def http_url(address: str, port: int) -> str:
+    return f"http://{url_host(address)}:{port}"
