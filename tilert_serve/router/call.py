@@ -46,9 +46,17 @@ class Call:
         return {"X-Request-Id": self.request_id}
 
     def upstream_body(self) -> dict[str, Any]:
-        """A copy of the client's body with the model name vLLM serves."""
+        """A copy of the client's body with the model name vLLM serves, without the client's own
+        kv_transfer_params."""
         body = dict(self.req.body)
         body["model"] = self.cfg.upstream_model or self.cfg.model
+        # kv_transfer_params steer vLLM's connectors: which blocks to keep, whose KV to pull from
+        # which host. Only the router may set them; vLLM also reads them from vllm_xargs (its
+        # to_sampling_params copies the field into extra_args, where the engine looks).
+        body.pop("kv_transfer_params", None)
+        xargs = body.get("vllm_xargs")
+        if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
+            body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}
         return body
 
     def prefill_body(self, kv_transfer_params: dict[str, Any]) -> dict[str, Any]:
@@ -66,7 +74,7 @@ class Call:
         body["kv_transfer_params"] = kv_transfer_params
         return body
 
-    async def prefill(self, ep: Endpoint, body: dict[str, Any]) -> dict[str, Any]:
+    async def prefill(self, ep: Endpoint, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
         """Run the prefill leg on `ep` (counted in flight while it runs, so the next pick sees it) and
         return vLLM's answer. A refusal by vLLM is the client's error (RouterError); transport failures
         and 5xx raise UpstreamError, for a retry elsewhere."""
@@ -75,7 +83,8 @@ class Call:
         ep.inflight += 1
         try:
             status, answer = await post_json(
-                self.state.http, "prefill", ep.url, self.api_path, body, headers=self.upstream_headers,
+                self.state.http, "prefill", ep.url, self.api_path, body,
+                headers={**self.upstream_headers, **(headers or {})},
                 timeout=aiohttp.ClientTimeout(total=t.prefill_s, sock_connect=t.connect_s),
             )
         finally:

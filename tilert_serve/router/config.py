@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from tilert_serve import defaults
 
+NativeConnector = Literal["NixlConnector", "MooncakeConnector"]
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -122,6 +124,12 @@ class RouterConfig(_Strict):
     upstream_model: str | None = None
     #: Seconds between two checks of the config file for changes (ConfigMap symlink swaps included).
     reload_interval_s: float = Field(default=2.0, gt=0)
+    #: The vLLM connector the native decode pool reads the prefill's KV with (the prefill runs the same
+    #: one beside TileRTConnector). Each needs different kv_transfer_params (native_path.py).
+    native_connector: NativeConnector = "NixlConnector"
+    #: Where each prefill server's MooncakeConnector serves its bootstrap registry: vLLM's
+    #: VLLM_MOONCAKE_BOOTSTRAP_PORT (default 8998) on the prefill's host.
+    mooncake_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
 
     def served_models(self) -> list[str]:
         """Every name a client may put in `model`: the served name and the routing aliases."""

@@ -1,5 +1,16 @@
-"""The native path, as vLLM's own PD proxy does it: prefill with do_remote_decode, then decode on the
-native vLLM pool with the kv_transfer_params the prefill returned, relaying the decode's bytes.
+"""The native path, as vLLM's own PD proxies do it: prefill with do_remote_decode, then decode on the
+native vLLM pool with what its connector needs to pull the prompt's KV, relaying the decode's bytes.
+
+What each connector needs (vLLM 0.32):
+
+- NixlConnector: the prefill's own answer. Its request_finished returns the kv_transfer_params the
+  decode reads (remote_engine_id, remote_block_ids, remote_request_id, remote_host, remote_port, ...;
+  nixl/pull_scheduler.py, nixl/metadata.py), so the router passes them on (toy_proxy_server.py).
+- MooncakeConnector: its request_finished returns nothing; the proxy names the transfer on both legs
+  (mooncake_connector.py: MooncakeConnectorMetadata.add_new_req reads transfer_id, remote_engine_id and
+  remote_bootstrap_addr). The decode asks the prefill's bootstrap registry (GET /query) for the
+  workers of remote_engine_id, and the prefill's sender waits for transfer_id; the router learns the
+  engine id from the same registry, as vLLM's mooncake_connector_proxy.py does.
 
 The relay passes the decode's SSE bytes through untouched except the usage event, whose
 `prompt_tokens_details.cached_tokens` comes from the prefill (the decode pulled the whole prompt, so
@@ -9,10 +20,15 @@ its own count would say everything was cached; vllm-project/router #193).
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import json
 import logging
+import random
 import time
+import uuid
+from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import aiohttp
 from aiohttp import web
@@ -25,7 +41,7 @@ from tilert_serve.router.upstream import UpstreamError, client_error, error_mess
 log = logging.getLogger(__name__)
 
 # What the toy proxy sends: "decode happens elsewhere; keep the blocks for it".
-_REMOTE_DECODE = {
+_NIXL_REMOTE_DECODE = {
     "do_remote_decode": True,
     "do_remote_prefill": False,
     "remote_engine_id": None,
@@ -35,8 +51,102 @@ _REMOTE_DECODE = {
 }
 
 
-def prefill_body(call: Call) -> dict[str, Any]:
-    return call.prefill_body(dict(_REMOTE_DECODE))
+@dataclass(frozen=True)
+class MooncakeSource:
+    """One prefill engine as the decode's MooncakeConnector finds it."""
+
+    bootstrap_addr: str
+    engine_id: str
+    #: The data-parallel rank the prefill is pinned to (X-data-parallel-rank); None with one rank.
+    dp_rank: int | None
+
+
+def nixl_prefill_body(call: Call) -> dict[str, Any]:
+    return call.prefill_body(dict(_NIXL_REMOTE_DECODE))
+
+
+def mooncake_prefill_body(call: Call, transfer_id: str) -> dict[str, Any]:
+    # Without transfer_id the prefill frees the blocks at once (update_state_after_alloc warns
+    # "Missing transfer_id in kv_transfer_params from router!").
+    return call.prefill_body({"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id})
+
+
+def mooncake_decode_params(prefill_answer: dict[str, Any], src: MooncakeSource, transfer_id: str) -> dict[str, Any] | None:
+    """What the decode needs to pull the prompt's KV; None when the prefill kept none for it.
+
+    The prefill keeps the blocks only for a request that ended by length (request_finished marks any
+    other ending "not processed" and frees them); a decode sent to pull those would wait for a sender
+    that never comes (VLLM_MOONCAKE_ABORT_REQUEST_TIMEOUT, 480 s). Without params it recomputes the
+    prompt, as a NIXL decode does when its prefill returned none.
+    """
+    choices = prefill_answer.get("choices")
+    first = choices[0] if isinstance(choices, list) and choices and isinstance(choices[0], dict) else {}
+    if first.get("finish_reason") != "length":
+        return None
+    return {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": src.engine_id,
+        "remote_bootstrap_addr": src.bootstrap_addr,
+        "transfer_id": transfer_id,
+    }
+
+
+def bootstrap_addr(prefill_url: str, port: int) -> str:
+    host = urlsplit(prefill_url).hostname or ""
+    try:
+        if ipaddress.ip_address(host).version == 6:
+            host = f"[{host}]"
+    except ValueError:
+        pass
+    return f"http://{host}:{port}"
+
+
+async def mooncake_source(call: Call, prefill: Endpoint) -> MooncakeSource:
+    """Ask the prefill's bootstrap registry for its engine id. Asked on every request, not cached: a
+    restarted prefill registers under a new engine id, and the decode finds only the current one."""
+    addr = bootstrap_addr(prefill.url, call.cfg.mooncake_bootstrap_port)
+    t = call.cfg.timeouts
+    try:
+        async with call.state.http.get(
+            addr + "/query", timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s)
+        ) as resp:
+            raw = await resp.read()
+            status = resp.status
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        raise UpstreamError("prefill", prefill.url, "bootstrap", f"{addr}/query: {type(exc).__name__}: {exc}") from exc
+    try:
+        registry = json.loads(raw) if status == 200 else None
+    except ValueError:
+        registry = None
+    # {dp_rank: {"engine_id": ..., "worker_addr": {tp_rank: {pp_rank: addr}}}} (mooncake_utils.py)
+    ranks = {}
+    if isinstance(registry, dict):
+        for rank, entry in registry.items():
+            if isinstance(entry, dict) and isinstance(entry.get("engine_id"), str) and str(rank).isdigit():
+                ranks[int(rank)] = entry["engine_id"]
+    if not ranks:
+        raise UpstreamError("prefill", prefill.url, "bootstrap",
+                            f"{addr}/query answered {status} with no registered engine")
+    if len(ranks) == 1:
+        return MooncakeSource(addr, next(iter(ranks.values())), None)
+    rank = random.choice(sorted(ranks))
+    return MooncakeSource(addr, ranks[rank], rank)
+
+
+async def _handoff(call: Call, prefill: Endpoint) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Run the prefill leg; return its answer and the kv_transfer_params for the decode (None: none)."""
+    if call.cfg.native_connector == "MooncakeConnector":
+        src = await mooncake_source(call, prefill)
+        # Fresh per attempt: a retry on the same prefill must not find the first attempt's transfer,
+        # and the client's X-Request-Id may repeat.
+        transfer_id = f"xfer-{uuid.uuid4().hex}"
+        headers = {"X-data-parallel-rank": str(src.dp_rank)} if src.dp_rank is not None else None
+        pj = await call.prefill(prefill, mooncake_prefill_body(call, transfer_id), headers)
+        return pj, mooncake_decode_params(pj, src, transfer_id)
+    pj = await call.prefill(prefill, nixl_prefill_body(call))
+    kvp = pj.get("kv_transfer_params")
+    return pj, kvp if isinstance(kvp, dict) and kvp else None
 
 
 async def serve(call: Call) -> web.StreamResponse:
@@ -49,11 +159,10 @@ async def serve(call: Call) -> web.StreamResponse:
 
     decode.inflight += 1  # counted from now: the decode is committed to this request
     try:
-        pj = await call.prefill(prefill, prefill_body(call))
-        kvp = pj.get("kv_transfer_params")
+        pj, kvp = await _handoff(call, prefill)
         cached = openai_response.cached_tokens_of(pj)
         body = call.upstream_body()
-        if kvp:
+        if kvp is not None:
             body["kv_transfer_params"] = kvp
         return await _decode(call, decode, body, cached)
     finally:
