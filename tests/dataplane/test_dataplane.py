@@ -60,6 +60,9 @@ def test_each_protocol_gets_its_own_transport_settings_and_nothing_of_the_other(
     assert transfer.transport_env("nixl", "rdma", "net1") == {}
     assert transfer.transport_env("mooncake", "tcp") == {"MC_TCP_SLICE_SIZE": str(1 << 20)}
     assert transfer.transport_env("mooncake", "rdma") == {}
+    # Mooncake's handshake speaks IPv6 only when told to.
+    assert transfer.transport_env("mooncake", "rdma", host="fd00:7::5") == {"MC_USE_IPV6": "1"}
+    assert "MC_USE_IPV6" not in transfer.transport_env("mooncake", "tcp", host="192.168.7.5")
 
 
 def test_the_users_environment_wins_over_the_protocol_defaults(monkeypatch: pytest.MonkeyPatch) -> None:

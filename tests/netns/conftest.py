@@ -51,15 +51,6 @@ MAX_SEQ_LEN = 2048
 _POD_ENV_DROP = ("UCX_", "MC_", "NIXL_", "POD_", "VLLM_NIXL")
 
 
-def data_plane_flags_landed() -> bool:
-    return "--data-plane-networks" in (ROOT / "tilert_serve/decode/cli.py").read_text()
-
-
-NEEDS_DATA_PLANE = pytest.mark.skipif(
-    not data_plane_flags_landed(),
-    reason="decode-node has no --data-plane-networks yet (issue 9 item 1: the node's data-plane address)")
-
-
 # -- session: availability and leftovers ----------------------------------------------------------
 
 @pytest.fixture(scope="session")
@@ -258,8 +249,6 @@ def wait_ready(c: Cluster, timeout: float = 120) -> None:
                 ids=["mooncake-ipv4", "nixl-ipv4", "mooncake-ipv6", "nixl-ipv6"])
 def cluster(request: pytest.FixtureRequest, netns_available: None, tiny_model: Path, secret_file: Path,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    if not data_plane_flags_landed():
-        pytest.skip(NEEDS_DATA_PLANE.kwargs["reason"])
     engine, family = request.param
     tag = f"{engine[:2]}{family}"
     b = build_bed(tag, family)

@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import json
 
-import pytest
-
 from tests.netns import bed
 from tests.netns.conftest import (
     CTRL_PORT,
     HTTP_PORT,
     PREFILL_PORT,
-    ROOT,
     ROUTER_PORT,
     Cluster,
     counters,
@@ -46,20 +43,8 @@ def _metric(c: Cluster, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
-def _mooncake_ipv6_unsupported() -> bool:
-    src = "".join((ROOT / "tilert_serve/transfer" / f).read_text() for f in ("__init__.py", "mooncake.py"))
-    return "MC_USE_IPV6" not in src
-
-
-def test_handoff_crosses_the_rdma_network_only(cluster: Cluster, request: pytest.FixtureRequest) -> None:
+def test_handoff_crosses_the_rdma_network_only(cluster: Cluster) -> None:
     c = cluster
-    if c.engine == "mooncake" and c.family == 6 and _mooncake_ipv6_unsupported():
-        # Checked by hand on this bed: with MC_USE_IPV6=1 in both pods (spec.transfer.rdma.env) the
-        # same test passes, 6,937,519 bytes on the node's net1.
-        request.applymarker(pytest.mark.xfail(strict=True, reason=(
-            "Mooncake 0.3.13 needs MC_USE_IPV6=1 on both sides for an IPv6 peer (else its handshake "
-            "listens on 0.0.0.0 only and cannot parse 'fd00:251::2:PORT'); transfer.transport_env does "
-            "not set it for an IPv6 data-plane address")))
     rdma_node = c.rdma_ip(c.node)
     # The node advertises its Multus address, not its pod IP, in both places the router and the
     # operator read it.
@@ -109,29 +94,22 @@ def test_ctrl_port_listens_on_the_rdma_address_only(cluster: Cluster) -> None:
 
 def test_only_the_http_api_listens_on_the_pod_network(cluster: Cluster) -> None:
     """Every listener of the node other than its HTTP API (which the router and the kubelet reach on
-    the pod IP) is on the rdma address or loopback. Mooncake is exempt: see the test below."""
+    the pod IP) is on the rdma address or loopback: the control port and, for NIXL, UCX's listener.
+
+    Mooncake 0.3.13 is the recorded exception: it binds its handshake (RPC) and data listeners to
+    every interface whatever address it is initialised with, MC_TCP_BIND_ADDRESS or not (hard-coded in
+    its TCP transport and P2P handshake). The bytes still take the rdma network (the test above proves
+    it from the counters) because peers are told the rdma address, and the rendered NetworkPolicy
+    closes the pod network's side. When the Mooncake branch fails, Mooncake binds one address: hold it
+    to the same rule as NIXL."""
     c = cluster
-    if c.engine == "mooncake":
-        pytest.skip("Mooncake 0.3.13 binds its listeners to the wildcard: "
-                    "test_mooncake_listeners_are_wildcard records it")
     allowed = {c.rdma_ip(c.node), "127.0.0.1", "::1"}
-    stray = [(a, p, who) for a, p, who in c.node.listeners() if p != HTTP_PORT and a not in allowed]
-    assert not stray, f"data-plane listeners reachable from the pod network: {stray}"
-    # UCX's own listener (NIXL over tcp) is among them, on net1.
-    ucx = [(a, p) for a, p, _ in c.node.listeners() if p not in (HTTP_PORT, CTRL_PORT)]
-    print(f"\nnixl IPv{c.family} UCX listeners: {ucx}")
-
-
-def test_mooncake_listeners_are_wildcard(cluster: Cluster) -> None:
-    """Known limitation, recorded: Mooncake 0.3.13 binds its handshake (RPC) and data listeners to
-    every interface whatever address it is initialised with, MC_TCP_BIND_ADDRESS or not (hard-coded
-    in its TCP transport and P2P handshake). The bytes still take the rdma network (the test above
-    proves it from the counters) because peers are told the rdma address; the pod network's side has
-    to be closed by the rendered NetworkPolicy. When this test fails, Mooncake binds one address:
-    fold Mooncake into test_only_the_http_api_listens_on_the_pod_network."""
-    c = cluster
-    if c.engine != "mooncake":
-        pytest.skip("Mooncake only")
-    extra = [(a, p) for a, p, _ in c.node.listeners() if p not in (HTTP_PORT, CTRL_PORT)]
-    print(f"\nmooncake IPv{c.family} listeners besides HTTP and ctrl: {extra}")
-    assert extra and all(a in ("0.0.0.0", "*", "::") for a, _ in extra), extra
+    listeners = c.node.listeners()
+    assert [(a, p) for a, p, _ in listeners if p == CTRL_PORT] == [(c.rdma_ip(c.node), CTRL_PORT)]
+    engine_side = [(a, p) for a, p, _ in listeners if p not in (HTTP_PORT, CTRL_PORT)]
+    print(f"\n{c.engine} IPv{c.family} listeners besides HTTP and ctrl: {engine_side}")
+    if c.engine == "mooncake":
+        assert engine_side and all(a in ("0.0.0.0", "*", "::") for a, _ in engine_side), engine_side
+    else:
+        stray = [(a, p) for a, p in engine_side if a not in allowed]
+        assert engine_side and not stray, f"data-plane listeners reachable from the pod network: {stray}"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import uuid
 
@@ -10,7 +11,7 @@ from tilert_serve.transfer.base import TransferEngine, TransferError, WriteOp
 ENGINES = ("mooncake", "nixl")
 
 
-def transport_env(name: str, protocol: str, interface: str | None = None) -> dict[str, str]:
+def transport_env(name: str, protocol: str, interface: str | None = None, host: str = "") -> dict[str, str]:
     """The environment a byte mover needs for `protocol`, as defaults: what the process already has
     (the spec's transfer.rdma.env, rendered into the pod) wins, and nothing set for one protocol
     leaks into the other.
@@ -19,13 +20,26 @@ def transport_env(name: str, protocol: str, interface: str | None = None) -> dic
     its InfiniBand modules (useless over tcp, and they crash at exit where the system's libefa is
     present), on the data-plane interface only when it is known. NIXL over rdma: UCX's own choice of
     IB/RoCE transports; the NICs come from the spec's env (UCX_NET_DEVICES=mlx5_0:1, ...). Mooncake over
-    tcp: 1 MiB slices (the 64 KiB default is ~1.7x slower on loopback); over rdma its defaults.
+    tcp: 1 MiB slices (the 64 KiB default is ~1.7x slower on loopback); over rdma its defaults. Mooncake
+    on an IPv6 data-plane address, either protocol: MC_USE_IPV6 (0.3.13's handshake otherwise listens
+    on IPv4 only and cannot parse an IPv6 peer's "addr:port").
     """
+    env: dict[str, str] = {}
     if name == "nixl" and protocol == "tcp":
-        return {"UCX_TLS": "tcp", "UCX_MODULES": "^ib", **({"UCX_NET_DEVICES": interface} if interface else {})}
-    if name == "mooncake" and protocol == "tcp":
-        return {"MC_TCP_SLICE_SIZE": str(1 << 20)}
-    return {}
+        env = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib", **({"UCX_NET_DEVICES": interface} if interface else {})}
+    if name == "mooncake":
+        if protocol == "tcp":
+            env["MC_TCP_SLICE_SIZE"] = str(1 << 20)
+        if _is_ipv6(host):
+            env["MC_USE_IPV6"] = "1"
+    return env
+
+
+def _is_ipv6(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).version == 6
+    except ValueError:
+        return False
 
 
 def create(name: str, *, host: str, protocol: str = "tcp", role: str = "peer",
@@ -35,7 +49,7 @@ def create(name: str, *, host: str, protocol: str = "tcp", role: str = "peer",
     if name not in ENGINES:
         raise TransferError(f"unknown transfer engine {name!r}; choose one of {', '.join(ENGINES)}")
     # Before the engine's library initialises: UCX and Mooncake read their settings once.
-    for key, value in transport_env(name, protocol, interface).items():
+    for key, value in transport_env(name, protocol, interface, host).items():
         os.environ.setdefault(key, value)
     if name == "mooncake":
         from tilert_serve.transfer.mooncake import MooncakeEngine
