@@ -4,15 +4,20 @@ pod's annotations, mounted by the downward API) and by the operator (from the po
 With `spec.transfer.rdma.networks` named, the data-plane address is the pod's address on the first
 of those networks that Multus reports in the pod's `k8s.v1.cni.cncf.io/network-status` annotation;
 there is no fallback to the pod IP (the bytes would silently cross the pod network): a missing entry
-is an error with its reason. Without networks it is the pod IP. Pure functions, plain data.
+is an error with its reason. Without networks it is the pod IP. `choose` is pure; `wait_for` is the
+one edge that reads the mounted file, for both ends of the handoff (the decode node and the prefill's
+connector).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Final
 
 #: The pod annotation Multus writes (k8snetworkplumbingwg network-attachment-definition spec, v1.2).
@@ -80,3 +85,28 @@ def url_host(address: str) -> str:
 
 def http_url(address: str, port: int) -> str:
     return f"http://{url_host(address)}:{port}"
+
+
+class DataPlaneMissing(Exception):
+    """Multus never reported the data-plane network; the message says which and what to check."""
+
+
+def wait_for(networks: Sequence[str], status_file: str | Path, namespace: str, timeout_s: float,
+             sleep_s: float = 1.0) -> DataPlane:
+    """This pod's address on `networks`, read from its mounted network-status file. Multus may write
+    the annotation after the container starts (the kubelet refreshes the file within about a minute),
+    so wait for it, saying so every 10 s, and raise DataPlaneMissing with the reason if it never comes."""
+    path, log = Path(status_file), logging.getLogger(__name__)
+    deadline, next_note = time.monotonic() + timeout_s, 0.0
+    while True:
+        where = choose(networks, path.read_text() if path.exists() else None, namespace, None)
+        if where.address is not None:
+            log.info("data plane on %s (%s, interface %s)", where.address, where.source, where.interface or "?")
+            return where
+        now = time.monotonic()
+        if now >= deadline:
+            raise DataPlaneMissing(f"no data-plane address after {timeout_s:.0f} s: {where.problem} (read from {path})")
+        if now >= next_note:
+            log.info("waiting for Multus to report %s in %s", ", ".join(networks), path)
+            next_note = now + 10
+        time.sleep(sleep_s)

@@ -20,7 +20,11 @@ KVCacheDtype = Literal["auto", "bfloat16", "float32", "fp8_ds_mla"]
 ResolvedKVCacheDtype = Literal["bfloat16", "float32", "fp8_ds_mla"]
 TransferEngine = Literal["mooncake", "nixl"]
 TransferProtocol = Literal["tcp", "rdma"]
-NativeConnector = Literal["NixlConnector", "MooncakeConnector", "none"]
+# MooncakeConnector is not offered: vLLM 0.32's has never run end to end with this stack (on vLLM's
+# CPU build its worker needs an accelerator, and with that patched the decode never pulled), and its
+# bootstrap registry is not yet rendered or fenced; the router already speaks its protocol (tested
+# against vLLM's own MooncakeConnectorScheduler). NIXL is the native pool's connector until then.
+NativeConnector = Literal["NixlConnector", "none"]
 DecodeEngine = Literal["tilert", "reference"]
 ServiceType = Literal["ClusterIP", "NodePort", "LoadBalancer"]
 RoutePath = Literal["auto", "tilert", "native"]

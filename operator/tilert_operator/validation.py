@@ -116,7 +116,7 @@ def rule_decode_pools(s: PDClusterSpec) -> Iterable[Problem]:
         yield Problem(
             "spec.prefill.nativeConnector",
             f"is none but spec.decode.native.replicas is {s.decode.native.replicas}: the native pool "
-            "reads KV through it; set NixlConnector or MooncakeConnector",
+            "reads KV through it; set NixlConnector",
         )
 
 

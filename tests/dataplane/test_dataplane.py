@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from tilert_operator import spec as specmod
-from tilert_operator.render import commands, tilert_decode
+from tilert_operator.render import commands, prefill, tilert_decode
 from tilert_serve import dataplane, transfer
 from tilert_serve.decode import cli as node_cli
 
@@ -85,14 +85,25 @@ def test_a_tilert_pod_on_a_secondary_network_gets_its_network_status_file() -> N
     argv = commands.tilert_decode(spec, commands.Paths.pod(spec)).argv
     assert argv[argv.index("--data-plane-networks") + 1] == ",".join(spec.transfer.rdma.networks)
     assert argv[argv.index("--network-status-file") + 1] == dataplane.NETWORK_STATUS_FILE
-    pod = tilert_decode.statefulset(spec, "glm5", "serving")["spec"]["template"]["spec"]
-    (vol,) = [v for v in pod["volumes"] if v["name"] == "podinfo"]
-    assert vol["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == \
-        f"metadata.annotations['{dataplane.MULTUS_STATUS_ANNOTATION}']"
-    env = {e["name"] for e in pod["containers"][0]["env"]}
-    assert "POD_NAMESPACE" in env
+    # Both ends of the handoff read their own Multus status: the node and the prefill's connector.
+    kv = json.loads(_arg(commands.prefill(spec, commands.Paths.pod(spec)).argv, "--kv-transfer-config"))
+    tilert = kv["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]
+    assert tilert["tilert_data_plane_networks"] == list(spec.transfer.rdma.networks)
+    for workload in (tilert_decode.statefulset(spec, "glm5", "serving"), prefill.deployment(spec, "glm5", "serving")):
+        pod = workload["spec"]["template"]["spec"]
+        (vol,) = [v for v in pod["volumes"] if v["name"] == "podinfo"]
+        assert vol["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == \
+            f"metadata.annotations['{dataplane.MULTUS_STATUS_ANNOTATION}']"
+        c = pod["containers"][0]
+        assert "POD_NAMESPACE" in {e["name"] for e in c["env"]}
+        assert dataplane.NETWORK_STATUS_FILE.startswith(
+            next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "podinfo"))
     tiny = specmod.parse(example("tiny-cpu")["spec"])
     assert "--data-plane-networks" not in commands.tilert_decode(tiny, commands.Paths.pod(tiny)).argv
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
 
 
 def _args(tmp_path: Path, networks: str, timeout: float) -> argparse.Namespace:
@@ -120,3 +131,19 @@ def test_the_node_gives_up_naming_the_network_and_never_uses_the_pod_ip(tmp_path
     assert "10.244.0.5" not in str(err.value)
     where = node_cli.find_data_plane(_args(tmp_path, "", 0.2))
     assert (where.address, where.source) == ("10.244.0.5", "pod-ip")
+
+
+def test_the_prefill_connector_runs_its_engine_on_its_own_multus_address(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tilert_serve.pd_vllm.config import ConnectorConfig
+    from tilert_serve.pd_vllm.worker import TileRTWorker
+
+    (tmp_path / "network-status").write_text(status(POD_NET, RDMA_NET))
+    monkeypatch.setenv("POD_NAMESPACE", "serving")
+    cfg = ConnectorConfig.from_extra_config({
+        "tilert_model": "mla", "tilert_max_seq_len": 64, "tilert_data_plane_networks": ["rdma-net"],
+        "tilert_network_status_file": str(tmp_path / "network-status")})
+    worker = TileRTWorker.__new__(TileRTWorker)  # the method under test reads only the config
+    worker.config = cfg
+    where = worker._data_plane()
+    assert (where.address, where.interface) == ("192.168.7.5", "net1")

@@ -106,9 +106,11 @@ def test_prefill_command_follows_the_connector_contract() -> None:
         "kv_connector_extra_config": {
             "tilert_model": "glm5", "tilert_max_seq_len": 202752, "tilert_transfer": "mooncake",
             "tilert_protocol": "rdma", "tilert_secret_path": defaults.SECRET_PATH,
+            # The prefill finds its own address on the handoff's Multus network, as the node does.
+            "tilert_data_plane_networks": ["serving/rdma-net"],
         },
     }  # fmt: skip
-    assert native == {"kv_connector": "MooncakeConnector", "kv_role": "kv_producer"}
+    assert native == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
 
 
 def test_prefill_without_native_pool_runs_tilert_connector_alone() -> None:

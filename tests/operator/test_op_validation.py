@@ -22,7 +22,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
     ("mtp-on-prefill", {"prefill": {"mtp": {"enabled": False}}}, "spec.prefill.mtp.enabled", "set spec.prefill.mtp.enabled: true"),
     ("no-decode-pool", {"decode": {"tilert": {"replicas": 0}}}, "spec.decode", "set spec.decode.tilert.replicas or"),
     ("native-needs-connector", {"prefill": {"nativeConnector": "none"}, "decode": {"native": {"replicas": 1}}},
-     "spec.prefill.nativeConnector", "set NixlConnector or MooncakeConnector"),
+     "spec.prefill.nativeConnector", "set NixlConnector"),
     ("rdma-needs-resources", {"transfer": {"protocol": "rdma"}}, "spec.transfer.rdma.resources", "set them, or protocol: tcp"),
     ("hostnet-port-clash", {"transfer": {"rdma": {"hostNetwork": True}}, "decode": {"tilert": {"httpPort": 8100}}},
      "spec.decode.tilert.httpPort", "pick another port"),

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import socket
-import time
 from pathlib import Path
 from typing import Any
 
@@ -104,31 +103,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def find_data_plane(args: argparse.Namespace, sleep: float = 1.0) -> dataplane.DataPlane:
-    """This node's data-plane address (tilert_serve.dataplane). With networks named, Multus may write
-    the annotation after the container starts (the kubelet refreshes the mounted file within about a
-    minute): wait for it, saying so, and exit with the reason if it never comes."""
+    """This node's data-plane address (tilert_serve.dataplane): its Multus address when networks are
+    named (waiting for Multus; exiting with the reason if it never reports), else the advertised one."""
     networks = [n.strip() for n in args.data_plane_networks.split(",") if n.strip()]
     if not networks:
         host = args.advertise_host or socket.gethostbyname(socket.gethostname())
         return dataplane.DataPlane(host, None, "pod-ip")
-    status_file, namespace = Path(args.network_status_file), os.environ.get("POD_NAMESPACE", "")
-    log = logging.getLogger(__name__)
-    deadline = time.monotonic() + args.network_status_timeout
-    next_note = 0.0
-    while True:
-        raw = status_file.read_text() if status_file.exists() else None
-        where = dataplane.choose(networks, raw, namespace, None)
-        if where.address is not None:
-            log.info("data plane on %s (%s, interface %s)", where.address, where.source, where.interface or "?")
-            return where
-        now = time.monotonic()
-        if now >= deadline:
-            raise SystemExit(f"decode-node: no data-plane address after {args.network_status_timeout:.0f} s: "
-                             f"{where.problem} (read from {status_file})")
-        if now >= next_note:
-            log.info("waiting for Multus to report %s in %s", ", ".join(networks), status_file)
-            next_note = now + 10
-        time.sleep(sleep)
+    try:
+        return dataplane.wait_for(networks, args.network_status_file, os.environ.get("POD_NAMESPACE", ""),
+                                  args.network_status_timeout, sleep)
+    except dataplane.DataPlaneMissing as exc:
+        raise SystemExit(f"decode-node: {exc}") from exc
 
 
 def _tokenizer(model_dir: Path) -> tuple[object | None, frozenset[int]]:

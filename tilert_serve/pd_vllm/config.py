@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from tilert_serve import defaults, layouts, pydantic_errors, transfer
+from tilert_serve import dataplane, defaults, layouts, pydantic_errors, transfer
 
 #: Keys people put in the static config that belong in each request's kv_transfer_params.
 PER_REQUEST_KEYS = ("tilert_host", "tilert_ctrl_port", "tilert_ticket")
@@ -38,7 +38,16 @@ class ConnectorConfig(BaseModel):
                                   description="requests whose state can wait in staging for the sender at once")
     local_host: str = Field("", alias="tilert_local_host", validate_default=True,
                             description="address the decode nodes reach this worker's transfer engine at "
-                                        "(default $POD_IP, else this host's address)")
+                                        "(default $POD_IP, else this host's address; unused with "
+                                        "tilert_data_plane_networks)")
+    data_plane_networks: tuple[str, ...] = Field((), alias="tilert_data_plane_networks",
+                                                 description="Multus networks of the handoff (spec.transfer.rdma."
+                                                             "networks): the transfer engine runs on this pod's "
+                                                             "address on the first, read from "
+                                                             "tilert_network_status_file")
+    network_status_file: str = Field(dataplane.NETWORK_STATUS_FILE, alias="tilert_network_status_file",
+                                     description="the pod's Multus network-status annotation, mounted by the "
+                                                 "downward API")
     timeout_s: float = Field(30.0, alias="tilert_timeout_s", description="seconds a handoff may take before it is failed")
 
     @classmethod

@@ -18,6 +18,7 @@ before the blocks can be reused, and the sender waits on an event before writing
 
 from __future__ import annotations
 
+import os
 import queue
 import re
 import threading
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from tilert_serve import layouts, transfer
+from tilert_serve import dataplane, layouts, transfer
 from tilert_serve.handoff import auth
 from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, Sender
 from tilert_serve.layouts import Layout, Placement
@@ -154,8 +155,10 @@ class TileRTWorker:
         device = caches[0].tensor.device
         self.pool = StagingPool(staging, self.rank, self.config.staging_requests, device)
         self.gather = Gatherer(self.caches, staging, self.rank)
-        self._mover = transfer.create(self.config.transfer, host=self.config.local_host,
-                                      protocol=self.config.protocol, role=f"prefill-{self.rank}")
+        where = self._data_plane()
+        self._mover = transfer.create(self.config.transfer, host=where.address or self.config.local_host,
+                                      protocol=self.config.protocol, role=f"prefill-{self.rank}",
+                                      interface=where.interface)
         self._mover.register(self.pool.buffer.data_ptr(), self.pool.buffer.numel(),
                              "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
         self._sender = Sender(name=f"prefill-rank{self.rank}", secret=self.secret, engine=self._mover,
@@ -165,6 +168,15 @@ class TileRTWorker:
         log.info("TileRTConnector rank %d/%d: layout %s, %d layers here, staging %d x %.1f MB (%s), %s/%s",
                  self.rank, self.world_size, layout.describe(), len(mine), self.config.staging_requests,
                  self.pool.region_nbytes / 1e6, device, self.config.transfer, self.config.protocol)
+
+    def _data_plane(self) -> dataplane.DataPlane:
+        """Where this worker's transfer engine runs: its Multus address when the handoff has networks of
+        its own (as the decode node finds its own; vLLM then fails to start with the reason if Multus
+        never reports it), else the configured local host."""
+        if not self.config.data_plane_networks:
+            return dataplane.DataPlane(self.config.local_host, None, "configured")
+        return dataplane.wait_for(self.config.data_plane_networks, self.config.network_status_file,
+                                  os.environ.get("POD_NAMESPACE", ""), timeout_s=120.0)
 
     def step(self, jobs: list[SendJob]) -> None:
         """Called from every wait_for_save: gather what staging has room for, oldest first. Never raises."""

@@ -70,6 +70,8 @@ def tilert_connector(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
             "tilert_transfer": spec.transfer.engine,
             "tilert_protocol": spec.transfer.protocol,
             "tilert_secret_path": paths.secret_file,
+            # The prefill finds its own address on the handoff's networks, as the decode node does.
+            **({"tilert_data_plane_networks": list(spec.transfer.rdma.networks)} if spec.transfer.rdma.networks else {}),
         },
     }
 

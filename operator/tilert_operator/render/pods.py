@@ -13,7 +13,7 @@ from typing import Any
 from tilert_operator import constants
 from tilert_operator.render.commands import ContainerCommand, Paths, tiny_model
 from tilert_operator.spec import NativeDecode, PDClusterSpec, Pool, Prefill, ServingPool
-from tilert_serve import defaults
+from tilert_serve import dataplane, defaults
 
 Manifest = dict[str, Any]
 
@@ -131,7 +131,9 @@ NIXL_SIDE_CHANNEL_ENV: Manifest = {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value
 
 
 class DataPlane:
-    """The wiring prefill and decode pods share: model, shm, secret and RDMA."""
+    """The wiring prefill and decode pods share: model, shm, secret and RDMA. `secret` marks the two
+    ends of the TileRT handoff (prefill and TileRT decode pods), which also learn their own address on
+    the handoff's secondary networks (tilert_serve.dataplane)."""
 
     def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool, secret_version: str | None = None) -> None:
         self.spec = spec
@@ -142,6 +144,11 @@ class DataPlane:
 
     def rdma_devices(self) -> dict[str, int]:
         return dict(self.spec.transfer.rdma.resources) if self.spec.transfer.protocol == "rdma" else {}
+
+    @property
+    def multus(self) -> bool:
+        """An end of the handoff on secondary networks: it reads its own Multus network-status."""
+        return self.secret and bool(self.spec.transfer.rdma.networks)
 
     def volumes(self) -> list[Manifest]:
         w = self.spec.model.weights
@@ -156,6 +163,12 @@ class DataPlane:
                     "items": [{"key": constants.HANDOFF_SECRET_KEY, "path": posixpath.basename(defaults.SECRET_PATH)}],
                 },
             })  # fmt: skip
+        if self.multus:
+            # The pod's own Multus network-status annotation as a file (the kubelet keeps it current).
+            vols.append({"name": "podinfo", "downwardAPI": {"items": [{
+                "path": posixpath.basename(dataplane.NETWORK_STATUS_FILE),
+                "fieldRef": {"fieldPath": f"metadata.annotations['{dataplane.MULTUS_STATUS_ANNOTATION}']"},
+            }]}})  # fmt: skip
         return vols
 
     def mounts(self) -> list[Manifest]:
@@ -165,6 +178,8 @@ class DataPlane:
         ]
         if self.secret:
             out.append({"name": "handoff-secret", "mountPath": posixpath.dirname(defaults.SECRET_PATH), "readOnly": True})
+        if self.multus:
+            out.append({"name": "podinfo", "mountPath": posixpath.dirname(dataplane.NETWORK_STATUS_FILE), "readOnly": True})
         return out
 
     def init_containers(self, image: str) -> list[Manifest]:
@@ -231,19 +246,16 @@ class DataPlane:
         ready: Manifest,
         health_port: int,
         extra_env: list[Manifest] | None = None,
-        extra_volumes: list[tuple[Manifest, Manifest]] | None = None,
         spec_fields: Manifest | None = None,
     ) -> Manifest:
-        """A data-plane Deployment or StatefulSet: one container with the shared wiring and probes;
-        `extra_volumes` are (volume, its mount) pairs of this workload's own."""
-        extra = extra_volumes or []
+        """A data-plane Deployment or StatefulSet: one container with the shared wiring and probes."""
         c = container(
             container_name,
             pool.image,
             cmd,
             ports=ports,
             resources=resources(pool, gpus=pool.gpus, extra=self.rdma_devices()),
-            mounts=[*self.mounts(), *(m for _, m in extra)],
+            mounts=self.mounts(),
             extra_env=[*self.downward_env(), *(extra_env or [])],
         )
         c["readinessProbe"] = ready
@@ -259,7 +271,7 @@ class DataPlane:
             containers=[c],
             pool=pool,
             init_containers=self.init_containers(pool.image),
-            volumes=[*self.volumes(), *(v for v, _ in extra)],
+            volumes=self.volumes(),
             annotations=self.pod_annotations(),
             extra=self.pod_fields(component),
         )
@@ -277,10 +289,14 @@ class DataPlane:
         return apply_overrides(out, pool)
 
     def downward_env(self) -> list[Manifest]:
-        return [
+        env = [
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         ]
+        if self.multus:
+            # The spec's network names are relative to the pod's namespace.
+            env.append({"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}})
+        return env
 
 
 def pod_template(
