@@ -18,9 +18,21 @@ reference backend, runs on every CPU and is the cache layout TileRTConnector's b
 verified with. vLLM chooses the MTP drafter's backend separately (its speculative config has its own
 ``attention_backend``), so that is named too.
 
-The operator renders ``serve_args()`` for every vLLM pool without GPUs (all our models are MLA);
-tests that start vLLM themselves pass ``serve_args()`` to ``vllm serve`` or ``llm_kwargs()`` to
-``vllm.LLM``.
+Cores, the third fact. vLLM's CPU build pins its worker's OpenMP threads to the visible cores minus a
+reserve for the processes beside it (its engine core's busy loop, the API server): one core per rank,
+plus one more per rank whenever a ``--kv-transfer-config`` is given (for NIXL's progress thread, which
+busy-spins unless patched). When the visible cores do not exceed that reserve, it reserves nothing and
+pins one OpenMP thread to every core. On a 2-core box with a connector that is what happens: the two
+spinning OpenMP threads share their cores with the engine core, API server and the other components,
+every parallel region waits for a descheduled thread, and a tiny model's decode step takes ~0.5 s
+instead of ~10 ms. Our CPU images and local runs patch NIXL's progress thread to poll
+(``tilert_serve/local/site/sitecustomize.py``), so that extra core buys nothing; ``serve_env()``
+fixes the reserve at what vLLM keeps without a connector (its log then warns that the reserve is
+below its minimum; that is expected).
+
+The operator renders ``serve_args()`` and ``serve_env()`` for every vLLM pool without GPUs (all our
+models are MLA); tests that start vLLM themselves pass ``serve_args()`` to ``vllm serve`` or
+``llm_kwargs()`` to ``vllm.LLM``, and ``serve_env()`` to the environment of any vLLM with a connector.
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ from typing import Any, Final
 VLLM_CPU_COMPILATION_CONFIG: Final[dict[str, Any]] = {"custom_ops": ["-rotary_embedding"]}
 #: The MLA attention backend on every CPU (see module docstring).
 VLLM_CPU_ATTENTION_BACKEND: Final = "CPU_MLA"
+#: vLLM's override of its reserved core count (see module docstring).
+VLLM_CPU_RESERVED_CPU_ENV: Final = "VLLM_CPU_NUM_OF_RESERVED_CPU"
 
 
 def compilation_config_arg() -> str:
@@ -42,6 +56,11 @@ def compilation_config_arg() -> str:
 def serve_args() -> list[str]:
     """``vllm serve`` arguments for an MLA model on CPU (the MTP drafter's backend goes in its config)."""
     return ["--compilation-config", compilation_config_arg(), "--attention-backend", VLLM_CPU_ATTENTION_BACKEND]
+
+
+def serve_env(tensor_parallel_size: int = 1) -> dict[str, str]:
+    """Environment for ``vllm serve`` on CPU: reserve one core per rank, connector or not."""
+    return {VLLM_CPU_RESERVED_CPU_ENV: str(tensor_parallel_size)}
 
 
 def llm_kwargs() -> dict[str, Any]:
