@@ -24,6 +24,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from tilert_serve.local import runner
+
 PREFIX = "tilertpd-"
 _LEFTOVER = re.compile(rf"^{PREFIX}(\d+)-")
 IP = "/usr/sbin/ip" if Path("/usr/sbin/ip").exists() else "ip"
@@ -51,19 +53,9 @@ def delete_namespaces(names: Sequence[str]) -> list[str]:
     return left
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def crashed_leftovers() -> list[str]:
     """Namespaces of ours whose creating test process is gone."""
-    return [n for n in namespaces() if (m := _LEFTOVER.match(n)) and not _pid_alive(int(m.group(1)))]
+    return [n for n in namespaces() if (m := _LEFTOVER.match(n)) and not runner.alive(int(m.group(1)))]
 
 
 def unavailable_reason() -> str | None:
