@@ -79,7 +79,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         node, node_url, ctrl = start_node(root, model_dir, secret_file, "decode-node")
         procs["node"] = node
         p_port, b_port = free_port(), free_port()
-        procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root)
+        procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root,
+                                vllm_cpu.serve_env())
         procs["plain"] = Proc("plain", vllm_argv(model_dir, b_port, None), root)
         node.wait_ready(f"{node_url}/ready", 120)
         procs["prefill"].wait_ready(f"http://127.0.0.1:{p_port}/health", 300)
