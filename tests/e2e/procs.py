@@ -15,9 +15,12 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from tilert_serve.local.plan import LOCAL_ENV
+
 PY = sys.executable
-TRANSFER_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "ERROR",
-                "GLOG_minloglevel": "2"}
+# What local runs give every process (NIXL agents poll instead of spinning a core each: with vLLM's
+# CPU threads pinned, a spinning agent starves the vLLMs beside it), with quieter engine logs.
+TRANSFER_ENV = {**LOCAL_ENV, "MC_LOG_LEVEL": "ERROR", "GLOG_minloglevel": "2"}
 
 
 class Proc:

@@ -24,6 +24,7 @@ import yaml
 
 from tests.e2e.conftest import prefill_kv_config, vllm_argv
 from tests.e2e.procs import PY, Proc, metric, post_json
+from tilert_serve import vllm_cpu
 from tilert_serve.local.runner import free_port
 
 pytestmark = pytest.mark.slow
@@ -77,8 +78,11 @@ def native(model: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -
     extra = {"kv_buffer_device": "cpu"}
     router_extra = {"native_connector": connector}
     # Own side-channel ports: vLLM's default (5600) may be taken by another stack on this machine.
-    p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
-    d_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}
+    # As the operator renders a CPU pool's environment (vllm_cpu.serve_env: a core left for the engine).
+    p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+             **vllm_cpu.serve_env()}
+    d_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+             **vllm_cpu.serve_env()}
     p_port, d_port, r_port = free_port(), free_port(), free_port()
     p_kv = _with_native(prefill_kv_config(secret), {"kv_connector": connector, "kv_role": "kv_producer", **extra})
     d_kv = {"kv_connector": connector, "kv_role": "kv_consumer", **extra}
