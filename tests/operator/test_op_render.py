@@ -14,7 +14,7 @@ import yaml
 
 from tilert_operator import cli_render, constants, render, validation
 from tilert_operator import spec as specmod
-from tilert_operator.render import commands
+from tilert_operator.render import commands, prefill
 from tilert_serve import defaults
 from tilert_serve.router import config as router_config
 
@@ -226,3 +226,17 @@ def test_metrics_scrapers_reach_http_ports_only() -> None:
     assert prom in tilert[1]["from"] and tilert[1]["ports"] == [{"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}]
     for name in ("t-prefill", "t-native-decode"):
         assert prom in _by(objs, "NetworkPolicy", name)["spec"]["ingress"][0]["from"]
+
+
+def test_scaling_the_native_pool_never_changes_the_prefill_pods() -> None:
+    """A change to the prefill's pod template restarts every prefill pod (minutes for a large model):
+    the native pool's size must not reach it, between 0 and N or N and M."""
+    doc = helpers.example("tiny-cpu")["spec"]
+    templates = []
+    for replicas in (0, 1, 3):
+        spec = specmod.parse(doc | {"decode": doc["decode"] | {"native": doc["decode"]["native"] | {"replicas": replicas}}})
+        templates.append(prefill.deployment(spec, "tiny", "default")["spec"]["template"])
+    assert templates[0] == templates[1] == templates[2]
+    kv = json.loads(_arg(templates[0]["spec"]["containers"][0]["command"], "--kv-transfer-config"))
+    assert [c["kv_connector"] for c in kv["kv_connector_extra_config"]["connectors"]] == ["TileRTConnector",
+                                                                                        "NixlConnector"]

@@ -55,8 +55,10 @@ def _json(obj: object) -> str:
     return json.dumps(obj, separators=(",", ":"), sort_keys=True)
 
 
-def has_native_pool(spec: PDClusterSpec) -> bool:
-    return spec.decode.native.replicas > 0 and spec.prefill.native_connector != "none"
+def has_native_connector(spec: PDClusterSpec) -> bool:
+    """The prefill loads the native pool's connector whenever the spec names one, whatever the native
+    pool's size: scaling that pool between 0 and N must not change (and so restart) the prefill pods."""
+    return spec.prefill.native_connector != "none"
 
 
 def tilert_connector(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
@@ -77,13 +79,14 @@ def tilert_connector(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
 
 
 def prefill_kv_transfer_config(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
-    """TileRTConnector alone, or MultiConnector[TileRTConnector, native] when a native pool exists.
+    """TileRTConnector alone, or MultiConnector[TileRTConnector, native] when the spec names a native
+    connector (`nativeConnector: none` for a stack that never has a native pool).
 
     TileRTConnector comes first: MultiConnector asks children in order and TileRT claims only
     requests carrying tilert_host, so native requests fall through to the native connector.
     """
     tilert = tilert_connector(spec, paths)
-    if not has_native_pool(spec):
+    if not has_native_connector(spec):
         return tilert
     native = {"kv_connector": spec.prefill.native_connector, "kv_role": "kv_producer"}
     return {
