@@ -4,9 +4,9 @@ pod's annotations, mounted by the downward API) and by the operator (from the po
 With `spec.transfer.rdma.networks` named, the data-plane address is the pod's address on the first
 of those networks that Multus reports in the pod's `k8s.v1.cni.cncf.io/network-status` annotation;
 there is no fallback to the pod IP (the bytes would silently cross the pod network): a missing entry
-is an error with its reason. Without networks it is the pod IP. `choose` is pure; `wait_for` is the
-one edge that reads the mounted file, for both ends of the handoff (the decode node and the prefill's
-connector).
+is an error with its reason. Without networks it is the pod IP. `choose` is pure; `find` (through
+`wait_for`) is the one edge that reads the mounted file, for both ends of the handoff (the decode
+node and the prefill's connector).
 """
 
 from __future__ import annotations
@@ -75,12 +75,17 @@ def choose(networks: Sequence[str], network_status: str | None, namespace: str, 
                      "pod's namespace and that Multus attached it (kubectl describe pod)")
 
 
+def is_ipv6(address: str) -> bool:
+    """Whether `address` is an IPv6 literal (a DNS name is not)."""
+    try:
+        return ipaddress.ip_address(address).version == 6
+    except ValueError:
+        return False
+
+
 def url_host(address: str) -> str:
     """An address as a URL's host: IPv6 in brackets."""
-    try:
-        return f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
-    except ValueError:
-        return address  # a DNS name
+    return f"[{address}]" if is_ipv6(address) else address
 
 
 def http_url(address: str, port: int) -> str:
@@ -110,3 +115,12 @@ def wait_for(networks: Sequence[str], status_file: str | Path, namespace: str, t
             log.info("waiting for Multus to report %s in %s", ", ".join(networks), path)
             next_note = now + 10
         time.sleep(sleep_s)
+
+
+def find(networks: Sequence[str], status_file: str | Path, namespace: str, fallback: str, timeout_s: float,
+         sleep_s: float = 1.0) -> DataPlane:
+    """This pod's data-plane address, as both ends of the handoff take it: on `networks` (waiting for
+    Multus, see wait_for) when any are named, else `fallback` (the pod IP or the configured host)."""
+    if not networks:
+        return DataPlane(fallback, None, "pod-ip")
+    return wait_for(networks, status_file, namespace, timeout_s, sleep_s)

@@ -58,6 +58,12 @@ def serve_args() -> list[str]:
     return ["--compilation-config", compilation_config_arg(), "--attention-backend", VLLM_CPU_ATTENTION_BACKEND]
 
 
+def drafter_config() -> dict[str, Any]:
+    """What an MTP ``--speculative-config`` needs on CPU: vLLM picks the drafter's attention backend on
+    its own, whatever ``--attention-backend`` says."""
+    return {"attention_backend": VLLM_CPU_ATTENTION_BACKEND}
+
+
 def serve_env(tensor_parallel_size: int = 1) -> dict[str, str]:
     """Environment for ``vllm serve`` on CPU: reserve one core per rank, connector or not."""
     return {VLLM_CPU_RESERVED_CPU_ENV: str(tensor_parallel_size)}

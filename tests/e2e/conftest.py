@@ -17,9 +17,7 @@ from tilert_serve import vllm_cpu
 from tilert_serve.local.runner import free_port
 
 MAX_SEQ_LEN = 512
-# The drafter's attention backend too: vLLM picks it separately (tilert_serve/vllm_cpu.py).
-MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1,
-                  "attention_backend": vllm_cpu.VLLM_CPU_ATTENTION_BACKEND})
+MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1, **vllm_cpu.drafter_config()})
 
 
 @dataclass

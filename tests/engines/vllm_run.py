@@ -38,9 +38,7 @@ def main(model_dir: str, request_path: str, out_dir: str) -> None:
     out = Path(out_dir)
     spec = None
     if req.get("num_speculative_tokens", 0) > 0:
-        # The drafter picks its own attention backend: the same one as the target model.
-        spec = {"method": "mtp", "num_speculative_tokens": req["num_speculative_tokens"],
-                "attention_backend": vllm_cpu.VLLM_CPU_ATTENTION_BACKEND}
+        spec = {"method": "mtp", "num_speculative_tokens": req["num_speculative_tokens"], **vllm_cpu.drafter_config()}
     t0 = time.monotonic()
     llm = LLM(
         model=model_dir,

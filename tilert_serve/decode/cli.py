@@ -106,12 +106,10 @@ def find_data_plane(args: argparse.Namespace, sleep: float = 1.0) -> dataplane.D
     """This node's data-plane address (tilert_serve.dataplane): its Multus address when networks are
     named (waiting for Multus; exiting with the reason if it never reports), else the advertised one."""
     networks = [n.strip() for n in args.data_plane_networks.split(",") if n.strip()]
-    if not networks:
-        host = args.advertise_host or socket.gethostbyname(socket.gethostname())
-        return dataplane.DataPlane(host, None, "pod-ip")
+    fallback = "" if networks else args.advertise_host or socket.gethostbyname(socket.gethostname())
     try:
-        return dataplane.wait_for(networks, args.network_status_file, os.environ.get("POD_NAMESPACE", ""),
-                                  args.network_status_timeout, sleep)
+        return dataplane.find(networks, args.network_status_file, os.environ.get("POD_NAMESPACE", ""), fallback,
+                              args.network_status_timeout, sleep)
     except dataplane.DataPlaneMissing as exc:
         raise SystemExit(f"decode-node: {exc}") from exc
 

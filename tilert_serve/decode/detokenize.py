@@ -24,6 +24,9 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 _WINDOW = 32
+#: Prompt tokens before the first new one that the slow path re-decodes with each delta (enough for a
+#: tokenizer's leading-space and merged-character context).
+_SLOW_CONTEXT = 6
 _REPLACEMENT = "\ufffd"
 
 
@@ -73,7 +76,7 @@ class WindowDetokenizer:
 
     def __init__(self, tokenizer: Any, prompt_ids: list[int], first_token: int) -> None:
         self.tok = tokenizer
-        self.ids = [*prompt_ids[-6:], first_token]
+        self.ids = [*prompt_ids[-_SLOW_CONTEXT:], first_token]
         self.prefix = 0
         self.read = len(self.ids)
         if self._text(self.ids).endswith(_REPLACEMENT):

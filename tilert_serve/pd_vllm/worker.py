@@ -156,7 +156,8 @@ class TileRTWorker:
         self.pool = StagingPool(staging, self.rank, self.config.staging_requests, device)
         self.gather = Gatherer(self.caches, staging, self.rank)
         where = self._data_plane()
-        self._mover = transfer.create(self.config.transfer, host=where.address or self.config.local_host,
+        assert where.address is not None
+        self._mover = transfer.create(self.config.transfer, host=where.address,
                                       protocol=self.config.protocol, role=f"prefill-{self.rank}",
                                       interface=where.interface)
         self._mover.register(self.pool.buffer.data_ptr(), self.pool.buffer.numel(),
@@ -173,10 +174,8 @@ class TileRTWorker:
         """Where this worker's transfer engine runs: its Multus address when the handoff has networks of
         its own (as the decode node finds its own; vLLM then fails to start with the reason if Multus
         never reports it), else the configured local host."""
-        if not self.config.data_plane_networks:
-            return dataplane.DataPlane(self.config.local_host, None, "configured")
-        return dataplane.wait_for(self.config.data_plane_networks, self.config.network_status_file,
-                                  os.environ.get("POD_NAMESPACE", ""), timeout_s=120.0)
+        return dataplane.find(self.config.data_plane_networks, self.config.network_status_file,
+                              os.environ.get("POD_NAMESPACE", ""), self.config.local_host, timeout_s=120.0)
 
     def step(self, jobs: list[SendJob]) -> None:
         """Called from every wait_for_save: gather what staging has room for, oldest first. Never raises."""

@@ -13,6 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
+from tilert_serve import dataplane
 from tilert_serve.router.config import TileRTDiscovery, TileRTNode
 from tilert_serve.router.state import RouterState, task_ctx
 
@@ -21,10 +22,7 @@ Resolver = Callable[[str], Awaitable[list[str]]]
 
 
 def nodes_from(addresses: list[str], d: TileRTDiscovery) -> list[TileRTNode]:
-    def host(a: str) -> str:
-        return f"[{a}]" if ":" in a else a
-
-    return [TileRTNode(name=f"{d.service}/{a}", http_url=f"http://{host(a)}:{d.http_port}", ctrl_host=a,
+    return [TileRTNode(name=f"{d.service}/{a}", http_url=dataplane.http_url(a, d.http_port), ctrl_host=a,
                        ctrl_port=d.ctrl_port, slots=d.slots, max_seq_len=d.max_seq_len)
             for a in sorted(set(addresses))]
 

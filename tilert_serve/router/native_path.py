@@ -20,7 +20,6 @@ its own count would say everything was cached; vllm-project/router #193).
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import json
 import logging
 import random
@@ -33,6 +32,7 @@ from urllib.parse import urlsplit
 import aiohttp
 from aiohttp import web
 
+from tilert_serve import dataplane
 from tilert_serve.router import openai_response, sse
 from tilert_serve.router.call import Call
 from tilert_serve.router.pools import Endpoint
@@ -93,13 +93,7 @@ def mooncake_decode_params(prefill_answer: dict[str, Any], src: MooncakeSource, 
 
 
 def bootstrap_addr(prefill_url: str, port: int) -> str:
-    host = urlsplit(prefill_url).hostname or ""
-    try:
-        if ipaddress.ip_address(host).version == 6:
-            host = f"[{host}]"
-    except ValueError:
-        pass
-    return f"http://{host}:{port}"
+    return dataplane.http_url(urlsplit(prefill_url).hostname or "", port)
 
 
 async def mooncake_source(call: Call, prefill: Endpoint) -> MooncakeSource:

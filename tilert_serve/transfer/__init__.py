@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import ipaddress
 import os
 import uuid
 
+from tilert_serve import dataplane
 from tilert_serve.transfer.base import TransferEngine, TransferError, WriteOp
 
 ENGINES = ("mooncake", "nixl")
@@ -30,16 +30,9 @@ def transport_env(name: str, protocol: str, interface: str | None = None, host: 
     if name == "mooncake":
         if protocol == "tcp":
             env["MC_TCP_SLICE_SIZE"] = str(1 << 20)
-        if _is_ipv6(host):
+        if dataplane.is_ipv6(host):
             env["MC_USE_IPV6"] = "1"
     return env
-
-
-def _is_ipv6(host: str) -> bool:
-    try:
-        return ipaddress.ip_address(host).version == 6
-    except ValueError:
-        return False
 
 
 def create(name: str, *, host: str, protocol: str = "tcp", role: str = "peer",

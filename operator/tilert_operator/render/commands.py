@@ -101,10 +101,7 @@ def speculative_config(spec: PDClusterSpec, on_cpu: bool = False) -> dict[str, o
     if not mtp.enabled:
         return None
     cfg: dict[str, object] = {"method": "mtp", "num_speculative_tokens": mtp.num_speculative_tokens}
-    if on_cpu:
-        # vLLM picks the drafter's attention backend on its own, whatever --attention-backend says.
-        cfg["attention_backend"] = vllm_cpu.VLLM_CPU_ATTENTION_BACKEND
-    return cfg
+    return cfg | vllm_cpu.drafter_config() if on_cpu else cfg
 
 
 def _vllm(spec: PDClusterSpec, paths: Paths, tp: int, gpus: int, kv_transfer_config: dict[str, object],
