@@ -18,8 +18,6 @@ VLLM_PORT: Final = 8100
 TICKET_TTL_S: Final = 30.0
 #: Where the handoff's shared secret is mounted in pods.
 SECRET_PATH: Final = "/etc/tilert-pd/handoff/secret"
-#: Where the decode node API's bearer token file (one token a line) is mounted on TileRT pods and router pods.
-NODE_API_TOKEN_PATH: Final = "/etc/tilert-pd/node-api/token"
 #: Where the decode node's HTTP API credential (the `<cluster>-node-api` Secret's token) is mounted
 #: in TileRT decode and router pods.
 NODE_API_TOKEN_PATH: Final = "/etc/tilert-pd/node-api/token"
