@@ -4,6 +4,9 @@
 the operator puts in pods, shows progress while engines load, fails with the component's log tail
 if one does not come up (stopping the others), and returns once all are ready, leaving them running
 in the background. `status` lists each component with its URL and health; `down` stops them all.
+
+`--runtime docker` runs the operator's rendered manifests instead, each pod a container of its image
+(docker_runtime.py); `status` and `down` work for either runtime from what `up` recorded.
 """
 
 from __future__ import annotations
@@ -19,14 +22,14 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from tilert_operator import constants
 from tilert_serve import defaults, tinymodel
+from tilert_serve.local import docker, docker_runtime, runner
 from tilert_serve.local import plan as planmod
-from tilert_serve.local import runner
 from tilert_serve.router import config as router_config
 
 if TYPE_CHECKING:
@@ -41,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("-f", "--filename", required=True, help="PDCluster YAML (e.g. examples/tiny-cpu.yaml)")
     up.add_argument("--router-port", type=int, default=defaults.ROUTER_PORT)
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every component")
+    up.add_argument("--runtime", choices=("process", "docker"), default="process",
+                    help="process: each component a local process (default, no root needed); docker: each pod of "
+                         "the rendered manifests a container of its image (`make images` first)")
     st = sub.add_parser("status", help="list the local components with their URLs and health")
     st.add_argument("--json", action="store_true")
     sub.add_parser("down", help="stop every local component")
@@ -52,7 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         return {"up": up, "status": status, "down": down}[args.action](args)
-    except (FileNotFoundError, ValueError, runner.StartFailed) as exc:
+    except (FileNotFoundError, ValueError, runner.StartFailed, docker_runtime.StartFailed,
+            docker.DockerError) as exc:
         print(f"tilert-pd local {args.action}: {exc}", file=sys.stderr)
         return 1
 
@@ -60,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
 def _load(filename: str) -> tuple[str, PDClusterSpec]:
     from tilert_operator import validation
 
-    doc = yaml.safe_load(Path(filename).read_text())
+    doc = _document(filename)
     if not isinstance(doc, dict) or doc.get("kind") != "PDCluster":
         raise ValueError(f"{filename} is not a PDCluster (kind: {doc.get('kind') if isinstance(doc, dict) else None})")
     name = str(doc.get("metadata", {}).get("name") or "")
@@ -68,6 +75,13 @@ def _load(filename: str) -> tuple[str, PDClusterSpec]:
     if problems or spec is None:
         raise ValueError(f"{filename} is not a valid PDCluster:\n" + "\n".join(f"  - {p}" for p in problems))
     return name, spec
+
+
+def _document(filename: str) -> dict[str, Any]:
+    doc = yaml.safe_load(Path(filename).read_text())
+    if not isinstance(doc, dict):
+        raise ValueError(f"{filename} is not a PDCluster (a YAML mapping with kind: PDCluster)")
+    return doc
 
 
 def _model_dir(home: Path, name: str, spec: PDClusterSpec) -> Path:
@@ -89,10 +103,10 @@ def up(args: argparse.Namespace) -> int:
     name, spec = _load(args.filename)
     home: Path = args.home
     state_dir = (home / name).resolve()
-    if (state_dir / runner.STATE_FILE).exists():
-        _, old = runner.load(state_dir)
-        if any(runner.running(p) for p in old):
-            raise ValueError(f"{name} is already running locally; `tilert-pd local down` first")
+    if (state_dir / runner.STATE_FILE).exists() and _is_running(state_dir):
+        raise ValueError(f"{name} is already running locally; `tilert-pd local down` first")
+    if getattr(args, "runtime", "process") == "docker":
+        return _up_docker(args, name, spec, state_dir)
     if runner.port_in_use(args.router_port):
         raise ValueError(f"port {args.router_port} is taken; pass --router-port")
     state_dir.mkdir(parents=True, exist_ok=True)
@@ -137,6 +151,58 @@ def up(args: argparse.Namespace) -> int:
     return 0
 
 
+def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_dir: Path) -> int:
+    from tilert_operator.cli_render import render_document
+
+    manifests = render_document(_document(args.filename), None, with_secret=True)
+    state_dir.mkdir(parents=True, exist_ok=True)
+    say(f"tilert-pd local: {name} from {args.filename} as containers (state in {state_dir})")
+    records, networks = docker_runtime.up(manifests, name, state_dir, args.timeout, say)
+    router = next((r.url for r in records if r.component == constants.ROUTER), "")
+    meta = {"cluster": name, "file": str(Path(args.filename).resolve()), "started": time.time(), "router": router,
+            "runtime": "docker", "networks": networks, "pods": docker_runtime.dump(records)}
+    _save_state(state_dir, meta)
+    try:
+        _warm_up(spec, router, say)
+    except BaseException:
+        say("  removing what was started ...")
+        docker_runtime.cleanup(name, state_dir)
+        (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
+        raise
+    say(f"ready: the OpenAI API is at {router}/v1 (model {spec.model.name!r}); pod logs: `docker logs "
+        f"{docker_runtime.container_name(name, '<pod>', '<container>')}`; `tilert-pd local status`, "
+        "`tilert-pd local down`")
+    return 0
+
+
+def _save_state(state_dir: Path, meta: dict[str, object]) -> None:
+    tmp = state_dir / (runner.STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(meta, indent=2))
+    tmp.replace(state_dir / runner.STATE_FILE)
+
+
+def _raw_state(state_dir: Path) -> dict[str, object]:
+    data: dict[str, object] = json.loads((state_dir / runner.STATE_FILE).read_text())
+    return data
+
+
+def _is_running(state_dir: Path) -> bool:
+    state = _raw_state(state_dir)
+    if state.get("runtime") == "docker":
+        return bool(docker.unavailable() is None and docker.containers(str(state["cluster"])))
+    _, old = runner.load(state_dir)
+    return any(runner.running(p) for p in old)
+
+
+def endpoints(state_dir: Path, component: str) -> tuple[str, list[str]]:
+    """The router's URL and the URLs of one component's pods or processes, from what `up` recorded."""
+    state = _raw_state(state_dir)
+    if state.get("runtime") == "docker":
+        return str(state["router"]), [r.url for r in docker_runtime.records_from(state) if r.component == component]
+    meta, procs = runner.load(state_dir)
+    return str(meta["router"]), [p.url for p in procs if p.kind == component]
+
+
 def _warm_up(spec: PDClusterSpec, router: object, say: Callable[[str], None]) -> None:
     """One short request down each decode path, so `up` returns a stack that serves both.
 
@@ -179,6 +245,14 @@ def _states(home: Path) -> list[Path]:
 def status(args: argparse.Namespace) -> int:
     rows = []
     for state_dir in _states(args.home):
+        state = _raw_state(state_dir)
+        if state.get("runtime") == "docker":
+            for rec in docker_runtime.records_from(state):
+                ready = docker_runtime.ready(rec)
+                rows.append({"cluster": state["cluster"], "name": rec.name, "kind": rec.component, "url": rec.url,
+                             "running": ready is not None, "ready": bool(ready), "log": f"docker logs "
+                             f"{rec.containers[0]}", "runtime": "docker"})
+            continue
         meta, procs = runner.load(state_dir)
         for p in procs:
             running = runner.running(p)
@@ -191,7 +265,7 @@ def status(args: argparse.Namespace) -> int:
     else:
         for r in rows:
             health = "ready" if r["ready"] else ("starting" if r["running"] else "stopped")
-            print(f"{r['cluster']:<12} {r['name']:<10} {health:<9} {r['url']:<28} {r['log']}")
+            print(f"{r['cluster']:<12} {r['name']:<22} {health:<9} {r['url']:<28} {r['log']}")
     return 0
 
 
@@ -201,6 +275,12 @@ def down(args: argparse.Namespace) -> int:
         print("no local stack is running")
         return 0
     for state_dir in states:
+        state = _raw_state(state_dir)
+        if state.get("runtime") == "docker":
+            removed = docker_runtime.cleanup(str(state["cluster"]), state_dir)
+            (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
+            print(f"stopped {state['cluster']} ({removed} containers removed; their logs are in {state_dir / 'logs'})")
+            continue
         meta, procs = runner.load(state_dir)
         others = runner.stop(procs)
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)

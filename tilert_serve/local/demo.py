@@ -21,7 +21,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tilert_operator import constants
 from tilert_serve.local import cli as local_cli
-from tilert_serve.local import runner
 
 PROMPTS = ["The quick brown fox", "Once upon a time, in a data center far away,",
            "Prefill is compute-bound; decode is bound by memory bandwidth, so"]
@@ -93,17 +92,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--home", type=Path, default=local_cli.DEFAULT_HOME)
     ap.add_argument("--router-port", type=int, default=8000)
     ap.add_argument("--keep", action="store_true", help="leave the stack running afterwards")
+    ap.add_argument("--runtime", choices=("process", "docker"), default="process",
+                    help="docker: the pods of the rendered manifests as containers of the images (`make images`)")
     args = ap.parse_args(argv)
     out = (lambda obj: print(json.dumps(obj), flush=True)) if args.json else None
-    up_args = argparse.Namespace(action="up", filename=args.filename, router_port=args.router_port, timeout=600.0,
-                                 home=args.home)
+    up_args = argparse.Namespace(action="up", filename=args.filename, router_port=args.router_port, timeout=900.0,
+                                 home=args.home, runtime=args.runtime)
     if local_cli.run(up_args) != 0:
         return 1
     try:
         name, spec = local_cli._load(args.filename)
-        meta, procs = runner.load((args.home / name).resolve())
-        router = str(meta["router"])
-        nodes = [p.url for p in procs if p.kind == constants.TILERT]
+        router, nodes = local_cli.endpoints((args.home / name).resolve(), constants.TILERT)
         results = []
         for route in ("tilert", "native"):
             for prompt, chat in [*((p, False) for p in PROMPTS), (CHAT, True)]:
@@ -142,7 +141,7 @@ def _print_table(results: list[dict[str, Any]], cluster: str) -> None:
         print(f"{path:<7} {api:<5} {r['ttft_ms']:>8.1f} {r['tpot_ms']:>8.1f} {handoff:>10} {mtp:>7}  "
               f"{r['prompt'][:28]!r} -> {r['text'][:40]!r}")
     print("\nTTFT/TPOT: seen by the client (router in front). handoff: prefill -> decode node state transfer "
-          "(Mooncake over TCP on loopback). MTP acc: draft tokens the decode node accepted.")
+          "(Mooncake over TCP). MTP acc: draft tokens the decode node accepted.")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,277 @@
+"""`tilert-pd local up --runtime docker`: the operator's manifests run as containers of their images.
+
+One Docker bridge network plays the pod network (every pod its own address, Services as DNS names);
+a second bridge network per Multus network the pods ask for plays the secondary (RDMA) network, with
+the network-status file written once the pod's interfaces exist, as Multus and the downward API do.
+Readiness is each container's own readiness probe (after its startup probe), run from the host
+against the pod's address, as the kubelet runs it. Everything created carries the run's label, so
+`down` removes it all, logs saved first.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tilert_operator import constants
+from tilert_serve import dataplane
+from tilert_serve.local import docker, pods, probes
+
+
+class StartFailed(RuntimeError):
+    pass
+
+
+@dataclass
+class PodRecord:
+    """What state.json keeps of a running pod."""
+
+    name: str
+    component: str
+    ip: str
+    image: str
+    containers: list[str]
+    #: http://ip:port of the pod's first declared port.
+    url: str
+    readiness: list[dict[str, Any]] = field(default_factory=list)
+
+
+def container_name(run: str, pod: str, container: str) -> str:
+    return f"tpd-{run}-{pod}-{container}"
+
+
+def _addresses(net: docker.Network, skip: int = 10) -> Iterator[str]:
+    for i, host in enumerate(ipaddress.ip_network(net.subnet).hosts()):
+        if i >= skip and str(host) != net.gateway:
+            yield str(host)
+
+
+def missing_images(manifests: Sequence[pods.Manifest]) -> list[str]:
+    wanted = sorted({c["image"] for m in manifests if m.get("kind") in ("Deployment", "StatefulSet")
+                     for c in [*m["spec"]["template"]["spec"]["containers"],
+                               *(m["spec"]["template"]["spec"].get("initContainers") or [])]})
+    return [i for i in wanted if not docker.image_exists(i)]
+
+
+def up(manifests: Sequence[pods.Manifest], run: str, state_dir: Path, timeout: float,
+       say: Callable[[str], None]) -> tuple[list[PodRecord], list[str]]:
+    """Start every pod of `manifests` and wait until each is ready; (pods, networks). On failure,
+    everything started is removed (logs kept in the state directory) and StartFailed says why."""
+    reason = docker.unavailable()
+    if reason:
+        raise StartFailed(f"--runtime docker needs a Docker engine: {reason}")
+    missing = missing_images(manifests)
+    if missing:
+        raise StartFailed(f"images not built: {', '.join(missing)}; build them with `make images`")
+    cleanup(run, state_dir)
+    net = docker.network_create(f"tpd-{run}", run)
+    nets = [net.name]
+    try:
+        plan = pods.pods(manifests, _addresses(net))
+        secondary: dict[str, tuple[docker.Network, Iterator[str]]] = {}
+        for name in sorted({n for p in plan for n in p.networks}):
+            extra = docker.network_create(f"tpd-{run}-{name.replace('/', '-')}", run)
+            nets.append(extra.name)
+            secondary[name] = (extra, _addresses(extra))
+        say(f"  pod network {net.name} ({net.subnet}); " + (
+            f"secondary networks {', '.join(n for n in nets[1:])}" if secondary else "no secondary network"))
+        records = _start_all(plan, run, state_dir, net, secondary, say)
+        _wait_ready(plan, records, run, timeout, say)
+    except BaseException:
+        say("  removing what was started ...")
+        cleanup(run, state_dir)
+        raise
+    return records, nets
+
+
+def _start_all(plan: Sequence[pods.Pod], run: str, state_dir: Path, net: docker.Network,
+               secondary: dict[str, tuple[docker.Network, Iterator[str]]], say: Callable[[str], None]
+               ) -> list[PodRecord]:
+    lock = threading.Lock()
+    addresses = {p.name: {n: next(secondary[n][1]) for n in p.networks} for p in plan}
+
+    def one(pod: pods.Pod) -> PodRecord:
+        pod_dir = state_dir / "pods" / pod.name
+        _write_files(pod, pod_dir)
+        labels = {docker.RUN_LABEL: run, "pd.tilert.ai/pod": pod.name, **pod.labels}
+        for c in pod.init_containers:
+            name = container_name(run, pod.name, c.name)
+            with lock:
+                say(f"  init   {pod.name}/{c.name} ({c.image})")
+            docker.create(_run_spec(c, name, pod, pod_dir, labels, net.name, first=True))
+            docker.start(name)
+            code = docker.wait(name, timeout=1800)
+            if code != 0:
+                raise StartFailed(f"init container {pod.name}/{c.name} exited with {code}; its log ends with:\n"
+                                  f"{docker.logs(name, 30)}")
+            _save_log(state_dir, name)
+            docker.rm([name])
+        names: list[str] = []
+        for i, c in enumerate(pod.containers):
+            name = container_name(run, pod.name, c.name)
+            docker.create(_run_spec(c, name, pod, pod_dir, labels, net.name, first=i == 0,
+                                    first_name=names[0] if names else None))
+            names.append(name)
+        for network, address in addresses[pod.name].items():
+            docker.network_connect(secondary[network][0].name, names[0], address)
+        for name in names:
+            docker.start(name)
+        if pod.late_files:
+            _write_late_files(pod, pod_dir, names[0], addresses[pod.name])
+        main = pod.containers[0]
+        port = next(iter(main.ports.values()), None)
+        with lock:
+            say(f"  start  {pod.name:<26} {pod.ip:<15} {main.image}")
+        return PodRecord(pod.name, pod.labels.get(constants.LABEL_COMPONENT, pod.owner), pod.ip, main.image, names,
+                         f"http://{pod.ip}:{port}" if port else "")
+
+    with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
+        return list(pool.map(one, plan))
+
+
+def _run_spec(c: pods.Container, name: str, pod: pods.Pod, pod_dir: Path, labels: dict[str, str], network: str,
+              *, first: bool, first_name: str | None = None) -> docker.RunSpec:
+    binds = [(str((pod_dir / m.source).resolve()), m.target, m.read_only) for m in c.mounts]
+    return docker.RunSpec(
+        name=name, image=c.image, entrypoint=c.entrypoint, args=c.args, env=c.env,
+        labels={**labels, "pd.tilert.ai/container": c.name}, binds=binds,
+        network=network if first else None, network_of=None if first else first_name,
+        ip=pod.ip if first else None, hostname=pod.hostname, aliases=pod.aliases if first else (),
+        working_dir=c.working_dir, user=c.user, cap_add=c.cap_add, shm_size=c.shm_size)
+
+
+def _write_files(pod: pods.Pod, pod_dir: Path) -> None:
+    for d in pod.dirs:
+        (pod_dir / d).mkdir(parents=True, exist_ok=True)
+    for f in pod.files:
+        path = pod_dir / f.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # Created with its mode (a secret is never readable by others, not even for a moment).
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, f.mode)
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(f.content)
+        os.chmod(path, f.mode)
+
+
+def _write_late_files(pod: pods.Pod, pod_dir: Path, container: str, addresses: dict[str, str]) -> None:
+    """Multus's part: the pod's network-status, once its interfaces exist, into the downward-API
+    file that mounts the annotation (the node waits for it: --network-status-timeout)."""
+    by_address = {address: iface for iface, address in docker.interfaces(container)}
+    entries = [("", by_address.get(pod.ip, "eth0"), pod.ip)]
+    entries += [(net, by_address.get(address, ""), address) for net, address in addresses.items()]
+    status = pods.network_status(pod, entries)
+    annotations = {**pod.annotations, dataplane.MULTUS_STATUS_ANNOTATION: status}
+    live = pods.Pod(**{**pod.__dict__, "annotations": annotations})
+    for path, field_path in pod.late_files:
+        target = pod_dir / path
+        tmp = target.with_suffix(".tmp")
+        tmp.write_text(pods.field_value(live, field_path))
+        tmp.replace(target)
+
+
+def _save_log(state_dir: Path, container: str) -> None:
+    logs = state_dir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    (logs / f"{container}.log").write_text(docker.logs(container))
+
+
+def _wait_ready(plan: Sequence[pods.Pod], records: list[PodRecord], run: str, timeout: float,
+                say: Callable[[str], None]) -> None:
+    t0 = probes.now()
+    trackers = {(p.name, c.name): (_trackers(c, t0), container_name(run, p.name, c.name))
+                for p in plan for c in p.containers}
+    ip = {p.name: p.ip for p in plan}
+    pending = {p.name for p in plan}
+    last_report = 0.0
+    while pending:
+        now = probes.now()
+        for (pod, cname), ((startup, readiness), container) in trackers.items():
+            if pod not in pending:
+                continue
+            state = (docker.inspect(container) or {}).get("State", {})
+            if not state.get("Running"):
+                raise StartFailed(f"{pod}/{cname} exited (code {state.get('ExitCode')}) before it was ready; its "
+                                  f"log ends with:\n{docker.logs(container, 40)}")
+            for t in (startup, readiness):
+                if t is None or t.passed or (t is readiness and startup is not None and not startup.passed):
+                    continue
+                if t.due(now):
+                    ok, detail = probes.run(t.probe, ip[pod], _exec(container))
+                    t.record(ok, detail, probes.now())
+                    if t is startup and t.given_up:
+                        raise StartFailed(f"{pod}/{cname}: startup probe {t.probe.describe()} failed "
+                                          f"{t.failures} times (last: {t.last}); the kubelet would restart it. "
+                                          f"Its log ends with:\n{docker.logs(container, 40)}")
+        for pod in sorted(pending):
+            if all(r is None or r.passed for (p, _), ((_, r), _) in trackers.items() if p == pod):
+                pending.discard(pod)
+                say(f"  ready  {pod:<26} ({probes.now() - t0:.0f} s)")
+        elapsed = probes.now() - t0
+        if pending and elapsed > timeout:
+            detail = "; ".join(f"{p}/{c}: {_pending(s, r)}" for (p, c), ((s, r), _) in trackers.items()
+                               if p in pending)
+            raise StartFailed(f"not ready after {timeout:.0f} s: {detail}")
+        if pending and elapsed - last_report >= 15:
+            say(f"  waiting for {', '.join(sorted(pending))} ({elapsed:.0f} s)")
+            last_report = elapsed
+        time.sleep(0.5)
+    for rec in records:
+        rec.readiness = [asdict(c.readiness) for p in plan if p.name == rec.name for c in p.containers
+                         if c.readiness is not None]
+
+
+def _pending(startup: probes.Tracker | None, readiness: probes.Tracker | None) -> str:
+    if startup is not None and not startup.passed:
+        return f"startup probe {startup.probe.describe()}, last: {startup.last}"
+    if readiness is not None:
+        return f"readiness probe {readiness.probe.describe()}, last: {readiness.last}"
+    return "no readiness probe"
+
+
+def _trackers(c: pods.Container, t0: float) -> tuple[probes.Tracker | None, probes.Tracker | None]:
+    return (probes.Tracker(c.startup, t0) if c.startup else None,
+            probes.Tracker(c.readiness, t0) if c.readiness else None)
+
+
+def _exec(container: str) -> probes.Exec:
+    def run(argv: Sequence[str], timeout: float) -> int:
+        return docker.exec_(container, argv, timeout).returncode
+    return run
+
+
+def ready(rec: PodRecord) -> bool | None:
+    """The pod's readiness now (its probes once each); None when its container is not running."""
+    state = (docker.inspect(rec.containers[0]) or {}).get("State", {})
+    if not state.get("Running"):
+        return None
+    for raw in rec.readiness:
+        probe = pods.Probe(**{**raw, "command": tuple(raw.get("command") or ())})
+        ok, _ = probes.run(probe, rec.ip, _exec(rec.containers[0]))
+        if not ok:
+            return False
+    return True
+
+
+def cleanup(run: str, state_dir: Path) -> int:
+    """Remove every container and network of the run (logs saved first); how many containers."""
+    names = docker.containers(run)
+    for name in names:
+        _save_log(state_dir, name)
+    docker.rm(names)
+    docker.network_rm(docker.networks(run))
+    return len(names)
+
+
+def records_from(state: dict[str, Any]) -> list[PodRecord]:
+    return [PodRecord(**p) for p in state.get("pods", [])]
+
+
+def dump(records: Sequence[PodRecord]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in records]
