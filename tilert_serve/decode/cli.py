@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from tilert_serve import dataplane, defaults, layouts, transfer
+from tilert_serve.bearer import TokenFile, TokenFileError
 from tilert_serve.decode import engines
 
 
@@ -40,6 +41,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--transfer", default="mooncake", choices=transfer.ENGINES)
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
     p.add_argument("--secret-file", default=defaults.SECRET_PATH)
+    p.add_argument("--api-token-file", default=None,
+                   help="bearer tokens (one a line, any accepted) that /v1/admit, /v1/generate, /v1/cancel and "
+                        f"/v1/status require; default {defaults.NODE_API_TOKEN_PATH} (the <cluster>-node-api "
+                        "Secret); '' = no authentication (logged). Absent flag and absent default file: "
+                        "no authentication, with a warning")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (engine and receive buffers)")
     p.add_argument("--shards", type=int, default=1, help="receive-buffer shards, one per GPU (cuda:0..N-1)")
     p.add_argument("--dtype", default="auto", help="engine dtype for the reference engine: float32, bfloat16")
@@ -79,7 +85,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         layout = _layout(args, hf_config)
         secret = load_secret(args.secret_file)
-    except (ValueError, OSError) as exc:
+        api_tokens = api_token_file(args.api_token_file)
+    except (ValueError, OSError, TokenFileError) as exc:
         raise SystemExit(f"decode-node: {exc}") from exc
     where = find_data_plane(args)
     assert where.address is not None
@@ -98,8 +105,18 @@ def run(args: argparse.Namespace) -> int:
     tokenizer, eos = _tokenizer(model_dir)
     node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
                       eos_token_ids=eos)
-    web.run_app(make_app(node), host=args.host, port=args.http_port, print=None, access_log=None)
+    web.run_app(make_app(node, api_tokens), host=args.host, port=args.http_port, print=None, access_log=None)
     return 0
+
+
+def api_token_file(flag: str | None) -> TokenFile | None:
+    """The node-API token file: the flag's path ('' = none, explicitly), else the mounted default when it
+    exists. A named file that cannot be read stops the node (TokenFileError)."""
+    if flag is None:
+        if not Path(defaults.NODE_API_TOKEN_PATH).exists():
+            return None  # make_app logs that the API is open
+        flag = defaults.NODE_API_TOKEN_PATH
+    return TokenFile(flag) if flag else None
 
 
 def find_data_plane(args: argparse.Namespace, sleep: float = 1.0) -> dataplane.DataPlane:

@@ -3,11 +3,13 @@
     POST /v1/admit     {"request_id", "prompt_tokens"?, "max_tokens"?} -> ticket | 429 node_full | 400 too_long
     POST /v1/generate  {"ticket", "first_token", "max_tokens", "sampling"?, "stop_token_ids"?, "ignore_eos"?}
                        -> text/event-stream of {"token_ids", "text"} events, then {"done": true, ...}
-    POST /v1/cancel    {"ticket"} or {"request_id"} -> {"cancelled": bool}
+    POST /v1/cancel    {"ticket"} -> {"cancelled": bool}   (only the ticket that owns the request)
     GET  /health, /ready, /metrics, /v1/status
 
-Errors are {"error": {"type", "message"}}; once a stream has started, an error is an SSE `error`
-event that ends it.
+/v1/* take the cluster's node-API bearer token when the node has one (api_auth.py); /health, /ready and
+/metrics are open and carry no request ids or addresses. Errors are {"error": {"type", "message"}}
+(aiohttp's own 404/405/413 too); once a stream has started, an error is an SSE `error` event that ends
+it, and a stream cancelled by its ticket ends with an `error` event of type "cancelled".
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from tilert_serve import pydantic_errors
+from tilert_serve.bearer import TokenFile
+from tilert_serve.decode import api_auth
 from tilert_serve.decode.engines.base import Sampling
 from tilert_serve.decode.node import DecodeNode, GenerateParams, HandoffFailed
 from tilert_serve.decode.slots import NodeFull, SlotState, UnknownTicket
@@ -28,10 +32,12 @@ from tilert_serve.decode.slots import NodeFull, SlotState, UnknownTicket
 log = logging.getLogger(__name__)
 NODE = web.AppKey("node", DecodeNode)
 MAX_BODY = 1 << 20
+#: Seeds are 64-bit, as vLLM's (and the router's check) take them.
+_INT64 = 2**63
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class AdmitBody(_Body):
@@ -45,7 +51,7 @@ class SamplingBody(_Body):
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     #: 0 or -1 (vLLM's and the OpenAI extensions' spelling) mean no top-k.
     top_k: int = Field(default=0, ge=-1)
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-_INT64, lt=_INT64)
 
 
 class GenerateBody(_Body):
@@ -59,8 +65,8 @@ class GenerateBody(_Body):
 
 
 class CancelBody(_Body):
-    ticket: str | None = None
-    request_id: str | None = None
+    #: Only the ticket cancels: whoever admitted the request holds it (a request id is not a secret).
+    ticket: str = Field(min_length=1, max_length=256)
 
 
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
@@ -70,7 +76,7 @@ def _error(status: int, kind: str, message: str, headers: dict[str, str] | None 
 async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
     try:
         data = json.loads(await request.read())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, 5000-digit numbers, 100k-deep nesting
         raise web.HTTPBadRequest(text=json.dumps({"error": {"type": "invalid_json", "message": str(exc)}}),
                                  content_type="application/json") from exc
     try:
@@ -123,6 +129,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     events = node.decode(slot, params)
     try:
         async for event in events:
+            if event.get("done") and event.get("finish_reason") == "cancelled":
+                # Not an OpenAI finish reason: the stream was cancelled by its ticket, it did not finish.
+                err = {"error": {"type": "cancelled", "message": "the request was cancelled by its ticket"}}
+                await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
+                continue
             await resp.write(f"data: {json.dumps(event)}\n\n".encode())
     except (ConnectionResetError, ConnectionError):
         log.info("client of slot %d went away; decode cancelled", slot.index)
@@ -141,17 +152,9 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def cancel(request: web.Request) -> web.Response:
     node = request.app[NODE]
     body: CancelBody = await _parse(request, CancelBody)
-    slot = None
-    if body.ticket:
-        try:
-            slot = node.slots.by_ticket(body.ticket)
-        except UnknownTicket:
-            slot = None
-    elif body.request_id:
-        slot = node.slots.by_request(body.request_id)
-    else:
-        return _error(400, "invalid_request", "give a ticket or a request_id")
-    if slot is None:
+    try:
+        slot = node.slots.by_ticket(body.ticket)
+    except UnknownTicket:
         return web.json_response({"cancelled": False})
     node.cancel(slot)
     return web.json_response({"cancelled": True})
@@ -160,7 +163,7 @@ async def cancel(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     node = request.app[NODE]
     if node.failed:
-        return web.json_response({"status": "failed", "reason": node.failed}, status=500)
+        return web.json_response({"status": "failed", "reason": api_auth.public_reason(node.failed)}, status=500)
     return web.json_response({"status": "ok"})
 
 
@@ -168,7 +171,7 @@ async def ready(request: web.Request) -> web.Response:
     node = request.app[NODE]
     if node.ready:
         return web.json_response({"ready": True})
-    reason = node.failed or ("stopping" if node.stopping else "engine loading or buffers not registered yet")
+    reason = api_auth.public_reason(node.failed) if node.failed else ("stopping" if node.stopping else "engine loading or buffers not registered yet")
     return web.json_response({"ready": False, "reason": reason}, status=503)
 
 
@@ -178,16 +181,21 @@ async def metrics(request: web.Request) -> web.Response:
 
 async def status(request: web.Request) -> web.Response:
     node = request.app[NODE]
+    # Request ids only to a caller that showed the node's token (never on a node without one).
+    ids = request.get(api_auth.AUTHENTICATED, False)
     return web.json_response({
-        "name": node.config.name, "ready": node.ready, "layout": node.layout.describe(),
+        "name": node.config.name, "ready": node.ready, "failed": node.failed, "layout": node.layout.describe(),
         "engine": node.engine.name, "transfer": node.transfer.name, "max_seq_len": node.config.max_seq_len,
-        "slots": [{"index": s.index, "state": s.state.value, "request_id": s.request_id} for s in node.slots.slots],
+        "slots": [{"index": s.index, "state": s.state.value, **({"request_id": s.request_id} if ids else {})}
+                  for s in node.slots.slots],
         "ctrl": {"host": node.config.advertise_host, "port": node.ctrl_port},
     })
 
 
-def make_app(node: DecodeNode) -> web.Application:
-    app = web.Application(client_max_size=MAX_BODY)
+def make_app(node: DecodeNode, api_tokens: TokenFile | None = None) -> web.Application:
+    """The node's app. `api_tokens`: the node-API token file /v1/* require; None = an open API (tests,
+    or a node started with `--api-token-file ''`, which logs a warning)."""
+    app = web.Application(client_max_size=MAX_BODY, middlewares=api_auth.middlewares(api_tokens))
     app[NODE] = node
     app.add_routes([
         web.post("/v1/admit", admit), web.post("/v1/generate", generate), web.post("/v1/cancel", cancel),
