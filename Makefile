@@ -1,4 +1,4 @@
-.PHONY: setup test test-fast lint demo clean
+.PHONY: setup test test-fast lint demo clean images
 
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -21,6 +21,11 @@ lint: setup
 
 demo: setup
 	@$(PY) -m tilert_serve.local.demo $(DEMO_ARGS)
+
+# The operator image and the two CPU images (docker/images.txt), from the pinned public bases when they
+# can be pulled, else from an offline Debian base; a second run with nothing changed is all cache hits.
+images:
+	@bash scripts/images.sh $(IMAGES)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -1,11 +1,11 @@
-# syntax=docker/dockerfile:1
 # ghcr.io/tilert-pd/operator: the PDCluster operator (`tilert-pd operator`), what the chart deploys.
 # Build from the repository root:
 #   docker build -f docker/operator.Dockerfile -t ghcr.io/tilert-pd/operator:0.1.0 .
 #
 # Base pinned to a patch tag, not `3.12-slim`: a rebuild gets the same interpreter, and a base
 # update is a reviewed one-line change. Python 3.12 is what the serving images use too.
-FROM python:3.12.12-slim-bookworm
+ARG BASE=python:3.12.12-slim-bookworm
+FROM ${BASE}
 
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \

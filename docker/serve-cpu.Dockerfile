@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # ghcr.io/tilert-pd/serve:0.1.0-cpu: the router and the decode node on CPUs (reference engine,
 # Mooncake over TCP): the tiny stack in examples/tiny-cpu.yaml, e.g. on kind.
 #   docker build -f docker/serve-cpu.Dockerfile -t ghcr.io/tilert-pd/serve:0.1.0-cpu .
@@ -6,15 +5,13 @@
 # Python 3.11 and the wheels of constraints.txt are exactly what `make setup` installs and the test
 # suite runs on the CPU machines (the non-CUDA Mooncake wheel was verified as cp311). Base pinned to
 # a patch tag so rebuilds are reproducible; bumping it is a reviewed change.
-FROM python:3.11.14-slim-bookworm
+ARG BASE=python:3.11.14-slim-bookworm
+FROM ${BASE}
 
-# PIP_EXTRA_INDEX_URL: torch's CPU wheels (constraints.txt pins torch==2.13.0+cpu) are on PyTorch's
-# index, not on PyPI.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Mooncake's non-CUDA wheel links these; --no-install-recommends keeps ibverbs-providers out (its
 # libefa makes NIXL's bundled UCX crash at exit; see scripts/setup.sh). No RDMA device is needed: TCP.
@@ -26,6 +23,12 @@ WORKDIR /src
 # Dependencies first, from pyproject.toml alone (no packages yet: this installs only the
 # requirements), so editing the source does not reinstall torch.
 COPY pyproject.toml README.md constraints.txt ./
+# Where torch's CPU wheels come from: constraints.txt pins torch==2.13.0+cpu, which is on PyTorch's
+# index, not on PyPI. Build arguments, not ENV, so the image does not carry them. Where that index is
+# unreachable, scripts/images.sh empties PIP_EXTRA_INDEX_URL and serves a wheelhouse made by the host's
+# pip on 127.0.0.1 as PIP_FIND_LINKS (the build runs with --network host; no wheel enters a layer).
+ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS
 RUN pip install -c constraints.txt ".[decode,router,tinymodel,transfer]" \
  && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 

