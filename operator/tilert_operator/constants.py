@@ -40,9 +40,24 @@ COMPONENTS: Final = (PREFILL, TILERT, NATIVE, ROUTER)
 #: still wants is already there (a subset check alone would miss a removed field).
 APPLIED_HASH_ANNOTATION: Final = f"{GROUP}/applied-hash"
 
-#: On prefill and TileRT pod templates: a hash of the handoff token, so a new token (the Secret was
-#: deleted and regenerated) rolls both sides together instead of leaving them disagreeing.
-SECRET_VERSION_ANNOTATION: Final = f"{GROUP}/handoff-secret-version"
+#: On TileRT decode and router pod templates: a hash of the node API token, so a new token (its
+#: Secret was deleted and regenerated) rolls both sides together. The handoff secret has no such
+#: annotation: the node and the sender re-read it when the kubelet updates the mounted file, and it is
+#: rotated in phases (credentials.py), so a change of it never restarts a pod.
+NODE_API_TOKEN_VERSION_ANNOTATION: Final = f"{GROUP}/node-api-token-version"
+
+#: On a PDCluster: set it (to any new value) to rotate the handoff secret; see credentials.py.
+ROTATE_HANDOFF_SECRET_ANNOTATION: Final = f"{GROUP}/rotate-handoff-secret"
+#: On a Secret carrying the operator's labels for this cluster: "true" lets the operator adopt it
+#: (take ownership and, for the handoff Secret, rotate it). Without it, or an ownerReference to the
+#: PDCluster, a Secret with the expected name is left untouched and reported.
+ADOPT_ANNOTATION: Final = f"{GROUP}/adopt"
+#: On the handoff Secret: the rotation state (the request being served, its phase, when the phase
+#: began, when the last rotation completed), so a restarted operator resumes where it left off.
+ROTATION_REQUEST_ANNOTATION: Final = f"{GROUP}/rotation-request"
+ROTATION_PHASE_ANNOTATION: Final = f"{GROUP}/rotation-phase"
+ROTATION_SINCE_ANNOTATION: Final = f"{GROUP}/rotation-phase-since"
+ROTATED_AT_ANNOTATION: Final = f"{GROUP}/rotated-at"
 
 #: The pod annotation that asks Multus for secondary networks (what Multus reports back is
 #: tilert_serve.dataplane.MULTUS_STATUS_ANNOTATION).
@@ -54,8 +69,17 @@ MODEL_MOUNT: Final = "/models"
 ROUTER_CONFIG_DIR: Final = "/etc/tilert-pd/router"
 ROUTER_CONFIG_FILE: Final = f"{ROUTER_CONFIG_DIR}/config.yaml"
 ROUTER_KEYS_DIR: Final = "/etc/tilert-pd/router-keys"
-#: Key of the handoff secret inside its Secret object.
+#: Key of the handoff secret inside its Secret object: senders sign with it, nodes accept it.
 HANDOFF_SECRET_KEY: Final = "secret"
+#: Key of the extra secrets nodes accept (one per line, may be empty): the rotation's other half.
+HANDOFF_ACCEPT_KEY: Final = "accept"
+#: Key of the node API token inside the `<cluster>-node-api` Secret.
+NODE_API_TOKEN_KEY: Final = "token"
+
+#: MultiNetworkPolicy (k8snetworkplumbingwg's CRD): what fences the data plane on Multus networks.
+MULTI_NETWORK_POLICY_API_VERSION: Final = "k8s.cni.cncf.io/v1beta1"
+#: Which Multus networks a MultiNetworkPolicy applies to (comma-separated network names).
+MULTI_NETWORK_POLICY_FOR_ANNOTATION: Final = "k8s.v1.cni.cncf.io/policy-for"
 
 # Default images. One place, so the chart and the docs can point at them.
 DEFAULT_VLLM_IMAGE: Final = "ghcr.io/tilert-pd/vllm-prefill:0.1.0-cuda"
@@ -75,3 +99,7 @@ def child_name(cluster: str, component: str) -> str:
 
 def handoff_secret_name(cluster: str) -> str:
     return f"{cluster}-handoff"
+
+
+def node_api_secret_name(cluster: str) -> str:
+    return f"{cluster}-node-api"

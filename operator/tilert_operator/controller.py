@@ -15,7 +15,7 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from tilert_operator import reconcile
+from tilert_operator import constants, credentials, reconcile
 from tilert_operator.kubeapi import Client, Obj
 from tilert_operator.metrics import Metrics
 
@@ -31,6 +31,8 @@ class Settings:
     concurrency: int = 16
     backoff_first_s: float = 0.5
     backoff_max_s: float = 30.0
+    #: Seconds each phase of a handoff-secret rotation lasts (credentials.py).
+    rotation_grace_s: float = credentials.DEFAULT_GRACE_S
 
 
 @dataclass
@@ -39,6 +41,8 @@ class _Worker:
     kick: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
     failures: int = 0
+    #: When the last reconcile asked to run again (a rotation phase ends), epoch seconds.
+    requeue_at: float | None = None
 
 
 class Controller:
@@ -69,7 +73,9 @@ class Controller:
             # Our own status writes come back as events too: only a spec change (generation) or a
             # deletion mark needs a reconcile now; the rest waits for the resync.
             before = worker.body["metadata"]
-            changed = before.get("generation") != meta.get("generation") or before.get("deletionTimestamp") != meta.get("deletionTimestamp")
+            changed = (before.get("generation") != meta.get("generation")
+                       or before.get("deletionTimestamp") != meta.get("deletionTimestamp")
+                       or _rotation_request(before) != _rotation_request(meta))
             worker.body = body
             if not changed:
                 return
@@ -90,15 +96,18 @@ class Controller:
     async def _run(self, key: Key, worker: _Worker) -> None:
         s = self.settings
         while True:
+            wait = s.resync_s
+            if worker.requeue_at is not None:
+                wait = max(0.0, min(wait, worker.requeue_at - time.time()))
             try:
-                await asyncio.wait_for(worker.kick.wait(), timeout=s.resync_s)
+                await asyncio.wait_for(worker.kick.wait(), timeout=wait)
             except TimeoutError:
                 pass
             worker.kick.clear()
             async with self._slots:
                 started = time.perf_counter()
                 try:
-                    outcome = await reconcile.reconcile(self.api, worker.body)
+                    outcome = await reconcile.reconcile(self.api, worker.body, rotation_grace_s=s.rotation_grace_s)
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
@@ -111,8 +120,14 @@ class Controller:
                 finally:
                     self.metrics.reconcile_duration.observe(time.perf_counter() - started)
             worker.failures = 0
+            worker.requeue_at = outcome.requeue_at
             self.metrics.writes.inc(outcome.writes)
             self.metrics.states[key] = outcome.state
             if outcome.written is not None and outcome.written.get("metadata", {}).get("uid") == worker.body["metadata"].get("uid"):
                 # Compare the next resync against what we wrote, not a body the watch has not caught up to.
                 worker.body = worker.body | {"status": outcome.written.get("status") or {}}
+
+
+def _rotation_request(meta: Obj) -> str | None:
+    """A rotation request is an annotation: it changes no generation, yet it is worth a reconcile now."""
+    return (meta.get("annotations") or {}).get(constants.ROTATE_HANDOFF_SECRET_ANNOTATION)

@@ -1,9 +1,13 @@
 """One idempotent reconcile of one PDCluster: validate, observe, render, apply what differs, report.
 
-Reads: the handoff Secret, the cluster's pods, and its children of each kind (by label). Writes only
-what differs from the rendered intent (a resync with nothing to change writes nothing): server-side
-apply of changed or missing children, deletion of children the spec no longer wants, the status
-when it changed, and an Event per condition transition.
+Reads: the handoff and node API Secrets, the cluster's pods, and its children of each kind (by
+label). Writes only what differs from the rendered intent (a resync with nothing to change writes
+nothing): the Secrets when created, adopted or rotated (credentials.py), server-side apply of changed
+or missing children, deletion of children the spec no longer wants, the status when it changed, and
+an Event per condition transition. A Secret with the expected name that is not this PDCluster's
+stops the reconcile before anything is applied (SecretsOwned=False). MultiNetworkPolicies are
+applied only when the API server serves them; otherwise DataPlaneProtected says so and the rest of
+the stack is reconciled as usual.
 """
 
 from __future__ import annotations
@@ -11,19 +15,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tilert_operator import constants, observe, render, status, validation
+from tilert_operator import constants, credentials, observe, render, status, validation
 from tilert_operator.kubeapi import ApiError, Client, Obj
 from tilert_operator.render import network
 
 log = logging.getLogger(__name__)
 
-#: Kinds the operator applies as children (the handoff Secret is created apart, once).
-CHILD_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy")
-API_VERSIONS = {"Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1", "NetworkPolicy": "networking.k8s.io/v1"}
+#: Kinds the operator applies as children (the Secrets are created apart, once).
+CHILD_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "MultiNetworkPolicy")
+API_VERSIONS = {"Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1",
+                "NetworkPolicy": "networking.k8s.io/v1", "MultiNetworkPolicy": constants.MULTI_NETWORK_POLICY_API_VERSION}
+#: Kinds served by an optional CRD: a 404 on listing them means "not installed", not a failure.
+OPTIONAL_KINDS = frozenset({"MultiNetworkPolicy"})
 
 
 @dataclass
@@ -37,6 +44,10 @@ class Outcome:
     #: The PDCluster as the status write returned it (so the next resync compares against it).
     written: Obj | None = None
     events: list[str] = field(default_factory=list)
+    #: When the next reconcile is due sooner than the resync (a rotation phase ends), epoch seconds.
+    requeue_at: float | None = None
+    #: What was done to the Secrets (created, adopted, completed, rotation phases).
+    secrets: list[str] = field(default_factory=list)
 
     @property
     def writes(self) -> int:
@@ -87,8 +98,13 @@ def _key(obj: Obj) -> str:
 
 
 async def _event(api: Client, body: Obj, cond: status.Condition, out: Outcome) -> None:
+    await _post_event(api, body, ok=cond["status"] == "True", reason=cond["reason"],
+                      message=f"{cond['type']}={cond['status']}: {cond['message']}", out=out,
+                      tag=f"{cond['type']}={cond['status']}")
+
+
+async def _post_event(api: Client, body: Obj, *, ok: bool, reason: str, message: str, out: Outcome, tag: str) -> None:
     meta = body["metadata"]
-    ok = cond["status"] == "True"
     event = {
         "apiVersion": "v1",
         "kind": "Event",
@@ -98,15 +114,15 @@ async def _event(api: Client, body: Obj, cond: status.Condition, out: Outcome) -
             "namespace": meta["namespace"], "uid": meta["uid"],
         },
         "type": "Normal" if ok else "Warning",
-        "reason": cond["reason"],
-        "message": f"{cond['type']}={cond['status']}: {cond['message']}"[:1000],
+        "reason": reason,
+        "message": message[:1000],
         "source": {"component": constants.FIELD_MANAGER},
         "firstTimestamp": status.now(),
         "lastTimestamp": status.now(),
         "count": 1,
     }  # fmt: skip
     await api.create(event)
-    out.events.append(f"{cond['type']}={cond['status']}")
+    out.events.append(tag)
 
 
 async def _write_status(api: Client, body: Obj, new: dict[str, Any], out: Outcome) -> None:
@@ -120,22 +136,18 @@ async def _write_status(api: Client, body: Obj, new: dict[str, Any], out: Outcom
         await _event(api, body, cond, out)
 
 
-async def ensure_secret(api: Client, body: Obj) -> Obj:
-    """The handoff Secret, created with a fresh token when absent (never re-applied: the token must
-    not change under running pods)."""
-    meta = body["metadata"]
-    name = constants.handoff_secret_name(meta["name"])
-    existing = await api.get("Secret", meta["namespace"], name)
-    if existing is not None:
-        return existing
-    secret = adopt(network.handoff_secret(meta["name"], meta["namespace"], secrets.token_urlsafe(32)), body)
-    created = await api.create(secret) or await api.get("Secret", meta["namespace"], name)
-    if created is None:
-        raise ApiError(409, "POST", f"secrets/{name}", "create answered AlreadyExists but the Secret is absent; retrying")
-    return created
+async def _list_children(api: Client, kind: str, ns: str, selector: str) -> list[Obj] | None:
+    """The children of one kind; None when the kind is optional and the API server does not serve it."""
+    try:
+        return await api.list(kind, ns, selector)
+    except ApiError as e:
+        if e.status == 404 and kind in OPTIONAL_KINDS:
+            return None
+        raise
 
 
-async def reconcile(api: Client, body: Obj) -> Outcome:
+async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credentials.DEFAULT_GRACE_S,
+                    now: float | None = None) -> Outcome:
     out = Outcome()
     meta = body["metadata"]
     cluster, ns, generation = meta["name"], meta["namespace"], meta.get("generation")
@@ -147,15 +159,42 @@ async def reconcile(api: Client, body: Obj) -> Outcome:
         await _write_status(api, body, status.build(generation=generation, conditions_=status.invalid(problems), old=body.get("status") or {}), out)
         return out
 
-    version = network.secret_version_of(await ensure_secret(api, body))
+    now = time.time() if now is None else now
+    handoff = await credentials.ensure_handoff(api, body)
+    node_api = await credentials.ensure_node_api(api, body)
+    not_owned = [s.problem for s in (handoff, node_api) if s.problem]
+    for s in (handoff, node_api):
+        out.secrets += [f"{s.name}: {a}" for a in s.actions]
+        # Creation is the normal path; adopting or completing someone's Secret is worth an Event.
+        for a in s.actions:
+            if a != "created":
+                await _post_event(api, body, ok=True, reason="SecretAdopted" if a == "adopted" else "SecretCompleted",
+                                  message=f"Secret {s.name}: {a}", out=out, tag=f"{s.name}: {a}")
+    if not_owned:
+        out.state = "not_ready"
+        await _write_status(api, body, status.build(generation=generation, conditions_=status.secrets_not_owned(not_owned),
+                                                    old=body.get("status") or {}), out)
+        return out
+    # Each phase change is a HandoffSecretRotating transition, so it gets its Event with the status write.
+    rotation = await credentials.rotate(api, body, handoff, now=now, grace_s=rotation_grace_s)
+    out.secrets += [f"{handoff.name}: {a}" for a in handoff.actions if a.startswith("rotation")]
+    out.requeue_at = rotation.due(rotation_grace_s)
+    assert node_api.secret is not None
+    version = network.token_version_of(node_api.secret)
+
     selector = f"{constants.LABEL_CLUSTER}={cluster}"
     pods = await api.list("Pod", ns, selector)
     nodes, unwired = observe.tilert_nodes(spec, pods)
     pools = observe.pool_states(spec, pods)
 
     desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes, version)}
+    served: dict[str, bool] = {}
     for kind in CHILD_KINDS:
-        actual = {_key(o | {"kind": kind}): o for o in await api.list(kind, ns, selector) if _owned_by(o, meta["uid"])}
+        listed = await _list_children(api, kind, ns, selector)
+        served[kind] = listed is not None
+        if listed is None:
+            continue  # not served: nothing to compare, apply or delete (status says so if it was wanted)
+        actual = {_key(o | {"kind": kind}): o for o in listed if _owned_by(o, meta["uid"])}
         for key, want in desired.items():
             # List items carry no apiVersion/kind on a real API server: compare the rest.
             body_only = {k: v for k, v in want.items() if k not in ("apiVersion", "kind")}
@@ -167,10 +206,18 @@ async def reconcile(api: Client, body: Obj) -> Outcome:
                 await api.delete(kind, ns, have["metadata"]["name"])
                 out.deleted.append(key)
 
-    conds = status.conditions(cluster, pools, nodes, unwired)
+    rdma = spec.transfer.rdma
+    wants_mnp = any(o["kind"] == "MultiNetworkPolicy" for o in desired.values())
+    security = [
+        status.rotation(cluster, rotation.status(rotation_grace_s)),
+        status.data_plane(rdma.networks, rdma.host_network, spec.network_policies.enabled,
+                          served["MultiNetworkPolicy"] if wants_mnp else None),
+    ]
+    conds = status.conditions(cluster, pools, nodes, unwired, [status.secrets_owned([handoff.name, node_api.name]), *security])
     ready = next(c for c in conds if c["type"] == "Ready")
     out.state = "ready" if ready["status"] == "True" else "not_ready"
-    new = status.build(generation=generation, conditions_=conds, old=body.get("status") or {}, pools=pools, endpoints=nodes)
+    new = status.build(generation=generation, conditions_=conds, old=body.get("status") or {}, pools=pools, endpoints=nodes,
+                       handoff_secret=rotation.status(rotation_grace_s))
     await _write_status(api, body, new, out)
     if out.applied or out.deleted:
         log.info("[%s/%s] applied %s, deleted %s", ns, cluster, out.applied, out.deleted)

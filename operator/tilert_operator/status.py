@@ -17,7 +17,10 @@ from tilert_operator.observe import PoolState, Unwired
 from tilert_operator.validation import Problem
 from tilert_serve.router.config import TileRTNode
 
-CONDITION_TYPES = ("SpecValid", "PrefillReady", "TileRTDecodeReady", "NativeDecodeReady", "RouterReady", "EndpointsWired", "Ready")
+CONDITION_TYPES = ("SpecValid", "PrefillReady", "TileRTDecodeReady", "NativeDecodeReady", "RouterReady", "EndpointsWired",
+                   "SecretsOwned", "HandoffSecretRotating", "DataPlaneProtected", "Ready")
+#: Conditions that say something is unsafe: False gets a Warning Event on a PDCluster's first status too.
+SECURITY_CONDITIONS = ("SecretsOwned", "DataPlaneProtected")
 POOL_CONDITIONS = {
     constants.PREFILL: "PrefillReady",
     constants.TILERT: "TileRTDecodeReady",
@@ -47,6 +50,72 @@ def pool_condition(cluster: str, component: str, state: PoolState) -> Condition:
     return _cond(type_, False, "PodsNotReady", f"{state.text} {component} pods ready; see {_selector_hint(cluster, component)}")
 
 
+def secrets_not_owned(problems: Sequence[str]) -> list[Condition]:
+    """A Secret the pods would mount is someone else's: nothing is deployed (see credentials.py)."""
+    return [
+        _cond("SpecValid", True, "Valid", "the spec passed all checks"),
+        _cond("SecretsOwned", False, "SecretNotOwned", "; ".join(problems)),
+        _cond("Ready", False, "SecretNotOwned", "a Secret the pods would mount is not this PDCluster's (see SecretsOwned)"),
+    ]
+
+
+def secrets_owned(names: Sequence[str]) -> Condition:
+    return _cond("SecretsOwned", True, "Owned", f"Secrets {', '.join(names)} are this PDCluster's")
+
+
+def rotation(cluster: str, handoff: dict[str, Any]) -> Condition:
+    """HandoffSecretRotating from status.handoffSecret (credentials.Rotation.status)."""
+    phase = handoff.get("phase", "Idle")
+    request = handoff.get("request")
+    how = (f"to rotate: kubectl annotate pdc {cluster} {constants.ROTATE_HANDOFF_SECRET_ANNOTATION}=$(date +%s) "
+           "--overwrite")
+    if phase == "AcceptingNewSecret":
+        return _cond("HandoffSecretRotating", True, phase,
+                     f"rotation {request!r}, phase 1 of 3: nodes accept the new secret beside the current one; "
+                     f"senders switch to it at {handoff.get('nextPhaseAt')}")
+    if phase == "SigningWithNewSecret":
+        return _cond("HandoffSecretRotating", True, phase,
+                     f"rotation {request!r}, phase 2 of 3: senders sign with the new secret; nodes accept the old "
+                     f"one until {handoff.get('nextPhaseAt')}")
+    if handoff.get("lastRotated"):
+        return _cond("HandoffSecretRotating", False, "Rotated",
+                     f"rotation {request!r} completed at {handoff['lastRotated']}; the old secret is refused; {how}")
+    return _cond("HandoffSecretRotating", False, "NotRequested", f"the handoff secret was never rotated; {how}")
+
+
+def data_plane(networks: Sequence[str], host_network: bool, policies_enabled: bool,
+               multi_network_policy: bool | None) -> Condition:
+    """DataPlaneProtected: whether a policy fences the handoff's data plane (ctrl port, transfer engines).
+
+    `multi_network_policy`: whether the API server serves MultiNetworkPolicy (None: not asked)."""
+    t = "DataPlaneProtected"
+    if not policies_enabled:
+        return _cond(t, False, "PoliciesDisabled",
+                     "spec.networkPolicies.enabled is false: anyone who reaches a decode pod can reach its ctrl port and "
+                     "its transfer engine's listeners (Mooncake listens on every interface, and neither engine "
+                     "authenticates); enable it, or fence the pods with your own policies")
+    if host_network:
+        return _cond(t, False, "HostNetworkUnprotected",
+                     "spec.transfer.rdma.hostNetwork: the data-plane pods share their nodes' network namespace, where no "
+                     "NetworkPolicy applies, and the transfer engines (which do not authenticate) listen on the nodes' "
+                     "interfaces: restrict the ctrl port and the engines' ports to the prefill nodes with host firewall "
+                     "rules or an isolated RDMA fabric, or use Multus networks (spec.transfer.rdma.networks) instead")
+    if not networks:
+        return _cond(t, True, "NetworkPolicy", "the handoff crosses the pod network, where NetworkPolicies admit only the "
+                     "prefill pods to the decode pods' ctrl and transfer ports (enforced where the CNI plugin enforces "
+                     "NetworkPolicy)")
+    if multi_network_policy is False:
+        return _cond(t, False, "MultiNetworkPolicyUnavailable",
+                     f"the API server does not serve {constants.MULTI_NETWORK_POLICY_API_VERSION} MultiNetworkPolicy, so "
+                     f"nothing fences the data plane on {', '.join(networks)} (the transfer engines do not authenticate): "
+                     "install the k8snetworkplumbingwg multi-networkpolicy CRD and an implementation "
+                     "(e.g. multi-networkpolicy-iptables); the operator applies the policies once it is served")
+    return _cond(t, True, "MultiNetworkPolicy",
+                 f"MultiNetworkPolicies on {', '.join(networks)} admit only the prefill pods to the decode pods (enforced "
+                 "where a MultiNetworkPolicy implementation runs; RDMA traffic that bypasses the kernel is beyond them); "
+                 "on the pod network NetworkPolicies admit only the router")
+
+
 def invalid(problems: Sequence[Problem]) -> list[Condition]:
     message = "; ".join(str(p) for p in problems)
     return [
@@ -56,7 +125,9 @@ def invalid(problems: Sequence[Problem]) -> list[Condition]:
 
 
 def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRTNode],
-               unwired: Sequence[Unwired] = ()) -> list[Condition]:
+               unwired: Sequence[Unwired] = (), security: Sequence[Condition] = ()) -> list[Condition]:
+    """`security`: SecretsOwned, HandoffSecretRotating and DataPlaneProtected, placed before Ready
+    (none of them changes whether the stack serves)."""
     out = [_cond("SpecValid", True, "Valid", "the spec passed all checks")]
     out += [pool_condition(cluster, c, pools[c]) for c in POOL_CONDITIONS]
     tilert = pools[constants.TILERT]
@@ -73,6 +144,7 @@ def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRT
     else:
         out.append(_cond("EndpointsWired", False, "NoReadyNodes",
                          f"no TileRT node is ready to wire; see {_selector_hint(cluster, constants.TILERT)}"))
+    out += list(security)
     missing = []
     if pools[constants.PREFILL].ready == 0:
         missing.append("no prefill pod is ready")
@@ -115,7 +187,8 @@ def transitions(new: list[Condition], old: list[Condition]) -> list[Condition]:
     """Conditions whose status or reason changed: each gets an Event. On the first status only Ready does
     (one Event per new PDCluster, not seven), plus SpecValid when the spec is invalid."""
     if not old:
-        return [c for c in new if c["type"] == "Ready" or (c["type"] == "SpecValid" and c["status"] == "False")]
+        return [c for c in new if c["type"] == "Ready"
+                or (c["type"] in ("SpecValid", *SECURITY_CONDITIONS) and c["status"] == "False")]
     # A reason change is a transition too (Ready: Degraded -> Serving), a message change is not.
     before = {c.get("type"): (c.get("status"), c.get("reason")) for c in old}
     return [c for c in new if before.get(c["type"]) != (c["status"], c["reason"])]
@@ -128,6 +201,7 @@ def build(
     old: dict[str, Any],
     pools: dict[str, PoolState] | None = None,
     endpoints: Sequence[TileRTNode] = (),
+    handoff_secret: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -139,6 +213,8 @@ def build(
         status["endpoints"] = [
             {"name": n.name, "httpUrl": n.http_url, "ctrlHost": n.ctrl_host, "ctrlPort": n.ctrl_port} for n in endpoints
         ]
+    if handoff_secret is not None:
+        status["handoffSecret"] = handoff_secret
     return status
 
 

@@ -3,7 +3,8 @@
 Run: `kopf run -m tilert_operator.wiring --all-namespaces --standalone
       --liveness=http://0.0.0.0:8081/healthz`
 Environment: TILERT_PD_RESYNC_S (default 30), TILERT_PD_CONCURRENCY (16), TILERT_PD_METRICS_PORT
-(8080; 0 = off), TILERT_PD_API_TIMEOUT_S (30, per API call), TILERT_PD_WEBHOOK_PORT with TILERT_PD_WEBHOOK_CERT/KEY (admission webhook; unset =
+(8080; 0 = off), TILERT_PD_API_TIMEOUT_S (30, per API call), TILERT_PD_SECRET_ROTATION_GRACE_S (180, each
+phase of a handoff-secret rotation; above the kubelets' Secret propagation), TILERT_PD_WEBHOOK_PORT with TILERT_PD_WEBHOOK_CERT/KEY (admission webhook; unset =
 off, the CRD's CEL rules still apply and the operator reports SpecValid=False).
 """
 
@@ -16,7 +17,7 @@ from typing import Any
 import kopf
 from aiohttp import web
 
-from tilert_operator import admission, constants, kubeapi
+from tilert_operator import admission, constants, credentials, kubeapi
 from tilert_operator.controller import Controller, Settings
 from tilert_operator.metrics import CONTENT_TYPE, Metrics
 
@@ -64,7 +65,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     memo.api = api
     memo.controller = Controller(
         api,
-        Settings(resync_s=_env_float("TILERT_PD_RESYNC_S", 30.0), concurrency=int(_env_float("TILERT_PD_CONCURRENCY", 16))),
+        Settings(
+            resync_s=_env_float("TILERT_PD_RESYNC_S", 30.0),
+            concurrency=int(_env_float("TILERT_PD_CONCURRENCY", 16)),
+            rotation_grace_s=_env_float("TILERT_PD_SECRET_ROTATION_GRACE_S", credentials.DEFAULT_GRACE_S),
+        ),
     )
     metrics_port = int(_env_float("TILERT_PD_METRICS_PORT", 8080))
     memo.metrics_runner = await _serve_metrics(memo.controller.metrics, metrics_port) if metrics_port else None

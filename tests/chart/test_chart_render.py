@@ -60,7 +60,7 @@ MATRIX: dict[str, tuple[dict[str, Any], str]] = {
         "ops",
     ),
     "namespaced-existing-sa-no-metrics": (
-        {"operator": {"watchNamespaces": ["serving"], "resyncSeconds": 10, "concurrency": 4, "apiTimeoutSeconds": 5,
+        {"operator": {"watchNamespaces": ["serving"], "resyncSeconds": 10, "concurrency": 4, "apiTimeoutSeconds": 5, "secretRotationGraceSeconds": 90,
                       "logLevel": "DEBUG", "extraEnv": [{"name": "TILERT_PD_WATCH_TIMEOUT_S", "value": "60"}]},
          "serviceAccount": {"create": False, "name": "preexisting"}, "rbac": {"create": False},
          "metrics": {"enabled": False}},
@@ -143,6 +143,7 @@ def test_operator_deployment_contract(chart: Any, case: str) -> None:
     assert env["TILERT_PD_RESYNC_S"] == str(op["resyncSeconds"])
     assert env["TILERT_PD_CONCURRENCY"] == str(op["concurrency"])
     assert env["TILERT_PD_API_TIMEOUT_S"] == str(op["apiTimeoutSeconds"])
+    assert env["TILERT_PD_SECRET_ROTATION_GRACE_S"] == str(op["secretRotationGraceSeconds"])
     if merged["metrics"]["enabled"]:
         assert env["TILERT_PD_METRICS_PORT"] == str(ports["metrics"]) == str(merged["metrics"]["port"])
     else:

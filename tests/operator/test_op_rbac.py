@@ -16,6 +16,7 @@ from typing import Any
 import pdc_harness as h
 import pdc_helpers as helpers
 import pytest
+import test_op_security as security
 import yaml
 from kopf.testing import KopfRunner
 
@@ -28,6 +29,7 @@ UNSEEN_OK = {
     # the test server records it as patch only.
     ("", "services", "create"), ("", "configmaps", "create"), ("apps", "deployments", "create"),
     ("apps", "statefulsets", "create"), ("networking.k8s.io", "networkpolicies", "create"),
+    ("k8s.cni.cncf.io", "multi-networkpolicies", "create"),
 }
 
 
@@ -35,6 +37,7 @@ UNSEEN_OK = {
 def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TILERT_PD_RESYNC_S", "0.5")
     monkeypatch.setenv("TILERT_PD_METRICS_PORT", "0")
+    monkeypatch.setenv("TILERT_PD_SECRET_ROTATION_GRACE_S", "0.5")
 
 
 def allowed(role: dict[str, Any]) -> set[tuple[str, str, str]]:
@@ -63,6 +66,19 @@ def test_role_covers_exactly_the_operators_calls(apiserver: Any) -> None:
         h.wait_for("TileRT pool removed", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode") is None)
         apiserver.call(srv.remove(("", "v1", "configmaps"), "default", "tiny-router"))
         h.wait_for("ConfigMap back", lambda: srv.get("configmaps", "default", "tiny-router"))
+        # Rotate the handoff secret (patches it) and run a stack on Multus networks with the
+        # MultiNetworkPolicy CRD served, then without its networks (the policies are deleted).
+        rotating = srv.get("pdclusters", "default", "tiny")
+        rotating["metadata"]["annotations"] = {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "1"}
+        apiserver.call(srv.put(h.PDC, rotating))
+        h.wait_for("rotated", lambda: (srv.get("pdclusters", "default", "tiny")["status"].get("handoffSecret") or {}).get("lastRotated"))
+        security._install_mnp_crd(apiserver)
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}}), name="nets"))))
+        h.wait_for("MultiNetworkPolicies", lambda: srv.objects("multi-networkpolicies", "default"))
+        nets = srv.get("pdclusters", "default", "nets")
+        nets["spec"]["transfer"]["rdma"] = {}
+        apiserver.call(srv.put(h.PDC, nets | {"metadata": nets["metadata"] | {"generation": nets["metadata"]["generation"] + 1}}))
+        h.wait_for("MultiNetworkPolicies removed", lambda: not srv.objects("multi-networkpolicies", "default"))
         bad = h.pdc(helpers.cr(helpers.minimal(prefill={"gpus": 3}), name="bad"))
         apiserver.call(srv.put(h.PDC, bad))
         h.wait_for("SpecValid=False", lambda: h.condition(srv.get("pdclusters", "default", "bad"), "SpecValid").get("status") == "False")

@@ -29,6 +29,10 @@ def _by(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
 
 def _strict(objs: list[dict[str, Any]]) -> None:
     for obj in objs:
+        if obj["kind"] == "MultiNetworkPolicy":
+            # A custom resource kubernetes-validate has no schema for; its spec is a NetworkPolicySpec.
+            assert obj["apiVersion"] == constants.MULTI_NETWORK_POLICY_API_VERSION
+            obj = {**obj, "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy"}
         kubernetes_validate.validate(obj, helpers.K8S_VERSION, strict=True)
 
 
@@ -71,6 +75,8 @@ def test_matrix_renders_valid_manifests(engine: str, protocol: str, host_net: bo
     assert ("StatefulSet/t-tilert-decode" in kinds) == bool(pools[0])
     assert ("Deployment/t-native-decode" in kinds) == bool(pools[1])
     assert any(k.startswith("NetworkPolicy/") for k in kinds) != host_net
+    # MultiNetworkPolicies exactly when the spec names Multus networks.
+    assert any(k.startswith("MultiNetworkPolicy/") for k in kinds) == bool(rdma.get("networks"))
     prefill = _by(objs, "Deployment", "t-prefill")["spec"]["template"]
     c = prefill["spec"]["containers"][0]
     if protocol == "rdma":

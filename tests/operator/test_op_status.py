@@ -48,7 +48,9 @@ def test_without_secondary_networks_the_pod_ip_is_the_data_plane_and_ipv6_urls_h
 def test_conditions_say_what_is_missing() -> None:
     pools = {constants.PREFILL: observe.PoolState(0, 1), constants.TILERT: observe.PoolState(0, 2),
              constants.NATIVE: observe.PoolState(0, 0), constants.ROUTER: observe.PoolState(1, 1)}
-    conds = {c["type"]: c for c in status.conditions("c", pools, [])}
+    security = [status.secrets_owned(["c-handoff", "c-node-api"]), status.rotation("c", {"phase": "Idle"}),
+                status.data_plane([], False, True, None)]
+    conds = {c["type"]: c for c in status.conditions("c", pools, [], security=security)}
     assert set(conds) == set(status.CONDITION_TYPES)
     assert conds["Ready"]["status"] == "False" and "no prefill pod is ready" in conds["Ready"]["message"]
     assert conds["PrefillReady"]["message"].endswith("pd.tilert.ai/component=prefill")

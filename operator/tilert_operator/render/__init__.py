@@ -1,7 +1,8 @@
 """Pure renderers: parsed spec in, complete manifests (dicts) out. No API client, no I/O.
 
-One module per pool (prefill, tilert_decode, native_decode, router) plus network (Secret,
-NetworkPolicies); `commands` holds every component's command line for pods and local runs alike.
+One module per pool (prefill, tilert_decode, native_decode, router) plus network (Secrets,
+NetworkPolicies, MultiNetworkPolicies); `commands` holds every component's command line for pods and
+local runs alike.
 """
 
 from __future__ import annotations
@@ -19,16 +20,17 @@ def children(
     cluster: str,
     namespace: str,
     tilert_nodes: Sequence[TileRTNode] = (),
-    secret_version: str | None = None,
+    node_api_version: str | None = None,
 ) -> list[Manifest]:
-    """Every child the operator server-side-applies (the handoff Secret is created apart, once).
-    `secret_version` (network.secret_version of the token) goes on the pods that mount the Secret."""
+    """Every child the operator server-side-applies (the Secrets are created apart, once).
+    `node_api_version` (network.token_version of the node API token) goes on the pods that mount it."""
     return [
-        *prefill.render(spec, cluster, namespace, secret_version),
-        *tilert_decode.render(spec, cluster, namespace, secret_version),
+        *prefill.render(spec, cluster, namespace),
+        *tilert_decode.render(spec, cluster, namespace, node_api_version),
         *native_decode.render(spec, cluster, namespace),
-        *router.render(spec, cluster, namespace, tilert_nodes),
+        *router.render(spec, cluster, namespace, tilert_nodes, node_api_version),
         *network.network_policies(spec, cluster, namespace),
+        *network.multi_network_policies(spec, cluster, namespace),
     ]
 
 
@@ -38,10 +40,15 @@ def all_manifests(
     namespace: str,
     *,
     secret_token: str,
+    node_api_token: str | None = None,
     tilert_nodes: Sequence[TileRTNode] = (),
 ) -> list[Manifest]:
-    """What `tilert-pd render` prints: the Secret first (pods mount it), then the children."""
+    """What `tilert-pd render` prints: the Secrets first (pods mount them), then the children.
+    Without `node_api_token`, one is derived from `secret_token` (deterministic output for tests;
+    `tilert-pd render` passes a random one)."""
+    api_token = node_api_token if node_api_token is not None else network.token_version(f"node-api:{secret_token}")
     return [
         network.handoff_secret(cluster, namespace, secret_token),
-        *children(spec, cluster, namespace, tilert_nodes, network.secret_version(secret_token)),
+        network.node_api_secret(cluster, namespace, api_token),
+        *children(spec, cluster, namespace, tilert_nodes, network.token_version(api_token)),
     ]

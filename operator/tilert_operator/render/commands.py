@@ -31,8 +31,11 @@ class Paths:
 
     #: Directory of the checkpoint.
     model_dir: str
-    #: File with the handoff's shared secret.
+    #: File with the handoff's shared secret (its `accept` file lies beside it).
     secret_file: str = defaults.SECRET_PATH
+    #: File with the node API token (decode node and router); None = the node API is unauthenticated
+    #: (only a local run that was given no token file).
+    api_token_file: str | None = defaults.NODE_API_TOKEN_PATH
     #: The router's config.yaml.
     router_config: str = constants.ROUTER_CONFIG_FILE
     #: Address servers bind to.
@@ -167,6 +170,9 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         # MTP resumes from the draft-layer KV the prefill computed: same depth on both sides.
         "--num-speculative-tokens", str(spec.prefill.mtp.num_speculative_tokens if t.mtp else 0),
     ]  # fmt: skip
+    if paths.api_token_file:
+        # Only a holder of this token (the router) may admit, generate, cancel or list.
+        argv += ["--api-token-file", paths.api_token_file]
     if t.gpus:
         # One receive-buffer shard per GPU (cuda:0..N-1); the engine's own device is the first.
         argv += ["--device", "cuda:0", "--shards", str(t.gpus)]

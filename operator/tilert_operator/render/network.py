@@ -1,11 +1,21 @@
-"""The handoff's shared Secret and the NetworkPolicies that fence the data plane.
+"""The stack's Secrets and the policies that fence the data plane.
 
-Policies: only prefill pods reach TileRT decode pods on anything but HTTP (the ctrl port plus the
-transfer engine's data ports, which Mooncake and NIXL pick at run time), and on the pod network only
-when the spec names no secondary network for the handoff; only the router reaches the
-HTTP ports of prefill and decode pods; the native pool and prefill reach each other (the native
-connector moves KV between them). Host-network pods are outside NetworkPolicy's reach, so none are
-rendered under hostNetwork.
+Secrets: the handoff's shared secret (`secret`, what senders sign with, and `accept`, further secrets
+nodes accept during a rotation) and the node API token (the router's credential on the decode nodes'
+HTTP API). The operator creates each once and changes the handoff Secret only to rotate it
+(credentials.py); neither is re-applied from a render.
+
+NetworkPolicies (the pod network): only prefill pods reach TileRT decode pods on anything but HTTP
+(the ctrl port plus the transfer engine's data ports, which Mooncake and NIXL pick at run time), and
+on the pod network only when the spec names no secondary network for the handoff; only the router
+reaches the HTTP ports of prefill and decode pods; the native pool and prefill reach each other (the
+native connector moves KV between them). Host-network pods are outside NetworkPolicy's reach, so none
+are rendered under hostNetwork (status.DataPlaneProtected says so).
+
+MultiNetworkPolicies (k8snetworkplumbingwg's CRD, enforced by a MultiNetworkPolicy implementation such
+as multi-networkpolicy-iptables) do the same on the Multus networks named in transfer.rdma.networks:
+there the decode pools admit the prefill pods alone, and the prefill admits only the decode pools.
+They filter IP traffic; RDMA verbs traffic that bypasses the kernel is beyond any such policy.
 """
 
 from __future__ import annotations
@@ -21,26 +31,42 @@ from tilert_operator.spec import PDClusterSpec
 from tilert_serve import defaults
 
 
-def handoff_secret(cluster: str, namespace: str, token: str) -> Manifest:
-    """The handoff secret; the operator creates it once (never re-applies it), so it stays stable."""
+def _b64(text: str) -> str:
+    return base64.b64encode(text.encode()).decode()
+
+
+def handoff_secret(cluster: str, namespace: str, token: str, accept: str = "") -> Manifest:
+    """The handoff secret: `secret` signs, `accept` lists further secrets nodes accept (one a line)."""
     meta = pods.metadata(cluster, namespace, "handoff", name=constants.handoff_secret_name(cluster))
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": meta,
         "type": "Opaque",
-        "data": {constants.HANDOFF_SECRET_KEY: base64.b64encode(token.encode()).decode()},
+        "data": {constants.HANDOFF_SECRET_KEY: _b64(token), constants.HANDOFF_ACCEPT_KEY: _b64(accept)},
     }
 
 
-def secret_version(token: str) -> str:
-    """A short, one-way version of the token for pod annotations (rolls pods when it changes)."""
+def node_api_secret(cluster: str, namespace: str, token: str) -> Manifest:
+    """The decode nodes' HTTP API credential, shared by the nodes and the router."""
+    meta = pods.metadata(cluster, namespace, "node-api", name=constants.node_api_secret_name(cluster))
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": meta,
+        "type": "Opaque",
+        "data": {constants.NODE_API_TOKEN_KEY: _b64(token)},
+    }
+
+
+def token_version(token: str) -> str:
+    """A short, one-way version of a token for pod annotations (rolls pods when it changes)."""
     return hashlib.sha256(token.encode()).hexdigest()[:16]
 
 
-def secret_version_of(secret: Manifest) -> str | None:
-    raw = (secret.get("data") or {}).get(constants.HANDOFF_SECRET_KEY)
-    return secret_version(base64.b64decode(raw).decode()) if raw else None
+def token_version_of(secret: Manifest, key: str = constants.NODE_API_TOKEN_KEY) -> str | None:
+    raw = (secret.get("data") or {}).get(key)
+    return token_version(base64.b64decode(raw).decode()) if raw else None
 
 
 def _peer(cluster: str, component: str) -> Manifest:
@@ -91,4 +117,34 @@ def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[
             {"from": [router, *scrapers], "ports": _tcp(defaults.VLLM_PORT)},
             {"from": [prefill]},
         ]))  # fmt: skip
+    return out
+
+
+def _multi_policy(spec: PDClusterSpec, cluster: str, namespace: str, component: str,
+                  peers: list[str]) -> Manifest:
+    meta = pods.metadata(cluster, namespace, component)
+    meta["annotations"] = {constants.MULTI_NETWORK_POLICY_FOR_ANNOTATION: ",".join(spec.transfer.rdma.networks)}
+    return {
+        "apiVersion": constants.MULTI_NETWORK_POLICY_API_VERSION,
+        "kind": "MultiNetworkPolicy",
+        "metadata": meta,
+        "spec": {
+            "podSelector": {"matchLabels": pods.selector(cluster, component)},
+            "policyTypes": ["Ingress"],
+            # Every port from the peers: the ctrl port and the engines' data ports (picked at run time).
+            "ingress": [{"from": [_peer(cluster, p) for p in peers]}],
+        },
+    }
+
+
+def multi_network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:
+    """MultiNetworkPolicies on the spec's Multus networks: the decode pools admit only prefill pods,
+    the prefill only the decode pools (a transfer engine's peer may open connections either way).
+    Every pod of the data plane joins these networks, so each gets a policy there."""
+    if not spec.network_policies.enabled or not spec.transfer.rdma.networks:
+        return []
+    t, n = spec.decode.tilert.replicas, spec.decode.native.replicas
+    decoders = [c for c, on in ((constants.TILERT, t), (constants.NATIVE, n)) if on]
+    out = [_multi_policy(spec, cluster, namespace, constants.PREFILL, decoders)] if decoders else []
+    out += [_multi_policy(spec, cluster, namespace, c, [constants.PREFILL]) for c in decoders]
     return out

@@ -126,6 +126,40 @@ _SAME_PORTS: dict[str, frozenset[str]] = {
 }
 
 
+def handoff_secret_volume(cluster: str) -> Manifest:
+    """The handoff Secret as files `secret` and `accept` beside each other (a directory mount, not
+    subPath, so the kubelet's updates reach running pods: rotation needs no restart)."""
+    return {
+        "name": "handoff-secret",
+        "secret": {
+            "secretName": constants.handoff_secret_name(cluster),
+            "defaultMode": 0o400,
+            "items": [
+                {"key": constants.HANDOFF_SECRET_KEY, "path": posixpath.basename(defaults.SECRET_PATH)},
+                {"key": constants.HANDOFF_ACCEPT_KEY, "path": constants.HANDOFF_ACCEPT_KEY},
+            ],
+        },
+    }
+
+
+HANDOFF_SECRET_MOUNT: Manifest = {"name": "handoff-secret", "mountPath": posixpath.dirname(defaults.SECRET_PATH), "readOnly": True}
+
+
+def node_api_volume(cluster: str) -> Manifest:
+    """The node API token, for the TileRT decode pods and the router."""
+    return {
+        "name": "node-api-token",
+        "secret": {
+            "secretName": constants.node_api_secret_name(cluster),
+            "defaultMode": 0o400,
+            "items": [{"key": constants.NODE_API_TOKEN_KEY, "path": posixpath.basename(defaults.NODE_API_TOKEN_PATH)}],
+        },
+    }
+
+
+NODE_API_MOUNT: Manifest = {"name": "node-api-token", "mountPath": posixpath.dirname(defaults.NODE_API_TOKEN_PATH), "readOnly": True}
+
+
 #: vLLM advertises its NIXL side channel at the pod's own address, for the native decode pods.
 NIXL_SIDE_CHANNEL_ENV: Manifest = {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
 
@@ -133,13 +167,17 @@ NIXL_SIDE_CHANNEL_ENV: Manifest = {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "value
 class DataPlane:
     """The wiring prefill and decode pods share: model, shm, secret and RDMA. `secret` marks the two
     ends of the TileRT handoff (prefill and TileRT decode pods), which also learn their own address on
-    the handoff's secondary networks (tilert_serve.dataplane)."""
+    the handoff's secondary networks (tilert_serve.dataplane). `node_api` marks the TileRT decode
+    pods, which mount the node API token (`node_api_version` is its hash, see
+    constants.NODE_API_TOKEN_VERSION_ANNOTATION)."""
 
-    def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool, secret_version: str | None = None) -> None:
+    def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool, node_api: bool = False,
+                 node_api_version: str | None = None) -> None:
         self.spec = spec
         self.cluster = cluster
         self.secret = secret
-        self.secret_version = secret_version
+        self.node_api = node_api
+        self.node_api_version = node_api_version
         self.paths = Paths.pod(spec)
 
     def rdma_devices(self) -> dict[str, int]:
@@ -155,14 +193,9 @@ class DataPlane:
         model: Manifest = {"name": "model"} | (copy.deepcopy(w.volume) if w.volume else {"emptyDir": {}})
         vols = [model, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": self.spec.transfer.shm_size}}]
         if self.secret:
-            vols.append({
-                "name": "handoff-secret",
-                "secret": {
-                    "secretName": constants.handoff_secret_name(self.cluster),
-                    "defaultMode": 0o400,
-                    "items": [{"key": constants.HANDOFF_SECRET_KEY, "path": posixpath.basename(defaults.SECRET_PATH)}],
-                },
-            })  # fmt: skip
+            vols.append(handoff_secret_volume(self.cluster))
+        if self.node_api:
+            vols.append(node_api_volume(self.cluster))
         if self.multus:
             # The pod's own Multus network-status annotation as a file (the kubelet keeps it current).
             vols.append({"name": "podinfo", "downwardAPI": {"items": [{
@@ -177,7 +210,9 @@ class DataPlane:
             {"name": "shm", "mountPath": "/dev/shm"},
         ]
         if self.secret:
-            out.append({"name": "handoff-secret", "mountPath": posixpath.dirname(defaults.SECRET_PATH), "readOnly": True})
+            out.append(HANDOFF_SECRET_MOUNT)
+        if self.node_api:
+            out.append(NODE_API_MOUNT)
         if self.multus:
             out.append({"name": "podinfo", "mountPath": posixpath.dirname(dataplane.NETWORK_STATUS_FILE), "readOnly": True})
         return out
@@ -204,8 +239,8 @@ class DataPlane:
         nets = self.spec.transfer.rdma.networks
         if nets:
             out[constants.MULTUS_NETWORKS_ANNOTATION] = ",".join(nets)
-        if self.secret and self.secret_version:
-            out[constants.SECRET_VERSION_ANNOTATION] = self.secret_version
+        if self.node_api and self.node_api_version:
+            out[constants.NODE_API_TOKEN_VERSION_ANNOTATION] = self.node_api_version
         return out
 
     def pod_fields(self, component: str) -> Manifest:

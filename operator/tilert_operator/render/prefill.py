@@ -10,8 +10,8 @@ from tilert_operator.spec import PDClusterSpec
 COMPONENT = constants.PREFILL
 
 
-def deployment(spec: PDClusterSpec, cluster: str, namespace: str, secret_version: str | None = None) -> Manifest:
-    dp = pods.DataPlane(spec, cluster, secret=True, secret_version=secret_version)
+def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
+    dp = pods.DataPlane(spec, cluster, secret=True)
     return pods.vllm_deployment(dp, namespace, COMPONENT, spec.prefill, commands.prefill(spec, dp.paths))
 
 
@@ -23,5 +23,5 @@ def url(cluster: str, namespace: str) -> str:
     return pods.vllm_url(cluster, namespace, COMPONENT)
 
 
-def render(spec: PDClusterSpec, cluster: str, namespace: str, secret_version: str | None = None) -> list[Manifest]:
-    return [deployment(spec, cluster, namespace, secret_version), service(spec, cluster, namespace)]
+def render(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:
+    return [deployment(spec, cluster, namespace), service(spec, cluster, namespace)]

@@ -11,6 +11,7 @@ from tilert_operator import constants
 from tilert_operator.render import commands, native_decode, pods, prefill
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
+from tilert_serve import defaults
 from tilert_serve.router import config as router_config
 
 COMPONENT = constants.ROUTER
@@ -23,10 +24,17 @@ def config(
     tilert_nodes: Sequence[router_config.TileRTNode],
     native_urls: Sequence[str],
     api_keys_file: str | None,
+    api_token_file: str | None = None,
 ) -> router_config.RouterConfig:
-    """The router's configuration from the spec and the live endpoints (pods and local runs alike)."""
+    """The router's configuration from the spec and the live endpoints (pods and local runs alike).
+    `api_token_file` holds the node API token the router presents to the decode nodes."""
     p = spec.router.policy
+    # TRANSITIONAL (issue 10): the router's config gains tilert_api_token_file in a parallel change;
+    # until it lands, the key is left out rather than refused by the strict model.
+    has_field = "tilert_api_token_file" in router_config.RouterConfig.model_fields
+    token = {"tilert_api_token_file": api_token_file} if api_token_file and has_field else {}
     return router_config.RouterConfig(
+        **token,  # type: ignore[arg-type]
         model=spec.model.name,
         prefill=list(prefill_urls),
         tilert=list(tilert_nodes),
@@ -58,6 +66,7 @@ def pod_config(
         tilert_nodes=tilert_nodes,
         native_urls=native,
         api_keys_file=api_keys_file(spec),
+        api_token_file=defaults.NODE_API_TOKEN_PATH,
     )
     t = spec.decode.tilert
     if not t.replicas:
@@ -86,19 +95,23 @@ def configmap(
     }
 
 
-def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
+def deployment(spec: PDClusterSpec, cluster: str, namespace: str, node_api_version: str | None = None) -> Manifest:
     r = spec.router
     port = r.service.port
     cmd = commands.router(spec, commands.Paths.pod(spec))
-    mounts: list[Manifest] = [{"name": "config", "mountPath": constants.ROUTER_CONFIG_DIR, "readOnly": True}]
-    volumes: list[Manifest] = [{"name": "config", "configMap": {"name": constants.child_name(cluster, COMPONENT)}}]
+    # The node API token is mounted whatever the TileRT pool's size: scaling it never restarts the router.
+    mounts: list[Manifest] = [{"name": "config", "mountPath": constants.ROUTER_CONFIG_DIR, "readOnly": True}, pods.NODE_API_MOUNT]
+    volumes: list[Manifest] = [{"name": "config", "configMap": {"name": constants.child_name(cluster, COMPONENT)}},
+                               pods.node_api_volume(cluster)]
     if r.api_keys_secret:
         mounts.append({"name": "api-keys", "mountPath": constants.ROUTER_KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": r.api_keys_secret.name, "defaultMode": 0o400}})
     c = pods.container("router", r.image, cmd, ports=[("http", port)], resources=pods.resources(r, gpus=0), mounts=mounts)
     c["readinessProbe"] = pods.http_probe("/health", port, period=5)
     c["livenessProbe"] = pods.http_probe("/health", port, period=20, failures=6)
-    template = pods.pod_template(cluster=cluster, component=COMPONENT, containers=[c], pool=r, volumes=volumes)
+    annotations = {constants.NODE_API_TOKEN_VERSION_ANNOTATION: node_api_version} if node_api_version else None
+    template = pods.pod_template(cluster=cluster, component=COMPONENT, containers=[c], pool=r, volumes=volumes,
+                                 annotations=annotations)
     out: Manifest = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -127,10 +140,11 @@ def service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
 
 
 def render(
-    spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode] = ()
+    spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode] = (),
+    node_api_version: str | None = None,
 ) -> list[Manifest]:
     return [
         configmap(spec, cluster, namespace, tilert_nodes),
-        deployment(spec, cluster, namespace),
+        deployment(spec, cluster, namespace, node_api_version),
         service(spec, cluster, namespace),
     ]

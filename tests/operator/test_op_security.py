@@ -1,0 +1,376 @@
+"""What the operator renders and does for security (issue 10): the node API credential and its mounts,
+the handoff Secret's `accept` key and its rotation in phases without a pod restart, Secrets adopted
+only when owned, MultiNetworkPolicies on Multus networks, and the DataPlaneProtected warning.
+
+Pure tests first (renderers, the rotation step, conditions); then the operator over HTTP against the
+API test server (KopfRunner), where a test plays the workload controllers."""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import posixpath
+from typing import Any
+
+import pdc_harness as h
+import pdc_helpers as helpers
+import pytest
+from kopf.testing import KopfRunner
+
+from tilert_operator import constants, credentials, render, status
+from tilert_operator import spec as specmod
+from tilert_operator.render import commands, network
+from tilert_operator.render import router as router_render
+from tilert_serve import defaults
+from tilert_serve.router import config as router_config
+
+NETS = helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}})
+MNP_RES = ("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies")
+
+
+def _render(spec: dict[str, Any], name: str = "t", ns: str = "ns", token: str = "s3cret") -> list[dict[str, Any]]:
+    return render.all_manifests(specmod.parse(spec), name, ns, secret_token=token, node_api_token="api-token")
+
+
+def _by(objs: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    return next(o for o in objs if o["kind"] == kind and o["metadata"]["name"] == name)
+
+
+def _decoded(secret: dict[str, Any]) -> dict[str, str]:
+    return {k: base64.b64decode(v).decode() for k, v in (secret.get("data") or {}).items()}
+
+
+def _mounts(workload: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """volume name -> (mount, volume) of a workload's first container."""
+    pod = workload["spec"]["template"]["spec"]
+    vols = {v["name"]: v for v in pod.get("volumes") or []}
+    return {m["name"]: {"mount": m, "volume": vols[m["name"]]} for m in pod["containers"][0].get("volumeMounts") or []}
+
+
+def _arg(argv: list[str], flag: str) -> str:
+    return argv[argv.index(flag) + 1]
+
+
+# ---- rendering ---------------------------------------------------------------------------------
+
+
+def test_node_api_secret_is_mounted_on_decode_and_router_pods_only() -> None:
+    objs = _render(helpers.example("tiny-cpu")["spec"], "tiny")
+    secret = _by(objs, "Secret", "tiny-node-api")
+    assert _decoded(secret) == {"token": "api-token"}
+    token_dir, token_file = posixpath.split(defaults.NODE_API_TOKEN_PATH)
+    for kind, name in [("StatefulSet", "tiny-tilert-decode"), ("Deployment", "tiny-router")]:
+        m = _mounts(_by(objs, kind, name))["node-api-token"]
+        assert m["mount"] == {"name": "node-api-token", "mountPath": token_dir, "readOnly": True}
+        assert m["volume"]["secret"] == {"secretName": "tiny-node-api", "defaultMode": 0o400,
+                                         "items": [{"key": "token", "path": token_file}]}
+    for name in ("tiny-prefill", "tiny-native-decode"):
+        assert "node-api-token" not in _mounts(_by(objs, "Deployment", name)), f"{name} has no business with the node API"
+    # The node requires the token; the router presents it.
+    spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
+    assert _arg(commands.commands(spec)[constants.TILERT].argv, "--api-token-file") == defaults.NODE_API_TOKEN_PATH
+    # A local run without a token file runs the node without one (the local runner passes its own).
+    local = commands.tilert_decode(spec, commands.Paths(model_dir="/m", api_token_file=None))
+    assert "--api-token-file" not in local.argv
+
+
+def test_router_config_names_the_node_api_token_file() -> None:
+    if "tilert_api_token_file" not in router_config.RouterConfig.model_fields:
+        pytest.skip("the router's config has no tilert_api_token_file yet (the router side of issue 10)")
+    spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
+    cfg = router_render.pod_config(spec, "tiny", "ns", [])
+    assert cfg.tilert_api_token_file == defaults.NODE_API_TOKEN_PATH  # type: ignore[attr-defined]
+
+
+def test_handoff_secret_has_accept_beside_secret_and_the_pods_do_not_depend_on_it() -> None:
+    objs = _render(helpers.example("tiny-cpu")["spec"], "tiny")
+    assert _decoded(_by(objs, "Secret", "tiny-handoff")) == {"secret": "s3cret", "accept": ""}
+    secret_dir = posixpath.dirname(defaults.SECRET_PATH)
+    for kind, name in [("Deployment", "tiny-prefill"), ("StatefulSet", "tiny-tilert-decode")]:
+        m = _mounts(_by(objs, kind, name))["handoff-secret"]
+        # A directory mount (no subPath): the kubelet's updates reach the running pod.
+        assert m["mount"] == {"name": "handoff-secret", "mountPath": secret_dir, "readOnly": True}
+        assert m["volume"]["secret"]["items"] == [{"key": "secret", "path": "secret"}, {"key": "accept", "path": "accept"}]
+    # Nothing the operator applies depends on the handoff secret's value: rotating it restarts no pod.
+    other = _render(helpers.example("tiny-cpu")["spec"], "tiny", token="another")
+    children = [o for o in objs if o["kind"] != "Secret"]
+    assert children == [o for o in other if o["kind"] != "Secret"]
+    annotations = [o["spec"]["template"]["metadata"].get("annotations") or {} for o in children if "template" in o.get("spec", {})]
+    assert not any("handoff-secret-version" in k for a in annotations for k in a)
+
+
+def test_multi_network_policies_only_when_networks_are_named() -> None:
+    objs = _render(helpers.deep_merge(NETS, {"decode": {"native": {"replicas": 1}}}), "t")
+    mnps = {o["metadata"]["name"]: o for o in objs if o["kind"] == "MultiNetworkPolicy"}
+    assert sorted(mnps) == ["t-native-decode", "t-prefill", "t-tilert-decode"]
+
+    def peers(name: str) -> list[str]:
+        [rule] = mnps[name]["spec"]["ingress"]
+        assert "ports" not in rule, "every port from the peers: the ctrl port and the engines' run-time ports"
+        return sorted(p["podSelector"]["matchLabels"][constants.LABEL_COMPONENT] for p in rule["from"])
+
+    for name, mnp in mnps.items():
+        assert mnp["apiVersion"] == "k8s.cni.cncf.io/v1beta1"
+        assert mnp["metadata"]["annotations"] == {"k8s.v1.cni.cncf.io/policy-for": "rdma-net"}
+        assert mnp["spec"]["policyTypes"] == ["Ingress"]
+        assert mnp["spec"]["podSelector"]["matchLabels"][constants.LABEL_COMPONENT] == name.removeprefix("t-")
+    assert peers("t-tilert-decode") == [constants.PREFILL]
+    assert peers("t-native-decode") == [constants.PREFILL]
+    assert peers("t-prefill") == [constants.NATIVE, constants.TILERT]
+    # Two networks: the policy is for both. No TileRT pool: no policy for it.
+    two = helpers.deep_merge(NETS, {"transfer": {"rdma": {"networks": ["a", "other/b"]}}, "decode": {"tilert": {"replicas": 0}, "native": {"replicas": 1}}})
+    mnps2 = {o["metadata"]["name"]: o for o in _render(two) if o["kind"] == "MultiNetworkPolicy"}
+    assert sorted(mnps2) == ["t-native-decode", "t-prefill"]
+    assert mnps2["t-prefill"]["metadata"]["annotations"]["k8s.v1.cni.cncf.io/policy-for"] == "a,other/b"
+    # Without networks, or with policies off: none.
+    assert not [o for o in _render(helpers.minimal()) if o["kind"] == "MultiNetworkPolicy"]
+    off = helpers.deep_merge(NETS, {"networkPolicies": {"enabled": False}})
+    assert not [o for o in _render(off) if o["kind"] == "MultiNetworkPolicy"]
+
+
+# ---- rotation, pure ----------------------------------------------------------------------------
+
+
+def _accepts(node: dict[str, str], signed_with: str) -> bool:
+    """What a node accepts (the node's rule, issue 10): `secret` or any line of `accept`."""
+    return signed_with == node["secret"] or signed_with in [x for x in node["accept"].splitlines() if x]
+
+
+def test_rotation_phases_never_leave_a_sender_unaccepted() -> None:
+    data = {"secret": "old", "accept": ""}
+    rot = credentials.Rotation()
+    assert credentials.step(data, rot, None, 100.0, 60.0, "new") is None, "no request, nothing to do"
+    views = [data]
+    phases = []
+    now = 100.0
+    first = credentials.step(data, rot, "r1", now, 60.0, "new")
+    assert first is not None
+    data, rot = first
+    views.append(data), phases.append(rot.phase)
+    assert credentials.step(data, rot, "r1", now + 59.0, 60.0, "x") is None, "a phase lasts the grace period"
+    while rot.phase != credentials.IDLE:
+        now += 60.0
+        nxt = credentials.step(data, rot, "r1", now, 60.0, "unused")
+        assert nxt is not None
+        data, rot = nxt
+        views.append(data), phases.append(rot.phase)
+    assert phases == [credentials.ACCEPTING, credentials.SIGNING, credentials.IDLE]
+    assert views == [{"secret": "old", "accept": ""}, {"secret": "old", "accept": "new"},
+                     {"secret": "new", "accept": "old"}, {"secret": "new", "accept": ""}]
+    assert rot.rotated_at == now and rot.request == "r1"
+    # Kubelets update pods at different times, but within a grace period: any pod sees the current
+    # view or the one before. Every sender's view must be accepted by every node's view.
+    for before, after in itertools.pairwise(views):
+        for sender, node in itertools.product((before, after), repeat=2):
+            assert _accepts(node, sender["secret"]), (sender, node)
+    # The old secret is refused at the end; the same request does not rotate again, a new one does.
+    assert not _accepts(views[-1], "old")
+    assert credentials.step(data, rot, "r1", now + 1000, 60.0, "x") is None
+    again = credentials.step(data, rot, "r2", now + 1000, 60.0, "newer")
+    assert again is not None and again[0] == {"secret": "new", "accept": "newer"}
+
+
+def test_rotation_state_survives_a_restart_in_the_secrets_annotations() -> None:
+    rot = credentials.Rotation(credentials.SIGNING, "r1", 1000.0, None)
+    secret = {"metadata": {"annotations": rot.annotations()}}
+    assert credentials.Rotation.of(secret) == rot
+    assert rot.status(60.0) == {"phase": "SigningWithNewSecret", "request": "r1", "phaseSince": "1970-01-01T00:16:40Z",
+                                "nextPhaseAt": "1970-01-01T00:17:40Z"}
+
+
+# ---- conditions --------------------------------------------------------------------------------
+
+
+def test_data_plane_protection_is_reported() -> None:
+    def cond(*args: Any) -> tuple[str, str]:
+        c = status.data_plane(*args)
+        assert c["type"] == "DataPlaneProtected" and c["message"]
+        return c["status"], c["reason"]
+
+    assert cond([], False, True, None) == ("True", "NetworkPolicy")
+    assert cond(["rdma-net"], False, True, True) == ("True", "MultiNetworkPolicy")
+    assert cond(["rdma-net"], False, True, False) == ("False", "MultiNetworkPolicyUnavailable")
+    assert cond([], True, True, None) == ("False", "HostNetworkUnprotected")
+    assert cond([], False, False, None) == ("False", "PoliciesDisabled")
+    host = status.data_plane([], True, True, None)["message"]
+    assert "firewall" in host and "spec.transfer.rdma.networks" in host, "the message says what to do"
+
+
+def test_security_warnings_get_an_event_on_the_first_status() -> None:
+    conds = [status.data_plane([], True, True, None), status.secrets_owned(["a"]),
+             {"type": "Ready", "status": "True", "reason": "Serving", "message": ""}]
+    assert [c["type"] for c in status.transitions(conds, [])] == ["DataPlaneProtected", "Ready"]
+
+
+# ---- the operator over HTTP --------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TILERT_PD_RESYNC_S", "1")
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", "0")
+    monkeypatch.setenv("TILERT_PD_WATCH_TIMEOUT_S", "10")
+    monkeypatch.setenv("TILERT_PD_SECRET_ROTATION_GRACE_S", "1.5")
+
+
+def _templates(srv: Any, cluster: str) -> dict[str, Any]:
+    """Every workload's pod template and resourceVersion: a rotation must change neither."""
+    out = {}
+    for plural in ("deployments", "statefulsets"):
+        for o in srv.objects(plural, "default"):
+            if o["metadata"]["name"].startswith(f"{cluster}-"):
+                out[f"{plural}/{o['metadata']['name']}"] = (o["spec"]["template"], o["metadata"]["resourceVersion"])
+    return out
+
+
+def _annotate(apiserver: Any, cluster: str, annotations: dict[str, str]) -> None:
+    srv = apiserver.server
+    body = srv.get("pdclusters", "default", cluster)
+    body["metadata"]["annotations"] = (body["metadata"].get("annotations") or {}) | annotations
+    apiserver.call(srv.put(h.PDC, body))
+
+
+def test_rotation_goes_through_its_phases_without_touching_a_pod_template(apiserver: Any) -> None:
+    srv = apiserver.server
+    with KopfRunner(h.ARGS, timeout=40) as runner:
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+        h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "HandoffSecretRotating").get("reason") == "NotRequested")
+        body = srv.get("pdclusters", "default", "tiny")
+        assert body["status"]["handoffSecret"] == {"phase": "Idle"}
+        old = _decoded(srv.get("secrets", "default", "tiny-handoff"))
+        assert old["accept"] == "" and len(old["secret"]) >= 32
+        templates = _templates(srv, "tiny")
+        assert len(templates) == 4
+
+        _annotate(apiserver, "tiny", {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "2026-12-01"})
+        seen: list[dict[str, str]] = []
+
+        def phase() -> str | None:
+            data = _decoded(srv.get("secrets", "default", "tiny-handoff"))
+            if not seen or seen[-1] != data:
+                seen.append(data)
+            body = srv.get("pdclusters", "default", "tiny")
+            return (body.get("status") or {}).get("handoffSecret", {}).get("phase")
+
+        h.wait_for("phase 1", lambda: phase() == "AcceptingNewSecret", timeout=5, interval=0.05)
+        assert h.condition(srv.get("pdclusters", "default", "tiny"), "HandoffSecretRotating")["status"] == "True"
+        h.wait_for("phase 2", lambda: phase() == "SigningWithNewSecret", timeout=10, interval=0.05)
+        h.wait_for("done", lambda: phase() == "Idle", timeout=10, interval=0.05)
+        new = seen[-1]
+        assert new["secret"] != old["secret"] and new["accept"] == ""
+        assert seen == [old, {"secret": old["secret"], "accept": new["secret"]},
+                        {"secret": new["secret"], "accept": old["secret"]}, new]
+        body = srv.get("pdclusters", "default", "tiny")
+        assert body["status"]["handoffSecret"]["request"] == "2026-12-01" and body["status"]["handoffSecret"]["lastRotated"]
+        assert h.condition(body, "HandoffSecretRotating")["reason"] == "Rotated"
+        # Each phase is an Event on the PDCluster.
+        reasons = [e["reason"] for e in srv.objects("events", "default")]
+        assert {"AcceptingNewSecret", "SigningWithNewSecret", "Rotated"} <= set(reasons), reasons
+        # No pod template changed, and no workload was even rewritten.
+        assert _templates(srv, "tiny") == templates
+    assert runner.exception is None
+
+
+def test_a_foreign_secret_is_left_alone_and_reported_until_adopted(apiserver: Any) -> None:
+    srv = apiserver.server
+    foreign = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+               "metadata": {"name": "tiny-handoff", "namespace": "default", "labels": {"app": "someone-else"}},
+               "data": {"secret": base64.b64encode(b"known-to-someone").decode()}}
+    apiserver.call(srv.put(("", "v1", "secrets"), foreign))
+    before = srv.get("secrets", "default", "tiny-handoff")
+    with KopfRunner(h.ARGS, timeout=40) as runner:
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+        body = h.wait_for("SecretsOwned=False", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "SecretsOwned").get("status") == "False"
+                          and srv.get("pdclusters", "default", "tiny"))
+        msg = h.condition(body, "SecretsOwned")["message"]
+        assert "default/tiny-handoff" in msg and constants.ADOPT_ANNOTATION in msg
+        assert h.condition(body, "Ready")["reason"] == "SecretNotOwned"
+        h.wait_for("a Warning Event", lambda: any(e["reason"] == "SecretNotOwned" and e["type"] == "Warning"
+                                                  for e in srv.objects("events", "default")), timeout=5)
+        assert srv.get("secrets", "default", "tiny-handoff") == before, "left untouched"
+        assert not srv.objects("deployments", "default") and not srv.objects("statefulsets", "default"), "nothing mounts it"
+
+        # Marked for adoption: the operator takes it (ownerReference), completes it and deploys.
+        fixed = srv.get("secrets", "default", "tiny-handoff")
+        fixed["metadata"]["labels"] = {constants.LABEL_CLUSTER: "tiny", constants.LABEL_MANAGED_BY: constants.MANAGED_BY}
+        fixed["metadata"]["annotations"] = {constants.ADOPT_ANNOTATION: "true"}
+        apiserver.call(srv.put(("", "v1", "secrets"), fixed))
+        h.wait_for("adopted", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "SecretsOwned").get("status") == "True")
+        adopted = srv.get("secrets", "default", "tiny-handoff")
+        uid = srv.get("pdclusters", "default", "tiny")["metadata"]["uid"]
+        assert [r["uid"] for r in adopted["metadata"]["ownerReferences"]] == [uid]
+        assert _decoded(adopted) == {"secret": "known-to-someone", "accept": ""}
+        h.wait_for("stack deployed", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode"))
+        assert any(e["reason"] == "SecretAdopted" for e in srv.objects("events", "default"))
+    assert runner.exception is None
+
+
+def _install_mnp_crd(apiserver: Any) -> None:
+    crd = {
+        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+        "metadata": {"name": "multi-networkpolicies.k8s.cni.cncf.io"},
+        "spec": {"group": "k8s.cni.cncf.io", "scope": "Namespaced",
+                 "names": {"kind": "MultiNetworkPolicy", "plural": "multi-networkpolicies", "singular": "multi-networkpolicy",
+                           "shortNames": ["multi-policy"]},
+                 "versions": [{"name": "v1beta1", "served": True, "storage": True,
+                               "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+    }  # fmt: skip
+    res = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+
+    async def install() -> None:
+        srv = apiserver.server
+        async with srv.wlock:
+            srv._stamp_new(crd)
+            srv._serve_crd(crd)
+            srv._commit(res, (res, None, crd["metadata"]["name"]), crd, "ADDED")
+
+    apiserver.call(install())
+
+
+def test_multi_network_policies_applied_when_served_and_reported_when_not(apiserver: Any) -> None:
+    srv = apiserver.server
+    with KopfRunner(h.ARGS, timeout=40) as runner:
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(NETS, name="nets"))))
+        body = h.wait_for("DataPlaneProtected=False", lambda: h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("status") == "False"
+                          and srv.get("pdclusters", "default", "nets"))
+        cond = h.condition(body, "DataPlaneProtected")
+        assert cond["reason"] == "MultiNetworkPolicyUnavailable" and "rdma-net" in cond["message"]
+        # The rest of the stack is reconciled as usual.
+        assert srv.get("statefulsets", "default", "nets-tilert-decode") and srv.get("networkpolicies", "default", "nets-tilert-decode")
+
+        _install_mnp_crd(apiserver)
+        h.wait_for("MultiNetworkPolicies", lambda: len(srv.objects("multi-networkpolicies", "default")) == 2)
+        h.wait_for("DataPlaneProtected=True", lambda: h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("reason") == "MultiNetworkPolicy")
+        uid = srv.get("pdclusters", "default", "nets")["metadata"]["uid"]
+        assert all(m["metadata"]["ownerReferences"][0]["uid"] == uid for m in srv.objects("multi-networkpolicies", "default"))
+
+        # The spec stops naming networks: the policies go; hostNetwork instead: a warning.
+        body = srv.get("pdclusters", "default", "nets")
+        body["spec"]["transfer"]["rdma"] = {"hostNetwork": True}
+        apiserver.call(srv.put(h.PDC, body | {"metadata": body["metadata"] | {"generation": body["metadata"]["generation"] + 1}}))
+        h.wait_for("policies removed", lambda: not srv.objects("multi-networkpolicies", "default"))
+        cond = h.wait_for("hostNetwork warning", lambda: (lambda c: c.get("reason") == "HostNetworkUnprotected" and c)(
+            h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected")))
+        assert cond["status"] == "False"
+    assert runner.exception is None
+
+
+def test_node_api_token_version_rolls_decode_and_router_together(apiserver: Any) -> None:
+    """The node API token is not re-read live by contract: a regenerated one rolls its two users."""
+    srv = apiserver.server
+    with KopfRunner(h.ARGS, timeout=40) as runner:
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+
+        def version(plural: str, name: str) -> str | None:
+            obj = srv.get(plural, "default", name)
+            return None if obj is None else (obj["spec"]["template"]["metadata"].get("annotations") or {}).get(constants.NODE_API_TOKEN_VERSION_ANNOTATION)
+
+        first = h.wait_for("versions", lambda: version("statefulsets", "tiny-tilert-decode"))
+        h.wait_for("router too", lambda: version("deployments", "tiny-router") == first)
+        assert network.token_version(_decoded(srv.get("secrets", "default", "tiny-node-api"))["token"]) == first
+        prefill = srv.get("deployments", "default", "tiny-prefill")["spec"]["template"]
+        apiserver.call(srv.remove(("", "v1", "secrets"), "default", "tiny-node-api"))
+        h.wait_for("new token rolled out", lambda: version("statefulsets", "tiny-tilert-decode") not in (None, first))
+        h.wait_for("both agree", lambda: version("deployments", "tiny-router") == version("statefulsets", "tiny-tilert-decode"))
+        assert srv.get("deployments", "default", "tiny-prefill")["spec"]["template"] == prefill, "the prefill has no node API token"
+    assert runner.exception is None
