@@ -70,9 +70,11 @@ def _local_argv(argv: list[str]) -> list[str]:
 
 
 def plan(spec: PDClusterSpec, *, ports: Ports, model_dir: str, secret_file: str, router_config_file: str,
-         host: str = "127.0.0.1") -> Plan:
+         host: str = "127.0.0.1", api_token_file: str | None = None) -> Plan:
+    """`api_token_file`: the node API token (runner.write_secrets) the decode nodes require and the
+    router presents; None runs the nodes' HTTP API unauthenticated."""
     base = commands.Paths(model_dir=model_dir, secret_file=secret_file, router_config=router_config_file,
-                          host=host)
+                          host=host, api_token_file=api_token_file)
     out: list[Component] = []
     for i, port in enumerate(ports.prefill):
         cmd = commands.prefill(spec, _with(base, vllm_port=port))
@@ -94,7 +96,7 @@ def plan(spec: PDClusterSpec, *, ports: Ports, model_dir: str, secret_file: str,
                              f"http://{host}:{port}", f"http://{host}:{port}/health"))
     cfg = router_render.config(spec, prefill_urls=[c.url for c in out if c.kind == constants.PREFILL],
                                tilert_nodes=nodes, native_urls=[c.url for c in out if c.kind == constants.NATIVE],
-                               api_keys_file=None)
+                               api_keys_file=None, api_token_file=api_token_file)
     # Every component shares a few cores here: a probe can wait seconds for one, which says nothing
     # about its health. Eject only what stays silent for longer.
     cfg = cfg.model_copy(update={"health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3)})

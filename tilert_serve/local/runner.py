@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -37,6 +38,39 @@ class Running:
     #: The process's start time (/proc/PID/stat, clock ticks after boot): with the PID it names one
     #: process. None when it could not be read, and in state files written before it was recorded.
     started: int | None = None
+
+
+#: File names of a local stack's credentials in its state directory.
+HANDOFF_SECRET_FILE = "handoff-secret"
+NODE_API_TOKEN_FILE = "node-api-token"
+
+
+def write_secret_file(path: Path, content: str) -> Path:
+    """Write a credential readable by its owner only, from the moment it exists.
+
+    The file is created under a temporary name with mode 0600 (O_CREAT | O_EXCL: never an existing
+    file, never through a symlink; the umask can only take bits away), written, then renamed over
+    `path`, so no reader ever sees it with wider permissions or half written.
+    """
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(content)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return path
+
+
+def write_secrets(state_dir: Path) -> tuple[Path, Path]:
+    """A local stack's handoff secret and node API token, fresh random values in 0600 files:
+    (handoff secret file, node API token file)."""
+    return (write_secret_file(state_dir / HANDOFF_SECRET_FILE, secrets.token_hex(32)),
+            write_secret_file(state_dir / NODE_API_TOKEN_FILE, secrets.token_hex(32)))
 
 
 def free_port(host: str = "127.0.0.1") -> int:
