@@ -70,7 +70,7 @@ def test_node_api_secret_is_mounted_on_decode_and_router_pods_only() -> None:
     spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
     assert _arg(commands.commands(spec)[constants.TILERT].argv, "--api-token-file") == defaults.NODE_API_TOKEN_PATH
     # A local run without a token file runs the node without one (the local runner passes its own).
-    local = commands.tilert_decode(spec, commands.Paths(model_dir="/m", api_token_file=None))
+    local = commands.tilert_decode(spec, commands.Paths(model_dir="/m"))
     assert "--api-token-file" not in local.argv
 
 

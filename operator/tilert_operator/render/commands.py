@@ -33,9 +33,9 @@ class Paths:
     model_dir: str
     #: File with the handoff's shared secret (its `accept` file lies beside it).
     secret_file: str = defaults.SECRET_PATH
-    #: File with the node API token (decode node and router); None = the node API is unauthenticated
-    #: (only a local run that was given no token file).
-    api_token_file: str | None = defaults.NODE_API_TOKEN_PATH
+    #: File with the node API token (decode node and router). Pods mount it (Paths.pod); None = no
+    #: flag (a local run given no token file: the node's API is then open, and it logs so).
+    api_token_file: str | None = None
     #: The router's config.yaml.
     router_config: str = constants.ROUTER_CONFIG_FILE
     #: Address servers bind to.
@@ -50,7 +50,7 @@ class Paths:
 
     @classmethod
     def pod(cls, spec: PDClusterSpec) -> Paths:
-        return cls(model_dir=spec.model.model_dir)
+        return cls(model_dir=spec.model.model_dir, api_token_file=defaults.NODE_API_TOKEN_PATH)
 
 
 def _json(obj: object) -> str:
