@@ -1,7 +1,7 @@
 """`tilert-pd render -f FILE`: print the manifests a PDCluster becomes, like `helm template`.
 
-The same pure renderers the operator uses; nothing talks to a cluster. The handoff Secret gets a
-fresh random token (the operator generates its own, once, in the cluster).
+The same pure renderers the operator uses; nothing talks to a cluster. The handoff and node API
+Secrets get fresh random tokens (the operator generates its own, once, in the cluster).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from tilert_operator import constants, render, validation
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--filename", required=True, help="PDCluster YAML file ('-' for stdin)")
     parser.add_argument("-n", "--namespace", default=None, help="namespace (default: the object's, else 'default')")
-    parser.add_argument("--no-secret", action="store_true", help="leave out the generated handoff Secret")
+    parser.add_argument("--no-secret", action="store_true", help="leave out the generated Secrets (handoff, node API)")
 
 
 def _documents(path: str) -> list[dict[str, Any]]:
@@ -42,7 +42,8 @@ def render_document(doc: dict[str, Any], namespace: str | None, *, with_secret: 
     if problems or parsed is None:
         raise ValueError("\n".join(str(p) for p in problems))
     if with_secret:
-        return render.all_manifests(parsed, name, ns, secret_token=secrets.token_urlsafe(32))
+        return render.all_manifests(parsed, name, ns, secret_token=secrets.token_urlsafe(32),
+                                    node_api_token=secrets.token_urlsafe(32))
     return render.children(parsed, name, ns)
 
 

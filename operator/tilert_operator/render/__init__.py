@@ -45,7 +45,7 @@ def all_manifests(
 ) -> list[Manifest]:
     """What `tilert-pd render` prints: the Secrets first (pods mount them), then the children.
     Without `node_api_token`, one is derived from `secret_token` (deterministic output for tests;
-    `tilert-pd render` passes a random one)."""
+    `tilert-pd render` passes an independent random one)."""
     api_token = node_api_token if node_api_token is not None else network.token_version(f"node-api:{secret_token}")
     return [
         network.handoff_secret(cluster, namespace, secret_token),
