@@ -65,11 +65,13 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         health_checks: bool = False,
         resolver: Any = None,
         context: int | None = None,
+        node_token: str | None = None,
         **overrides: Any,
     ) -> Stack:
         """`context`: one context length for every server, as the operator renders it (vLLM's
         --max-model-len, the nodes' --max-seq-len and max_seq_len in the router's config)."""
-        nodes = [await FakeNode(f"t{i}", slots=s, **({"max_seq_len": context} if context else {})).start()
+        nodes = [await FakeNode(f"t{i}", slots=s, token=node_token,
+                                **({"max_seq_len": context} if context else {})).start()
                  for i, s in enumerate(node_slots)]
         prefills = [await FakePrefill(nodes).start() for _ in range(n_prefill)]
         natives = [await FakeNative().start() for _ in range(n_native)]

@@ -89,8 +89,15 @@ class Ticket:
 class FakeNode(Fake):
     """A TileRT decode node: /v1/admit, /v1/generate, /v1/cancel, /health, /ready, /metrics."""
 
-    def __init__(self, name: str = "t0", slots: int = 1, max_seq_len: int = 4096) -> None:
+    def __init__(self, name: str = "t0", slots: int = 1, max_seq_len: int = 4096, token: str | None = None) -> None:
         self.name = name
+        #: The node-API token /v1/* require (None: an open node), as the real node's api_auth does.
+        self.token = token
+        #: The Authorization header of every /v1/* call, refused or not.
+        self.auth_seen: list[str | None] = []
+        #: A decode's last event: the done event (None), or an old node's {"done", "finish_reason":
+        #: "cancelled"} ("cancelled_done"), or the error event a cancelled stream ends with ("cancelled").
+        self.end_with: str | None = None
         self.slots = slots
         self.max_seq_len = max_seq_len
         self.tickets: dict[str, Ticket] = {}
@@ -121,8 +128,17 @@ class FakeNode(Fake):
     def active(self) -> int:
         return len(self.tickets)
 
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path.startswith("/v1/"):
+            self.auth_seen.append(request.headers.get("Authorization"))
+            if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+                return web.json_response({"error": {"type": "unauthorized", "message": "token"}}, status=401,
+                                         headers={"WWW-Authenticate": 'Bearer realm="tilert-decode-node"'})
+        return await handler(request)
+
     def app(self) -> web.Application:
-        app = web.Application()
+        app = web.Application(middlewares=[self._auth])
         app.add_routes([
             web.post("/v1/admit", self.admit),
             web.post("/v1/generate", self.generate),
@@ -208,6 +224,13 @@ class FakeNode(Fake):
                     break
             self.tickets.pop(t.id, None)  # the slot is free before the done event goes out
             self.completed += 1
+            if self.end_with == "cancelled":
+                err = {"error": {"type": "cancelled", "message": "the request was cancelled by its ticket"}}
+                await resp.write(b"event: error\ndata: " + json.dumps(err).encode() + b"\n\n")
+                await resp.write_eof()
+                return resp
+            if self.end_with == "cancelled_done":
+                finish = "cancelled"
             done = {"done": True, "finish_reason": finish, "num_tokens": sent,
                     "timings": {"wire_wait_ms": 0.1, "convert_ms": 0.1, "inject_ms": 0.1, "decode_ms": 1.0,
                                 "tpot_ms": 1.0, "mtp_acceptance": 0.9}}
@@ -331,6 +354,7 @@ class FakeNative(FakeVLLM):
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.tokens = 5
         self.token_interval_s = 0.0
         self.fail_status: int | None = None
@@ -345,6 +369,7 @@ class FakeNative(FakeVLLM):
     async def complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.bodies.append(body)
+        self.headers.append({k.lower(): v for k, v in request.headers.items()})
         self.active += 1
         self.max_active = max(self.max_active, self.active)
         try:

@@ -58,10 +58,11 @@ def test_parse_fields():
     assert r.tilert_unsupported == ()
 
 
-def _decide(want="auto", unsupported=(), nodes=1, free=True, native="ok", **pol):
+def _decide(want="auto", unsupported=(), nodes=1, free=True, native="ok", tilert=None, **pol):
     req = _parse('{"model":"m","prompt":"a"}')
     req = openai_request.ParsedRequest(**{**req.__dict__, "tilert_unsupported": tuple(unsupported)})
-    return policy.decide(RoutingPolicy(**pol), req, want, tilert_nodes=nodes, tilert_free=free, native=native)
+    state = tilert or ("free" if free else "full")
+    return policy.decide(RoutingPolicy(**pol), req, want, tilert_nodes=nodes, tilert=state, native=native)
 
 
 def test_decide():
@@ -82,6 +83,19 @@ def test_decide():
     with pytest.raises(RouterError) as ei:
         _decide(want="tilert", unsupported=["tools"], unsupported_on_tilert="reject")
     assert ei.value.status == 400 and "tools" in ei.value.message
+    # A pool with no node up is unavailable (503 with Retry-After), not full; auto falls back to native.
+    with pytest.raises(RouterError) as ei:
+        _decide(want="tilert", tilert="down", when_tilert_full="reject", retry_after_s=3)
+    assert ei.value.status == 503 and ei.value.headers["Retry-After"] == "3"
+    assert ei.value.code == "tilert_unavailable"
+    d = _decide(tilert="down")
+    assert (d.route, d.label) == ("native", "tilert down")
+    with pytest.raises(RouterError) as ei:
+        _decide(tilert="down", native="none")
+    assert ei.value.status == 503 and "Retry-After" in ei.value.headers
+    # The metric's reason is one of a fixed set whatever the request names; the detail goes to logs.
+    d = _decide(unsupported=["tools", "logit_bias"])
+    assert d.label == "unsupported on tilert" and "logit_bias" in d.detail
     assert policy.requested(RoutingPolicy(tilert_aliases=["m-fast"]), None, "m-fast") == "tilert"
     assert policy.requested(RoutingPolicy(), "NATIVE", "m") == "native"
 

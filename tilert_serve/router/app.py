@@ -19,7 +19,7 @@ from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import error_middleware
 from tilert_serve.router.metrics import Metrics
 from tilert_serve.router.pools import Pools
-from tilert_serve.router.state import STATE, RouterState, read_api_keys
+from tilert_serve.router.state import STATE, RouterState, token_file
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,8 @@ def make_app(
         config_path=Path(config_path) if config_path is not None else None,
         pools=Pools(config),
         metrics=Metrics(),
-        api_keys=read_api_keys(config.api_keys_file),
+        api_keys=token_file(config.api_keys_file),
+        node_token=token_file(config.tilert_api_token_file),
     )
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     app[STATE] = state
@@ -65,8 +66,13 @@ def make_app(
 
 async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Start the app on host:port (0 = any free port) with handler cancellation on; returns the runner
-    (its `addresses` give the bound port; `await runner.cleanup()` stops it)."""
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    (its `addresses` give the bound port; `await runner.cleanup()` stops it).
+
+    A connection without a request in progress is closed after `timeouts.client_idle_s`: aiohttp arms
+    that timer when the connection opens and after each response, and only a complete request line
+    and headers disarm it, so it bounds idle keep-alive connections and half-sent headers alike."""
+    idle = app[STATE].config.timeouts.client_idle_s
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=idle)
     await runner.setup()
     site = web.TCPSite(runner, host, port, backlog=2048)
     await site.start()

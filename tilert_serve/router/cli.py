@@ -8,6 +8,7 @@ import logging
 import signal
 
 from tilert_serve import defaults
+from tilert_serve.bearer import TokenFileError
 from tilert_serve.router import config as config_mod
 from tilert_serve.router.app import make_app, start
 
@@ -23,7 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 async def _main(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config)
-    app = make_app(cfg, config_path=args.config, health_checks=not args.no_health_checks)
+    try:
+        app = make_app(cfg, config_path=args.config, health_checks=not args.no_health_checks)
+    except TokenFileError as exc:
+        raise SystemExit(f"router: {exc}") from exc
     runner = await start(app, args.host, args.port)
     logging.getLogger(__name__).info("router listening on %s:%d (model %s)", args.host, args.port, cfg.model)
     stop = asyncio.Event()

@@ -64,6 +64,12 @@ class Timeouts(_Strict):
     decode_start_s: float = 60.0
     #: A cancel call; it runs in the background, so it only bounds how long a slot may stay unknown.
     cancel_s: float = 2.0
+    #: A client connection with no request in progress is closed after this long: idle keep-alive
+    #: connections, and connections whose request line and headers have not all arrived (aiohttp's
+    #: keep-alive timer bounds both; its default holds them for an hour). Read when the router starts.
+    client_idle_s: float = Field(default=15.0, gt=0)
+    #: A request body must have arrived this long after its headers, else 408.
+    client_body_s: float = Field(default=30.0, gt=0)
 
 
 class HealthChecks(_Strict):
@@ -116,8 +122,16 @@ class RouterConfig(_Strict):
     native: list[str] = []
     policy: RoutingPolicy = RoutingPolicy()
     timeouts: Timeouts = Timeouts()
-    #: File with one API key per line; None = no authentication.
+    #: File with one API key per line (clients send `Authorization: Bearer <key>`); None = no
+    #: authentication. Re-read within about a second of a change (a removed key stops working); an
+    #: empty file admits nobody.
     api_keys_file: str | None = None
+    #: With API keys: whether /metrics (which names every endpoint's address) answers without a key.
+    #: Default no: a scraper sends one of the keys. Without API keys everything is open anyway.
+    metrics_public: bool = False
+    #: The TileRT nodes' API token file (the `<cluster>-node-api` Secret, one token a line): the first
+    #: token goes in `Authorization: Bearer` on every call to a node's /v1/*. None = send none.
+    tilert_api_token_file: str | None = None
     health: HealthChecks = HealthChecks()
     limits: Limits = Limits()
     #: Model name sent to the vLLM servers, when it differs from the served name (vLLM checks it).

@@ -8,6 +8,8 @@ import time
 
 from aiohttp import web
 
+from tilert_serve.bearer import bearer_token
+from tilert_serve.router import metrics as metrics_mod
 from tilert_serve.router import native_path, openai_request, policy, tilert_path
 from tilert_serve.router.call import Call
 from tilert_serve.router.errors import REQUEST_ID, ClientGone, RouterError
@@ -19,14 +21,27 @@ from tilert_serve.router.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
 
+def authenticated(state: RouterState, request: web.Request) -> bool:
+    """Whether the request may use the API: no keys configured, or one of them presented (compared in
+    constant time; the keys file is re-read within about a second of a change)."""
+    return state.api_keys is None or state.api_keys.accepts(bearer_token(request.headers))
+
+
 def check_api_key(state: RouterState, request: web.Request) -> None:
-    if not state.api_keys:
-        return
-    auth = request.headers.get("Authorization", "")
-    key = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-    if key not in state.api_keys:
+    if not authenticated(state, request):
         raise RouterError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                          type="invalid_request_error", code="invalid_api_key")
+                          type="invalid_request_error", code="invalid_api_key",
+                          headers={"WWW-Authenticate": 'Bearer realm="tilert-pd"'})
+
+
+async def read_body(request: web.Request, timeout_s: float) -> bytes:
+    """The request body, within `timeout_s` of its headers (a body sent a byte at a time holds a
+    connection and a handler for nothing); past client_max_size aiohttp raises 413."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await request.read()
+    except TimeoutError:
+        raise RouterError(408, f"request body not received within {timeout_s:g} s", code="body_timeout") from None
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -42,7 +57,7 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
     cfg = state.config
     rid = request[REQUEST_ID]
     check_api_key(state, request)
-    raw = await request.read()  # past client_max_size aiohttp raises 413, rendered by the middleware
+    raw = await read_body(request, cfg.timeouts.client_body_s)
     try:
         req = openai_request.parse(kind, raw, cfg.served_models())
     except RouterError as err:
@@ -83,7 +98,7 @@ async def _route(call: Call) -> web.StreamResponse:
     for attempt in range(2):
         node, adm, decision = await _choose(call, want)
         call.path = decision.route
-        m.routes.labels(decision.route, decision.reason).inc()
+        m.routes.labels(decision.route, decision.label).inc()
         m.inflight.labels(decision.route).inc()
         try:
             if node is not None and adm is not None:
@@ -105,7 +120,9 @@ async def _route(call: Call) -> web.StreamResponse:
             m.inflight.labels(decision.route).dec()
     assert last is not None
     status = 504 if last.kind == "timeout" else (503 if last.kind == "no_endpoint" else 502)
-    raise RouterError(status, f"{last.pool} failed: {last.message}", type="upstream_error", code=last.kind)
+    retry = {"Retry-After": str(cfg.policy.retry_after_s)} if status == 503 else None
+    raise RouterError(status, f"{last.pool} failed: {last.message}", type="upstream_error",
+                      code=metrics_mod.bounded_kind(last.kind), headers=retry)
 
 
 def _note_failure(st: RouterState, err: UpstreamError) -> None:
@@ -124,13 +141,17 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
     m = st.metrics
     pools = st.pools
     tried: set[str] = set(call.exclude)
+    #: Nodes that answered (full or too long) as opposed to failing: none = the pool is down, not full.
+    answered = False
     too_long: tilert_path.TooLong | None = None
     for _ in range(len(pools.tilert) + 1):
         native = pools.native_state(cfg.limits.native_max_inflight)
-        free = pools.tilert_free(tried) and too_long is None
+        tilert = pools.tilert_state(tried)
+        if too_long is not None or (tilert == "down" and answered):
+            tilert = "full"  # a node answered: the pool is there, it cannot take this request now
         try:
             decision = policy.decide(cfg.policy, call.req, want, tilert_nodes=len(pools.tilert),
-                                     tilert_free=free, native=native)
+                                     tilert=tilert, native=native)
         except RouterError:
             if too_long is not None:
                 raise _too_long(call, too_long) from None
@@ -148,8 +169,10 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
         except tilert_path.NodeFull as full:
             node.full_until = time.monotonic() + full.retry_after_s
             tried.add(node.url)
+            answered = True
         except tilert_path.TooLong as exc:
             too_long = exc
+            answered = True
         except UpstreamError as err:
             m.upstream_errors.labels("tilert", err.kind).inc()
             _note_failure(st, err)
@@ -159,8 +182,12 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
             raise
         pools.release(node)
         st.note_slots(node)
+    retry = {"Retry-After": str(cfg.policy.retry_after_s)}
+    if not answered:
+        raise RouterError(503, "no TileRT decode node answered; retry later", type="service_unavailable",
+                          code="tilert_unavailable", headers=retry)
     raise RouterError(429, "the TileRT decode pool is full; retry later", type="rate_limit_error",
-                      code="pool_full", headers={"Retry-After": str(cfg.policy.retry_after_s)})
+                      code="pool_full", headers=retry)
 
 
 def _too_long(call: Call, exc: tilert_path.TooLong) -> RouterError:
@@ -193,15 +220,19 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready = every configured pool has a probed-healthy prefill and a probed-healthy decode."""
+    """Ready = every configured pool has a probed-healthy prefill and a probed-healthy decode.
+
+    With API keys, an anonymous caller (the kubelet's probe) gets the verdict and the reasons without
+    endpoint addresses or the nodes' slot table; a caller with a key gets everything."""
     state = request.app[STATE]
     pools = state.pools
     reasons: list[str] = []
+    full = authenticated(state, request)
 
     def has(eps: list, what: str) -> None:  # type: ignore[type-arg]
         if not any(e.healthy is True for e in eps):
             detail = "; ".join(f"{e.url}: {e.last_error or 'not probed yet'}" for e in eps if e.healthy is not True)
-            reasons.append(f"no healthy {what}" + (f" ({detail})" if detail else ""))
+            reasons.append(f"no healthy {what}" + (f" ({detail})" if detail and full else ""))
 
     has(list(pools.prefill.values()), "prefill server")
     if pools.tilert:
@@ -210,17 +241,19 @@ async def ready(request: web.Request) -> web.Response:
         has(list(pools.native.values()), "native decode server")
     if not pools.tilert and not pools.native:
         reasons.append("no decode pool configured")
-    body = {
-        "ready": not reasons,
-        "reasons": reasons,
-        "tilert_slots": {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy}
-                         for n in pools.tilert.values()},
-    }
+    body: dict[str, object] = {"ready": not reasons, "reasons": reasons}
+    if full:
+        body["tilert_slots"] = {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy}
+                                for n in pools.tilert.values()}
     return web.json_response(body, status=200 if not reasons else 503)
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus metrics (they name every endpoint's address): with API keys, only for a caller with
+    a key unless the config says `metrics_public: true`."""
     state = request.app[STATE]
+    if not state.config.metrics_public:
+        check_api_key(state, request)
     for ep in state.pools.all():
         state.metrics.healthy.labels(ep.pool, ep.url).set(-1 if ep.healthy is None else int(ep.healthy))
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -16,16 +18,38 @@ _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 
+#: Upstream failure kinds the router itself names, and the error types a TileRT node answers a
+#: generate call with (prefixed "generate_"); anything else counts as "other", so that an upstream's
+#: words never make new series.
+_KINDS = frozenset({
+    "timeout", "connect", "transport", "bad_response", "no_endpoint", "handoff_failed", "stream_error",
+    "truncated", "stream_broken", "cancel", "bootstrap",
+    *(f"generate_{t}" for t in ("unknown_ticket", "already_generating", "handoff_timeout", "handoff_failed",
+                                "not_ready", "invalid_request", "invalid_json", "unauthorized",
+                                "request_too_large", "internal_error", "timeout", "transport")),
+})
+_HTTP_KIND = re.compile(r"^(admit_|generate_)?http_[1-5][0-9][0-9]$")
+
+
+def bounded_kind(kind: str) -> str:
+    """`kind` when it is one of a fixed set (an HTTP status included), else "other"."""
+    return kind if kind in _KINDS or _HTTP_KIND.match(kind) else "other"
+
+
 class _Cached:
     """A labelled metric whose children are looked up once per label set: prometheus_client's
     `labels()` costs a lock and a few dict operations, and the hot path calls it several times per
-    request. Label values here are bounded (paths, node names, error kinds, status codes)."""
+    request. Label values here are bounded (paths, node names, route reasons from a fixed set, status
+    codes; error kinds through `bounded_kind`): no value comes from a client."""
 
-    def __init__(self, metric: Any) -> None:
+    def __init__(self, metric: Any, normalize: Callable[[tuple[str, ...]], tuple[str, ...]] | None = None) -> None:
         self._metric = metric
+        self._normalize = normalize
         self._children: dict[tuple[str, ...], Any] = {}
 
     def labels(self, *values: str) -> Any:
+        if self._normalize is not None:
+            values = self._normalize(values)
         child = self._children.get(values)
         if child is None:
             child = self._children[values] = self._metric.labels(*values)
@@ -64,7 +88,8 @@ class Metrics:
         self.rejections = _Cached(Counter(p + "rejections_total", "Requests answered 4xx/5xx by the router, by code",
                                   ["code"], registry=r))
         self.upstream_errors = _Cached(Counter(p + "upstream_errors_total", "Upstream failures by pool and kind",
-                                       ["pool", "kind"], registry=r))
+                                       ["pool", "kind"], registry=r),
+                                       lambda v: (v[0], bounded_kind(v[1])))
         self.retries = Counter(p + "retries_total", "Requests retried before their first byte",
                                registry=r)
         self.cancels = _Cached(Counter(p + "tilert_cancels_total", "Cancel calls to TileRT nodes by reason",

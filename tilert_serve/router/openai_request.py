@@ -8,12 +8,16 @@ sampling, stops) and lists the features the TileRT engine lacks, for the routing
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from tilert_serve.router.errors import RouterError, bad_request
 
 Kind = Literal["chat", "completions"]
+
+#: Integers the router reads (seed, token limits, token ids) are 64-bit, as vLLM's protocol types them.
+_INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 
 # Fields whose non-default value needs an engine feature TileRT does not have: name -> default value
 # (None = "any value at all needs the feature").
@@ -85,27 +89,108 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, int | float)) and not isinstance(v, bool)
 
 
-def _opt_int(body: dict[str, Any], name: str, minimum: int | None = None) -> int | None:
+def _opt_int(body: dict[str, Any], name: str, minimum: int = _INT64_MIN, maximum: int = _INT64_MAX) -> int | None:
     v = body.get(name)
     if v is None:
         return None
     if not _is_int(v):
         raise bad_request(f"'{name}' must be an integer, got {type(v).__name__}", param=name)
-    if minimum is not None and v < minimum:
+    if v < minimum:
         raise bad_request(f"'{name}' must be >= {minimum}, got {v}", param=name)
+    if v > maximum:
+        raise bad_request(f"'{name}' must be <= {maximum}, got {_short(v)}", param=name)
     return int(v)
 
 
-def _opt_number(body: dict[str, Any], name: str, lo: float, hi: float | None = None) -> float | None:
+def _short(v: int) -> str:
+    """An integer for a message: a 5000-digit one is not echoed whole."""
+    text = str(v)
+    return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
+
+
+def _opt_number(body: dict[str, Any], name: str, lo: float, hi: float | None = None, *,
+                lo_open: bool = False) -> float | None:
     v = body.get(name)
     if v is None:
         return None
     if not _is_number(v):
         raise bad_request(f"'{name}' must be a number, got {type(v).__name__}", param=name)
-    if v < lo or (hi is not None and v > hi):
-        bounds = f"between {lo} and {hi}" if hi is not None else f">= {lo}"
-        raise bad_request(f"'{name}' must be {bounds}, got {v}", param=name)
-    return float(v)
+    try:
+        f = float(v)
+    except OverflowError:
+        f = math.inf
+    if not math.isfinite(f) or f < lo or (lo_open and f == lo) or (hi is not None and f > hi):
+        low = f"> {lo}" if lo_open else f">= {lo}"
+        bounds = f"{low} and <= {hi}" if hi is not None else low
+        shown = _short(v) if isinstance(v, int) else repr(v)
+        raise bad_request(f"'{name}' must be a finite number {bounds}, got {shown}", param=name)
+    return f
+
+
+class _NonFinite(float):
+    """NaN, Infinity or a float literal too large for a double, as the JSON parser met it; the check
+    after parsing names the field that holds it."""
+
+    text: str
+
+    def __new__(cls, text: str) -> _NonFinite:
+        obj = super().__new__(cls, "nan")
+        obj.text = text
+        return obj
+
+
+def _parse_float(text: str) -> float:
+    f = float(text)
+    return f if math.isfinite(f) else _NonFinite(text)
+
+
+def _find_non_finite(obj: Any, path: str) -> tuple[str, str] | None:
+    """The path and literal of the first non-finite number in `obj`."""
+    if isinstance(obj, _NonFinite):
+        return path, obj.text
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            found = _find_non_finite(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(obj, list):
+        for i, v in enumerate(obj):
+            found = _find_non_finite(v, f"{path}[{i}]")
+            if found:
+                return found
+    return None
+
+
+def _loads(raw: bytes) -> Any:
+    """JSON with every number finite: NaN, Infinity and overflowing literals (1e999) are refused with
+    the field that holds them; nesting too deep for the parser is refused too."""
+    seen: list[bool] = []
+
+    def constant(text: str) -> float:
+        seen.append(True)
+        return _NonFinite(text)
+
+    def number(text: str) -> float:
+        f = _parse_float(text)
+        if isinstance(f, _NonFinite):
+            seen.append(True)
+        return f
+
+    try:
+        body = json.loads(raw, parse_constant=constant, parse_float=number)
+    except RecursionError:
+        raise bad_request("request body is nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise bad_request(f"request body is not valid JSON: {exc}") from exc
+    if seen:
+        try:
+            found = _find_non_finite(body, "")
+        except RecursionError:
+            found = None
+        where, text = found or ("", "a non-finite number")
+        field_name = where.split(".")[0].split("[")[0] or None
+        raise bad_request(f"'{where or 'body'}' must be a finite number, got {text}", param=field_name)
+    return body
 
 
 def _opt_bool(body: dict[str, Any], name: str) -> bool:
@@ -146,10 +231,7 @@ def _check_messages(body: dict[str, Any]) -> None:
 
 def parse(kind: Kind, raw: bytes, served_models: list[str]) -> ParsedRequest:
     """Parse a request body; raise a 400 (404 for an unknown model) that names the field."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise bad_request(f"request body is not valid JSON: {exc}") from exc
+    body = _loads(raw)
     if not isinstance(body, dict):
         raise bad_request(f"request body must be a JSON object, got {type(body).__name__}")
 
@@ -194,11 +276,13 @@ def parse(kind: Kind, raw: bytes, served_models: list[str]) -> ParsedRequest:
         raise bad_request("'stop' must be a string or a list of strings", param="stop")
 
     sti = body.get("stop_token_ids")
-    if sti is not None and not (isinstance(sti, list) and all(_is_int(t) for t in sti)):
-        raise bad_request("'stop_token_ids' must be a list of integers", param="stop_token_ids")
+    if sti is not None and not (isinstance(sti, list) and all(_is_int(t) and 0 <= t <= _INT64_MAX for t in sti)):
+        raise bad_request("'stop_token_ids' must be a list of token ids (integers from 0 to 2^63-1)",
+                          param="stop_token_ids")
 
     temperature = _opt_number(body, "temperature", 0.0, 2.0 if kind == "chat" else None)
-    top_p = _opt_number(body, "top_p", 0.0, 1.0)
+    # vLLM's range: 0 < top_p <= 1 (a top_p of 0 would pass here and be refused after the prefill).
+    top_p = _opt_number(body, "top_p", 0.0, 1.0, lo_open=True)
     top_k = _opt_int(body, "top_k", -1)
     seed = _opt_int(body, "seed")
 

@@ -2,7 +2,9 @@
 
 Order: the header (`x-pd-route`) wins, then the model alias, then the policy's default. A request
 that needs a feature TileRT lacks goes to the native pool or gets a 400, by policy; a request for
-TileRT when no slot is free goes to the native pool or gets a 429 with Retry-After, by policy.
+TileRT when no slot is free goes to the native pool or gets a 429 with Retry-After, by policy, and
+when no node is up (all ejected, or all failed this request) to the native pool or a 503 with
+Retry-After, by the same policy.
 """
 
 from __future__ import annotations
@@ -13,15 +15,26 @@ from typing import Literal
 from tilert_serve.router.config import RoutingPolicy
 from tilert_serve.router.errors import RouterError, bad_request
 from tilert_serve.router.openai_request import ParsedRequest
+from tilert_serve.router.pools import TileRTState
 
 Route = Literal["tilert", "native"]
+#: Why a route was taken, as the routes_total metric's `reason` label: a fixed set, whatever the
+#: request holds (the detail, which names fields, goes to the logs).
+Label = Literal["requested", "slot free", "unsupported on tilert", "no tilert pool", "tilert full", "tilert down",
+                "too long for tilert"]
 
 
 @dataclass(frozen=True)
 class Decision:
     route: Route
-    #: Why, for the routes_total metric and the logs.
-    reason: str
+    #: Why, for the routes_total metric (bounded).
+    label: Label
+    #: Why, in words, for the logs (may name the request's fields).
+    detail: str = ""
+
+    @property
+    def reason(self) -> str:
+        return self.detail or self.label
 
 
 def requested(policy: RoutingPolicy, header_value: str | None, model: str) -> str:
@@ -43,10 +56,11 @@ def decide(
     want: str,
     *,
     tilert_nodes: int,
-    tilert_free: bool,
+    tilert: TileRTState,
     native: str,
 ) -> Decision:
-    """`native` is the native pool's state: 'ok', 'full' or 'none' (see Pools.native_state)."""
+    """`tilert` is the TileRT pool's state for this request ('free', 'full', 'down': Pools.tilert_state),
+    `native` the native pool's: 'ok', 'full' or 'none' (see Pools.native_state)."""
     retry_after = {"Retry-After": str(policy.retry_after_s)}
 
     def full() -> RouterError:
@@ -55,14 +69,14 @@ def decide(
             code="pool_full", headers=retry_after,
         )
 
-    def to_native(reason: str, *, tilert_full: bool = False) -> Decision:
+    def to_native(label: Label, detail: str = "", *, tilert_full: bool = False) -> Decision:
         if native == "ok":
-            return Decision("native", reason)
+            return Decision("native", label, detail)
         if native == "full" or tilert_full:
             raise full()
         raise RouterError(
-            503, f"no native decode server is available ({reason})", type="service_unavailable",
-            code="no_native_pool",
+            503, f"no native decode server is available ({detail or label})", type="service_unavailable",
+            code="no_native_pool", headers=retry_after,
         )
 
     if want == "native":
@@ -77,7 +91,7 @@ def decide(
                 param=req.tilert_unsupported[0],
                 code="unsupported_on_tilert",
             )
-        return to_native(f"unsupported on tilert: {fields}")
+        return to_native("unsupported on tilert", f"unsupported on tilert: {fields}")
 
     if tilert_nodes == 0:
         if want == "tilert":
@@ -85,8 +99,13 @@ def decide(
                               code="no_tilert_pool")
         return to_native("no tilert pool")
 
-    if tilert_free:
+    if tilert == "free":
         return Decision("tilert", "slot free")
+    if tilert == "down":
+        if policy.when_tilert_full == "native":
+            return to_native("tilert down")
+        raise RouterError(503, "no TileRT decode node is available; retry later", type="service_unavailable",
+                          code="tilert_unavailable", headers=retry_after)
     if policy.when_tilert_full == "native":
         return to_native("tilert full", tilert_full=True)
     raise full()

@@ -10,8 +10,11 @@ import itertools
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Literal
 
 from tilert_serve.router.config import HealthChecks, RouterConfig, TileRTNode
+
+TileRTState = Literal["free", "full", "down"]
 
 
 @dataclass(eq=False)
@@ -128,8 +131,13 @@ class Pools:
             return "none"
         return "ok" if any(e.inflight < cap for e in up) else "full"
 
-    def tilert_free(self, exclude: set[str] = frozenset()) -> bool:  # type: ignore[assignment]
-        return any(n.routable and n.free > 0 and n.url not in exclude for n in self.tilert.values())
+    def tilert_state(self, exclude: set[str] = frozenset()) -> TileRTState:  # type: ignore[assignment]
+        """'free' when a node outside `exclude` has a free slot, 'full' when such nodes are up but have
+        none, 'down' when none is up (every node ejected, or failed this request)."""
+        up = [n for n in self.tilert.values() if n.routable and n.url not in exclude]
+        if any(n.free > 0 for n in up):
+            return "free"
+        return "full" if up else "down"
 
     def reserve_tilert(self, exclude: set[str]) -> Node | None:
         """Take one slot on the node with the most free slots; None when every node is full."""

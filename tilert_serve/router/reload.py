@@ -16,6 +16,7 @@ from pathlib import Path
 import yaml
 from pydantic import ValidationError
 
+from tilert_serve.bearer import TokenFileError
 from tilert_serve.router import config as config_mod
 from tilert_serve.router.state import RouterState, task_ctx
 
@@ -35,8 +36,8 @@ def reload_now(state: RouterState) -> bool:
     assert state.config_path is not None
     try:
         new = config_mod.load(state.config_path)
-        state.apply(new)  # also when equal: the API keys file may have changed
-    except (OSError, ValueError, ValidationError, yaml.YAMLError) as exc:
+        state.apply(new)  # also when equal: the token files are re-read at once
+    except (OSError, ValueError, ValidationError, yaml.YAMLError, TokenFileError) as exc:
         state.metrics.config_reloads.labels("error").inc()
         log.error("config %s not reloaded, keeping the old one: %s", state.config_path, exc)
         return False

@@ -18,6 +18,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tilert_serve.bearer import TokenFile
 from tilert_serve.router.config import RouterConfig, TileRTNode, with_discovered
 from tilert_serve.router.metrics import Metrics
 from tilert_serve.router.pools import Node, Pools
@@ -25,11 +26,15 @@ from tilert_serve.router.pools import Node, Pools
 log = logging.getLogger(__name__)
 
 
-def read_api_keys(path: str | None) -> frozenset[str]:
+def token_file(path: str | None, current: TokenFile | None = None) -> TokenFile | None:
+    """The TokenFile for `path` (None: no file): `current` re-read when it is the same file, else a new
+    one (TokenFileError when it cannot be read)."""
     if not path:
-        return frozenset()
-    lines = Path(path).read_text().splitlines()
-    return frozenset(k.strip() for k in lines if k.strip() and not k.startswith("#"))
+        return None
+    if current is not None and current.path == Path(path):
+        current.refresh(force=True)
+        return current
+    return TokenFile(path)
 
 
 @dataclass
@@ -39,7 +44,10 @@ class RouterState:
     config_path: Path | None
     pools: Pools
     metrics: Metrics
-    api_keys: frozenset[str]
+    #: The clients' API keys (config.api_keys_file); None = no authentication.
+    api_keys: TokenFile | None
+    #: The TileRT nodes' API token (config.tilert_api_token_file); None = none sent.
+    node_token: TokenFile | None = None
     #: Set by the session cleanup_ctx; every upstream call goes through this one pooled session.
     session: aiohttp.ClientSession | None = None
     #: Fire-and-forget work (TileRT cancels) that must outlive the request that started it.
@@ -54,6 +62,11 @@ class RouterState:
     def __post_init__(self) -> None:
         self.base_config = self.config
 
+    def node_headers(self, headers: dict[str, str]) -> dict[str, str]:
+        """`headers` plus the node-API token, for calls to a TileRT node's /v1/* (never to vLLM)."""
+        token = self.node_token.first() if self.node_token is not None else None
+        return {**headers, "Authorization": f"Bearer {token}"} if token else headers
+
     @property
     def http(self) -> aiohttp.ClientSession:
         assert self.session is not None, "router used outside its app's lifetime"
@@ -61,10 +74,12 @@ class RouterState:
 
     def apply(self, config: RouterConfig) -> None:
         """Swap in a new config; the pools keep the state of endpoints that stay."""
-        keys = read_api_keys(config.api_keys_file)
+        keys = token_file(config.api_keys_file, self.api_keys)
+        node_token = token_file(config.tilert_api_token_file, self.node_token)
         effective = with_discovered(config, self.discovered)
         self.pools.apply(effective)
         self.api_keys = keys
+        self.node_token = node_token
         self.base_config = config
         self.config = effective
         # Gauges of endpoints that left (DNS churn gives every new pod a new address) would otherwise

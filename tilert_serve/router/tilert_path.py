@@ -28,6 +28,9 @@ from tilert_serve.router.upstream import UpstreamError, error_message, post_json
 
 log = logging.getLogger(__name__)
 
+#: What a node's done event may end a decode with; anything else is a failed decode.
+_FINISH_REASONS = ("stop", "length")
+
 
 class NodeFull(Exception):
     """The node answered 429: no slot after all (another router, or a slot not yet freed)."""
@@ -85,7 +88,7 @@ async def _cancel(call: Call, node: Node, ticket: str, slot: _Slot) -> None:
         async with call.state.http.post(
             node.url + "/v1/cancel",
             json={"ticket": ticket},
-            headers=call.upstream_headers,
+            headers=call.state.node_headers(call.upstream_headers),
             timeout=aiohttp.ClientTimeout(total=t.cancel_s, sock_connect=t.connect_s),
         ) as resp:
             await resp.read()
@@ -111,7 +114,7 @@ async def admit(call: Call, node: Node) -> Admission:
         # prompt + max_tokens past the node's max_seq_len ends as "length" on the node, as vLLM's own
         # get_max_tokens clamps it on the native pool; a prompt past it fails the handoff (retried).
         {"request_id": call.request_id, "prompt_tokens": None, "max_tokens": call.req.max_tokens},
-        headers=call.upstream_headers,
+        headers=call.state.node_headers(call.upstream_headers),
         timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s),
     )
     if status == 429:
@@ -289,7 +292,7 @@ async def _generate(
         async with asyncio.timeout(t.decode_start_s):
             resp = await st.http.post(
                 node.url + "/v1/generate", json=generate_body(call, node, adm, first_token, prompt_tokens),
-                headers=call.upstream_headers,
+                headers=call.state.node_headers(call.upstream_headers),
                 timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s),
             )
     except (TimeoutError, aiohttp.ClientError) as exc:
@@ -320,6 +323,13 @@ async def _generate(
                         msg = ev.data[:200]
                     return await _decode_failed(call, node, "stream_error", msg)
                 obj = json.loads(ev.data)
+                if obj.get("done") and obj.get("finish_reason") not in _FINISH_REASONS:
+                    # Not an OpenAI finish reason (an older node's "cancelled"): the decode did not finish.
+                    await out.texts(pending)
+                    slot.ticket = None  # the node freed the slot with its done event
+                    slot.release()
+                    return await _decode_failed(call, node, "stream_error",
+                                                f"the decode ended with finish_reason {obj.get('finish_reason')!r}")
                 if obj.get("done"):
                     await out.texts(pending)
                     # The node frees the slot when it finishes: nothing to cancel.
@@ -331,7 +341,7 @@ async def _generate(
                     st.spawn(_drain(resp, t.cancel_s))
                     drained = True
                     n = obj.get("num_tokens")
-                    return str(obj.get("finish_reason") or "stop"), int(n) if isinstance(n, int) else n_tokens
+                    return str(obj["finish_reason"]), int(n) if isinstance(n, int) else n_tokens
                 if first:
                     m.handoff.observe(time.perf_counter() - t_first)
                     first = False
