@@ -172,6 +172,8 @@ class Router(Pool):
     service: RouterService = RouterService()
     policy: Policy = Policy()
     api_keys_secret: ApiKeysSecret | None = None
+    #: With API keys: /metrics answers without a key (it names every endpoint's address).
+    metrics_public: bool = False
 
 
 class NetworkPolicies(_Section):

@@ -14,7 +14,6 @@ from tilert_operator import constants
 from tilert_operator import spec as specmod
 from tilert_serve.local import plan as planmod
 from tilert_serve.local import runner
-from tilert_serve.router import config as router_config
 
 SPEC = {"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"},
         "decode": {"tilert": {"engine": "reference", "gpus": 0, "replicas": 2}}}
@@ -78,8 +77,7 @@ def test_plan_passes_the_token_to_the_nodes_and_the_router(tmp_path: Path) -> No
         assert c.argv[c.argv.index("--api-token-file") + 1] == token
     others = [c for c in p.components if c.kind != constants.TILERT]
     assert not any("--api-token-file" in c.argv for c in others)
-    if "tilert_api_token_file" in router_config.RouterConfig.model_fields:
-        assert p.router_config.tilert_api_token_file == token  # type: ignore[attr-defined]
+    assert p.router_config.tilert_api_token_file == token
     # Without a token file the nodes run as before (the HTTP API unauthenticated).
     bare = planmod.plan(spec, ports=ports, model_dir="/m", secret_file="/s", router_config_file="/r")
     assert not any("--api-token-file" in c.argv for c in bare.components)

@@ -74,12 +74,19 @@ def test_node_api_secret_is_mounted_on_decode_and_router_pods_only() -> None:
     assert "--api-token-file" not in local.argv
 
 
-def test_router_config_names_the_node_api_token_file() -> None:
-    if "tilert_api_token_file" not in router_config.RouterConfig.model_fields:
-        pytest.skip("the router's config has no tilert_api_token_file yet (the router side of issue 10)")
+def test_router_config_names_the_node_api_token_file(tmp_path: Any) -> None:
     spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
-    cfg = router_render.pod_config(spec, "tiny", "ns", [])
-    assert cfg.tilert_api_token_file == defaults.NODE_API_TOKEN_PATH  # type: ignore[attr-defined]
+    cm = router_render.configmap(spec, "tiny", "ns", [])
+    (tmp_path / "config.yaml").write_text(cm["data"]["config.yaml"])
+    assert router_config.load(tmp_path / "config.yaml").tilert_api_token_file == defaults.NODE_API_TOKEN_PATH
+
+
+def test_router_metrics_need_a_key_unless_the_spec_opens_them() -> None:
+    keys = {"router": {"apiKeysSecret": {"name": "keys"}}}
+    closed = router_render.pod_config(specmod.parse(helpers.minimal(**keys)), "t", "ns", [])
+    assert closed.api_keys_file and closed.metrics_public is False
+    opened = helpers.deep_merge(helpers.minimal(**keys), {"router": {"metricsPublic": True}})
+    assert router_render.pod_config(specmod.parse(opened), "t", "ns", []).metrics_public is True
 
 
 def test_handoff_secret_has_accept_beside_secret_and_the_pods_do_not_depend_on_it() -> None:

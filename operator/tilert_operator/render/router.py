@@ -29,12 +29,8 @@ def config(
     """The router's configuration from the spec and the live endpoints (pods and local runs alike).
     `api_token_file` holds the node API token the router presents to the decode nodes."""
     p = spec.router.policy
-    # TRANSITIONAL (issue 10): the router's config gains tilert_api_token_file in a parallel change;
-    # until it lands, the key is left out rather than refused by the strict model.
-    has_field = "tilert_api_token_file" in router_config.RouterConfig.model_fields
-    token = {"tilert_api_token_file": api_token_file} if api_token_file and has_field else {}
     return router_config.RouterConfig(
-        **token,  # type: ignore[arg-type]
+        tilert_api_token_file=api_token_file,
         model=spec.model.name,
         prefill=list(prefill_urls),
         tilert=list(tilert_nodes),
@@ -48,6 +44,7 @@ def config(
             unsupported_on_tilert=p.unsupported_on_tilert,
         ),
         api_keys_file=api_keys_file,
+        metrics_public=spec.router.metrics_public,
     )
 
 
