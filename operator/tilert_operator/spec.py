@@ -90,6 +90,8 @@ class Transfer(_Section):
     rdma: Rdma = Rdma()
     #: Size of the /dev/shm emptyDir on prefill and decode pods (vLLM and the engines need it).
     shm_size: str = "2Gi"
+    #: A digest of each handoff's bytes, checked by the TileRT node before it decodes the state.
+    handoff_digest: bool = True
 
 
 class Mtp(_Section):

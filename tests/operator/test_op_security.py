@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import itertools
+import json
 import posixpath
 from typing import Any
 
@@ -79,6 +80,17 @@ def test_router_config_names_the_node_api_token_file(tmp_path: Any) -> None:
     cm = router_render.configmap(spec, "tiny", "ns", [])
     (tmp_path / "config.yaml").write_text(cm["data"]["config.yaml"])
     assert router_config.load(tmp_path / "config.yaml").tilert_api_token_file == defaults.NODE_API_TOKEN_PATH
+
+
+def test_handoff_digest_is_on_unless_the_spec_turns_it_off_on_both_sides() -> None:
+    on = commands.commands(specmod.parse(helpers.minimal()))
+    assert "--handoff-digest" not in on[constants.TILERT].argv, "on is the node's default"
+    assert "tilert_handoff_digest" not in _arg(on[constants.PREFILL].argv, "--kv-transfer-config")
+    off = commands.commands(specmod.parse(helpers.minimal(transfer={"handoffDigest": False})))
+    assert _arg(off[constants.TILERT].argv, "--handoff-digest") == "off"
+    kv = json.loads(_arg(off[constants.PREFILL].argv, "--kv-transfer-config"))
+    tilert = next(c for c in kv["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "TileRTConnector")
+    assert tilert["kv_connector_extra_config"]["tilert_handoff_digest"] is False
 
 
 def test_router_metrics_need_a_key_unless_the_spec_opens_them() -> None:

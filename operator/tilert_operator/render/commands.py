@@ -75,6 +75,8 @@ def tilert_connector(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
             "tilert_transfer": spec.transfer.engine,
             "tilert_protocol": spec.transfer.protocol,
             "tilert_secret_path": paths.secret_file,
+            # Rendered only when off (on is both sides' default), so the default spec renders as before.
+            **({} if spec.transfer.handoff_digest else {"tilert_handoff_digest": False}),
             # The prefill finds its own address on the handoff's networks, as the decode node does.
             **({"tilert_data_plane_networks": list(spec.transfer.rdma.networks)} if spec.transfer.rdma.networks else {}),
         },
@@ -170,6 +172,8 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         # MTP resumes from the draft-layer KV the prefill computed: same depth on both sides.
         "--num-speculative-tokens", str(spec.prefill.mtp.num_speculative_tokens if t.mtp else 0),
     ]  # fmt: skip
+    if not spec.transfer.handoff_digest:
+        argv += ["--handoff-digest", "off"]
     if paths.api_token_file:
         # Only a holder of this token (the router) may admit, generate, cancel or list.
         argv += ["--api-token-file", paths.api_token_file]
