@@ -28,10 +28,11 @@ def vllm_error(message: str, param: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
 
 
-def vllm_max_tokens_check(body: dict[str, Any], max_model_len: int | None) -> dict[str, Any] | None:
+def vllm_max_tokens_check(body: dict[str, Any], max_model_len: int | None, chat: bool = True) -> dict[str, Any] | None:
     """vLLM 0.32 refuses a max_tokens past the context length up front, whatever the prompt; a prompt
-    + max_tokens past it is not refused but clamped (get_max_tokens)."""
-    param = "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+    + max_tokens past it is not refused but clamped (get_max_tokens). Completions have no
+    max_completion_tokens (vLLM ignores the field there)."""
+    param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
     mt = body.get(param)
     if max_model_len is None or mt is None or mt <= max_model_len:
         return None
@@ -381,10 +382,10 @@ class FakeNative(FakeVLLM):
         if self.fail_status is not None:
             return web.json_response({"error": {"message": "scripted decode failure", "type": "internal"}},
                                      status=self.fail_status)
-        refused = vllm_max_tokens_check(body, self.max_model_len)
+        chat = request.path.endswith("chat/completions")
+        refused = vllm_max_tokens_check(body, self.max_model_len, chat)
         if refused is not None:
             return web.json_response(refused, status=400)
-        chat = request.path.endswith("chat/completions")
         n = min(self.tokens, body.get("max_tokens") or self.tokens)
         if self.max_model_len is not None:
             n = min(n, self.max_model_len - 7)
