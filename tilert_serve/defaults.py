@@ -16,8 +16,15 @@ ROUTER_PORT: Final = 8000
 VLLM_PORT: Final = 8100
 #: How long an admission ticket holds a decode slot before the node frees it, in seconds.
 TICKET_TTL_S: Final = 30.0
-#: Where the handoff's shared secret is mounted in pods.
+#: Where the handoff's shared secret is mounted in pods: the file senders sign with. The same directory
+#: may hold `accept` (handoff.auth.ACCEPT_FILE): more secrets the nodes accept, one per line (rotation).
 SECRET_PATH: Final = "/etc/tilert-pd/handoff/secret"
+#: Longest a one-sided write may take before its transfer engine gives up, in seconds (Mooncake's
+#: MC_TRANSFER_TIMEOUT, NIXL's write timeout; set by tilert_serve.transfer).
+WRITE_BOUND_S: Final = 60.0
+#: How long a decode slot released while a sender may still be writing stays out of use: the write
+#: bound plus a margin for bytes already on the wire (tilert_serve/decode/slots.py, Quarantine).
+WRITE_QUARANTINE_S: Final = WRITE_BOUND_S + 30.0
 #: Where the decode node's HTTP API credential (the `<cluster>-node-api` Secret's token) is mounted
 #: in TileRT decode and router pods.
 NODE_API_TOKEN_PATH: Final = "/etc/tilert-pd/node-api/token"

@@ -122,15 +122,17 @@ def secret_file(tmp_path: Path) -> Path:
 async def running_node(layout: layouts.Layout, secret_file: Path, *, transfer_name: str = "mooncake",
                        slots: int = 1, max_seq_len: int = 256, ticket_ttl_s: float = 30.0,
                        handoff_timeout_s: float = 30.0, shards: int = 1, tokenizer: object = None,
-                       eos: frozenset[int] = frozenset()) -> AsyncIterator[RunningNode]:
+                       eos: frozenset[int] = frozenset(), quarantine_s: float = 30.0,
+                       verify_digest: bool = True, secret: object = SECRET) -> AsyncIterator[RunningNode]:
     for key in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES"):
         os.environ.setdefault(key, SENDER_ENV[key])
     engine = RecordingEngine(layout, max_seq_len, slots)
     config = NodeConfig(name="node-0", max_seq_len=max_seq_len, slots=slots, host="127.0.0.1", ctrl_port=0,
                         http_port=0, shards=shards, devices=("cpu",) * shards, ticket_ttl_s=ticket_ttl_s,
-                        handoff_timeout_s=handoff_timeout_s)
+                        handoff_timeout_s=handoff_timeout_s, quarantine_s=quarantine_s,
+                        verify_digest=verify_digest)
     mover = transfer.create(transfer_name, host="127.0.0.1", protocol="tcp", role="node")
-    node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=SECRET, tokenizer=tokenizer,
+    node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
                       eos_token_ids=eos)
     runner = web.AppRunner(make_app(node))
     await runner.setup()

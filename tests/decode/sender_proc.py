@@ -16,7 +16,7 @@ import torch
 
 from tilert_serve import transfer
 from tilert_serve.handoff import auth, messages
-from tilert_serve.handoff.framing import SyncChannel
+from tilert_serve.handoff.framing import Session, SyncChannel
 from tilert_serve.handoff.sender import HandoffRequest, Sender
 from tilert_serve.layouts import Placement
 
@@ -30,6 +30,7 @@ def die_after_accept(host: str, port: int, secret: bytes, req: HandoffRequest, f
     assert isinstance(challenge, messages.Challenge)
     nonce = auth.new_nonce()
     chan.send(messages.Auth(mac=auth.sender_mac(secret, challenge.nonce, nonce), nonce=nonce, sender="doomed"))
+    chan.session = Session.of_sender(secret, challenge.nonce, nonce)
     chan.recv()
     chan.send(messages.Request(request_id=req.request_id, ticket=req.ticket, num_tokens=req.num_tokens,
                                last_prompt_token=req.last_prompt_token, layout_fingerprint=fingerprint))
@@ -54,8 +55,8 @@ def main() -> None:
     synthetic.fill(staging, [buf], num_tokens, int(seed))
     engine = transfer.create(engine_name, host="127.0.0.1", protocol="tcp", role="sender")
     engine.register(buf.data_ptr(), buf.numel())
-    sender = Sender(name="test-sender", secret=secret, engine=engine, staging=staging,
-                    staging_addrs=[buf.data_ptr()], timeout_s=20)
+    sender = Sender(name="test-sender", secret=secret, engine=engine, staging=staging, staging_buffers=[buf],
+                    timeout_s=20, send_digest="--no-digest" not in sys.argv)
     result = sender.send(host, int(port), req)
     print("RESULT " + json.dumps(dataclasses.asdict(result)), flush=True)
     os._exit(0)  # NIXL/UCX teardown can crash at exit (reference/transfer-engines.md §3.5)

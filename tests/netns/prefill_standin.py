@@ -52,7 +52,7 @@ def main() -> None:
     engine = transfer.create(args.transfer, host=args.data_host, protocol="tcp", role="prefill-standin")
     engine.register(buf.data_ptr(), buf.numel())
     sender = Sender(name="prefill-standin", secret=auth.load_secret(args.secret_file), engine=engine,
-                    staging=staging, staging_addrs=[buf.data_ptr()], timeout_s=20)
+                    staging=staging, staging_buffers=[buf], timeout_s=20)
     results: list[dict] = []
     lock = asyncio.Lock()
 

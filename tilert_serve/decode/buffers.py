@@ -47,6 +47,14 @@ class ReceiveBuffers:
         return [Region(shard=s, addr=buf.data_ptr() + slot * n, nbytes=n)
                 for s, (buf, n) in enumerate(zip(self.buffers, self.region_nbytes, strict=True))]
 
+    def scrub(self, slot: int) -> None:
+        """Zero the slot's regions on every shard, and wait for it on a GPU: the next write into the slot
+        is a NIC's, which no CUDA stream orders after a queued memset."""
+        for view in self.views(slot):
+            view.zero_()
+            if view.is_cuda:
+                torch.cuda.current_stream(view.device).synchronize()
+
     def views(self, slot: int) -> list[torch.Tensor]:
         """The slot's region on each shard as uint8 tensors (for conversion)."""
         return [buf[slot * n:(slot + 1) * n] for buf, n in zip(self.buffers, self.region_nbytes, strict=True)]

@@ -40,7 +40,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--http-port", type=int, default=defaults.DECODE_HTTP_PORT)
     p.add_argument("--transfer", default="mooncake", choices=transfer.ENGINES)
     p.add_argument("--protocol", default="tcp", choices=["tcp", "rdma"])
-    p.add_argument("--secret-file", default=defaults.SECRET_PATH)
+    p.add_argument("--secret-file", default=defaults.SECRET_PATH,
+                   help="the handoff secret; an `accept` file beside it lists more accepted secrets, one per "
+                        "line; both are re-read when they change (rotation without a restart)")
+    p.add_argument("--handoff-digest", default="on", choices=["on", "off"],
+                   help="check each handoff's digest of the bytes written before decoding it (off: take the "
+                        "state as it lands; only with prefills that send none)")
+    p.add_argument("--quarantine-s", type=float, default=defaults.WRITE_QUARANTINE_S,
+                   help="seconds a slot released while a sender may still be writing stays out of use")
     p.add_argument("--api-token-file", default=None,
                    help="bearer tokens (one a line, any accepted) that /v1/admit, /v1/generate, /v1/cancel and "
                         f"/v1/status require; default {defaults.NODE_API_TOKEN_PATH} (the <cluster>-node-api "
@@ -77,16 +84,17 @@ def run(args: argparse.Namespace) -> int:
 
     from tilert_serve.decode.http import make_app
     from tilert_serve.decode.node import DecodeNode, NodeConfig
-    from tilert_serve.handoff.auth import load_secret
+    from tilert_serve.handoff.auth import FileKeyring
+    from tilert_serve.handoff.errors import AuthError
 
     model_dir = Path(args.model_dir)
     config_path = model_dir / "config.json"
     hf_config = json.loads(config_path.read_text()) if config_path.exists() else None
     try:
         layout = _layout(args, hf_config)
-        secret = load_secret(args.secret_file)
+        secret = FileKeyring(args.secret_file)
         api_tokens = api_token_file(args.api_token_file)
-    except (ValueError, OSError, TokenFileError) as exc:
+    except (ValueError, OSError, TokenFileError, AuthError) as exc:
         raise SystemExit(f"decode-node: {exc}") from exc
     where = find_data_plane(args)
     assert where.address is not None
@@ -99,7 +107,8 @@ def run(args: argparse.Namespace) -> int:
     devices = tuple([args.device] if args.shards == 1 else [f"cuda:{i}" for i in range(args.shards)])
     config = NodeConfig(name=args.name, max_seq_len=args.max_seq_len, slots=args.slots, host=args.host,
                         advertise_host=where.address, ctrl_port=args.ctrl_port, http_port=args.http_port,
-                        shards=args.shards, devices=devices, ticket_ttl_s=args.ticket_ttl)
+                        shards=args.shards, devices=devices, ticket_ttl_s=args.ticket_ttl,
+                        quarantine_s=args.quarantine_s, verify_digest=args.handoff_digest == "on")
     mover = transfer.create(args.transfer, host=where.address, protocol=args.protocol, role=args.name,
                             interface=where.interface)
     tokenizer, eos = _tokenizer(model_dir)

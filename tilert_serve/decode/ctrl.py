@@ -1,7 +1,12 @@
 """The node's control-plane server: one handoff per connection (see handoff/messages.py).
 
-A malformed frame, a failed HMAC or a vanished sender ends that connection (and fails the slot it
-had been given, so the slot is freed by the generate call or its deadline); the server goes on
+Before the handshake completes a connection is unauthenticated: at most MAX_PREAUTH of them are
+held at once (more are told busy and closed), each frame is at most framing.PREAUTH_MAX_BODY bytes,
+and the Auth must come within HANDSHAKE_TIMEOUT_S. After it every frame is sealed with the session
+keys (framing.Session). Anything wrong, in any phase (a malformed or oversized frame, another
+protocol version, a failed MAC or session tag, an unexpected message, a timeout), is answered with
+an Error or Reject that names the reason, and the connection is closed; a slot it was given is failed
+through the slot table (quarantined on release if its write may still land). The server goes on
 serving every other connection.
 """
 
@@ -14,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from tilert_serve.decode.slots import DuplicateSender, NodeFull, Slot, UnknownTicket
 from tilert_serve.handoff import auth, messages
-from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason
-from tilert_serve.handoff.framing import read_message, write_message
+from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason, SessionError, VersionMismatch
+from tilert_serve.handoff.framing import PREAUTH_MAX_BODY, Session, read_frame, write_message
 
 if TYPE_CHECKING:
     from tilert_serve.decode.node import DecodeNode
@@ -24,15 +29,23 @@ log = logging.getLogger(__name__)
 
 #: Seconds a sender gets for each handshake message; the writes themselves get the slot's deadline.
 HANDSHAKE_TIMEOUT_S = 10.0
+#: Unauthenticated connections held at once. Each holds at most the stream reader's buffer
+#: (READ_LIMIT, twice that before the transport pauses) for HANDSHAKE_TIMEOUT_S.
+MAX_PREAUTH = 64
+#: asyncio's stream buffer limit for control connections.
+READ_LIMIT = 64 * 1024
 
 
 @dataclass
 class _Conn:
     """What one connection holds so far; a slot accepted but not yet reported done is failed on error."""
 
+    session: Session | None = None
     slot: Slot | None = None
     generation: int = 0
+    rank: int = 0
     request_id: str = ""
+    authenticated: bool = False
 
 
 class _Refuse(Exception):
@@ -41,42 +54,89 @@ class _Refuse(Exception):
         self.reason, self.message = reason, message
 
 
-async def handle(node: DecodeNode, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    peer = writer.get_extra_info("peername")
-    conn = _Conn()
-    try:
-        await _handoff(node, reader, writer, conn)
-    except _Refuse as exc:
-        node.metrics.ctrl_errors.labels(exc.reason.value).inc()
-        log.info("handoff from %s refused: %s: %s", peer, exc.reason.value, exc.message)
-        await _try_send(writer, messages.Reject(request_id=conn.request_id, reason=exc.reason, message=exc.message))
-    except (FrameError, MessageError) as exc:
-        node.metrics.ctrl_errors.labels("bad_request").inc()
-        log.warning("handoff from %s: protocol error: %s", peer, exc)
-        await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST, message=str(exc)))
-        if conn.slot is not None:
-            node.fail_slot(conn.slot, conn.generation, f"sender broke the protocol: {exc}")
-    except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
-        node.metrics.ctrl_errors.labels("disconnected").inc()
-        if conn.slot is not None:
-            node.fail_slot(conn.slot, conn.generation, f"sender disconnected or timed out before reporting done ({type(exc).__name__})")
-    except Exception:  # the server must outlive any one connection
-        log.exception("handoff from %s: internal error", peer)
-        if conn.slot is not None:
-            node.fail_slot(conn.slot, conn.generation, "internal error in the decode node's control plane; see its log")
-    finally:
-        writer.close()
+class ControlServer:
+    """Counts unauthenticated connections; `handle` serves one connection."""
+
+    def __init__(self, node: DecodeNode) -> None:
+        self.node = node
+        self.preauth = 0
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        node = self.node
+        peer = writer.get_extra_info("peername")
+        conn = _Conn()
+        if self.preauth >= MAX_PREAUTH:
+            node.metrics.ctrl_errors.labels("preauth_limit").inc()
+            await _try_send(writer, messages.Error(reason=RejectReason.BUSY,
+                                                   message=f"{MAX_PREAUTH} unauthenticated control connections are "
+                                                           "open already; retry"), None)
+            writer.close()
+            return
+        self.preauth += 1
+        try:
+            await _handoff(node, reader, writer, conn, self)
+        except _Refuse as exc:
+            node.metrics.ctrl_errors.labels(exc.reason.value).inc()
+            log.info("handoff from %s refused: %s: %s", peer, exc.reason.value, exc.message)
+            await _try_send(writer, messages.Reject(request_id=conn.request_id, reason=exc.reason,
+                                                    message=exc.message), conn.session)
+        except VersionMismatch as exc:
+            node.metrics.ctrl_errors.labels(RejectReason.VERSION.value).inc()
+            log.info("handoff from %s: %s", peer, exc)
+            # In the peer's version: Error's body is the same in every version, so an older peer reads why.
+            await _try_send(writer, messages.Error(reason=RejectReason.VERSION, message=str(exc)), None,
+                            version=exc.version)
+            _lost(node, conn, f"sender speaks another protocol version: {exc}")
+        except SessionError as exc:
+            node.metrics.ctrl_errors.labels(RejectReason.UNAUTHENTICATED.value).inc()
+            log.warning("handoff from %s: session check failed: %s", peer, exc)
+            await _try_send(writer, messages.Error(reason=RejectReason.UNAUTHENTICATED, message=str(exc)),
+                            conn.session)
+            _lost(node, conn, f"the control connection failed its session check: {exc}")
+        except (FrameError, MessageError) as exc:
+            node.metrics.ctrl_errors.labels("bad_request").inc()
+            log.warning("handoff from %s: protocol error: %s", peer, exc)
+            await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST, message=str(exc)), conn.session)
+            _lost(node, conn, f"sender broke the protocol: {exc}")
+        except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
+            node.metrics.ctrl_errors.labels("disconnected").inc()
+            if isinstance(exc, TimeoutError):
+                await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST,
+                                                       message="timed out waiting for the next message"),
+                                conn.session)
+            _lost(node, conn, f"sender disconnected or timed out before reporting done ({type(exc).__name__})")
+        except Exception:  # the server must outlive any one connection
+            node.metrics.ctrl_errors.labels("internal").inc()
+            log.exception("handoff from %s: internal error", peer)
+            _lost(node, conn, "internal error in the decode node's control plane; see its log")
+        finally:
+            if not conn.authenticated:
+                self.preauth -= 1
+            writer.close()
 
 
-async def _try_send(writer: asyncio.StreamWriter, msg: messages.Message) -> None:
+def _lost(node: DecodeNode, conn: _Conn, error: str) -> None:
+    if conn.slot is not None:
+        node.slots.writer_lost(conn.slot, conn.generation, conn.rank, error)
+
+
+async def _try_send(writer: asyncio.StreamWriter, msg: messages.Message, session: Session | None,
+                    version: int | None = None) -> None:
     try:
-        await asyncio.wait_for(write_message(writer, msg), HANDSHAKE_TIMEOUT_S)
-    except (ConnectionError, TimeoutError):
+        if version is None:
+            await asyncio.wait_for(write_message(writer, msg, session), HANDSHAKE_TIMEOUT_S)
+        else:
+            await asyncio.wait_for(write_message(writer, msg, session, version), HANDSHAKE_TIMEOUT_S)
+    except (ConnectionError, TimeoutError, FrameError):
         pass
 
 
-async def _read(reader: asyncio.StreamReader, kind: type[messages.Message], timeout: float) -> messages.Message:
-    msg = await asyncio.wait_for(read_message(reader), timeout)
+async def _read(reader: asyncio.StreamReader, conn: _Conn, kind: type[messages.Message], timeout: float,
+                max_body: int | None = None) -> messages.Message:
+    if max_body is None:
+        msg, _ = await asyncio.wait_for(read_frame(reader, conn.session), timeout)
+    else:
+        msg, _ = await asyncio.wait_for(read_frame(reader, conn.session, max_body), timeout)
     if isinstance(msg, messages.Error):
         raise ConnectionError(f"peer reported {msg.reason.value}: {msg.message}")
     if not isinstance(msg, kind):
@@ -84,19 +144,33 @@ async def _read(reader: asyncio.StreamReader, kind: type[messages.Message], time
     return msg
 
 
+def _check_auth(node: DecodeNode, nonce: str, a: messages.Auth) -> bytes | None:
+    """The accepted secret the sender's MAC was made with (every candidate is tried, in constant time
+    each), or None."""
+    found = None
+    for secret in node.keyring.accepted():
+        if auth.verify(auth.sender_mac(secret, nonce, a.nonce), a.mac) and found is None:
+            found = secret
+    return found
+
+
 async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   conn: _Conn) -> None:
+                   conn: _Conn, server: ControlServer) -> None:
     nonce = auth.new_nonce()
     await write_message(writer, messages.Challenge(nonce=nonce, node=node.config.name))
-    a = await _read(reader, messages.Auth, HANDSHAKE_TIMEOUT_S)
+    a = await _read(reader, conn, messages.Auth, HANDSHAKE_TIMEOUT_S, PREAUTH_MAX_BODY)
     assert isinstance(a, messages.Auth)
-    if not auth.verify(auth.sender_mac(node.secret, nonce, a.nonce), a.mac):
+    secret = _check_auth(node, nonce, a)
+    if secret is None:
         raise _Refuse(RejectReason.UNAUTHENTICATED,
                       "HMAC does not verify: the sender's handoff secret differs from this node's")
+    conn.session = Session.of_node(secret, nonce, a.nonce)
+    conn.authenticated = True
+    server.preauth -= 1
     if node.stopping:
         raise _Refuse(RejectReason.SHUTTING_DOWN, "the node is stopping; send to another node")
-    await write_message(writer, node.hello(auth.node_mac(node.secret, nonce, a.nonce)))
-    req = await _read(reader, messages.Request, HANDSHAKE_TIMEOUT_S)
+    await write_message(writer, node.hello(auth.node_mac(secret, nonce, a.nonce)), conn.session)
+    req = await _read(reader, conn, messages.Request, HANDSHAKE_TIMEOUT_S)
     assert isinstance(req, messages.Request)
     conn.request_id = req.request_id
     if req.layout_fingerprint != node.layout.fingerprint:
@@ -106,6 +180,9 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
                                              f"{node.config.max_seq_len}")
     if not 0 <= req.sender_rank < req.num_senders:
         raise _Refuse(RejectReason.BAD_REQUEST, f"sender_rank {req.sender_rank} not in 0..{req.num_senders - 1}")
+    if req.num_senders > node.layout.num_layers:
+        raise _Refuse(RejectReason.BAD_REQUEST, f"num_senders {req.num_senders} exceeds the layout's "
+                                                f"{node.layout.num_layers} layers")
     try:
         slot = node.slots.accept(ticket=req.ticket, request_id=req.request_id, rank=req.sender_rank,
                                  num_senders=req.num_senders, num_tokens=req.num_tokens,
@@ -116,31 +193,30 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
         raise _Refuse(RejectReason.UNKNOWN_TICKET, str(exc)) from exc
     except DuplicateSender as exc:
         raise _Refuse(RejectReason.DUPLICATE, str(exc)) from exc
-    conn.slot, conn.generation = slot, slot.generation
-    node.slot_changed(slot)
-    generation = slot.generation
-    slot.writers += 1
-    try:
-        await _receive(node, reader, writer, conn, req, slot, generation)
-    finally:
-        slot.writers -= 1
+    conn.slot, conn.generation, conn.rank = slot, slot.generation, req.sender_rank
+    await _receive(node, reader, writer, conn, req, slot)
 
 
 async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn,
-                   req: messages.Request, slot: Slot, generation: int) -> None:
+                   req: messages.Request, slot: Slot) -> None:
+    generation = conn.generation
     await write_message(writer, messages.Accept(request_id=req.request_id, slot=slot.index, generation=generation,
                                                 regions=node.buffers.regions(slot.index),
-                                                max_tokens=node.config.max_seq_len))
+                                                max_tokens=node.config.max_seq_len), conn.session)
     remaining = max(0.0, slot.deadline - node.slots.clock())
-    done = await _read(reader, messages.Done, remaining)
+    done = await _read(reader, conn, messages.Done, remaining)
     assert isinstance(done, messages.Done)
-    if done.generation != generation:
-        raise MessageError(f"Done carries generation {done.generation}, the slot was accepted as {generation}")
+    if done.generation != generation or done.request_id != req.request_id:
+        raise MessageError(f"Done names request {done.request_id!r} generation {done.generation}, the slot was "
+                           f"accepted for {req.request_id!r} generation {generation}")
     conn.slot = None  # reported: a later disconnect no longer fails the slot
-    complete = node.rank_done(slot, generation, req.sender_rank, done)
+    complete = node.slots.done(slot, generation, req.sender_rank, ok=done.ok, nbytes=done.nbytes, error=done.error,
+                               digest=done.digest, writes_started=done.writes_started)
     status: messages.AckStatus
     if not done.ok:
         status, msg = "failed", slot.error or done.error or ""
+    elif slot.generation != generation or slot.request_id != req.request_id:
+        status, msg = "failed", "the request was cancelled or expired before its state arrived"
     else:
         status, msg = ("complete" if complete else "waiting_for_ranks"), ""
-    await write_message(writer, messages.Ack(request_id=req.request_id, status=status, message=msg))
+    await write_message(writer, messages.Ack(request_id=req.request_id, status=status, message=msg), conn.session)

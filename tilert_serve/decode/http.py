@@ -27,7 +27,7 @@ from tilert_serve.bearer import TokenFile
 from tilert_serve.decode import api_auth
 from tilert_serve.decode.engines.base import Sampling
 from tilert_serve.decode.node import DecodeNode, GenerateParams, HandoffFailed
-from tilert_serve.decode.slots import NodeFull, SlotState, UnknownTicket
+from tilert_serve.decode.slots import AlreadyClaimed, NodeFull, UnknownTicket
 
 log = logging.getLogger(__name__)
 NODE = web.AppKey("node", DecodeNode)
@@ -103,7 +103,6 @@ async def admit(request: web.Request) -> web.Response:
         node.metrics.admissions.labels("full").inc()
         return _error(429, "node_full", str(exc), headers={"Retry-After": "1"})
     node.metrics.admissions.labels("admitted").inc()
-    node.slot_changed(slot)
     return web.json_response({"ticket": slot.ticket, "slot": slot.index, "expires_in_s": node.config.ticket_ttl_s,
                               "ctrl_host": node.config.advertise_host, "ctrl_port": node.ctrl_port})
 
@@ -112,11 +111,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     body: GenerateBody = await _parse(request, GenerateBody)
     try:
-        slot = node.slots.by_ticket(body.ticket)
+        slot = node.slots.claim(body.ticket)
     except UnknownTicket as exc:
         return _error(404, "unknown_ticket", str(exc))
-    if slot.state is SlotState.DECODING:
-        return _error(409, "already_generating", "this ticket's decode is already streaming")
+    except AlreadyClaimed as exc:
+        return _error(409, "already_generating", str(exc))
     try:
         await node.wait_for_state(slot)
     except HandoffFailed as exc:
@@ -124,17 +123,28 @@ async def generate(request: web.Request) -> web.StreamResponse:
     params = GenerateParams(first_token=body.first_token, max_tokens=body.max_tokens,
                             sampling=Sampling(**(body.sampling.model_dump() | {"top_k": max(body.sampling.top_k, 0)})),
                             stop_token_ids=frozenset(body.stop_token_ids), ignore_eos=body.ignore_eos)
-    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
-    await resp.prepare(request)
     events = node.decode(slot, params)
     try:
-        async for event in events:
+        # The first event comes after the digest check, conversion and injection: a refused state is
+        # still an HTTP error, not a stream.
+        first: dict[str, Any] | None = await anext(events)
+    except HandoffFailed as exc:
+        return _error(502, "handoff_failed", str(exc))
+    except Exception as exc:
+        log.exception("decode of slot %d failed before its first event", slot.index)
+        return _error(500, "decode_failed", f"{type(exc).__name__}: {exc}")
+    resp = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await resp.prepare(request)
+    try:
+        event = first
+        while event is not None:
             if event.get("done") and event.get("finish_reason") == "cancelled":
                 # Not an OpenAI finish reason: the stream was cancelled by its ticket, it did not finish.
                 err = {"error": {"type": "cancelled", "message": "the request was cancelled by its ticket"}}
                 await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
-                continue
-            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            else:
+                await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            event = await anext(events, None)
     except (ConnectionResetError, ConnectionError):
         log.info("client of slot %d went away; decode cancelled", slot.index)
     except Exception as exc:

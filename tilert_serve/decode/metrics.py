@@ -18,6 +18,10 @@ class NodeMetrics:
         self.handoff_bytes = Counter("tilert_decode_handoff_bytes", "State bytes received", registry=r)
         self.handoff_seconds = Histogram("tilert_decode_handoff_seconds", "Accept to last rank done",
                                          buckets=_MS_BUCKETS, registry=r)
+        self.digest_seconds = Histogram("tilert_decode_digest_seconds", "Checking the state's digests",
+                                        buckets=_MS_BUCKETS, registry=r)
+        self.quarantined = Counter("tilert_decode_quarantined_slots",
+                                   "Slots released while a sender's write could still land", registry=r)
         self.convert_seconds = Histogram("tilert_decode_convert_seconds", "Wire bytes to engine tensors",
                                          buckets=_MS_BUCKETS, registry=r)
         self.inject_seconds = Histogram("tilert_decode_inject_seconds", "Injection into the engine",

@@ -27,7 +27,7 @@ from tilert_serve.decode.engines.base import DecodeEngine, Sampling
 from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.decode.slots import Slot, SlotState, SlotTable
 from tilert_serve.decode.stopping import cut
-from tilert_serve.handoff import messages
+from tilert_serve.handoff import auth, digest, messages
 from tilert_serve.layouts import Layout, convert
 from tilert_serve.transfer import TransferEngine
 
@@ -53,6 +53,11 @@ class NodeConfig:
     handoff_timeout_s: float = 60.0
     #: Longest silence between two engine steps before the stream is failed.
     step_timeout_s: float = 120.0
+    #: How long a released slot whose writer may still be writing stays out of use (decode/slots.py).
+    quarantine_s: float = defaults.WRITE_QUARANTINE_S
+    #: Check each sender rank's digest of what it wrote before converting (handoff/digest.py); off,
+    #: a state without digests is taken as it is.
+    verify_digest: bool = True
 
 
 @dataclass(frozen=True)
@@ -72,6 +77,13 @@ class HandoffFailed(Exception):
         self.timeout = timeout
 
 
+class StateRefused(HandoffFailed):
+    """The state arrived but is not what its senders wrote (digest mismatch, or no digest)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, timeout=False)
+
+
 @dataclass
 class _Waiters:
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -80,7 +92,7 @@ class _Waiters:
 
 class DecodeNode:
     def __init__(self, config: NodeConfig, *, layout: Layout, engine: DecodeEngine, transfer: TransferEngine,
-                 secret: bytes, tokenizer: Any = None, eos_token_ids: frozenset[int] = frozenset(),
+                 secret: bytes | auth.Keyring, tokenizer: Any = None, eos_token_ids: frozenset[int] = frozenset(),
                  clock: Callable[[], float] = time.monotonic) -> None:
         # An engine decoding without MTP takes the main layers only; the MTP layer's state still arrives.
         if engine.num_layers not in (layout.num_layers, layout.num_main_layers):
@@ -95,14 +107,17 @@ class DecodeNode:
         self.layout = layout
         self.engine = engine
         self.transfer = transfer
-        self.secret = secret
+        #: The accepted handoff secrets (a FileKeyring follows a rotated Secret without a restart).
+        self.keyring = auth.keyring(secret)
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self.slots = SlotTable(config.slots, ticket_ttl_s=config.ticket_ttl_s,
-                               handoff_timeout_s=config.handoff_timeout_s, clock=clock)
         self.metrics = NodeMetrics(config.slots)
         self.buffers = ReceiveBuffers(layout, max_seq_len=config.max_seq_len, slots=config.slots,
                                       shards=config.shards, devices=list(config.devices))
+        self.slots = SlotTable(config.slots, ticket_ttl_s=config.ticket_ttl_s,
+                               handoff_timeout_s=config.handoff_timeout_s, quarantine_s=config.quarantine_s,
+                               clock=clock, scrub=self.buffers.scrub, on_change=self._slot_changed)
+        self.ctrl = ctrl.ControlServer(self)
         self.engine_dtype: torch.dtype = getattr(engine, "dtype", torch.float32)
         self._waiters = [_Waiters() for _ in range(config.slots)]
         self._pool = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="decode")
@@ -120,8 +135,8 @@ class DecodeNode:
         """Load the engine, register the buffers, open the control port. /ready turns true after."""
         await asyncio.to_thread(self.engine.load)
         self.buffers.register(self.transfer)
-        self._server = await asyncio.start_server(lambda r, w: ctrl.handle(self, r, w),
-                                                  self.config.advertise_host, self.config.ctrl_port)
+        self._server = await asyncio.start_server(self.ctrl.handle, self.config.advertise_host,
+                                                  self.config.ctrl_port, limit=ctrl.READ_LIMIT)
         self.ctrl_port = self._server.sockets[0].getsockname()[1]
         self._reaper = asyncio.create_task(self._reap(), name="slot-reaper")
         self.ready = True
@@ -147,34 +162,25 @@ class DecodeNode:
             await asyncio.sleep(0.1)
             for freed in self.slots.expire():
                 self.metrics.expired.labels(freed.state.value).inc()
-                log.info("slot %d freed by its deadline in state %s (request %s)", freed.index,
-                         freed.state.value, freed.request_id)
-                self.slot_changed(self.slots.slots[freed.index])
+                log.info("slot %d: deadline passed in state %s (request %s)", freed.index, freed.state.value,
+                         freed.request_id)
 
-    # -- slot events (called by the control plane and HTTP) -------------------------------------
+    # -- slot events (the slot table calls this on every transition) ----------------------------
 
-    def slot_changed(self, slot: Slot) -> None:
+    def _slot_changed(self, slot: Slot, event: str) -> None:
         self.metrics.slots_busy.set(self.slots.busy)
-        waiters = self._waiters[slot.index]
-        waiters.event.set()
-        waiters.event = asyncio.Event()
-
-    def fail_slot(self, slot: Slot, generation: int, error: str) -> None:
-        if slot.generation == generation:
-            self.slots.fail(slot, error)
-            self.metrics.handoffs.labels("failed").inc()
-            self.slot_changed(slot)
-
-    def rank_done(self, slot: Slot, generation: int, rank: int, done: messages.Done) -> bool:
-        complete = self.slots.done(slot, generation, rank, done.ok, done.nbytes, done.error)
-        if complete:
+        if event == "complete":
             self.metrics.handoffs.labels("complete").inc()
             self.metrics.handoff_bytes.inc(slot.nbytes)
             self.metrics.handoff_seconds.observe(slot.t_ready - slot.t_accept)
-        elif not done.ok:
+        elif event == "failed":
             self.metrics.handoffs.labels("failed").inc()
-        self.slot_changed(slot)
-        return complete
+        elif event == "quarantined":
+            self.metrics.quarantined.inc()
+            log.info("slot %d quarantined: sender ranks %s may still be writing", slot.index, sorted(slot.in_flight))
+        waiters = self._waiters[slot.index]
+        waiters.event.set()
+        waiters.event = asyncio.Event()
 
     def hello(self, mac: str) -> messages.Hello:
         return messages.Hello(mac=mac, node=self.config.name,
@@ -183,16 +189,13 @@ class DecodeNode:
                               slots_free=self.slots.free, transfer=self.transfer.name,
                               peer=self.transfer.peer_info())
 
-    def release(self, slot: Slot) -> None:
-        self.slots.release(slot)
-        self.slot_changed(slot)
-
     def cancel(self, slot: Slot) -> None:
-        """Free a slot; a running decode stops at its next step and frees it itself."""
+        """End a slot's request; a running decode stops at its next step and releases the slot itself,
+        a generate call waiting for the state is told it was cancelled."""
         if slot.state is SlotState.DECODING:
             self._waiters[slot.index].cancel.set()
         else:
-            self.release(slot)
+            self.slots.release(slot)
 
     # -- generate --------------------------------------------------------------------------------
 
@@ -207,13 +210,13 @@ class DecodeNode:
                 pass
             if self.slots.clock() >= slot.deadline and slot.state in (SlotState.RESERVED, SlotState.RECEIVING):
                 waited = self.slots.clock() - slot.t_admit
-                self.release(slot)
+                self.slots.release(slot)
                 raise HandoffFailed(f"the prefill's state did not arrive within {waited:.1f} s of admission", True)
-        if slot.generation != generation or slot.state is SlotState.FREE:
+        if slot.generation != generation or slot.state in (SlotState.FREE, SlotState.QUARANTINED):
             raise HandoffFailed("the ticket was cancelled or expired while waiting for the state", True)
         if slot.state is SlotState.FAILED:
             error = slot.error or "handoff failed"
-            self.release(slot)
+            self.slots.release(slot)
             raise HandoffFailed(error, False)
 
     async def decode(self, slot: Slot, p: GenerateParams) -> AsyncGenerator[dict[str, Any], None]:
@@ -225,7 +228,6 @@ class DecodeNode:
         cancel = self._waiters[slot.index].cancel
         cancel.clear()
         self.slots.start_decoding(slot)
-        self.slot_changed(slot)
         stop_ids = set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
 
         def put(item: tuple[str, Any]) -> None:
@@ -269,12 +271,14 @@ class DecodeNode:
                 await asyncio.shield(work)
             except Exception:  # already reported through the queue
                 pass
-            self.release(slot)
+            self.slots.release(slot)
 
     def _decode_thread(self, slot: Slot, p: GenerateParams, cancel: threading.Event,
                        put: Callable[[tuple[str, Any]], None]) -> None:
         try:
             t0 = time.perf_counter()
+            self.check_state(slot)
+            tv = time.perf_counter()
             state = convert.to_injected_state(self.buffers.views(slot.index), self.buffers.placement,
                                               slot.num_tokens, slot.last_prompt_token, self.engine_dtype)
             if len(state.layers) > self.engine.num_layers:
@@ -282,9 +286,14 @@ class DecodeNode:
             t1 = time.perf_counter()
             seq = self.engine.start(state)
             t2 = time.perf_counter()
+            # The engine holds its own copy now: the receive region need not keep the request's KV
+            # readable on the data plane while it decodes.
+            self.buffers.scrub(slot.index)
+            self.metrics.digest_seconds.observe(tv - t0)
             self.metrics.convert_seconds.observe(t1 - t0)
             self.metrics.inject_seconds.observe(t2 - t1)
-            put(("timing", {"convert_ms": (t1 - t0) * 1e3, "inject_ms": (t2 - t1) * 1e3, "_decode_start": t2}))
+            put(("timing", {"digest_ms": (tv - t0) * 1e3, "convert_ms": (t1 - tv) * 1e3,
+                            "inject_ms": (t2 - t1) * 1e3, "_decode_start": t2}))
             try:
                 for step in seq.decode(p.first_token, p.sampling, p.max_tokens):
                     if cancel.is_set():
@@ -293,6 +302,28 @@ class DecodeNode:
             finally:
                 seq.close()
             put(("end", None))
+        except StateRefused as exc:
+            log.warning("slot %d (request %s): %s", slot.index, slot.request_id, exc)
+            self.metrics.handoffs.labels("refused").inc()
+            put(("error", exc))
         except Exception as exc:
             log.exception("decode of slot %d failed", slot.index)
             put(("error", exc))
+
+    def check_state(self, slot: Slot) -> None:
+        """Raise StateRefused unless every sender rank's bytes in the slot hash to the digest it sent
+        (skipped with verify_digest off). Runs in the decode thread, right before conversion."""
+        if not self.config.verify_digest:
+            return
+        views = self.buffers.views(slot.index)
+        for rank in range(slot.ranks_expected):
+            expected = slot.digests.get(rank)
+            if expected is None:
+                raise StateRefused(f"sender rank {rank} sent no digest of its state and this node checks digests; "
+                                   "turn tilert_handoff_digest on in the prefill's connector (or the node's "
+                                   "--handoff-digest off)")
+            ranges = digest.receiver_ranges(self.buffers.placement, rank, slot.ranks_expected, slot.num_tokens)
+            try:
+                digest.check(expected, views, ranges)
+            except digest.DigestError as exc:
+                raise StateRefused(f"sender rank {rank}: {exc}") from exc

@@ -1,20 +1,40 @@
-"""Mutual authentication with the shared secret: each side proves it holds the secret by an HMAC
-over both sides' fresh nonces, so a recorded exchange cannot be replayed and state never goes to
-(or comes from) a process without the secret. Only the prefill pool mounts the secret besides the
-decode nodes.
+"""Mutual authentication with the shared secret, and the session keys that bind every later frame.
+
+Handshake: each side proves it holds the secret by an HMAC over both sides' fresh nonces, so a
+recorded exchange cannot be replayed and state never goes to (or comes from) a process without the
+secret. Only the prefill pool mounts the secret besides the decode nodes.
+
+Session: the handshake alone protects only its own messages; a relay could pass it through and then
+rewrite Hello.peer or Accept.regions, or add its own Request. So both sides derive per-connection keys
+from the secret and both nonces (`session_keys`) and MAC every frame after the handshake with them,
+under an implicit per-direction sequence number (framing.Session): a changed, injected, dropped,
+replayed or reordered frame fails its tag and ends the connection.
+
+Rotation: the secret is a directory as the handoff Secret mounts it: `secret` (what senders sign with
+and nodes accept) and an optional `accept` (more secrets the node accepts, one per line, e.g. the
+previous one during a rotation). `Keyring` re-reads them when either file changes (one stat per
+handshake), so a rotation needs no restart.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
+import os
 import secrets
+import threading
 from pathlib import Path
+from typing import Protocol
 
 from tilert_serve.handoff.errors import AuthError
 
+log = logging.getLogger(__name__)
+
 _DOMAIN = b"tilert-pd handoff v1"
 MIN_SECRET_BYTES = 16
+#: The file beside `secret` holding the extra secrets a node accepts (one per line, may be empty or absent).
+ACCEPT_FILE = "accept"
 
 
 def new_nonce() -> str:
@@ -35,7 +55,117 @@ def node_mac(secret: bytes, node_nonce: str, sender_nonce: str) -> str:
 
 
 def verify(expected: str, got: str) -> bool:
-    return hmac.compare_digest(expected.encode(), got.encode())
+    # Both are ASCII hex on our side; a peer's string is validated as hex before it gets here.
+    return hmac.compare_digest(expected.encode(), got.encode("utf-8", "replace"))
+
+
+def session_keys(secret: bytes, node_nonce: str, sender_nonce: str) -> tuple[bytes, bytes]:
+    """(sender->node key, node->sender key) for one connection: HKDF-SHA256 (RFC 5869) with the
+    secret as input key material, both nonces as salt, and the direction as info.
+
+    Why this shape: the salt makes the keys fresh for every connection (frames of one session fail
+    in any other); one key per direction means a frame reflected back to its sender never verifies;
+    the secret itself never keys a frame tag, so a handshake MAC can never pass for a frame tag or the
+    reverse. HKDF from hmac/hashlib needs no extra dependency, and both ends already hold the inputs.
+    """
+    salt = b"|".join((_DOMAIN, b"session", node_nonce.encode(), sender_nonce.encode()))
+    prk = hmac.new(salt, secret, hashlib.sha256).digest()  # HKDF-Extract
+
+    def expand(info: bytes) -> bytes:  # HKDF-Expand, one block (32 bytes) is all we take
+        return hmac.new(prk, info + b"\x01", hashlib.sha256).digest()
+
+    return expand(b"sender->node"), expand(b"node->sender")
+
+
+class Keyring(Protocol):
+    """Which secret this side signs with, and which it accepts from a peer."""
+
+    def signing(self) -> bytes: ...
+
+    def accepted(self) -> tuple[bytes, ...]: ...
+
+
+class StaticKeyring:
+    """One fixed secret (tests, benchmarks, and callers that load it themselves)."""
+
+    def __init__(self, secret: bytes, accept: tuple[bytes, ...] = ()) -> None:
+        self._secret, self._accept = secret, (secret, *accept)
+
+    def signing(self) -> bytes:
+        return self._secret
+
+    def accepted(self) -> tuple[bytes, ...]:
+        return self._accept
+
+
+def keyring(secret: bytes | Keyring) -> Keyring:
+    return StaticKeyring(secret) if isinstance(secret, bytes) else secret
+
+
+class FileKeyring:
+    """The mounted handoff Secret: `path` (signing, accepted) and `accept` beside it (accepted too).
+
+    Each call stats both files (a few microseconds) and re-reads them when their identity, size or
+    mtime changed; the kubelet's atomic symlink swap on a Secret update changes all three. A file that
+    is briefly missing or short during an update keeps the last good secrets (logged once per change).
+    Thread-safe: the connector's sender thread and the node's event loop both call it.
+    """
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.accept_path = self.path.parent / ACCEPT_FILE
+        self._lock = threading.Lock()
+        self._stamp: tuple[object, object] | None = None
+        self._signing = load_secret(self.path)
+        self._accepted = (self._signing, *self._read_accept())
+        self._stamp = (self._stat(self.path), self._stat(self.accept_path))
+
+    @staticmethod
+    def _stat(path: Path) -> object:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _read_accept(self) -> list[bytes]:
+        try:
+            lines = self.accept_path.read_bytes().splitlines()
+        except FileNotFoundError:
+            return []
+        out = []
+        for line in (ln.strip() for ln in lines):
+            if not line:
+                continue
+            if len(line) < MIN_SECRET_BYTES:
+                log.warning("%s: ignoring an accepted secret of %d bytes (fewer than %d)", self.accept_path,
+                            len(line), MIN_SECRET_BYTES)
+                continue
+            out.append(line)
+        return out
+
+    def _refresh(self) -> None:
+        stamp = (self._stat(self.path), self._stat(self.accept_path))
+        with self._lock:
+            if stamp == self._stamp:
+                return
+            try:
+                signing = load_secret(self.path)
+                accept = self._read_accept()
+            except (AuthError, OSError) as exc:
+                log.warning("handoff secret changed but cannot be read (%s); keeping the previous one", exc)
+                self._stamp = stamp
+                return
+            self._signing, self._accepted, self._stamp = signing, (signing, *accept), stamp
+            log.info("handoff secrets reloaded from %s: %d accepted", self.path.parent, len(self._accepted))
+
+    def signing(self) -> bytes:
+        self._refresh()
+        return self._signing
+
+    def accepted(self) -> tuple[bytes, ...]:
+        self._refresh()
+        return self._accepted
 
 
 def load_secret(path: str | Path) -> bytes:

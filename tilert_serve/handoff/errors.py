@@ -1,9 +1,12 @@
 """Handoff errors, typed by whose fault they are and what the peer is told.
 
 FrameError: the bytes are not a frame (bad magic, oversized, truncated): the peer is broken.
+VersionMismatch: a frame of another protocol version (answered with RejectReason.VERSION).
 MessageError: a well-formed frame whose content is wrong (unknown kind, missing or mistyped field).
 Rejected: the node refused a request for a stated reason (busy, too long, ...); nothing is broken.
 AuthError: the peer could not prove it holds the shared secret.
+SessionError: a frame after the handshake failed its session tag, or came without one (altered,
+  injected, replayed or reordered): the connection ends.
 """
 
 from __future__ import annotations
@@ -42,12 +45,24 @@ class FrameError(HandoffError):
     """Bytes that do not form a valid frame."""
 
 
+class VersionMismatch(FrameError):
+    """A frame of a protocol version this side does not speak; `version` is the peer's."""
+
+    def __init__(self, version: int, message: str) -> None:
+        super().__init__(message)
+        self.version = version
+
+
 class MessageError(HandoffError):
     """A frame whose kind or fields are invalid."""
 
 
 class AuthError(HandoffError):
     """The peer does not hold the shared secret (or we do not)."""
+
+
+class SessionError(AuthError):
+    """A frame after the handshake that does not carry this session's tag for its place in the stream."""
 
 
 class Rejected(HandoffError):

@@ -8,8 +8,10 @@ A handoff, on one TCP connection from a prefill sender (one per TP rank) to a de
     sender -> node    Request     request id or ticket, token count, last prompt token, prompt ids
     node   -> sender  Accept      the slot's receive regions  | Reject (reason)
     (sender writes the bytes one-sidedly through the transfer engine)
-    sender -> node    Done        ok or the write error
+    sender -> node    Done        ok or the write error; a digest of the bytes written
     node   -> sender  Ack         the node has the state (or why not)
+
+Every frame from Hello on is sealed with the connection's session keys (framing.Session).
 
 Either side may send Error and close on a protocol violation. Fields added within a protocol
 version must be optional; unknown fields from a newer peer are ignored, unknown kinds are errors.
@@ -30,17 +32,23 @@ class Message(BaseModel):
     KIND: ClassVar[int]
 
 
+#: A nonce: 32 to 128 hex digits (auth.new_nonce gives 64).
+_NONCE = r"^[0-9a-f]{32,128}$"
+#: An HMAC-SHA256 in hex.
+_MAC = r"^[0-9a-f]{64}$"
+
+
 class Challenge(Message):
     KIND: ClassVar[int] = 1
-    nonce: str = Field(min_length=32, max_length=128)
-    node: str
+    nonce: str = Field(pattern=_NONCE)
+    node: str = Field(max_length=256)
 
 
 class Auth(Message):
     KIND: ClassVar[int] = 2
-    mac: str
-    nonce: str = Field(min_length=32, max_length=128)
-    sender: str
+    mac: str = Field(pattern=_MAC)
+    nonce: str = Field(pattern=_NONCE)
+    sender: str = Field(max_length=256)
 
 
 class Region(BaseModel):
@@ -64,7 +72,7 @@ class LayoutInfo(BaseModel):
 class Hello(Message):
     KIND: ClassVar[int] = 3
     #: HMAC(secret, sender nonce, node nonce): proves the node, so state never goes to an impostor.
-    mac: str
+    mac: str = Field(pattern=_MAC)
     node: str
     layout: LayoutInfo
     max_seq_len: int
@@ -114,6 +122,12 @@ class Done(Message):
     ok: bool
     nbytes: int = Field(ge=0)
     error: str | None = None
+    #: "ALGORITHM:HEX" of the bytes this rank wrote, in write order (handoff.digest); None when the
+    #: prefill runs with digests off.
+    digest: str | None = Field(default=None, max_length=200)
+    #: False only when the sender wrote nothing at all (it failed before its first write), so the node
+    #: need not quarantine the slot against a late write (see decode/slots.py).
+    writes_started: bool = True
 
 
 #: What the node answers a Done with: every rank's state has arrived, more ranks are to come, or it failed.

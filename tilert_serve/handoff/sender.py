@@ -4,16 +4,23 @@ Used by TileRTConnector's background sender thread (never by the forward pass) a
 benchmarks. The state must already sit in a registered staging buffer laid out by `staging`
 (a Placement of the same layout). Remote failures are returned as a result, not raised: the caller
 turns them into metrics and kv_transfer_params and goes on serving.
+
+After the handshake every frame is sealed with the connection's session keys (framing.Session): a
+relay that rewrites the node's Hello (its transfer peer) or Accept (the regions to write) is caught
+before a byte is written, and the result says so (reason not_authenticated).
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from tilert_serve.handoff import auth, messages
-from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason
-from tilert_serve.handoff.framing import SyncChannel
+import torch
+
+from tilert_serve.handoff import auth, digest, messages
+from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason, SessionError, VersionMismatch
+from tilert_serve.handoff.framing import PREAUTH_MAX_BODY, Session, SyncChannel
 from tilert_serve.layouts import Placement, senders_layers, write_ranges
 from tilert_serve.transfer import TransferEngine, TransferError, WriteOp
 
@@ -43,14 +50,24 @@ class HandoffResult:
 
 
 class Sender:
-    def __init__(self, *, name: str, secret: bytes, engine: TransferEngine, staging: Placement,
-                 staging_addrs: list[int], timeout_s: float = 30.0) -> None:
+    """`secret`: bytes, or a Keyring (auth.FileKeyring re-reads a rotated secret before each handoff).
+    `staging_buffers`: the staging shards as uint8 tensors (this rank's, others None), for the digest;
+    `staging_addrs` defaults to their addresses. `send_digest`: put a digest of the written bytes in
+    Done (the node refuses a state without one unless it runs with digests off)."""
+
+    def __init__(self, *, name: str, secret: bytes | auth.Keyring, engine: TransferEngine, staging: Placement,
+                 staging_addrs: list[int] | None = None,
+                 staging_buffers: Sequence[torch.Tensor | None] | None = None, timeout_s: float = 30.0,
+                 send_digest: bool = True) -> None:
         self.name = name
-        self.secret = secret
+        self.keyring = auth.keyring(secret)
         self.engine = engine
         self.staging = staging
-        self.staging_addrs = staging_addrs
+        self.staging_buffers = staging_buffers
+        self.staging_addrs = staging_addrs if staging_addrs is not None else [
+            0 if b is None else b.data_ptr() for b in (staging_buffers or [])]
         self.timeout_s = timeout_s
+        self.send_digest = send_digest
         # Peer handle per node engine identity: connecting (NIXL metadata load) is done once per node.
         self._peers: dict[str, str] = {}
 
@@ -68,28 +85,43 @@ class Sender:
             return HandoffResult(False, "timeout", f"decode node {host}:{port} did not answer in {self.timeout_s} s")
         except (OSError, ConnectionError) as exc:
             return HandoffResult(False, "unreachable", f"connection to decode node {host}:{port} lost: {exc}")
+        except SessionError as exc:
+            return HandoffResult(False, RejectReason.UNAUTHENTICATED.value,
+                                 f"control connection to {host}:{port} failed its session check: {exc}; "
+                                 "nothing more was sent")
+        except VersionMismatch as exc:
+            try:
+                chan.send(messages.Error(reason=RejectReason.VERSION, message=str(exc)), version=exc.version)
+            except OSError:
+                pass
+            return HandoffResult(False, RejectReason.VERSION.value, f"decode node {host}:{port}: {exc}")
         except (FrameError, MessageError) as exc:
             return HandoffResult(False, "protocol", f"decode node {host}:{port} sent an invalid message: {exc}")
         finally:
             chan.close()
 
     def _expect(self, chan: SyncChannel, kind: type[messages.Message]) -> messages.Message:
-        msg = chan.recv()
-        if isinstance(msg, (messages.Reject, messages.Error)) or isinstance(msg, kind):
+        msg, sealed = chan.recv_frame()
+        if isinstance(msg, kind) or isinstance(msg, (messages.Reject, messages.Error)):
+            if not sealed and chan.session is not None and not isinstance(msg, kind):
+                # A refusal the node could not seal: it is not in our session (wrong secret), or a relay.
+                return messages.Error(reason=msg.reason, message=f"(unsealed) {msg.message}")  # type: ignore[attr-defined]
             return msg
         raise MessageError(f"expected {kind.__name__}, got {type(msg).__name__}")
 
     def _send(self, chan: SyncChannel, req: HandoffRequest, t0: float, error: str | None) -> HandoffResult:
-        challenge = self._expect(chan, messages.Challenge)
+        challenge, _ = chan.recv_frame(PREAUTH_MAX_BODY)
         if not isinstance(challenge, messages.Challenge):
             return _refused(challenge)
         nonce = auth.new_nonce()
-        chan.send(messages.Auth(mac=auth.sender_mac(self.secret, challenge.nonce, nonce), nonce=nonce,
+        secret = self.keyring.signing()
+        chan.send(messages.Auth(mac=auth.sender_mac(secret, challenge.nonce, nonce), nonce=nonce,
                                 sender=self.name))
+        chan.session = Session.of_sender(secret, challenge.nonce, nonce)
         hello = self._expect(chan, messages.Hello)
         if not isinstance(hello, messages.Hello):
             return _refused(hello)
-        if not auth.verify(auth.node_mac(self.secret, challenge.nonce, nonce), hello.mac):
+        if not auth.verify(auth.node_mac(secret, challenge.nonce, nonce), hello.mac):
             chan.send(messages.Error(reason=RejectReason.UNAUTHENTICATED, message="node proof does not verify"))
             return HandoffResult(False, RejectReason.UNAUTHENTICATED.value,
                                  f"decode node {hello.node} does not hold the handoff secret; state not sent")
@@ -113,7 +145,7 @@ class Sender:
         t1 = time.monotonic()
         if error is not None:
             chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
-                                    error=error))
+                                    error=error, writes_started=False))
             self._expect(chan, messages.Ack)
             return HandoffResult(False, "prefill_failed", error, handshake_s=t1 - t0)
         dst = Placement(layout, max_tokens=accept.max_tokens, shards=len(accept.regions))
@@ -121,6 +153,8 @@ class Sender:
         ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes)
                for r in ranges]
         nbytes = sum(o.nbytes for o in ops)
+        # Hashed before the write: staging does not change while it is being sent.
+        written = self._digest(req)
         try:
             self.engine.write(self._peers[key], ops)
         except TransferError as exc:
@@ -130,7 +164,8 @@ class Sender:
                                     error=str(exc)))
             return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
         t2 = time.monotonic()
-        chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes))
+        chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes,
+                                digest=written))
         ack = self._expect(chan, messages.Ack)
         t3 = time.monotonic()
         if not isinstance(ack, messages.Ack) or ack.status == "failed":
@@ -138,6 +173,13 @@ class Sender:
             return HandoffResult(False, "protocol", f"node did not take the state: {detail}", nbytes, t1 - t0,
                                  t2 - t1, t3 - t2)
         return HandoffResult(True, None, "", nbytes, t1 - t0, t2 - t1, t3 - t2)
+
+    def _digest(self, req: HandoffRequest) -> str | None:
+        if not self.send_digest or self.staging_buffers is None:
+            return None
+        buffers = [b if b is not None else torch.empty(0, dtype=torch.uint8) for b in self.staging_buffers]
+        return digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
+                                                              req.num_tokens), digest.preferred())
 
 
 def _refused(msg: messages.Message) -> HandoffResult:

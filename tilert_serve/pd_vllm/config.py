@@ -33,7 +33,7 @@ class ConnectorConfig(BaseModel):
     transfer: str = Field("mooncake", alias="tilert_transfer", description="byte mover: mooncake or nixl")
     protocol: Literal["tcp", "rdma"] = Field("tcp", alias="tilert_protocol", description="tcp or rdma")
     secret_path: str = Field(defaults.SECRET_PATH, alias="tilert_secret_path",
-                             description="file holding the handoff's shared secret")
+                             description="file holding the handoff's shared secret (re-read when it changes)")
     staging_requests: int = Field(2, alias="tilert_staging_requests", ge=1,
                                   description="requests whose state can wait in staging for the sender at once")
     local_host: str = Field("", alias="tilert_local_host", validate_default=True,
@@ -49,6 +49,10 @@ class ConnectorConfig(BaseModel):
                                      description="the pod's Multus network-status annotation, mounted by the "
                                                  "downward API")
     timeout_s: float = Field(30.0, alias="tilert_timeout_s", description="seconds a handoff may take before it is failed")
+    handoff_digest: bool = Field(True, alias="tilert_handoff_digest",
+                                 description="send a digest of the written state in Done, which the decode nodes "
+                                             "check before decoding (they refuse a state without one unless run "
+                                             "with --handoff-digest off)")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorConfig:

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from tilert_serve import dataplane, layouts, transfer
-from tilert_serve.handoff import auth
+from tilert_serve.handoff import auth, digest
 from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, Sender
 from tilert_serve.layouts import Layout, Placement
 from tilert_serve.pd_vllm.config import ConnectorConfig
@@ -126,7 +126,8 @@ class TileRTWorker:
         self.rank, self.world_size = rank, world_size
         self.group_of, self.block_size_of = group_of, block_size_of
         self.num_hidden_layers = num_hidden_layers
-        self.secret = auth.load_secret(config.secret_path)
+        #: The signing secret, re-read before each handoff when its file changed (rotation).
+        self.keyring = auth.FileKeyring(config.secret_path)
         self.layout: Layout | None = None
         self.caches: list[PagedCache] = []
         self.pool: StagingPool | None = None
@@ -162,8 +163,9 @@ class TileRTWorker:
                                       interface=where.interface)
         self._mover.register(self.pool.buffer.data_ptr(), self.pool.buffer.numel(),
                              "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
-        self._sender = Sender(name=f"prefill-rank{self.rank}", secret=self.secret, engine=self._mover,
-                              staging=staging, staging_addrs=[0] * self.world_size, timeout_s=self.config.timeout_s)
+        self._sender = Sender(name=f"prefill-rank{self.rank}", secret=self.keyring, engine=self._mover,
+                              staging=staging, staging_addrs=[0] * self.world_size, timeout_s=self.config.timeout_s,
+                              send_digest=self.config.handoff_digest)
         self._thread = threading.Thread(target=self._run, name="tilert-sender", daemon=True)
         self._thread.start()
         log.info("TileRTConnector rank %d/%d: layout %s, %d layers here, staging %d x %.1f MB (%s), %s/%s",
@@ -239,6 +241,7 @@ class TileRTWorker:
             finally:
                 if work.staging_index is not None:
                     assert self.pool is not None
+                    self._scrub(work)
                     self.pool.release(work.staging_index)
             with self._stats_lock:
                 self.stats.record("ok" if result.ok else (result.reason or "failed"), result.nbytes,
@@ -258,7 +261,21 @@ class TileRTWorker:
             work.event.synchronize()
         assert self.pool is not None
         self._sender.staging_addrs = self.pool.addrs(work.staging_index)
+        self._sender.staging_buffers = self.pool.region(work.staging_index)
         return self._sender.send(job.dest.host, job.dest.ctrl_port, req)
+
+    def _scrub(self, work: _Work) -> None:
+        """Zero what the gather wrote into the staging region once it is sent (or given up): registered
+        memory is readable on the data plane, and a later request must not find this one's state there.
+        On a GPU the sender thread waits for the memset, so the next gather cannot be overtaken by it."""
+        assert self.pool is not None and work.staging_index is not None
+        region = self.pool.region(work.staging_index)[self.rank]
+        assert region is not None
+        for _shard, off, n in digest.sender_ranges(self.pool.placement, self.rank, self.world_size,
+                                                  work.job.num_tokens):
+            region[off:off + n].zero_()
+        if region.is_cuda:
+            torch.cuda.current_stream(region.device).synchronize()
 
     def take_stats(self) -> TileRTStats | None:
         with self._stats_lock:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import uuid
 
-from tilert_serve import dataplane
+from tilert_serve import dataplane, defaults
 from tilert_serve.transfer.base import TransferEngine, TransferError, WriteOp
 
 ENGINES = ("mooncake", "nixl")
@@ -44,6 +44,9 @@ def create(name: str, *, host: str, protocol: str = "tcp", role: str = "peer",
     # Before the engine's library initialises: UCX and Mooncake read their settings once.
     for key, value in transport_env(name, protocol, interface, host).items():
         os.environ.setdefault(key, value)
+    if name == "mooncake":
+        # The bound on one write that the decode node's slot quarantine relies on (decode/slots.py).
+        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(int(defaults.WRITE_BOUND_S)))
     if name == "mooncake":
         from tilert_serve.transfer.mooncake import MooncakeEngine
 

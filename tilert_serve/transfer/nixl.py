@@ -13,11 +13,13 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from tilert_serve import defaults
 from tilert_serve.transfer.base import TransferError, WriteOp
 
 # Microseconds between progress-thread polls. 0 (NIXL's default) spins a whole core.
 _PROGRESS_DELAY_US = 100
-_WRITE_TIMEOUT_S = 60.0
+#: The bound on one write that the decode node's slot quarantine relies on (decode/slots.py).
+_WRITE_TIMEOUT_S = defaults.WRITE_BOUND_S
 
 
 def import_nixl() -> Any:
