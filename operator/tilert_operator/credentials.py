@@ -60,7 +60,8 @@ def new_token() -> str:
 
 def _decode(secret: Obj, key: str) -> str:
     raw = (secret.get("data") or {}).get(key)
-    return base64.b64decode(raw).decode() if raw else ""
+    # surrogateescape: a Secret adopted with arbitrary bytes round-trips unchanged through _intent.
+    return base64.b64decode(raw).decode("utf-8", "surrogateescape") if raw else ""
 
 
 def _ts(t: float) -> str:
@@ -108,7 +109,8 @@ def not_owned_message(secret: Obj, body: Obj) -> str:
     )
 
 
-def _owner_reference(body: Obj) -> Obj:
+def owner_reference(body: Obj) -> Obj:
+    """The PDCluster as the controlling owner of a child (the garbage collector removes it with it)."""
     return {
         "apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": body["metadata"]["name"],
         "uid": body["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True,
@@ -122,7 +124,7 @@ def _intent(secret: Obj, body: Obj, data: dict[str, str], annotations: dict[str,
         "name": meta["name"],
         "namespace": meta["namespace"],
         "labels": dict(meta.get("labels") or {}),
-        "ownerReferences": [_owner_reference(body)],
+        "ownerReferences": [owner_reference(body)],
     }
     kept = {k: v for k, v in (meta.get("annotations") or {}).items() if k != constants.ADOPT_ANNOTATION}
     merged = {k: v for k, v in (kept | annotations).items() if v is not None}
@@ -130,7 +132,7 @@ def _intent(secret: Obj, body: Obj, data: dict[str, str], annotations: dict[str,
         want_meta["annotations"] = merged
     return {
         "apiVersion": "v1", "kind": "Secret", "metadata": want_meta, "type": secret.get("type") or "Opaque",
-        "data": {k: base64.b64encode(v.encode()).decode() for k, v in data.items()},
+        "data": {k: base64.b64encode(v.encode("utf-8", "surrogateescape")).decode() for k, v in data.items()},
     }  # fmt: skip
 
 
@@ -153,7 +155,7 @@ async def ensure(api: Client, body: Obj, make: Obj, required_keys: dict[str, str
     state = SecretState(name)
     existing = await api.get("Secret", ns, name)
     if existing is None:
-        make["metadata"]["ownerReferences"] = [_owner_reference(body)]
+        make["metadata"]["ownerReferences"] = [owner_reference(body)]
         existing = await api.create(make) or await api.get("Secret", ns, name)
         if existing is None:
             raise ApiError(409, "POST", f"secrets/{name}", "create answered AlreadyExists but the Secret is absent; retrying")

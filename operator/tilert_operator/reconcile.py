@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilert_operator import constants, credentials, observe, render, status, validation
+from tilert_operator.credentials import owner_reference
 from tilert_operator.kubeapi import ApiError, Client, Obj
 from tilert_operator.render import network
 
@@ -51,18 +52,7 @@ class Outcome:
 
     @property
     def writes(self) -> int:
-        return len(self.applied) + len(self.deleted) + int(self.status_written) + len(self.events)
-
-
-def owner_reference(body: Obj) -> Obj:
-    return {
-        "apiVersion": constants.API_VERSION,
-        "kind": constants.KIND,
-        "name": body["metadata"]["name"],
-        "uid": body["metadata"]["uid"],
-        "controller": True,
-        "blockOwnerDeletion": True,
-    }
+        return len(self.applied) + len(self.deleted) + int(self.status_written) + len(self.events) + len(self.secrets)
 
 
 def adopt(obj: Obj, body: Obj) -> Obj:

@@ -197,6 +197,18 @@ def test_rotation_state_survives_a_restart_in_the_secrets_annotations() -> None:
                                 "nextPhaseAt": "1970-01-01T00:17:40Z"}
 
 
+def test_an_adopted_secret_with_arbitrary_bytes_round_trips() -> None:
+    raw = base64.b64encode(bytes(range(256))).decode()
+    secret = {"metadata": {"name": "t-handoff", "namespace": "ns", "annotations": {constants.ADOPT_ANNOTATION: "true"}},
+              "data": {"secret": raw}}
+    body = {"metadata": {"name": "t", "uid": "u1"}}
+    data = {k: credentials._decode(secret, k) for k in secret["data"]}
+    intent = credentials._intent(secret, body, data | {"accept": ""}, {})
+    assert intent["data"]["secret"] == raw and intent["data"]["accept"] == ""
+    assert intent["metadata"]["ownerReferences"][0]["uid"] == "u1"
+    assert constants.ADOPT_ANNOTATION not in intent["metadata"].get("annotations", {}), "the adoption mark has done its job"
+
+
 # ---- conditions --------------------------------------------------------------------------------
 
 
