@@ -307,3 +307,17 @@ async def test_a_cancelled_node_stream_is_an_openai_error_for_the_client(make_st
     # Not streamed: nothing was sent yet, so the router retries elsewhere (here: the native pool).
     r = await c.completions.create(model=MODEL, prompt="a", max_tokens=5)
     assert r.choices[0].finish_reason == "length" and len(s.native.bodies) == 1
+
+
+async def test_a_reload_naming_an_unreadable_token_file_keeps_the_old_config(make_stack, tmp_path):
+    from tilert_serve.router import config, reload
+
+    keys = tmp_path / "keys"
+    keys.write_text("k1\n")
+    s = await make_stack(api_keys_file=str(keys))
+    path = tmp_path / "config.yaml"
+    path.write_text(config.dump(s.cfg.model_copy(update={"api_keys_file": str(tmp_path / "gone")})))
+    s.state.config_path = path
+    assert reload.reload_now(s.state) is False
+    assert s.state.config.api_keys_file == str(keys)
+    assert s.state.api_keys is not None and s.state.api_keys.accepts("k1")
