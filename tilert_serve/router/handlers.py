@@ -56,9 +56,9 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[STATE]
     cfg = state.config
     rid = request[REQUEST_ID]
-    check_api_key(state, request)
-    raw = await read_body(request, cfg.timeouts.client_body_s)
     try:
+        check_api_key(state, request)
+        raw = await read_body(request, cfg.timeouts.client_body_s)
         req = openai_request.parse(kind, raw, cfg.served_models())
     except RouterError as err:
         state.metrics.rejections.labels(str(err.status)).inc()
