@@ -26,7 +26,7 @@ _KINDS = frozenset({
     "truncated", "stream_broken", "cancel", "bootstrap",
     *(f"generate_{t}" for t in ("unknown_ticket", "already_generating", "handoff_timeout", "handoff_failed",
                                 "not_ready", "invalid_request", "invalid_json", "unauthorized",
-                                "request_too_large", "internal_error", "timeout", "transport")),
+                                "request_too_large", "internal_error", "decode_failed", "timeout", "transport")),
 })
 _HTTP_KIND = re.compile(r"^(admit_|generate_)?http_[1-5][0-9][0-9]$")
 
