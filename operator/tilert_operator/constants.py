@@ -40,14 +40,14 @@ COMPONENTS: Final = (PREFILL, TILERT, NATIVE, ROUTER)
 #: still wants is already there (a subset check alone would miss a removed field).
 APPLIED_HASH_ANNOTATION: Final = f"{GROUP}/applied-hash"
 
-#: On TileRT decode and router pod templates: a hash of the node API token, so a new token (its
-#: Secret was deleted and regenerated) rolls both sides together. The handoff secret has no such
-#: annotation: the node and the sender re-read it when the kubelet updates the mounted file, and it is
-#: rotated in phases (credentials.py), so a change of it never restarts a pod.
-NODE_API_TOKEN_VERSION_ANNOTATION: Final = f"{GROUP}/node-api-token-version"
+# No pod template carries a hash of a Secret: the handoff secret's readers (node, sender) and the
+# node API token's (node, router) re-read the mounted files when the kubelet updates them, so a new
+# or rotated credential never restarts a pod (credentials.py).
 
 #: On a PDCluster: set it (to any new value) to rotate the handoff secret; see credentials.py.
 ROTATE_HANDOFF_SECRET_ANNOTATION: Final = f"{GROUP}/rotate-handoff-secret"
+#: On a PDCluster: set it (to any new value) to rotate the node API token; see credentials.py.
+ROTATE_NODE_API_TOKEN_ANNOTATION: Final = f"{GROUP}/rotate-node-api-token"
 #: On a Secret carrying the operator's labels for this cluster: "true" lets the operator adopt it
 #: (take ownership and, for the handoff Secret, rotate it). Without it, or an ownerReference to the
 #: PDCluster, a Secret with the expected name is left untouched and reported.

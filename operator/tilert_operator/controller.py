@@ -128,6 +128,7 @@ class Controller:
                 worker.body = worker.body | {"status": outcome.written.get("status") or {}}
 
 
-def _rotation_request(meta: Obj) -> str | None:
+def _rotation_request(meta: Obj) -> tuple[str | None, ...]:
     """A rotation request is an annotation: it changes no generation, yet it is worth a reconcile now."""
-    return (meta.get("annotations") or {}).get(constants.ROTATE_HANDOFF_SECRET_ANNOTATION)
+    ann = meta.get("annotations") or {}
+    return tuple(ann.get(k) for k in (constants.ROTATE_HANDOFF_SECRET_ANNOTATION, constants.ROTATE_NODE_API_TOKEN_ANNOTATION))

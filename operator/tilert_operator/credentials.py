@@ -4,8 +4,8 @@ Two Secrets per PDCluster, each created by the operator with a random token:
 
 - `<cluster>-handoff`: `secret` (senders sign with it, nodes accept it) and `accept` (further
   secrets nodes accept, one a line; empty outside a rotation), mounted on prefill and TileRT pods.
-- `<cluster>-node-api`: `token`, the router's credential on the decode nodes' HTTP API, mounted on
-  TileRT decode and router pods. It is not rotated; deleting it makes a new one and rolls both.
+- `<cluster>-node-api`: `token`, the router's credential on the decode nodes' HTTP API (one token a
+  line: the router sends the first, the nodes accept any), mounted on TileRT decode and router pods.
 
 Ownership. The operator uses a Secret with the expected name only if it owns it: an ownerReference to
 this PDCluster (what it creates carries one), or, to adopt a Secret made by someone else, the
@@ -15,16 +15,18 @@ ownerReference. Any other Secret of that name is left untouched, and the PDClust
 `SecretsOwned=False` and deploys nothing that would mount it (whoever made the Secret would know the
 token the pods trust).
 
-Rotation of the handoff secret, on request: `kubectl annotate pdc NAME
-pd.tilert.ai/rotate-handoff-secret=<any new value> --overwrite`. Kubelets update a mounted Secret at
-different times (up to their sync period plus their cache TTL, about a minute or two), and the node
-and the sender re-read the files when they change, so the new secret is phased in:
+Rotation, on request: `kubectl annotate pdc NAME pd.tilert.ai/rotate-handoff-secret=<any new
+value> --overwrite` (or `pd.tilert.ai/rotate-node-api-token`). Kubelets update a mounted Secret at
+different times (up to their sync period plus their cache TTL, about a minute or two), and every
+reader (node and sender; node and router) re-reads the files when they change, so the new value is
+phased in (the handoff secret's phases; the token's are AcceptingNewToken, SendingNewToken):
 
   1. AcceptingNewSecret: `accept` = new. Nodes accept old and new; senders still sign with old.
+     (token: `old\nnew`: nodes accept both, the router sends old.)
   2. SigningWithNewSecret (after the grace period): `secret` = new, `accept` = old. Senders sign
      with new; nodes that still see phase 1 accept it (it is in their `accept`), nodes that see
-     phase 2 accept old from senders that still see phase 1.
-  3. Idle (after another grace period): `accept` emptied; the old secret is refused from then on.
+     phase 2 accept old from senders that still see phase 1. (token: `new\nold`.)
+  3. Idle (after another grace period): `accept` emptied (token: `new`); the old value is refused.
 
 The grace period (TILERT_PD_SECRET_ROTATION_GRACE_S, default 180 s) must exceed the time a Secret
 update takes to reach every pod's files and be re-read. The phase, the request it serves and when it
@@ -52,6 +54,8 @@ IDLE: Final = "Idle"
 ACCEPTING: Final = "AcceptingNewSecret"
 SIGNING: Final = "SigningWithNewSecret"
 PHASES: Final = (IDLE, ACCEPTING, SIGNING)
+TOKEN_ACCEPTING: Final = "AcceptingNewToken"
+TOKEN_SENDING: Final = "SendingNewToken"
 
 
 def new_token() -> str:
@@ -179,9 +183,80 @@ async def ensure(api: Client, body: Obj, make: Obj, required_keys: dict[str, str
 # ---- rotation ----------------------------------------------------------------------------------
 
 
+def _lines(text: str) -> list[str]:
+    return [line.strip() for line in text.splitlines() if line.strip()]
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """How one Secret rotates: the PDCluster annotation that asks for it, the names of its phases,
+    and what its data is in each phase (pure functions of the decoded data)."""
+
+    #: For messages: "handoff secret", "node API token".
+    what: str
+    request_annotation: str
+    #: Phase 1 (readers accept the new value too) and phase 2 (users send the new value).
+    accepting: str
+    switched: str
+
+    @property
+    def phases(self) -> tuple[str, str, str]:
+        return (IDLE, self.accepting, self.switched)
+
+    def accept_new(self, data: dict[str, str], new: str) -> dict[str, str]:
+        raise NotImplementedError
+
+    def switch(self, data: dict[str, str]) -> dict[str, str] | None:
+        """Phase 2's data from phase 1's; None when the new value is gone (someone edited the Secret)."""
+        raise NotImplementedError
+
+    def drop_old(self, data: dict[str, str]) -> dict[str, str]:
+        raise NotImplementedError
+
+
+class _HandoffScheme(Scheme):
+    """`secret` signs and is accepted; `accept` holds further accepted secrets."""
+
+    def accept_new(self, data: dict[str, str], new: str) -> dict[str, str]:
+        return data | {constants.HANDOFF_ACCEPT_KEY: new}
+
+    def switch(self, data: dict[str, str]) -> dict[str, str] | None:
+        new = next(iter(_lines(data.get(constants.HANDOFF_ACCEPT_KEY, ""))), None)
+        if new is None:
+            return None
+        return data | {constants.HANDOFF_SECRET_KEY: new, constants.HANDOFF_ACCEPT_KEY: data.get(constants.HANDOFF_SECRET_KEY, "")}
+
+    def drop_old(self, data: dict[str, str]) -> dict[str, str]:
+        return data | {constants.HANDOFF_ACCEPT_KEY: ""}
+
+
+class _TokenLinesScheme(Scheme):
+    """`token`: one token a line; the router sends the first, the nodes accept any (tilert_serve/bearer.py)."""
+
+    def accept_new(self, data: dict[str, str], new: str) -> dict[str, str]:
+        current = _lines(data.get(constants.NODE_API_TOKEN_KEY, ""))[:1]
+        return data | {constants.NODE_API_TOKEN_KEY: "\n".join([*current, new]) + "\n"}
+
+    def switch(self, data: dict[str, str]) -> dict[str, str] | None:
+        lines = _lines(data.get(constants.NODE_API_TOKEN_KEY, ""))
+        if len(lines) < 2:
+            return None
+        return data | {constants.NODE_API_TOKEN_KEY: f"{lines[1]}\n{lines[0]}\n"}
+
+    def drop_old(self, data: dict[str, str]) -> dict[str, str]:
+        first = _lines(data.get(constants.NODE_API_TOKEN_KEY, ""))[:1]
+        return data | {constants.NODE_API_TOKEN_KEY: "".join(f"{t}\n" for t in first)}
+
+
+HANDOFF: Final[Scheme] = _HandoffScheme("handoff secret", constants.ROTATE_HANDOFF_SECRET_ANNOTATION,
+                                        ACCEPTING, SIGNING)
+NODE_API: Final[Scheme] = _TokenLinesScheme("node API token", constants.ROTATE_NODE_API_TOKEN_ANNOTATION,
+                                            TOKEN_ACCEPTING, TOKEN_SENDING)
+
+
 @dataclass(frozen=True)
 class Rotation:
-    """The handoff secret's rotation state, read from its Secret's annotations."""
+    """A Secret's rotation state, read from its annotations."""
 
     phase: str = IDLE
     #: The request (the PDCluster annotation's value) being served, or the last one served.
@@ -192,11 +267,11 @@ class Rotation:
     rotated_at: float | None = None
 
     @classmethod
-    def of(cls, secret: Obj) -> Rotation:
+    def of(cls, secret: Obj, scheme: Scheme = HANDOFF) -> Rotation:
         ann = secret.get("metadata", {}).get("annotations") or {}
         phase = ann.get(constants.ROTATION_PHASE_ANNOTATION) or IDLE
         return cls(
-            phase=phase if phase in PHASES else IDLE,
+            phase=phase if phase in scheme.phases else IDLE,
             request=ann.get(constants.ROTATION_REQUEST_ANNOTATION),
             since=_parse_ts(ann.get(constants.ROTATION_SINCE_ANNOTATION)),
             rotated_at=_parse_ts(ann.get(constants.ROTATED_AT_ANNOTATION)),
@@ -219,7 +294,7 @@ class Rotation:
         return (self.since or 0.0) + grace_s
 
     def status(self, grace_s: float) -> Obj:
-        """status.handoffSecret."""
+        """status.handoffSecret / status.nodeApiToken."""
         out: Obj = {"phase": self.phase}
         if self.request is not None:
             out["request"] = self.request
@@ -234,36 +309,35 @@ class Rotation:
 
 
 def step(data: dict[str, str], rot: Rotation, requested: str | None, now: float, grace_s: float,
-         token: str) -> tuple[dict[str, str], Rotation] | None:
-    """One step of the rotation, pure: the Secret's new data and state, or None when nothing is due.
+         token: str, scheme: Scheme = HANDOFF) -> tuple[dict[str, str], Rotation] | None:
+    """One step of a rotation, pure: the Secret's new data and state, or None when nothing is due.
 
-    `data` holds the decoded keys `secret` and `accept`; `requested` is the PDCluster's annotation;
-    `token` is the new secret a rotation starts with (used only then).
+    `data` holds the Secret's decoded keys; `requested` is the PDCluster's annotation; `token` is the
+    new value a rotation starts with (used only then).
     """
-    s_key, a_key = constants.HANDOFF_SECRET_KEY, constants.HANDOFF_ACCEPT_KEY
-    current, accept = data.get(s_key, ""), data.get(a_key, "")
     if rot.phase == IDLE:
         if not requested or requested == rot.request:
             return None
-        return data | {a_key: token}, Rotation(ACCEPTING, requested, now, rot.rotated_at)
+        return scheme.accept_new(data, token), Rotation(scheme.accepting, requested, now, rot.rotated_at)
     if now < (rot.since or 0.0) + grace_s:
         return None
-    if rot.phase == ACCEPTING:
-        new = next((line for line in accept.splitlines() if line.strip()), "")
-        if not new:  # the new secret was lost (someone edited the Secret): start over
-            return data | {a_key: token}, Rotation(ACCEPTING, rot.request, now, rot.rotated_at)
-        return data | {s_key: new, a_key: current}, Rotation(SIGNING, rot.request, now, rot.rotated_at)
-    return data | {a_key: ""}, Rotation(IDLE, rot.request, now, now)
+    if rot.phase == scheme.accepting:
+        switched = scheme.switch(data)
+        if switched is None:  # the new value was lost (someone edited the Secret): start over
+            return scheme.accept_new(data, token), Rotation(scheme.accepting, rot.request, now, rot.rotated_at)
+        return switched, Rotation(scheme.switched, rot.request, now, rot.rotated_at)
+    return scheme.drop_old(data), Rotation(IDLE, rot.request, now, now)
 
 
-async def rotate(api: Client, body: Obj, state: SecretState, *, now: float, grace_s: float) -> Rotation:
-    """Advance the handoff secret's rotation when a phase is due; returns the state it is in."""
+async def rotate(api: Client, body: Obj, state: SecretState, *, now: float, grace_s: float,
+                 scheme: Scheme = HANDOFF) -> Rotation:
+    """Advance a Secret's rotation when a phase is due; returns the state it is in."""
     assert state.secret is not None
     secret = state.secret
-    rot = Rotation.of(secret)
-    requested = (body["metadata"].get("annotations") or {}).get(constants.ROTATE_HANDOFF_SECRET_ANNOTATION)
+    rot = Rotation.of(secret, scheme)
+    requested = (body["metadata"].get("annotations") or {}).get(scheme.request_annotation)
     data = {k: _decode(secret, k) for k in (secret.get("data") or {})}
-    nxt = step(data, rot, requested, now, grace_s, new_token())
+    nxt = step(data, rot, requested, now, grace_s, new_token(), scheme)
     if nxt is None:
         return rot
     new_data, new_rot = nxt

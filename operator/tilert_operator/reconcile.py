@@ -22,7 +22,6 @@ from typing import Any
 from tilert_operator import constants, credentials, observe, render, status, validation
 from tilert_operator.credentials import owner_reference
 from tilert_operator.kubeapi import ApiError, Client, Obj
-from tilert_operator.render import network
 
 log = logging.getLogger(__name__)
 
@@ -165,19 +164,21 @@ async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credent
         await _write_status(api, body, status.build(generation=generation, conditions_=status.secrets_not_owned(not_owned),
                                                     old=body.get("status") or {}), out)
         return out
-    # Each phase change is a HandoffSecretRotating transition, so it gets its Event with the status write.
+    # Each phase change is a *Rotating condition's transition, so it gets its Event with the status write.
     rotation = await credentials.rotate(api, body, handoff, now=now, grace_s=rotation_grace_s)
-    out.secrets += [f"{handoff.name}: {a}" for a in handoff.actions if a.startswith("rotation")]
-    out.requeue_at = rotation.due(rotation_grace_s)
-    assert node_api.secret is not None
-    version = network.token_version_of(node_api.secret)
+    token_rotation = await credentials.rotate(api, body, node_api, now=now, grace_s=rotation_grace_s,
+                                              scheme=credentials.NODE_API)
+    for s in (handoff, node_api):
+        out.secrets += [f"{s.name}: {a}" for a in s.actions if a.startswith("rotation")]
+    due = [t for t in (rotation.due(rotation_grace_s), token_rotation.due(rotation_grace_s)) if t is not None]
+    out.requeue_at = min(due) if due else None
 
     selector = f"{constants.LABEL_CLUSTER}={cluster}"
     pods = await api.list("Pod", ns, selector)
     nodes, unwired = observe.tilert_nodes(spec, pods)
     pools = observe.pool_states(spec, pods)
 
-    desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes, version)}
+    desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes)}
     served: dict[str, bool] = {}
     for kind in CHILD_KINDS:
         listed = await _list_children(api, kind, ns, selector)
@@ -199,7 +200,8 @@ async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credent
     rdma = spec.transfer.rdma
     wants_mnp = any(o["kind"] == "MultiNetworkPolicy" for o in desired.values())
     security = [
-        status.rotation(cluster, rotation.status(rotation_grace_s)),
+        status.rotation(cluster, credentials.HANDOFF, rotation.status(rotation_grace_s)),
+        status.rotation(cluster, credentials.NODE_API, token_rotation.status(rotation_grace_s)),
         status.data_plane(rdma.networks, rdma.host_network, spec.network_policies.enabled,
                           served["MultiNetworkPolicy"] if wants_mnp else None),
     ]
@@ -207,7 +209,8 @@ async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credent
     ready = next(c for c in conds if c["type"] == "Ready")
     out.state = "ready" if ready["status"] == "True" else "not_ready"
     new = status.build(generation=generation, conditions_=conds, old=body.get("status") or {}, pools=pools, endpoints=nodes,
-                       handoff_secret=rotation.status(rotation_grace_s))
+                       rotations={"handoffSecret": rotation.status(rotation_grace_s),
+                                  "nodeApiToken": token_rotation.status(rotation_grace_s)})
     await _write_status(api, body, new, out)
     if out.applied or out.deleted:
         log.info("[%s/%s] applied %s, deleted %s", ns, cluster, out.applied, out.deleted)

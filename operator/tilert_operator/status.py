@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Protocol
 
 from tilert_operator import constants
 from tilert_operator.observe import PoolState, Unwired
@@ -18,7 +18,10 @@ from tilert_operator.validation import Problem
 from tilert_serve.router.config import TileRTNode
 
 CONDITION_TYPES = ("SpecValid", "PrefillReady", "TileRTDecodeReady", "NativeDecodeReady", "RouterReady", "EndpointsWired",
-                   "SecretsOwned", "HandoffSecretRotating", "DataPlaneProtected", "Ready")
+                   "SecretsOwned", "HandoffSecretRotating", "NodeApiTokenRotating", "DataPlaneProtected", "Ready")
+#: The condition that reports each rotation (credentials.Scheme.request_annotation -> type).
+ROTATION_CONDITIONS = {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "HandoffSecretRotating",
+                       constants.ROTATE_NODE_API_TOKEN_ANNOTATION: "NodeApiTokenRotating"}
 #: Conditions that say something is unsafe: False gets a Warning Event on a PDCluster's first status too.
 SECURITY_CONDITIONS = ("SecretsOwned", "DataPlaneProtected")
 POOL_CONDITIONS = {
@@ -63,24 +66,38 @@ def secrets_owned(names: Sequence[str]) -> Condition:
     return _cond("SecretsOwned", True, "Owned", f"Secrets {', '.join(names)} are this PDCluster's")
 
 
-def rotation(cluster: str, handoff: dict[str, Any]) -> Condition:
-    """HandoffSecretRotating from status.handoffSecret (credentials.Rotation.status)."""
-    phase = handoff.get("phase", "Idle")
-    request = handoff.get("request")
-    how = (f"to rotate: kubectl annotate pdc {cluster} {constants.ROTATE_HANDOFF_SECRET_ANNOTATION}=$(date +%s) "
-           "--overwrite")
-    if phase == "AcceptingNewSecret":
-        return _cond("HandoffSecretRotating", True, phase,
-                     f"rotation {request!r}, phase 1 of 3: nodes accept the new secret beside the current one; "
-                     f"senders switch to it at {handoff.get('nextPhaseAt')}")
-    if phase == "SigningWithNewSecret":
-        return _cond("HandoffSecretRotating", True, phase,
-                     f"rotation {request!r}, phase 2 of 3: senders sign with the new secret; nodes accept the old "
-                     f"one until {handoff.get('nextPhaseAt')}")
-    if handoff.get("lastRotated"):
-        return _cond("HandoffSecretRotating", False, "Rotated",
-                     f"rotation {request!r} completed at {handoff['lastRotated']}; the old secret is refused; {how}")
-    return _cond("HandoffSecretRotating", False, "NotRequested", f"the handoff secret was never rotated; {how}")
+class RotationScheme(Protocol):
+    """What a rotation condition needs of credentials.Scheme (status stays free of API code)."""
+
+    @property
+    def what(self) -> str: ...
+    @property
+    def request_annotation(self) -> str: ...
+    @property
+    def accepting(self) -> str: ...
+    @property
+    def switched(self) -> str: ...
+
+
+def rotation(cluster: str, scheme: RotationScheme, state: dict[str, Any]) -> Condition:
+    """HandoffSecretRotating / NodeApiTokenRotating from status.handoffSecret / status.nodeApiToken
+    (credentials.Rotation.status)."""
+    type_ = ROTATION_CONDITIONS[scheme.request_annotation]
+    phase, request, what = state.get("phase", "Idle"), state.get("request"), scheme.what
+    users, readers = ("senders", "nodes") if scheme.accepting == "AcceptingNewSecret" else ("the router", "the nodes")
+    how = f"to rotate: kubectl annotate pdc {cluster} {scheme.request_annotation}=$(date +%s) --overwrite"
+    if phase == scheme.accepting:
+        return _cond(type_, True, phase,
+                     f"rotation {request!r}, phase 1 of 3: {readers} accept the new {what} beside the current one; "
+                     f"{users} switch to it at {state.get('nextPhaseAt')}")
+    if phase == scheme.switched:
+        return _cond(type_, True, phase,
+                     f"rotation {request!r}, phase 2 of 3: {users} use the new {what}; {readers} accept the old one "
+                     f"until {state.get('nextPhaseAt')}")
+    if state.get("lastRotated"):
+        return _cond(type_, False, "Rotated",
+                     f"rotation {request!r} completed at {state['lastRotated']}; the old {what} is refused; {how}")
+    return _cond(type_, False, "NotRequested", f"the {what} was never rotated; {how}")
 
 
 def data_plane(networks: Sequence[str], host_network: bool, policies_enabled: bool,
@@ -201,7 +218,7 @@ def build(
     old: dict[str, Any],
     pools: dict[str, PoolState] | None = None,
     endpoints: Sequence[TileRTNode] = (),
-    handoff_secret: dict[str, Any] | None = None,
+    rotations: dict[str, dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     status: dict[str, Any] = {
         "observedGeneration": generation,
@@ -213,8 +230,7 @@ def build(
         status["endpoints"] = [
             {"name": n.name, "httpUrl": n.http_url, "ctrlHost": n.ctrl_host, "ctrlPort": n.ctrl_port} for n in endpoints
         ]
-    if handoff_secret is not None:
-        status["handoffSecret"] = handoff_secret
+    status.update(rotations or {})
     return status
 
 

@@ -76,3 +76,32 @@ def test_kind_cluster_config_is_the_one_the_docs_name() -> None:
     # One kind config, outside examples/*.yaml (tests/operator reads every file there as a PDCluster).
     assert [p.name for p in (ROOT / "examples" / "kind").iterdir()] == ["cluster.yaml"]
     assert not [p for p in (ROOT / "examples").glob("*.yaml") if yaml.safe_load(p.read_text()).get("kind") != "PDCluster"]
+
+
+def test_security_doc_names_what_the_code_has() -> None:
+    """docs/security.md (the threat model) names files, tests, paths, annotations, conditions and
+    settings: each must exist where the doc says, so the doc cannot silently drift from the code."""
+    import re
+
+    from tilert_operator import constants, credentials, status
+    from tilert_serve import defaults
+
+    text = (ROOT / "docs" / "security.md").read_text()
+    files = set(re.findall(r"`((?:tests|tilert_serve|operator|bench)/[\w/.-]+\.(?:py|md))`", text))
+    files |= {f"tilert_serve/{m}" for m in re.findall(r"`((?:decode|handoff|router|transfer)/\w+\.py)`", text)}
+    assert files, "the doc names the code it describes"
+    assert sorted(f for f in files if not (ROOT / f).exists()) == []
+    for path in (defaults.SECRET_PATH, defaults.NODE_API_TOKEN_PATH):
+        assert path in text or path.rsplit("/", 1)[0] in text
+    for name in (constants.ROTATE_HANDOFF_SECRET_ANNOTATION, constants.ROTATE_NODE_API_TOKEN_ANNOTATION, constants.ADOPT_ANNOTATION,
+                 constants.MULTI_NETWORK_POLICY_API_VERSION,
+                 constants.MULTI_NETWORK_POLICY_FOR_ANNOTATION, "TILERT_PD_SECRET_ROTATION_GRACE_S",
+                 *credentials.HANDOFF.phases, *credentials.NODE_API.phases):
+        assert name in text, name
+    source = (ROOT / "operator" / "tilert_operator" / "status.py").read_text()
+    for reason in re.findall(r"reason\s+`(\w+)`", text):
+        assert f'"{reason}"' in source, f"{reason} is no reason status.py gives"
+    for cond in ("SecretsOwned", "DataPlaneProtected", "HandoffSecretRotating", "NodeApiTokenRotating"):
+        assert cond in status.CONDITION_TYPES and cond in text
+    assert "TILERT_PD_SECRET_ROTATION_GRACE_S" in (ROOT / "operator" / "tilert_operator" / "wiring.py").read_text()
+    assert str(int(credentials.DEFAULT_GRACE_S)) in text

@@ -11,6 +11,7 @@ import base64
 import itertools
 import json
 import posixpath
+import time
 from typing import Any
 
 import pdc_harness as h
@@ -20,7 +21,7 @@ from kopf.testing import KopfRunner
 
 from tilert_operator import constants, credentials, render, status
 from tilert_operator import spec as specmod
-from tilert_operator.render import commands, network
+from tilert_operator.render import commands
 from tilert_operator.render import router as router_render
 from tilert_serve import defaults
 from tilert_serve.router import config as router_config
@@ -150,43 +151,74 @@ def test_multi_network_policies_only_when_networks_are_named() -> None:
 # ---- rotation, pure ----------------------------------------------------------------------------
 
 
-def _accepts(node: dict[str, str], signed_with: str) -> bool:
-    """What a node accepts (the node's rule, issue 10): `secret` or any line of `accept`."""
+def _handoff_accepts(node: dict[str, str], signed_with: str) -> bool:
+    """What a node accepts (handoff/auth.py FileKeyring): `secret` or any line of `accept`."""
     return signed_with == node["secret"] or signed_with in [x for x in node["accept"].splitlines() if x]
 
 
-def test_rotation_phases_never_leave_a_sender_unaccepted() -> None:
-    data = {"secret": "old", "accept": ""}
+def _handoff_sends(view: dict[str, str]) -> str:
+    return view["secret"]
+
+
+def _token_accepts(node: dict[str, str], token: str) -> bool:
+    """What a node accepts (tilert_serve/bearer.py TokenFile): any line of `token`."""
+    return token in node["token"].splitlines()
+
+
+def _token_sends(view: dict[str, str]) -> str:
+    """What the router sends: the first line."""
+    return view["token"].splitlines()[0]
+
+
+ROTATIONS = {
+    "handoff": (credentials.HANDOFF, {"secret": "old", "accept": ""}, _handoff_accepts, _handoff_sends,
+                [{"secret": "old", "accept": ""}, {"secret": "old", "accept": "new"},
+                 {"secret": "new", "accept": "old"}, {"secret": "new", "accept": ""}]),
+    "node-api": (credentials.NODE_API, {"token": "old\n"}, _token_accepts, _token_sends,
+                 [{"token": "old\n"}, {"token": "old\nnew\n"}, {"token": "new\nold\n"}, {"token": "new\n"}]),
+}
+
+
+@pytest.mark.parametrize("which", sorted(ROTATIONS))
+def test_rotation_phases_never_leave_a_sender_unaccepted(which: str) -> None:
+    scheme, data, accepts, sends, expected = ROTATIONS[which]
     rot = credentials.Rotation()
-    assert credentials.step(data, rot, None, 100.0, 60.0, "new") is None, "no request, nothing to do"
+    assert credentials.step(data, rot, None, 100.0, 60.0, "new", scheme) is None, "no request, nothing to do"
     views = [data]
     phases = []
     now = 100.0
-    first = credentials.step(data, rot, "r1", now, 60.0, "new")
+    first = credentials.step(data, rot, "r1", now, 60.0, "new", scheme)
     assert first is not None
     data, rot = first
     views.append(data), phases.append(rot.phase)
-    assert credentials.step(data, rot, "r1", now + 59.0, 60.0, "x") is None, "a phase lasts the grace period"
+    assert credentials.step(data, rot, "r1", now + 59.0, 60.0, "x", scheme) is None, "a phase lasts the grace period"
     while rot.phase != credentials.IDLE:
         now += 60.0
-        nxt = credentials.step(data, rot, "r1", now, 60.0, "unused")
+        nxt = credentials.step(data, rot, "r1", now, 60.0, "unused", scheme)
         assert nxt is not None
         data, rot = nxt
         views.append(data), phases.append(rot.phase)
-    assert phases == [credentials.ACCEPTING, credentials.SIGNING, credentials.IDLE]
-    assert views == [{"secret": "old", "accept": ""}, {"secret": "old", "accept": "new"},
-                     {"secret": "new", "accept": "old"}, {"secret": "new", "accept": ""}]
+    assert phases == [scheme.accepting, scheme.switched, credentials.IDLE]
+    assert views == expected
     assert rot.rotated_at == now and rot.request == "r1"
     # Kubelets update pods at different times, but within a grace period: any pod sees the current
-    # view or the one before. Every sender's view must be accepted by every node's view.
+    # view or the one before. What every user sends must be accepted by every reader's view.
     for before, after in itertools.pairwise(views):
-        for sender, node in itertools.product((before, after), repeat=2):
-            assert _accepts(node, sender["secret"]), (sender, node)
-    # The old secret is refused at the end; the same request does not rotate again, a new one does.
-    assert not _accepts(views[-1], "old")
-    assert credentials.step(data, rot, "r1", now + 1000, 60.0, "x") is None
-    again = credentials.step(data, rot, "r2", now + 1000, 60.0, "newer")
-    assert again is not None and again[0] == {"secret": "new", "accept": "newer"}
+        for user, reader in itertools.product((before, after), repeat=2):
+            assert accepts(reader, sends(user)), (user, reader)
+    # The old value is refused at the end; the same request does not rotate again, a new one does.
+    assert not accepts(views[-1], "old")
+    assert credentials.step(data, rot, "r1", now + 1000, 60.0, "x", scheme) is None
+    again = credentials.step(data, rot, "r2", now + 1000, 60.0, "newer", scheme)
+    assert again is not None and again[1].phase == scheme.accepting and accepts(again[0], "newer") and accepts(again[0], "new")
+
+
+def test_a_rotation_whose_new_value_was_edited_away_starts_over() -> None:
+    for scheme, data in ((credentials.HANDOFF, {"secret": "old", "accept": ""}), (credentials.NODE_API, {"token": "old\n"})):
+        rot = credentials.Rotation(scheme.accepting, "r1", 0.0, None)
+        nxt = credentials.step(data, rot, "r1", 100.0, 60.0, "fresh", scheme)
+        assert nxt is not None and nxt[1].phase == scheme.accepting and nxt[1].since == 100.0
+        assert "fresh" in "".join(nxt[0].values())
 
 
 def test_rotation_state_survives_a_restart_in_the_secrets_annotations() -> None:
@@ -261,42 +293,53 @@ def _annotate(apiserver: Any, cluster: str, annotations: dict[str, str]) -> None
     apiserver.call(srv.put(h.PDC, body))
 
 
-def test_rotation_goes_through_its_phases_without_touching_a_pod_template(apiserver: Any) -> None:
+def test_rotations_go_through_their_phases_without_touching_a_pod_template(apiserver: Any) -> None:
+    """Both credentials rotated at once, each in three phases a grace period apart, with status,
+    conditions and Events, and no workload rewritten."""
     srv = apiserver.server
     with KopfRunner(h.ARGS, timeout=40) as runner:
         apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
         h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "HandoffSecretRotating").get("reason") == "NotRequested")
         body = srv.get("pdclusters", "default", "tiny")
-        assert body["status"]["handoffSecret"] == {"phase": "Idle"}
+        assert body["status"]["handoffSecret"] == {"phase": "Idle"} and body["status"]["nodeApiToken"] == {"phase": "Idle"}
+        assert h.condition(body, "NodeApiTokenRotating")["reason"] == "NotRequested"
         old = _decoded(srv.get("secrets", "default", "tiny-handoff"))
+        old_token = _decoded(srv.get("secrets", "default", "tiny-node-api"))["token"]
         assert old["accept"] == "" and len(old["secret"]) >= 32
         templates = _templates(srv, "tiny")
         assert len(templates) == 4
 
-        _annotate(apiserver, "tiny", {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "2026-12-01"})
-        seen: list[dict[str, str]] = []
+        _annotate(apiserver, "tiny", {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "2026-12-01",
+                                      constants.ROTATE_NODE_API_TOKEN_ANNOTATION: "t1"})
+        seen: dict[str, list[dict[str, str]]] = {"tiny-handoff": [], "tiny-node-api": []}
 
-        def phase() -> str | None:
-            data = _decoded(srv.get("secrets", "default", "tiny-handoff"))
-            if not seen or seen[-1] != data:
-                seen.append(data)
-            body = srv.get("pdclusters", "default", "tiny")
-            return (body.get("status") or {}).get("handoffSecret", {}).get("phase")
+        def phases() -> tuple[str | None, str | None]:
+            for name, views in seen.items():
+                data = _decoded(srv.get("secrets", "default", name))
+                if not views or views[-1] != data:
+                    views.append(data)
+            st = srv.get("pdclusters", "default", "tiny").get("status") or {}
+            return st.get("handoffSecret", {}).get("phase"), st.get("nodeApiToken", {}).get("phase")
 
-        h.wait_for("phase 1", lambda: phase() == "AcceptingNewSecret", timeout=5, interval=0.05)
+        h.wait_for("phase 1", lambda: phases() == ("AcceptingNewSecret", "AcceptingNewToken"), timeout=5, interval=0.05)
         assert h.condition(srv.get("pdclusters", "default", "tiny"), "HandoffSecretRotating")["status"] == "True"
-        h.wait_for("phase 2", lambda: phase() == "SigningWithNewSecret", timeout=10, interval=0.05)
-        h.wait_for("done", lambda: phase() == "Idle", timeout=10, interval=0.05)
-        new = seen[-1]
+        h.wait_for("phase 2", lambda: phases() == ("SigningWithNewSecret", "SendingNewToken"), timeout=10, interval=0.05)
+        h.wait_for("done", lambda: phases() == ("Idle", "Idle"), timeout=10, interval=0.05)
+        new = seen["tiny-handoff"][-1]
         assert new["secret"] != old["secret"] and new["accept"] == ""
-        assert seen == [old, {"secret": old["secret"], "accept": new["secret"]},
-                        {"secret": new["secret"], "accept": old["secret"]}, new]
+        assert seen["tiny-handoff"] == [old, {"secret": old["secret"], "accept": new["secret"]},
+                                        {"secret": new["secret"], "accept": old["secret"]}, new]
+        new_token = seen["tiny-node-api"][-1]["token"].strip()
+        assert [v["token"] for v in seen["tiny-node-api"]] == [
+            old_token, f"{old_token.strip()}\n{new_token}\n", f"{new_token}\n{old_token.strip()}\n", f"{new_token}\n"]
         body = srv.get("pdclusters", "default", "tiny")
         assert body["status"]["handoffSecret"]["request"] == "2026-12-01" and body["status"]["handoffSecret"]["lastRotated"]
+        assert body["status"]["nodeApiToken"]["request"] == "t1" and body["status"]["nodeApiToken"]["lastRotated"]
         assert h.condition(body, "HandoffSecretRotating")["reason"] == "Rotated"
+        assert h.condition(body, "NodeApiTokenRotating")["reason"] == "Rotated"
         # Each phase is an Event on the PDCluster.
         reasons = [e["reason"] for e in srv.objects("events", "default")]
-        assert {"AcceptingNewSecret", "SigningWithNewSecret", "Rotated"} <= set(reasons), reasons
+        assert {"AcceptingNewSecret", "SigningWithNewSecret", "AcceptingNewToken", "SendingNewToken", "Rotated"} <= set(reasons), reasons
         # No pod template changed, and no workload was even rewritten.
         assert _templates(srv, "tiny") == templates
     assert runner.exception is None
@@ -386,22 +429,19 @@ def test_multi_network_policies_applied_when_served_and_reported_when_not(apiser
     assert runner.exception is None
 
 
-def test_node_api_token_version_rolls_decode_and_router_together(apiserver: Any) -> None:
-    """The node API token is not re-read live by contract: a regenerated one rolls its two users."""
+def test_a_regenerated_node_api_token_changes_no_pod_template(apiserver: Any) -> None:
+    """The node and the router re-read the token file (tilert_serve/bearer.py): a new token, from a
+    deleted and recreated Secret or an edited one, reaches them without a restart."""
     srv = apiserver.server
     with KopfRunner(h.ARGS, timeout=40) as runner:
         apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
-
-        def version(plural: str, name: str) -> str | None:
-            obj = srv.get(plural, "default", name)
-            return None if obj is None else (obj["spec"]["template"]["metadata"].get("annotations") or {}).get(constants.NODE_API_TOKEN_VERSION_ANNOTATION)
-
-        first = h.wait_for("versions", lambda: version("statefulsets", "tiny-tilert-decode"))
-        h.wait_for("router too", lambda: version("deployments", "tiny-router") == first)
-        assert network.token_version(_decoded(srv.get("secrets", "default", "tiny-node-api"))["token"]) == first
-        prefill = srv.get("deployments", "default", "tiny-prefill")["spec"]["template"]
+        h.wait_for("the stack", lambda: len(_templates(srv, "tiny")) == 4 and srv.get("secrets", "default", "tiny-node-api"))
+        templates = _templates(srv, "tiny")
+        old = srv.get("secrets", "default", "tiny-node-api")
         apiserver.call(srv.remove(("", "v1", "secrets"), "default", "tiny-node-api"))
-        h.wait_for("new token rolled out", lambda: version("statefulsets", "tiny-tilert-decode") not in (None, first))
-        h.wait_for("both agree", lambda: version("deployments", "tiny-router") == version("statefulsets", "tiny-tilert-decode"))
-        assert srv.get("deployments", "default", "tiny-prefill")["spec"]["template"] == prefill, "the prefill has no node API token"
+        new = h.wait_for("a new token", lambda: (lambda s: s if s and s["metadata"]["uid"] != old["metadata"]["uid"] else None)(
+            srv.get("secrets", "default", "tiny-node-api")))
+        assert _decoded(new)["token"] != _decoded(old)["token"] and len(_decoded(new)["token"]) >= 32
+        time.sleep(1.5)
+        assert _templates(srv, "tiny") == templates
     assert runner.exception is None

@@ -7,7 +7,7 @@ from collections import Counter
 import pdc_harness as h
 import pdc_helpers as helpers
 
-from tilert_operator import constants, observe, reconcile, status
+from tilert_operator import constants, credentials, observe, reconcile, status
 from tilert_operator import spec as specmod
 from tilert_operator.metrics import Metrics
 
@@ -48,8 +48,8 @@ def test_without_secondary_networks_the_pod_ip_is_the_data_plane_and_ipv6_urls_h
 def test_conditions_say_what_is_missing() -> None:
     pools = {constants.PREFILL: observe.PoolState(0, 1), constants.TILERT: observe.PoolState(0, 2),
              constants.NATIVE: observe.PoolState(0, 0), constants.ROUTER: observe.PoolState(1, 1)}
-    security = [status.secrets_owned(["c-handoff", "c-node-api"]), status.rotation("c", {"phase": "Idle"}),
-                status.data_plane([], False, True, None)]
+    security = [status.secrets_owned(["c-handoff", "c-node-api"]), status.rotation("c", credentials.HANDOFF, {"phase": "Idle"}),
+                status.rotation("c", credentials.NODE_API, {"phase": "Idle"}), status.data_plane([], False, True, None)]
     conds = {c["type"]: c for c in status.conditions("c", pools, [], security=security)}
     assert set(conds) == set(status.CONDITION_TYPES)
     assert conds["Ready"]["status"] == "False" and "no prefill pod is ready" in conds["Ready"]["message"]

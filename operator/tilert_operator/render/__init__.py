@@ -7,6 +7,7 @@ local runs alike.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 from tilert_operator.render import native_decode, network, prefill, router, tilert_decode
@@ -20,15 +21,14 @@ def children(
     cluster: str,
     namespace: str,
     tilert_nodes: Sequence[TileRTNode] = (),
-    node_api_version: str | None = None,
 ) -> list[Manifest]:
-    """Every child the operator server-side-applies (the Secrets are created apart, once).
-    `node_api_version` (network.token_version of the node API token) goes on the pods that mount it."""
+    """Every child the operator server-side-applies (the Secrets are created apart, once). Nothing
+    here depends on a Secret's value: a new or rotated credential changes no child."""
     return [
         *prefill.render(spec, cluster, namespace),
-        *tilert_decode.render(spec, cluster, namespace, node_api_version),
+        *tilert_decode.render(spec, cluster, namespace),
         *native_decode.render(spec, cluster, namespace),
-        *router.render(spec, cluster, namespace, tilert_nodes, node_api_version),
+        *router.render(spec, cluster, namespace, tilert_nodes),
         *network.network_policies(spec, cluster, namespace),
         *network.multi_network_policies(spec, cluster, namespace),
     ]
@@ -46,9 +46,9 @@ def all_manifests(
     """What `tilert-pd render` prints: the Secrets first (pods mount them), then the children.
     Without `node_api_token`, one is derived from `secret_token` (deterministic output for tests;
     `tilert-pd render` passes an independent random one)."""
-    api_token = node_api_token if node_api_token is not None else network.token_version(f"node-api:{secret_token}")
+    api_token = node_api_token if node_api_token is not None else hashlib.sha256(f"node-api:{secret_token}".encode()).hexdigest()
     return [
         network.handoff_secret(cluster, namespace, secret_token),
         network.node_api_secret(cluster, namespace, api_token),
-        *children(spec, cluster, namespace, tilert_nodes, network.token_version(api_token)),
+        *children(spec, cluster, namespace, tilert_nodes),
     ]

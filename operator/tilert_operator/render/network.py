@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import base64
 import copy
-import hashlib
 
 from tilert_operator import constants
 from tilert_operator.render import pods
@@ -57,16 +56,6 @@ def node_api_secret(cluster: str, namespace: str, token: str) -> Manifest:
         "type": "Opaque",
         "data": {constants.NODE_API_TOKEN_KEY: _b64(token)},
     }
-
-
-def token_version(token: str) -> str:
-    """A short, one-way version of a token for pod annotations (rolls pods when it changes)."""
-    return hashlib.sha256(token.encode()).hexdigest()[:16]
-
-
-def token_version_of(secret: Manifest, key: str = constants.NODE_API_TOKEN_KEY) -> str | None:
-    raw = (secret.get("data") or {}).get(key)
-    return token_version(base64.b64decode(raw).decode()) if raw else None
 
 
 def _peer(cluster: str, component: str) -> Manifest:

@@ -168,16 +168,13 @@ class DataPlane:
     """The wiring prefill and decode pods share: model, shm, secret and RDMA. `secret` marks the two
     ends of the TileRT handoff (prefill and TileRT decode pods), which also learn their own address on
     the handoff's secondary networks (tilert_serve.dataplane). `node_api` marks the TileRT decode
-    pods, which mount the node API token (`node_api_version` is its hash, see
-    constants.NODE_API_TOKEN_VERSION_ANNOTATION)."""
+    pods, which mount the node API token."""
 
-    def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool, node_api: bool = False,
-                 node_api_version: str | None = None) -> None:
+    def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool, node_api: bool = False) -> None:
         self.spec = spec
         self.cluster = cluster
         self.secret = secret
         self.node_api = node_api
-        self.node_api_version = node_api_version
         self.paths = Paths.pod(spec)
 
     def rdma_devices(self) -> dict[str, int]:
@@ -239,8 +236,6 @@ class DataPlane:
         nets = self.spec.transfer.rdma.networks
         if nets:
             out[constants.MULTUS_NETWORKS_ANNOTATION] = ",".join(nets)
-        if self.node_api and self.node_api_version:
-            out[constants.NODE_API_TOKEN_VERSION_ANNOTATION] = self.node_api_version
         return out
 
     def pod_fields(self, component: str) -> Manifest:

@@ -92,7 +92,7 @@ def configmap(
     }
 
 
-def deployment(spec: PDClusterSpec, cluster: str, namespace: str, node_api_version: str | None = None) -> Manifest:
+def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
     r = spec.router
     port = r.service.port
     cmd = commands.router(spec, commands.Paths.pod(spec))
@@ -106,9 +106,7 @@ def deployment(spec: PDClusterSpec, cluster: str, namespace: str, node_api_versi
     c = pods.container("router", r.image, cmd, ports=[("http", port)], resources=pods.resources(r, gpus=0), mounts=mounts)
     c["readinessProbe"] = pods.http_probe("/health", port, period=5)
     c["livenessProbe"] = pods.http_probe("/health", port, period=20, failures=6)
-    annotations = {constants.NODE_API_TOKEN_VERSION_ANNOTATION: node_api_version} if node_api_version else None
-    template = pods.pod_template(cluster=cluster, component=COMPONENT, containers=[c], pool=r, volumes=volumes,
-                                 annotations=annotations)
+    template = pods.pod_template(cluster=cluster, component=COMPONENT, containers=[c], pool=r, volumes=volumes)
     out: Manifest = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -138,10 +136,9 @@ def service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
 
 def render(
     spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode] = (),
-    node_api_version: str | None = None,
 ) -> list[Manifest]:
     return [
         configmap(spec, cluster, namespace, tilert_nodes),
-        deployment(spec, cluster, namespace, node_api_version),
+        deployment(spec, cluster, namespace),
         service(spec, cluster, namespace),
     ]

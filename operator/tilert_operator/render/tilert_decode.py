@@ -11,9 +11,9 @@ from tilert_operator.spec import PDClusterSpec
 COMPONENT = constants.TILERT
 
 
-def statefulset(spec: PDClusterSpec, cluster: str, namespace: str, node_api_version: str | None = None) -> Manifest:
+def statefulset(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
     t = spec.decode.tilert
-    dp = pods.DataPlane(spec, cluster, secret=True, node_api=True, node_api_version=node_api_version)
+    dp = pods.DataPlane(spec, cluster, secret=True, node_api=True)
     return dp.workload(
         kind="StatefulSet", namespace=namespace, component=COMPONENT, pool=t, container_name="decode",
         cmd=commands.tilert_decode(spec, dp.paths), ports=[("ctrl", t.ctrl_port), ("http", t.http_port)],
@@ -28,7 +28,7 @@ def headless_service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manif
     return pods.service(cluster, namespace, COMPONENT, [("ctrl", t.ctrl_port), ("http", t.http_port)], headless=True)
 
 
-def render(spec: PDClusterSpec, cluster: str, namespace: str, node_api_version: str | None = None) -> list[Manifest]:
+def render(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:
     if not spec.decode.tilert.replicas:
         return []
-    return [statefulset(spec, cluster, namespace, node_api_version), headless_service(spec, cluster, namespace)]
+    return [statefulset(spec, cluster, namespace), headless_service(spec, cluster, namespace)]
