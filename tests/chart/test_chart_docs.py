@@ -91,6 +91,9 @@ def test_security_doc_names_what_the_code_has() -> None:
     files |= {f"tilert_serve/{m}" for m in re.findall(r"`((?:decode|handoff|router|transfer)/\w+\.py)`", text)}
     assert files, "the doc names the code it describes"
     assert sorted(f for f in files if not (ROOT / f).exists()) == []
+    tests_text = "\n".join(f.read_text() for f in (ROOT / "tests").rglob("test_*.py"))
+    named = set(re.findall(r"`(test_\w+)`", text))
+    assert named and sorted(t for t in named if f"def {t}(" not in tests_text) == []
     for path in (defaults.SECRET_PATH, defaults.NODE_API_TOKEN_PATH):
         assert path in text or path.rsplit("/", 1)[0] in text
     for name in (constants.ROTATE_HANDOFF_SECRET_ANNOTATION, constants.ROTATE_NODE_API_TOKEN_ANNOTATION, constants.ADOPT_ANNOTATION,
