@@ -125,13 +125,14 @@ async def _write_status(api: Client, body: Obj, new: dict[str, Any], out: Outcom
         await _event(api, body, cond, out)
 
 
-async def _list_children(api: Client, kind: str, ns: str, selector: str) -> list[Obj] | None:
-    """The children of one kind; None when the kind is optional and the API server does not serve it."""
+async def _list_children(api: Client, kind: str, ns: str, selector: str) -> list[Obj] | int:
+    """The children of one kind; for an optional kind the API server does not serve (404) or does not
+    let the operator list (403, a ClusterRole older than the operator), that status instead."""
     try:
         return await api.list(kind, ns, selector)
     except ApiError as e:
-        if e.status == 404 and kind in OPTIONAL_KINDS:
-            return None
+        if e.status in (403, 404) and kind in OPTIONAL_KINDS:
+            return e.status
         raise
 
 
@@ -179,12 +180,13 @@ async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credent
     pools = observe.pool_states(spec, pods)
 
     desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes)}
-    served: dict[str, bool] = {}
+    #: Per kind: 200, or the 403/404 an optional kind answered.
+    served: dict[str, int] = {}
     for kind in CHILD_KINDS:
         listed = await _list_children(api, kind, ns, selector)
-        served[kind] = listed is not None
-        if listed is None:
-            continue  # not served: nothing to compare, apply or delete (status says so if it was wanted)
+        served[kind] = listed if isinstance(listed, int) else 200
+        if isinstance(listed, int):
+            continue  # not served or not allowed: nothing to compare, apply or delete (status says so if wanted)
         actual = {_key(o | {"kind": kind}): o for o in listed if _owned_by(o, meta["uid"])}
         for key, want in desired.items():
             # List items carry no apiVersion/kind on a real API server: compare the rest.

@@ -101,10 +101,11 @@ def rotation(cluster: str, scheme: RotationScheme, state: dict[str, Any]) -> Con
 
 
 def data_plane(networks: Sequence[str], host_network: bool, policies_enabled: bool,
-               multi_network_policy: bool | None) -> Condition:
+               multi_network_policy: bool | int | None) -> Condition:
     """DataPlaneProtected: whether a policy fences the handoff's data plane (ctrl port, transfer engines).
 
-    `multi_network_policy`: whether the API server serves MultiNetworkPolicy (None: not asked)."""
+    `multi_network_policy`: how listing MultiNetworkPolicies went: True (or 200), False (or 404: not
+    served), 403 (not allowed), None (not asked)."""
     t = "DataPlaneProtected"
     if not policies_enabled:
         return _cond(t, False, "PoliciesDisabled",
@@ -121,7 +122,12 @@ def data_plane(networks: Sequence[str], host_network: bool, policies_enabled: bo
         return _cond(t, True, "NetworkPolicy", "the handoff crosses the pod network, where NetworkPolicies admit only the "
                      "prefill pods to the decode pods' ctrl and transfer ports (enforced where the CNI plugin enforces "
                      "NetworkPolicy)")
-    if multi_network_policy is False:
+    if multi_network_policy == 403:
+        return _cond(t, False, "MultiNetworkPolicyForbidden",
+                     f"the operator may not list {constants.MULTI_NETWORK_POLICY_API_VERSION} MultiNetworkPolicies, so "
+                     f"nothing it renders fences the data plane on {', '.join(networks)}: give its ClusterRole "
+                     "list, create, patch and delete on multi-networkpolicies (the chart's role has them)")
+    if multi_network_policy is False or multi_network_policy == 404:
         return _cond(t, False, "MultiNetworkPolicyUnavailable",
                      f"the API server does not serve {constants.MULTI_NETWORK_POLICY_API_VERSION} MultiNetworkPolicy, so "
                      f"nothing fences the data plane on {', '.join(networks)} (the transfer engines do not authenticate): "

@@ -253,6 +253,9 @@ def test_data_plane_protection_is_reported() -> None:
     assert cond([], False, True, None) == ("True", "NetworkPolicy")
     assert cond(["rdma-net"], False, True, True) == ("True", "MultiNetworkPolicy")
     assert cond(["rdma-net"], False, True, False) == ("False", "MultiNetworkPolicyUnavailable")
+    assert cond(["rdma-net"], False, True, 404) == ("False", "MultiNetworkPolicyUnavailable")
+    assert cond(["rdma-net"], False, True, 403) == ("False", "MultiNetworkPolicyForbidden")
+    assert cond(["rdma-net"], False, True, 200) == ("True", "MultiNetworkPolicy")
     assert cond([], True, True, None) == ("False", "HostNetworkUnprotected")
     assert cond([], False, False, None) == ("False", "PoliciesDisabled")
     host = status.data_plane([], True, True, None)["message"]
@@ -417,6 +420,17 @@ def test_multi_network_policies_applied_when_served_and_reported_when_not(apiser
         h.wait_for("DataPlaneProtected=True", lambda: h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("reason") == "MultiNetworkPolicy")
         uid = srv.get("pdclusters", "default", "nets")["metadata"]["uid"]
         assert all(m["metadata"]["ownerReferences"][0]["uid"] == uid for m in srv.objects("multi-networkpolicies", "default"))
+
+        # A ClusterRole without multi-networkpolicies (403): reported, and the rest still reconciled.
+        srv.fail(403, times=10_000, verb="list", resource="multi-networkpolicies")
+        body = srv.get("pdclusters", "default", "nets")
+        body["spec"]["decode"]["tilert"]["slots"] = 2
+        apiserver.call(srv.put(h.PDC, body | {"metadata": body["metadata"] | {"generation": body["metadata"]["generation"] + 1}}))
+        h.wait_for("Forbidden", lambda: h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("reason") == "MultiNetworkPolicyForbidden")
+        h.wait_for("slots applied", lambda: "2" == (lambda a: a[a.index("--slots") + 1])(
+            srv.get("statefulsets", "default", "nets-tilert-decode")["spec"]["template"]["spec"]["containers"][0]["command"]))
+        srv.faults.clear()
+        h.wait_for("allowed again", lambda: h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("reason") == "MultiNetworkPolicy")
 
         # The spec stops naming networks: the policies go; hostNetwork instead: a warning.
         body = srv.get("pdclusters", "default", "nets")
