@@ -62,3 +62,31 @@ def pdc(doc: dict[str, Any], namespace: str = "default") -> dict[str, Any]:
     out = copy.deepcopy(doc)
     out["metadata"]["namespace"] = out["metadata"].get("namespace") or namespace
     return out
+
+
+#: The k8snetworkplumbingwg MultiNetworkPolicy CRD, as far as the API test server needs it (a served
+#: namespaced kind; the schema is left open).
+MULTI_NETWORK_POLICY_CRD: dict[str, Any] = {
+    "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
+    "metadata": {"name": "multi-networkpolicies.k8s.cni.cncf.io"},
+    "spec": {"group": "k8s.cni.cncf.io", "scope": "Namespaced",
+             "names": {"kind": "MultiNetworkPolicy", "plural": "multi-networkpolicies", "singular": "multi-networkpolicy",
+                       "shortNames": ["multi-policy"]},
+             "versions": [{"name": "v1beta1", "served": True, "storage": True,
+                           "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
+}  # fmt: skip
+CRD_RES = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
+
+
+def install_crd(apiserver: Any, crd: dict[str, Any]) -> None:
+    """Make the API test server serve a CRD's kind, as a real one does once the CRD is Established."""
+    obj = copy.deepcopy(crd)
+
+    async def install() -> None:
+        srv = apiserver.server
+        async with srv.wlock:
+            srv._stamp_new(obj)
+            srv._serve_crd(obj)
+            srv._commit(CRD_RES, (CRD_RES, None, obj["metadata"]["name"]), obj, "ADDED")
+
+    apiserver.call(install())

@@ -16,7 +16,6 @@ from typing import Any
 import pdc_harness as h
 import pdc_helpers as helpers
 import pytest
-import test_op_security as security
 import yaml
 from kopf.testing import KopfRunner
 
@@ -72,7 +71,7 @@ def test_role_covers_exactly_the_operators_calls(apiserver: Any) -> None:
         rotating["metadata"]["annotations"] = {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "1"}
         apiserver.call(srv.put(h.PDC, rotating))
         h.wait_for("rotated", lambda: (srv.get("pdclusters", "default", "tiny")["status"].get("handoffSecret") or {}).get("lastRotated"))
-        security._install_mnp_crd(apiserver)
+        h.install_crd(apiserver, h.MULTI_NETWORK_POLICY_CRD)
         apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}}), name="nets"))))
         h.wait_for("MultiNetworkPolicies", lambda: srv.objects("multi-networkpolicies", "default"))
         nets = srv.get("pdclusters", "default", "nets")

@@ -27,7 +27,6 @@ from tilert_serve import defaults
 from tilert_serve.router import config as router_config
 
 NETS = helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}})
-MNP_RES = ("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies")
 
 
 def _render(spec: dict[str, Any], name: str = "t", ns: str = "ns", token: str = "s3cret") -> list[dict[str, Any]]:
@@ -382,28 +381,6 @@ def test_a_foreign_secret_is_left_alone_and_reported_until_adopted(apiserver: An
     assert runner.exception is None
 
 
-def _install_mnp_crd(apiserver: Any) -> None:
-    crd = {
-        "apiVersion": "apiextensions.k8s.io/v1", "kind": "CustomResourceDefinition",
-        "metadata": {"name": "multi-networkpolicies.k8s.cni.cncf.io"},
-        "spec": {"group": "k8s.cni.cncf.io", "scope": "Namespaced",
-                 "names": {"kind": "MultiNetworkPolicy", "plural": "multi-networkpolicies", "singular": "multi-networkpolicy",
-                           "shortNames": ["multi-policy"]},
-                 "versions": [{"name": "v1beta1", "served": True, "storage": True,
-                               "schema": {"openAPIV3Schema": {"type": "object", "x-kubernetes-preserve-unknown-fields": True}}}]},
-    }  # fmt: skip
-    res = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
-
-    async def install() -> None:
-        srv = apiserver.server
-        async with srv.wlock:
-            srv._stamp_new(crd)
-            srv._serve_crd(crd)
-            srv._commit(res, (res, None, crd["metadata"]["name"]), crd, "ADDED")
-
-    apiserver.call(install())
-
-
 def test_multi_network_policies_applied_when_served_and_reported_when_not(apiserver: Any) -> None:
     srv = apiserver.server
     with KopfRunner(h.ARGS, timeout=40) as runner:
@@ -415,7 +392,7 @@ def test_multi_network_policies_applied_when_served_and_reported_when_not(apiser
         # The rest of the stack is reconciled as usual.
         assert srv.get("statefulsets", "default", "nets-tilert-decode") and srv.get("networkpolicies", "default", "nets-tilert-decode")
 
-        _install_mnp_crd(apiserver)
+        h.install_crd(apiserver, h.MULTI_NETWORK_POLICY_CRD)
         h.wait_for("MultiNetworkPolicies", lambda: len(srv.objects("multi-networkpolicies", "default")) == 2)
         h.wait_for("DataPlaneProtected=True", lambda: h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("reason") == "MultiNetworkPolicy")
         uid = srv.get("pdclusters", "default", "nets")["metadata"]["uid"]
