@@ -48,6 +48,10 @@ class _Conn:
     authenticated: bool = False
 
 
+class _PeerError(Exception):
+    """The sender sent an Error: it gives up on this connection, saying why."""
+
+
 class _Refuse(Exception):
     def __init__(self, reason: RejectReason, message: str) -> None:
         super().__init__(message)
@@ -98,12 +102,21 @@ class ControlServer:
             log.warning("handoff from %s: protocol error: %s", peer, exc)
             await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST, message=str(exc)), conn.session)
             _lost(node, conn, f"sender broke the protocol: {exc}")
+        except _PeerError as exc:
+            node.metrics.ctrl_errors.labels("peer_error").inc()
+            log.info("handoff from %s: the sender gave up: %s", peer, exc)
+            _lost(node, conn, str(exc))
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
             node.metrics.ctrl_errors.labels("disconnected").inc()
             if isinstance(exc, TimeoutError):
                 await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST,
                                                        message="timed out waiting for the next message"),
                                 conn.session)
+            elif isinstance(exc, asyncio.IncompleteReadError) and exc.partial:
+                await _try_send(writer, messages.Error(
+                    reason=RejectReason.BAD_REQUEST,
+                    message=f"the connection ended {len(exc.partial)} bytes into a {exc.expected}-byte frame part"),
+                    conn.session)
             _lost(node, conn, f"sender disconnected or timed out before reporting done ({type(exc).__name__})")
         except Exception:  # the server must outlive any one connection
             node.metrics.ctrl_errors.labels("internal").inc()
@@ -138,7 +151,7 @@ async def _read(reader: asyncio.StreamReader, conn: _Conn, kind: type[messages.M
     else:
         msg, _ = await asyncio.wait_for(read_frame(reader, conn.session, max_body), timeout)
     if isinstance(msg, messages.Error):
-        raise ConnectionError(f"peer reported {msg.reason.value}: {msg.message}")
+        raise _PeerError(f"the sender reported {msg.reason.value}: {msg.message}"[:1000])
     if not isinstance(msg, kind):
         raise MessageError(f"expected {kind.__name__}, got {type(msg).__name__}")
     return msg

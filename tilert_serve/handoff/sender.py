@@ -86,6 +86,11 @@ class Sender:
         except (OSError, ConnectionError) as exc:
             return HandoffResult(False, "unreachable", f"connection to decode node {host}:{port} lost: {exc}")
         except SessionError as exc:
+            try:  # the node learns why (sealed: our keys are good, the frames we got were not)
+                chan.send(messages.Error(reason=RejectReason.UNAUTHENTICATED,
+                                         message=f"the node's frames failed the sender's session check: {exc}"))
+            except OSError:
+                pass
             return HandoffResult(False, RejectReason.UNAUTHENTICATED.value,
                                  f"control connection to {host}:{port} failed its session check: {exc}; "
                                  "nothing more was sent")
