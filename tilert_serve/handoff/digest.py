@@ -1,0 +1,117 @@
+"""The digest of what a handoff wrote: each sender rank hashes the bytes it wrote, in write order
+(layouts.write_ranges: layer by layer, plane by plane, `num_tokens` rows each) and sends it in Done;
+the node hashes the same ranges of its receive buffer before it converts them, and refuses a state
+whose bytes differ (torn, or overwritten by another writer of the unauthenticated data plane).
+
+The hash is chosen by measured cost (bench/digest, bench/RESULTS.md): BLAKE3 (a cryptographic hash
+as fast as a memcpy on the CPUs measured) when the `blake3` package is importable, else BLAKE2b from
+hashlib (~6x slower). The algorithm is named in the digest ("blake3:HEX"), so each side can check
+whatever the other could compute; a cryptographic hash matters because the digest travels readable
+(sealed, not encrypted) and the bytes can be read back from the data plane: a writer who could find
+a second preimage could swap the state undetected. Buffers on a GPU are hashed through host copies in
+chunks (measured in bench/digest).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from tilert_serve.layouts import Placement, senders_layers, write_ranges
+
+#: Bytes copied to the host per step when hashing GPU memory (two such pinned buffers per thread).
+_CHUNK = 64 << 20
+_local = threading.local()
+
+
+def _blake3() -> Callable[[], Any] | None:
+    try:
+        import blake3
+    except ImportError:
+        return None
+    return blake3.blake3
+
+
+def _hasher(algorithm: str) -> Any:
+    if algorithm == "blake3":
+        factory = _blake3()
+        if factory is None:
+            raise DigestError("the digest uses blake3, which is not installed on this side; install the "
+                              "`blake3` package (or run both sides with the same digest)")
+        # AUTO: large updates are hashed on several threads (same digest; the GIL is released).
+        return factory(max_threads=factory.AUTO)  # type: ignore[attr-defined, call-arg]
+    if algorithm == "blake2b":
+        return hashlib.blake2b(digest_size=32)
+    raise DigestError(f"unknown digest algorithm {algorithm!r}; known: blake3, blake2b")
+
+
+class DigestError(Exception):
+    """A digest that cannot be computed or does not match; the message says which and why."""
+
+
+def preferred() -> str:
+    return "blake3" if _blake3() is not None else "blake2b"
+
+
+def of_ranges(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]], algorithm: str) -> str:
+    """"ALGORITHM:HEX" of the bytes of `ranges` ((shard, offset, nbytes), in order) of `buffers`."""
+    h = _hasher(algorithm)
+    for shard, off, n in ranges:
+        view = buffers[shard][off:off + n]
+        if view.device.type == "cpu":
+            h.update(view.numpy())
+        else:
+            _update_from_gpu(h, view)
+    return f"{algorithm}:{h.hexdigest()}"
+
+
+def _update_from_gpu(h: Any, view: torch.Tensor) -> None:
+    """Hash GPU bytes through two pinned host buffers: the copy of the next chunk (on a side stream,
+    after the work already queued) overlaps the hashing of this one."""
+    pinned = getattr(_local, "pinned", None)
+    if pinned is None:
+        pinned = _local.pinned = [torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+    stream = torch.cuda.Stream(view.device)  # type: ignore[no-untyped-call]
+    stream.wait_stream(torch.cuda.current_stream(view.device))
+    events = [torch.cuda.Event(), torch.cuda.Event()]  # type: ignore[no-untyped-call]
+    n = view.numel()
+    starts = list(range(0, n, _CHUNK))
+
+    def issue(i: int) -> None:
+        start = starts[i]
+        m = min(_CHUNK, n - start)
+        with torch.cuda.stream(stream):
+            pinned[i % 2][:m].copy_(view[start:start + m], non_blocking=True)
+            events[i % 2].record(stream)
+
+    issue(0)
+    for i, start in enumerate(starts):
+        events[i % 2].synchronize()
+        if i + 1 < len(starts):
+            issue(i + 1)  # into the other buffer, whose hashing finished last iteration
+        h.update(pinned[i % 2][:min(_CHUNK, n - start)].numpy())
+
+
+def sender_ranges(staging: Placement, rank: int, num_senders: int, num_tokens: int) -> list[tuple[int, int, int]]:
+    """What rank `rank` writes, as (staging shard, offset, nbytes) in write order."""
+    layers = senders_layers(staging.layout, rank, num_senders)
+    return [(r.src_shard, r.src, r.nbytes) for r in write_ranges(staging, staging, layers, num_tokens)]
+
+
+def receiver_ranges(placement: Placement, rank: int, num_senders: int, num_tokens: int) -> list[tuple[int, int, int]]:
+    """Where rank `rank`'s bytes land in a slot of `placement`, in the same order (slot-relative)."""
+    layers = senders_layers(placement.layout, rank, num_senders)
+    return [(r.dst_shard, r.dst, r.nbytes) for r in write_ranges(placement, placement, layers, num_tokens)]
+
+
+def check(expected: str, buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> None:
+    """Raise DigestError unless the bytes of `ranges` hash to `expected`."""
+    algorithm, _, _ = expected.partition(":")
+    got = of_ranges(buffers, ranges, algorithm)
+    if got != expected:
+        raise DigestError(f"the received state's {algorithm} digest differs from the one its sender wrote "
+                          "(torn, or overwritten by another writer on the data plane); not decoded")
