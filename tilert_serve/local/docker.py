@@ -62,8 +62,19 @@ class Network:
 
 def network_create(name: str, run: str) -> Network:
     """A bridge network the host reaches (it holds the gateway address) but whose containers get no
-    route off it: `--internal`, as a pod network with no egress."""
-    _docker("network", "create", "--driver", "bridge", "--internal", "--label", f"{RUN_LABEL}={run}", name)
+    route off it (`--internal`: a pod network without egress). Its subnet is the one the engine's
+    address pools pick (so it clashes with nothing on the host), written down explicitly because the
+    engine gives containers fixed addresses (the pod IPs the downward API reports) only on networks
+    with a user-configured subnet."""
+    create = ["network", "create", "--driver", "bridge", "--internal", "--label", f"{RUN_LABEL}={run}"]
+    _docker(*create, name)
+    picked = _ipam(name)
+    _docker("network", "rm", name)
+    _docker(*create, "--subnet", picked.subnet, *(["--gateway", picked.gateway] if picked.gateway else []), name)
+    return _ipam(name)
+
+
+def _ipam(name: str) -> Network:
     info = json.loads(_docker("network", "inspect", name).stdout)[0]
     cfg = info["IPAM"]["Config"][0]
     return Network(name, cfg["Subnet"], cfg.get("Gateway", ""))
