@@ -316,14 +316,27 @@ class DecodeNode:
         if not self.config.verify_digest:
             return
         views = self.buffers.views(slot.index)
-        for rank in range(slot.ranks_expected):
-            expected = slot.digests.get(rank)
-            if expected is None:
-                raise StateRefused(f"sender rank {rank} sent no digest of its state and this node checks digests; "
-                                   "turn tilert_handoff_digest on in the prefill's connector (or the node's "
-                                   "--handoff-digest off)")
+        missing = [rank for rank in range(slot.ranks_expected) if slot.digests.get(rank) is None]
+        if missing:
+            raise StateRefused(f"sender ranks {missing} sent no digest of their state and this node checks digests; "
+                               "turn tilert_handoff_digest on in the prefill's connector (or the node's "
+                               "--handoff-digest off)")
+
+        def check(rank: int) -> str | None:
             ranges = digest.receiver_ranges(self.buffers.placement, rank, slot.ranks_expected, slot.num_tokens)
             try:
-                digest.check(expected, views, ranges)
+                digest.check(slot.digests[rank] or "", views, ranges)
             except digest.DigestError as exc:
-                raise StateRefused(f"sender rank {rank}: {exc}") from exc
+                return f"sender rank {rank}: {exc}"
+            return None
+
+        # One thread per rank: with TP senders each rank's bytes sit on its own GPU shard, whose host
+        # copies then run side by side (the hashing releases the GIL).
+        if slot.ranks_expected == 1:
+            errors = [check(0)]
+        else:
+            with ThreadPoolExecutor(max_workers=min(slot.ranks_expected, 8), thread_name_prefix="digest") as pool:
+                errors = list(pool.map(check, range(slot.ranks_expected)))
+        problems = [e for e in errors if e]
+        if problems:
+            raise StateRefused("; ".join(problems))

@@ -72,13 +72,15 @@ def of_ranges(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, 
 def _update_from_gpu(h: Any, view: torch.Tensor) -> None:
     """Hash GPU bytes through two pinned host buffers: the copy of the next chunk (on a side stream,
     after the work already queued) overlaps the hashing of this one."""
+    n = view.numel()
+    if n == 0:
+        return
     pinned = getattr(_local, "pinned", None)
     if pinned is None:
         pinned = _local.pinned = [torch.empty(_CHUNK, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
     stream = torch.cuda.Stream(view.device)  # type: ignore[no-untyped-call]
     stream.wait_stream(torch.cuda.current_stream(view.device))
     events = [torch.cuda.Event(), torch.cuda.Event()]  # type: ignore[no-untyped-call]
-    n = view.numel()
     starts = list(range(0, n, _CHUNK))
 
     def issue(i: int) -> None:
