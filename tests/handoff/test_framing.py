@@ -208,6 +208,14 @@ def test_macs_bind_both_nonces_and_roles():
     assert not auth.verify(auth.sender_mac(s, n1, n2), auth.sender_mac(b"x" * 32, n1, n2))
 
 
+def test_digest_algorithm_is_one_both_sides_have():
+    from tilert_serve.handoff import digest
+
+    assert digest.preferred(["blake2b"]) == "blake2b"
+    assert digest.preferred(None) == digest.available()[0]
+    assert digest.preferred(["sha3"]) == "blake2b"  # hashlib's, always there
+
+
 def test_file_keyring_follows_rotation(tmp_path):
     d = tmp_path / "handoff"
     d.mkdir()

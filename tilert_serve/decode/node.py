@@ -187,7 +187,7 @@ class DecodeNode:
                               layout=messages.LayoutInfo(**self.layout.describe()),  # type: ignore[arg-type]
                               max_seq_len=self.config.max_seq_len, slots_total=self.config.slots,
                               slots_free=self.slots.free, transfer=self.transfer.name,
-                              peer=self.transfer.peer_info())
+                              peer=self.transfer.peer_info(), digests=digest.available())
 
     def cancel(self, slot: Slot) -> None:
         """End a slot's request; a running decode stops at its next step and releases the slot itself,

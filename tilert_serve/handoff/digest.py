@@ -5,11 +5,12 @@ whose bytes differ (torn, or overwritten by another writer of the unauthenticate
 
 The hash is chosen by measured cost (bench/digest, bench/RESULTS.md): BLAKE3 (a cryptographic hash
 as fast as a memcpy on the CPUs measured) when the `blake3` package is importable, else BLAKE2b from
-hashlib (~6x slower). The algorithm is named in the digest ("blake3:HEX"), so each side can check
-whatever the other could compute; a cryptographic hash matters because the digest travels readable
-(sealed, not encrypted) and the bytes can be read back from the data plane: a writer who could find
-a second preimage could swap the state undetected. Buffers on a GPU are hashed through host copies in
-chunks (measured in bench/digest).
+hashlib (~6x slower). The node lists what it can compute in Hello (`digests`); the sender takes its
+first preference the node shares and names it in the digest ("blake3:HEX"), so a node without
+`blake3` still gets digests it can check. A cryptographic hash matters because the digest travels
+readable (sealed, not encrypted) and the bytes can be read back from the data plane: a writer who
+could find a second preimage could swap the state undetected. Buffers on a GPU are hashed through
+pinned host copies in chunks (measured in bench/digest).
 """
 
 from __future__ import annotations
@@ -53,8 +54,15 @@ class DigestError(Exception):
     """A digest that cannot be computed or does not match; the message says which and why."""
 
 
-def preferred() -> str:
-    return "blake3" if _blake3() is not None else "blake2b"
+def available() -> list[str]:
+    """The algorithms this side can compute, preferred first."""
+    return ["blake3", "blake2b"] if _blake3() is not None else ["blake2b"]
+
+
+def preferred(theirs: Sequence[str] | None = None) -> str:
+    """Our preferred algorithm that the other side can also compute (`theirs`, when known)."""
+    ours = available()
+    return next((a for a in ours if theirs is None or a in theirs), "blake2b")
 
 
 def of_ranges(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]], algorithm: str) -> str:

@@ -81,6 +81,8 @@ class Hello(Message):
     #: Transfer engine name and whatever its peers need to write to us (session id, NIXL metadata).
     transfer: str
     peer: dict[str, Any]
+    #: Digest algorithms the node can check (handoff.digest), preferred first.
+    digests: list[str] = ["blake2b"]
 
 
 class Request(Message):

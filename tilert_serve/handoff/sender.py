@@ -159,7 +159,7 @@ class Sender:
                for r in ranges]
         nbytes = sum(o.nbytes for o in ops)
         # Hashed before the write: staging does not change while it is being sent.
-        written = self._digest(req)
+        written = self._digest(req, hello.digests)
         try:
             self.engine.write(self._peers[key], ops)
         except TransferError as exc:
@@ -179,12 +179,12 @@ class Sender:
                                  t2 - t1, t3 - t2)
         return HandoffResult(True, None, "", nbytes, t1 - t0, t2 - t1, t3 - t2)
 
-    def _digest(self, req: HandoffRequest) -> str | None:
+    def _digest(self, req: HandoffRequest, theirs: list[str]) -> str | None:
         if not self.send_digest or self.staging_buffers is None:
             return None
         buffers = [b if b is not None else torch.empty(0, dtype=torch.uint8) for b in self.staging_buffers]
         return digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
-                                                              req.num_tokens), digest.preferred())
+                                                              req.num_tokens), digest.preferred(theirs))
 
 
 def _refused(msg: messages.Message) -> HandoffResult:
