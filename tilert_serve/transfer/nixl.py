@@ -4,6 +4,15 @@ Facts (reference/transfer-engines.md §3): without torch tensors, memory is regi
 (addr, nbytes, device id, "") tuples with a memory type; NIXL's progress thread busy-spins unless its
 delay is raised (two agents saturate a 2-core box), and UCX's ib modules crash at exit when the
 system's libefa is present.
+
+Where it listens: NIXL's own listener thread is off (peers get our metadata in the handoff's Hello).
+UCX's TCP transport listens on every interface with an address unless UCX_NET_DEVICES names some
+(seen here: with nothing set, on eth0 and lo; with UCX_NET_DEVICES=lo, on 127.0.0.1 only);
+transfer.transport_env names the data-plane interface over tcp, and tests/netns shows nothing of it
+on the pod network then. Over rdma we set nothing: the spec's env (UCX_NET_DEVICES=mlx5_0:1, or
+UCX_TLS without tcp) decides, and without it UCX's TCP transport also listens on the pod network.
+Neither UCX nor NIXL authenticates a peer: whoever holds an agent's metadata (which travels sealed but
+not encrypted in Hello) can read and write its registered memory.
 """
 
 from __future__ import annotations
