@@ -7,7 +7,11 @@ with -1. Its environment per protocol (slice size) is transfer.transport_env's. 
 listeners bind every interface whatever address it is given (0.3.13 hard-codes the wildcard, with or
 without MC_TCP_BIND_ADDRESS): peers reach it at the advertised data-plane address, and with a
 secondary network the rendered NetworkPolicy closes the pod network's side to everything but the
-node's HTTP port.
+node's HTTP port. Mooncake authenticates no peer: whoever reaches those ports can read and write
+every registered buffer (the node's receive slots, a prefill's staging), which is why slots are
+scrubbed, staging is zeroed after each send, and each handoff's digest is checked (handoff/digest.py).
+transfer.create sets MC_TRANSFER_TIMEOUT (seconds, Mooncake's default 30) to defaults.WRITE_BOUND_S:
+the bound on one write that the node's slot quarantine counts on.
 """
 
 from __future__ import annotations
