@@ -19,7 +19,7 @@ version must be optional; unknown fields from a newer peer are ignored, unknown 
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -36,6 +36,8 @@ class Message(BaseModel):
 _NONCE = r"^[0-9a-f]{32,128}$"
 #: An HMAC-SHA256 in hex.
 _MAC = r"^[0-9a-f]{64}$"
+#: Token ids are vocabulary indices: anything past this is no token.
+_TOKEN_LIMIT = 1 << 31
 
 
 class Challenge(Message):
@@ -91,9 +93,9 @@ class Request(Message):
     #: The router's admission ticket; None takes any free slot (ungated callers, tests).
     ticket: str | None = None
     num_tokens: int = Field(ge=1)
-    last_prompt_token: int = Field(ge=0)
+    last_prompt_token: int = Field(ge=0, lt=_TOKEN_LIMIT)
     #: The prompt's token ids, for detokenising the output in context; may be empty.
-    prompt_token_ids: list[int] = []
+    prompt_token_ids: list[Annotated[int, Field(ge=0, lt=_TOKEN_LIMIT)]] = []
     layout_fingerprint: str
     sender_rank: int = Field(default=0, ge=0)
     num_senders: int = Field(default=1, ge=1)
