@@ -16,9 +16,13 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 # the API): pyproject.toml's base dependencies and its `operator` extra are all it installs, from
 # pyproject.toml alone first (no packages yet), so editing the source does not reinstall them.
 WORKDIR /src
-COPY pyproject.toml README.md ./
-RUN pip install ".[operator]"
+# README.md is pyproject's `readme`: an empty stand-in here, so editing the README does not
+# reinstall the dependencies (the real one comes with the source below).
+COPY pyproject.toml ./
+RUN touch README.md \
+ && pip install ".[operator]"
 
+COPY README.md ./
 COPY tilert_serve ./tilert_serve
 COPY operator ./operator
 RUN pip install --no-deps --force-reinstall . \
@@ -27,6 +31,11 @@ RUN pip install --no-deps --force-reinstall . \
  && tilert-pd operator --help >/dev/null
 
 # A numeric non-root user, so the chart's runAsNonRoot/runAsUser 65532 can be verified by the kubelet.
+# It needs a passwd entry: kopf names the operator's identity after getpass.getuser(), which fails with
+# "getpwuid(): uid not found" for a uid the image does not know (found by running this image).
+RUN echo 'nonroot:x:65532:65532:tilert-pd operator:/home/nonroot:/usr/sbin/nologin' >>/etc/passwd \
+ && echo 'nonroot:x:65532:' >>/etc/group \
+ && install -d -o 65532 -g 65532 /home/nonroot
 USER 65532:65532
 WORKDIR /tmp
 # Liveness (kopf /healthz), metrics (/metrics), admission webhook (when the chart enables it).

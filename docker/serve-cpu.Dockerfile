@@ -22,16 +22,20 @@ RUN apt-get update \
 WORKDIR /src
 # Dependencies first, from pyproject.toml alone (no packages yet: this installs only the
 # requirements), so editing the source does not reinstall torch.
-COPY pyproject.toml README.md constraints.txt ./
+# README.md is pyproject's `readme`: an empty stand-in here, so editing the README does not
+# reinstall the dependencies (the real one comes with the source below).
+COPY pyproject.toml constraints.txt ./
 # Where torch's CPU wheels come from: constraints.txt pins torch==2.13.0+cpu, which is on PyTorch's
 # index, not on PyPI. Build arguments, not ENV, so the image does not carry them. Where that index is
 # unreachable, scripts/images.sh empties PIP_EXTRA_INDEX_URL and serves a wheelhouse made by the host's
 # pip on 127.0.0.1 as PIP_FIND_LINKS (the build runs with --network host; no wheel enters a layer).
 ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_FIND_LINKS
-RUN pip install -c constraints.txt ".[decode,router,tinymodel,transfer]" \
+RUN touch README.md \
+ && pip install -c constraints.txt ".[decode,router,tinymodel,transfer]" \
  && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 
+COPY README.md ./
 COPY tilert_serve ./tilert_serve
 COPY operator ./operator
 RUN pip install --no-deps --force-reinstall . \

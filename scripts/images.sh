@@ -30,6 +30,15 @@ die() { printf 'images: %s\n' "$*" >&2; exit 1; }
 
 bash scripts/docker-engine.sh
 
+# One build at a time on this machine (two test sessions, a benchmark): a second run waits, then finds
+# every layer cached, instead of building the same images beside the first.
+mkdir -p "$log_dir"
+exec 9>"$log_dir/.lock"
+if ! flock -n 9; then
+  say "another scripts/images.sh is building; waiting for it"
+  flock 9
+fi
+
 # --- what to build ---------------------------------------------------------------------------------
 declare -A tag_of=()
 all=()
@@ -100,10 +109,12 @@ if [ $needs_torch = 1 ] && ! reachable "$torch_index/torch/"; then
       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
       -d "$wheelhouse" "$pin" || die "the host's pip cannot download $pin (PyTorch's index is unreachable and no find-links has it)"
   done
+  # A fixed port: the URL is a build argument, so another port misses the dependency layers' cache.
   for p in $(seq "$port" $((port + 20))); do
     python3 -c 'import socket, sys; s = socket.socket(); s.bind(("127.0.0.1", int(sys.argv[1])))' "$p" 2>/dev/null && { port=$p; break; }
   done
-  python3 -m http.server --bind 127.0.0.1 --directory "$wheelhouse" "$port" >/dev/null 2>&1 &
+  # 9>&-: the server does not hold the lock, should this script be killed without its EXIT trap.
+  python3 -m http.server --bind 127.0.0.1 --directory "$wheelhouse" "$port" >/dev/null 2>&1 9>&- &
   server_pid=$!
   for _ in $(seq 50); do reachable "http://127.0.0.1:$port/" && break; sleep 0.1; done
   reachable "http://127.0.0.1:$port/" || die "the wheelhouse server on 127.0.0.1:$port did not start"
