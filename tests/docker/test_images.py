@@ -18,7 +18,8 @@ from typing import Any, TypeVar
 
 import pytest
 import yaml
-from conftest import Containers, Images, docker
+
+from tests.docker.conftest import Containers, Images, docker
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # the API test server's modules
 
