@@ -4,7 +4,8 @@
   no Docker engine answers (`docker info`). CI always has one (scripts/docker-engine.sh).
 - `images` (session): an `Images` with the three tags `make images` builds (operator, serve-cpu,
   vllm-prefill-cpu), built once per session by scripts/images.sh; the layer cache makes that fast when
-  nothing changed. TILERT_PD_IMAGES_REUSE=1 skips the build when all three tags exist.
+  nothing changed. TILERT_PD_IMAGES_REUSE=1 skips the build when all three tags exist. Tests that use
+  it get the build's timeout (BUILD_TIMEOUT_S) on top of the suite's.
 - `containers` (function): starts containers carrying labels of the test's own and removes them all
   when the test ends, also when it fails.
 """
@@ -66,6 +67,15 @@ def _engine_version() -> str | None:
     except subprocess.TimeoutExpired:
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that uses `images` may be the one whose setup builds them (minutes, cold): the suite's
+    600 s timeout (pyproject) would kill that build, so such tests get the build's bound on top, unless
+    they set a timeout of their own."""
+    for item in items:
+        if "images" in getattr(item, "fixturenames", ()) and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(BUILD_TIMEOUT_S + 600))
 
 
 @pytest.fixture(scope="session")
