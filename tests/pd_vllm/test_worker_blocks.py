@@ -72,3 +72,23 @@ def test_a_job_that_waits_too_long_is_given_up_and_released(worker):
 
 def test_unknown_ids_are_never_reported(worker):
     assert worker.finished({"not-ours"}) is None
+
+
+def test_staging_is_zeroed_once_its_state_is_sent(worker):
+    """Registered staging is readable on the data plane: what a request left there is zeroed as soon
+    as its handoff ends, before the region serves another request."""
+    from tilert_serve.handoff.sender import HandoffResult
+
+    seen: list[torch.Tensor] = []
+
+    def send(host, port, req, error=None):
+        seen.append(worker.pool.buffer.clone())
+        return HandoffResult(False, "unreachable", "test")
+
+    worker._sender.send = send
+    a = job("a", free_port())
+    worker.expect([a])
+    worker.step([a])
+    _until(lambda: worker.pool.free == 1)
+    assert seen and seen[0].any()  # the gathered state was there while it was sent
+    assert not worker.pool.buffer.any()
