@@ -18,6 +18,7 @@ import contextlib
 import json
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator, Callable
 
 import pytest
@@ -376,3 +377,39 @@ async def test_two_sender_ranks_each_digest_checked(secret_file):
                 assert "rank 0" not in events[0]["error"]["message"]
             else:
                 assert status == 200, events
+
+
+async def test_done_after_the_deadline_leaves_the_slot_quarantined(secret_file):
+    """A sender whose Done comes after the handoff deadline may still have been writing: the node
+    has dropped it, and its slot is not reused until the quarantine ends."""
+    async with running_node(LAYOUT, secret_file, slots=1, handoff_timeout_s=0.3, quarantine_s=1.0) as n:
+        _, adm = await n.admit("slow")
+
+        def slow_sender() -> list[messages.Message]:
+            with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as sock:
+                chan = framing.SyncChannel(sock)
+                challenge = chan.recv()
+                assert isinstance(challenge, messages.Challenge)
+                nonce = auth.new_nonce()
+                chan.send(messages.Auth(mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce,
+                                        sender="slow"))
+                chan.session = framing.Session.of_sender(SECRET, challenge.nonce, nonce)
+                chan.recv()
+                chan.send(messages.Request(request_id="slow", ticket=adm["ticket"], num_tokens=NUM_TOKENS,
+                                           last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+                accept = chan.recv()
+                assert isinstance(accept, messages.Accept)
+                time.sleep(0.6)  # past the deadline
+                got = [chan.recv()]  # the node gave up on us
+                with contextlib.suppress(OSError):
+                    chan.send(messages.Done(request_id="slow", generation=accept.generation, ok=True, nbytes=1))
+                return got
+
+        (reply,) = await asyncio.to_thread(slow_sender)
+        assert isinstance(reply, messages.Error) and "timed out" in reply.message
+        status, events = await n.generate(adm["ticket"])
+        assert status in (404, 502, 504), events  # the reaper or the control connection got there first
+        assert n.node.slots.slots[0].state.value == "quarantined"
+        assert (await n.admit("next"))[0] == 429
+        await asyncio.sleep(1.2)
+        assert (await n.admit("next"))[0] == 200
