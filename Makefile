@@ -19,7 +19,9 @@ lint: setup
 	@$(VENV)/bin/lint-imports
 	@$(VENV)/bin/mypy
 
+# DEMO_ARGS=--runtime=docker: the same demo from the images (a Docker engine and `make images` first).
 demo: setup
+	@case "$(DEMO_ARGS)" in *docker*) bash scripts/docker-engine.sh && bash scripts/images.sh ;; esac
 	@$(PY) -m tilert_serve.local.demo $(DEMO_ARGS)
 
 # The operator image and the two CPU images (docker/images.txt), from the pinned public bases when they

@@ -141,3 +141,42 @@ def test_a_probe_that_never_succeeds_fails_up_with_its_reason(images: Images, tm
 
 def _manifests() -> list[dict[str, Any]]:
     return render_document(yaml.safe_load(EXAMPLE.read_text()), None, with_secret=True)
+
+
+def test_secondary_network_carries_the_handoff(images: Images, tmp_path: Path) -> None:
+    """With `transfer.rdma.networks` named, each pod gets a second network (the Multus one), the node
+    finds its data-plane address in the network-status file written as Multus would, and the KV
+    state crosses that network, not the pod network (interface counters of the decode pod)."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"]["name"] = "mnet"
+    doc["spec"]["transfer"]["rdma"] = {"networks": ["rdma-a"]}
+    doc["spec"]["decode"]["tilert"]["replicas"] = 1
+    doc["spec"]["decode"]["native"]["replicas"] = 0
+    doc["spec"]["prefill"]["nativeConnector"] = "none"
+    spec_file = tmp_path / "mnet.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    home = tmp_path / "home"
+    try:
+        up = subprocess.run([*LOCAL, "up", "-f", str(spec_file), "--runtime", "docker", "--home", str(home),
+                             "--timeout", "900"], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+        assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
+        assert "secondary networks tpd-mnet-rdma-a" in up.stdout
+        state = json.loads((home / "mnet" / "state.json").read_text())
+        node = next(p for p in state["pods"] if p["component"] == "tilert-decode")
+        status = json.loads((home / "mnet" / "pods" / node["name"] / "volumes" / "podinfo" / "network-status")
+                            .read_text())
+        rdma = next(e for e in status if e["name"] == "default/rdma-a")
+        container = node["containers"][0]
+        before = docker.received_bytes(container)
+        client = openai.OpenAI(base_url=f"{state['router']}/v1", api_key="none", max_retries=0, timeout=300)
+        r = client.completions.with_raw_response.create(model=MODEL, prompt="Once upon a time " * 40, max_tokens=4,
+                                                         temperature=0, extra_headers={"x-pd-route": "tilert"})
+        assert r.headers.get("x-pd-route") == "tilert"
+        after = docker.received_bytes(container)
+        on_rdma = after[rdma["interface"]] - before[rdma["interface"]]
+        on_pod = after["eth0"] - before["eth0"]
+        # Several MB of float32 MLA state on the second network; only HTTP and control frames on eth0.
+        assert on_rdma > 1_000_000 and on_pod < on_rdma / 10, (on_rdma, on_pod)
+    finally:
+        subprocess.run([*LOCAL, "down", "--home", str(home)], capture_output=True, timeout=300, cwd=ROOT)
+    assert not docker.containers("mnet")

@@ -197,25 +197,39 @@ def containers(run: str) -> list[str]:
     return [n for n in out.split() if n]
 
 
+def stop(names: Sequence[str], grace_s: float) -> None:
+    if names:
+        _docker("stop", "--time", str(int(grace_s)), *names, timeout=grace_s + 60, check=False)
+
+
 def rm(names: Sequence[str]) -> None:
     if names:
         _docker("rm", "--force", "--volumes", *names, timeout=120, check=False)
 
 
-def interfaces(name: str) -> list[tuple[str, str]]:
-    """(interface, IPv4 address) inside a running container, read from the host through its network
-    namespace (images need no `ip` tool)."""
+def _in_netns(name: str, *argv: str) -> str:
+    """Run a host tool inside a running container's network namespace (images need no `ip` tool)."""
     info = inspect(name)
     pid = int((info or {}).get("State", {}).get("Pid") or 0)
     if not pid:
         raise DockerError(f"container {name} is not running")
-    done = subprocess.run(["nsenter", "-t", str(pid), "-n", "ip", "-o", "-4", "addr", "show"],
-                          capture_output=True, text=True, timeout=20)
+    done = subprocess.run(["nsenter", "-t", str(pid), "-n", *argv], capture_output=True, text=True, timeout=20)
     if done.returncode != 0:
-        raise DockerError(f"cannot read {name}'s interfaces: {done.stderr.strip()}")
+        raise DockerError(f"cannot read {name}'s network namespace: {done.stderr.strip()}")
+    return done.stdout
+
+
+def interfaces(name: str) -> list[tuple[str, str]]:
+    """(interface, IPv4 address) inside a running container."""
     out = []
-    for line in done.stdout.splitlines():
-        parts = line.split()
-        if len(parts) >= 4 and parts[2] == "inet" and parts[1] != "lo":
-            out.append((parts[1], parts[3].split("/")[0]))
+    for link in json.loads(_in_netns(name, "ip", "-j", "-4", "addr", "show") or "[]"):
+        for addr in link.get("addr_info", []):
+            if link["ifname"] != "lo":
+                out.append((str(link["ifname"]), str(addr["local"])))
     return out
+
+
+def received_bytes(name: str) -> dict[str, int]:
+    """Bytes each interface of a running container has received (its counters, as `ip -s` shows)."""
+    links = json.loads(_in_netns(name, "ip", "-j", "-s", "link", "show") or "[]")
+    return {str(link["ifname"]): int(link["stats64"]["rx"]["bytes"]) for link in links}

@@ -38,7 +38,7 @@ class PodRecord:
     ip: str
     image: str
     containers: list[str]
-    #: http://ip:port of the pod's first declared port.
+    #: http://ip:port of the pod's port named http (else its first declared port).
     url: str
     readiness: list[dict[str, Any]] = field(default_factory=list)
 
@@ -126,7 +126,8 @@ def _start_all(plan: Sequence[pods.Pod], run: str, state_dir: Path, net: docker.
         if pod.late_files:
             _write_late_files(pod, pod_dir, names[0], addresses[pod.name])
         main = pod.containers[0]
-        port = next(iter(main.ports.values()), None)
+        # The pod's HTTP port (a decode node declares its control port first).
+        port = main.ports.get("http") or next(iter(main.ports.values()), None)
         with lock:
             say(f"  start  {pod.name:<26} {pod.ip:<15} {main.image}")
         return PodRecord(pod.name, pod.labels.get(constants.LABEL_COMPONENT, pod.owner), pod.ip, main.image, names,
@@ -259,9 +260,11 @@ def ready(rec: PodRecord) -> bool | None:
     return True
 
 
-def cleanup(run: str, state_dir: Path) -> int:
-    """Remove every container and network of the run (logs saved first); how many containers."""
+def cleanup(run: str, state_dir: Path, grace_s: float = 15.0) -> int:
+    """Stop every container of the run as the kubelet stops a pod (SIGTERM, then SIGKILL after the
+    grace period), save its log, and remove it and the run's networks; how many containers."""
     names = docker.containers(run)
+    docker.stop(names, grace_s)
     for name in names:
         _save_log(state_dir, name)
     docker.rm(names)
