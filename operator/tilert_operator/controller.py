@@ -1,22 +1,31 @@
 """The work loop: one serialized reconcile per PDCluster, level-based.
 
-kopf delivers watch events (PDClusters and their pods); each event stores the latest body and kicks
-that PDCluster's worker. A worker reconciles on a kick or every resync period, whichever comes
-first, so a deleted or hand-edited child returns within one period and a pod becoming ready rewires
-the router within a reconcile. Kicks coalesce: a burst of pod events is one reconcile. Failures back
-off exponentially (API errors are already retried inside the client). No finalizer is involved, so
-deleting a PDCluster never waits for the operator: the garbage collector removes the children.
+kopf delivers watch events (PDClusters, their pods and their children); each event stores the latest
+body and kicks that PDCluster's worker. A worker reconciles on a kick or every resync period,
+whichever comes first, so a pod becoming ready rewires the router within a reconcile. Kicks coalesce:
+a burst of pod events is one reconcile. Failures back off exponentially (API errors are already
+retried inside the client). No finalizer is involved, so deleting a PDCluster never waits for the
+operator: the garbage collector removes the children.
+
+Drift: a child someone else deleted or edited (a NetworkPolicy removed, a Deployment scaled by hand)
+kicks its PDCluster within `drift_debounce_s`, not at the next resync. Events the operator caused
+itself do not: a write's echo carries the resourceVersion the write returned (kubeapi.Client.own),
+and a change of `status` alone (controllers reporting rollouts) leaves the child's fingerprint as it
+was. Drift kicks per PDCluster are at most one per `drift_min_interval_s`, so a controller that
+fights the operator over a field (an autoscaler on replicas) costs one reconcile a period, not a storm.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import json
 import logging
 import time
 from dataclasses import dataclass, field
 
 from tilert_operator import constants, credentials, reconcile
-from tilert_operator.kubeapi import Client, Obj
+from tilert_operator.kubeapi import DELETED, Client, Obj
 from tilert_operator.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -33,6 +42,11 @@ class Settings:
     backoff_max_s: float = 30.0
     #: Seconds each phase of a handoff-secret rotation lasts (credentials.py).
     rotation_grace_s: float = credentials.DEFAULT_GRACE_S
+    #: Seconds a child's change waits before it kicks a reconcile (a burst of edits is one reconcile;
+    #: our own write's response is in by then, so its echo is recognised).
+    drift_debounce_s: float = 0.1
+    #: Least seconds between two drift-triggered reconciles of one PDCluster.
+    drift_min_interval_s: float = 1.0
 
 
 @dataclass
@@ -43,6 +57,11 @@ class _Worker:
     failures: int = 0
     #: When the last reconcile asked to run again (a rotation phase ends), epoch seconds.
     requeue_at: float | None = None
+    #: Child changes waiting for the debounce: (kind, namespace, name, resourceVersion, what happened).
+    drift: list[tuple[str, str, str, str | None, str]] = field(default_factory=list)
+    drift_timer: asyncio.TimerHandle | None = None
+    #: When the last drift kick fired (monotonic seconds).
+    drift_last: float = float("-inf")
 
 
 class Controller:
@@ -52,6 +71,10 @@ class Controller:
         self.metrics = metrics or Metrics(api_calls=api.calls)
         self._workers: dict[Key, _Worker] = {}
         self._slots = asyncio.Semaphore(self.settings.concurrency)
+        #: (kind, namespace, name) -> fingerprint of each child as the watch last showed it.
+        self._children: dict[tuple[str, str, str], str] = {}
+        #: Drift kicks fired, and the child changes that caused them (for tests and logs).
+        self.drift_kicks = 0
 
     def observe(self, body: Obj, deleted: bool = False) -> None:
         """A PDCluster event: keep the body, start or kick its worker, or stop it on deletion."""
@@ -61,6 +84,8 @@ class Controller:
         if deleted:
             if worker is not None and worker.task is not None:
                 worker.task.cancel()
+            if worker is not None and worker.drift_timer is not None:
+                worker.drift_timer.cancel()
             self._workers.pop(key, None)
             self.metrics.states.pop(key, None)
             return
@@ -86,7 +111,51 @@ class Controller:
         if worker is not None:
             worker.kick.set()
 
+    def child_event(self, kind: str, event_type: str | None, body: Obj) -> None:
+        """A watch event of a child (selected by the operator's labels): a change made by someone
+        else kicks the owning PDCluster's reconcile after the debounce; see the module docstring."""
+        meta = body.get("metadata") or {}
+        ns, name = meta.get("namespace") or "", meta.get("name") or ""
+        ckey = (kind, ns, name)
+        cluster: str = (meta.get("labels") or {}).get(constants.LABEL_CLUSTER) or ""
+        if event_type == "DELETED":
+            self._children.pop(ckey, None)
+            what = "deleted"
+        else:
+            fp = _fingerprint(body)
+            before = self._children.get(ckey)
+            self._children[ckey] = fp
+            if event_type is None or before == fp:
+                return  # the initial listing (the first reconcile compares everything), or status only
+            what = "created" if before is None else "changed"
+        worker = self._workers.get((ns, cluster)) if cluster else None
+        if worker is None:
+            return
+        worker.drift.append((kind, ns, name, meta.get("resourceVersion"), what))
+        if worker.drift_timer is None:
+            loop = asyncio.get_running_loop()
+            due = max(self.settings.drift_debounce_s, worker.drift_last + self.settings.drift_min_interval_s - time.monotonic())
+            worker.drift_timer = loop.call_later(due, self._drift_fire, (ns, cluster), worker)
+
+    def _drift_fire(self, key: Key, worker: _Worker) -> None:
+        worker.drift_timer = None
+        pending, worker.drift = worker.drift, []
+        if self._workers.get(key) is not worker:
+            return
+        # Our own writes come back through the watch too: their resourceVersion is the one our write got.
+        foreign = [(k, n, what) for k, ns, n, rv, what in pending
+                   if self.api.own(k, ns, n) != (DELETED if what == "deleted" else rv)]
+        if not foreign:
+            return
+        worker.drift_last = time.monotonic()
+        self.drift_kicks += 1
+        log.info("[%s/%s] drift: %s; reconciling", key[0], key[1], ", ".join(f"{k}/{n} {w}" for k, n, w in foreign[:5]))
+        worker.kick.set()
+
     async def stop(self) -> None:
+        for w in self._workers.values():
+            if w.drift_timer is not None:
+                w.drift_timer.cancel()
         tasks = [w.task for w in self._workers.values() if w.task is not None]
         for t in tasks:
             t.cancel()
@@ -126,6 +195,14 @@ class Controller:
             if outcome.written is not None and outcome.written.get("metadata", {}).get("uid") == worker.body["metadata"].get("uid"):
                 # Compare the next resync against what we wrote, not a body the watch has not caught up to.
                 worker.body = worker.body | {"status": outcome.written.get("status") or {}}
+
+
+def _fingerprint(body: Obj) -> str:
+    """What the operator cares about in a child: everything but status and the server's bookkeeping."""
+    meta = body.get("metadata") or {}
+    kept = {k: v for k, v in body.items() if k not in ("status", "metadata")}
+    kept["metadata"] = {k: meta.get(k) for k in ("labels", "annotations", "ownerReferences")}
+    return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def _rotation_request(meta: Obj) -> tuple[str | None, ...]:

@@ -4,17 +4,29 @@ kopf watches and dispatches; it "is not a Kubernetes client library", so the rec
 API through this module: one aiohttp session, server-side apply with one fixed field manager, and
 retries with backoff on 409, 429, 5xx, timeouts and connection errors. Every call is counted by verb
 (the operator's /metrics) and none happens anywhere else, which keeps the ClusterRole checkable.
+
+Credentials are not read once. A token that lives in a file (the in-cluster service-account token,
+which the kubelet rotates about hourly; a kubeconfig's tokenFile) is re-read when the file changes
+(one stat per request). A token with an expiry (an exec plugin's expirationTimestamp) is renewed
+through `refresh` shortly before it expires. A 401 re-reads the credentials (the file, or `refresh`)
+and, when they changed, retries the call once. We keep this client rather than borrow kopf's: kopf's
+own API client and its credentials vault are private modules (`kopf._cogs`), and kopf says it is not
+a client library; the login handler (wiring.py) gives kopf the same credentials, expiry included, so
+kopf's watches re-login on their own.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import datetime
 import json
 import logging
 import os
 import ssl
-from collections import Counter
-from collections.abc import Mapping
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -59,18 +71,47 @@ class Connection:
     scheme: str | None = None
     cert_path: str | None = None
     key_path: str | None = None
+    #: Where the token is re-read from when the file changes (service account, kubeconfig tokenFile).
+    token_file: str | None = None
+    #: When the token expires (an exec plugin's expirationTimestamp), epoch seconds.
+    expires_at: float | None = None
+
+    def expiration(self) -> datetime.datetime | None:
+        return None if self.expires_at is None else datetime.datetime.fromtimestamp(self.expires_at, datetime.UTC)
+
+
+#: Marks a delete in Client.own (a DELETED event carries the last resourceVersion, not ours).
+DELETED = "<deleted>"
 
 
 def load_connection() -> Connection:
-    """In-cluster service account, else the kubeconfig named by $KUBECONFIG (read now, not at import)."""
+    """In-cluster service account, else the kubeconfig named by $KUBECONFIG (read now, not at import).
+
+    Each call reads everything again: the token file, and an exec plugin is run anew.
+    """
     import kubernetes.client
     import kubernetes.config
+    from kubernetes.config import incluster_config, kube_config
 
     cfg = kubernetes.client.Configuration()
+    token_file: str | None = None
+    expires_at: float | None = None
     try:
-        kubernetes.config.load_incluster_config(client_configuration=cfg)  # type: ignore[no-untyped-call]
+        kubernetes.config.load_incluster_config(client_configuration=cfg, try_refresh_token=False)  # type: ignore[no-untyped-call]
+        token_file = incluster_config.SERVICE_TOKEN_FILENAME
     except kubernetes.config.ConfigException:
-        kubernetes.config.load_kube_config(config_file=os.environ.get("KUBECONFIG"), client_configuration=cfg)  # type: ignore[no-untyped-call]
+        path = os.environ.get("KUBECONFIG") or os.path.expanduser(kube_config.KUBE_CONFIG_DEFAULT_LOCATION)
+        merged = kube_config.KubeConfigMerger(path)  # type: ignore[no-untyped-call]
+        if merged.config is None:
+            raise kubernetes.config.ConfigException(f"no kubeconfig found at {path}") from None
+        loader: Any = kube_config.KubeConfigLoader(config_dict=merged.config, config_base_path=None)  # type: ignore[no-untyped-call]
+        loader.load_and_set(cfg)
+        expiry = loader.__dict__.get("expiry")  # an exec plugin's expirationTimestamp
+        if isinstance(expiry, datetime.datetime):
+            expires_at = (expiry if expiry.tzinfo else expiry.replace(tzinfo=datetime.UTC)).timestamp()
+        user = loader._user  # the current context's user entry (a ConfigNode)
+        if user is not None and user.safe_get("tokenFile") and not user.safe_get("token") and "exec" not in user:
+            token_file = os.path.join(os.path.dirname(os.path.abspath(path.split(os.pathsep)[0])), user["tokenFile"])
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
     parts = header.split(" ", 1) if header else []
     scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
@@ -82,7 +123,22 @@ def load_connection() -> Connection:
         scheme=scheme,
         cert_path=cfg.cert_file or None,
         key_path=cfg.key_file or None,
+        token_file=token_file,
+        expires_at=expires_at,
     )
+
+
+def _file_sig(path: str) -> tuple[int, int, int, int] | None:
+    """Identity of a file's current content; follows the kubelet's ..data symlink swap."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_size)
+
+
+def _tls(conn: Connection) -> tuple[Any, ...]:
+    return (conn.server, conn.ca_path, conn.insecure, conn.cert_path, conn.key_path)
 
 
 @dataclass(frozen=True)
@@ -106,13 +162,39 @@ def object_path(kind: str, namespace: str, name: str | None = None, subresource:
     return path
 
 
+#: How many of its own writes the client remembers (by object) to recognise their watch echoes.
+OWN_WRITES = 4096
+
+
 class Client:
-    def __init__(self, conn: Connection, *, retry: Retry = Retry(), user_agent: str = constants.FIELD_MANAGER) -> None:
+    def __init__(self, conn: Connection, *, retry: Retry = Retry(), user_agent: str = constants.FIELD_MANAGER,
+                 refresh: Callable[[], Connection] | None = None) -> None:
+        """`refresh` reads the credentials again (wiring passes load_connection): called before a
+        token with an expiry runs out and after a 401. Without it, only a token_file is re-read."""
         self.conn = conn
         self.retry = retry
         self.calls: Counter[str] = Counter()
+        #: Credential reloads done (after a 401, before expiry, a changed token file).
+        self.reauths: Counter[str] = Counter()
         self._user_agent = user_agent
+        self._refresh = refresh
         self._session: aiohttp.ClientSession | None = None
+        self._lock = asyncio.Lock()
+        self._issued_at = time.time()
+        self._token_sig = _file_sig(conn.token_file) if conn.token_file else None
+        self._own: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+
+    def own(self, kind: str, namespace: str, name: str) -> str | None:
+        """The resourceVersion our last write of this object got (DELETED after our delete), if any."""
+        return self._own.get((kind, namespace, name))
+
+    def _wrote(self, kind: str, namespace: str, name: str, rv: str | None) -> None:
+        key = (kind, namespace, name)
+        self._own.pop(key, None)
+        if rv:
+            self._own[key] = rv
+            while len(self._own) > OWN_WRITES:
+                self._own.popitem(last=False)
 
     async def __aenter__(self) -> Client:
         return self
@@ -125,6 +207,57 @@ class Client:
             await self._session.close()
             self._session = None
 
+    # -- credentials --------------------------------------------------------------------------
+
+    def _authorization(self) -> str | None:
+        c = self.conn
+        return f"{c.scheme or 'Bearer'} {c.token}" if c.token else None
+
+    def _expiring(self) -> bool:
+        exp = self.conn.expires_at
+        if exp is None:
+            return False
+        # Renew a little early: a tenth of the token's life, at most a minute.
+        skew = min(60.0, max(0.0, exp - self._issued_at) / 10)
+        return time.time() >= exp - skew
+
+    async def _credentials(self, *, force: bool = False) -> None:
+        """Bring the credentials up to date: see the module docstring."""
+        if self._refresh is not None and (force or self._expiring()):
+            seen = self.conn
+            async with self._lock:
+                if self.conn is seen:  # nobody renewed them while we waited
+                    self._adopt(await asyncio.to_thread(self._refresh), "after 401" if force else "before expiry")
+            return
+        path = self.conn.token_file
+        if path:
+            sig = _file_sig(path)
+            if force or sig != self._token_sig:
+                self._token_sig = sig
+                try:
+                    with open(path) as f:
+                        token = f.read().strip()
+                except OSError as e:
+                    log.warning("cannot re-read the API token from %s (%s); keeping the one we have", path, e)
+                    return
+                if token and token != self.conn.token:
+                    self.conn = dataclasses.replace(self.conn, token=token)
+                    self.reauths["token file"] += 1
+                    log.info("API token re-read from %s", path)
+
+    def _adopt(self, new: Connection, why: str) -> None:
+        old, self.conn = self.conn, new
+        self._issued_at = time.time()
+        self._token_sig = _file_sig(new.token_file) if new.token_file else None
+        self.reauths[why] += 1
+        log.info("API credentials re-read (%s)%s", why,
+                 f"; token valid until {new.expiration():%H:%M:%S}Z" if new.expires_at else "")
+        if _tls(old) != _tls(new) and self._session is not None:
+            # A new client certificate (or server): new connections, and the old session closes once
+            # requests already on it are done.
+            stale, self._session = self._session, None
+            asyncio.get_running_loop().call_later(self.retry.timeout + 1, lambda: asyncio.ensure_future(stale.close()))
+
     def _session_get(self) -> aiohttp.ClientSession:
         if self._session is None:
             ctx: ssl.SSLContext | bool = False
@@ -136,8 +269,6 @@ class Client:
                 if self.conn.cert_path and self.conn.key_path:
                     ctx.load_cert_chain(self.conn.cert_path, self.conn.key_path)
             headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
-            if self.conn.token:
-                headers["Authorization"] = f"{self.conn.scheme or 'Bearer'} {self.conn.token}"
             self._session = aiohttp.ClientSession(
                 headers=headers,
                 connector=aiohttp.TCPConnector(ssl=ctx, limit=64),
@@ -156,22 +287,37 @@ class Client:
         content_type: str = "application/json",
         ok_statuses: frozenset[int] = frozenset(),
     ) -> tuple[int, Obj | None]:
-        """One call with retries. Returns (status, body); a status in ok_statuses is returned, not raised."""
+        """One call with retries. Returns (status, body); a status in ok_statuses is returned, not raised.
+
+        A 401 re-reads the credentials and, if they changed, tries once more at once."""
         delay = self.retry.first_delay
         last = ""
+        reauthed = False
         for attempt in range(1, self.retry.attempts + 1):
             self.calls[verb] += 1
+            await self._credentials()
+            headers = {"Content-Type": content_type}
+            auth = self._authorization()
+            if auth:
+                headers["Authorization"] = auth
             try:
                 async with self._session_get().request(
                     method,
                     self.conn.server + path,
                     params=params,
                     data=None if body is None else json.dumps(body),
-                    headers={"Content-Type": content_type},
+                    headers=headers,
                 ) as resp:
                     text = await resp.text()
                     if resp.status < 300 or resp.status in ok_statuses:
                         return resp.status, (json.loads(text) if text else None)
+                    if resp.status == 401 and not reauthed:
+                        reauthed = True
+                        before = (auth, _tls(self.conn))
+                        await self._credentials(force=True)
+                        if (self._authorization(), _tls(self.conn)) != before:
+                            log.info("%s %s: HTTP 401; retrying with the credentials read again", method, path)
+                            continue
                     if resp.status not in RETRYABLE:
                         raise ApiError(resp.status, method, path, text)
                     last = f"HTTP {resp.status}: {text[:200]}"
@@ -197,6 +343,7 @@ class Client:
         path = object_path(obj["kind"], meta["namespace"], meta["name"])
         params = {"fieldManager": constants.FIELD_MANAGER, "force": "true"}
         _, out = await self.request("patch", "PATCH", path, body=obj, params=params, content_type="application/apply-patch+yaml")
+        self._wrote(obj["kind"], meta["namespace"], meta["name"], ((out or {}).get("metadata") or {}).get("resourceVersion"))
         return out or {}
 
     async def create(self, obj: Obj) -> Obj | None:
@@ -205,6 +352,8 @@ class Client:
         status, out = await self.request(
             "create", "POST", object_path(obj["kind"], meta["namespace"]), body=obj, ok_statuses=frozenset({409})
         )
+        if status != 409 and out and meta.get("name"):
+            self._wrote(obj["kind"], meta["namespace"], meta["name"], (out.get("metadata") or {}).get("resourceVersion"))
         return None if status == 409 else out
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
@@ -213,6 +362,7 @@ class Client:
             body={"kind": "DeleteOptions", "apiVersion": "v1", "propagationPolicy": "Background"},
             ok_statuses=frozenset({404}),
         )  # fmt: skip
+        self._wrote(kind, namespace, name, DELETED)
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: Obj) -> Obj:
         _, out = await self.request(

@@ -5,7 +5,12 @@ Run: `kopf run -m tilert_operator.wiring --all-namespaces --standalone
 Environment: TILERT_PD_RESYNC_S (default 30), TILERT_PD_CONCURRENCY (16), TILERT_PD_METRICS_PORT
 (8080; 0 = off), TILERT_PD_API_TIMEOUT_S (30, per API call), TILERT_PD_SECRET_ROTATION_GRACE_S (180, each
 phase of a handoff-secret rotation; above the kubelets' Secret propagation), TILERT_PD_WEBHOOK_PORT with TILERT_PD_WEBHOOK_CERT/KEY (admission webhook; unset =
-off, the CRD's CEL rules still apply and the operator reports SpecValid=False).
+off, the CRD's CEL rules still apply and the operator reports SpecValid=False; the certificate is
+re-read when its files change, checked at most every TILERT_PD_WEBHOOK_CERT_CHECK_S, default 2),
+TILERT_PD_DRIFT_DEBOUNCE_S (0.1) and TILERT_PD_DRIFT_MIN_INTERVAL_S (1; see controller.py).
+
+Children are watched by the operator's managed-by label (filtered by the API server), so a child
+deleted or edited by someone else is repaired within seconds (controller.Controller.child_event).
 """
 
 from __future__ import annotations
@@ -32,12 +37,27 @@ def _env_float(name: str, default: float) -> float:
         raise kopf.PermanentError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 30") from e
 
 
+#: The children's resources, watched for drift: (group, version, plural) -> kind. MultiNetworkPolicies
+#: are watched once their CRD is served (kopf starts a watch when a CRD appears).
+CHILD_RESOURCES: dict[tuple[str, str, str], str] = {
+    ("apps", "v1", "deployments"): "Deployment",
+    ("apps", "v1", "statefulsets"): "StatefulSet",
+    ("", "v1", "services"): "Service",
+    ("", "v1", "configmaps"): "ConfigMap",
+    ("", "v1", "secrets"): "Secret",
+    ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",
+    ("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies"): "MultiNetworkPolicy",
+}
+MANAGED = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
+
+
 @kopf.on.login()
 def login(**_: Any) -> kopf.ConnectionInfo:
+    # Run again by kopf after a 401 and when the expiration passes: the token is read anew.
     c = kubeapi.load_connection()
     return kopf.ConnectionInfo(
         server=c.server, ca_path=c.ca_path, insecure=c.insecure, scheme=c.scheme, token=c.token,
-        certificate_path=c.cert_path, private_key_path=c.key_path,
+        certificate_path=c.cert_path, private_key_path=c.key_path, expiration=c.expiration(),
     )  # fmt: skip
 
 
@@ -49,19 +69,23 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP, key="last-handled-configuration")
     # Watch only our pods, filtered by the API server (a handler's labels= filters client-side, after
     # every pod in the cluster has crossed the wire).
-    settings.watching.label_selectors["", "v1", "pods"] = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
+    settings.watching.label_selectors["", "v1", "pods"] = MANAGED
+    for resource in CHILD_RESOURCES:
+        settings.watching.label_selectors[resource] = MANAGED
     settings.posting.enabled = False  # we post our own Events, on condition transitions
     settings.networking.request_timeout = 60
     settings.watching.server_timeout = int(_env_float("TILERT_PD_WATCH_TIMEOUT_S", 300))
     settings.watching.client_timeout = settings.watching.server_timeout + 30
     port = os.environ.get("TILERT_PD_WEBHOOK_PORT")
     if port:
-        settings.admission.server = kopf.WebhookServer(
+        settings.admission.server = admission.WebhookServer(
             port=int(port), certfile=os.environ.get("TILERT_PD_WEBHOOK_CERT"), pkeyfile=os.environ.get("TILERT_PD_WEBHOOK_KEY"),
+            check_interval_s=_env_float("TILERT_PD_WEBHOOK_CERT_CHECK_S", 2.0),
         )  # fmt: skip
         settings.admission.managed = None  # the chart owns the ValidatingWebhookConfiguration
 
-    api = kubeapi.Client(kubeapi.load_connection(), retry=kubeapi.Retry(timeout=_env_float("TILERT_PD_API_TIMEOUT_S", 30.0)))
+    api = kubeapi.Client(kubeapi.load_connection(), retry=kubeapi.Retry(timeout=_env_float("TILERT_PD_API_TIMEOUT_S", 30.0)),
+                         refresh=kubeapi.load_connection)
     memo.api = api
     memo.controller = Controller(
         api,
@@ -69,6 +93,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             resync_s=_env_float("TILERT_PD_RESYNC_S", 30.0),
             concurrency=int(_env_float("TILERT_PD_CONCURRENCY", 16)),
             rotation_grace_s=_env_float("TILERT_PD_SECRET_ROTATION_GRACE_S", credentials.DEFAULT_GRACE_S),
+            drift_debounce_s=_env_float("TILERT_PD_DRIFT_DEBOUNCE_S", 0.1),
+            drift_min_interval_s=_env_float("TILERT_PD_DRIFT_MIN_INTERVAL_S", 1.0),
         ),
     )
     metrics_port = int(_env_float("TILERT_PD_METRICS_PORT", 8080))
@@ -106,6 +132,16 @@ async def pod_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo,
     cluster = labels.get(constants.LABEL_CLUSTER)
     if cluster and namespace:
         memo.controller.kick(namespace, cluster)
+
+
+async def child_event(event: kopf.RawEvent, resource: kopf.Resource, memo: kopf.Memo, **_: Any) -> None:
+    kind = CHILD_RESOURCES.get((resource.group, resource.version, resource.plural))
+    if kind is not None:
+        memo.controller.child_event(kind, event.get("type"), dict(event["object"]))
+
+
+for _g, _v, _p in CHILD_RESOURCES:
+    kopf.on.event(_g, _v, _p, labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY}, id=f"child-{_p}")(child_event)
 
 
 def validate(spec: kopf.Spec, name: str, old: kopf.Body | None = None, **_: Any) -> None:

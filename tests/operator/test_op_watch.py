@@ -1,0 +1,109 @@
+"""Drift repair from the children's watch: with the resync pushed out to 5 minutes, a deleted
+NetworkPolicy, a hand-scaled Deployment, a deleted Secret and a deleted MultiNetworkPolicy come back
+within seconds; status-only changes and the operator's own writes cause no reconcile. Timings are the
+benchmark's business (bench/operator/drift.py); here only the behaviour is checked."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pdc_harness as h
+import pdc_helpers as helpers
+import pytest
+from kopf.testing import KopfRunner
+from test_op_e2e import kubectl
+
+from tilert_operator import constants
+
+UA = constants.FIELD_MANAGER
+#: Far beyond every wait below: a repair seen here came from the watch, not from the resync.
+RESYNC_S = "300"
+
+
+@pytest.fixture(autouse=True)
+def slow_resync(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TILERT_PD_RESYNC_S", RESYNC_S)
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", "0")
+    monkeypatch.setenv("TILERT_PD_WATCH_TIMEOUT_S", "10")
+
+
+def reconciles(srv: Any, cluster: str = "tiny") -> int:
+    """Each reconcile lists the cluster's pods exactly once."""
+    sel = f"{constants.LABEL_CLUSTER}={cluster}"
+    return sum(1 for c in srv.calls if c.user_agent.startswith(UA) and c.resource == "pods" and c.verb == "list" and c.label_selector == sel)
+
+
+def settle(srv: Any, quiet_s: float = 1.5, timeout: float = 20.0) -> int:
+    """Wait until no reconcile ran for quiet_s; return the count."""
+    deadline = time.monotonic() + timeout
+    n, since = reconciles(srv), time.monotonic()
+    while time.monotonic() < deadline:
+        time.sleep(0.1)
+        m = reconciles(srv)
+        if m != n:
+            n, since = m, time.monotonic()
+        elif time.monotonic() - since >= quiet_s:
+            return n
+    raise AssertionError("reconciles never settled")
+
+
+def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> None:
+    srv = apiserver.server
+    h.install_crd(apiserver, h.MULTI_NETWORK_POLICY_CRD)
+    doc = h.pdc(helpers.example("tiny-cpu"))
+    with KopfRunner(h.ARGS, timeout=60) as runner:
+        apiserver.call(srv.put(h.PDC, doc))
+        h.wait_for("children", lambda: srv.get("networkpolicies", "default", "tiny-tilert-decode") and srv.get("deployments", "default", "tiny-router"))
+        h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True")
+        # The children's watches are filtered by the API server with the operator's label.
+        for plural in ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies"):
+            watches = h.wait_for(f"{plural} watch", lambda p=plural: [
+                c for c in srv.calls if c.resource == p and c.verb == "watch" and c.user_agent.startswith("kopf/")])
+            assert {c.label_selector for c in watches} == {f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"}
+        # Creating the children echoed back through those watches: no reconcile storm followed.
+        base = settle(srv)
+
+        # A deleted NetworkPolicy is back long before the resync, after one reconcile.
+        kubectl(apiserver, "delete", "networkpolicies", "tiny-tilert-decode")
+        h.wait_for("NetworkPolicy back", lambda: srv.get("networkpolicies", "default", "tiny-tilert-decode"), timeout=10)
+        after_np = settle(srv)
+        assert 1 <= after_np - base <= 2, (base, after_np)
+
+        # A Deployment scaled by hand is scaled back.
+        kubectl(apiserver, "patch", "deployments", "tiny-router", "--type=merge", "-p", '{"spec":{"replicas":5}}')
+        h.wait_for("replicas restored", lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 1, timeout=10)
+        after_scale = settle(srv)
+        assert 1 <= after_scale - after_np <= 2, (after_np, after_scale)
+
+        # A controller reporting status (a rollout's progress) is no drift: no reconcile.
+        dep = srv.get("deployments", "default", "tiny-prefill")
+        dep["status"] = {"replicas": 1, "readyReplicas": 1, "observedGeneration": dep["metadata"]["generation"]}
+        apiserver.call(srv.put(("apps", "v1", "deployments"), dep))
+        time.sleep(1.5)
+        assert reconciles(srv) == after_scale
+
+        # A deleted handoff Secret is recreated at once.
+        old_uid = srv.get("secrets", "default", "tiny-handoff")["metadata"]["uid"]
+        kubectl(apiserver, "delete", "secrets", "tiny-handoff")
+        h.wait_for("new handoff Secret", lambda: (srv.get("secrets", "default", "tiny-handoff") or {}).get("metadata", {}).get("uid") not in (None, old_uid), timeout=10)
+
+        # MultiNetworkPolicies are watched once their CRD is served.
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}}), name="nets"))))
+        mnp = h.wait_for("MultiNetworkPolicies", lambda: srv.objects("multi-networkpolicies", "default"))
+        name = mnp[0]["metadata"]["name"]
+        settle(srv)
+        apiserver.call(srv.remove(("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies"), "default", name))
+        h.wait_for("MultiNetworkPolicy back", lambda: srv.get("multi-networkpolicies", "default", name), timeout=10)
+
+        # A burst of edits to one cluster's children is one (or two) reconciles, not one per edit.
+        before = settle(srv)
+        for plural in ("networkpolicies", "services", "configmaps"):
+            for o in srv.objects(plural, "default"):
+                if o["metadata"]["labels"].get(constants.LABEL_CLUSTER) == "tiny":
+                    apiserver.call(srv.remove(("networking.k8s.io", "v1", "networkpolicies") if plural == "networkpolicies" else ("", "v1", plural),
+                                              "default", o["metadata"]["name"]))
+        h.wait_for("all back", lambda: srv.get("configmaps", "default", "tiny-router") and srv.get("services", "default", "tiny-router")
+                   and srv.get("networkpolicies", "default", "tiny-tilert-decode"), timeout=10)
+        assert 1 <= settle(srv) - before <= 2
+    assert runner.exception is None
