@@ -106,6 +106,9 @@ def load_connection() -> Connection:
             raise kubernetes.config.ConfigException(f"no kubeconfig found at {path}") from None
         loader: Any = kube_config.KubeConfigLoader(config_dict=merged.config, config_base_path=None)  # type: ignore[no-untyped-call]
         loader.load_and_set(cfg)
+        # Its hook would run an exec plugin again on every read within 5 minutes of the expiry: the
+        # client renews on its own schedule instead.
+        cfg.refresh_api_key_hook = None
         expiry = loader.__dict__.get("expiry")  # an exec plugin's expirationTimestamp
         if isinstance(expiry, datetime.datetime):
             expires_at = (expiry if expiry.tzinfo else expiry.replace(tzinfo=datetime.UTC)).timestamp()
