@@ -199,6 +199,9 @@ async def status(request: web.Request) -> web.Response:
         "slots": [{"index": s.index, "state": s.state.value, **({"request_id": s.request_id} if ids else {})}
                   for s in node.slots.slots],
         "ctrl": {"host": node.config.advertise_host, "port": node.ctrl_port},
+        # The data plane's record: the last handoff decoded from, the last failure and its reason, the
+        # transport and its measured bandwidth (the operator's HandoffReady reads it).
+        "handoff": node.handoff.as_dict(),
     })
 
 

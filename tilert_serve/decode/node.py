@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from prometheus_client import Counter, Gauge
 
 from tilert_serve import defaults
 from tilert_serve.decode import ctrl
@@ -84,6 +86,79 @@ class StateRefused(HandoffFailed):
         super().__init__(message, timeout=False)
 
 
+#: Failure categories that say the data plane is broken (as opposed to a node that is busy, a ticket
+#: that expired unused, or a request too long): these, and only these, are the node's last failure.
+DATA_PLANE_FAILURES = frozenset({
+    "not_authenticated", "layout_mismatch", "version_mismatch", "bad_request", "timeout", "digest_mismatch",
+    "transfer_failed", "disconnected", "decode_failed", "internal",
+})
+
+
+@dataclass
+class HandoffRecord:
+    """What the node knows of the handoffs that reached it: the last one it decoded from, the last
+    data-plane failure (reason from the wire's Reject/Error reasons, or the node's own checks), and the
+    transport. Read by GET /v1/status (the operator's HandoffReady) and the metrics; no request ids."""
+
+    engine: str
+    protocol: str | None
+    clock: Callable[[], float]
+    successes: int = 0
+    failures: int = 0
+    #: Last success: clock and wall time, bytes, Accept-to-last-Done seconds.
+    ok_at: float | None = None
+    ok_wall: float = 0.0
+    ok_bytes: int = 0
+    ok_seconds: float = 0.0
+    #: Last data-plane failure.
+    fail_at: float | None = None
+    fail_wall: float = 0.0
+    fail_reason: str = ""
+    fail_message: str = ""
+
+    def success(self, nbytes: int, seconds: float) -> None:
+        self.successes += 1
+        self.ok_at, self.ok_wall, self.ok_bytes, self.ok_seconds = self.clock(), time.time(), nbytes, seconds
+
+    def failure(self, reason: str, message: str) -> bool:
+        """Record a failure; False (nothing recorded) for reasons that are not the data plane's."""
+        if reason not in DATA_PLANE_FAILURES:
+            return False
+        self.failures += 1
+        self.fail_at, self.fail_wall = self.clock(), time.time()
+        self.fail_reason, self.fail_message = reason, message[:500]
+        return True
+
+    @property
+    def bandwidth(self) -> float | None:
+        """Bytes per second of the last successful handoff (None before one, or when instantaneous)."""
+        return self.ok_bytes / self.ok_seconds if self.ok_at is not None and self.ok_seconds > 0 else None
+
+    def as_dict(self) -> dict[str, Any]:
+        now = self.clock()
+        out: dict[str, Any] = {"transport": {"engine": self.engine, "protocol": self.protocol},
+                               "successes": self.successes, "failures": self.failures,
+                               "last_success": None, "last_failure": None}
+        if self.ok_at is not None:
+            out["last_success"] = {"age_s": round(now - self.ok_at, 3), "time": self.ok_wall, "bytes": self.ok_bytes,
+                                   "seconds": round(self.ok_seconds, 6), "bandwidth_bytes_per_s": self.bandwidth}
+        if self.fail_at is not None:
+            out["last_failure"] = {"age_s": round(now - self.fail_at, 3), "time": self.fail_wall,
+                                   "reason": self.fail_reason, "message": self.fail_message}
+        return out
+
+
+def _protocol(transfer: TransferEngine) -> str | None:
+    """The transport the byte mover uses: Mooncake says it; NIXL's UCX is told by transfer_env (tcp) or
+    picks IB/RoCE itself (rdma)."""
+    protocol = getattr(transfer, "protocol", None)
+    if isinstance(protocol, str):
+        return protocol
+    if transfer.name == "nixl":
+        return "tcp" if os.environ.get("UCX_TLS") == "tcp" else "ucx"
+    return None
+
+
 @dataclass
 class _Waiters:
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -112,6 +187,14 @@ class DecodeNode:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.metrics = NodeMetrics(config.slots)
+        self.handoff = HandoffRecord(engine=transfer.name, protocol=_protocol(transfer), clock=clock)
+        r = self.metrics.registry
+        self._m_last_ok = Gauge("tilert_decode_last_handoff_success_timestamp_seconds",
+                                "Wall time of the last handoff this node decoded from", registry=r)
+        self._m_bandwidth = Gauge("tilert_decode_last_handoff_bandwidth_bytes_per_second",
+                                  "Bytes per second of the last successful handoff (Accept to last Done)", registry=r)
+        self._m_failures = Counter("tilert_decode_handoff_failures", "Data-plane handoff failures by reason",
+                                   ["reason"], registry=r)
         self.buffers = ReceiveBuffers(layout, max_seq_len=config.max_seq_len, slots=config.slots,
                                       shards=config.shards, devices=list(config.devices))
         self.slots = SlotTable(config.slots, ticket_ttl_s=config.ticket_ttl_s,
@@ -175,12 +258,40 @@ class DecodeNode:
             self.metrics.handoff_seconds.observe(slot.t_ready - slot.t_accept)
         elif event == "failed":
             self.metrics.handoffs.labels("failed").inc()
+            # A rank's failed write (its Done said so); the control plane's own failures were recorded
+            # by ctrl_error with their reason already.
+            if (slot.error or "").startswith("sender rank"):
+                self.note_failure("transfer_failed", slot.error or "")
         elif event == "quarantined":
             self.metrics.quarantined.inc()
             log.info("slot %d quarantined: sender ranks %s may still be writing", slot.index, sorted(slot.in_flight))
         waiters = self._waiters[slot.index]
         waiters.event.set()
         waiters.event = asyncio.Event()
+
+    # -- the data plane's record (HandoffReady) -------------------------------------------------
+
+    def ctrl_error(self, reason: str, message: str) -> None:
+        """A control connection was refused or broke (ctrl.py): count it, and record it when it is the
+        data plane's failure."""
+        self.metrics.ctrl_errors.labels(reason).inc()
+        if reason == "peer_error":
+            # The sender's own Error ("the sender reported REASON: ..."): it found the layouts differ
+            # from our Hello, or its write failed; without a reason of ours, the transfer failed.
+            said = message.removeprefix("the sender reported ").split(":", 1)[0]
+            reason = said if said in DATA_PLANE_FAILURES and said != message else "transfer_failed"
+        self.note_failure(reason, message)
+
+    def note_failure(self, reason: str, message: str) -> None:
+        if self.handoff.failure(reason, message):
+            self._m_failures.labels(reason).inc()
+
+    def _note_success(self, slot: Slot) -> None:
+        self.handoff.success(slot.nbytes, max(slot.t_ready - slot.t_accept, 0.0))
+        self._m_last_ok.set(self.handoff.ok_wall)
+        bandwidth = self.handoff.bandwidth
+        if bandwidth is not None:
+            self._m_bandwidth.set(bandwidth)
 
     def hello(self, mac: str) -> messages.Hello:
         return messages.Hello(mac=mac, node=self.config.name,
@@ -210,8 +321,14 @@ class DecodeNode:
                 pass
             if self.slots.clock() >= slot.deadline and slot.state in (SlotState.RESERVED, SlotState.RECEIVING):
                 waited = self.slots.clock() - slot.t_admit
+                message = f"the prefill's state did not arrive within {waited:.1f} s of admission"
+                # A more specific failure since the admission (a sender refused as not authenticated, a
+                # layout mismatch) is why: keep it as the node's last failure.
+                h = self.handoff
+                if h.fail_at is None or h.fail_at < slot.t_admit:
+                    self.note_failure("timeout", message)
                 self.slots.release(slot)
-                raise HandoffFailed(f"the prefill's state did not arrive within {waited:.1f} s of admission", True)
+                raise HandoffFailed(message, True)
         if slot.generation != generation or slot.state in (SlotState.FREE, SlotState.QUARANTINED):
             raise HandoffFailed("the ticket was cancelled or expired while waiting for the state", True)
         if slot.state is SlotState.FAILED:
@@ -239,21 +356,32 @@ class DecodeNode:
         produced = drafted = accepted = 0
         timings: dict[str, float] = {"wire_wait_ms": (slot.t_ready - slot.t_accept) * 1e3}
         finish: str | None = None
+        injected = recorded = False
         try:
             while finish is None:
                 kind, value = await asyncio.wait_for(queue.get(), self.config.step_timeout_s)
                 if kind == "timing":
                     timings.update(value)
+                    injected = True
                 elif kind == "step":
+                    if not recorded:
+                        # The node decoded from the handoff: the data plane works end to end.
+                        recorded = True
+                        self._note_success(slot)
                     drafted, accepted = drafted + value.drafted, accepted + value.accepted
                     tokens, finish = cut(value.token_ids, produced, p.max_tokens, stop_ids)
                     produced += len(tokens)
                     if tokens:
                         yield {"token_ids": tokens, "text": detok.push(tokens) if detok else ""}
                 elif kind == "error":
+                    self.note_failure("digest_mismatch" if isinstance(value, StateRefused) else "decode_failed",
+                                      f"{type(value).__name__}: {value}")
                     raise value
                 elif kind == "end":
                     finish = "cancelled" if cancel.is_set() else "length"
+                    if injected and not recorded and p.max_tokens == 0:
+                        recorded = True  # nothing to decode was asked: converted and injected is all there is
+                        self._note_success(slot)
             decode_s = timings.pop("_decode_start", None)
             decode_ms = (time.perf_counter() - decode_s) * 1e3 if decode_s else 0.0
             timings.update(decode_ms=decode_ms, tpot_ms=decode_ms / produced if produced else 0.0,

@@ -1,0 +1,102 @@
+"""The node's record of the data plane (issue 11, HandoffReady): the last handoff it decoded from, with
+bytes, seconds, bandwidth and transport; the last data-plane failure with the wire's reason; on the
+authenticated /v1/status and as metrics without request ids."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+from tests.decode import synthetic
+from tests.decode.conftest import running_node
+
+CASE = "mla-f32"
+LAYOUT = synthetic.layout_for(CASE)
+
+
+async def _status(n) -> dict:  # type: ignore[no-untyped-def]
+    async with n.session.get(f"{n.url}/v1/status") as r:
+        assert r.status == 200
+        return (await r.json())["handoff"]
+
+
+async def _handoff_and_decode(n, request_id: str, secret_file=None) -> tuple[str, int, list]:  # type: ignore[no-untyped-def]
+    _, adm = await n.admit(request_id)
+    line = await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id=request_id,
+                        **({"secret_file": secret_file} if secret_file else {}))
+    status, events = await n.generate(adm["ticket"], max_tokens=1)
+    return line, status, events
+
+
+async def test_success_then_failures_with_their_reasons(secret_file, tmp_path):
+    async with running_node(LAYOUT, secret_file, slots=1, ticket_ttl_s=20) as n:
+        h = await _status(n)
+        assert h["last_success"] is None and h["last_failure"] is None
+        assert h["transport"] == {"engine": "mooncake", "protocol": "tcp"}
+
+        line, status, events = await _handoff_and_decode(n, "good")
+        assert json.loads(line[7:])["ok"] and status == 200 and events[-1]["done"]
+        h = await _status(n)
+        ok = h["last_success"]
+        assert ok is not None and h["successes"] == 1 and h["last_failure"] is None
+        assert ok["bytes"] > 0
+        assert ok["seconds"] >= 0 and ok["age_s"] >= 0
+        assert ok["bandwidth_bytes_per_s"] is None or ok["bandwidth_bytes_per_s"] > 0
+
+        # A prefill with another secret: refused as not authenticated; the router's generate then
+        # times out, and the node keeps the specific reason.
+        n.node.slots.ticket_ttl_s = 3.0
+        wrong = tmp_path / "wrong"
+        wrong.write_text("not-the-secret-0123456789")
+        line, status, events = await _handoff_and_decode(n, "bad-secret", secret_file=wrong)
+        assert json.loads(line[7:])["reason"] == "not_authenticated"
+        assert status in (404, 504)  # timed out waiting, or the ticket expired while the sender ran
+        h = await _status(n)
+        assert h["last_failure"]["reason"] == "not_authenticated", h
+        assert "secret" in h["last_failure"]["message"]
+        assert h["last_failure"]["age_s"] <= h["last_success"]["age_s"]
+
+        # A prefill with another layout.
+        r = json.loads((await n.send("mla-bf16", 20, 1, "mooncake", None))[7:])
+        assert r["reason"] == "layout_mismatch"
+        h = await _status(n)
+        assert h["last_failure"]["reason"] == "layout_mismatch", h
+
+        # Busy, unknown tickets and too-long requests are not the data plane's failures.
+        r = json.loads((await n.send(CASE, 20, 1, "mooncake", "no-such-ticket"))[7:])
+        assert r["reason"] == "unknown_ticket"
+        assert (await _status(n))["last_failure"]["reason"] == "layout_mismatch"
+
+        # A state that never comes: timeout.
+        n.node.slots.ticket_ttl_s = 0.5
+        _, adm = await n.admit("never")
+        status, _ = await n.generate(adm["ticket"])
+        assert status == 504
+        assert (await _status(n))["last_failure"]["reason"] == "timeout"
+
+        # Recovery: a good handoff again is the latest event.
+        await asyncio.sleep(0.05)
+        n.node.slots.ticket_ttl_s = 20
+        line, status, _ = await _handoff_and_decode(n, "good-again")
+        assert status == 200
+        h = await _status(n)
+        assert h["successes"] == 2 and h["last_success"]["age_s"] < h["last_failure"]["age_s"]
+
+        async with n.session.get(f"{n.url}/metrics") as resp:
+            text = await resp.text()
+        assert 'tilert_decode_handoff_failures_total{reason="not_authenticated"} 1.0' in text
+        assert 'tilert_decode_handoff_failures_total{reason="layout_mismatch"} 1.0' in text
+        assert "tilert_decode_last_handoff_success_timestamp_seconds" in text
+        assert "good" not in text and "bad-secret" not in text  # no request ids in metrics
+
+
+async def test_digest_mismatch_is_recorded(secret_file):
+    async with running_node(LAYOUT, secret_file, slots=1) as n:
+        _, adm = await n.admit("torn")
+        line = await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id="torn")
+        assert json.loads(line[7:])["ok"]
+        n.node.buffers.views(0)[0][:64] += 1  # the bytes differ from what the sender hashed
+        status, _ = await n.generate(adm["ticket"], max_tokens=1)
+        assert status == 502
+        h = await _status(n)
+        assert h["last_failure"]["reason"] == "digest_mismatch" and h["last_success"] is None
