@@ -7,7 +7,8 @@ Environment: TILERT_PD_RESYNC_S (default 30), TILERT_PD_CONCURRENCY (16), TILERT
 phase of a handoff-secret rotation; above the kubelets' Secret propagation), TILERT_PD_WEBHOOK_PORT with TILERT_PD_WEBHOOK_CERT/KEY (admission webhook; unset =
 off, the CRD's CEL rules still apply and the operator reports SpecValid=False; the certificate is
 re-read when its files change, checked at most every TILERT_PD_WEBHOOK_CERT_CHECK_S, default 2),
-TILERT_PD_DRIFT_DEBOUNCE_S (0.1) and TILERT_PD_DRIFT_MIN_INTERVAL_S (1; see controller.py).
+TILERT_PD_DRIFT_DEBOUNCE_S (0.1) and TILERT_PD_DRIFT_MIN_INTERVAL_S (1; see controller.py),
+TILERT_PD_WATCH_CHILDREN (1; 0 = repair drift at the resync only, as the benchmark's baseline does).
 
 Children are watched by the operator's managed-by label (filtered by the API server), so a child
 deleted or edited by someone else is repaired within seconds (controller.Controller.child_event).
@@ -49,6 +50,7 @@ CHILD_RESOURCES: dict[tuple[str, str, str], str] = {
     ("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies"): "MultiNetworkPolicy",
 }
 MANAGED = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
+WATCH_CHILDREN = os.environ.get("TILERT_PD_WATCH_CHILDREN", "1") != "0"
 
 
 @kopf.on.login()
@@ -70,7 +72,7 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # Watch only our pods, filtered by the API server (a handler's labels= filters client-side, after
     # every pod in the cluster has crossed the wire).
     settings.watching.label_selectors["", "v1", "pods"] = MANAGED
-    for resource in CHILD_RESOURCES:
+    for resource in CHILD_RESOURCES if WATCH_CHILDREN else ():
         settings.watching.label_selectors[resource] = MANAGED
     settings.posting.enabled = False  # we post our own Events, on condition transitions
     settings.networking.request_timeout = 60
@@ -140,7 +142,7 @@ async def child_event(event: kopf.RawEvent, resource: kopf.Resource, memo: kopf.
         memo.controller.child_event(kind, event.get("type"), dict(event["object"]))
 
 
-for _g, _v, _p in CHILD_RESOURCES:
+for _g, _v, _p in CHILD_RESOURCES if WATCH_CHILDREN else ():
     kopf.on.event(_g, _v, _p, labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY}, id=f"child-{_p}")(child_event)
 
 

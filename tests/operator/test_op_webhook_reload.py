@@ -8,11 +8,13 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import logging
 import os
 import ssl
 from pathlib import Path
 from typing import Any
 
+import pytest
 from cryptography import x509
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
@@ -132,3 +134,29 @@ async def test_checks_are_rate_limited(tmp_path: Path) -> None:
     assert r.current() is ctx, "within the check interval the files are not even looked at"
     r.check_interval_s = 0
     assert r.current() is not ctx and r.reloads == 1
+
+
+async def test_the_operator_serves_its_webhook_with_the_reloading_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the chart's env makes wiring.startup build: this server, with the check interval from the env."""
+    import kopf
+    import pdc_apiserver
+
+    from tilert_operator import wiring
+
+    cert, key, _ = make_cert("op")
+    (tmp_path / "tls.crt").write_bytes(cert)
+    (tmp_path / "tls.key").write_bytes(key)
+    (tmp_path / "kubeconfig").write_text(pdc_apiserver.kubeconfig("http://127.0.0.1:1"))
+    for k, v in {"KUBECONFIG": str(tmp_path / "kubeconfig"), "TILERT_PD_METRICS_PORT": "0", "TILERT_PD_WEBHOOK_PORT": "9443",
+                 "TILERT_PD_WEBHOOK_CERT": str(tmp_path / "tls.crt"), "TILERT_PD_WEBHOOK_KEY": str(tmp_path / "tls.key"),
+                 "TILERT_PD_WEBHOOK_CERT_CHECK_S": "5"}.items():  # fmt: skip
+        monkeypatch.setenv(k, v)
+    settings, memo = kopf.OperatorSettings(), kopf.Memo()
+    await wiring.startup(settings=settings, memo=memo, logger=logging.getLogger("test"))
+    try:
+        server = settings.admission.server
+        assert isinstance(server, admission.WebhookServer) and server.check_interval_s == 5.0
+        assert server.port == 9443 and server.certfile == str(tmp_path / "tls.crt")
+    finally:
+        await memo.controller.stop()
+        await memo.api.close()
