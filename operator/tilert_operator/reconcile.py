@@ -8,6 +8,14 @@ an Event per condition transition. A Secret with the expected name that is not t
 stops the reconcile before anything is applied (SecretsOwned=False). MultiNetworkPolicies are
 applied only when the API server serves them; otherwise DataPlaneProtected says so and the rest of
 the stack is reconciled as usual.
+
+Failures are visible, not only logged: a child the API server refuses (or that cannot be written
+after the client's retries) is reported in the same reconcile as `Reconciled=False` (reason
+ApplyRejected, the child and the API server's message) with a Warning Event naming the child; the
+other children are still applied, and the reconcile is retried after FAILED_RETRY_S. Any other
+failure of a reconcile (a list, a Secret) writes `Reconciled=False` (ReconcileError) before the
+controller backs off. The next reconcile that applies everything sets `Reconciled=True` again.
+Children are compared with what the server holds by meaning: quantities (`0.5` and `500m`) by value.
 """
 
 from __future__ import annotations
@@ -15,11 +23,13 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import re
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from tilert_operator import constants, credentials, observe, render, status, validation
+from tilert_operator import handoff as handoff_check
 from tilert_operator.credentials import owner_reference
 from tilert_operator.kubeapi import ApiError, Client, Obj
 
@@ -31,6 +41,9 @@ API_VERSIONS = {"Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v
                 "NetworkPolicy": "networking.k8s.io/v1", "MultiNetworkPolicy": constants.MULTI_NETWORK_POLICY_API_VERSION}
 #: Kinds served by an optional CRD: a 404 on listing them means "not installed", not a failure.
 OPTIONAL_KINDS = frozenset({"MultiNetworkPolicy"})
+#: Seconds until a reconcile that could not apply a child runs again (a spec change runs it sooner).
+FAILED_RETRY_S = 10.0
+RECONCILED = "Reconciled"
 
 
 @dataclass
@@ -48,6 +61,8 @@ class Outcome:
     requeue_at: float | None = None
     #: What was done to the Secrets (created, adopted, completed, rotation phases).
     secrets: list[str] = field(default_factory=list)
+    #: Children the API server refused (or that could not be written): (Kind/name, its message).
+    failed: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def writes(self) -> int:
@@ -66,16 +81,60 @@ def stamp(obj: Obj) -> Obj:
     return obj
 
 
-def contains(actual: Any, desired: Any) -> bool:
+def contains(actual: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
     """Whether `actual` already holds everything in `desired` (server defaults may add more).
 
-    Scalars compare as text too, because the API server canonicalises quantities (8 -> "8").
+    Compared by meaning where the API server normalises: a quantity (resources' requests and limits,
+    an emptyDir's sizeLimit, pod overhead) is stored canonical (`0.5` -> `500m`, `1.5Gi` -> `1536Mi`,
+    8 -> "8"), so quantities compare by value; other scalars compare as text too (8 and "8").
     """
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(k in actual and contains(actual[k], v) for k, v in desired.items())
+        return isinstance(actual, dict) and all(k in actual and contains(actual[k], v, (*path, k)) for k, v in desired.items())
     if isinstance(desired, list):
-        return isinstance(actual, list) and len(actual) == len(desired) and all(contains(a, d) for a, d in zip(actual, desired, strict=True))
-    return bool(actual == desired or str(actual) == str(desired))
+        return isinstance(actual, list) and len(actual) == len(desired) and all(
+            contains(a, d, (*path, "[]")) for a, d in zip(actual, desired, strict=True))
+    if actual == desired or str(actual) == str(desired):
+        return True
+    if is_quantity(path):
+        try:
+            return validation.parse_quantity(actual) == validation.parse_quantity(desired)
+        except ValueError:
+            return False
+    return False
+
+
+def is_quantity(path: tuple[str, ...]) -> bool:
+    """Whether a field of a built-in object (its path of keys, lists as "[]") holds a quantity."""
+    return ((len(path) >= 3 and path[-3] == "resources" and path[-2] in ("requests", "limits"))
+            or (len(path) >= 2 and path[-2] == "emptyDir" and path[-1] == "sizeLimit")
+            or (len(path) >= 2 and path[-2] == "overhead"))
+
+
+def api_message(error: ApiError) -> str:
+    """The API server's own message in a failed call (its Status's `message`), else the error's text."""
+    for attr in ("message", "body", "text"):  # a richer ApiError keeps the whole answer
+        value = getattr(error, attr, None)
+        if isinstance(value, dict) and isinstance(value.get("message"), str):
+            return str(value["message"])
+        if isinstance(value, str):
+            found = _message_in(value)
+            if found:
+                return found
+    return _message_in(str(error)) or str(error)
+
+
+def _message_in(text: str) -> str | None:
+    m = re.search(r'"message":\s*"((?:[^"\\]|\\.)*)("?)', text)
+    if m is None:
+        return None
+    raw, closed = m.groups()
+    try:
+        message = str(json.loads(f'"{raw}"'))
+    except ValueError:
+        message = raw
+    code = re.search(r"HTTP (\d{3})", text)
+    prefix = f"HTTP {code.group(1)}: " if code else ""
+    return prefix + message + ("" if closed else "...")
 
 
 def _owned_by(obj: Obj, uid: str) -> bool:
@@ -92,7 +151,8 @@ async def _event(api: Client, body: Obj, cond: status.Condition, out: Outcome) -
                       tag=f"{cond['type']}={cond['status']}")
 
 
-async def _post_event(api: Client, body: Obj, *, ok: bool, reason: str, message: str, out: Outcome, tag: str) -> None:
+async def _post_event(api: Client, body: Obj, *, ok: bool, reason: str, message: str, out: Outcome, tag: str,
+                      related: Obj | None = None) -> None:
     meta = body["metadata"]
     event = {
         "apiVersion": "v1",
@@ -110,6 +170,8 @@ async def _post_event(api: Client, body: Obj, *, ok: bool, reason: str, message:
         "lastTimestamp": status.now(),
         "count": 1,
     }  # fmt: skip
+    if related is not None:
+        event["related"] = related
     await api.create(event)
     out.events.append(tag)
 
@@ -122,7 +184,40 @@ async def _write_status(api: Client, body: Obj, new: dict[str, Any], out: Outcom
     out.written = await api.patch_status(constants.KIND, meta["namespace"], meta["name"], new)
     out.status_written = True
     for cond in status.transitions(new["conditions"], old.get("conditions") or []):
-        await _event(api, body, cond, out)
+        if cond["type"] != RECONCILED:  # its Events name each child (_failure_events)
+            await _event(api, body, cond, out)
+
+
+def _old_condition(body: Obj, type_: str) -> Obj:
+    return next((c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == type_), {})
+
+
+def reconciled(failed: list[tuple[str, str]], reason: str = "ApplyRejected") -> status.Condition:
+    """Reconciled: whether every child the spec wants is what the API server holds."""
+    if not failed:
+        return {"type": RECONCILED, "status": "True", "reason": "Applied",
+                "message": "every child matches the spec"}
+    listed = "; ".join(f"{key}: {message}" for key, message in failed)
+    return {"type": RECONCILED, "status": "False", "reason": reason,
+            "message": f"{listed} (retried every {FAILED_RETRY_S:.0f}s and on every spec change; fix the spec field "
+                       "that renders it, see the Events)"}
+
+
+async def _failure_events(api: Client, body: Obj, cond: status.Condition, out: Outcome, ns: str) -> None:
+    """A Warning Event per refused child when the failures change; a Normal one when they are gone."""
+    old = _old_condition(body, RECONCILED)
+    if cond["status"] == "True":
+        if old.get("status") == "False":
+            await _post_event(api, body, ok=True, reason="Reconciled", message=f"{RECONCILED}=True: {cond['message']}",
+                              out=out, tag=f"{RECONCILED}=True")
+        return
+    if (old.get("status"), old.get("reason"), old.get("message")) == (cond["status"], cond["reason"], cond["message"]):
+        return
+    for key, message in out.failed:
+        kind, _, name = key.partition("/")
+        related = {"apiVersion": API_VERSIONS.get(kind, "v1"), "kind": kind, "name": name, "namespace": ns} if name else None
+        await _post_event(api, body, ok=False, reason=cond["reason"], message=f"{key}: {message}", out=out,
+                          tag=f"{cond['reason']} {key}", related=related)
 
 
 async def _list_children(api: Client, kind: str, ns: str, selector: str) -> list[Obj] | int:
@@ -139,6 +234,35 @@ async def _list_children(api: Client, kind: str, ns: str, selector: str) -> list
 async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credentials.DEFAULT_GRACE_S,
                     now: float | None = None) -> Outcome:
     out = Outcome()
+    try:
+        return await _reconcile(api, body, out, rotation_grace_s=rotation_grace_s, now=now)
+    except Exception as e:
+        # Visible before the controller backs off: the condition and an Event say what failed.
+        try:
+            if body["metadata"].get("uid") and not body["metadata"].get("deletionTimestamp"):
+                await _report_error(api, body, e, out)
+        except Exception as report:  # the API server may be what failed: the log has both
+            log.warning("[%s/%s] could not report the failure (%s)", body["metadata"].get("namespace"),
+                        body["metadata"].get("name"), report)
+        raise
+
+
+async def _report_error(api: Client, body: Obj, error: Exception, out: Outcome) -> None:
+    message = api_message(error) if isinstance(error, ApiError) else f"{type(error).__name__}: {error}"
+    cond = reconciled([("reconcile", message[:800])], reason="ReconcileError")
+    old = body.get("status") or {}
+    conds = [c for c in old.get("conditions") or [] if c.get("type") != RECONCILED]
+    conds = status.with_transition_times([*conds, cond], old.get("conditions") or [], body["metadata"].get("generation"))
+    meta = body["metadata"]
+    before = _old_condition(body, RECONCILED)
+    if (before.get("status"), before.get("reason"), before.get("message")) == (cond["status"], cond["reason"], cond["message"]):
+        return
+    out.written = await api.patch_status(constants.KIND, meta["namespace"], meta["name"], {"conditions": conds})
+    await _post_event(api, body, ok=False, reason="ReconcileError", message=f"reconcile failed: {message}", out=out,
+                      tag="ReconcileError")
+
+
+async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: float, now: float | None) -> Outcome:
     meta = body["metadata"]
     cluster, ns, generation = meta["name"], meta["namespace"], meta.get("generation")
     if meta.get("deletionTimestamp"):
@@ -192,12 +316,26 @@ async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credent
             # List items carry no apiVersion/kind on a real API server: compare the rest.
             body_only = {k: v for k, v in want.items() if k not in ("apiVersion", "kind")}
             if want["kind"] == kind and not contains(actual.get(key), body_only):
-                await api.apply(want)
+                try:
+                    await api.apply(want)
+                except ApiError as e:
+                    # Refused or not writable: report it and carry on with the other children.
+                    log.warning("[%s/%s] applying %s failed: %s", ns, cluster, key, e)
+                    out.failed.append((key, api_message(e)))
+                    continue
                 out.applied.append(key)
         for key, have in actual.items():
             if key not in desired:
-                await api.delete(kind, ns, have["metadata"]["name"])
+                try:
+                    await api.delete(kind, ns, have["metadata"]["name"])
+                except ApiError as e:
+                    log.warning("[%s/%s] deleting %s failed: %s", ns, cluster, key, e)
+                    out.failed.append((key, f"could not delete it: {api_message(e)}"))
+                    continue
                 out.deleted.append(key)
+    if out.failed:
+        retry = (time.time() if now is None else now) + FAILED_RETRY_S
+        out.requeue_at = retry if out.requeue_at is None else min(out.requeue_at, retry)
 
     rdma = spec.transfer.rdma
     wants_mnp = any(o["kind"] == "MultiNetworkPolicy" for o in desired.values())
@@ -207,13 +345,19 @@ async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credent
         status.data_plane(rdma.networks, rdma.host_network, spec.network_policies.enabled,
                           served["MultiNetworkPolicy"] if wants_mnp else None),
     ]
-    conds = status.conditions(cluster, pools, nodes, unwired, [status.secrets_owned([handoff.name, node_api.name]), *security])
+    applied = reconciled(out.failed)
+    # HandoffReady (issue 11): each wired TileRT node's own record of the handoffs that reached it.
+    reports = await handoff_check.poll(nodes, node_api.secret) if handoff_check.enabled() else None
+    conds = status.conditions(cluster, pools, nodes, unwired, [status.secrets_owned([handoff.name, node_api.name]), *security, applied],
+                              handoff=status.handoff_ready(spec.decode.tilert.replicas, nodes, reports),
+                              handoff_working=status.any_handoff_working(reports))
     ready = next(c for c in conds if c["type"] == "Ready")
     out.state = "ready" if ready["status"] == "True" else "not_ready"
     new = status.build(generation=generation, conditions_=conds, old=body.get("status") or {}, pools=pools, endpoints=nodes,
                        rotations={"handoffSecret": rotation.status(rotation_grace_s),
                                   "nodeApiToken": token_rotation.status(rotation_grace_s)})
     await _write_status(api, body, new, out)
+    await _failure_events(api, body, applied, out, ns)
     if out.applied or out.deleted:
         log.info("[%s/%s] applied %s, deleted %s", ns, cluster, out.applied, out.deleted)
     return out

@@ -7,8 +7,10 @@ spec reaches it anyway (a cluster without the webhook), and then changes nothing
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any
 
 import pydantic
@@ -166,6 +168,233 @@ def rule_weights(s: PDClusterSpec) -> Iterable[Problem]:
         )
 
 
+# ---- what the API server and the controllers will accept -------------------------------------
+
+#: The StatefulSet controller labels each pod `controller-revision-hash: <statefulset>-<hash>` (a
+#: 32-bit FNV hash in Kubernetes' safe alphabet: up to 10 characters). A label value holds at most 63
+#: characters, so a StatefulSet named longer than 63 - 1 - 10 = 52 is accepted by the API server and
+#: can never create a pod.
+STATEFULSET_NAME_MAX = 63 - 1 - 10
+#: Service names are DNS-1035 labels; so is every child name's worst case, which must then fit 63.
+DNS1035_LABEL = re.compile(r"[a-z]([-a-z0-9]*[a-z0-9])?")
+#: Environment variable names the API server accepts (v1.30-1.33; 1.34 relaxes it).
+ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
+#: resource.Quantity's grammar: sign, decimal number, one suffix (binary, decimal SI, or an exponent).
+QUANTITY = re.compile(r"([+-]?)([0-9]*)(?:\.([0-9]*))?(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?")
+_BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
+_DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+TOLERATION_FIELDS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
+TOLERATION_EFFECTS = frozenset({"", "NoSchedule", "PreferNoSchedule", "NoExecute"})
+PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
+RESOURCE_FIELDS = frozenset({"requests", "limits", "claims"})
+#: Where each component's pool is configured in the spec.
+POOL_FIELDS = {constants.PREFILL: "spec.prefill", constants.TILERT: "spec.decode.tilert",
+               constants.NATIVE: "spec.decode.native", constants.ROUTER: "spec.router"}
+#: vLLM flags the operator sets from the spec (what to set instead).
+RENDERED_FLAGS = {
+    "--port": "the operator sets it: probes, Services and the router use the rendered port",
+    "--host": "the operator sets it: probes and Services need the pod to listen on every address",
+    "--served-model-name": "set spec.model.name",
+    "--tensor-parallel-size": "set the pool's tensorParallelSize",
+    "--max-model-len": "set spec.model.maxSeqLen",
+    "--kv-cache-dtype": "set spec.model.kvCacheDtype",
+    "--kv-transfer-config": "the operator renders it from spec.transfer and spec.prefill.nativeConnector",
+    "--speculative-config": "set spec.prefill.mtp",
+}
+
+
+def parse_quantity(value: Any) -> Fraction:
+    """The value of a Kubernetes quantity (`500m`, `1.5Gi`, `8`, `1e3`); ValueError if the API server
+    would not parse it. Two spellings of one value (`0.5`, `500m`) are equal here."""
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise ValueError(f"{value!r} is not a quantity")
+    if isinstance(value, int):
+        return Fraction(value)
+    m = QUANTITY.fullmatch(value)
+    if m is None or not (m.group(2) or m.group(3)):
+        raise ValueError(f"{value!r} is not a quantity (e.g. 500m, 2, 1.5Gi, 512Mi)")
+    sign, whole, frac, suffix = m.groups()
+    out = Fraction(int(whole or "0")) + (Fraction(int(frac), 10 ** len(frac)) if frac else 0)
+    if suffix in _BINARY:
+        out *= 2 ** _BINARY[suffix]
+    elif suffix in _DECIMAL:
+        out *= Fraction(10) ** _DECIMAL[suffix]
+    elif suffix:
+        out *= Fraction(10) ** int(suffix[1:])
+    out = Fraction(-((-out * 10**9) // 1), 10**9)  # the API server rounds up to a nano, as it stores it
+    return -out if sign == "-" else out
+
+
+def max_name_length() -> int:
+    """The longest PDCluster name whose children all fit, from the children's naming: the TileRT
+    StatefulSet `<name>-tilert-decode` within STATEFULSET_NAME_MAX, every `<name>-<component>` (Services
+    are DNS-1035 labels) within 63."""
+    suffix = {c: len(constants.child_name("", c)) for c in constants.COMPONENTS}
+    return min(STATEFULSET_NAME_MAX - suffix[constants.TILERT], 63 - max(suffix.values()))
+
+
+def check_name(name: str) -> list[Problem]:
+    if not name:
+        return []
+    problems = []
+    limit = max_name_length()
+    if len(name) > limit:
+        problems.append(Problem("metadata.name", (
+            f"{len(name)} characters; at most {limit}: the TileRT StatefulSet is named {name[:8]}...-{constants.TILERT} and "
+            f"the StatefulSet controller labels its pods controller-revision-hash=<statefulset>-<hash>, which must fit 63 "
+            f"characters (a StatefulSet name of at most {STATEFULSET_NAME_MAX}); pick a shorter name")))
+    if not DNS1035_LABEL.fullmatch(name):
+        problems.append(Problem("metadata.name", (
+            f"{name!r} cannot name the Services ({name}-prefill, ...): a Service name must start with a lowercase letter and "
+            "hold only lowercase letters, digits and '-', ending in a letter or digit; rename it (e.g. "
+            f"{'x' + re.sub('[^-a-z0-9]', '-', name.lower())!r})")))
+    return problems
+
+
+def _quantity_problems(field: str, resources: dict[str, Any]) -> Iterable[Problem]:
+    for key in resources:
+        if key not in RESOURCE_FIELDS:
+            yield Problem(f"{field}.{key}", f"unknown field; ResourceRequirements has {', '.join(sorted(RESOURCE_FIELDS))}")
+    values: dict[str, dict[str, Fraction]] = {"requests": {}, "limits": {}}
+    for kind in ("requests", "limits"):
+        section = resources.get(kind) or {}
+        if not isinstance(section, dict):
+            yield Problem(f"{field}.{kind}", "must be a map of resource name to quantity, e.g. {cpu: 500m, memory: 1Gi}")
+            continue
+        for name, raw in section.items():
+            try:
+                value = parse_quantity(raw)
+            except ValueError as e:
+                yield Problem(f"{field}.{kind}.{name}", f"{e}; write a quantity such as 500m, 2, 512Mi or 1.5Gi")
+                continue
+            if value < 0:
+                yield Problem(f"{field}.{kind}.{name}", f"{raw!r} is negative; a request or limit must be 0 or more")
+            values[kind][name] = value
+    for name, limit in values["limits"].items():
+        request = values["requests"].get(name)
+        if request is not None and request > limit:
+            yield Problem(f"{field}.requests.{name}", f"is above its limit ({resources['limits'][name]!r}); raise the limit "
+                          "or lower the request")
+
+
+def rule_resources(s: PDClusterSpec) -> Iterable[Problem]:
+    for component, pool in _pools(s):
+        yield from _quantity_problems(f"{POOL_FIELDS[component]}.resources", pool.resources)
+    try:
+        if parse_quantity(s.transfer.shm_size) <= 0:
+            yield Problem("spec.transfer.shmSize", "must be above 0, e.g. 2Gi")
+    except ValueError as e:
+        yield Problem("spec.transfer.shmSize", f"{e}; write a size such as 2Gi or 512Mi")
+
+
+def _pools(s: PDClusterSpec) -> list[tuple[str, Any]]:
+    return [(constants.PREFILL, s.prefill), (constants.TILERT, s.decode.tilert), (constants.NATIVE, s.decode.native),
+            (constants.ROUTER, s.router)]
+
+
+def rule_env_names(s: PDClusterSpec) -> Iterable[Problem]:
+    for name in s.transfer.rdma.env:
+        if not ENV_NAME.fullmatch(name):
+            yield Problem(f"spec.transfer.rdma.env.{name}", "is not a valid environment variable name: letters, digits, "
+                          "'_', '-' and '.', not starting with a digit")
+    own = operator_env_names(s)
+    for name in sorted(set(s.transfer.rdma.env) & own):
+        yield Problem(f"spec.transfer.rdma.env.{name}", f"{name} is set by the operator itself (the pods' own address "
+                      "and identity through the downward API, which the data plane depends on); remove it from "
+                      "spec.transfer.rdma.env")
+
+
+def operator_env_names(s: PDClusterSpec) -> frozenset[str]:
+    """The environment variables the operator sets from the downward API in any data-plane pod: the
+    rendered children's env entries that are not plain values (the spec's own env is plain values)."""
+    from tilert_operator import render
+
+    names = set()
+    for obj in render.children(s, "x", "default"):
+        for c in _containers(obj):
+            names |= {e["name"] for e in c.get("env") or [] if "valueFrom" in e}
+    return frozenset(names)
+
+
+def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
+    return [*(pod.get("initContainers") or []), *(pod.get("containers") or [])] if isinstance(pod, dict) else []
+
+
+def rule_extra_args(s: PDClusterSpec) -> Iterable[Problem]:
+    for field, args in (("spec.prefill.extraArgs", s.prefill.extra_args), ("spec.decode.native.extraArgs", s.decode.native.extra_args)):
+        for i, arg in enumerate(args):
+            flag = arg.split("=", 1)[0]
+            if flag in RENDERED_FLAGS:
+                yield Problem(f"{field}[{i}]", f"{flag} is rendered by the operator ({RENDERED_FLAGS[flag]}); remove it")
+
+
+def rule_policy(s: PDClusterSpec) -> Iterable[Problem]:
+    p = s.router.policy
+    if p.default == "tilert" and not s.decode.tilert.replicas:
+        yield Problem("spec.router.policy.default", "is tilert but spec.decode.tilert.replicas is 0, so every request "
+                      "without a header or alias would fail; set default: auto (or native), or give the TileRT pool replicas")
+    if p.default == "native" and not s.decode.native.replicas:
+        yield Problem("spec.router.policy.default", "is native but spec.decode.native.replicas is 0, so every request "
+                      "without a header or alias would fail; set default: auto (or tilert), or give the native pool replicas")
+    for alias in sorted(set(p.tilert_aliases) & set(p.native_aliases)):
+        yield Problem("spec.router.policy.nativeAliases", f"{alias!r} is in tilertAliases too; a model name picks one "
+                      "path: remove it from one of the lists")
+
+
+def rule_tolerations(s: PDClusterSpec) -> Iterable[Problem]:
+    for component, pool in _pools(s):
+        for i, tol in enumerate(pool.tolerations):
+            field = f"{POOL_FIELDS[component]}.tolerations[{i}]"
+            for key in sorted(set(tol) - TOLERATION_FIELDS):
+                yield Problem(f"{field}.{key}", f"unknown field; a toleration has {', '.join(sorted(TOLERATION_FIELDS))}")
+            op = tol.get("operator", "Equal")
+            if op not in ("Equal", "Exists"):
+                yield Problem(f"{field}.operator", f"{op!r}: use Equal or Exists")
+            if op == "Exists" and tol.get("value"):
+                yield Problem(f"{field}.value", "must be empty with operator Exists; remove it or use operator: Equal")
+            if tol.get("effect", "") not in TOLERATION_EFFECTS:
+                yield Problem(f"{field}.effect", f"{tol.get('effect')!r}: use NoSchedule, PreferNoSchedule or NoExecute (or omit it)")
+            if "tolerationSeconds" in tol and (isinstance(tol["tolerationSeconds"], bool) or not isinstance(tol["tolerationSeconds"], int)):
+                yield Problem(f"{field}.tolerationSeconds", "must be an integer number of seconds")
+
+
+def rule_metrics_from(s: PDClusterSpec) -> Iterable[Problem]:
+    for i, peer in enumerate(s.network_policies.metrics_from):
+        field = f"spec.networkPolicies.metricsFrom[{i}]"
+        unknown = sorted(set(peer) - PEER_FIELDS)
+        for key in unknown:
+            yield Problem(f"{field}.{key}", f"unknown field; a NetworkPolicyPeer has {', '.join(sorted(PEER_FIELDS))}")
+        if not any(peer.get(k) is not None for k in PEER_FIELDS):
+            yield Problem(field, "names no peer: set podSelector, namespaceSelector or ipBlock (podSelector: {} admits "
+                          "every pod of the namespace)")
+
+
+def rule_rendered(s: PDClusterSpec) -> Iterable[Problem]:
+    """Checks on the rendered workloads, overrides applied: what the API server refuses in them."""
+    from tilert_operator import render
+
+    for obj in render.children(s, "x", "default"):
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        component = (obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT, "")
+        field = f"{POOL_FIELDS.get(component, 'spec')}.overrides"
+        spec: dict[str, Any] = obj["spec"] if isinstance(obj.get("spec"), dict) else {}
+        selector = spec.get("selector")
+        template: dict[str, Any] = spec["template"] if isinstance(spec.get("template"), dict) else {}
+        labels = (template.get("metadata") or {}).get("labels") or {}
+        if not isinstance(selector, dict) or not (selector.get("matchLabels") or selector.get("matchExpressions")):
+            yield Problem(field, f"removes the {obj['kind']}'s spec.selector, which the API server requires (and which "
+                          "cannot change after creation); do not override spec.selector")
+        elif any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+            yield Problem(field, f"makes the {obj['kind']}'s pod labels miss its selector {selector.get('matchLabels')}; "
+                          "keep the operator's labels in spec.template.metadata.labels")
+        for c in _containers(obj):
+            names = [str(e.get("name")) for e in c.get("env") or [] if isinstance(e, dict)]
+            for dup in sorted({n for n in names if names.count(n) > 1 and n not in s.transfer.rdma.env}):
+                yield Problem(field, f"sets the environment variable {dup} of container {c.get('name')} twice; set it once")
+
+
 RULES: tuple[Callable[[PDClusterSpec], Iterable[Problem]], ...] = (
     rule_weights,
     rule_gpus,
@@ -175,24 +404,31 @@ RULES: tuple[Callable[[PDClusterSpec], Iterable[Problem]], ...] = (
     rule_decode_pools,
     rule_transfer,
     rule_ports,
+    rule_resources,
+    rule_env_names,
+    rule_extra_args,
+    rule_policy,
+    rule_tolerations,
+    rule_metrics_from,
+    rule_rendered,
 )
 
 
 def check(s: PDClusterSpec) -> list[Problem]:
     """Every cross-field problem of a parsed spec (empty = valid)."""
-    return [p for rule in RULES for p in rule(s)]
+    out: list[Problem] = []
+    for rule in RULES:
+        try:
+            out += rule(s)
+        except Exception as e:  # a spec the renderer cannot even render: say so rather than crash the webhook
+            out.append(Problem("spec", f"cannot be rendered ({type(e).__name__}: {e}); check spec.*.overrides"))
+    return out
 
 
 def explain(error: pydantic.ValidationError) -> list[Problem]:
     """pydantic's errors as Problems with the CRD's field spelling."""
     return [Problem(path, message)
             for path, message in pydantic_errors.problems(error, root="spec", spell=to_camel, show_input=True)]
-
-
-def check_name(name: str) -> list[Problem]:
-    if len(name) > 40:
-        return [Problem("metadata.name", f"{len(name)} characters; children need it at most 40, pick a shorter name")]
-    return []
 
 
 def validate(raw_spec: dict[str, Any], name: str = "") -> tuple[PDClusterSpec | None, list[Problem]]:

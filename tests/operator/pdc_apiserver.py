@@ -15,7 +15,16 @@ For tests: a log of every call (RBAC coverage), fault injection (409/500, or a l
 client timeouts, on chosen calls), and direct object writes (a test plays the controllers that
 would create and ready pods).
 
-Not emulated (not proven by tests on this server): schema validation of built-in kinds, pruning,
+Strictness of a real kube-apiserver for built-in kinds (pdc_k8s_semantics.py; `strict`, on by
+default): object names (DNS-1123 subdomain; DNS-1035 label for Services), label keys and values,
+env names, selectors that match their templates, NetworkPolicy peers, quantities parsed (400) and
+stored canonical (`0.5` -> `500m`), 422 Invalid with the Status details and causes a real server
+returns; server-side apply's typed conversion against the kinds' OpenAPI schemas (kubernetes-
+validate's, v1.32): unknown fields and duplicate list keys answered 500 as a real server does; and,
+standing in for the StatefulSet controller this server does not run, StatefulSet names over 52
+characters refused (their pods' controller-revision-hash label could not fit).
+
+Not emulated (not proven by tests on this server): pruning,
 Kubernetes CEL extension libraries, admission webhooks, RBAC enforcement, SSA field ownership (apply replaces the applied top-level
 fields and merges metadata labels/annotations), strategic-merge list merging, controllers (no pod
 is ever created from a Deployment), 410 Gone, dryRun.
@@ -69,8 +78,12 @@ def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def _status(code: int, reason: str, message: str) -> Obj:
-    return {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "reason": reason, "message": message, "code": code}
+def _status(code: int, reason: str, message: str, details: Obj | None = None) -> Obj:
+    out = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason,
+           "code": code}
+    if details:
+        out["details"] = details
+    return out
 
 
 class ApiServer(kmock.KubernetesEmulator):
@@ -93,6 +106,10 @@ class ApiServer(kmock.KubernetesEmulator):
         self.validators: dict[Res, Any] = {}
         #: When each object was first created (monotonic seconds), for the benchmark.
         self.added_at: dict[Key, float] = {}
+        #: A real API server's strictness for built-in kinds (pdc_k8s_semantics): names, labels and
+        #: env names validated, quantities stored canonical, 422 Invalid with causes, server-side
+        #: apply's typed conversion (unknown fields, duplicate keys: 500), decoding errors (400).
+        self.strict = True
 
     # ---- discovery / version -------------------------------------------------------------------
 
@@ -212,12 +229,27 @@ class ApiServer(kmock.KubernetesEmulator):
                 self._delete(key)
 
     def _admit(self, res: Res, obj: Obj, old: Obj | None) -> Obj:
+        kind, name = self.kind_of(res), obj["metadata"].get("name") or ""
+        if self.strict and res not in self.crds:
+            error = sem.decode_error(kind, self.api_version(res), obj)
+            if error is not None:
+                raise error
+            causes = sem.canonicalise(kind, obj) + sem.builtin_causes(kind, obj)
+            if causes:
+                raise sem.InvalidError(kind, res[0], name, causes)
+        elif self.strict:
+            causes = [sem.Cause("metadata.name", "Invalid", m, name) for m in sem.dns1123_subdomain(name)]
+            if causes:
+                raise sem.InvalidError(kind, res[0], name, causes)
         validator = self.validators.get(res)
         if validator is None:
             return obj
         defaulted, errors = validator(obj, old)
         if errors:
-            raise sem.ApiError(422, "Invalid", f'{self.kind_of(res)}.{self.api_version(res).split("/")[0]} "{obj["metadata"].get("name")}" is invalid: ' + "; ".join(errors))
+            error = sem.ApiError(422, "Invalid", f'{kind}.{res[0]} "{name}" is invalid: ' + "; ".join(errors))
+            error.details = {"name": name, "group": res[0], "kind": kind, "causes": [
+                {"reason": "FieldValueInvalid", "message": e.partition(": ")[2], "field": e.partition(": ")[0].lstrip(".")} for e in errors]}
+            raise error
         return dict(defaulted)
 
     def _changed(self, old: Obj, new: Obj) -> bool:
@@ -298,7 +330,7 @@ class ApiServer(kmock.KubernetesEmulator):
                 obj, code = self._write(request, res, verb)
             return aiohttp.web.json_response(obj, status=code)
         except sem.ApiError as e:
-            return aiohttp.web.json_response(_status(e.code, e.reason, e.message), status=e.code)
+            return aiohttp.web.json_response(_status(e.code, e.reason, e.message, getattr(e, "details", None)), status=e.code)
 
     def _body(self, request: rendering.Request) -> Any:
         if (request.data is not None and not isinstance(request.data, (str, bytes)) and hasattr(request.data, "keys")) or isinstance(request.data, list):
@@ -392,10 +424,12 @@ class ApiServer(kmock.KubernetesEmulator):
                 body["apiVersion"], body["kind"] = self.api_version(res), self.kind_of(res)
                 if self.has_status(res):
                     body.pop("status", None)
+                self._typed(res, body, ns, name or "")
                 body = self._admit(res, body, None)
                 self._stamp_new(body)
                 return self._commit(res, key, body, "ADDED"), 201
             # One field manager: the applied top-level fields replace ours; metadata merges.
+            self._typed(res, body, ns, name or "")
             new = copy.deepcopy(old)
             for k, v in body.items():
                 if k != "metadata":
@@ -418,6 +452,13 @@ class ApiServer(kmock.KubernetesEmulator):
         else:  # merge and strategic-merge patches (strategic handled as merge)
             new = sem.merge(old, body)
         return self._update(res, key, old, new, subresource=sub), 200
+
+    def _typed(self, res: Res, body: Obj, ns: str | None, name: str) -> None:
+        """Server-side apply's conversion of the applied object to its kind's schema (built-in kinds)."""
+        if self.strict and res not in self.crds:
+            error = sem.typed_patch_error(self.kind_of(res), self.api_version(res), ns, name, body)
+            if error is not None:
+                raise error
 
     def _serve_crd(self, crd: Obj) -> None:
         spec, names = crd["spec"], crd["spec"]["names"]

@@ -1,7 +1,7 @@
 """Validates a custom resource the way the API server would, as far as that can be done offline:
 structural defaulting, unknown-field rejection, the openAPIV3Schema (jsonschema), then the CEL
 x-kubernetes-validations (only when the schema passes, like the API server; transition rules only
-with an old object). Not emulated: list-type uniqueness, K8s formats, CEL cost limits, K8s CEL
+with an old object), on properties, array items and map values. Not emulated: list-type uniqueness, K8s formats, CEL cost limits, K8s CEL
 extension libraries (our CRD uses standard CEL only).
 """
 
@@ -72,6 +72,15 @@ def _cel_errors(schema: Schema, value: Any, old: Any, path: str) -> list[str]:
             if key in value:
                 sub_old = old.get(key) if isinstance(old, dict) else None
                 errors += _cel_errors(sub, value[key], sub_old, f"{path}.{key}")
+        extra = schema.get("additionalProperties")
+        if isinstance(extra, dict):
+            for key in value:
+                if key not in (schema.get("properties") or {}):
+                    errors += _cel_errors(extra, value[key], None, f"{path}[{key}]")
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        # Items have no oldSelf here (list-type map correlation is not emulated).
+        for i, item in enumerate(value):
+            errors += _cel_errors(schema["items"], item, None, f"{path}[{i}]")
     return errors
 
 

@@ -98,8 +98,8 @@ def test_bad_resources_are_rejected_with_the_expected_message(spec: dict[str, An
 
 
 def test_long_name_rejected() -> None:
-    _, errors = crd_validator.validate(helpers.cr(helpers.minimal(), name="x" * 41))
-    assert any("metadata.name must be at most 40" in e for e in errors)
+    _, errors = crd_validator.validate(helpers.cr(helpers.minimal(), name="x" * 39))
+    assert any("metadata.name must be at most 38" in e for e in errors)
 
 
 def test_model_identity_is_immutable() -> None:
