@@ -107,3 +107,72 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
                    and srv.get("networkpolicies", "default", "tiny-tilert-decode"), timeout=10)
         assert 1 <= settle(srv) - before <= 2
     assert runner.exception is None
+
+
+async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The controller alone, its reconcile counted: what reaches a reconcile and what does not."""
+    import asyncio
+    import collections
+
+    from tilert_operator import controller, reconcile
+
+    runs: list[float] = []
+
+    async def fake_reconcile(api: Any, body: Any, **_: Any) -> reconcile.Outcome:
+        runs.append(time.monotonic())
+        return reconcile.Outcome(state="ready")
+
+    monkeypatch.setattr(reconcile, "reconcile", fake_reconcile)
+
+    class Api:
+        def __init__(self) -> None:
+            self.calls: collections.Counter[str] = collections.Counter()
+            self.written: dict[tuple[str, str, str], str] = {}
+
+        def own(self, kind: str, ns: str, name: str) -> str | None:
+            return self.written.get((kind, ns, name))
+
+    api = Api()
+    ctl = controller.Controller(api, controller.Settings(resync_s=300, drift_debounce_s=0.05, drift_min_interval_s=0.5))  # type: ignore[arg-type]
+    ctl.observe({"metadata": {"namespace": "ns", "name": "c", "uid": "u", "generation": 1}})
+    await asyncio.sleep(0.1)
+    assert len(runs) == 1  # the first reconcile
+
+    def dep(replicas: int, rv: str, ready: int = 0) -> dict[str, Any]:
+        return {"metadata": {"namespace": "ns", "name": "c-router", "resourceVersion": rv, "labels": {constants.LABEL_CLUSTER: "c"}},
+                "spec": {"replicas": replicas}, "status": {"readyReplicas": ready}}
+
+    ctl.child_event("Deployment", None, dep(1, "1"))  # the initial listing
+    api.written[("Deployment", "ns", "c-router")] = "2"
+    ctl.child_event("Deployment", "MODIFIED", dep(2, "2"))  # our own apply coming back
+    ctl.child_event("Deployment", "MODIFIED", dep(2, "3", ready=1))  # status only
+    await asyncio.sleep(0.3)
+    assert len(runs) == 1 and ctl.drift_kicks == 0
+
+    # Someone scales it by hand, ten times in a row: one reconcile after the debounce, then at most
+    # one per min interval however often it changes.
+    t0 = time.monotonic()
+    for i in range(10):
+        ctl.child_event("Deployment", "MODIFIED", dep(5 + i, str(10 + i)))
+        await asyncio.sleep(0.01)
+    await asyncio.sleep(0.2)
+    assert len(runs) == 2 and runs[1] - t0 < 0.2
+    ctl.child_event("Deployment", "MODIFIED", dep(99, "30"))
+    await asyncio.sleep(0.2)
+    assert len(runs) == 2, "rate limited"
+    await asyncio.sleep(0.5)
+    assert len(runs) == 3 and runs[2] - runs[1] >= 0.5
+
+    # Our own delete's echo does not count; a foreign delete does; a child of an unknown cluster is ignored.
+    api.written[("Deployment", "ns", "c-router")] = "<deleted>"
+    ctl.child_event("Deployment", "DELETED", dep(1, "40"))
+    other = dep(1, "41")
+    other["metadata"]["labels"] = {constants.LABEL_CLUSTER: "nope"}
+    ctl.child_event("Deployment", "DELETED", other)
+    await asyncio.sleep(0.7)
+    assert len(runs) == 3
+    ctl.child_event("NetworkPolicy", "DELETED", {"metadata": {"namespace": "ns", "name": "c-np", "resourceVersion": "42",
+                                                              "labels": {constants.LABEL_CLUSTER: "c"}}})
+    await asyncio.sleep(0.2)
+    assert len(runs) == 4 and ctl.drift_kicks == 3
+    await ctl.stop()
