@@ -14,7 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tilert_serve.router import discovery, handlers, health, reload, upstream
+from tilert_serve.router import canary, discovery, handlers, health, reload, upstream
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import error_middleware
 from tilert_serve.router.metrics import Metrics
@@ -58,6 +58,8 @@ def make_app(
     app.cleanup_ctx.append(_session_ctx)
     if health_checks:
         app.cleanup_ctx.append(health.health_ctx)
+        # Probes need probed endpoints (they run on healthy nodes only); off unless the config asks.
+        app.cleanup_ctx.append(canary.canary_ctx)
     app.cleanup_ctx.append(reload.reload_ctx)
     app.cleanup_ctx.append(discovery.discovery_ctx(resolver))
     app.add_routes(handlers.routes())

@@ -82,6 +82,19 @@ class HealthChecks(_Strict):
     successes_to_return: int = Field(default=1, ge=1)
 
 
+class HandoffProbe(_Strict):
+    """Probe handoffs (canary.py): a minimal real request to each TileRT node that has had no successful
+    handoff for `interval_s`, only while it is idle and no request waits for a slot."""
+
+    #: Seconds without a successful handoff before a node is probed; 0 = never (then /ready counts a
+    #: probed-healthy node as a route, as before). The operator renders 30.
+    interval_s: float = Field(default=0.0, ge=0)
+    #: The probe's prompt (a few tokens in any tokenizer).
+    prompt: str = "ping"
+    #: Bound on the probe's prefill and on its decode.
+    timeout_s: float = Field(default=30.0, gt=0)
+
+
 class Limits(_Strict):
     #: Largest accepted request body; larger bodies get a 413 before anything is parsed.
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
@@ -133,6 +146,7 @@ class RouterConfig(_Strict):
     #: token goes in `Authorization: Bearer` on every call to a node's /v1/*. None = send none.
     tilert_api_token_file: str | None = None
     health: HealthChecks = HealthChecks()
+    handoff_probe: HandoffProbe = HandoffProbe()
     limits: Limits = Limits()
     #: Model name sent to the vLLM servers, when it differs from the served name (vLLM checks it).
     upstream_model: str | None = None

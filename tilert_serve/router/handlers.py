@@ -149,6 +149,8 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
         tilert = pools.tilert_state(tried)
         if too_long is not None or (tilert == "down" and answered):
             tilert = "full"  # a node answered: the pool is there, it cannot take this request now
+        if tilert == "full" and too_long is None:
+            st.tilert_full_at = time.monotonic()  # a user wanted a slot: handoff probes hold off
         try:
             decision = policy.decide(cfg.policy, call.req, want, tilert_nodes=len(pools.tilert),
                                      tilert=tilert, native=native)
@@ -220,7 +222,13 @@ async def health(request: web.Request) -> web.Response:
 
 
 async def ready(request: web.Request) -> web.Response:
-    """Ready = every configured pool has a probed-healthy prefill and a probed-healthy decode.
+    """Ready = the router can route.
+
+    With handoff probes on (`handoff_probe.interval_s`, as the operator renders it): a probed-healthy
+    prefill and at least one decode route, that is a TileRT node whose last handoff (a user's or a
+    probe's) decoded, or a probed-healthy native decode server; TileRT nodes without a working handoff
+    are listed in `degraded`. With probes off: a probed-healthy prefill and a probed-healthy decode in
+    every configured pool (the data plane is not known then).
 
     With API keys, an anonymous caller (the kubelet's probe) gets the verdict and the reasons without
     endpoint addresses or the nodes' slot table; a caller with a key gets everything."""
@@ -228,6 +236,8 @@ async def ready(request: web.Request) -> web.Response:
     pools = state.pools
     reasons: list[str] = []
     full = authenticated(state, request)
+    if state.config.handoff_probe.interval_s > 0:
+        return _ready_routes(state, full)
 
     def has(eps: list, what: str) -> None:  # type: ignore[type-arg]
         if not any(e.healthy is True for e in eps):
@@ -245,6 +255,33 @@ async def ready(request: web.Request) -> web.Response:
     if full:
         body["tilert_slots"] = {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy}
                                 for n in pools.tilert.values()}
+    return web.json_response(body, status=200 if not reasons else 503)
+
+
+def _ready_routes(state: RouterState, full: bool) -> web.Response:
+    pools = state.pools
+    reasons: list[str] = []
+    degraded: list[str] = []
+    if not any(e.healthy is True for e in pools.prefill.values()):
+        reasons.append("no healthy prefill server")
+    handoff = [n for n in pools.tilert.values() if n.healthy is True and n.handoff_ready]
+    native = [e for e in pools.native.values() if e.healthy is True]
+    for n in pools.tilert.values():
+        if not (n.healthy is True and n.handoff_ready):
+            if n.healthy is not True:
+                why = "not probed healthy"
+            elif n.handoff_fail_at is not None:
+                why = n.handoff_error or "handoff failed"
+            else:
+                why = "no handoff yet"
+            degraded.append(f"TileRT node {n.spec.name}: " + (why if full else why.split(":", 1)[0]))
+    if not handoff and not native:
+        reasons.append("no decode route: no TileRT node with a working handoff and no healthy native decode server"
+                       + (f" ({'; '.join(degraded)})" if degraded else ""))
+    body: dict[str, object] = {"ready": not reasons, "reasons": reasons, "degraded": degraded}
+    if full:
+        body["tilert_slots"] = {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy,
+                                              "handoff_ready": n.handoff_ready} for n in pools.tilert.values()}
     return web.json_response(body, status=200 if not reasons else 503)
 
 

@@ -90,6 +90,8 @@ class Metrics:
         self.upstream_errors = _Cached(Counter(p + "upstream_errors_total", "Upstream failures by pool and kind",
                                        ["pool", "kind"], registry=r),
                                        lambda v: (v[0], bounded_kind(v[1])))
+        self.probes = _Cached(Counter(p + "handoff_probes_total", "Handoff probes (canary) by node and outcome",
+                                      ["node", "outcome"], registry=r))
         self.retries = Counter(p + "retries_total", "Requests retried before their first byte",
                                registry=r)
         self.cancels = _Cached(Counter(p + "tilert_cancels_total", "Cancel calls to TileRT nodes by reason",

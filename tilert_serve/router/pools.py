@@ -56,6 +56,26 @@ class Node(Endpoint):
     in_use: int = 0
     #: The node answered 429 although we counted a free slot: do not ask it again before this time.
     full_until: float = 0.0
+    #: The data plane as this router saw it (user requests and probes): when a handoff to the node last
+    #: decoded, when one last failed and why (monotonic clock; None = never).
+    handoff_ok_at: float | None = None
+    handoff_fail_at: float | None = None
+    handoff_error: str = ""
+    #: A probe (canary.py) is running on the node / when the last one started.
+    probing: bool = False
+    probe_at: float = -1e18
+
+    def handoff_ok(self, now: float) -> None:
+        self.handoff_ok_at = now
+
+    def handoff_failed(self, now: float, why: str) -> None:
+        self.handoff_fail_at, self.handoff_error = now, why[:300]
+
+    @property
+    def handoff_ready(self) -> bool:
+        """A handoff decoded on this node, and none failed since."""
+        return self.handoff_ok_at is not None and (self.handoff_fail_at is None
+                                                   or self.handoff_fail_at < self.handoff_ok_at)
 
     @property
     def free(self) -> int:

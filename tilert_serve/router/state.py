@@ -58,6 +58,8 @@ class RouterState:
     discovered: list[TileRTNode] = field(default_factory=list)
     #: The config as loaded, before discovered nodes were merged in.
     base_config: RouterConfig = field(init=False)
+    #: When a request last found the TileRT pool full (monotonic): probes wait while users want slots.
+    tilert_full_at: float = -1e18
 
     def __post_init__(self) -> None:
         self.base_config = self.config

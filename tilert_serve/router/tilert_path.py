@@ -240,6 +240,7 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     ends_now = finish == "stop" or stops.stopped or r.max_tokens == 1
     if not ends_now and (kvp.get("tilert_status") != "queued" or not isinstance(first_token, int)):
         # The handoff failed on the prefill side and nothing was sent yet: the caller retries elsewhere.
+        node.handoff_failed(time.monotonic(), f"handoff_failed: {kvp.get('tilert_error') or kvp.get('tilert_status')}")
         raise UpstreamError(
             "tilert", node.url, "handoff_failed",
             str(kvp.get("tilert_error") or f"prefill returned tilert_status={kvp.get('tilert_status')!r}"),
@@ -344,6 +345,7 @@ async def _generate(
                     return str(obj["finish_reason"]), int(n) if isinstance(n, int) else n_tokens
                 if first:
                     m.handoff.observe(time.perf_counter() - t_first)
+                    node.handoff_ok(time.monotonic())  # the node decoded from the handoff
                     first = False
                 n_tokens += len(obj.get("token_ids") or ())
                 text = stops.feed(obj.get("text") or "")
@@ -375,6 +377,8 @@ async def _drain(resp: aiohttp.ClientResponse, timeout_s: float) -> None:
 
 async def _decode_failed(call: Call, node: Node, kind: str, message: str) -> tuple[str, int]:
     call.state.metrics.upstream_errors.labels("tilert", kind).inc()
+    if kind in ("generate_handoff_failed", "generate_handoff_timeout", "generate_decode_failed"):
+        node.handoff_failed(time.monotonic(), f"{kind.removeprefix('generate_')}: {message}")
     log.warning("request %s: decode on %s failed: %s: %s", call.request_id, node.spec.name, kind, message)
     if call.response is None:
         # Nothing reached the client yet (non-streamed request): the caller may retry elsewhere.
