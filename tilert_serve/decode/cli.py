@@ -1,18 +1,28 @@
-"""`tilert-pd decode-node`: run a TileRT decode node (HTTP API + handoff control plane)."""
+"""`tilert-pd decode-node`: run a TileRT decode node (HTTP API + handoff control plane).
+
+On SIGTERM the node drains (tilert_serve/draining.py): /ready answers 503 and /v1/admit refuses, while
+tickets admitted before keep their handoff and their stream; once no slot is between admission and the
+end of its stream (or --drain-timeout is up, when what is left is cancelled) the node stops."""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import logging
 import os
 import socket
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from tilert_serve import dataplane, defaults, layouts, transfer
+from tilert_serve import dataplane, defaults, draining, layouts, transfer
 from tilert_serve.bearer import TokenFile, TokenFileError
 from tilert_serve.decode import engines
+
+if TYPE_CHECKING:  # the node and aiohttp load in run(), after the arguments are checked
+    from aiohttp import web
+
+    from tilert_serve.decode.node import DecodeNode
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -59,6 +69,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP draft tokens per step; 0 = off")
     p.add_argument("--ticket-ttl", type=float, default=defaults.TICKET_TTL_S, help="seconds a ticket holds a slot")
     p.add_argument("--name", default=os.environ.get("POD_NAME") or socket.gethostname())
+    p.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="seconds after SIGTERM for admitted requests and streams to finish before they are "
+                        "cancelled (default 30; pods get terminationGracePeriodSeconds - preStop sleep - 5)")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -80,8 +93,6 @@ def _checkpoint_dtype(hf_config: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from aiohttp import web
-
     from tilert_serve.decode.http import make_app
     from tilert_serve.decode.node import DecodeNode, NodeConfig
     from tilert_serve.handoff.auth import FileKeyring
@@ -114,8 +125,37 @@ def run(args: argparse.Namespace) -> int:
     tokenizer, eos = _tokenizer(model_dir)
     node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
                       eos_token_ids=eos)
-    web.run_app(make_app(node, api_tokens), host=args.host, port=args.http_port, print=None, access_log=None)
+    asyncio.run(serve(make_app(node, api_tokens), node, args.host, args.http_port, args.drain_timeout))
     return 0
+
+
+#: Slot states with a request between its admission and the end of its stream.
+_ACTIVE = frozenset({"reserved", "receiving", "ready", "decoding"})
+
+
+def drain_for(node: DecodeNode, timeout_s: float) -> draining.Drain:
+    """The node's drain: admissions refused, idle once no slot is active (tickets admitted before the
+    SIGTERM keep their handoff and stream)."""
+    return draining.Drain(timeout_s, refuse=lambda r: r.method == "POST" and r.path == "/v1/admit",
+                          refuse_body={"error": {"type": "not_ready",
+                                                 "message": "the decode node is draining (shutting down); retry on "
+                                                            "another node"}})
+
+
+def node_idle(node: DecodeNode) -> bool:
+    return not any(s.state.value in _ACTIVE for s in node.slots.slots)
+
+
+async def serve(app: web.Application, node: DecodeNode, host: str, port: int, drain_timeout: float) -> str:
+    """Serve `app` until SIGTERM/SIGINT, then drain and stop; returns the drain's outcome."""
+    from aiohttp import web
+
+    drain = drain_for(node, drain_timeout)
+    app.middlewares.append(drain.middleware)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return await draining.serve_until_signal(runner, drain, stop_listening=False, idle=lambda: node_idle(node))
 
 
 def api_token_file(flag: str | None) -> TokenFile | None:

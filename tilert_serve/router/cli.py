@@ -1,13 +1,14 @@
-"""`tilert-pd router --config FILE [--host H] [--port P]`: run the router until SIGTERM/SIGINT."""
+"""`tilert-pd router --config FILE [--host H] [--port P]`: run the router until SIGTERM/SIGINT, then
+drain: readiness turns false, the port closes, streams in flight finish for up to --drain-timeout
+seconds, and what is left is cancelled (tilert_serve/draining.py)."""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
 import logging
-import signal
 
-from tilert_serve import defaults
+from tilert_serve import defaults, draining
 from tilert_serve.bearer import TokenFileError
 from tilert_serve.router import config as config_mod
 from tilert_serve.router.app import make_app, start
@@ -20,6 +21,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"listen port (default {defaults.ROUTER_PORT})")
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--no-health-checks", action="store_true", help="do not probe upstreams")
+    parser.add_argument("--drain-timeout", type=float, default=30.0,
+                        help="seconds after SIGTERM for streams in flight to finish before they are cancelled "
+                             "(default 30; pods get terminationGracePeriodSeconds - preStop sleep - 5)")
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -28,16 +32,11 @@ async def _main(args: argparse.Namespace) -> int:
         app = make_app(cfg, config_path=args.config, health_checks=not args.no_health_checks)
     except TokenFileError as exc:
         raise SystemExit(f"router: {exc}") from exc
+    drain = draining.Drain(args.drain_timeout)
+    app.middlewares.append(drain.middleware)
     runner = await start(app, args.host, args.port)
     logging.getLogger(__name__).info("router listening on %s:%d (model %s)", args.host, args.port, cfg.model)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await stop.wait()
-    finally:
-        await runner.cleanup()
+    await draining.serve_until_signal(runner, drain, stop_listening=True)
     return 0
 
 
