@@ -118,7 +118,10 @@ def test_render_matrix_passes_kubernetes_validate_strict(chart: Any, case: str) 
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as e:
                 raise AssertionError(f"{case}: {obj['kind']}/{obj['metadata']['name']} on {version}: {e}") from e
-        if obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration"):
+        if obj["kind"] in ("Role", "RoleBinding"):
+            watched = values["operator"]["watchNamespaces"]
+            assert obj["metadata"]["namespace"] in watched, f"{case}: {obj['kind']} outside the watched namespaces"
+        elif obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration"):
             assert obj["metadata"]["namespace"] == namespace, f"{case}: {obj['kind']} not in the release namespace"
 
 
@@ -259,11 +262,46 @@ def test_webhook_off_renders_no_admission_objects(chart: Any) -> None:
 def test_cluster_role_is_exactly_rbac_yaml(chart: Any) -> None:
     expected = yaml.safe_load(RBAC_FILE.read_text())["rules"]
     for case, (values, namespace) in MATRIX.items():
+        if values.get("operator", {}).get("watchNamespaces"):
+            continue  # the namespaced Role mode: test_named_namespaces_get_roles_and_no_cluster_wide_secrets
         objs, _ = _render(chart, values, namespace)
         roles = [o for o in objs if o["kind"] == "ClusterRole"]
         for role in roles:
             assert role["rules"] == expected, f"{case}: ClusterRole differs from operator/tilert_operator/rbac.yaml"
         assert roles or values.get("rbac", {}).get("create") is False
+        assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding")]
+
+
+def test_named_namespaces_get_roles_and_no_cluster_wide_secrets(chart: Any) -> None:
+    """operator.watchNamespaces: a Role and a RoleBinding in each watched namespace hold every
+    namespaced rule of rbac.yaml; the ClusterRole keeps only the cluster-scoped ones (CRD discovery)."""
+    expected = yaml.safe_load(RBAC_FILE.read_text())["rules"]
+    objs, _ = _render(chart, {"operator": {"watchNamespaces": ["team-a", "team-b"]}}, "platform")
+    cluster = _one(objs, "ClusterRole")
+    assert [r["resources"] for r in cluster["rules"]] == [["customresourcedefinitions"]]
+    assert not [r for r in cluster["rules"] if "secrets" in r["resources"]], "no cluster-wide Secret access"
+    roles = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "Role"}
+    bindings = {o["metadata"]["namespace"]: o for o in objs if o["kind"] == "RoleBinding"}
+    assert sorted(roles) == sorted(bindings) == ["team-a", "team-b"]
+    sa = _one(objs, "ServiceAccount")["metadata"]["name"]
+    for ns, role in roles.items():
+        # The Role and the ClusterRole together are exactly rbac.yaml, each in its order.
+        assert role["rules"] == [r for r in expected if r not in cluster["rules"]], ns
+        assert cluster["rules"] == [r for r in expected if r not in role["rules"]], ns
+        b = bindings[ns]
+        assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "platform"}]
+    crb = _one(objs, "ClusterRoleBinding")
+    assert crb["roleRef"]["name"] == cluster["metadata"]["name"]
+    for obj in objs:
+        if obj["apiVersion"].startswith("rbac."):
+            kubernetes_validate.validate(obj, K8S_VERSIONS[0], strict=True)
+    # The operator is told the same namespaces it has rights in.
+    args = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert [a for a in args if a.startswith("--namespace=")] == ["--namespace=team-a", "--namespace=team-b"]
+    # rbac.create=false still renders no role at all.
+    objs, _ = _render(chart, {"operator": {"watchNamespaces": ["a"]}, "rbac": {"create": False}}, "platform")
+    assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding")]
 
 
 def test_crd_is_byte_identical_to_the_one_source(chart: Any) -> None:
