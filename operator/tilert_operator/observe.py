@@ -88,3 +88,27 @@ def tilert_nodes(spec: PDClusterSpec, pods: list[dict[str, Any]]) -> tuple[list[
             max_seq_len=spec.model.max_seq_len,
         ))  # fmt: skip
     return out, unwired
+
+
+@dataclass(frozen=True)
+class NodeReport:
+    """What a TileRT node's authenticated GET /v1/status said of its data plane (handoff.py fetches it).
+
+    `handoff`: the node's record (tilert_serve/decode/node.py HandoffRecord.as_dict); None when the
+    status could not be read, then `error` says why and `error_kind` is unreachable, timeout or
+    not_authorized. `busy`: a slot is in use (a node decoding long streams has no new handoff to show)."""
+
+    pod: str
+    handoff: dict[str, Any] | None = None
+    busy: bool = False
+    error: str | None = None
+    error_kind: str | None = None
+
+    @classmethod
+    def from_status(cls, pod: str, body: dict[str, Any]) -> NodeReport:
+        slots = body.get("slots") or []
+        busy = any(isinstance(s, dict) and s.get("state") not in (None, "free") for s in slots)
+        handoff = body.get("handoff")
+        if not isinstance(handoff, dict):
+            return cls(pod, None, busy, "the node's /v1/status has no handoff record (an older node image)", "old_node")
+        return cls(pod, handoff, busy)

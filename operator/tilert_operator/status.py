@@ -13,12 +13,12 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from tilert_operator import constants
-from tilert_operator.observe import PoolState, Unwired
+from tilert_operator.observe import NodeReport, PoolState, Unwired
 from tilert_operator.validation import Problem
 from tilert_serve.router.config import TileRTNode
 
 CONDITION_TYPES = ("SpecValid", "PrefillReady", "TileRTDecodeReady", "NativeDecodeReady", "RouterReady", "EndpointsWired",
-                   "SecretsOwned", "HandoffSecretRotating", "NodeApiTokenRotating", "DataPlaneProtected", "Ready")
+                   "HandoffReady", "SecretsOwned", "HandoffSecretRotating", "NodeApiTokenRotating", "DataPlaneProtected", "Ready")
 #: The condition that reports each rotation (credentials.Scheme.request_annotation -> type).
 ROTATION_CONDITIONS = {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "HandoffSecretRotating",
                        constants.ROTATE_NODE_API_TOKEN_ANNOTATION: "NodeApiTokenRotating"}
@@ -139,6 +139,90 @@ def data_plane(networks: Sequence[str], host_network: bool, policies_enabled: bo
                  "on the pod network NetworkPolicies admit only the router")
 
 
+#: A node's last successful handoff counts as recent this long (the router probes an idle node every
+#: 30 s, tilert_serve/router/canary.py); a node with a slot in use is exempt (long decodes, no new state).
+HANDOFF_MAX_AGE_S = 120.0
+#: The node's failure category (tilert_serve/decode/node.py DATA_PLANE_FAILURES) -> the condition's reason.
+HANDOFF_REASONS = {
+    "not_authenticated": "NotAuthenticated", "layout_mismatch": "LayoutMismatch", "version_mismatch": "VersionMismatch",
+    "timeout": "Timeout", "digest_mismatch": "DigestMismatch", "transfer_failed": "TransferFailed",
+    "disconnected": "TransferFailed", "bad_request": "ProtocolError", "decode_failed": "DecodeFailed",
+    "internal": "NodeError",
+}
+_HANDOFF_HINTS = {
+    "NotAuthenticated": "the prefill's handoff secret differs from the node's: check the <cluster>-handoff Secret mounts "
+                        "(a rotation in progress accepts both)",
+    "LayoutMismatch": "the prefill and the node disagree on the model, KV-cache dtype or MTP layer",
+    "VersionMismatch": "the prefill and the node run different tilert-pd versions; finish the rollout",
+    "Timeout": "the state did not arrive in time: the node's ctrl port or the transfer engine is not reachable from the "
+               "prefill (NetworkPolicy, Multus network, RDMA devices)",
+    "DigestMismatch": "the bytes that arrived differ from what the prefill wrote: the transfer is corrupting data",
+    "TransferFailed": "the transfer engine's write failed or the sender vanished; see the prefill's log",
+    "Unreachable": "the operator cannot read the node's /v1/status: check the pod and the NetworkPolicy",
+    "NotAuthorized": "the node refuses the cluster's node-API token: check the <cluster>-node-api Secret mount",
+    "NoHandoffYet": "no handoff reached the node yet: the router probes idle nodes every 30 s; check RouterReady and "
+                    "the router's log",
+    "HandoffStale": "no handoff reached the node recently although it is idle: check the router's probes",
+}
+
+
+def _gbps(handoff: dict[str, Any]) -> str:
+    ok = handoff.get("last_success") or {}
+    bw = ok.get("bandwidth_bytes_per_s")
+    t = handoff.get("transport") or {}
+    how = f"{t.get('engine') or '?'}/{t.get('protocol') or '?'}"
+    return f"{how} {bw / 1e9:.2f} GB/s" if isinstance(bw, int | float) else how
+
+
+def node_handoff(report: NodeReport, max_age_s: float = HANDOFF_MAX_AGE_S) -> tuple[str, str]:
+    """(reason, message) for one node: HandoffOK or why not."""
+    if report.handoff is None:
+        kind = {"not_authorized": "NotAuthorized", "old_node": "NoHandoffYet"}.get(report.error_kind or "", "Unreachable")
+        return kind, report.error or "no status"
+    h = report.handoff
+    ok, bad = h.get("last_success"), h.get("last_failure")
+    if bad and (not ok or float(bad.get("age_s", 0)) <= float(ok.get("age_s", 0))):
+        reason = HANDOFF_REASONS.get(str(bad.get("reason")), "HandoffFailed")
+        return reason, f"{bad.get('reason')} {float(bad.get('age_s', 0)):.0f} s ago: {bad.get('message', '')}"[:400]
+    if not ok:
+        return "NoHandoffYet", "no handoff has reached it"
+    age = float(ok.get("age_s", 0))
+    if age > max_age_s and not report.busy:
+        return "HandoffStale", f"last handoff {age:.0f} s ago ({_gbps(h)}), none since while idle"
+    return "HandoffOK", f"handoff {age:.0f} s ago, {_gbps(h)}"
+
+
+def handoff_ready(tilert_desired: int, wired: Sequence[TileRTNode], reports: Sequence[NodeReport] | None,
+                  max_age_s: float = HANDOFF_MAX_AGE_S) -> Condition:
+    """HandoffReady: a handoff from the prefill pool reached every wired TileRT node recently and the node
+    decoded from it. `reports` None: not checked (TILERT_PD_HANDOFF_CHECK=0)."""
+    t = "HandoffReady"
+    if tilert_desired == 0:
+        return _cond(t, True, "NoTileRTPool", "no TileRT pool")
+    if reports is None:
+        return _cond(t, True, "NotChecked", "the operator does not check the data plane (TILERT_PD_HANDOFF_CHECK=0)")
+    if not wired:
+        return _cond(t, False, "NoReadyNodes", "no TileRT node is wired (see EndpointsWired)")
+    verdicts = [(r.pod, *node_handoff(r, max_age_s)) for r in reports]
+    good = [f"{pod}: {msg}" for pod, reason, msg in verdicts if reason == "HandoffOK"]
+    bad = [(pod, reason, msg) for pod, reason, msg in verdicts if reason != "HandoffOK"]
+    if not bad:
+        return _cond(t, True, "HandoffOK", "; ".join(good))
+    # The worst reason names the condition: a failure the data plane reported before the absence of news.
+    order = [*dict.fromkeys(HANDOFF_REASONS.values()), "HandoffFailed", "NotAuthorized", "Unreachable", "HandoffStale",
+             "NoHandoffYet"]
+    reason = min((r for _, r, _ in bad), key=lambda r: order.index(r) if r in order else len(order))
+    hint = _HANDOFF_HINTS.get(reason, "see the node's /metrics and log")
+    text = "; ".join(f"{pod}: {r}: {msg}" for pod, r, msg in bad)
+    working = f"; working: {'; '.join(good)}" if good else ""
+    return _cond(t, False, reason, f"{len(bad)} of {len(verdicts)} TileRT node(s) without a working handoff: {text}. "
+                                   f"{hint}{working}")
+
+
+def any_handoff_working(reports: Sequence[NodeReport] | None, max_age_s: float = HANDOFF_MAX_AGE_S) -> bool:
+    return reports is None or any(node_handoff(r, max_age_s)[0] == "HandoffOK" for r in reports)
+
+
 def invalid(problems: Sequence[Problem]) -> list[Condition]:
     message = "; ".join(str(p) for p in problems)
     return [
@@ -148,9 +232,12 @@ def invalid(problems: Sequence[Problem]) -> list[Condition]:
 
 
 def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRTNode],
-               unwired: Sequence[Unwired] = (), security: Sequence[Condition] = ()) -> list[Condition]:
+               unwired: Sequence[Unwired] = (), security: Sequence[Condition] = (),
+               handoff: Condition | None = None, handoff_working: bool = True) -> list[Condition]:
     """`security`: SecretsOwned, HandoffSecretRotating and DataPlaneProtected, placed before Ready
-    (none of them changes whether the stack serves)."""
+    (none of them changes whether the stack serves). `handoff`: HandoffReady (handoff_ready); Ready
+    needs a working handoff on at least one wired node (`handoff_working`, any_handoff_working), and is
+    Degraded while any lacks one."""
     out = [_cond("SpecValid", True, "Valid", "the spec passed all checks")]
     out += [pool_condition(cluster, c, pools[c]) for c in POOL_CONDITIONS]
     tilert = pools[constants.TILERT]
@@ -167,6 +254,11 @@ def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRT
     else:
         out.append(_cond("EndpointsWired", False, "NoReadyNodes",
                          f"no TileRT node is ready to wire; see {_selector_hint(cluster, constants.TILERT)}"))
+    checked = handoff is not None
+    if handoff is None:
+        handoff = handoff_ready(tilert.desired, wired, None)
+    working = handoff["status"] == "True" or handoff_working
+    out.append(handoff)
     out += list(security)
     missing = []
     if pools[constants.PREFILL].ready == 0:
@@ -175,6 +267,8 @@ def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRT
         missing.append("no router pod is ready")
     if tilert.desired and not wired:
         missing.append("no TileRT node is wired")
+    elif tilert.desired and not working:
+        missing.append(f"no TileRT node has a working handoff ({handoff['reason']}, see HandoffReady)")
     native = pools[constants.NATIVE]
     if native.desired and native.ready == 0:
         missing.append("no native decode pod is ready")
@@ -186,6 +280,9 @@ def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRT
             out.append(_cond("Ready", True, "Degraded", "serving, below desired replicas: " + ", ".join(short)))
         elif unwired:
             out.append(_cond("Ready", True, "Degraded", f"serving; {len(unwired)} TileRT node(s) not wired (see EndpointsWired)"))
+        elif checked and handoff["status"] != "True":
+            out.append(_cond("Ready", True, "Degraded", f"serving; some TileRT nodes have no working handoff ({handoff['reason']}, "
+                                                        "see HandoffReady)"))
         else:
             out.append(_cond("Ready", True, "Serving", "all pools ready and TileRT endpoints wired"))
     return out

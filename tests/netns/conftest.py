@@ -225,7 +225,9 @@ def start_router(c: Cluster, ctrl_host: str) -> bed.PodProcess:
                                     max_seq_len=c.spec.model.max_seq_len)
     cfg = router_render.config(c.spec, prefill_urls=[dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT)],
                                tilert_nodes=[node], native_urls=[], api_keys_file=None)
-    cfg = cfg.model_copy(update={"health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3)})
+    # Handoff probes off: each test counts the handoffs and the bytes of its own request.
+    cfg = cfg.model_copy(update={"health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3),
+                                 "handoff_probe": router_config.HandoffProbe()})
     cfg_file.write_text(router_config.dump(cfg))
     cmd = commands.router(c.spec, commands.Paths(model_dir=str(c.model_dir), router_config=str(cfg_file),
                                                  router_port=ROUTER_PORT))

@@ -78,3 +78,10 @@ def apiserver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Serve
         yield st
     finally:
         st.stop()
+
+
+@pytest.fixture(autouse=True)
+def _no_handoff_check(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pods here are API objects with no decode node behind them: the operator's HandoffReady check
+    (operator/tilert_operator/handoff.py) is on only in tests that serve a node's /v1/status."""
+    monkeypatch.setenv("TILERT_PD_HANDOFF_CHECK", "0")

@@ -82,6 +82,10 @@ class HealthChecks(_Strict):
     successes_to_return: int = Field(default=1, ge=1)
 
 
+#: What the operator renders for handoff_probe.interval_s.
+HANDOFF_PROBE_INTERVAL_S = 30.0
+
+
 class HandoffProbe(_Strict):
     """Probe handoffs (canary.py): a minimal real request to each TileRT node that has had no successful
     handoff for `interval_s`, only while it is idle and no request waits for a slot."""

@@ -75,6 +75,13 @@ def _policy(cluster: str, namespace: str, component: str, ingress: list[Manifest
     }
 
 
+#: The operator's pods, in whatever namespace the chart installed them (the chart's selector labels):
+#: it reads each TileRT node's /v1/status (HandoffReady), with the node-API token the node requires.
+OPERATOR_PEER: Manifest = {"namespaceSelector": {},
+                           "podSelector": {"matchLabels": {constants.LABEL_NAME: "tilert-pd",
+                                                           "app.kubernetes.io/component": "operator"}}}
+
+
 def _tcp(port: int) -> list[Manifest]:
     return [{"protocol": "TCP", "port": port}]
 
@@ -100,6 +107,8 @@ def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[
             # binds its control port there, and its transfer engine is reached there), so the pod
             # network admits the router alone: Mooncake's wildcard listeners stay closed on it.
             tilert_in.insert(0, {"from": [prefill]})
+        # The operator on the HTTP port only (HandoffReady reads the nodes' authenticated /v1/status).
+        tilert_in.append({"from": [copy.deepcopy(OPERATOR_PEER)], "ports": _tcp(t.http_port)})
         out.append(_policy(cluster, namespace, constants.TILERT, tilert_in))
     if spec.decode.native.replicas:
         out.append(_policy(cluster, namespace, constants.NATIVE, [
