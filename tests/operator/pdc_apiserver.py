@@ -39,7 +39,8 @@ import json
 import time
 import uuid
 from collections import defaultdict
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp.web
@@ -61,6 +62,9 @@ class Call:
     namespace: str | None
     user_agent: str
     label_selector: str | None = None
+    #: When the call arrived (monotonic seconds), and the object it named, for benchmarks.
+    at: float = field(default_factory=time.monotonic)
+    name: str | None = None
 
 
 @dataclass
@@ -110,6 +114,9 @@ class ApiServer(kmock.KubernetesEmulator):
         #: env names validated, quantities stored canonical, 422 Invalid with causes, server-side
         #: apply's typed conversion (unknown fields, duplicate keys: 500), decoding errors (400).
         self.strict = True
+        #: Called with (resource, event type, object) for every change, under the writers' lock
+        #: (benchmarks timestamp what they wait for without polling).
+        self.on_change: list[Callable[[Res, str, Obj], None]] = []
 
     # ---- discovery / version -------------------------------------------------------------------
 
@@ -202,6 +209,8 @@ class ApiServer(kmock.KubernetesEmulator):
             del self.events[:100_000]
         for q in self.subs[res]:
             q.put_nowait(event)
+        for fn in self.on_change:
+            fn(res, kind, obj)
 
     def _delete(self, key: Key) -> Obj:
         obj = self.store.get(key)
@@ -302,7 +311,7 @@ class ApiServer(kmock.KubernetesEmulator):
         """Log the call; apply an injected fault. Returns a delay to wait before answering."""
         plural = res[2] + (f"/{request.subresource}" if request.subresource else "")
         ua = request.headers.get("User-Agent", "")
-        self.calls.append(Call(verb, res[0], plural, request.namespace, ua, request.params.get("labelSelector")))
+        self.calls.append(Call(verb, res[0], plural, request.namespace, ua, request.params.get("labelSelector"), name=request.name))
         for f in self.faults:
             if f.times > 0 and (f.verb in (None, verb)) and (f.resource in (None, plural)) and ua.startswith(f.user_agent or ""):
                 f.times -= 1
