@@ -62,6 +62,15 @@ async def test_not_ready_until_a_handoff_decoded_and_failures_named(make_stack):
     assert status == 200
 
 
+async def test_a_failing_prefill_is_named(make_stack):
+    s = await make_stack(n_native=0, health_checks=True, health=HEALTH, handoff_probe=PROBE)
+    s.prefill.fail_status = 500
+    await until(lambda: s.state.pools.tilert["t0"].handoff_fail_at is not None)
+    assert s.state.pools.tilert["t0"].handoff_error.startswith("prefill_http_500: ")
+    assert s.node.tickets == {}  # the probe's ticket was cancelled
+    assert s.state.pools.tilert["t0"].in_use == 0
+
+
 async def test_native_pool_is_a_route_while_tilert_has_no_handoff(make_stack):
     s = await make_stack(health_checks=True, health=HEALTH, handoff_probe=PROBE)
     s.node.generate_status = 502  # the node refuses the state

@@ -26,7 +26,7 @@ import aiohttp
 from tilert_serve.router import sse
 from tilert_serve.router.pools import Node, Pools
 from tilert_serve.router.state import RouterState, task_ctx
-from tilert_serve.router.upstream import error_message, post_json, read_error_body
+from tilert_serve.router.upstream import UpstreamError, error_message, post_json, read_error_body
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +124,9 @@ async def probe(state: RouterState, node: Node) -> bool:
                             return False
                 outcome, message = "decode_failed", "the stream ended without a done event"
                 return False
+    except UpstreamError as exc:  # a transport failure, timeout or 5xx of the node or the prefill
+        outcome, message = f"{exc.pool}_{exc.kind}", f"{exc.url}: {exc.message}"
+        return False
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
         outcome, message = "timeout" if isinstance(exc, TimeoutError) else "transport", f"{type(exc).__name__} {exc}"
         return False
