@@ -134,7 +134,8 @@ def run_case(watch: bool, resync: float, samples: int) -> dict[str, dict[str, li
                 time.sleep(1.2)  # past the drift rate limit; the repair's echoes have come back
                 rows["reconciles"].append(float(_reconciles(srv) - r0))
                 rows["writes"].append(float(_writes(srv) - w0))
-                time.sleep(random.uniform(0.0, 0.3))
+                # Resync-only repair depends on where in the period the fault lands: land anywhere.
+                time.sleep(random.uniform(0.0, 0.3 if watch else resync))
             out[label] = rows
         return out
     finally:
