@@ -195,3 +195,26 @@ def test_kopf_login_carries_the_expiry(tmp_path: Path, monkeypatch: pytest.Monke
     info = wiring.login()
     assert info.token == "exec-1" and info.expiration is not None
     assert 590 < (info.expiration - datetime.datetime.now(datetime.UTC)).total_seconds() <= 600
+
+
+async def test_kubeconfig_token_file_is_followed(token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kubeconfig user with `tokenFile` (relative to the kubeconfig) is read like the service account's."""
+    (tmp_path / "tok").write_text("file-1")
+    cfg = {
+        "apiVersion": "v1", "kind": "Config", "current-context": "c",
+        "clusters": [{"name": "k", "cluster": {"server": token_server.url}}],
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+        "users": [{"name": "u", "user": {"tokenFile": "tok"}}],
+    }  # fmt: skip
+    (tmp_path / "kubeconfig").write_text(yaml.safe_dump(cfg))
+    monkeypatch.setenv("KUBECONFIG", str(tmp_path / "kubeconfig"))
+    conn = kubeapi.load_connection()
+    assert (conn.token, conn.token_file) == ("file-1", str(tmp_path / "tok"))
+    valid = ["file-1"]
+    srv = token_server(lambda: valid[0])
+    async with kubeapi.Client(conn, refresh=kubeapi.load_connection) as api:
+        assert await api.list("Pod", "default", "a=b") == []
+        (tmp_path / "tok").write_text("file-2-longer")
+        valid[0] = "file-2-longer"
+        assert await api.list("Pod", "default", "a=b") == []
+    assert srv.seen == [("file-1", 200), ("file-2-longer", 200)]
