@@ -86,10 +86,12 @@ def contains(actual: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
 
     Compared by meaning where the API server normalises: a quantity (resources' requests and limits,
     an emptyDir's sizeLimit, pod overhead) is stored canonical (`0.5` -> `500m`, `1.5Gi` -> `1536Mi`,
-    8 -> "8"), so quantities compare by value; other scalars compare as text too (8 and "8").
+    8 -> "8"), so quantities compare by value; other scalars compare as text too (8 and "8"); an empty
+    string or list the server omits on read (an env var's `value: ""`) matches its absence.
     """
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(k in actual and contains(actual[k], v, (*path, k)) for k, v in desired.items())
+        return isinstance(actual, dict) and all(contains(actual[k], v, (*path, k)) if k in actual else _omitted(v)
+                                                for k, v in desired.items())
     if isinstance(desired, list):
         return isinstance(actual, list) and len(actual) == len(desired) and all(
             contains(a, d, (*path, "[]")) for a, d in zip(actual, desired, strict=True))
@@ -101,6 +103,11 @@ def contains(actual: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
         except ValueError:
             return False
     return False
+
+
+def _omitted(value: Any) -> bool:
+    """An empty string or list the API server does not return (its types mark them omitempty)."""
+    return bool(value == "" or value == [])
 
 
 def is_quantity(path: tuple[str, ...]) -> bool:

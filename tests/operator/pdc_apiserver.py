@@ -18,7 +18,7 @@ would create and ready pods).
 Strictness of a real kube-apiserver for built-in kinds (pdc_k8s_semantics.py; `strict`, on by
 default): object names (DNS-1123 subdomain; DNS-1035 label for Services), label keys and values,
 env names, selectors that match their templates, NetworkPolicy peers, quantities parsed (400) and
-stored canonical (`0.5` -> `500m`), 422 Invalid with the Status details and causes a real server
+stored canonical (`0.5` -> `500m`), empty strings and lists not stored (omitempty), 422 Invalid with the Status details and causes a real server
 returns; server-side apply's typed conversion against the kinds' OpenAPI schemas (kubernetes-
 validate's, v1.32): unknown fields and duplicate list keys answered 500 as a real server does; and,
 standing in for the StatefulSet controller this server does not run, StatefulSet names over 52
@@ -246,6 +246,7 @@ class ApiServer(kmock.KubernetesEmulator):
             causes = sem.canonicalise(kind, obj) + sem.builtin_causes(kind, obj)
             if causes:
                 raise sem.InvalidError(kind, res[0], name, causes)
+            obj = {k: (sem.drop_empty(v) if k not in ("metadata", "data", "stringData", "binaryData") else v) for k, v in obj.items()}
         elif self.strict:
             causes = [sem.Cause("metadata.name", "Invalid", m, name) for m in sem.dns1123_subdomain(name)]
             if causes:

@@ -399,6 +399,31 @@ def canonicalise(kind: str, obj: Obj) -> list[Cause]:
     return causes
 
 
+#: Map-typed fields: their entries are data, kept even when empty ("" label values, "" ConfigMap values).
+_MAP_FIELDS = frozenset({"labels", "annotations", "data", "stringData", "binaryData", "nodeSelector", "matchLabels", "selector",
+                         "limits", "requests", "overhead"})
+
+
+def drop_empty(node: Any) -> Any:
+    """What a real API server returns for fields the client sent empty: the Go types mark optional
+    fields `omitempty`, so an empty string or list the client wrote (an env var's `value: ""`, `args: []`)
+    is not there when the object is read back. (Empty objects are kept: `emptyDir: {}` means something;
+    false booleans too: many are pointers.)"""
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if k in _MAP_FIELDS and isinstance(v, dict):
+                out[k] = v
+            elif v == "" or v == []:
+                continue
+            else:
+                out[k] = drop_empty(v)
+        return out
+    if isinstance(node, list):
+        return [drop_empty(v) for v in node]
+    return node
+
+
 def _meta_causes(kind: str, obj: Obj) -> list[Cause]:
     meta = obj.get("metadata") or {}
     name = meta.get("name") or ""

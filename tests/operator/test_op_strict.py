@@ -168,3 +168,14 @@ def test_non_canonical_quantities_in_the_spec_cause_no_writes_on_resync(apiserve
     monkeypatch.setattr(reconcile, "is_quantity", lambda path: False)
     _, third = run(apiserver, lambda api: _reconcile_twice(api, apiserver, "q"))
     assert f"Deployment/{constants.child_name('q', constants.PREFILL)}" in third.applied
+
+
+def test_empty_values_the_server_omits_cause_no_writes_on_resync(apiserver: Any) -> None:
+    """An env var with an empty value comes back without `value` (omitempty): still no write."""
+    srv = apiserver.server
+    create(apiserver, helpers.cr(helpers.minimal(transfer={"rdma": {"env": {"MC_EMPTY": ""}}}), "e"))
+    first, second = run(apiserver, lambda api: _reconcile_twice(api, apiserver, "e"))
+    assert first.applied and not first.failed
+    env = srv.get("deployments", "default", "e-prefill")["spec"]["template"]["spec"]["containers"][0]["env"]
+    assert {"name": "MC_EMPTY"} in env
+    assert second.applied == [] and second.writes == 0, second
