@@ -158,3 +158,18 @@ def test_kubectl_apply_refuses_what_the_crd_can_express(case: str) -> None:
     for name in ("1tiny", "x" * 39):
         _, errors = crd_validator.validate(helpers.cr(helpers.minimal(), name))
         assert any("metadata.name must" in e for e in errors), errors
+
+
+@pytest.mark.parametrize(("name", "patch", "field"), [
+    ("1tiny", {}, "metadata.name"),
+    ("t", {"transfer": {"rdma": {"env": {"POD_IP": "x"}}}}, "spec.transfer.rdma.env.POD_IP"),
+    ("t", {"networkPolicies": {"metricsFrom": [{}]}}, "spec.networkPolicies.metricsFrom[0]"),
+])
+def test_the_webhook_refuses_what_the_api_server_would_refuse_in_the_children(name: str, patch: dict[str, Any], field: str) -> None:
+    import kopf
+
+    from tilert_operator import admission
+
+    with pytest.raises(kopf.AdmissionError) as refused:
+        admission.check(helpers.minimal(**patch), name)
+    assert f"{field}: " in str(refused.value)
