@@ -95,8 +95,9 @@ class HandoffProbe(_Strict):
     interval_s: float = Field(default=0.0, ge=0)
     #: The probe's prompt (a few tokens in any tokenizer).
     prompt: str = "ping"
-    #: Bound on the probe's prefill and on its decode.
-    timeout_s: float = Field(default=30.0, gt=0)
+    #: Bound on the probe's prefill and on its decode: longer than the node's ticket TTL (30 s), so that a
+    #: state that never arrives is the node's own 504 (recorded as a timeout there), not our give-up.
+    timeout_s: float = Field(default=60.0, gt=0)
 
 
 class Limits(_Strict):
