@@ -78,6 +78,16 @@ class Fault:
     delay: float = 0.0
 
 
+def _retry(fn: Callable[[], Any]) -> Any:
+    """Tests read the store from their own thread; a write in between can resize a dict under them."""
+    for _ in range(20):
+        try:
+            return fn()
+        except RuntimeError:  # dictionary changed size during iteration
+            time.sleep(0.001)
+    return fn()
+
+
 def _now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -157,13 +167,20 @@ class ApiServer(kmock.KubernetesEmulator):
         self.faults.append(Fault(status, times, verb, resource, delay=delay))
 
     def objects(self, plural: str, namespace: str | None = None) -> list[Obj]:
-        return [copy.deepcopy(o) for (res, ns, _), o in self.store.items() if res[2] == plural and (namespace is None or ns == namespace)]
+        return _retry(lambda: [copy.deepcopy(o) for (res, ns, _), o in list(self.store.items())
+                               if res[2] == plural and (namespace is None or ns == namespace)])
 
     def get(self, plural: str, namespace: str | None, name: str) -> Obj | None:
-        for (res, ns, n), o in self.store.items():
-            if res[2] == plural and ns == namespace and n == name:
-                return copy.deepcopy(o)
-        return None
+        """One object, read from a test's thread while the server's may be writing."""
+        def find() -> Obj | None:
+            for res in list(self.by_res):
+                if res[2] == plural:
+                    o = self.by_res[res].get((res, namespace, name))
+                    if o is not None:
+                        return copy.deepcopy(o)
+            return None
+
+        return _retry(find)
 
     async def put(self, res: Res, obj: Obj) -> Obj:
         """Create or replace an object directly, status included (tests playing controllers)."""
