@@ -118,6 +118,14 @@ async def test_due_rules(make_stack):
     assert not canary.due(st, node, now)
     node.handoff_ok(now - 1.0)
     assert canary.due(st, node, now)
+    # A failed handoff since: probed again after retry_s, not a whole interval.
+    st.config = st.config.model_copy(update={"handoff_probe": st.config.handoff_probe.model_copy(
+        update={"interval_s": 100.0, "retry_s": 0.2})})
+    st.tilert_full_at = -1e18
+    node.handoff_failed(now - 0.1, "handoff_timeout: scripted")
+    assert not canary.due(st, node, now)
+    node.handoff_failed(now - 0.3, "handoff_timeout: scripted")
+    assert canary.due(st, node, now)
     node.probing = True
     assert not canary.due(st, node, now)
     node.probing = False

@@ -43,6 +43,9 @@ def due(state: RouterState, node: Node, now: float) -> bool:
     # request found the pool full lately.
     if node.in_use > 0 or node.free <= 0 or now - state.tilert_full_at < p.interval_s:
         return False
+    if not node.handoff_ready and node.handoff_fail_at is not None:
+        # The last handoff failed: try again soon (a transient failure), whatever the interval.
+        return now - max(node.handoff_fail_at, node.probe_at) >= min(p.retry_s, p.interval_s)
     last = max(node.handoff_ok_at or -1e18, node.probe_at)
     return now - last >= p.interval_s
 

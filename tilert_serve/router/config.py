@@ -93,6 +93,9 @@ class HandoffProbe(_Strict):
     #: Seconds without a successful handoff before a node is probed; 0 = never (then /ready counts a
     #: probed-healthy node as a route, as before). The operator renders 30.
     interval_s: float = Field(default=0.0, ge=0)
+    #: After a failed handoff (a user's or a probe's), probe again this soon: one transient failure must
+    #: not keep a node (and, without a native pool, the router) unready for a whole interval.
+    retry_s: float = Field(default=5.0, gt=0)
     #: The probe's prompt (a few tokens in any tokenizer).
     prompt: str = "ping"
     #: Bound on the probe's prefill and on its decode: longer than the node's ticket TTL (30 s), so that a
