@@ -124,6 +124,8 @@ class ApiServer(kmock.KubernetesEmulator):
         #: env names validated, quantities stored canonical, 422 Invalid with causes, server-side
         #: apply's typed conversion (unknown fields, duplicate keys: 500), decoding errors (400).
         self.strict = True
+        #: Set while a server-side apply's body has passed the typed conversion (no second schema pass).
+        self._converted = False
         #: Called with (resource, event type, object) for every change, under the writers' lock
         #: (benchmarks timestamp what they wait for without polling).
         self.on_change: list[Callable[[Res, str, Obj], None]] = []
@@ -257,7 +259,7 @@ class ApiServer(kmock.KubernetesEmulator):
     def _admit(self, res: Res, obj: Obj, old: Obj | None) -> Obj:
         kind, name = self.kind_of(res), obj["metadata"].get("name") or ""
         if self.strict and res not in self.crds:
-            error = sem.decode_error(kind, self.api_version(res), obj)
+            error = None if self._converted else sem.decode_error(kind, self.api_version(res), obj)
             if error is not None:
                 raise error
             causes = sem.canonicalise(kind, obj) + sem.builtin_causes(kind, obj)
@@ -354,7 +356,10 @@ class ApiServer(kmock.KubernetesEmulator):
             if verb in ("get", "list"):
                 return await self._read(request, res, verb)
             async with self.wlock:
-                obj, code = self._write(request, res, verb)
+                try:
+                    obj, code = self._write(request, res, verb)
+                finally:
+                    self._converted = False
             return aiohttp.web.json_response(obj, status=code)
         except sem.ApiError as e:
             return aiohttp.web.json_response(_status(e.code, e.reason, e.message, getattr(e, "details", None)), status=e.code)
@@ -486,6 +491,7 @@ class ApiServer(kmock.KubernetesEmulator):
             error = sem.typed_patch_error(self.kind_of(res), self.api_version(res), ns, name, body)
             if error is not None:
                 raise error
+            self._converted = True
 
     def _serve_crd(self, crd: Obj) -> None:
         spec, names = crd["spec"], crd["spec"]["names"]

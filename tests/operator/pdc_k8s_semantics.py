@@ -591,12 +591,28 @@ def _schema_validator(kind: str, api_version: str, strict: bool) -> Any:
             _VALIDATORS[key] = None
             return None
         defs = kv.schema_contents(f"kubernetes-json-schema/{schema_dir}/_definitions.json", _SCHEMA_VERSION)
+        inlined = _inline(schema, defs["$defs"], ())
         registry: Any = Resource.from_contents(defs) @ (Resource.from_contents(schema) @ Registry())
-        _VALIDATORS[key] = jsonschema.Draft202012Validator(schema, registry=registry)
+        # $refs inlined once where they do not recurse: reference resolution dominated the cost.
+        _VALIDATORS[key] = jsonschema.Draft202012Validator(inlined, registry=registry)
     return _VALIDATORS[key]
 
 
 _VALIDATORS: dict[tuple[str, str, bool], Any] = {}
+
+
+def _inline(node: Any, defs: dict[str, Any], seen: tuple[str, ...]) -> Any:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        if isinstance(ref, str) and "#/$defs/" in ref:
+            name = ref.split("#/$defs/", 1)[1]
+            if name in seen or name not in defs:
+                return node  # recursive (JSONSchemaProps): left to the registry
+            return _inline(defs[name], defs, (*seen, name)) | {k: v for k, v in node.items() if k != "$ref"}
+        return {k: _inline(v, defs, seen) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_inline(v, defs, seen) for v in node]
+    return node
 
 
 def schema_error(validator: Any, obj: Obj) -> Any:
