@@ -339,9 +339,9 @@ def test_rotations_go_through_their_phases_without_touching_a_pod_template(apise
         assert body["status"]["nodeApiToken"]["request"] == "t1" and body["status"]["nodeApiToken"]["lastRotated"]
         assert h.condition(body, "HandoffSecretRotating")["reason"] == "Rotated"
         assert h.condition(body, "NodeApiTokenRotating")["reason"] == "Rotated"
-        # Each phase is an Event on the PDCluster.
-        reasons = [e["reason"] for e in srv.objects("events", "default")]
-        assert {"AcceptingNewSecret", "SigningWithNewSecret", "AcceptingNewToken", "SendingNewToken", "Rotated"} <= set(reasons), reasons
+        # Each phase is an Event on the PDCluster (posted just after the status write that reports it).
+        want = {"AcceptingNewSecret", "SigningWithNewSecret", "AcceptingNewToken", "SendingNewToken", "Rotated"}
+        h.wait_for("phase Events", lambda: want <= {e["reason"] for e in srv.objects("events", "default")}, timeout=5)
         # No pod template changed, and no workload was even rewritten.
         assert _templates(srv, "tiny") == templates
     assert runner.exception is None
