@@ -183,6 +183,9 @@ ENV_NAME = re.compile(r"[-._a-zA-Z][-._a-zA-Z0-9]*")
 QUANTITY = re.compile(r"([+-]?)([0-9]*)(?:\.([0-9]*))?(Ki|Mi|Gi|Ti|Pi|Ei|n|u|m|k|M|G|T|P|E|[eE][+-]?[0-9]+)?")
 _BINARY = {"Ki": 10, "Mi": 20, "Gi": 30, "Ti": 40, "Pi": 50, "Ei": 60}
 _DECIMAL = {"n": -9, "u": -6, "m": -3, "k": 3, "M": 6, "G": 9, "T": 12, "P": 15, "E": 18}
+#: Label keys (an optional DNS-subdomain prefix and a name) and values, as the API server checks them.
+LABEL_NAME = re.compile(r"([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]")
+LABEL_PREFIX = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
 TOLERATION_FIELDS = frozenset({"key", "operator", "value", "effect", "tolerationSeconds"})
 TOLERATION_EFFECTS = frozenset({"", "NoSchedule", "PreferNoSchedule", "NoExecute"})
 PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
@@ -359,6 +362,26 @@ def rule_tolerations(s: PDClusterSpec) -> Iterable[Problem]:
                 yield Problem(f"{field}.tolerationSeconds", "must be an integer number of seconds")
 
 
+def label_problems(field: str, labels: Any) -> Iterable[Problem]:
+    """Label keys and values the API server would refuse (in a nodeSelector or a selector's matchLabels)."""
+    if not isinstance(labels, dict):
+        yield Problem(field, "must be a map of label keys to values")
+        return
+    for key, value in labels.items():
+        prefix, _, name = str(key).rpartition("/")
+        if ("/" in str(key) and not (LABEL_PREFIX.fullmatch(prefix) and len(prefix) <= 253)) or not LABEL_NAME.fullmatch(name) or len(name) > 63:
+            yield Problem(f"{field}.{key}", "is not a valid label key: an optional DNS-subdomain prefix and '/', then at most 63 "
+                          "letters, digits, '-', '_' or '.', starting and ending with a letter or digit")
+        if not isinstance(value, str) or len(value) > 63 or (value and not LABEL_NAME.fullmatch(value)):
+            yield Problem(f"{field}.{key}", f"{value!r} is not a valid label value: at most 63 letters, digits, '-', '_' or "
+                          "'.', starting and ending with a letter or digit (or empty)")
+
+
+def rule_node_selectors(s: PDClusterSpec) -> Iterable[Problem]:
+    for component, pool in _pools(s):
+        yield from label_problems(f"{POOL_FIELDS[component]}.nodeSelector", pool.node_selector)
+
+
 def rule_metrics_from(s: PDClusterSpec) -> Iterable[Problem]:
     for i, peer in enumerate(s.network_policies.metrics_from):
         field = f"spec.networkPolicies.metricsFrom[{i}]"
@@ -368,6 +391,10 @@ def rule_metrics_from(s: PDClusterSpec) -> Iterable[Problem]:
         if not any(peer.get(k) is not None for k in PEER_FIELDS):
             yield Problem(field, "names no peer: set podSelector, namespaceSelector or ipBlock (podSelector: {} admits "
                           "every pod of the namespace)")
+        for key in ("podSelector", "namespaceSelector"):
+            selector = peer.get(key)
+            if isinstance(selector, dict) and "matchLabels" in selector:
+                yield from label_problems(f"{field}.{key}.matchLabels", selector["matchLabels"])
 
 
 def rule_rendered(s: PDClusterSpec) -> Iterable[Problem]:
@@ -410,6 +437,7 @@ RULES: tuple[Callable[[PDClusterSpec], Iterable[Problem]], ...] = (
     rule_policy,
     rule_tolerations,
     rule_metrics_from,
+    rule_node_selectors,
     rule_rendered,
 )
 

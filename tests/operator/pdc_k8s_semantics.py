@@ -492,6 +492,7 @@ def _pod_spec_causes(spec: Any, path: str) -> list[Cause]:
                 req = (res.get("requests") or {}).get(rname)
                 if req is not None and parse_quantity(req)[0] > parse_quantity(limit)[0]:
                     causes.append(Cause(f"{cpath}.resources.requests", "Invalid", f"must be less than or equal to {rname} limit of {limit}", req))
+    causes += _label_causes(spec.get("nodeSelector"), f"{path}.nodeSelector")
     for i, tol in enumerate(spec.get("tolerations") or []):
         if tol.get("operator") == "Exists" and tol.get("value"):
             causes.append(Cause(f"{path}.tolerations[{i}].operator", "Invalid", "value must be empty when `operator` is 'Exists'", tol.get("value")))

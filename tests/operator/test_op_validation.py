@@ -75,6 +75,11 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
      "spec.prefill.resources.requests.memory", "raise the limit"),
     ("resources-unknown-field", {"prefill": {"resources": {"request": {"cpu": 1}}}}, "spec.prefill.resources.request", "unknown field"),
     ("shm-size", {"transfer": {"shmSize": "lots"}}, "spec.transfer.shmSize", "write a size such as 2Gi"),
+    ("node-selector-value", {"decode": {"tilert": {"nodeSelector": {"gpu": "b200 x8"}}}}, "spec.decode.tilert.nodeSelector.gpu",
+     "not a valid label value"),
+    ("node-selector-key", {"prefill": {"nodeSelector": {"-gpu": "b200"}}}, "spec.prefill.nodeSelector.-gpu", "not a valid label key"),
+    ("metrics-from-label", {"networkPolicies": {"metricsFrom": [{"namespaceSelector": {"matchLabels": {"team": "-x"}}}]}},
+     "spec.networkPolicies.metricsFrom[0].namespaceSelector.matchLabels.team", "not a valid label value"),
 ]
 
 
