@@ -159,6 +159,9 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TILERT_PD_METRICS_HOST", "127.0.0.1")
     with KopfRunner([*h.ARGS, f"--liveness=http://127.0.0.1:{live_port}/healthz"], timeout=30) as runner:
         h.wait_for("resumed resyncs", lambda: sum(1 for c in srv.calls[-50:] if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb == "list") >= 12)
+        # The last 50 calls may still be the first operator's: wait for this one's first reconcile.
+        h.wait_for("first reconcile after the restart", lambda: helpers.sample(
+            _try_http(f"http://127.0.0.1:{metrics_port}/metrics") or "", "tilert_pd_pdclusters", state="ready") == 1, timeout=20)
         time.sleep(1.5)
         assert operator_writes(apiserver)[before:] == []
         assert {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in snapshot} == snapshot
