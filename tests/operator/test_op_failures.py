@@ -115,3 +115,15 @@ def test_the_running_operator_reports_a_refused_child_and_clears_it(apiserver: A
         assert out.returncode == 0, out.stderr
         h.wait_for("Reconciled=True", lambda: h.condition(srv.get("pdclusters", "default", "k"), "Reconciled").get("status") == "True")
         assert srv.get("deployments", "default", "k-router") is not None
+
+
+def test_the_api_servers_message_is_taken_from_the_status_even_after_retries_or_cut() -> None:
+    status = ('{"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": '
+              '"failed to create typed patch object (d/x; apps/v1, Kind=Deployment): .spec.template.spec.tolerations[0].foo: '
+              'field not declared in schema", "reason": "InternalError", "code": 500}')
+    gave_up = ApiError(0, "PATCH", "/apis/apps/v1/namespaces/d/deployments/x", f"gave up after 6 attempts; last: HTTP 500: {status}")
+    assert reconcile.api_message(gave_up) == ("HTTP 500: failed to create typed patch object (d/x; apps/v1, Kind=Deployment): "
+                                              ".spec.template.spec.tolerations[0].foo: field not declared in schema")
+    cut = ApiError(422, "PATCH", "/p", status.replace("500", "422")[:150])
+    assert reconcile.api_message(cut).startswith("HTTP 422: failed to create") and reconcile.api_message(cut).endswith("...")
+    assert reconcile.api_message(ApiError(403, "GET", "/p", "forbidden")) == "GET /p: HTTP 403: forbidden"
