@@ -35,7 +35,12 @@ def _fail(reason: str, age: float = 1.0) -> dict[str, Any]:
 def test_true_with_transport_and_bandwidth() -> None:
     c = status.handoff_ready(2, NODES, [_rep(n.name) for n in NODES])
     assert (c["status"], c["reason"]) == ("True", "HandoffOK")
-    assert "c-tilert-decode-1: handoff 3 s ago, mooncake/rdma 1.50 GB/s" in c["message"]
+    assert "c-tilert-decode-1: decoded from a handoff within 120 s, mooncake/rdma at 1-2 GB/s" in c["message"]
+    # The message does not change with every handoff's age or exact bandwidth: idle resyncs write nothing.
+    again = status.handoff_ready(2, NODES, [_rep(n.name, ok=OK | {"age_s": 50.0, "bandwidth_bytes_per_s": 1.9e9})
+                                            for n in NODES])
+    assert again == c
+    assert status.bandwidth_band(5e6) == "4-8 MB/s" and status.bandwidth_band(300.0) == "256-512 B/s"
 
 
 @pytest.mark.parametrize(("report", "reason"), [
@@ -156,8 +161,18 @@ def test_operator_sets_handoff_ready_from_the_nodes_status(apiserver: Any, monke
 
             node.handoff = node.handoff | {"successes": 1, "last_success": OK}
             c = until("HandoffOK")
-            assert c["status"] == "True" and "mooncake/rdma 1.50 GB/s" in c["message"]
+            assert c["status"] == "True" and "mooncake/rdma at 1-2 GB/s" in c["message"]
             until("Serving", "Ready")
+            # Later probes (another age, another bandwidth in the same band): idle resyncs write nothing.
+
+            def status_writes() -> int:
+                return sum(1 for c in srv.calls if c.resource == "pdclusters/status" and c.verb in ("patch", "update")
+                           and c.user_agent.startswith(constants.FIELD_MANAGER))
+
+            node.handoff = node.handoff | {"successes": 5, "last_success": OK | {"age_s": 20.0, "bandwidth_bytes_per_s": 1.2e9}}
+            before, polls = status_writes(), node.calls
+            h.wait_for("three more polls", lambda: node.calls >= polls + 3, timeout=10)
+            assert before > 0 and status_writes() == before
 
             node.handoff = node.handoff | {"last_failure": _fail("not_authenticated")}
             c = until("NotAuthenticated")
