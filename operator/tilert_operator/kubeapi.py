@@ -165,6 +165,8 @@ def object_path(kind: str, namespace: str, name: str | None = None, subresource:
     return path
 
 
+#: Seconds before a failed credential refresh (an exec plugin that failed) is tried again.
+REFRESH_RETRY_S = 5.0
 #: How many of its own writes the client remembers (by object) to recognise their watch echoes.
 OWN_WRITES = 4096
 
@@ -184,6 +186,7 @@ class Client:
         self._session: aiohttp.ClientSession | None = None
         self._lock = asyncio.Lock()
         self._issued_at = time.time()
+        self._refresh_after = 0.0
         self._token_sig = _file_sig(conn.token_file) if conn.token_file else None
         self._own: OrderedDict[tuple[str, str, str], str] = OrderedDict()
 
@@ -226,11 +229,19 @@ class Client:
 
     async def _credentials(self, *, force: bool = False) -> None:
         """Bring the credentials up to date: see the module docstring."""
-        if self._refresh is not None and (force or self._expiring()):
+        if self._refresh is not None and (force or (self._expiring() and time.monotonic() >= self._refresh_after)):
             seen = self.conn
             async with self._lock:
                 if self.conn is seen:  # nobody renewed them while we waited
-                    self._adopt(await asyncio.to_thread(self._refresh), "after 401" if force else "before expiry")
+                    try:
+                        new = await asyncio.to_thread(self._refresh)
+                    except Exception as e:
+                        # Keep what we have (it may still be valid); try again in a few seconds, not per call.
+                        self._refresh_after = time.monotonic() + REFRESH_RETRY_S
+                        self.reauths["failed"] += 1
+                        log.warning("re-reading the API credentials failed (%s); keeping the current ones", e)
+                        return
+                    self._adopt(new, "after 401" if force else "before expiry")
             return
         path = self.conn.token_file
         if path:

@@ -218,3 +218,25 @@ async def test_kubeconfig_token_file_is_followed(token_server: Any, tmp_path: Pa
         valid[0] = "file-2-longer"
         assert await api.list("Pod", "default", "a=b") == []
     assert srv.seen == [("file-1", 200), ("file-2-longer", 200)]
+
+
+async def test_a_failing_exec_plugin_keeps_the_current_token(token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin fails while the token is about to expire: calls go on with the current token, the
+    plugin is retried a few seconds later, not on every call."""
+    cfg, state = exec_kubeconfig(tmp_path, token_server.url, lifetime_s=1.0)
+    monkeypatch.setenv("KUBECONFIG", str(cfg))
+    conn = kubeapi.load_connection()
+    srv = token_server(lambda: "exec-1")
+    attempts = []
+
+    def broken() -> kubeapi.Connection:
+        attempts.append(time.monotonic())
+        raise RuntimeError("exec: process returned 1")
+
+    async with kubeapi.Client(conn, refresh=broken) as api:
+        await asyncio.sleep(1.0)  # within the renewal margin
+        for _ in range(5):
+            assert await api.list("Pod", "default", "a=b") == []
+        assert len(attempts) == 1 and api.reauths["failed"] == 1
+    assert [t for t, _ in srv.seen] == ["exec-1"] * 5
+    _ = state
