@@ -223,7 +223,7 @@ async def test_kubeconfig_token_file_is_followed(token_server: Any, tmp_path: Pa
 async def test_a_failing_exec_plugin_keeps_the_current_token(token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The plugin fails while the token is about to expire: calls go on with the current token, the
     plugin is retried a few seconds later, not on every call."""
-    cfg, state = exec_kubeconfig(tmp_path, token_server.url, lifetime_s=1.0)
+    cfg, _ = exec_kubeconfig(tmp_path, token_server.url, lifetime_s=1.0)
     monkeypatch.setenv("KUBECONFIG", str(cfg))
     conn = kubeapi.load_connection()
     srv = token_server(lambda: "exec-1")
@@ -239,4 +239,3 @@ async def test_a_failing_exec_plugin_keeps_the_current_token(token_server: Any, 
             assert await api.list("Pod", "default", "a=b") == []
         assert len(attempts) == 1 and api.reauths["failed"] == 1
     assert [t for t, _ in srv.seen] == ["exec-1"] * 5
-    _ = state
