@@ -99,11 +99,76 @@ class Mtp(_Section):
     num_speculative_tokens: int = Field(default=1, ge=1, le=8)
 
 
+#: Pod hygiene defaults (Pool's disruptionBudget, topologySpread, rollout, termination).
+TOPOLOGY_HOSTNAME = "kubernetes.io/hostname"
+TOPOLOGY_ZONE = "topology.kubernetes.io/zone"
+#: Grace period of the pools that stream tokens (router, TileRT and native decode): long enough for
+#: most completions in flight to finish.
+STREAM_GRACE_S = 120
+#: Grace period of the prefill pool: its requests are one forward pass.
+PREFILL_GRACE_S = 60
+#: The classic preStop sleep: endpoints controllers and proxies drop the pod before it sees SIGTERM.
+PRE_STOP_SLEEP_S = 5
+#: Seconds kept from the drain for a clean exit before the kubelet's SIGKILL.
+EXIT_MARGIN_S = 5
+
+
+class DisruptionBudget(_Section):
+    #: Render a PodDisruptionBudget for the pool (never for a pool of 0 replicas).
+    enabled: bool = True
+    #: Pods of the pool a voluntary disruption (node drain, eviction) may take at once.
+    max_unavailable: int = Field(default=1, ge=0)
+
+
+class TopologySpread(_Section):
+    #: Node labels to spread the pool's replicas over, one topologySpreadConstraint each; [] = none.
+    topology_keys: list[str] = [TOPOLOGY_HOSTNAME, TOPOLOGY_ZONE]
+    max_skew: int = Field(default=1, ge=1)
+    #: ScheduleAnyway: a preference, so a small cluster still schedules every replica.
+    when_unsatisfiable: Literal["ScheduleAnyway", "DoNotSchedule"] = "ScheduleAnyway"
+
+
+class Rollout(_Section):
+    #: None: 0 for pools with GPUs (a whole-node GPU pod has no free node to surge onto), else 1.
+    max_surge: int | None = Field(default=None, ge=0)
+    #: None: 1 for pools with GPUs, else 0 (surge first, never below the desired count).
+    max_unavailable: int | None = Field(default=None, ge=0)
+    #: StatefulSets (the TileRT pool) only: pods with an ordinal below it keep the old revision.
+    partition: int = Field(default=0, ge=0)
+
+
+class Termination(_Section):
+    #: terminationGracePeriodSeconds: preStop sleep, then SIGTERM, drain, exit; SIGKILL after it.
+    grace_period_seconds: int = Field(default=STREAM_GRACE_S, ge=1, le=86400)
+    #: preStop sleep before SIGTERM, while the endpoints controller takes the pod out of its Services.
+    pre_stop_sleep_seconds: int = Field(default=PRE_STOP_SLEEP_S, ge=0, le=300)
+
+    @property
+    def drain_timeout_s(self) -> int:
+        """How long the process drains after SIGTERM: the grace period less the preStop sleep and a
+        margin to exit cleanly (unregister buffers, close sessions) before the kubelet's SIGKILL."""
+        return max(0, self.grace_period_seconds - self.pre_stop_sleep_seconds - EXIT_MARGIN_S)
+
+
+class PrefillTermination(Termination):
+    #: A prefill is one forward pass (seconds): a shorter grace period than the pools that stream.
+    grace_period_seconds: int = Field(default=PREFILL_GRACE_S, ge=1, le=86400)
+
+
 class Pool(_Section):
     #: Resource requests/limits (core/v1 ResourceRequirements) other than GPUs.
     resources: dict[str, Any] = {}
     node_selector: dict[str, str] = {}
     tolerations: list[dict[str, Any]] = []
+    disruption_budget: DisruptionBudget = DisruptionBudget()
+    topology_spread: TopologySpread = TopologySpread()
+    rollout: Rollout = Rollout()
+    termination: Termination = Termination()
+    #: Merged over the container's rendered securityContext (e.g. runAsNonRoot, runAsUser for an image
+    #: built with a non-root user).
+    security_context: dict[str, Any] = {}
+    #: Merged over the pod's rendered securityContext (e.g. fsGroup, runAsNonRoot).
+    pod_security_context: dict[str, Any] = {}
     #: A JSON merge patch (RFC 7386) applied to the rendered workload: the escape hatch for anything
     #: the typed fields do not cover. Lists are replaced, not merged.
     overrides: dict[str, Any] = {}
@@ -111,6 +176,7 @@ class Pool(_Section):
 
 class Prefill(Pool):
     replicas: int = Field(default=1, ge=1, le=1024)
+    termination: PrefillTermination = PrefillTermination()
     image: str = constants.DEFAULT_VLLM_IMAGE
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     #: GPUs per replica; 0 = CPU.
@@ -168,8 +234,14 @@ class ApiKeysSecret(_Section):
     key: str = "keys"
 
 
+#: The router's requests (no pod of the stack is BestEffort by default) and a memory limit; no CPU
+#: limit, whose throttling would show as latency on every stream.
+ROUTER_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+
+
 class Router(Pool):
     replicas: int = Field(default=1, ge=1, le=64)
+    resources: dict[str, Any] = ROUTER_RESOURCES
     image: str = constants.DEFAULT_ROUTER_IMAGE
     service: RouterService = RouterService()
     policy: Policy = Policy()

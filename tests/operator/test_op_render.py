@@ -83,7 +83,8 @@ def test_matrix_renders_valid_manifests(engine: str, protocol: str, host_net: bo
         assert c["securityContext"]["capabilities"]["add"] == ["IPC_LOCK"]
         assert c["resources"]["limits"]["rdma/ib"] == 1
     else:
-        assert "securityContext" not in c
+        assert "add" not in c["securityContext"]["capabilities"]
+    assert c["securityContext"]["capabilities"]["drop"] == ["ALL"]
     if host_net:
         assert prefill["spec"]["hostNetwork"] and prefill["spec"]["dnsPolicy"] == "ClusterFirstWithHostNet"
         assert prefill["spec"]["affinity"]["podAntiAffinity"]
@@ -145,7 +146,8 @@ def test_decode_node_and_router_commands() -> None:
     no_mtp = commands.commands(specmod.parse(helpers.minimal(decode={"tilert": {"mtp": False}})))[constants.TILERT].argv
     assert _arg(no_mtp, "--num-speculative-tokens") == "0"
     assert cmds[constants.ROUTER].argv == ["tilert-pd", "router", "--config", "/etc/tilert-pd/router/config.yaml",
-                                           "--host", "0.0.0.0", "--port", str(defaults.ROUTER_PORT)]
+                                           "--host", "0.0.0.0", "--port", str(defaults.ROUTER_PORT),
+                                           "--drain-timeout", "110"]
     native = cmds[constants.NATIVE].argv
     assert json.loads(_arg(native, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
     local = commands.commands(spec, commands.Paths(model_dir="/tmp/m", secret_file="/tmp/s", host="127.0.0.1"))

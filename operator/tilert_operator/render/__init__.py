@@ -1,7 +1,8 @@
 """Pure renderers: parsed spec in, complete manifests (dicts) out. No API client, no I/O.
 
 One module per pool (prefill, tilert_decode, native_decode, router) plus network (Secrets,
-NetworkPolicies, MultiNetworkPolicies); `commands` holds every component's command line for pods and
+NetworkPolicies, MultiNetworkPolicies) and disruption (PodDisruptionBudgets); hygiene holds what every
+pool's pods get (spread, rollout, preStop and grace period, securityContext); `commands` holds every component's command line for pods and
 local runs alike.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from tilert_operator.render import native_decode, network, prefill, router, tilert_decode
+from tilert_operator.render import disruption, native_decode, network, prefill, router, tilert_decode
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
 from tilert_serve.router.config import TileRTNode
@@ -31,6 +32,7 @@ def children(
         *router.render(spec, cluster, namespace, tilert_nodes),
         *network.network_policies(spec, cluster, namespace),
         *network.multi_network_policies(spec, cluster, namespace),
+        *disruption.render(spec, cluster, namespace),
     ]
 
 

@@ -110,10 +110,13 @@ def speculative_config(spec: PDClusterSpec, on_cpu: bool = False) -> dict[str, o
 
 
 def _vllm(spec: PDClusterSpec, paths: Paths, tp: int, gpus: int, kv_transfer_config: dict[str, object],
-          extra_args: list[str]) -> ContainerCommand:
+          extra_args: list[str], drain_timeout_s: int) -> ContainerCommand:
     """`vllm serve` for a pool; a pool without GPUs gets what vLLM's CPU build needs for MLA models."""
     on_cpu = gpus == 0
     argv = _vllm_common(spec, paths, tp)
+    # vLLM aborts the requests in flight on SIGTERM unless told to wait (its default is 0 = abort):
+    # finish them within the pool's grace period (spec.<pool>.termination).
+    argv += ["--shutdown-timeout", str(drain_timeout_s)]
     if on_cpu:
         argv += vllm_cpu.serve_args()
     argv += ["--kv-transfer-config", _json(kv_transfer_config)]
@@ -143,14 +146,14 @@ def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
 def prefill(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
     p = spec.prefill
     return _vllm(spec, paths, p.tensor_parallel_size, p.gpus, prefill_kv_transfer_config(spec, paths),
-                 list(p.extra_args))
+                 list(p.extra_args), p.termination.drain_timeout_s)
 
 
 def native_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
     n = spec.decode.native
     connector = spec.prefill.native_connector if spec.prefill.native_connector != "none" else "NixlConnector"
     return _vllm(spec, paths, n.tensor_parallel_size, n.gpus, {"kv_connector": connector, "kv_role": "kv_consumer"},
-                 list(n.extra_args))
+                 list(n.extra_args), n.termination.drain_timeout_s)
 
 
 def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
@@ -172,6 +175,8 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         # MTP resumes from the draft-layer KV the prefill computed: same depth on both sides.
         "--num-speculative-tokens", str(spec.prefill.mtp.num_speculative_tokens if t.mtp else 0),
     ]  # fmt: skip
+    # After SIGTERM: refuse admissions, finish the streams in flight, within the grace period.
+    argv += ["--drain-timeout", str(t.termination.drain_timeout_s)]
     if not spec.transfer.handoff_digest:
         argv += ["--handoff-digest", "off"]
     if paths.api_token_file:
@@ -193,6 +198,8 @@ def router(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         "--config", paths.router_config,
         "--host", paths.host,
         "--port", str(paths.router_port or spec.router.service.port),
+        # After SIGTERM: readiness false, finish the streams in flight, within the grace period.
+        "--drain-timeout", str(spec.router.termination.drain_timeout_s),
     ]  # fmt: skip
     return ContainerCommand(argv)
 

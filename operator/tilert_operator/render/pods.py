@@ -11,6 +11,7 @@ import posixpath
 from typing import Any
 
 from tilert_operator import constants
+from tilert_operator.render import hygiene
 from tilert_operator.render.commands import ContainerCommand, Paths, tiny_model
 from tilert_operator.spec import NativeDecode, PDClusterSpec, Pool, Prefill, ServingPool
 from tilert_serve import dataplane, defaults
@@ -225,11 +226,10 @@ class DataPlane:
             "volumeMounts": [{"name": "model", "mountPath": constants.MODEL_MOUNT}],
         }]  # fmt: skip
 
-    def security_context(self) -> Manifest | None:
-        # RDMA pins (registers) memory: the container needs IPC_LOCK to lift its memlock limit.
-        if self.spec.transfer.protocol != "rdma":
-            return None
-        return {"capabilities": {"add": ["IPC_LOCK"]}}
+    def capabilities(self) -> list[str]:
+        """Capabilities added back after dropping ALL: RDMA pins (registers) memory, and the container
+        needs IPC_LOCK to lift its memlock limit."""
+        return ["IPC_LOCK"] if self.spec.transfer.protocol == "rdma" else []
 
     def pod_annotations(self) -> dict[str, str]:
         out: dict[str, str] = {}
@@ -292,9 +292,7 @@ class DataPlane:
         c["livenessProbe"] = http_probe("/health", health_port, period=20, failures=6)
         # Loading a large checkpoint takes minutes; the startup probe holds liveness off until then.
         c["startupProbe"] = http_probe("/health", health_port, failures=360)
-        sc = self.security_context()
-        if sc:
-            c["securityContext"] = sc
+        c |= hygiene.container_fields(pool, add_capabilities=self.capabilities())
         template = pod_template(
             cluster=self.cluster,
             component=component,
@@ -312,6 +310,7 @@ class DataPlane:
             "spec": {
                 "replicas": pool.replicas,
                 **(spec_fields or {}),
+                **rollout(kind, pool, pool.gpus),
                 "selector": {"matchLabels": selector(self.cluster, component)},
                 "template": template,
             },
@@ -329,6 +328,13 @@ class DataPlane:
         return env
 
 
+def rollout(kind: str, pool: Pool, gpus: int) -> Manifest:
+    """The workload's rollout strategy (render/hygiene.py)."""
+    if kind == "StatefulSet":
+        return {"updateStrategy": hygiene.statefulset_update_strategy(pool)}
+    return {"strategy": hygiene.deployment_strategy(pool, gpus)}
+
+
 def pod_template(
     *,
     cluster: str,
@@ -343,7 +349,8 @@ def pod_template(
     meta: Manifest = {"labels": labels(cluster, component)}
     if annotations:
         meta["annotations"] = annotations
-    spec: Manifest = {"containers": containers, **scheduling(pool), **(extra or {})}
+    spec: Manifest = {"containers": containers, **scheduling(pool),
+                      **hygiene.pod_fields(pool, selector(cluster, component)), **(extra or {})}
     if init_containers:
         spec["initContainers"] = init_containers
     if volumes:

@@ -8,7 +8,7 @@ import posixpath
 from collections.abc import Sequence
 
 from tilert_operator import constants
-from tilert_operator.render import commands, native_decode, pods, prefill
+from tilert_operator.render import commands, hygiene, native_decode, pods, prefill
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
 from tilert_serve import defaults
@@ -45,6 +45,8 @@ def config(
         ),
         api_keys_file=api_keys_file,
         metrics_public=spec.router.metrics_public,
+        # Probe idle TileRT nodes with a real handoff (HandoffReady; tilert_serve/router/canary.py).
+        handoff_probe=router_config.HandoffProbe(interval_s=router_config.HANDOFF_PROBE_INTERVAL_S),
     )
 
 
@@ -104,8 +106,10 @@ def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
         mounts.append({"name": "api-keys", "mountPath": constants.ROUTER_KEYS_DIR, "readOnly": True})
         volumes.append({"name": "api-keys", "secret": {"secretName": r.api_keys_secret.name, "defaultMode": 0o400}})
     c = pods.container("router", r.image, cmd, ports=[("http", port)], resources=pods.resources(r, gpus=0), mounts=mounts)
-    c["readinessProbe"] = pods.http_probe("/health", port, period=5)
+    # Ready = the router can route (a prefill and a decode route with a working handoff), not process up.
+    c["readinessProbe"] = pods.http_probe("/ready", port, period=5)
     c["livenessProbe"] = pods.http_probe("/health", port, period=20, failures=6)
+    c |= hygiene.container_fields(r)
     template = pods.pod_template(cluster=cluster, component=COMPONENT, containers=[c], pool=r, volumes=volumes)
     out: Manifest = {
         "apiVersion": "apps/v1",
@@ -113,6 +117,7 @@ def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
         "metadata": pods.metadata(cluster, namespace, COMPONENT),
         "spec": {
             "replicas": r.replicas,
+            **pods.rollout("Deployment", r, gpus=0),
             "selector": {"matchLabels": pods.selector(cluster, COMPONENT)},
             "template": template,
         },

@@ -1,0 +1,128 @@
+"""Production pod hygiene every pool gets from its spec: PodDisruptionBudgets, topology spread, a
+rollout strategy fit for whole-node GPU pods, a preStop sleep and grace period so streams finish,
+and a restricted securityContext.
+
+Defaults (spec.py, the CRD) are what a platform team would pick:
+
+- PodDisruptionBudget maxUnavailable 1: a node drain takes one pod of a pool at a time and never
+  blocks (minAvailable would block the drain of a 1-replica pool for ever). None for 0 replicas.
+- Spread over hostnames and zones with ScheduleAnyway: a preference, so a one-node kind cluster and a
+  one-zone GPU cluster still schedule every replica.
+- Rollout: a pool with GPUs takes its whole node(s); there is no free 8-GPU node to surge onto, so
+  maxSurge 0 / maxUnavailable 1 (one replica down at a time). CPU pools surge first (1 / 0).
+- preStop `sleep` (5 s) before SIGTERM while endpoints and proxies drop the pod, then the process
+  drains (router and TileRT nodes: `--drain-timeout`; vLLM: uvicorn finishes what is in flight)
+  within terminationGracePeriodSeconds (120 s for pools that stream, 60 s for the prefill).
+- securityContext: no privilege escalation, every capability dropped but IPC_LOCK over RDMA,
+  seccomp RuntimeDefault. The serve and vLLM images run as root today, so runAsNonRoot is left to
+  the spec (securityContext / podSecurityContext) for images built with a non-root user.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilert_operator.spec import Pool
+
+Manifest = dict[str, Any]
+
+
+def topology_spread(pool: Pool, selector: dict[str, str]) -> list[Manifest]:
+    """One constraint per topology key, counting the pool's own pods (`selector`)."""
+    ts = pool.topology_spread
+    return [
+        {
+            "maxSkew": ts.max_skew,
+            "topologyKey": key,
+            "whenUnsatisfiable": ts.when_unsatisfiable,
+            "labelSelector": {"matchLabels": dict(selector)},
+        }
+        for key in ts.topology_keys
+    ]
+
+
+def surge_and_unavailable(pool: Pool, gpus: int) -> tuple[int, int]:
+    """maxSurge and maxUnavailable: the spec's, else 0/1 with GPUs and 1/0 without; a value set alone
+    gets a partner that lets the rollout progress (their sum must be positive)."""
+    r = pool.rollout
+    surge, unavailable = (0, 1) if gpus else (1, 0)
+    if r.max_surge is not None and r.max_unavailable is None:
+        return r.max_surge, unavailable if (r.max_surge or unavailable) else 1
+    if r.max_unavailable is not None and r.max_surge is None:
+        return surge if (r.max_unavailable or surge) else 1, r.max_unavailable
+    return (surge if r.max_surge is None else r.max_surge,
+            unavailable if r.max_unavailable is None else r.max_unavailable)
+
+
+def deployment_strategy(pool: Pool, gpus: int) -> Manifest:
+    surge, unavailable = surge_and_unavailable(pool, gpus)
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": surge, "maxUnavailable": unavailable}}
+
+
+def statefulset_update_strategy(pool: Pool) -> Manifest:
+    """RollingUpdate with the spec's partition; maxUnavailable only when the spec sets it (a
+    StatefulSet field behind the MaxUnavailableStatefulSet feature gate)."""
+    rolling: Manifest = {"partition": pool.rollout.partition}
+    if pool.rollout.max_unavailable is not None:
+        rolling["maxUnavailable"] = pool.rollout.max_unavailable
+    return {"type": "RollingUpdate", "rollingUpdate": rolling}
+
+
+def lifecycle(pool: Pool) -> Manifest | None:
+    """The preStop sleep (an exec of `sleep`, which every image of ours has; the kubelet's own sleep
+    action needs Kubernetes 1.30's PodLifecycleSleepAction)."""
+    seconds = pool.termination.pre_stop_sleep_seconds
+    if not seconds:
+        return None
+    return {"preStop": {"exec": {"command": ["sleep", str(seconds)]}}}
+
+
+def container_security_context(pool: Pool, *, add: list[str] | None = None) -> Manifest:
+    caps: Manifest = {"drop": ["ALL"]}
+    if add:
+        caps["add"] = list(add)
+    out: Manifest = {"allowPrivilegeEscalation": False, "capabilities": caps}
+    return out | dict(pool.security_context)
+
+
+def pod_security_context(pool: Pool) -> Manifest:
+    return {"seccompProfile": {"type": "RuntimeDefault"}} | dict(pool.pod_security_context)
+
+
+def pod_fields(pool: Pool, selector: dict[str, str]) -> Manifest:
+    """What every pod template of a pool gets: spread, grace period and the pod securityContext."""
+    out: Manifest = {
+        "terminationGracePeriodSeconds": pool.termination.grace_period_seconds,
+        "securityContext": pod_security_context(pool),
+    }
+    spread = topology_spread(pool, selector)
+    if spread:
+        out["topologySpreadConstraints"] = spread
+    return out
+
+
+def container_fields(pool: Pool, *, add_capabilities: list[str] | None = None) -> Manifest:
+    """What every pool's main container gets: the preStop hook and the container securityContext."""
+    out: Manifest = {"securityContext": container_security_context(pool, add=add_capabilities)}
+    hook = lifecycle(pool)
+    if hook:
+        out["lifecycle"] = hook
+    return out
+
+
+def pod_disruption_budget(pool: Pool, replicas: int, metadata: Manifest, selector: dict[str, str]) -> Manifest | None:
+    """The pool's PodDisruptionBudget (`metadata`: the pool's child metadata), or None."""
+    if not replicas or not pool.disruption_budget.enabled:
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": metadata,
+        "spec": {
+            "maxUnavailable": pool.disruption_budget.max_unavailable,
+            "selector": {"matchLabels": dict(selector)},
+            # Evict a pod that is not ready (crash-looping, still loading) even when the budget is
+            # spent: it serves nothing, and keeping it would block the drain (policy/v1, 1.27+).
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
