@@ -118,8 +118,11 @@ def test_chat_on_the_tilert_route(stack: Stack) -> None:
 
 
 def test_down_removes_every_container_and_network(images: Images, tmp_path: Path) -> None:
-    # A run of its own (the router alone), so the module's stack is not disturbed.
+    # A run of its own (the router alone), so the module's stack is not disturbed. A router alone cannot
+    # route, so its /ready never passes: the process being up (/health) is what this test needs.
     manifests = [m for m in _manifests() if m["kind"] in ("ConfigMap", "Secret") or m["metadata"]["name"] == "tiny-router"]
+    router = next(m for m in manifests if m["kind"] == "Deployment")
+    router["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] = "/health"
     docker_runtime.up(manifests, "tpd-down-test", tmp_path, 120, lambda _: None)
     assert docker.containers("tpd-down-test") and docker.networks("tpd-down-test")
     removed = docker_runtime.cleanup("tpd-down-test", tmp_path)
