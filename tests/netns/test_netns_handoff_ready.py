@@ -1,0 +1,132 @@
+"""HandoffReady's facts in the network test bed (issue 11): the decode node and the router from the
+rendered commands in their own namespaces, the router with handoff probes on (as the operator renders
+them, at a test's interval), the prefill stand-in on the "rdma" network. A prefill with another handoff
+secret: the router's probe fails, the node's authenticated /v1/status says not_authenticated, the router
+is not ready (no other decode route). The prefill back with the cluster's secret: the next probe decodes
+over net1, the node reports the transport and bandwidth, the router is ready again."""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.netns import bed
+from tests.netns.conftest import (
+    CTRL_PORT,
+    K8S_NAMESPACE,
+    PREFILL_PORT,
+    ROUTER_PORT,
+    Cluster,
+    build_bed,
+    network_status,
+    pod_env,
+    spec_for,
+    start_node,
+    start_prefill,
+)
+from tilert_operator.render import commands
+from tilert_operator.render import router as router_render
+from tilert_serve import dataplane
+from tilert_serve.local import plan as local_plan
+from tilert_serve.router import config as router_config
+
+
+def _start_router(c: Cluster, ctrl_host: str) -> None:
+    node = router_config.TileRTNode(name="node0", http_url=c.node_url(""), ctrl_host=ctrl_host, ctrl_port=CTRL_PORT,
+                                    slots=c.spec.decode.tilert.slots, max_seq_len=c.spec.model.max_seq_len)
+    cfg = router_render.config(c.spec, prefill_urls=[dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT)],
+                               tilert_nodes=[node], native_urls=[], api_keys_file=None)
+    assert cfg.handoff_probe.interval_s > 0, "the operator renders the router with handoff probes on"
+    cfg = cfg.model_copy(update={
+        "health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3),
+        "handoff_probe": cfg.handoff_probe.model_copy(update={"interval_s": 2.0, "retry_s": 1.0})})
+    cfg_file = c.log_dir / "router.yaml"
+    cfg_file.write_text(router_config.dump(cfg))
+    cmd = commands.router(c.spec, commands.Paths(model_dir=str(c.model_dir), router_config=str(cfg_file),
+                                                 router_port=ROUTER_PORT))
+    c.procs["router"] = bed.PodProcess(c.router, "router", local_plan._local_argv(cmd.argv),
+                                       pod_env(c.router, c.family, dict(cmd.env)), c.log_dir)
+
+
+@pytest.fixture(scope="module")
+def probed(netns_available: None, tiny_model: Path, secret_file: Path,
+           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Path, Path]]:
+    b = build_bed("hr4", 4)
+    c = Cluster("mooncake", 4, b, spec_for("mooncake"), tmp_path_factory.mktemp("netns-hr4"), model_dir=tiny_model)
+    wrong = c.log_dir / "other-secret"
+    wrong.write_text(secrets.token_hex(32))
+    try:
+        start_node(c, secret_file, network_status(c.node))
+        start_prefill(c, wrong)
+        where = dataplane.choose(c.spec.transfer.rdma.networks, network_status(c.node), K8S_NAMESPACE,
+                                 c.pod_ip(c.node))
+        _start_router(c, str(where.address))
+        try:
+            bed.wait_http(c.router, c.node_url("/ready"), 120, c.procs["node0"])
+            bed.wait_http(c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120,
+                          c.procs["prefill"])
+            bed.wait_http(c.router, f"http://127.0.0.1:{ROUTER_PORT}/health", 60, c.procs["router"])
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}\n{c.logs()}") from exc
+        yield c, secret_file, wrong
+    finally:
+        c.stop()
+        left = b.close()
+        assert not left, f"namespaces that would not go: {left}"
+
+
+def _json(c: Cluster, url: str) -> tuple[int, Any]:
+    status, body = bed.http(c.router, "GET", url, timeout=5)
+    try:
+        return status, json.loads(body)
+    except ValueError:
+        return status, None
+
+
+def _until(what: str, fn: Any, c: Cluster, timeout: float = 90) -> Any:
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = fn()
+        if last:
+            return last
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}; last {last!r}\n{c.logs()}")
+
+
+def test_a_secret_mismatch_fails_the_handoff_and_recovers(probed: tuple[Cluster, Path, Path]) -> None:
+    c, good, _ = probed
+
+    def handoff() -> dict[str, Any]:
+        status, body = _json(c, c.node_url("/v1/status"))
+        assert status == 200, body
+        return dict(body["handoff"])
+
+    def refused() -> dict[str, Any] | None:
+        h = handoff()
+        return h if (h["last_failure"] or {}).get("reason") == "not_authenticated" else None
+
+    h = _until("the node's not_authenticated", refused, c)
+    assert h["last_success"] is None and h["transport"]["engine"] == "mooncake"
+    status, ready = _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")
+    assert status == 503 and ready["degraded"][0].startswith("TileRT node node0: handoff_failed"), ready
+
+    c.procs["prefill"].stop()
+    start_prefill(c, good)
+    bed.wait_http(c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120, c.procs["prefill"])
+
+    def recovered() -> dict[str, Any] | None:
+        h = handoff()
+        ok, bad = h["last_success"], h["last_failure"]
+        return h if ok and ok["age_s"] < bad["age_s"] else None
+
+    h = _until("a decoded handoff", recovered, c)
+    assert h["last_success"]["bytes"] >= c.state_bytes  # the whole state, over net1
+    assert h["transport"] == {"engine": "mooncake", "protocol": "tcp"} and h["last_success"]["bandwidth_bytes_per_s"] > 0
+    _until("the router's readiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 200, c, 30)
