@@ -3,12 +3,16 @@ rendered commands in their own namespaces, the router with handoff probes on (as
 them, at a test's interval), the prefill stand-in on the "rdma" network. A prefill with another handoff
 secret: the router's probe fails, the node's authenticated /v1/status says not_authenticated, the router
 is not ready (no other decode route). The prefill back with the cluster's secret: the next probe decodes
-over net1, the node reports the transport and bandwidth, the router is ready again."""
+over net1, the node reports the transport and bandwidth, the router is ready again. A prefill of another
+KV-cache dtype: layout_mismatch. The node made unreachable on the rdma network: the stand-in's sender
+cannot connect and says so to the router (vLLM's sender runs after the prefill answers, so there the
+node's ticket times out instead and the node records a timeout); back up, both recover."""
 
 from __future__ import annotations
 
 import json
 import secrets
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,6 +39,8 @@ from tilert_operator.render import router as router_render
 from tilert_serve import dataplane
 from tilert_serve.local import plan as local_plan
 from tilert_serve.router import config as router_config
+
+STANDIN = Path(__file__).resolve().parent / "prefill_standin.py"
 
 
 def _start_router(c: Cluster, ctrl_host: str) -> None:
@@ -81,6 +87,21 @@ def probed(netns_available: None, tiny_model: Path, secret_file: Path,
         assert not left, f"namespaces that would not go: {left}"
 
 
+def _restart_prefill(c: Cluster, secret: Path, kv_cache_dtype: str | None = None) -> None:
+    """The stand-in again, with `secret`; told another KV-cache dtype, it is a prefill of another layout."""
+    c.procs["prefill"].stop()
+    start_prefill(c, secret)
+    if kv_cache_dtype is not None:
+        c.procs["prefill"].stop()
+        cmd = commands.prefill(c.spec, commands.Paths(model_dir=str(c.model_dir)))
+        argv = [sys.executable, str(STANDIN), "--port", str(PREFILL_PORT), "--data-host", c.rdma_ip(c.prefill),
+                "--transfer", c.engine, "--model-dir", str(c.model_dir), "--kv-cache-dtype", kv_cache_dtype,
+                "--secret-file", str(secret), "--num-tokens", "16"]
+        env = pod_env(c.prefill, c.family, {**cmd.env, "UCX_NET_DEVICES": "net1"})
+        c.procs["prefill"] = bed.PodProcess(c.prefill, "prefill", argv, env, c.log_dir)
+    bed.wait_http(c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120, c.procs["prefill"])
+
+
 def _json(c: Cluster, url: str) -> tuple[int, Any]:
     status, body = bed.http(c.router, "GET", url, timeout=5)
     try:
@@ -117,9 +138,7 @@ def test_a_secret_mismatch_fails_the_handoff_and_recovers(probed: tuple[Cluster,
     status, ready = _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")
     assert status == 503 and ready["degraded"][0].startswith("TileRT node node0: handoff_failed"), ready
 
-    c.procs["prefill"].stop()
-    start_prefill(c, good)
-    bed.wait_http(c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120, c.procs["prefill"])
+    _restart_prefill(c, good)
 
     def recovered() -> dict[str, Any] | None:
         h = handoff()
@@ -130,3 +149,31 @@ def test_a_secret_mismatch_fails_the_handoff_and_recovers(probed: tuple[Cluster,
     assert h["last_success"]["bytes"] >= c.state_bytes  # the whole state, over net1
     assert h["transport"] == {"engine": "mooncake", "protocol": "tcp"} and h["last_success"]["bandwidth_bytes_per_s"] > 0
     _until("the router's readiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 200, c, 30)
+
+    def latest_failure(reason: str) -> Any:
+        def check() -> dict[str, Any] | None:
+            h = handoff()
+            ok, bad = h["last_success"], h["last_failure"]
+            return h if bad and bad["reason"] == reason and bad["age_s"] < ok["age_s"] else None
+        return check
+
+    _restart_prefill(c, good, kv_cache_dtype="bfloat16")
+    h = _until("the node's layout_mismatch", latest_failure("layout_mismatch"), c)
+    assert "layout" in h["last_failure"]["message"]
+    _until("the router's unreadiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 503, c, 30)
+
+    _restart_prefill(c, good)
+    _until("a decoded handoff", recovered, c)
+    # The node unreachable on the rdma network (its pod network, so the router and the operator, still
+    # reach it): the prefill's sender cannot connect; the router says why.
+    bed.exec_in(c.node.ns, "ip", "link", "set", "net1", "down")
+    try:
+        def unreachable() -> Any:
+            status, body = _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")
+            why = " ".join((body or {}).get("degraded", []))
+            return body if status == 503 and "cannot reach decode node" in why else None
+
+        _until("the router's unreachable", unreachable, c)
+    finally:
+        bed.exec_in(c.node.ns, "ip", "link", "set", "net1", "up")
+    _until("the router's readiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 200, c, 90)
