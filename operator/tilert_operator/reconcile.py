@@ -36,8 +36,10 @@ from tilert_operator.kubeapi import ApiError, Client, Obj
 log = logging.getLogger(__name__)
 
 #: Kinds the operator applies as children (the Secrets are created apart, once).
-CHILD_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "MultiNetworkPolicy")
+CHILD_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "MultiNetworkPolicy",
+               "PodDisruptionBudget")
 API_VERSIONS = {"Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1",
+                "PodDisruptionBudget": "policy/v1",
                 "NetworkPolicy": "networking.k8s.io/v1", "MultiNetworkPolicy": constants.MULTI_NETWORK_POLICY_API_VERSION}
 #: Kinds served by an optional CRD: a 404 on listing them means "not installed", not a failure.
 OPTIONAL_KINDS = frozenset({"MultiNetworkPolicy"})

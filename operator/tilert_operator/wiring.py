@@ -47,6 +47,7 @@ CHILD_RESOURCES: dict[tuple[str, str, str], str] = {
     ("", "v1", "configmaps"): "ConfigMap",
     ("", "v1", "secrets"): "Secret",
     ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",
+    ("policy", "v1", "poddisruptionbudgets"): "PodDisruptionBudget",
     ("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies"): "MultiNetworkPolicy",
 }
 MANAGED = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"

@@ -78,7 +78,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         assert sts["spec"]["template"]["spec"]["containers"][0]["command"] == commands.commands(spec)[constants.TILERT].argv
         for plural, name in [("services", "tiny-tilert-decode"), ("deployments", "tiny-native-decode"), ("configmaps", "tiny-router"),
                              ("deployments", "tiny-router"), ("services", "tiny-router"), ("secrets", "tiny-handoff"),
-                             ("networkpolicies", "tiny-tilert-decode")]:
+                             ("networkpolicies", "tiny-tilert-decode"), ("poddisruptionbudgets", "tiny-tilert-decode")]:
             h.wait_for(f"{plural}/{name}", lambda p=plural, n=name: srv.get(p, "default", n))
         body = h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready") and srv.get("pdclusters", "default", "tiny"))
         assert h.condition(body, "SpecValid")["status"] == "True"
