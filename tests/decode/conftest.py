@@ -134,7 +134,17 @@ async def running_node(layout: layouts.Layout, secret_file: Path, *, transfer_na
     mover = transfer.create(transfer_name, host="127.0.0.1", protocol="tcp", role="node")
     node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
                       eos_token_ids=eos)
-    runner = web.AppRunner(make_app(node))
+    runner, url = await serve_node(make_app(node), node)
+    async with aiohttp.ClientSession() as session:
+        try:
+            yield RunningNode(node, engine, url, secret_file, session)
+        finally:
+            await runner.cleanup()
+
+
+async def serve_node(app: web.Application, node: DecodeNode) -> tuple[web.AppRunner, str]:
+    """Serve a node's app on a free loopback port once the node is ready: (runner, base URL)."""
+    runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
@@ -144,8 +154,4 @@ async def running_node(layout: layouts.Layout, secret_file: Path, *, transfer_na
             break
         await asyncio.sleep(0.02)
     assert node.ready, node.failed
-    async with aiohttp.ClientSession() as session:
-        try:
-            yield RunningNode(node, engine, f"http://127.0.0.1:{port}", secret_file, session)
-        finally:
-            await runner.cleanup()
+    return runner, f"http://127.0.0.1:{port}"

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from tests.decode import synthetic
-from tests.decode.conftest import SECRET, SENDER_ENV, RecordingEngine, RunningNode
+from tests.decode.conftest import SECRET, SENDER_ENV, RecordingEngine, RunningNode, serve_node
 from tilert_serve import transfer
 from tilert_serve.bearer import TokenFile
 from tilert_serve.decode import api_auth
@@ -44,19 +43,10 @@ async def node_with_token(secret_file: Path, token_file: Path | None, *, slots: 
     mover = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="node")
     node = DecodeNode(config, layout=LAYOUT, engine=engine, transfer=mover, secret=SECRET)
     tokens = TokenFile(token_file, check_interval_s=check_interval_s) if token_file is not None else None
-    runner = web.AppRunner(make_app(node, tokens))
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    for _ in range(200):
-        if node.ready:
-            break
-        await asyncio.sleep(0.02)
-    assert node.ready, node.failed
+    runner, url = await serve_node(make_app(node, tokens), node)
     async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {token}"}) as session:
         try:
-            yield RunningNode(node, engine, f"http://127.0.0.1:{port}", secret_file, session)
+            yield RunningNode(node, engine, url, secret_file, session)
         finally:
             await runner.cleanup()
 

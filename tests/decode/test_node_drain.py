@@ -16,7 +16,7 @@ import aiohttp
 from aiohttp import web
 
 from tests.decode import synthetic
-from tests.decode.conftest import SECRET, SENDER_ENV, RecordingEngine, RunningNode
+from tests.decode.conftest import SECRET, SENDER_ENV, RecordingEngine, RunningNode, serve_node
 from tilert_serve import draining, transfer
 from tilert_serve.decode import cli
 from tilert_serve.decode.http import make_app
@@ -44,19 +44,10 @@ async def draining_node(secret_file: Path, timeout_s: float) -> AsyncIterator[tu
     app = make_app(node)
     drain = cli.drain_for(node, timeout_s)
     app.middlewares.append(drain.middleware)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    for _ in range(200):
-        if node.ready:
-            break
-        await asyncio.sleep(0.02)
-    assert node.ready, node.failed
+    runner, url = await serve_node(app, node)
     async with aiohttp.ClientSession() as session:
         try:
-            yield RunningNode(node, node.engine, f"http://127.0.0.1:{port}", secret_file, session), drain, runner  # type: ignore[arg-type]
+            yield RunningNode(node, node.engine, url, secret_file, session), drain, runner  # type: ignore[arg-type]
         finally:
             await runner.cleanup()
 
