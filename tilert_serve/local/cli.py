@@ -157,10 +157,18 @@ def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_d
     manifests = render_document(_document(args.filename), None, with_secret=True)
     state_dir.mkdir(parents=True, exist_ok=True)
     say(f"tilert-pd local: {name} from {args.filename} as containers (state in {state_dir})")
-    records, networks = docker_runtime.up(manifests, name, state_dir, args.timeout, say)
+    meta: dict[str, object] = {"cluster": name, "file": str(Path(args.filename).resolve()), "started": time.time(),
+                               "router": "", "runtime": "docker", "networks": [], "pods": []}
+    # Recorded before anything starts: an interrupted `up` leaves containers that `down` must find
+    # (it removes everything carrying the run's label).
+    _save_state(state_dir, meta)
+    try:
+        records, networks = docker_runtime.up(manifests, name, state_dir, args.timeout, say)
+    except BaseException:
+        (state_dir / runner.STATE_FILE).unlink(missing_ok=True)  # up removed what it had started
+        raise
     router = next((r.url for r in records if r.component == constants.ROUTER), "")
-    meta = {"cluster": name, "file": str(Path(args.filename).resolve()), "started": time.time(), "router": router,
-            "runtime": "docker", "networks": networks, "pods": docker_runtime.dump(records)}
+    meta |= {"router": router, "networks": networks, "pods": docker_runtime.dump(records)}
     _save_state(state_dir, meta)
     try:
         _warm_up(spec, router, say)
