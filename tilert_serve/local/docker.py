@@ -192,8 +192,9 @@ def exec_(name: str, argv: Sequence[str], timeout: float) -> subprocess.Complete
     return _docker("exec", name, *argv, timeout=timeout, check=False)
 
 
-def containers(run: str) -> list[str]:
-    out = _docker("ps", "-a", "--filter", f"label={RUN_LABEL}={run}", "--format", "{{.Names}}").stdout
+def containers(run: str, *, running_only: bool = False) -> list[str]:
+    status = ["--filter", "status=running"] if running_only else []
+    out = _docker("ps", "-a", "--filter", f"label={RUN_LABEL}={run}", *status, "--format", "{{.Names}}").stdout
     return [n for n in out.split() if n]
 
 

@@ -70,7 +70,12 @@ def up(manifests: Sequence[pods.Manifest], run: str, state_dir: Path, timeout: f
     missing = missing_images(manifests)
     if missing:
         raise StartFailed(f"images not built: {', '.join(missing)}; build them with `make images`")
-    cleanup(run, state_dir)
+    running = docker.containers(run, running_only=True)
+    if running:
+        # Another state directory's run of a cluster with this name: never stop what we did not start.
+        raise StartFailed(f"containers of a local run named {run!r} are running ({', '.join(running)}); stop "
+                          "that run (`tilert-pd local down --home ITS_HOME`) or give this PDCluster another name")
+    cleanup(run, state_dir)  # what an interrupted run or a stopped engine left behind
     net = docker.network_create(f"tpd-{run}", run)
     nets = [net.name]
     try:
