@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import secrets
 import subprocess
 import sys
 import time
@@ -110,16 +109,15 @@ def up(args: argparse.Namespace) -> int:
     if runner.port_in_use(args.router_port):
         raise ValueError(f"port {args.router_port} is taken; pass --router-port")
     state_dir.mkdir(parents=True, exist_ok=True)
-    secret = state_dir / "handoff-secret"
-    secret.write_text(secrets.token_hex(32))
-    secret.chmod(0o600)
+    # 0600 from the moment they exist (runner.write_secret_file), fresh for every run.
+    secret, token = runner.write_secrets(state_dir)
     model_dir = _model_dir(home, name, spec)
     prefill_n, tilert_n, native_n = planmod.replica_counts(spec)
     ports = planmod.Ports(router=args.router_port, prefill=[runner.free_port() for _ in range(prefill_n)],
                           native=[runner.free_port() for _ in range(native_n)],
                           tilert=[(runner.free_port(), runner.free_port()) for _ in range(tilert_n)])
     p = planmod.plan(spec, ports=ports, model_dir=str(model_dir), secret_file=str(secret),
-                     router_config_file=str(state_dir / "router.yaml"))
+                     router_config_file=str(state_dir / "router.yaml"), api_token_file=str(token))
     (state_dir / "router.yaml").write_text(router_config.dump(p.router_config))
     say(f"tilert-pd local: {name} from {args.filename} (state in {state_dir})")
     if p.tiny_model is not None and not tinymodel.is_current(model_dir):
