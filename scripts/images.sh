@@ -134,6 +134,9 @@ for name in "${wanted[@]}"; do
   log=$log_dir/$name.log
   say "building $tag from $df on $base (log: $log)"
   start=$SECONDS
+  # The image the tag names now: replaced by a changed build, it would stay behind untagged with its
+  # layers (~2-4 GB a CPU image; repeated rebuilds filled a 100 GB disk), so it is removed below.
+  old_id=$(docker image inspect -f '{{.Id}}' "$tag" 2>/dev/null || true)
   set +e
   DOCKER_BUILDKIT=0 docker build --network host -f "$df" -t "$tag" --build-arg "BASE=$base" \
       "${index_args[@]}" "${no_cache[@]}" . 2>&1 | tee "$log" | while IFS= read -r line; do
@@ -147,6 +150,10 @@ for name in "${wanted[@]}"; do
   if [ "$rc" -ne 0 ]; then
     tail -n 40 "$log" >&2
     die "building $tag failed after ${secs}s (exit $rc; full log: $log)"
+  fi
+  new_id=$(docker image inspect -f '{{.Id}}' "$tag")
+  if [ -n "$old_id" ] && [ "$old_id" != "$new_id" ]; then
+    docker rmi "$old_id" >/dev/null 2>&1 || true  # still used by a container: left alone
   fi
   steps=$(grep -c '^Step ' "$log" || true)
   cached=$(grep -c 'Using cache' "$log" || true)
