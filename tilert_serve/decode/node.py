@@ -312,24 +312,32 @@ class DecodeNode:
 
     async def wait_for_state(self, slot: Slot) -> None:
         """Wait until the slot's state has landed; HandoffFailed if it will not."""
-        generation = slot.generation
+        generation, deadline, t_admit = slot.generation, slot.deadline, slot.t_admit
+
+        def timed_out() -> HandoffFailed:
+            message = f"the prefill's state did not arrive within {self.slots.clock() - t_admit:.1f} s of admission"
+            # A more specific failure since the admission (a sender refused as not authenticated, a
+            # layout mismatch) is why: keep it as the node's last failure.
+            h = self.handoff
+            if h.fail_at is None or h.fail_at < t_admit:
+                self.note_failure("timeout", message)
+            return HandoffFailed(message, True)
+
         while slot.state in (SlotState.RESERVED, SlotState.RECEIVING) and slot.generation == generation:
-            remaining = slot.deadline - self.slots.clock()
+            deadline = slot.deadline  # an Accept moves it to the handoff's own deadline
+            remaining = deadline - self.slots.clock()
             try:
                 await asyncio.wait_for(self._waiters[slot.index].event.wait(), max(remaining, 0.0) + 0.05)
             except TimeoutError:
                 pass
             if self.slots.clock() >= slot.deadline and slot.state in (SlotState.RESERVED, SlotState.RECEIVING):
-                waited = self.slots.clock() - slot.t_admit
-                message = f"the prefill's state did not arrive within {waited:.1f} s of admission"
-                # A more specific failure since the admission (a sender refused as not authenticated, a
-                # layout mismatch) is why: keep it as the node's last failure.
-                h = self.handoff
-                if h.fail_at is None or h.fail_at < slot.t_admit:
-                    self.note_failure("timeout", message)
                 self.slots.release(slot)
-                raise HandoffFailed(message, True)
+                raise timed_out()
         if slot.generation != generation or slot.state in (SlotState.FREE, SlotState.QUARANTINED):
+            # The table's expiry may have freed the slot first (the same deadline, whichever looked
+            # first): that is the same timeout, not a cancel.
+            if self.slots.clock() >= deadline:
+                raise timed_out()
             raise HandoffFailed("the ticket was cancelled or expired while waiting for the state", True)
         if slot.state is SlotState.FAILED:
             error = slot.error or "handoff failed"
