@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from tilert_serve.decode.slots import DuplicateSender, NodeFull, Slot, UnknownTicket
 from tilert_serve.handoff import auth, messages
 from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason, SessionError, VersionMismatch
-from tilert_serve.handoff.framing import PREAUTH_MAX_BODY, Session, read_frame, write_message
+from tilert_serve.handoff.framing import HEADER, PREAUTH_MAX_BODY, Session, read_frame, write_message
 
 if TYPE_CHECKING:
     from tilert_serve.decode.node import DecodeNode
@@ -112,7 +112,9 @@ class ControlServer:
                 await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST,
                                                        message="timed out waiting for the next message"),
                                 conn.session)
-            elif isinstance(exc, asyncio.IncompleteReadError) and exc.partial:
+            # Any part of a frame started (a header, or a body even of zero bytes read after its
+            # header) is answered; a peer that closes between frames is not.
+            elif isinstance(exc, asyncio.IncompleteReadError) and (exc.partial or exc.expected != HEADER.size):
                 await _try_send(writer, messages.Error(
                     reason=RejectReason.BAD_REQUEST,
                     message=f"the connection ended {len(exc.partial)} bytes into a {exc.expected}-byte frame part"),
