@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))
 
 import conftest  # noqa: E402  (the API test server thread)
 import pdc_apiserver  # noqa: E402
+import pdc_harness  # noqa: E402
 
 LABEL = f"tilert-pd.bench=images-{uuid.uuid4().hex[:8]}"
 
@@ -156,13 +157,7 @@ def operator_ready(image: str, reps: int) -> float:
     cfg.chmod(0o644)
     crd = yaml.safe_load(conftest.CRD.read_text())
 
-    async def install() -> None:
-        async with st.server.wlock:
-            st.server._stamp_new(crd)
-            st.server._serve_crd(crd)
-            st.server._commit(conftest.CRD_RES, (conftest.CRD_RES, None, crd["metadata"]["name"]), crd, "ADDED")
-
-    st.call(install())
+    pdc_harness.install_crd(st, crd)
     try:
         def once() -> float:
             port = free_port()

@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))
 
 import conftest  # noqa: E402  (the test server thread and CRD install)
 import pdc_apiserver  # noqa: E402
+import pdc_harness  # noqa: E402
 
 PDC = ("pd.tilert.ai", "v1alpha1", "pdclusters")
 UA = "tilert-pd-operator"
@@ -96,13 +97,7 @@ def run_case(watch: bool, resync: float, samples: int) -> dict[str, dict[str, li
     cfg.write_text(pdc_apiserver.kubeconfig(st.url))
     crd = yaml.safe_load(conftest.CRD.read_text())
 
-    async def install() -> None:
-        async with st.server.wlock:
-            st.server._stamp_new(crd)
-            st.server._serve_crd(crd)
-            st.server._commit(conftest.CRD_RES, (conftest.CRD_RES, None, crd["metadata"]["name"]), crd, "ADDED")
-
-    st.call(install())
+    pdc_harness.install_crd(st, crd)
     env = os.environ | {
         "KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(free_port()),
         "TILERT_PD_METRICS_HOST": "127.0.0.1", "TILERT_PD_WATCH_TIMEOUT_S": "600", "TILERT_PD_WATCH_CHILDREN": "1" if watch else "0",

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))
 
 import conftest
 import pdc_apiserver
+import pdc_harness
 
 BAD_LABELS = {"spec": {"template": {"metadata": {"labels": {"team": "-ml-"}}}}}
 
@@ -51,13 +52,7 @@ def measure(n: int, resync: float, timeout: float) -> dict[str, list[float]]:
     cfg.write_text(pdc_apiserver.kubeconfig(st.url))
     crd = yaml.safe_load(conftest.CRD.read_text())
 
-    async def install() -> None:
-        async with srv.wlock:
-            srv._stamp_new(crd)
-            srv._serve_crd(crd)
-            srv._commit(conftest.CRD_RES, (conftest.CRD_RES, None, crd["metadata"]["name"]), crd, "ADDED")
-
-    st.call(install())
+    pdc_harness.install_crd(st, crd)
     seen: dict[tuple[str, str], float] = {}  # (what, cluster) -> first time
 
     def hook(res: Any, kind: str, obj: dict[str, Any]) -> None:

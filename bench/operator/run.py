@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT / "tests" / "operator"))
 
 import conftest  # noqa: E402  (the test server thread and CRD install)
 import pdc_apiserver  # noqa: E402
+import pdc_harness  # noqa: E402
 
 PDC = ("pd.tilert.ai", "v1alpha1", "pdclusters")
 #: Children of one tiny-cpu PDCluster: 3 Deployments, 1 StatefulSet, 4 Services, 1 ConfigMap,
@@ -91,13 +92,7 @@ def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
     cfg.write_text(pdc_apiserver.kubeconfig(st.url))
     crd = yaml.safe_load(conftest.CRD.read_text())
 
-    async def install() -> None:
-        async with st.server.wlock:
-            st.server._stamp_new(crd)
-            st.server._serve_crd(crd)
-            st.server._commit(conftest.CRD_RES, (conftest.CRD_RES, None, crd["metadata"]["name"]), crd, "ADDED")
-
-    st.call(install())
+    pdc_harness.install_crd(st, crd)
     metrics_port = free_port()
     env = os.environ | {
         "KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(metrics_port),
