@@ -33,7 +33,6 @@ from tilert_serve.local.runner import free_port
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
 T = TypeVar("T")
-CRD_RES = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 
 
 def run_in(image: str, *command: str, entrypoint: str | None = None, timeout: float = 300) -> str:
@@ -104,16 +103,7 @@ class ServerThread:
         self._thread.start()
         self.server, self._srv = self.call(pdc_apiserver.serve())
         self.url = str(self._srv.url).rstrip("/")
-        crd = yaml.safe_load((ROOT / "crds" / "pdcluster.yaml").read_text())
-
-        async def install() -> None:
-            async with self.server.wlock:
-                obj = dict(crd)
-                self.server._stamp_new(obj)
-                self.server._serve_crd(obj)
-                self.server._commit(CRD_RES, (CRD_RES, None, obj["metadata"]["name"]), obj, "ADDED")
-
-        self.call(install())
+        h.install_crd(self, yaml.safe_load((ROOT / "crds" / "pdcluster.yaml").read_text()))
         schema = pdc_crd_validator.load_schema()
         self.server.validators[(constants.GROUP, constants.VERSION, constants.PLURAL)] = (
             lambda obj, old: pdc_crd_validator.validate(obj, old, schema))

@@ -17,10 +17,10 @@ sys.path.insert(0, str(Path(__file__).parent))  # helper modules next to the tes
 
 import pdc_apiserver
 import pdc_crd_validator
+import pdc_harness
 
 T = TypeVar("T")
 CRD = Path(__file__).resolve().parents[2] / "crds" / "pdcluster.yaml"
-CRD_RES = ("apiextensions.k8s.io", "v1", "customresourcedefinitions")
 
 
 class ServerThread:
@@ -62,16 +62,7 @@ def apiserver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Serve
     cfg.write_text(pdc_apiserver.kubeconfig(st.url))
     monkeypatch.setenv("KUBECONFIG", str(cfg))
     st.kubeconfig = str(cfg)  # type: ignore[attr-defined]
-    crd = yaml.safe_load(CRD.read_text())
-
-    async def install() -> None:
-        async with st.server.wlock:
-            obj = dict(crd)
-            st.server._stamp_new(obj)
-            st.server._serve_crd(obj)
-            st.server._commit(CRD_RES, (CRD_RES, None, obj["metadata"]["name"]), obj, "ADDED")
-
-    st.call(install())
+    pdc_harness.install_crd(st, yaml.safe_load(CRD.read_text()))
     schema = pdc_crd_validator.load_schema()
     st.server.validators[("pd.tilert.ai", "v1alpha1", "pdclusters")] = lambda obj, old: pdc_crd_validator.validate(obj, old, schema)
     try:
