@@ -99,3 +99,17 @@ def test_wrong_inputs_are_refused() -> None:
     with pytest.raises(ValueError, match="handles fp8_ds_mla, not bfloat16"):
         convert_triton.to_injected_state([torch.zeros(bf16.total_nbytes(), dtype=torch.uint8, device="cuda")],
                                          bf16, 10, 0)
+
+
+@pytest.mark.parametrize(("n", "shards"), [(1, 1), (65, 1), (300, 3)])
+def test_a_layer_converts_bit_for_bit_as_in_the_whole_state(n: int, shards: int) -> None:
+    # Layer-wise handoff converts each layer as it lands; it must equal that layer of the whole state.
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=512, shards=shards)
+    regions = received(place, n, seed=20 + n, device=torch.device("cuda"))
+    whole = convert.to_injected_state(regions, place, n, 0, torch.bfloat16)
+    for lid in range(place.layout.num_layers):
+        one = convert.to_layer_state(regions, place, lid, n, torch.bfloat16)
+        want = whole.layers[lid]
+        assert one.kv.device == regions[place.shard_of(lid)].device
+        assert one.ki is not None and want.ki is not None
+        assert torch.equal(one.kv, want.kv) and torch.equal(one.pe, want.pe) and torch.equal(one.ki, want.ki), lid

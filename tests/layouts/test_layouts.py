@@ -139,3 +139,33 @@ def test_received_bytes_convert_back_to_the_state(dtype):
     assert got.ki is not None and got.ki.shape == (n, 128)
     assert torch.allclose(got.ki, rotated, atol=0.07 * rotated.abs().max().item())
     assert torch.count_nonzero(state.layers[1].kv) == 0  # untouched layers stay empty
+
+
+@pytest.mark.parametrize(("model", "dtype", "shards"), [("glm5", "fp8_ds_mla", 2), ("glm5", "bfloat16", 1),
+                                                        ("mla", "float32", 3)])
+def test_a_layer_converts_to_exactly_its_part_of_the_whole_state(model, dtype, shards):
+    # The node converts each layer as it lands (layer-wise handoff): the result must be the layer the
+    # whole-state conversion would give, bit for bit, on every shard.
+    gen = torch.Generator().manual_seed(11)
+    layout = layouts.get(model, dtype, num_layers=4 if model == "mla" else None)
+    n = 70
+    place = layouts.Placement(layout, max_tokens=128, shards=shards)
+    region = [torch.zeros(place.shard_nbytes(s), dtype=torch.uint8) for s in range(shards)]
+    for lid in range(layout.num_layers):
+        rows = convert.kv_pe_to_mla_rows(torch.randn(n, 512, generator=gen) * (1 + lid % 3),
+                                         torch.randn(n, 64, generator=gen), layout).flatten()
+        shard, off = place.offset("mla", lid)
+        region[shard][off:off + rows.numel()] = rows
+        if layout.index_head_dim:
+            pages = convert.keys_to_indexer_pages(torch.randn(n, 128, generator=gen)).flatten()
+            shard, off = place.offset("indexer", lid)
+            region[shard][off:off + pages.numel()] = pages
+    whole = convert.to_injected_state(region, place, n, last_prompt_token=3, out_dtype=torch.bfloat16)
+    for lid in range(layout.num_layers):
+        one = convert.to_layer_state(region, place, lid, n, torch.bfloat16)
+        want = whole.layers[lid]
+        assert torch.equal(one.kv, want.kv) and torch.equal(one.pe, want.pe), lid
+        assert (one.ki is None) == (want.ki is None) == (not layout.index_head_dim)
+        assert one.ki is None or torch.equal(one.ki, want.ki)
+    with pytest.raises(ValueError, match="exceed the slot's capacity"):
+        convert.to_layer_state(region, place, 0, 129, torch.bfloat16)

@@ -1,5 +1,6 @@
 """The CUDA extraction (pd_vllm/extract_triton.py, through Gatherer) against the CPU gather
-(one index_select per layer and plane), byte for byte.
+(one index_select per layer and plane), byte for byte; and the per-layer gather (layer-wise handoff)
+against the whole request's, on the CPU and on CUDA.
 
 The staging region is poisoned first: every byte the request owns must be overwritten with the
 reference's bytes, and every other byte must keep the poison (nothing written past the request or
@@ -9,6 +10,7 @@ into another layer). Token counts straddle the 64-token blocks. Timing lives in 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import pytest
 import torch
@@ -16,16 +18,18 @@ import torch
 from tilert_serve import layouts
 from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU"),
-]
+
+def gpu(test: Callable[..., None]) -> Callable[..., None]:
+    """The Triton kernels run only on a GPU; the per-layer CPU test beside them runs everywhere."""
+    needs = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU")
+    return pytest.mark.gpu(needs(test))  # type: ignore[no-any-return]
 
 BLOCK = 64  # fp8_ds_mla indexer pages cover 64 tokens, so vLLM runs the prefill with 64-token blocks
 POISON = 0xA5
 
 
-def caches_for(layout: layouts.Layout, layers: list[int], num_blocks: int, seed: int) -> list[PagedCache]:
+def caches_for(layout: layouts.Layout, layers: list[int], num_blocks: int, seed: int,
+               device: str = "cuda") -> list[PagedCache]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for lid in layers:
@@ -33,7 +37,7 @@ def caches_for(layout: layouts.Layout, layers: list[int], num_blocks: int, seed:
             # Per block: 64 MLA rows, or one indexer page of the same bytes a [64, 132] view holds.
             per_token = plane.unit_bytes if plane.unit_tokens == 1 else plane.unit_bytes // BLOCK
             t = torch.randint(0, 256, (num_blocks, BLOCK, per_token), dtype=torch.uint8, generator=gen)
-            out.append(PagedCache(f"l{lid}.{plane.name}", lid, plane.name, t.cuda(), BLOCK, 0))
+            out.append(PagedCache(f"l{lid}.{plane.name}", lid, plane.name, t.to(device), BLOCK, 0))
     return out
 
 
@@ -67,6 +71,7 @@ def check(place: layouts.Placement, caches: list[PagedCache], shard: int, n: int
         assert stray.numel() == 0, f"shard {s}: {stray.numel()} bytes written outside the request ({n} tokens)"
 
 
+@gpu
 @pytest.mark.parametrize("n", [1, 63, 64, 65, 1000, 4096])
 def test_glm5_fused_gather_equals_index_select(n: int) -> None:
     layout = layouts.get("glm5", "fp8_ds_mla")
@@ -76,6 +81,7 @@ def test_glm5_fused_gather_equals_index_select(n: int) -> None:
     check(place, caches, 0, n, num_blocks, seed=n)
 
 
+@gpu
 def test_a_ranks_share_of_layers_lands_on_its_own_shard() -> None:
     # Two staging shards; this rank holds the odd layers, which the placement puts on shard 1.
     layout = layouts.get("glm5", "fp8_ds_mla")
@@ -85,8 +91,49 @@ def test_a_ranks_share_of_layers_lands_on_its_own_shard() -> None:
     check(place, caches, 1, 300, 16, seed=7)
 
 
+@gpu
 def test_deepseek_v3_2_fused_gather_equals_index_select() -> None:
     layout = layouts.get("deepseek_v3_2", "fp8_ds_mla")
     place = layouts.Placement(layout, max_tokens=1024)
     caches = caches_for(layout, list(range(layout.num_layers)), 20, seed=9)
     check(place, caches, 0, 777, 20, seed=9)
+
+
+def per_layer_equals_whole(device: str, shards: int, shard: int, n: int, seed: int) -> None:
+    """Gathering layer by layer writes exactly the whole request's bytes; layers the rank lacks write 0."""
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    place = layouts.Placement(layout, max_tokens=512, shards=shards)
+    mine = [lid for lid in range(layout.num_layers) if place.shard_of(lid) == shard]
+    caches = caches_for(layout, mine, 12, seed=seed, device=device)
+    ids = (random.Random(seed).sample(range(12), (n + BLOCK - 1) // BLOCK),)
+    g = Gatherer(caches, place, shard)
+    assert g.layers == frozenset(mine)
+    whole = [torch.full((place.shard_nbytes(s),), POISON, dtype=torch.uint8, device=device) for s in range(shards)]
+    parts = [w.clone() for w in whole]
+    total = g(ids, n, whole)
+    by_layer = [g(ids, n, parts, layer=lid) for lid in range(layout.num_layers)]
+    assert sum(by_layer) == total == len(mine) * layout.layer_bytes(n)
+    assert all(b == 0 for lid, b in enumerate(by_layer) if lid not in mine)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(whole, parts, strict=True))
+    # One layer alone touches only its own planes' bytes.
+    lone = [torch.full_like(w, POISON) for w in whole]
+    lid = mine[len(mine) // 2]
+    g(ids, n, lone, layer=lid)
+    back = lone[shard].cpu()
+    for plane in layout.planes:
+        _, off = place.offset(plane.name, lid)
+        end = off + plane.nbytes(n)
+        assert torch.equal(back[off:end], parts[shard][off:end].cpu())
+        back[off:end] = POISON
+    assert bool((back == POISON).all()), "a single-layer gather wrote outside its layer"
+
+
+@pytest.mark.parametrize(("shards", "shard", "n"), [(1, 0, 130), (2, 1, 64), (3, 2, 1)])
+def test_gathering_layer_by_layer_equals_the_whole_request_on_cpu(shards: int, shard: int, n: int) -> None:
+    per_layer_equals_whole("cpu", shards, shard, n, seed=n)
+
+
+@gpu
+@pytest.mark.parametrize(("shards", "shard", "n"), [(1, 0, 130), (2, 1, 64), (3, 2, 500)])
+def test_gathering_layer_by_layer_equals_the_whole_request_on_cuda(shards: int, shard: int, n: int) -> None:
+    per_layer_equals_whole("cuda", shards, shard, n, seed=n)

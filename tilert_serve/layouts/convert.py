@@ -65,29 +65,43 @@ def _fused_cuda(region: list[torch.Tensor], placement: Placement, out_dtype: tor
             and placement.layout.kv_cache_dtype == "fp8_ds_mla")
 
 
-def to_injected_state(region: list[torch.Tensor], placement: Placement, num_tokens: int,
-                      last_prompt_token: int, out_dtype: torch.dtype) -> InjectedState:
-    """Read one slot's received bytes (`region[shard]` = that shard's uint8 buffer) into engine tensors."""
+def to_layer_state(region: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int,
+                   out_dtype: torch.dtype) -> LayerState:
+    """One layer of one slot's received bytes in engine tensors: what `to_injected_state` gives for that
+    layer, bit for bit (the node converts each layer as it lands when the handoff is layer-wise)."""
     layout = placement.layout
     if num_tokens > placement.max_tokens:
         raise ValueError(f"{num_tokens} tokens exceed the slot's capacity of {placement.max_tokens}")
     if _fused_cuda(region, placement, out_dtype):
         from tilert_serve.layouts import convert_triton
 
-        return convert_triton.to_injected_state(region, placement, num_tokens, last_prompt_token)
+        return convert_triton.to_layer_state(region, placement, layer, num_tokens)
     mla = layout.plane("mla")
-    layers: list[LayerState] = []
-    for lid in range(layout.num_layers):
-        shard, off = placement.offset("mla", lid)
-        rows = region[shard][off:off + mla.nbytes(num_tokens)].view(num_tokens, mla.unit_bytes)
-        kv, pe = mla_rows_to_kv_pe(rows, layout, out_dtype)
-        ki = None
-        if layout.index_head_dim:
-            idx = layout.plane("indexer")
-            shard, off = placement.offset("indexer", lid)
-            pages = region[shard][off:off + idx.nbytes(num_tokens)].view(idx.units(num_tokens), idx.unit_bytes)
-            ki = indexer_pages_to_keys(pages, num_tokens, out_dtype)
-        layers.append(LayerState(kv=kv, pe=pe, ki=ki))
+    shard, off = placement.offset("mla", layer)
+    rows = region[shard][off:off + mla.nbytes(num_tokens)].view(num_tokens, mla.unit_bytes)
+    kv, pe = mla_rows_to_kv_pe(rows, layout, out_dtype)
+    ki = None
+    if layout.index_head_dim:
+        idx = layout.plane("indexer")
+        shard, off = placement.offset("indexer", layer)
+        pages = region[shard][off:off + idx.nbytes(num_tokens)].view(idx.units(num_tokens), idx.unit_bytes)
+        ki = indexer_pages_to_keys(pages, num_tokens, out_dtype)
+    return LayerState(kv=kv, pe=pe, ki=ki)
+
+
+def to_injected_state(region: list[torch.Tensor], placement: Placement, num_tokens: int,
+                      last_prompt_token: int, out_dtype: torch.dtype) -> InjectedState:
+    """Read one slot's received bytes (`region[shard]` = that shard's uint8 buffer) into engine tensors."""
+    if num_tokens > placement.max_tokens:
+        raise ValueError(f"{num_tokens} tokens exceed the slot's capacity of {placement.max_tokens}")
+    if _fused_cuda(region, placement, out_dtype):
+        from tilert_serve.layouts import convert_triton
+
+        # One launch over every layer: faster than a launch per layer, and the same kernel, so each
+        # layer equals its to_layer_state.
+        return convert_triton.to_injected_state(region, placement, num_tokens, last_prompt_token)
+    layers = [to_layer_state(region, placement, lid, num_tokens, out_dtype)
+              for lid in range(placement.layout.num_layers)]
     return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)
 
 

@@ -31,13 +31,13 @@ NUM_WARPS = 4
 
 
 @triton.jit
-def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, ROW: tl.constexpr, BLOCK_T: tl.constexpr):
+def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, layer0, ROW: tl.constexpr, BLOCK_T: tl.constexpr):
     pid_t = tl.program_id(0)
-    layer = tl.program_id(1)
+    layer = tl.program_id(1)  # output layer; its input is entry layer0 + layer of the offset table
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n
     # Offsets are multiples of 16 bytes (rows are 656 = 16 x 41 bytes): saying so lets loads vectorize.
-    rows = src + tl.multiple_of(tl.load(layer_off + layer), 16) + t.to(tl.int64) * ROW  # one pointer per token
+    rows = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + t.to(tl.int64) * ROW  # one pointer per token
     g = tl.arange(0, 4)
     c = tl.arange(0, 128)
     col = g[:, None] * 128 + c[None, :]  # [4, 128]
@@ -55,10 +55,10 @@ def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, ROW: tl.constexpr, BLOCK
 
 
 @triton.jit
-def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, PAGE: tl.constexpr):
+def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr):
     page = tl.program_id(0)
     layer = tl.program_id(1)
-    base = src + tl.multiple_of(tl.load(layer_off + layer), 16) + page.to(tl.int64) * PAGE
+    base = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + page.to(tl.int64) * PAGE
     r = tl.arange(0, 64)
     c = tl.arange(0, 128)
     vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
@@ -89,22 +89,45 @@ def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
 
 
 def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: int, block_t: int,
-                   num_warps: int) -> list[LayerState]:
-    """Every layer of one shard, converted on that shard's GPU (two launches)."""
+                   num_warps: int, first: int = 0, count: int | None = None) -> list[LayerState]:
+    """Layers `first` .. `first + count - 1` of one shard's own (all of them by default), converted on
+    that shard's GPU (two launches whatever the count)."""
     layout, dev = placement.layout, region.device
-    count = len(_shard_layers(placement, shard))
+    if count is None:
+        count = len(_shard_layers(placement, shard)) - first
     kv = torch.empty(count, n, layout.kv_lora_rank, dtype=torch.bfloat16, device=dev)
     pe = torch.empty(count, n, layout.rope_dim, dtype=torch.bfloat16, device=dev)
     _mla_rows_kernel[(triton.cdiv(n, block_t), count)](
-        region, _layer_offsets(placement, "mla", shard, dev), kv, pe, n, ROW=_ROW, BLOCK_T=block_t,
+        region, _layer_offsets(placement, "mla", shard, dev), kv, pe, n, first, ROW=_ROW, BLOCK_T=block_t,
         num_warps=num_warps)
-    ki = None
-    if layout.index_head_dim:
-        ki = torch.empty(count, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
-        _indexer_pages_kernel[(triton.cdiv(n, 64), count)](
-            region, _layer_offsets(placement, "indexer", shard, dev), _hadamard(layout.index_head_dim, dev), ki,
-            n, PAGE=_PAGE, num_warps=num_warps)
-    return [LayerState(kv=kv[i], pe=pe[i], ki=None if ki is None else ki[i]) for i in range(count)]
+    if not layout.index_head_dim:
+        return [LayerState(kv=k, pe=p) for k, p in zip(kv.unbind(0), pe.unbind(0), strict=True)]
+    ki = torch.empty(count, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
+    _indexer_pages_kernel[(triton.cdiv(n, 64), count)](
+        region, _layer_offsets(placement, "indexer", shard, dev), _hadamard(layout.index_head_dim, dev), ki,
+        n, first, PAGE=_PAGE, num_warps=num_warps)
+    # unbind: one call for every layer's views instead of three indexing operations per layer.
+    return [LayerState(kv=k, pe=p, ki=i) for k, p, i in zip(kv.unbind(0), pe.unbind(0), ki.unbind(0), strict=True)]
+
+
+def _check(regions: list[torch.Tensor], placement: Placement) -> None:
+    if placement.layout.kv_cache_dtype != "fp8_ds_mla":
+        raise ValueError(f"the CUDA conversion handles fp8_ds_mla, not {placement.layout.kv_cache_dtype}")
+    if len(regions) != placement.shards:
+        raise ValueError(f"{len(regions)} regions for a placement of {placement.shards} shards")
+
+
+def to_layer_state(regions: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int, *,
+                   block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> LayerState:
+    """One layer of a slot's received fp8_ds_mla bytes -> bf16, on the GPU of the layer's shard; bit for
+    bit what `to_injected_state` gives for it (the same kernels, one layer's grid)."""
+    _check(regions, placement)
+    if not 0 <= layer < placement.layout.num_layers:
+        raise ValueError(f"layer {layer} is outside 0..{placement.layout.num_layers - 1}")
+    shard = placement.shard_of(layer)
+    # A shard holds layers shard, shard + shards, ...: this one is its (layer // shards)-th.
+    return _convert_shard(regions[shard], placement, shard, num_tokens, block_t, num_warps,
+                          layer // placement.shards, 1)[0]
 
 
 def to_injected_state(regions: list[torch.Tensor], placement: Placement, num_tokens: int, last_prompt_token: int,
@@ -115,11 +138,7 @@ def to_injected_state(regions: list[torch.Tensor], placement: Placement, num_tok
     parallel; layer `lid` comes back as views on the GPU of shard `lid % shards`, where TileRT's
     injection copies from.
     """
-    layout = placement.layout
-    if layout.kv_cache_dtype != "fp8_ds_mla":
-        raise ValueError(f"the CUDA conversion handles fp8_ds_mla, not {layout.kv_cache_dtype}")
-    if len(regions) != placement.shards:
-        raise ValueError(f"{len(regions)} regions for a placement of {placement.shards} shards")
+    _check(regions, placement)
     per_shard = [iter(_convert_shard(r, placement, s, num_tokens, block_t, num_warps)) for s, r in enumerate(regions)]
-    layers = [next(per_shard[placement.shard_of(lid)]) for lid in range(layout.num_layers)]
+    layers = [next(per_shard[placement.shard_of(lid)]) for lid in range(placement.layout.num_layers)]
     return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)

@@ -87,10 +87,17 @@ def gather(caches: list[PagedCache], block_ids: tuple[list[int], ...], num_token
 
 
 class Gatherer:
-    """The gather a worker runs every job: the fused Triton kernels on CUDA, `gather` elsewhere."""
+    """The gather a worker runs every job: the fused Triton kernels on CUDA, `gather` elsewhere.
+
+    Called with `layer`, it gathers only that layer's planes (for layer-wise handoff, as each layer's
+    forward finishes); a layer this rank does not hold writes nothing and returns 0.
+    """
 
     def __init__(self, caches: list[PagedCache], staging: Placement, shard: int) -> None:
         self.caches, self.staging, self.shard = caches, staging, shard
+        self._by_layer: dict[int, list[PagedCache]] = {}
+        for c in caches:
+            self._by_layer.setdefault(c.layer, []).append(c)
         self._fused: list[tuple[int, int, object]] = []
         if caches and caches[0].tensor.is_cuda:
             from tilert_serve.pd_vllm.extract_triton import PlaneGather
@@ -99,16 +106,29 @@ class Gatherer:
                 mine = [c for c in caches if c.plane == plane.name]
                 if mine:
                     # A block holds block_size tokens: as rows, or as one page (pages are blocks).
-                    self._fused.append((mine[0].group, mine[0].block_size, PlaneGather([c.tensor for c in mine], [c.layer for c in mine], plane.name,
-                                                    staging, mine[0].block_size, shard)))
+                    fused = PlaneGather([c.tensor for c in mine], [c.layer for c in mine], plane.name, staging,
+                                        mine[0].block_size, shard)
+                    self._fused.append((mine[0].group, mine[0].block_size, fused))
 
-    def __call__(self, block_ids: tuple[list[int], ...], num_tokens: int, region: list[torch.Tensor]) -> int:
+    @property
+    def layers(self) -> frozenset[int]:
+        """The layers whose caches this rank holds (and so gathers)."""
+        return frozenset(self._by_layer)
+
+    def __call__(self, block_ids: tuple[list[int], ...], num_tokens: int, region: list[torch.Tensor],
+                 layer: int | None = None) -> int:
+        if layer is not None and layer not in self._by_layer:
+            return 0
         if not self._fused:
-            return gather(self.caches, block_ids, num_tokens, self.staging, region)
+            caches = self.caches if layer is None else self._by_layer[layer]
+            return gather(caches, block_ids, num_tokens, self.staging, region)
         written = 0
         device = self.caches[0].tensor.device
         for group, tokens_per_block, fused in self._fused:
             blocks = (num_tokens + tokens_per_block - 1) // tokens_per_block
-            ids = torch.tensor(block_ids[group][:blocks], dtype=torch.int64).to(device, non_blocking=True)
-            written += fused(ids, num_tokens, region[self.shard])  # type: ignore[operator]
+            # Pinned (torch's caching host allocator keeps it alive until the copy is done): the copy is
+            # then truly asynchronous instead of a staged one the host waits for.
+            ids = torch.tensor(block_ids[group][:blocks], dtype=torch.int64, pin_memory=True)
+            written += fused(ids.to(device, non_blocking=True), num_tokens, region[self.shard],  # type: ignore[operator]
+                             layer=layer)
         return written

@@ -24,9 +24,10 @@ NUM_WARPS = 8
 
 @triton.jit
 def _gather_blocks_kernel(src0, src_table, block_ids, dst, dst_off, units_per_block, unit_words, n_units,
-                          block_words, CHUNK: tl.constexpr):
+                          block_words, layer0, CHUNK: tl.constexpr):
     j = tl.program_id(0)
-    layer = tl.program_id(1)
+    # layer0 > 0 with a grid of one layer: a single layer of the table (layer-wise handoff).
+    layer = layer0 + tl.program_id(1)
     chunk = tl.program_id(2)
     # Layer caches are addressed relative to the first one, a pointer argument Triton knows is 16-byte
     # aligned; with the offsets' alignment stated too, loads and stores compile to 16-byte vectors.
@@ -73,14 +74,21 @@ class PlaneGather:
             offs.append(off // _WORD)
         self.dst_off = torch.tensor(offs, dtype=torch.int64, device=dev)
         self.num_layers = len(caches)
+        self._index = {lid: i for i, lid in enumerate(layers)}
 
     def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor,
-                 chunk: int | None = CHUNK_WORDS, num_warps: int = NUM_WARPS) -> int:
+                 chunk: int | None = CHUNK_WORDS, num_warps: int = NUM_WARPS, layer: int | None = None) -> int:
+        """Gather every layer of the table, or only `layer` (0 bytes if it is not in the table)."""
+        first, count = 0, self.num_layers
+        if layer is not None:
+            if layer not in self._index:
+                return 0
+            first, count = self._index[layer], 1
         chunk = chunk or triton.next_power_of_2(self.block_words)
         n_units = (num_tokens + self.unit_tokens - 1) // self.unit_tokens
         n_blocks = (n_units + self.units_per_block - 1) // self.units_per_block
-        grid = (n_blocks, self.num_layers, triton.cdiv(self.block_words, chunk))
+        grid = (n_blocks, count, triton.cdiv(self.block_words, chunk))
         _gather_blocks_kernel[grid](self.src0, self.src_table, block_ids, region.view(torch.int32), self.dst_off,
-                                    self.units_per_block, self.unit_words, n_units, self.block_words,
+                                    self.units_per_block, self.unit_words, n_units, self.block_words, first,
                                     CHUNK=chunk, num_warps=num_warps)
-        return n_units * self.unit_words * _WORD * self.num_layers
+        return n_units * self.unit_words * _WORD * count
