@@ -53,6 +53,15 @@ RUN pip install --no-deps --force-reinstall . \
  && cd / && rm -rf /src \
  && python -c "import torch, tilert, tilert_serve.decode.cli, tilert_serve.router.cli; assert torch.__version__.startswith('${TORCH_VERSION}'), torch.__version__"
 
+# The non-root user the pods run as (tilert_operator.constants.RUN_AS_USER; render/hygiene.py), with a
+# passwd entry (torch's compile cache and getpass.getuser() look the uid up) and a HOME any uid can
+# write its caches to (vLLM, Triton, Hugging Face), for runtimes that pick another uid.
+RUN echo 'tilert:x:65532:65532:tilert-pd:/home/tilert:/usr/sbin/nologin' >>/etc/passwd \
+ && echo 'tilert:x:65532:' >>/etc/group \
+ && install -d -m 1777 /home/tilert
+ENV HOME=/home/tilert
+USER 65532:65532
+
 WORKDIR /tmp
 ENTRYPOINT ["tilert-pd"]
 CMD ["--help"]

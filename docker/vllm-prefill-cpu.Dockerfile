@@ -64,5 +64,14 @@ RUN installed="$(command -v vllm)" \
  && if [ "$installed" != /usr/local/bin/vllm ]; then ln -sf /usr/local/bin/vllm "$installed"; fi \
  && grep -q vllm.entrypoints.openai.api_server "$(command -v vllm)"
 
+# The non-root user the pods run as (tilert_operator.constants.RUN_AS_USER; render/hygiene.py), with a
+# passwd entry (torch's compile cache and getpass.getuser() look the uid up) and a HOME any uid can
+# write its caches to (vLLM, Triton, Hugging Face), for runtimes that pick another uid.
+RUN echo 'tilert:x:65532:65532:tilert-pd:/home/tilert:/usr/sbin/nologin' >>/etc/passwd \
+ && echo 'tilert:x:65532:' >>/etc/group \
+ && install -d -m 1777 /home/tilert
+ENV HOME=/home/tilert
+USER 65532:65532
+
 WORKDIR /tmp
 ENTRYPOINT ["vllm", "serve"]

@@ -33,5 +33,14 @@ RUN python3 -m pip install "${MOONCAKE_PACKAGE}" \
  && python3 -c "import tilert_serve.pd_vllm.prefill_connector" \
  && python3 -c "import multiprocessing as mp; p = mp.get_context('spawn').Process(target=__import__, args=('tilert_serve.pd_vllm.prefill_connector',)); p.start(); p.join(); raise SystemExit(p.exitcode)"
 
+# The non-root user the pods run as (tilert_operator.constants.RUN_AS_USER; render/hygiene.py), with a
+# passwd entry (torch's compile cache and getpass.getuser() look the uid up) and a HOME any uid can
+# write its caches to (vLLM, Triton, Hugging Face), for runtimes that pick another uid.
+RUN echo 'tilert:x:65532:65532:tilert-pd:/home/tilert:/usr/sbin/nologin' >>/etc/passwd \
+ && echo 'tilert:x:65532:' >>/etc/group \
+ && install -d -m 1777 /home/tilert
+ENV HOME=/home/tilert
+USER 65532:65532
+
 WORKDIR /
 # Upstream's ENTRYPOINT (`vllm serve`) is kept; the operator sets the full command anyway.

@@ -28,6 +28,10 @@ LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
 MANAGED_BY: Final = "tilert-pd-operator"
 
+#: The non-root user (and group) every image of ours has (docker/*.Dockerfile) and the pods run as
+#: (render/hygiene.py). The operator's own chart uses it too (charts/tilert-pd/values.yaml).
+RUN_AS_USER: Final = 65532
+
 # Component names: label values, child-name suffixes and keys of `commands()`.
 PREFILL: Final = "prefill"
 TILERT: Final = "tilert-decode"

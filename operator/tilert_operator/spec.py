@@ -164,10 +164,11 @@ class Pool(_Section):
     topology_spread: TopologySpread = TopologySpread()
     rollout: Rollout = Rollout()
     termination: Termination = Termination()
-    #: Merged over the container's rendered securityContext (e.g. runAsNonRoot, runAsUser for an image
-    #: built with a non-root user).
+    #: Merged over the container's rendered securityContext (render/hygiene.py), e.g.
+    #: readOnlyRootFilesystem.
     security_context: dict[str, Any] = {}
-    #: Merged over the pod's rendered securityContext (e.g. fsGroup, runAsNonRoot).
+    #: Merged over the pod's rendered securityContext (render/hygiene.py: the images' non-root user,
+    #: root over RDMA), e.g. runAsUser for an image with another user.
     pod_security_context: dict[str, Any] = {}
     #: A JSON merge patch (RFC 7386) applied to the rendered workload: the escape hatch for anything
     #: the typed fields do not cover. Lists are replaced, not merged.

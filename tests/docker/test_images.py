@@ -51,6 +51,18 @@ def test_images_exist(images: Images) -> None:
         assert size > 50_000_000, (tag, size)
 
 
+def test_every_image_runs_as_the_pods_non_root_user(images: Images) -> None:
+    uid = constants.RUN_AS_USER
+    for tag in images.all():
+        assert docker("image", "inspect", "-f", "{{.Config.User}}", tag).stdout.strip() == f"{uid}:{uid}", tag
+    for tag in (images.serve_cpu, images.vllm_prefill_cpu):
+        # The uid has a name and a writable HOME: torch's and vLLM's caches need both.
+        out = run_in(tag, "-c", "import getpass, os, pathlib; p = pathlib.Path.home() / '.cache' / 'probe'; "
+                     "p.parent.mkdir(parents=True); p.write_text('x'); print(os.getuid(), getpass.getuser())",
+                     entrypoint="python")
+        assert out.split() == [str(uid), "tilert"], tag
+
+
 def test_operator_image_holds_no_torch_and_imports_the_operator(images: Images) -> None:
     out = run_in(images.operator, "python", "-c",
                  "import importlib.util as u, tilert_operator.wiring, tilert_operator.cli_operator; "

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
+from tilert_operator import constants
 from tilert_operator.cli_render import render_document
 from tilert_serve import dataplane
 from tilert_serve.local import docker, pods, probes
@@ -92,7 +93,20 @@ def test_secret_and_configmap_volumes_become_files_with_their_modes(tiny: Any) -
     assert any(p.endswith("config.yaml") for p in {f.path for f in router.files})
     # A memory emptyDir on /dev/shm is the container's shm, sized by the volume's limit.
     assert pod.containers[0].shm_size == "512Mi"
-    assert "volumes/model" in pod.dirs
+    assert "volumes/model" in pod.dirs and set(pod.empty_dirs) == {"volumes/model", "volumes/shm"}
+
+
+def test_the_pods_run_as_the_non_root_user_with_their_fs_group(tiny: Any) -> None:
+    uid = constants.RUN_AS_USER
+    _, by_name = tiny
+    for pod in by_name.values():
+        assert pod.fs_group == uid, pod.name
+        for c in (*pod.init_containers, *pod.containers):
+            assert c.user == f"{uid}:{uid}" and c.groups == (uid,), (pod.name, c.name)
+    # Over RDMA the data plane runs as root (IPC_LOCK); the router stays non-root.
+    rdma = {p.name: p for p in pods.pods(_tiny(transfer={"protocol": "rdma", "rdma": {"resources": {"rdma/ib": 1}}}), _ips())}
+    assert rdma["tiny-tilert-decode-0"].containers[0].user == "0"
+    assert rdma["tiny-router-0"].containers[0].user == f"{uid}:{uid}"
 
 
 def test_probes_follow_the_pod_spec(tiny: Any) -> None:
@@ -140,12 +154,14 @@ def test_multus_networks_give_a_network_status_the_node_reads() -> None:
 def test_create_args() -> None:
     spec = docker.RunSpec(name="c", image="img:1", entrypoint=["tilert-pd", "router"], args=["--port", "8000"],
                           env={"A": "b c"}, labels={"l": "v"}, binds=[("/h", "/etc/x", True)], network="n",
-                          ip="10.1.0.9", hostname="pod", aliases=["svc"], shm_size="512Mi")
+                          ip="10.1.0.9", hostname="pod", aliases=["svc"], shm_size="512Mi", user="7:8",
+                          group_add=[9, 10])
     a = docker.create_args(spec)
     assert a[a.index("--entrypoint") + 1] == "tilert-pd"
     assert a[a.index("img:1"):] == ["img:1", "router", "--port", "8000"]
     assert "type=bind,source=/h,target=/etc/x,readonly" in a and "A=b c" in a
     assert a[a.index("--shm-size") + 1] == "512m" and a[a.index("--ip") + 1] == "10.1.0.9"
+    assert a[a.index("--user") + 1] == "7:8" and [a[i + 1] for i, x in enumerate(a) if x == "--group-add"] == ["9", "10"]
     joined = docker.create_args(docker.RunSpec(name="d", image="img:1", entrypoint=None, args=None, env={},
                                                labels={}, network_of="c", network="n", ip="10.1.0.9"))
     assert joined[joined.index("--network") + 1] == "container:c" and "--ip" not in joined

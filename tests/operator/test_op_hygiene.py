@@ -134,25 +134,31 @@ def test_prestop_grace_period_and_the_drain_agree() -> None:
 
 
 def test_security_context_is_restricted_and_mergeable() -> None:
+    uid = constants.RUN_AS_USER
+    nonroot_pod = {"seccompProfile": {"type": "RuntimeDefault"}, "runAsNonRoot": True, "runAsUser": uid,
+                   "runAsGroup": uid, "fsGroup": uid}
     ws = _workloads(_render(helpers.minimal(**ALL_POOLS)))
     for name, w in ws.items():
         pod = w["spec"]["template"]["spec"]
-        assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}}, name
+        assert pod["securityContext"] == nonroot_pod, name
         c = pod["containers"][0]
         assert c["securityContext"] == {"allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}}, name
+    # Over RDMA the data plane runs as root with IPC_LOCK (the memlock limit); the router does not.
     rdma = _workloads(render.children(specmod.parse(helpers.example("glm5-b200-rdma")["spec"]), "g", "ns"))
     for name in ("g-prefill", "g-tilert-decode"):
-        caps = rdma[name]["spec"]["template"]["spec"]["containers"][0]["securityContext"]["capabilities"]
-        assert caps == {"drop": ["ALL"], "add": ["IPC_LOCK"]}, name
-    nonroot = _workloads(_render(helpers.minimal(router={
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532, "readOnlyRootFilesystem": True},
-        "podSecurityContext": {"fsGroup": 65532}})))
-    pod = nonroot["t-router"]["spec"]["template"]["spec"]
-    assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "fsGroup": 65532}
+        pod = rdma[name]["spec"]["template"]["spec"]
+        assert pod["securityContext"] == {"seccompProfile": {"type": "RuntimeDefault"}, "runAsUser": 0}, name
+        assert pod["containers"][0]["securityContext"]["capabilities"] == {"drop": ["ALL"], "add": ["IPC_LOCK"]}
+    assert rdma["g-router"]["spec"]["template"]["spec"]["securityContext"] == nonroot_pod
+    # The spec's fields merge over the rendered ones.
+    custom = _workloads(_render(helpers.minimal(router={
+        "securityContext": {"readOnlyRootFilesystem": True},
+        "podSecurityContext": {"runAsUser": 1000, "fsGroup": 2000}})))
+    pod = custom["t-router"]["spec"]["template"]["spec"]
+    assert pod["securityContext"] == nonroot_pod | {"runAsUser": 1000, "fsGroup": 2000}
     assert pod["containers"][0]["securityContext"] == {
-        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "runAsNonRoot": True,
-        "runAsUser": 65532, "readOnlyRootFilesystem": True}
-    for w in nonroot.values():
+        "allowPrivilegeEscalation": False, "capabilities": {"drop": ["ALL"]}, "readOnlyRootFilesystem": True}
+    for w in [*custom.values(), *rdma.values()]:
         kubernetes_validate.validate(w, helpers.K8S_VERSION, strict=True)
 
 

@@ -110,6 +110,7 @@ class RunSpec:
     aliases: Sequence[str] = ()
     working_dir: str | None = None
     user: str | None = None
+    group_add: Sequence[int] = ()
     cap_add: Sequence[str] = ()
     shm_size: str | None = None
 
@@ -137,6 +138,8 @@ def create_args(spec: RunSpec) -> list[str]:
         a += ["--workdir", spec.working_dir]
     if spec.user:
         a += ["--user", spec.user]
+    for group in spec.group_add:
+        a += ["--group-add", str(group)]
     for cap in spec.cap_add:
         a += ["--cap-add", cap]
     if spec.shm_size:

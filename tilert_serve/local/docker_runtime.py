@@ -150,20 +150,29 @@ def _run_spec(c: pods.Container, name: str, pod: pods.Pod, pod_dir: Path, labels
         labels={**labels, "pd.tilert.ai/container": c.name}, binds=binds,
         network=network if first else None, network_of=None if first else first_name,
         ip=pod.ip if first else None, hostname=pod.hostname, aliases=pod.aliases if first else (),
-        working_dir=c.working_dir, user=c.user, cap_add=c.cap_add, shm_size=c.shm_size)
+        working_dir=c.working_dir, user=c.user, group_add=c.groups, cap_add=c.cap_add, shm_size=c.shm_size)
 
 
 def _write_files(pod: pods.Pod, pod_dir: Path) -> None:
+    """The pod's volumes as the kubelet makes them: emptyDirs writable by all, and with an fsGroup
+    every volume directory and file in that group, files group-readable (the containers run as a
+    non-root user that is not the files' owner)."""
+    group = -1 if pod.fs_group is None else pod.fs_group
     for d in pod.dirs:
-        (pod_dir / d).mkdir(parents=True, exist_ok=True)
+        path = pod_dir / d
+        path.mkdir(parents=True, exist_ok=True)
+        os.chown(path, -1, group)
+        os.chmod(path, 0o777 if d in pod.empty_dirs else 0o755)
     for f in pod.files:
         path = pod_dir / f.path
         path.parent.mkdir(parents=True, exist_ok=True)
+        mode = f.mode if pod.fs_group is None else f.mode | 0o440
         # Created with its mode (a secret is never readable by others, not even for a moment).
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, f.mode)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "wb") as fh:
+            os.fchown(fh.fileno(), -1, group)
+            os.fchmod(fh.fileno(), mode)
             fh.write(f.content)
-        os.chmod(path, f.mode)
 
 
 def _write_late_files(pod: pods.Pod, pod_dir: Path, container: str, addresses: dict[str, str]) -> None:

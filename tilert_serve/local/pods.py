@@ -83,6 +83,8 @@ class Container:
     ports: dict[str, int] = field(default_factory=dict)
     working_dir: str | None = None
     user: str | None = None
+    #: Supplementary groups: the pod's fsGroup and supplementalGroups.
+    groups: tuple[int, ...] = ()
     cap_add: tuple[str, ...] = ()
     shm_size: str | None = None
     readiness: Probe | None = None
@@ -115,8 +117,12 @@ class Pod:
     containers: tuple[Container, ...]
     #: Files to write under the pod's directory before any container starts.
     files: tuple[File, ...]
-    #: Directories (emptyDirs) to create under the pod's directory.
+    #: Volume directories to create under the pod's directory.
     dirs: tuple[str, ...]
+    #: The emptyDirs among them, writable by every user as the kubelet makes them.
+    empty_dirs: tuple[str, ...] = ()
+    #: The pod's fsGroup: volume files and directories get this group, and files group read.
+    fs_group: int | None = None
     #: Downward-API files that depend on what exists only once the pod runs (its Multus
     #: network-status): (path under the pod directory, fieldPath).
     late_files: tuple[tuple[str, str], ...] = ()
@@ -185,10 +191,13 @@ def _pod(name: str, namespace: str, owner: Manifest, template: Manifest, ip: str
               networks=networks)
     files, dirs, late, shm = _volumes(pod, spec.get("volumes") or [], secrets, configmaps)
     security = spec.get("securityContext") or {}
+    empty = tuple(f"volumes/{v['name']}" for v in spec.get("volumes") or [] if "emptyDir" in v)
+    fs_group = security.get("fsGroup")
     init = tuple(_container(pod, c, security, secrets, configmaps, shm) for c in spec.get("initContainers") or [])
     main = tuple(_container(pod, c, security, secrets, configmaps, shm) for c in spec["containers"])
     return Pod(**{**pod.__dict__, "init_containers": init, "containers": main, "files": tuple(files),
-                  "dirs": tuple(dirs), "late_files": tuple(late)})
+                  "dirs": tuple(dirs), "empty_dirs": empty, "late_files": tuple(late),
+                  "fs_group": None if fs_group is None else int(fs_group)})
 
 
 def _multus_networks(annotation: str) -> tuple[str, ...]:
@@ -304,9 +313,11 @@ def _container(pod: Pod, c: Manifest, pod_security: Manifest, secrets: dict[str,
     user = None
     if "runAsUser" in security:
         user = str(security["runAsUser"]) + (f":{security['runAsGroup']}" if "runAsGroup" in security else "")
+    groups = [int(g) for g in [pod_security.get("fsGroup"), *(pod_security.get("supplementalGroups") or [])]
+              if g is not None]
     return Container(
         name=c["name"], image=c["image"], entrypoint=entrypoint, args=argv, env=env, mounts=tuple(mounts),
-        ports=ports, working_dir=c.get("workingDir"), user=user,
+        ports=ports, working_dir=c.get("workingDir"), user=user, groups=tuple(groups),
         cap_add=tuple((security.get("capabilities") or {}).get("add") or ()), shm_size=shm_size,
         readiness=_probe(c.get("readinessProbe"), ports), liveness=_probe(c.get("livenessProbe"), ports),
         startup=_probe(c.get("startupProbe"), ports))

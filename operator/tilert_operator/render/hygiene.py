@@ -13,15 +13,20 @@ Defaults (spec.py, the CRD) are what a platform team would pick:
 - preStop `sleep` (5 s) before SIGTERM while endpoints and proxies drop the pod, then the process
   drains (router and TileRT nodes: `--drain-timeout`; vLLM: uvicorn finishes what is in flight)
   within terminationGracePeriodSeconds (120 s for pools that stream, 60 s for the prefill).
-- securityContext: no privilege escalation, every capability dropped but IPC_LOCK over RDMA,
-  seccomp RuntimeDefault. The serve and vLLM images run as root today, so runAsNonRoot is left to
-  the spec (securityContext / podSecurityContext) for images built with a non-root user.
+- securityContext: no privilege escalation, every capability dropped, seccomp RuntimeDefault, and
+  the images' non-root user (constants.RUN_AS_USER, made by every Dockerfile of ours) with
+  runAsNonRoot and an fsGroup so mounted Secrets stay readable. Over RDMA the data-plane pods run as
+  root with IPC_LOCK instead: registering memory needs a memlock limit as large as the buffers, and
+  Kubernetes grants added capabilities to root only (no ambient capabilities), while the limit the
+  runtime gives a non-root process varies (containerd's unit: unlimited; Docker: 8 MiB). Where the
+  runtime's limit is known to be unlimited, podSecurityContext can ask for the non-root user again.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from tilert_operator import constants
 from tilert_operator.spec import Pool
 
 Manifest = dict[str, Any]
@@ -85,15 +90,23 @@ def container_security_context(pool: Pool, *, add: list[str] | None = None) -> M
     return out | dict(pool.security_context)
 
 
-def pod_security_context(pool: Pool) -> Manifest:
-    return {"seccompProfile": {"type": "RuntimeDefault"}} | dict(pool.pod_security_context)
+def pod_security_context(pool: Pool, *, as_root: bool = False) -> Manifest:
+    """`as_root`: the pod registers RDMA memory (see the module docstring)."""
+    out: Manifest = {"seccompProfile": {"type": "RuntimeDefault"}}
+    if as_root:
+        # Explicit: the images' own user is the non-root one.
+        out["runAsUser"] = 0
+    else:
+        uid = constants.RUN_AS_USER
+        out |= {"runAsNonRoot": True, "runAsUser": uid, "runAsGroup": uid, "fsGroup": uid}
+    return out | dict(pool.pod_security_context)
 
 
-def pod_fields(pool: Pool, selector: dict[str, str]) -> Manifest:
+def pod_fields(pool: Pool, selector: dict[str, str], *, as_root: bool = False) -> Manifest:
     """What every pod template of a pool gets: spread, grace period and the pod securityContext."""
     out: Manifest = {
         "terminationGracePeriodSeconds": pool.termination.grace_period_seconds,
-        "securityContext": pod_security_context(pool),
+        "securityContext": pod_security_context(pool, as_root=as_root),
     }
     spread = topology_spread(pool, selector)
     if spread:

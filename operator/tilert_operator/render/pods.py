@@ -302,6 +302,7 @@ class DataPlane:
             volumes=self.volumes(),
             annotations=self.pod_annotations(),
             extra=self.pod_fields(component),
+            as_root=bool(self.capabilities()),
         )
         out: Manifest = {
             "apiVersion": "apps/v1",
@@ -345,12 +346,13 @@ def pod_template(
     volumes: list[Manifest] | None = None,
     annotations: dict[str, str] | None = None,
     extra: Manifest | None = None,
+    as_root: bool = False,
 ) -> Manifest:
     meta: Manifest = {"labels": labels(cluster, component)}
     if annotations:
         meta["annotations"] = annotations
     spec: Manifest = {"containers": containers, **scheduling(pool),
-                      **hygiene.pod_fields(pool, selector(cluster, component)), **(extra or {})}
+                      **hygiene.pod_fields(pool, selector(cluster, component), as_root=as_root), **(extra or {})}
     if init_containers:
         spec["initContainers"] = init_containers
     if volumes:
