@@ -6,9 +6,10 @@ PY := $(VENV)/bin/python
 setup:
 	@bash scripts/setup.sh
 
-# The whole suite: unit, protocol, transfer engines over loopback, decode node, vLLM on CPU.
+# The whole suite: unit, protocol, transfer engines over loopback, decode node, vLLM on CPU. The
+# slowest tests are listed at the end: the suite's time budget on a 2-core CI box is tight.
 test: setup
-	@$(PY) -m pytest -q -ra $(PYTEST_ARGS)
+	@$(PY) -m pytest -q -ra --durations=25 $(PYTEST_ARGS)
 
 # Everything but the tests that start vLLM.
 test-fast: setup
