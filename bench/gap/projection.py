@@ -1,0 +1,430 @@
+"""The handoff gap projected to GLM-5 on 8xB200 with RDMA, without and with layer-wise overlap.
+
+    .venv/bin/python -m bench.gap.projection [--prefill-tok-s 30000] [--nic-gbit 400] [--no-record]
+
+Pure model (no I/O but `measured_from_results`, which parses bench/RESULTS.md at run time, and `main`).
+Every figure is either MEASURED (kernel times on one H200: extraction, conversion and the digest's
+pinned-host hashing, parsed from the `extract`, `convert` and `digest-cuda` sections of RESULTS.md,
+which their benches rewrite) or ASSUMED (a `Assumptions` field, printed with the tables). State sizes
+come from the layout registry (tilert_serve.layouts: Placement.total_nbytes, Plane.nbytes), not from
+constants here.
+
+The model, from the end of the prefill's forward (the step that samples the first token, MTP drafter
+included) to the node's first decoded token:
+
+- 8 TP ranks send round-robin by layer (layouts.senders_layers), each over its own NIC; the node's
+  receive buffer is sharded the same way over its 8 GPUs, each converting its shard. A stage's time is
+  that of the busiest rank (the one with ceil(79/8) = 10 layers).
+- A kernel's time on B200 = bytes x (ms per byte measured on the H200 at the nearest measured size,
+  interpolated in log(bytes) and clamped at the ends) / (B200 HBM bandwidth / H200 HBM bandwidth).
+  Per-rank sizes below the smallest measured one take its rate (optimistic: launch overheads grow in
+  weight), plus a fixed per-launch floor.
+- Wire = handshake (a few control-channel round trips) + the busiest rank's bytes / one NIC's goodput
+  + done/ack (one round trip).
+- Digest (on by default): the sender hashes its staging before the write and the node checks each rank
+  before conversion, both through pinned host copies (PCIe-bound; same rate assumed on B200 hosts).
+- Injection: one device copy of the converted bf16 tensors per GPU (not measured anywhere; assumed at
+  the B200's copy bandwidth). First step: TileRT's measured TPOT without MTP (upstream's chart, 8xB200),
+  interpolated in log(context) between 1K and 192K.
+- Serial (today): extraction + wire + digest + conversion + injection + first step.
+- Layer-wise overlap: main layer L is extracted, written and converted while layers > L compute. It
+  hides only if each rank keeps up: a rank gets a layer every 8 forward layers, so the per-layer
+  pipeline stage (max of extract, wire, convert for one layer) must not exceed 8 x the forward's time per
+  layer; the forward's time per layer comes from an ASSUMED prefill throughput. What remains after the
+  forward's end: any backlog (when the transfer is the bottleneck), the last main layer's and the MTP
+  layer's extract + wire + convert (the MTP layer's KV exists only after the drafter; counted one after
+  the other, conservatively), done/ack, the digest of those last layers (digests per layer, pipelined
+  like the bytes: an assumption about the overlap's design; the "digest at end" column keeps today's
+  whole-state digest after the last byte), injection of the whole state (today's engine API takes one
+  state), and the first step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.common import RESULTS, record, table
+from tilert_serve import layouts
+from tilert_serve.layouts import Layout, Placement
+
+#: Prompt lengths projected (tokens).
+LENGTHS = (1024, 2048, 8192, 32768, 131072)
+
+
+@dataclass(frozen=True)
+class Assumptions:
+    """Everything not measured in this project. Defaults and where they come from are in SOURCES."""
+
+    ranks: int = 8
+    #: B200 / H200 HBM bandwidth (datasheets: 8.0 TB/s vs 4.8 TB/s); kernels keep the H200's % of copy.
+    hbm_ratio: float = 8.0 / 4.8
+    #: per NIC: ConnectX-7 400 Gb/s, one per GPU.
+    nic_gbit: float = 400.0
+    #: RDMA WRITE goodput / line rate (vLLM's 1P1D NIXL peak on 8 ConnectX-7: 71 %; Mooncake: 47.5 % of 8x400G).
+    nic_efficiency: float = 0.7
+    #: control-channel round trip between prefill and decode hosts (TCP in one data centre), ms.
+    rtt_ms: float = 0.05
+    #: round trips before the first write: TCP connect, hello, request/accept.
+    handshake_rtts: float = 2.5
+    #: fixed cost per kernel launch sequence (extract, convert, inject) on a rank, ms.
+    launch_floor_ms: float = 0.01
+    #: prefill throughput of one 8xB200 instance on GLM-5, tokens/s (sets the forward's time per layer).
+    prefill_tok_s: float = 30000.0
+    #: TileRT decode TPOT without MTP at (context tokens, ms), 8xB200 (reference/tilert-upstream.md §7).
+    tpot_points: tuple[tuple[int, float], ...] = ((1024, 1000 / 301), (196608, 1000 / 169))
+    #: the converted state's element size on the node (bf16).
+    engine_itemsize: int = 2
+    #: digests on (the default of tilert_handoff_digest / --handoff-digest).
+    digest: bool = True
+
+
+SOURCES = {
+    "hbm_ratio": "NVIDIA datasheets, B200 8 TB/s vs H200 4.8 TB/s HBM3e",
+    "nic_gbit": "8x ConnectX-7 400 Gb/s, one per GPU (reference/transfer-engines.md §6.2)",
+    "nic_efficiency": "vLLM 1P1D NIXL peak 71 % of 8 ConnectX-7; Mooncake 47.5 % of 8x400G (reference/transfer-engines.md)",
+    "rtt_ms": "assumed intra-DC TCP round trip",
+    "prefill_tok_s": "assumed; not measured here (no B200, no GLM-5 weights)",
+    "tpot_points": "TileRT v0.1.5 chart, GLM-5.1-FP8 on 8xB200, no MTP: 301 UTPS at 1K, 169 at 192K",
+    "launch_floor_ms": "assumed",
+}
+
+
+@dataclass(frozen=True)
+class Measured:
+    """H200 kernel times for the whole GLM-5 state: tokens -> (state bytes, ms)."""
+
+    extract: dict[int, float]
+    convert: dict[int, float]
+    digest: dict[int, float]
+    #: the H200's device copy bandwidth (read + write, GB/s) measured in the same runs.
+    copy_gbs: float
+    #: where each came from (section, date, commit line), for the output.
+    provenance: dict[str, str] = field(default_factory=dict)
+
+
+# -- sizes: the layout registry is the one source ----------------------------------------------------
+
+def glm5() -> Layout:
+    return layouts.get("glm5", "fp8_ds_mla")
+
+
+def state_bytes(layout: Layout, tokens: int) -> int:
+    return Placement(layout, max_tokens=tokens).total_nbytes()
+
+
+def layer_bytes(layout: Layout, tokens: int) -> int:
+    return sum(p.nbytes(tokens) for p in layout.planes)
+
+
+def converted_layer_bytes(layout: Layout, tokens: int, itemsize: int) -> int:
+    """kv [n, kv_lora_rank], pe [n, rope_dim], ki [n, index_head_dim] in the engine's dtype."""
+    return tokens * (layout.kv_lora_rank + layout.rope_dim + layout.index_head_dim) * itemsize
+
+
+def busiest_rank_layers(layout: Layout, ranks: int) -> int:
+    return max(len(layouts.senders_layers(layout, r, ranks)) for r in range(ranks))
+
+
+# -- scaling measured kernel times -------------------------------------------------------------------
+
+def ms_per_byte(points: dict[int, float], layout: Layout, nbytes: float) -> float:
+    """ms per byte at `nbytes` of state, from the H200 points (tokens -> ms for the whole state),
+    interpolated in log(bytes), clamped to the measured range."""
+    xs = sorted((state_bytes(layout, n), ms / state_bytes(layout, n)) for n, ms in points.items())
+    if not xs:
+        raise ValueError("no measured points")
+    if nbytes <= xs[0][0]:
+        return xs[0][1]
+    if nbytes >= xs[-1][0]:
+        return xs[-1][1]
+    for (b0, r0), (b1, r1) in itertools.pairwise(xs):
+        if b0 <= nbytes <= b1:
+            f = (math.log(nbytes) - math.log(b0)) / (math.log(b1) - math.log(b0))
+            return r0 + f * (r1 - r0)
+    raise AssertionError("unreachable")
+
+
+def kernel_ms(points: dict[int, float], layout: Layout, nbytes: float, speedup: float, floor_ms: float) -> float:
+    """A kernel measured on the H200 (`points`) run over `nbytes` on a GPU `speedup` x faster."""
+    if nbytes <= 0:
+        return 0.0
+    return floor_ms + nbytes * ms_per_byte(points, layout, nbytes) / speedup
+
+
+def nic_gb_s(a: Assumptions) -> float:
+    return a.nic_gbit / 8 * a.nic_efficiency
+
+
+def wire_ms(nbytes: float, a: Assumptions) -> float:
+    """Bytes over one NIC (GB = 1e9 B), no round trips."""
+    return nbytes / (nic_gb_s(a) * 1e9) * 1e3
+
+
+def first_step_ms(tokens: int, a: Assumptions) -> float:
+    (x0, y0), (x1, y1) = a.tpot_points[0], a.tpot_points[-1]
+    t = min(max(tokens, x0), x1)
+    f = (math.log(t) - math.log(x0)) / (math.log(x1) - math.log(x0))
+    return y0 + f * (y1 - y0)
+
+
+# -- the two paths -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Serial:
+    tokens: int
+    state_gb: float
+    extract: float
+    wire: float
+    digest: float
+    convert: float
+    inject: float
+    first_step: float
+
+    @property
+    def total(self) -> float:
+        return self.extract + self.wire + self.digest + self.convert + self.inject + self.first_step
+
+
+@dataclass(frozen=True)
+class Overlap:
+    tokens: int
+    #: forward time of one main layer (from the assumed prefill throughput), ms
+    forward_per_layer: float
+    #: the slowest per-layer pipeline stage (extract, wire or convert of one layer, digests included), ms
+    stage_per_layer: float
+    #: prefill throughput above which the transfer can no longer keep up with the forward, tokens/s
+    break_even_tok_s: float
+    #: extract / wire / convert still running after the forward's end (the last layers, the MTP layer,
+    #: and any backlog when the transfer is the bottleneck), ms
+    in_flight: float
+    #: what of `in_flight` is backlog: the pipeline's finish beyond what an infinitely fast transfer of the
+    #: last main layer and the MTP layer would need, ms
+    backlog: float
+    done_ack: float
+    #: digest left after the last byte (0 when digests are per layer: then they are in `in_flight`), ms
+    digest: float
+    inject: float
+    first_step: float
+
+    @property
+    def transfer_bound(self) -> bool:
+        return self.stage_per_layer > 0 and self.backlog > 1e-9
+
+    @property
+    def total(self) -> float:
+        return self.in_flight + self.done_ack + self.digest + self.inject + self.first_step
+
+
+def _rank_costs(layout: Layout, m: Measured, a: Assumptions, tokens: int, layers: int) -> dict[str, float]:
+    """extract / wire / digest (sender + node) / convert / inject for `layers` layers on one rank."""
+    nbytes = layers * layer_bytes(layout, tokens)
+    out_bytes = layers * converted_layer_bytes(layout, tokens, a.engine_itemsize)
+    b200_copy = m.copy_gbs * a.hbm_ratio  # read + write GB/s
+    digest_one = kernel_ms(m.digest, layout, nbytes, 1.0, 0.0) if a.digest else 0.0
+    return {
+        "extract": kernel_ms(m.extract, layout, nbytes, a.hbm_ratio, a.launch_floor_ms),
+        "wire": wire_ms(nbytes, a),
+        "digest": 2 * digest_one,
+        "convert": kernel_ms(m.convert, layout, nbytes, a.hbm_ratio, a.launch_floor_ms),
+        "inject": a.launch_floor_ms + 2 * out_bytes / (b200_copy * 1e9) * 1e3,
+    }
+
+
+def serial(layout: Layout, m: Measured, a: Assumptions, tokens: int) -> Serial:
+    c = _rank_costs(layout, m, a, tokens, busiest_rank_layers(layout, a.ranks))
+    wire = (a.handshake_rtts + 1) * a.rtt_ms + c["wire"]
+    return Serial(tokens, state_bytes(layout, tokens) / 1e9, c["extract"], wire, c["digest"], c["convert"],
+                  c["inject"], first_step_ms(tokens, a))
+
+
+def _pipeline(avail: list[float], e: float, w: float, c: float, wire_from: float) -> float:
+    """Finish time of one rank's layers through extract -> wire -> convert, each stage one at a time,
+    layers in order, each starting as early as it can (layer i's state exists at avail[i])."""
+    e_free = w_free = c_free = 0.0
+    for t in avail:
+        e_free = max(t, e_free) + e
+        w_free = max(e_free, w_free, wire_from) + w
+        c_free = max(w_free, c_free) + c
+    return c_free
+
+
+def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_per_layer: bool = True) -> Overlap:
+    """Layer-wise overlap: the forward computes main layer i during [i*f, (i+1)*f], the MTP drafter one
+    more layer's time after the last; the forward ends at F = (main + 1) * f. Each rank pipelines its
+    layers (senders_layers) through extract, wire (after the handshake, started with the forward) and
+    convert; the per-layer costs are the rank's whole-state costs split evenly over its layers, so the
+    same work is done as in the serial path. Digests per layer ride in wire (sender) and convert (node);
+    with `digest_per_layer` off the whole-state digest runs after the last byte, as today."""
+    n_busy = busiest_rank_layers(layout, a.ranks)
+    whole = _rank_costs(layout, m, a, tokens, n_busy)
+    dig = whole["digest"] / 2 / n_busy if digest_per_layer else 0.0  # one side's hash of one layer
+    e, w, c = whole["extract"] / n_busy, whole["wire"] / n_busy + dig, whole["convert"] / n_busy + dig
+    main = layout.num_layers - layout.num_mtp_layers
+    f = tokens / a.prefill_tok_s / (main + layout.num_mtp_layers) * 1e3
+    end = (main + layout.num_mtp_layers) * f
+    handshake = a.handshake_rtts * a.rtt_ms
+
+    def avail(lid: int) -> float:
+        return (lid + 1) * f if lid < main else end
+
+    def finish(e: float, w: float, c: float) -> float:
+        return max(_pipeline([avail(lid) for lid in layouts.senders_layers(layout, r, a.ranks)], e, w, c, handshake)
+                   for r in range(a.ranks))
+
+    in_flight = max(0.0, finish(e, w, c) - end)
+    # The same pipeline with the transfer infinitely fast except for the last main and the MTP layer
+    # would still leave those two: the rest is backlog.
+    last = max(0.0, max(max(avail(lid), handshake) for lid in range(main - 1, layout.num_layers)) - end) \
+        + max(e + w + c, 0.0)
+    stage = max(e, w, c)
+    break_even = a.ranks * tokens * 1e3 / (main * stage) if stage > 0 else math.inf
+    backlog = max(0.0, in_flight - last) if stage > a.ranks * f else 0.0
+    return Overlap(tokens, f, stage, break_even, in_flight, backlog, a.rtt_ms,
+                   0.0 if digest_per_layer else whole["digest"], whole["inject"], first_step_ms(tokens, a))
+
+
+# -- measured numbers from RESULTS.md ----------------------------------------------------------------
+
+def _block(text: str, key: str) -> str:
+    found = re.search(rf"<!-- bench:{re.escape(key)} begin.*?-->(.*?)<!-- bench:{re.escape(key)} end -->", text, re.S)
+    if not found:
+        raise ValueError(f"bench/RESULTS.md has no generated section {key!r}; run its bench first")
+    return found.group(1)
+
+
+def _rows(block: str) -> list[dict[str, str]]:
+    lines = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("|")]
+    header = [h.strip() for h in lines[0].strip("|").split("|")]
+    return [dict(zip(header, [c.strip() for c in ln.strip("|").split("|")], strict=False)) for ln in lines[2:]]
+
+
+def _tokens(cell: str) -> int | None:
+    found = re.search(r"(\d+)\s*k\b", cell)
+    return int(found.group(1)) * 1024 if found else None
+
+
+def _num(cell: str) -> float | None:
+    found = re.match(r"\s*([\d,]*\.?\d+)", cell)
+    return float(found.group(1).replace(",", "")) if found else None
+
+
+def _column(rows: list[dict[str, str]], *want: str) -> str:
+    """The first header that contains every word in `want` (case-insensitive)."""
+    for h in rows[0]:
+        if all(w.lower() in h.lower() for w in want):
+            return h
+    raise ValueError(f"no column with {want} in {list(rows[0])}")
+
+
+def _points(block: str, *want: str) -> dict[int, float]:
+    """tokens (the row's first cell: 8k, 32k, ...) -> the number under the column matching `want`."""
+    rows = _rows(block)
+    col = _column(rows, *want)
+    out = {}
+    for r in rows:
+        n, ms = _tokens(next(iter(r.values()), "")), _num(r.get(col, ""))
+        if n is not None and ms is not None:
+            out[n] = ms
+    if not out:
+        raise ValueError(f"no numbers under {col!r}")
+    return out
+
+
+def _meta(block: str) -> str:
+    found = re.search(r"Date: ([^.]+)\. Commit: `([^`]+)`", block)
+    return f"{found.group(1)}, commit {found.group(2)}" if found else "unknown run"
+
+
+def measured_from_results(text: str) -> Measured:
+    """H200 kernel times from RESULTS.md's extract, convert and digest-cuda sections, whatever run last
+    wrote them (the fastest fused extraction, the fused conversion, the pipelined blake3 digest)."""
+    ex, cv, dg = _block(text, "extract"), _block(text, "convert"), _block(text, "digest-cuda")
+    extract = _points(ex, "fused", "fastest") if "fastest" in ex else _points(ex, "fused", "ms")
+    convert = _points(cv, "fused", "ms")
+    digest = _points(dg, "of_ranges")
+    copies = [float(x.replace(",", "")) for x in re.findall(r"Copy bandwidth ([\d,.]+) GB/s", ex + cv)]
+    if not copies:
+        raise ValueError("no 'Copy bandwidth ... GB/s' line in the extract/convert sections")
+    return Measured(extract, convert, digest, sum(copies) / len(copies),
+                    {"extract": _meta(ex), "convert": _meta(cv), "digest-cuda": _meta(dg)})
+
+
+# -- output -------------------------------------------------------------------------------------------
+
+def _k(n: int) -> str:
+    return f"{n // 1024}k"
+
+
+def report(m: Measured, a: Assumptions, lengths: tuple[int, ...] = LENGTHS) -> str:
+    layout = glm5()
+    ser = [serial(layout, m, a, n) for n in lengths]
+    ovl = [overlap(layout, m, a, n) for n in lengths]
+    t1 = table(["prompt", "state GB", "extract", "wire", "digest", "convert", "inject", "first step",
+                "gap ms (serial)"],
+               [[_k(s.tokens), f"{s.state_gb:.3f}", *[f"{x:.2f}" for x in (s.extract, s.wire, s.digest, s.convert,
+                                                                           s.inject, s.first_step, s.total)]]
+                for s in ser])
+    end = [overlap(layout, m, a, n, digest_per_layer=False) for n in lengths]
+    t2 = table(["prompt", "forward ms / layer (assumed)", "slowest stage ms / layer", "break-even prefill tok/s",
+                "transfer-bound", "extract+wire+convert in flight after forward end", "of which backlog",
+                "done/ack", "inject", "first step", "gap ms (overlap)"],
+               [[_k(o.tokens), f"{o.forward_per_layer:.3f}", f"{o.stage_per_layer:.3f}",
+                 f"{o.break_even_tok_s:,.0f}", "yes" if o.transfer_bound else "no",
+                 *[f"{x:.2f}" for x in (o.in_flight, o.backlog, o.done_ack, o.inject, o.first_step, o.total)]]
+                for o in ovl])
+    t3 = table(["prompt", "serial ms", "overlap ms", "overlap / serial", "overlap, digest at end ms",
+                "serial in TileRT steps", "overlap in TileRT steps"],
+               [[_k(s.tokens), f"{s.total:.2f}", f"{o.total:.2f}", f"{o.total / s.total:.2f}x",
+                 f"{d.total:.2f}", f"{s.total / s.first_step:.1f}", f"{o.total / o.first_step:.1f}"]
+                for s, o, d in zip(ser, ovl, end, strict=True)])
+    return ("Serial (today): stage ms on the busiest of 8 ranks, from the forward's end\n\n" + t1 +
+            "\n\nLayer-wise overlap: what is left after the forward's end\n\n" + t2 + "\n\nGap\n\n" + t3)
+
+
+def notes(m: Measured, a: Assumptions) -> str:
+    layout = glm5()
+    meas = (f"MEASURED on one H200 (parsed from bench/RESULTS.md at run time): extraction (fused, fastest run) "
+            f"{_fmt(m.extract)} [extract: {m.provenance.get('extract')}]; conversion (fused) {_fmt(m.convert)} "
+            f"[convert: {m.provenance.get('convert')}]; digest, pinned host copies + blake3 {_fmt(m.digest)} "
+            f"[digest-cuda: {m.provenance.get('digest-cuda')}]; copy bandwidth {m.copy_gbs:,.0f} GB/s (read + write).")
+    assumed = "ASSUMED: " + "; ".join(
+        f"{k} = {v}" + (f" ({SOURCES[k]})" if k in SOURCES else "") for k, v in asdict(a).items())
+    sizes = (f"Sizes from the layout registry: {layout.describe()}, {layout.num_layers} layers "
+             f"({layout.num_mtp_layers} MTP), {layer_bytes(layout, 8192) / 1e6:.2f} MB per layer at 8k; the busiest of "
+             f"{a.ranks} ranks holds {busiest_rank_layers(layout, a.ranks)} layers; one NIC moves {nic_gb_s(a):.1f} GB/s.")
+    return "\n\n".join([meas, assumed, sizes, "Model: see the docstring of bench/gap/projection.py."])
+
+
+def _fmt(points: dict[int, float]) -> str:
+    return " / ".join(f"{ms:g} ms at {_k(n)}" for n, ms in sorted(points.items()))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else "")
+    ap.add_argument("--results", type=Path, default=RESULTS, help="where the H200 kernel times are read from")
+    ap.add_argument("--prefill-tok-s", type=float, default=Assumptions.prefill_tok_s)
+    ap.add_argument("--nic-gbit", type=float, default=Assumptions.nic_gbit)
+    ap.add_argument("--nic-efficiency", type=float, default=Assumptions.nic_efficiency)
+    ap.add_argument("--rtt-ms", type=float, default=Assumptions.rtt_ms)
+    ap.add_argument("--digest", choices=("on", "off"), default="on")
+    ap.add_argument("--no-record", action="store_true")
+    args = ap.parse_args(argv)
+    m = measured_from_results(args.results.read_text())
+    a = Assumptions(prefill_tok_s=args.prefill_tok_s, nic_gbit=args.nic_gbit, nic_efficiency=args.nic_efficiency,
+                    rtt_ms=args.rtt_ms, digest=args.digest == "on")
+    body, why = report(m, a), notes(m, a)
+    print(body)
+    print()
+    print(why)
+    if not args.no_record:
+        record("gap-glm5", "The handoff gap projected to GLM-5 on 8xB200 (`bench/gap/projection.py`)", body,
+               notes=why)
+
+
+if __name__ == "__main__":
+    main()
