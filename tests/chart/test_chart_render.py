@@ -18,6 +18,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tilert_operator.render import network
+
 ROOT = Path(__file__).resolve().parents[2]
 CHART_DIR = ROOT / "charts" / "tilert-pd"
 CRD_FILE = ROOT / "crds" / "pdcluster.yaml"
@@ -56,7 +58,7 @@ MATRIX: dict[str, tuple[dict[str, Any], str]] = {
     "image-overrides": (
         {"image": {"repository": "registry.example.com:5000/mirror/tilert-pd-operator",
                    "tag": "0.1.0@sha256:" + "a" * 64, "pullPolicy": "Always"},
-         "imagePullSecrets": [{"name": "regcred"}], "fullnameOverride": "pd-operator"},
+         "imagePullSecrets": [{"name": "regcred"}], "fullnameOverride": "pd-operator", "nameOverride": "pd"},
         "ops",
     ),
     "namespaced-existing-sa-no-metrics": (
@@ -134,6 +136,9 @@ def test_operator_deployment_contract(chart: Any, case: str) -> None:
     spec, pod = dep["spec"], dep["spec"]["template"]["spec"]
     assert spec["replicas"] == 1 and spec["strategy"] == {"type": "Recreate"}
     assert spec["selector"]["matchLabels"].items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+    # The TileRT nodes' NetworkPolicy admits the operator's pod (HandoffReady) by these labels.
+    peer = network.OPERATOR_PEER["podSelector"]["matchLabels"]
+    assert peer.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
     (c,) = pod["containers"]
     assert c["command"] == ["tilert-pd", "operator"]
     ports = {p["name"]: p["containerPort"] for p in c["ports"]}

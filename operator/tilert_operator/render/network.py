@@ -75,10 +75,11 @@ def _policy(cluster: str, namespace: str, component: str, ingress: list[Manifest
     }
 
 
-#: The operator's pods, in whatever namespace the chart installed them (the chart's selector labels):
+#: The operator's pods, in whatever namespace the chart installed them, by the two labels the chart
+#: gives its pod whatever the release is named or overridden to (nameOverride changes the name label):
 #: it reads each TileRT node's /v1/status (HandoffReady), with the node-API token the node requires.
 OPERATOR_PEER: Manifest = {"namespaceSelector": {},
-                           "podSelector": {"matchLabels": {constants.LABEL_NAME: "tilert-pd",
+                           "podSelector": {"matchLabels": {constants.LABEL_PART_OF: "tilert-pd",
                                                            "app.kubernetes.io/component": "operator"}}}
 
 
