@@ -91,6 +91,10 @@ SOURCES = {
     "prefill_tok_s": "assumed; not measured here (no B200, no GLM-5 weights)",
     "tpot_points": "TileRT v0.1.5 chart, GLM-5.1-FP8 on 8xB200, no MTP: 301 UTPS at 1K, 169 at 192K",
     "launch_floor_ms": "assumed",
+    "digest": ("the 8 ranks' digests each at the single-H200 rate, side by side (optimistic: 8 at once ask ~350 GB/s "
+               "of host copies and BLAKE3 of each host)"),
+    "ranks": "TP=8 prefill, each rank sends its layers over its own NIC (layouts.senders_layers); the node's "
+             "receive buffer sharded the same way over its 8 GPUs",
 }
 
 

@@ -35,6 +35,7 @@ import argparse
 import http.client
 import json
 import math
+import os
 import random
 import statistics
 import subprocess
@@ -385,15 +386,16 @@ def main() -> None:
     with stack(home, configs) as st:
         lengths = [st.max_seq_len - 2 if x == "max" else int(x) for x in args.lengths.split(",")]
         names = [c for c, _ in configs]
+        load0 = os.getloadavg()[0]
         batches = measure(st, lengths, args.rounds, names)
-        load = __import__("os").getloadavg()[0]
+        load = os.getloadavg()[0]
     main_t, ratio_t = tables(batches, lengths, names)
     how = (f"`{KEY}` set in each prefill's connector config (false / true)" if st.layerwise else
            f"the connector does not know `{KEY}` yet (tilert_serve/pd_vllm/config.py): BOTH prefills run "
            "today's serial path, so the two configurations measure the same thing and their ratio is noise")
     notes = (f"Tiny CPU stack ({SPEC}, reshaped: {len(names)} prefill(s), 1 TileRT node on the reference engine, "
              f"float32, Mooncake over TCP on loopback); {args.rounds} requests per length and configuration, the "
-             f"configurations alternating request by request; load average {load:.1f} at the end. Layer-wise: {how}. "
+             f"configurations alternating request by request; load average (1 min) {load0:.1f} at the start of the requests, {load:.1f} at the end. Layer-wise: {how}. "
              "Gap = the node's first decoded token read by the client - the prefill's answer read (median / p90). "
              "Node stages are medians of the done event's timings (decode_ms with max_tokens=1 = the first decode "
              "step); extraction and the sender's wire time are per-request means of the prefill's "
