@@ -100,7 +100,7 @@ SOURCES = {
 
 @dataclass(frozen=True)
 class Measured:
-    """H200 kernel times for the whole GLM-5 state: tokens -> (state bytes, ms)."""
+    """H200 kernel times for the whole GLM-5 state: tokens -> ms (a caller's view: the call timed)."""
 
     extract: dict[int, float]
     convert: dict[int, float]
@@ -109,6 +109,10 @@ class Measured:
     copy_gbs: float
     #: where each came from (section, date, commit line), for the output.
     provenance: dict[str, str] = field(default_factory=dict)
+    #: ms per ONE layer's call at that many tokens, where the benches measured the per-layer variant the
+    #: overlap uses (empty: the model splits the whole-state time evenly over the layers instead).
+    extract_layer: dict[int, float] = field(default_factory=dict)
+    convert_layer: dict[int, float] = field(default_factory=dict)
 
 
 # -- sizes: the layout registry is the one source ----------------------------------------------------
@@ -136,10 +140,11 @@ def busiest_rank_layers(layout: Layout, ranks: int) -> int:
 
 # -- scaling measured kernel times -------------------------------------------------------------------
 
-def ms_per_byte(points: dict[int, float], layout: Layout, nbytes: float) -> float:
-    """ms per byte at `nbytes` of state, from the H200 points (tokens -> ms for the whole state),
-    interpolated in log(bytes), clamped to the measured range."""
-    xs = sorted((state_bytes(layout, n), ms / state_bytes(layout, n)) for n, ms in points.items())
+def ms_per_byte(points: dict[int, float], layout: Layout, nbytes: float, *, per_layer: bool = False) -> float:
+    """ms per byte at `nbytes`, from the H200 points (tokens -> ms for the whole state, or for one layer
+    with `per_layer`), interpolated in log(bytes), clamped to the measured range."""
+    size = (lambda n: layer_bytes(layout, n)) if per_layer else (lambda n: state_bytes(layout, n))
+    xs = sorted((size(n), ms / size(n)) for n, ms in points.items())
     if not xs:
         raise ValueError("no measured points")
     if nbytes <= xs[0][0]:
@@ -261,13 +266,23 @@ def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_
     """Layer-wise overlap: the forward computes main layer i during [i*f, (i+1)*f], the MTP drafter one
     more layer's time after the last; the forward ends at F = (main + 1) * f. Each rank pipelines its
     layers (senders_layers) through extract, wire (after the handshake, started with the forward) and
-    convert; the per-layer costs are the rank's whole-state costs split evenly over its layers, so the
-    same work is done as in the serial path. Digests per layer ride in wire (sender) and convert (node);
-    with `digest_per_layer` off the whole-state digest runs after the last byte, as today."""
+    convert. Per-layer extract and convert costs are the per-layer calls measured on the H200 where the
+    benches measured them (`Measured.extract_layer` / `convert_layer`), else the rank's whole-state costs
+    split evenly over its layers; with the even split the same work is done as in the serial path, so the
+    overlap can only be shorter; measured per-layer calls carry their own launch overhead, and with a
+    forward too short to hide it the overlap can lose (then it should be off). Digests per layer ride in
+    wire (sender) and convert (node); with `digest_per_layer` off the whole-state digest runs after the
+    last byte, as today."""
     n_busy = busiest_rank_layers(layout, a.ranks)
     whole = _rank_costs(layout, m, a, tokens, n_busy)
     dig = whole["digest"] / 2 / n_busy if digest_per_layer else 0.0  # one side's hash of one layer
-    e, w, c = whole["extract"] / n_busy, whole["wire"] / n_busy + dig, whole["convert"] / n_busy + dig
+    e, c = whole["extract"] / n_busy, whole["convert"] / n_busy
+    lb = layer_bytes(layout, tokens)
+    if m.extract_layer:  # the per-layer call as measured (launch overhead and all), scaled like the rest
+        e = lb * ms_per_byte(m.extract_layer, layout, lb, per_layer=True) / a.hbm_ratio
+    if m.convert_layer:
+        c = lb * ms_per_byte(m.convert_layer, layout, lb, per_layer=True) / a.hbm_ratio
+    w, c = whole["wire"] / n_busy + dig, c + dig
     main = layout.num_layers - layout.num_mtp_layers
     f = tokens / a.prefill_tok_s / (main + layout.num_mtp_layers) * 1e3
     end = (main + layout.num_mtp_layers) * f
@@ -325,17 +340,20 @@ def _column(rows: list[dict[str, str]], *want: str) -> str:
     raise ValueError(f"no column with {want} in {list(rows[0])}")
 
 
-def _points(block: str, *want: str) -> dict[int, float]:
-    """tokens (the row's first cell: 8k, 32k, ...) -> the number under the column matching `want`."""
+def _points(block: str, *want: str, what: str | None = None) -> dict[int, float]:
+    """tokens (the row's first cell: 8k, 32k, ...) -> the number under the column matching `want`. Tables
+    with `what` / `timing` columns (one row per variant) give the rows of `what` timed as a `call`."""
     rows = _rows(block)
     col = _column(rows, *want)
+    if "what" in rows[0] and what is not None:
+        rows = [r for r in rows if r.get("what") == what and r.get("timing", "call") == "call"]
     out = {}
     for r in rows:
         n, ms = _tokens(next(iter(r.values()), "")), _num(r.get(col, ""))
         if n is not None and ms is not None:
             out[n] = ms
     if not out:
-        raise ValueError(f"no numbers under {col!r}")
+        raise ValueError(f"no numbers under {col!r}" + (f" for {what!r} calls" if what else ""))
     return out
 
 
@@ -346,16 +364,28 @@ def _meta(block: str) -> str:
 
 def measured_from_results(text: str) -> Measured:
     """H200 kernel times from RESULTS.md's extract, convert and digest-cuda sections, whatever run last
-    wrote them (the fastest fused extraction, the fused conversion, the pipelined blake3 digest)."""
+    wrote them: the fused extraction (its fastest run where several are given) and conversion as a
+    caller times them, their per-layer calls where measured, the pipelined blake3 digest."""
     ex, cv, dg = _block(text, "extract"), _block(text, "convert"), _block(text, "digest-cuda")
-    extract = _points(ex, "fused", "fastest") if "fastest" in ex else _points(ex, "fused", "ms")
-    convert = _points(cv, "fused", "ms")
+    extract = _points(ex, "fused", "fastest") if "fastest" in ex else _points(ex, "fused", "ms", what="whole")
+    convert = _points(cv, "fused", "ms", what="whole")
+    per_layer = {}
+    for name, block in (("extract", ex), ("convert", cv)):
+        try:
+            per_layer[name] = _points(block, "fused", "ms", what="per layer")
+        except ValueError:
+            per_layer[name] = {}
+    if "what" not in _rows(ex)[0]:
+        per_layer["extract"] = {}
+    if "what" not in _rows(cv)[0]:
+        per_layer["convert"] = {}
     digest = _points(dg, "of_ranges")
     copies = [float(x.replace(",", "")) for x in re.findall(r"Copy bandwidth ([\d,.]+) GB/s", ex + cv)]
     if not copies:
         raise ValueError("no 'Copy bandwidth ... GB/s' line in the extract/convert sections")
     return Measured(extract, convert, digest, sum(copies) / len(copies),
-                    {"extract": _meta(ex), "convert": _meta(cv), "digest-cuda": _meta(dg)})
+                    {"extract": _meta(ex), "convert": _meta(cv), "digest-cuda": _meta(dg)},
+                    per_layer["extract"], per_layer["convert"])
 
 
 # -- output -------------------------------------------------------------------------------------------
@@ -394,7 +424,10 @@ def notes(m: Measured, a: Assumptions) -> str:
     layout = glm5()
     meas = (f"MEASURED on one H200 (parsed from bench/RESULTS.md at run time): extraction (fused, fastest run) "
             f"{_fmt(m.extract)} [extract: {m.provenance.get('extract')}]; conversion (fused) {_fmt(m.convert)} "
-            f"[convert: {m.provenance.get('convert')}]; digest, pinned host copies + blake3 {_fmt(m.digest)} "
+            f"[convert: {m.provenance.get('convert')}]; per-layer calls: extraction "
+            f"{_fmt(m.extract_layer) if m.extract_layer else 'not measured (whole-state time split evenly)'}, "
+            f"conversion {_fmt(m.convert_layer) if m.convert_layer else 'not measured (whole-state time split evenly)'}"
+            f" (ms per layer); digest, pinned host copies + blake3 {_fmt(m.digest)} "
             f"[digest-cuda: {m.provenance.get('digest-cuda')}]; copy bandwidth {m.copy_gbs:,.0f} GB/s (read + write).")
     assumed = "ASSUMED: " + "; ".join(
         f"{k} = {v}" + (f" ({SOURCES[k]})" if k in SOURCES else "") for k, v in asdict(a).items())
