@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import os
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -109,6 +110,24 @@ class RunningNode:
         lines = [ln for ln in out.decode().splitlines() if ln.startswith(("RESULT ", "ACCEPTED"))]
         assert lines, f"sender printed nothing useful (rc {proc.returncode}): {out.decode()[-2000:]}"
         return lines[-1]
+
+
+@contextlib.contextmanager
+def converter_held(node: DecodeNode, index: int = 0) -> Iterator[None]:
+    """Hold slot `index`'s converter thread (node.py converts as the state lands) until the block ends:
+    what lands meanwhile is checked and converted only after, as if /generate had come first."""
+    release, holding = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        holding.set()
+        release.wait(30)
+
+    node._converters[index].submit(hold)
+    assert holding.wait(10)
+    try:
+        yield
+    finally:
+        release.set()
 
 
 @pytest.fixture

@@ -1,7 +1,14 @@
 """A prefill-side sender in its own process (the tests' other end of the wire).
 
 usage: sender_proc.py CASE NUM_TOKENS SEED ENGINE HOST PORT SECRET_FILE REQUEST_ID [TICKET] [--die-after-accept]
+                      [--no-digest] [--layerwise] [--die-after-layers=K] [--give-up-after-layers=K]
+                      [--hold-after-layers=K]
 Prints one line `RESULT {json}`.
+
+--layerwise hands the sender a LayerSource that gives one layer at a time, as a prefill's forward
+does; --die-after-layers kills the process (SIGKILL) once K layers were given, --give-up-after-layers
+makes the source fail (the prefill gave up), --hold-after-layers prints `HELD` after K layers and
+waits for a line on stdin before giving the rest.
 """
 
 from __future__ import annotations
@@ -17,7 +24,7 @@ import torch
 from tilert_serve import transfer
 from tilert_serve.handoff import auth, messages
 from tilert_serve.handoff.framing import Session, SyncChannel
-from tilert_serve.handoff.sender import HandoffRequest, Sender
+from tilert_serve.handoff.sender import HandoffRequest, LayerSourceFailed, Sender
 from tilert_serve.layouts import Placement
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -39,6 +46,35 @@ def die_after_accept(host: str, port: int, secret: bytes, req: HandoffRequest, f
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _flag(name: str) -> int | None:
+    for a in sys.argv:
+        if a.startswith(f"--{name}="):
+            return int(a.split("=", 1)[1])
+    return None
+
+
+class OneByOne:
+    """A LayerSource giving the layers one at a time, with the failure modes the flags ask for."""
+
+    def __init__(self, num_layers: int) -> None:
+        self.left = list(range(num_layers))
+        self.given = 0
+
+    def next_layers(self, timeout: float) -> list[int] | None:
+        if self.given == _flag("die-after-layers"):
+            print(f"ACCEPTED and dying after {self.given} layers", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self.given == _flag("give-up-after-layers"):
+            raise LayerSourceFailed("the prefill gave up (test)")
+        if self.given == _flag("hold-after-layers"):
+            print("HELD", flush=True)
+            sys.stdin.readline()
+        if not self.left:
+            return None
+        self.given += 1
+        return [self.left.pop(0)]
+
+
 def main() -> None:
     args = [a for a in sys.argv[1:] if not a.startswith("--")]
     case, n, seed, engine_name, host, port, secret_file, request_id = args[:8]
@@ -57,7 +93,8 @@ def main() -> None:
     engine.register(buf.data_ptr(), buf.numel())
     sender = Sender(name="test-sender", secret=secret, engine=engine, staging=staging, staging_buffers=[buf],
                     timeout_s=20, send_digest="--no-digest" not in sys.argv)
-    result = sender.send(host, int(port), req)
+    source = OneByOne(layout.num_layers) if "--layerwise" in sys.argv else None
+    result = sender.send(host, int(port), req, layers=source)
     print("RESULT " + json.dumps(dataclasses.asdict(result)), flush=True)
     os._exit(0)  # NIXL/UCX teardown can crash at exit (reference/transfer-engines.md §3.5)
 

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.decode import synthetic
-from tests.decode.conftest import SECRET, running_node
+from tests.decode.conftest import SECRET, converter_held, running_node
 from tilert_serve import transfer
 from tilert_serve.decode import ctrl
 from tilert_serve.handoff import auth, framing, messages
@@ -157,15 +157,17 @@ async def test_relay_sending_its_own_request_after_the_hello_is_refused(secret_f
 async def test_write_over_a_ready_slot_is_refused_by_the_digest(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         _, adm = await n.admit("victim")
-        line = await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], request_id="victim")
-        assert json.loads(line[7:])["ok"], line
-        # Another process on the data plane writes into the READY slot: no secret needed for that.
-        junk = torch.full((4096,), 0x41, dtype=torch.uint8)
-        attacker = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="attacker")
-        attacker.register(junk.data_ptr(), junk.numel())
-        peer = attacker.connect(n.node.transfer.peer_info())
-        region = n.node.buffers.regions(0)[0]
-        attacker.write(peer, [transfer.WriteOp(junk.data_ptr(), region.addr + 100, junk.numel())])
+        # The node checks a state as soon as it lands; held here, the write below comes before the check.
+        with converter_held(n.node):
+            line = await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], request_id="victim")
+            assert json.loads(line[7:])["ok"], line
+            # Another process on the data plane writes into the READY slot: no secret needed for that.
+            junk = torch.full((4096,), 0x41, dtype=torch.uint8)
+            attacker = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="attacker")
+            attacker.register(junk.data_ptr(), junk.numel())
+            peer = attacker.connect(n.node.transfer.peer_info())
+            region = n.node.buffers.regions(0)[0]
+            attacker.write(peer, [transfer.WriteOp(junk.data_ptr(), region.addr + 100, junk.numel())])
         status, events = await n.generate(adm["ticket"])
         assert status == 502 and events[0]["error"]["type"] == "handoff_failed"
         assert "digest differs" in events[0]["error"]["message"]

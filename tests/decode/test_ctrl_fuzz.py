@@ -4,8 +4,9 @@
   whose fields are long enough (64 hex digits) to reach the HMAC check;
 - after authentication: sealed frames of every kind with plausible fields (so they reach the message
   logic), and unsealed or altered frames (which must fail the session check);
-- after a valid Request (the node's own layout fingerprint): fuzzed Done messages, then the router's
-  generate call on the ticket, which must stream or fail with a reason.
+- after a valid Request (the node's own layout fingerprint): fuzzed Done messages, or fuzzed
+  LayersDone frames then a Done, then the router's generate call on the ticket, which must stream or
+  fail with a reason.
 
 The oracle: every frame we send is answered with a reasoned Error or Reject (a non-empty message) or
 processed (Hello, Accept, Ack); an empty reply is a failure, except where our first frame was itself an
@@ -202,7 +203,7 @@ values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=
                       max_leaves=8)
 FIELDS = ["request_id", "ticket", "num_tokens", "last_prompt_token", "layout_fingerprint", "sender_rank",
           "num_senders", "generation", "ok", "nbytes", "mac", "nonce", "sender", "digest", "writes_started",
-          "prompt_token_ids", "reason", "message", "status", "error"]
+          "prompt_token_ids", "reason", "message", "status", "error", "layers"]
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=10)
 
 
@@ -298,6 +299,48 @@ def test_requests_reach_accept_done_and_generation(node, num_tokens, same_genera
         assert status == 200 and events[-1]["done"], events
     else:
         assert status in (502, 504) and events[0]["error"]["message"], (status, events)
+    assert slot.state.value in ("free", "quarantined")
+    node.check_alive()
+
+
+layer_lists = st.one_of(st.lists(st.integers(-2, LAYOUT.num_layers + 1), max_size=4), values)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(num_tokens=st.integers(1, MAX_SEQ_LEN), frames=st.lists(st.tuples(
+    layer_lists, st.sampled_from([0, 0, 1]), st.sampled_from(["zeros", "random", "bad-alg", 7]),
+    st.sampled_from(["fuzz-req", "other"])), min_size=1, max_size=3))
+def test_layers_done_frames_are_validated(node, num_tokens, frames):
+    node.wait_free()
+    status, (adm,) = node.http("/v1/admit", {"request_id": "fuzz-req"})
+    assert status == 200, adm
+    conn = Conn(node.port)
+    assert conn.authenticate().layerwise
+    accept = conn.request(adm["ticket"], num_tokens)
+    slot = node.n.node.slots.slots[accept.slot]
+    views, place = node.n.node.buffers.views(accept.slot), node.n.node.buffers.placement
+    assert conn.chan.session is not None
+    payload = b""
+    for layers, generation_offset, digest_kind, request_id in frames:
+        valid = isinstance(layers, list) and all(isinstance(x, int) and 0 <= x < LAYOUT.num_layers for x in layers)
+        written: object = digest_kind
+        if digest_kind == "zeros":
+            written = (digest.of_ranges(views, digest.receiver_ranges(place, 0, 1, num_tokens, layers), "blake2b")
+                       if valid and layers else "blake2b:" + "0" * 64)
+        elif digest_kind == "random":
+            written = "blake2b:" + "0" * 64
+        elif digest_kind == "bad-alg":
+            written = "md5:00"
+        body = {"request_id": request_id, "generation": accept.generation + generation_offset, "layers": layers,
+                "nbytes": 0, "digest": written}
+        payload += _sealed(conn.chan.session, messages.LayersDone.KIND, json.dumps(body).encode())
+    done = {"request_id": "fuzz-req", "generation": accept.generation, "ok": True, "nbytes": 0,
+            "digest": digest.of_ranges(views, digest.receiver_ranges(place, 0, 1, num_tokens), "blake2b")}
+    payload += _sealed(conn.chan.session, messages.Done.KIND, json.dumps(done).encode())
+    _assert_answered(conn.finish(payload), True)
+    status, events = node.http("/v1/generate", {"ticket": adm["ticket"], "first_token": 5, "max_tokens": 2})
+    assert status == 200 and events[-1]["done"] or status in (502, 504) and events[0]["error"]["message"], \
+        (status, events)
     assert slot.state.value in ("free", "quarantined")
     node.check_alive()
 

@@ -8,7 +8,7 @@ import asyncio
 import json
 
 from tests.decode import synthetic
-from tests.decode.conftest import running_node
+from tests.decode.conftest import converter_held, running_node
 
 CASE = "mla-f32"
 LAYOUT = synthetic.layout_for(CASE)
@@ -93,9 +93,10 @@ async def test_success_then_failures_with_their_reasons(secret_file, tmp_path):
 async def test_digest_mismatch_is_recorded(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         _, adm = await n.admit("torn")
-        line = await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id="torn")
-        assert json.loads(line[7:])["ok"]
-        n.node.buffers.views(0)[0][:64] += 1  # the bytes differ from what the sender hashed
+        with converter_held(n.node):  # checked after the bytes change, as if /generate came first
+            line = await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id="torn")
+            assert json.loads(line[7:])["ok"]
+            n.node.buffers.views(0)[0][:64] += 1  # the bytes differ from what the sender hashed
         status, _ = await n.generate(adm["ticket"], max_tokens=1)
         assert status == 502
         h = await _status(n)

@@ -103,6 +103,7 @@ def test_every_kind_round_trips():
         DONE,
         messages.Ack(request_id="r", status="complete"),
         messages.Error(reason=RejectReason.BAD_REQUEST, message="x"),
+        messages.LayersDone(request_id="r", generation=1, layers=[0, 2], nbytes=10, digest="blake3:" + "0" * 64),
     ]
     stream = b"".join(framing.encode(m) for m in samples)
     assert framing.Decoder().feed(stream) == samples

@@ -1,5 +1,10 @@
 """The node's control-plane server: one handoff per connection (see handoff/messages.py).
 
+Between Accept and Done a layer-wise sender may send LayersDone frames (Hello says `layerwise`): each
+must name this handoff's request and generation and layers of this sender rank not reported before;
+anything else is a protocol error like any other. The node queues each reported layer's digest check
+and conversion (node.layers_arrived) while the rest are still being written.
+
 Before the handshake completes a connection is unauthenticated: at most MAX_PREAUTH of them are
 held at once (more are told busy and closed), each frame is at most framing.PREAUTH_MAX_BODY bytes,
 and the Auth must come within HANDSHAKE_TIMEOUT_S. After it every frame is sealed with the session
@@ -21,6 +26,7 @@ from tilert_serve.decode.slots import DuplicateSender, NodeFull, Slot, UnknownTi
 from tilert_serve.handoff import auth, messages
 from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason, SessionError, VersionMismatch
 from tilert_serve.handoff.framing import HEADER, PREAUTH_MAX_BODY, Session, read_frame, write_message
+from tilert_serve.layouts import senders_layers
 
 if TYPE_CHECKING:
     from tilert_serve.decode.node import DecodeNode
@@ -146,8 +152,8 @@ async def _try_send(writer: asyncio.StreamWriter, msg: messages.Message, session
         pass
 
 
-async def _read(reader: asyncio.StreamReader, conn: _Conn, kind: type[messages.Message], timeout: float,
-                max_body: int | None = None) -> messages.Message:
+async def _read(reader: asyncio.StreamReader, conn: _Conn, kind: type[messages.Message] | tuple[type[messages.Message], ...],
+                timeout: float, max_body: int | None = None) -> messages.Message:
     if max_body is None:
         msg, _ = await asyncio.wait_for(read_frame(reader, conn.session), timeout)
     else:
@@ -155,7 +161,8 @@ async def _read(reader: asyncio.StreamReader, conn: _Conn, kind: type[messages.M
     if isinstance(msg, messages.Error):
         raise _PeerError(f"the sender reported {msg.reason.value}: {msg.message}"[:1000])
     if not isinstance(msg, kind):
-        raise MessageError(f"expected {kind.__name__}, got {type(msg).__name__}")
+        names = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
+        raise MessageError(f"expected {names}, got {type(msg).__name__}")
     return msg
 
 
@@ -212,15 +219,42 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
     await _receive(node, reader, writer, conn, req, slot)
 
 
+def _check_layers(msg: messages.LayersDone, req: messages.Request, generation: int, mine: set[int],
+                  reported: set[int]) -> None:
+    """A LayersDone must name this handoff, and layers this sender rank holds, each once."""
+    if msg.generation != generation or msg.request_id != req.request_id:
+        raise MessageError(f"LayersDone names request {msg.request_id!r} generation {msg.generation}, the slot was "
+                           f"accepted for {req.request_id!r} generation {generation}")
+    if len(set(msg.layers)) != len(msg.layers):
+        raise MessageError(f"LayersDone names a layer twice: {msg.layers}")
+    foreign = sorted(set(msg.layers) - mine)
+    if foreign:
+        raise MessageError(f"LayersDone names layers {foreign}, which sender rank {req.sender_rank} of "
+                           f"{req.num_senders} does not send (its layers: {sorted(mine)})")
+    again = sorted(set(msg.layers) & reported)
+    if again:
+        raise MessageError(f"LayersDone reports layers {again} again")
+
+
 async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn,
                    req: messages.Request, slot: Slot) -> None:
     generation = conn.generation
     await write_message(writer, messages.Accept(request_id=req.request_id, slot=slot.index, generation=generation,
                                                 regions=node.buffers.regions(slot.index),
                                                 max_tokens=node.config.max_seq_len), conn.session)
-    remaining = max(0.0, slot.deadline - node.slots.clock())
-    done = await _read(reader, conn, messages.Done, remaining)
-    assert isinstance(done, messages.Done)
+    deadline = slot.deadline
+    mine = set(senders_layers(node.layout, req.sender_rank, req.num_senders))
+    reported: set[int] = set()
+    while True:
+        frame = await _read(reader, conn, (messages.LayersDone, messages.Done),
+                            max(0.0, deadline - node.slots.clock()))
+        if isinstance(frame, messages.Done):
+            done = frame
+            break
+        assert isinstance(frame, messages.LayersDone)
+        _check_layers(frame, req, generation, mine, reported)
+        reported.update(frame.layers)
+        node.layers_arrived(slot, generation, req.sender_rank, frame.layers, frame.nbytes, frame.digest)
     if done.generation != generation or done.request_id != req.request_id:
         raise MessageError(f"Done names request {done.request_id!r} generation {done.generation}, the slot was "
                            f"accepted for {req.request_id!r} generation {generation}")

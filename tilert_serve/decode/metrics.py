@@ -18,11 +18,15 @@ class NodeMetrics:
         self.handoff_bytes = Counter("tilert_decode_handoff_bytes", "State bytes received", registry=r)
         self.handoff_seconds = Histogram("tilert_decode_handoff_seconds", "Accept to last rank done",
                                          buckets=_MS_BUCKETS, registry=r)
-        self.digest_seconds = Histogram("tilert_decode_digest_seconds", "Checking the state's digests",
+        self.layers_received = Counter("tilert_decode_layers_received",
+                                       "Layers reported written one by one (LayersDone), converted as they landed",
+                                       registry=r)
+        self.digest_seconds = Histogram("tilert_decode_digest_seconds",
+                                        "Checking the state's digests, after /generate found it",
                                         buckets=_MS_BUCKETS, registry=r)
         self.quarantined = Counter("tilert_decode_quarantined_slots",
                                    "Slots released while a sender's write could still land", registry=r)
-        self.convert_seconds = Histogram("tilert_decode_convert_seconds", "Wire bytes to engine tensors",
+        self.convert_seconds = Histogram("tilert_decode_convert_seconds", "Wire bytes to engine tensors, after /generate found the state",
                                          buckets=_MS_BUCKETS, registry=r)
         self.inject_seconds = Histogram("tilert_decode_inject_seconds", "Injection into the engine",
                                         buckets=_MS_BUCKETS, registry=r)

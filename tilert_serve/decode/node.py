@@ -1,8 +1,16 @@
 """The decode node: receive buffers, gated slots, the control-plane server, and the decode of each
 admitted request (convert -> inject -> decode with MTP -> stop rules -> text).
 
-Threads: the event loop owns the slot table, the control plane and HTTP; engine work (convert,
-inject, decode steps) runs in a pool with one worker per slot and reports back through the loop.
+Threads: the event loop owns the slot table, the control plane and HTTP; engine work (inject,
+decode steps) runs in a pool with one worker per slot and reports back through the loop.
+
+Conversion runs ahead of /generate, on one converter thread per slot (FIFO, so a slot's tasks run in
+the order they were queued): each layer a layer-wise sender reports done (LayersDone) is checked
+against its digest and converted as it lands, and once every rank reported done (READY) the rest is
+checked (Done's digests) and converted and the engine state assembled. /generate then waits only for
+what is still queued, injects and decodes. A state whose digest is wrong or missing is refused there,
+before anything is injected. Converted tensors belong to one generation of a slot: the slot's
+failure, release or quarantine drops them (a task of a dropped generation does nothing).
 """
 
 from __future__ import annotations
@@ -14,7 +22,7 @@ import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +38,8 @@ from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.decode.slots import Slot, SlotState, SlotTable
 from tilert_serve.decode.stopping import cut
 from tilert_serve.handoff import auth, digest, messages
-from tilert_serve.layouts import Layout, convert
+from tilert_serve.layouts import Layout, Placement, convert, senders_layers
+from tilert_serve.layouts.state import InjectedState, LayerState
 from tilert_serve.transfer import TransferEngine
 
 log = logging.getLogger(__name__)
@@ -160,6 +169,55 @@ def _protocol(transfer: TransferEngine) -> str | None:
 
 
 @dataclass
+class _Prepared:
+    """One slot generation's state as the converter thread builds it (see the module docstring)."""
+
+    generation: int
+    #: Converted layers (engine layers only), by layer id.
+    layers: dict[int, LayerState] = field(default_factory=dict)
+    #: Layers whose per-layer digest was checked, per sender rank.
+    verified: dict[int, set[int]] = field(default_factory=dict)
+    #: Why the state is refused (a layer's digest differs); raised at /generate, before injection.
+    refused: str | None = None
+    #: The assembled state (or StateRefused), queued when the slot became READY.
+    final: Future[InjectedState] | None = None
+    dropped: bool = False
+    #: Layers reported in LayersDone frames, the size of the last such frame, and when it came (slot clock).
+    layers_reported: int = 0
+    last_frame_layers: int = 0
+    t_last_layer: float | None = None
+    #: (kind "digest"|"convert", perf_counter start, end) of every converter task's work.
+    spans: list[tuple[str, float, float]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _overlap(spans: list[tuple[str, float, float]], kind: str, lo: float, hi: float) -> float:
+    return sum(max(0.0, min(end, hi) - max(start, lo)) for k, start, end in spans if k == kind)
+
+
+def _layer_state(region: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int,
+                 out_dtype: torch.dtype) -> LayerState:
+    """One layer of a slot's bytes in the engine's dtype: layouts.convert's per-layer helper when it has
+    one, else the same reads as its whole-state conversion, for one layer."""
+    helper = getattr(convert, "to_layer_state", None)
+    if helper is not None:
+        state: LayerState = helper(region, placement, layer, num_tokens, out_dtype)
+        return state
+    layout = placement.layout
+    mla = layout.plane("mla")
+    shard, off = placement.offset("mla", layer)
+    rows = region[shard][off:off + mla.nbytes(num_tokens)].view(num_tokens, mla.unit_bytes)
+    kv, pe = convert.mla_rows_to_kv_pe(rows, layout, out_dtype)
+    ki = None
+    if layout.index_head_dim:
+        idx = layout.plane("indexer")
+        shard, off = placement.offset("indexer", layer)
+        pages = region[shard][off:off + idx.nbytes(num_tokens)].view(idx.units(num_tokens), idx.unit_bytes)
+        ki = convert.indexer_pages_to_keys(pages, num_tokens, out_dtype)
+    return LayerState(kv=kv, pe=pe, ki=ki)
+
+
+@dataclass
 class _Waiters:
     event: asyncio.Event = field(default_factory=asyncio.Event)
     cancel: threading.Event = field(default_factory=threading.Event)
@@ -204,6 +262,10 @@ class DecodeNode:
         self.engine_dtype: torch.dtype = getattr(engine, "dtype", torch.float32)
         self._waiters = [_Waiters() for _ in range(config.slots)]
         self._pool = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="decode")
+        #: One converter thread per slot, and what it builds for the slot's current generation.
+        self._converters = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{i}")
+                            for i in range(config.slots)]
+        self._prepared: list[_Prepared | None] = [None] * config.slots
         self._server: asyncio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.ctrl_port = config.ctrl_port
@@ -237,6 +299,9 @@ class DecodeNode:
             self._server.close()
             await self._server.wait_closed()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        for i, converter in enumerate(self._converters):
+            self._drop(i)
+            converter.shutdown(wait=True, cancel_futures=True)
         self.buffers.unregister()
         self.transfer.close()
 
@@ -252,7 +317,12 @@ class DecodeNode:
 
     def _slot_changed(self, slot: Slot, event: str) -> None:
         self.metrics.slots_busy.set(self.slots.busy)
+        prepared = self._prepared[slot.index]
+        if prepared is not None and (prepared.generation != slot.generation
+                                     or event in ("failed", "released", "quarantined")):
+            self._drop(slot.index)
         if event == "complete":
+            self._queue_final(slot)
             self.metrics.handoffs.labels("complete").inc()
             self.metrics.handoff_bytes.inc(slot.nbytes)
             self.metrics.handoff_seconds.observe(slot.t_ready - slot.t_accept)
@@ -268,6 +338,124 @@ class DecodeNode:
         waiters = self._waiters[slot.index]
         waiters.event.set()
         waiters.event = asyncio.Event()
+
+    # -- conversion ahead of /generate -----------------------------------------------------------
+
+    def _drop(self, index: int) -> None:
+        """Forget what was converted for the slot's generation; its queued tasks then do nothing."""
+        prepared, self._prepared[index] = self._prepared[index], None
+        if prepared is not None:
+            with prepared.lock:
+                prepared.dropped = True
+                prepared.layers.clear()
+
+    def _prepared_for(self, slot: Slot) -> _Prepared:
+        prepared = self._prepared[slot.index]
+        if prepared is None or prepared.generation != slot.generation:
+            self._drop(slot.index)
+            prepared = self._prepared[slot.index] = _Prepared(slot.generation)
+        return prepared
+
+    def layers_arrived(self, slot: Slot, generation: int, rank: int, layers: list[int], nbytes: int,
+                       layer_digest: str) -> None:
+        """A sender rank reported `layers` written (ctrl.py checked they are its own, once each): queue
+        their digest check and conversion. Ignored unless the slot is still receiving this generation."""
+        if slot.generation != generation or slot.state is not SlotState.RECEIVING:
+            return
+        prepared = self._prepared_for(slot)
+        prepared.layers_reported += len(layers)
+        prepared.last_frame_layers = len(layers)
+        prepared.t_last_layer = self.slots.clock()
+        self.metrics.layers_received.inc(len(layers))
+        self._converters[slot.index].submit(self._convert_layers, prepared, slot.index, rank, slot.ranks_expected,
+                                            slot.num_tokens, list(layers), layer_digest)
+
+    def _convert_layers(self, prepared: _Prepared, index: int, rank: int, num_senders: int, num_tokens: int,
+                        layers: list[int], layer_digest: str) -> None:
+        """Converter thread: check these layers' digest, then convert them (engine layers only)."""
+        if prepared.dropped or prepared.refused is not None:
+            return
+        views = self.buffers.views(index)
+        t0 = time.perf_counter()
+        if self.config.verify_digest:
+            ranges = digest.receiver_ranges(self.buffers.placement, rank, num_senders, num_tokens, layers)
+            try:
+                digest.check(layer_digest, views, ranges)
+            except digest.DigestError as exc:
+                prepared.refused = f"sender rank {rank}, layers {layers}: {exc}"
+                return
+        t1 = time.perf_counter()
+        converted = {lid: _layer_state(views, self.buffers.placement, lid, num_tokens, self.engine_dtype)
+                     for lid in layers if lid < self.engine.num_layers}
+        t2 = time.perf_counter()
+        with prepared.lock:
+            if prepared.dropped:
+                return
+            prepared.layers.update(converted)
+            if self.config.verify_digest:
+                prepared.verified.setdefault(rank, set()).update(layers)
+            prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
+
+    def _queue_final(self, slot: Slot) -> None:
+        """The slot is READY: queue the check of what no LayersDone covered and the assembly."""
+        prepared = self._prepared_for(slot)
+        prepared.final = self._converters[slot.index].submit(
+            self._assemble, prepared, slot.index, slot.ranks_expected, slot.num_tokens, slot.last_prompt_token,
+            dict(slot.digests))
+
+    def _assemble(self, prepared: _Prepared, index: int, num_senders: int, num_tokens: int, last_prompt_token: int,
+                  digests: dict[int, str | None]) -> InjectedState:
+        """Converter thread: StateRefused unless every rank's bytes are covered by a digest that matches
+        (per layer, or Done's over the rest); else the engine's state."""
+        if prepared.refused is not None:
+            raise StateRefused(prepared.refused)
+        views = self.buffers.views(index)
+        placement = self.buffers.placement
+        t0 = time.perf_counter()
+        if self.config.verify_digest:
+            self._check_rest(views, prepared, num_senders, num_tokens, digests)
+        t1 = time.perf_counter()
+        if not prepared.layers:
+            state = convert.to_injected_state(views, placement, num_tokens, last_prompt_token, self.engine_dtype)
+            layers = state.layers[:self.engine.num_layers]
+        else:
+            layers = [prepared.layers.get(lid) or _layer_state(views, placement, lid, num_tokens, self.engine_dtype)
+                      for lid in range(self.engine.num_layers)]
+        t2 = time.perf_counter()
+        with prepared.lock:
+            prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
+        return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)
+
+    def _check_rest(self, views: list[torch.Tensor], prepared: _Prepared, num_senders: int, num_tokens: int,
+                    digests: dict[int, str | None]) -> None:
+        rest = {rank: sorted(set(senders_layers(self.layout, rank, num_senders)) - prepared.verified.get(rank, set()))
+                for rank in range(num_senders)}
+        missing = [rank for rank, layers in rest.items() if layers and digests.get(rank) is None]
+        if missing:
+            raise StateRefused(f"sender ranks {missing} sent no digest of their state and this node checks digests; "
+                               "turn tilert_handoff_digest on in the prefill's connector (or the node's "
+                               "--handoff-digest off)")
+
+        def check(rank: int) -> str | None:
+            if not rest[rank]:
+                return None
+            ranges = digest.receiver_ranges(self.buffers.placement, rank, num_senders, num_tokens, rest[rank])
+            try:
+                digest.check(digests[rank] or "", views, ranges)
+            except digest.DigestError as exc:
+                return f"sender rank {rank}: {exc}"
+            return None
+
+        # One thread per rank: with TP senders each rank's bytes sit on its own GPU shard, whose host
+        # copies then run side by side (the hashing releases the GIL).
+        if num_senders == 1:
+            errors = [check(0)]
+        else:
+            with ThreadPoolExecutor(max_workers=min(num_senders, 8), thread_name_prefix="digest") as pool:
+                errors = list(pool.map(check, range(num_senders)))
+        problems = [e for e in errors if e]
+        if problems:
+            raise StateRefused("; ".join(problems))
 
     # -- the data plane's record (HandoffReady) -------------------------------------------------
 
@@ -298,7 +486,7 @@ class DecodeNode:
                               layout=messages.LayoutInfo(**self.layout.describe()),  # type: ignore[arg-type]
                               max_seq_len=self.config.max_seq_len, slots_total=self.config.slots,
                               slots_free=self.slots.free, transfer=self.transfer.name,
-                              peer=self.transfer.peer_info(), digests=digest.available())
+                              peer=self.transfer.peer_info(), digests=digest.available(), layerwise=True)
 
     def cancel(self, slot: Slot) -> None:
         """End a slot's request; a running decode stops at its next step and releases the slot itself,
@@ -413,23 +601,45 @@ class DecodeNode:
                        put: Callable[[tuple[str, Any]], None]) -> None:
         try:
             t0 = time.perf_counter()
-            self.check_state(slot)
-            tv = time.perf_counter()
-            state = convert.to_injected_state(self.buffers.views(slot.index), self.buffers.placement,
-                                              slot.num_tokens, slot.last_prompt_token, self.engine_dtype)
-            if len(state.layers) > self.engine.num_layers:
-                state = dataclasses.replace(state, layers=state.layers[:self.engine.num_layers])
+            t_found = self.slots.clock()
+            prepared = self._prepared[slot.index]
+            if prepared is None or prepared.generation != slot.generation or prepared.final is None:
+                # Not queued at READY (cannot happen through the slot table): build it here.
+                prepared = _Prepared(slot.generation)
+                prepared.final = Future()
+                try:
+                    prepared.final.set_result(self._assemble(prepared, slot.index, slot.ranks_expected,
+                                                             slot.num_tokens, slot.last_prompt_token,
+                                                             dict(slot.digests)))
+                except Exception as exc:
+                    prepared.final.set_exception(exc)
+            state = prepared.final.result()
             t1 = time.perf_counter()
             seq = self.engine.start(state)
             t2 = time.perf_counter()
             # The engine holds its own copy now: the receive region need not keep the request's KV
             # readable on the data plane while it decodes.
             self.buffers.scrub(slot.index)
-            self.metrics.digest_seconds.observe(tv - t0)
-            self.metrics.convert_seconds.observe(t1 - t0)
+            with prepared.lock:
+                spans = list(prepared.spans)
+            # On the critical path: the part of the converter's work after /generate found the state.
+            digest_s = _overlap(spans, "digest", t0, t1)
+            convert_s = max(0.0, (t1 - t0) - digest_s)
+            self.metrics.digest_seconds.observe(digest_s)
+            self.metrics.convert_seconds.observe(convert_s)
             self.metrics.inject_seconds.observe(t2 - t1)
-            put(("timing", {"digest_ms": (tv - t0) * 1e3, "convert_ms": (t1 - tv) * 1e3,
-                            "inject_ms": (t2 - t1) * 1e3, "_decode_start": t2}))
+            put(("timing", {
+                "digest_ms": digest_s * 1e3, "convert_ms": convert_s * 1e3, "inject_ms": (t2 - t1) * 1e3,
+                # Hidden: the converter's work done before /generate found the state.
+                "hidden_digest_ms": _overlap(spans, "digest", float("-inf"), t0) * 1e3,
+                "hidden_convert_ms": _overlap(spans, "convert", float("-inf"), t0) * 1e3,
+                "layerwise": 1.0 if prepared.layers_reported else 0.0,
+                "layers_layerwise": float(prepared.layers_reported),
+                "layers_early": float(prepared.layers_reported - prepared.last_frame_layers),
+                "last_layer_to_ready_ms": ((slot.t_ready - prepared.t_last_layer) * 1e3
+                                           if prepared.t_last_layer is not None else 0.0),
+                "ready_to_generate_ms": max(0.0, t_found - slot.t_ready) * 1e3,
+                "_decode_start": t2}))
             try:
                 for step in seq.decode(p.first_token, p.sampling, p.max_tokens):
                     if cancel.is_set():
@@ -448,31 +658,13 @@ class DecodeNode:
 
     def check_state(self, slot: Slot) -> None:
         """Raise StateRefused unless every sender rank's bytes in the slot hash to the digest it sent
-        (skipped with verify_digest off). Runs in the decode thread, right before conversion."""
+        (skipped with verify_digest off); layers a LayersDone covered and verified count as checked."""
         if not self.config.verify_digest:
             return
-        views = self.buffers.views(slot.index)
-        missing = [rank for rank in range(slot.ranks_expected) if slot.digests.get(rank) is None]
-        if missing:
-            raise StateRefused(f"sender ranks {missing} sent no digest of their state and this node checks digests; "
-                               "turn tilert_handoff_digest on in the prefill's connector (or the node's "
-                               "--handoff-digest off)")
-
-        def check(rank: int) -> str | None:
-            ranges = digest.receiver_ranges(self.buffers.placement, rank, slot.ranks_expected, slot.num_tokens)
-            try:
-                digest.check(slot.digests[rank] or "", views, ranges)
-            except digest.DigestError as exc:
-                return f"sender rank {rank}: {exc}"
-            return None
-
-        # One thread per rank: with TP senders each rank's bytes sit on its own GPU shard, whose host
-        # copies then run side by side (the hashing releases the GIL).
-        if slot.ranks_expected == 1:
-            errors = [check(0)]
-        else:
-            with ThreadPoolExecutor(max_workers=min(slot.ranks_expected, 8), thread_name_prefix="digest") as pool:
-                errors = list(pool.map(check, range(slot.ranks_expected)))
-        problems = [e for e in errors if e]
-        if problems:
-            raise StateRefused("; ".join(problems))
+        prepared = self._prepared[slot.index]
+        if prepared is None or prepared.generation != slot.generation:
+            prepared = _Prepared(slot.generation)
+        if prepared.refused is not None:
+            raise StateRefused(prepared.refused)
+        self._check_rest(self.buffers.views(slot.index), prepared, slot.ranks_expected, slot.num_tokens,
+                         dict(slot.digests))

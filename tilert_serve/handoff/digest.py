@@ -106,16 +106,19 @@ def _update_from_gpu(h: Any, view: torch.Tensor) -> None:
         h.update(pinned[i % 2][:min(_CHUNK, n - start)].numpy())
 
 
-def sender_ranges(staging: Placement, rank: int, num_senders: int, num_tokens: int) -> list[tuple[int, int, int]]:
-    """What rank `rank` writes, as (staging shard, offset, nbytes) in write order."""
-    layers = senders_layers(staging.layout, rank, num_senders)
-    return [(r.src_shard, r.src, r.nbytes) for r in write_ranges(staging, staging, layers, num_tokens)]
+def sender_ranges(staging: Placement, rank: int, num_senders: int, num_tokens: int,
+                  layers: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+    """What rank `rank` writes, as (staging shard, offset, nbytes) in write order; with `layers`, only
+    those layers' ranges (in the order given: a LayersDone's digest)."""
+    which = senders_layers(staging.layout, rank, num_senders) if layers is None else list(layers)
+    return [(r.src_shard, r.src, r.nbytes) for r in write_ranges(staging, staging, which, num_tokens)]
 
 
-def receiver_ranges(placement: Placement, rank: int, num_senders: int, num_tokens: int) -> list[tuple[int, int, int]]:
+def receiver_ranges(placement: Placement, rank: int, num_senders: int, num_tokens: int,
+                    layers: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
     """Where rank `rank`'s bytes land in a slot of `placement`, in the same order (slot-relative)."""
-    layers = senders_layers(placement.layout, rank, num_senders)
-    return [(r.dst_shard, r.dst, r.nbytes) for r in write_ranges(placement, placement, layers, num_tokens)]
+    which = senders_layers(placement.layout, rank, num_senders) if layers is None else list(layers)
+    return [(r.dst_shard, r.dst, r.nbytes) for r in write_ranges(placement, placement, which, num_tokens)]
 
 
 def check(expected: str, buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> None:

@@ -8,7 +8,10 @@ A handoff, on one TCP connection from a prefill sender (one per TP rank) to a de
     sender -> node    Request     request id or ticket, token count, last prompt token, prompt ids
     node   -> sender  Accept      the slot's receive regions  | Reject (reason)
     (sender writes the bytes one-sidedly through the transfer engine)
-    sender -> node    Done        ok or the write error; a digest of the bytes written
+    sender -> node    LayersDone  (layer-wise, only to a node whose Hello says `layerwise`): these
+                                  layers' bytes are written, with their digest; repeated as layers land
+    sender -> node    Done        ok or the write error; a digest of the bytes written and not covered
+                                  by a LayersDone
     node   -> sender  Ack         the node has the state (or why not)
 
 Every frame from Hello on is sealed with the connection's session keys (framing.Session).
@@ -85,6 +88,9 @@ class Hello(Message):
     peer: dict[str, Any]
     #: Digest algorithms the node can check (handoff.digest), preferred first.
     digests: list[str] = ["blake2b"]
+    #: The node takes LayersDone frames between Accept and Done (layer-wise handoff); an older node
+    #: leaves it out and gets the whole state before Done.
+    layerwise: bool = False
 
 
 class Request(Message):
@@ -126,12 +132,33 @@ class Done(Message):
     ok: bool
     nbytes: int = Field(ge=0)
     error: str | None = None
-    #: "ALGORITHM:HEX" of the bytes this rank wrote, in write order (handoff.digest); None when the
-    #: prefill runs with digests off.
+    #: "ALGORITHM:HEX" of the bytes this rank wrote, in write order (handoff.digest), of the layers no
+    #: LayersDone covered (all of them without LayersDone); None when the prefill runs with digests
+    #: off, or when LayersDone frames covered every layer of this rank.
     digest: str | None = Field(default=None, max_length=200)
-    #: False only when the sender wrote nothing at all (it failed before its first write), so the node
-    #: need not quarantine the slot against a late write (see decode/slots.py).
+    #: False only when no write of this sender can still land: it wrote nothing at all (it failed
+    #: before its first write), or every write call it made had returned (a layer-wise sender whose
+    #: prefill gave up between layers), so the node need not quarantine the slot against a late write
+    #: (see decode/slots.py).
     writes_started: bool = True
+
+
+#: Most layers one LayersDone may name (far above any model's layer count).
+MAX_LAYERS = 4096
+
+
+class LayersDone(Message):
+    """Layer-wise handoff: the bytes of `layers` (this sender rank's, each named once per handoff) are
+    written. Sent only to a node whose Hello says `layerwise`; the node checks `digest` and converts
+    those layers while the rest are still in flight."""
+
+    KIND: ClassVar[int] = 10
+    request_id: str
+    generation: int
+    layers: list[Annotated[int, Field(ge=0, lt=MAX_LAYERS)]] = Field(min_length=1, max_length=MAX_LAYERS)
+    nbytes: int = Field(ge=0)
+    #: "ALGORITHM:HEX" of exactly these layers' bytes, in write order (handoff.digest.sender_ranges).
+    digest: str = Field(min_length=1, max_length=200)
 
 
 #: What the node answers a Done with: every rank's state has arrived, more ranks are to come, or it failed.
@@ -152,7 +179,7 @@ class Error(Message):
 
 
 KINDS: dict[int, type[Message]] = {
-    cls.KIND: cls for cls in (Challenge, Auth, Hello, Request, Accept, Reject, Done, Ack, Error)
+    cls.KIND: cls for cls in (Challenge, Auth, Hello, Request, Accept, Reject, Done, Ack, Error, LayersDone)
 }
 
 

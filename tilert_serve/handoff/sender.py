@@ -8,6 +8,13 @@ turns them into metrics and kv_transfer_params and goes on serving.
 After the handshake every frame is sealed with the connection's session keys (framing.Session): a
 relay that rewrites the node's Hello (its transfer peer) or Accept (the regions to write) is caught
 before a byte is written, and the result says so (reason not_authenticated).
+
+Layer-wise handoff: given a `LayerSource` (the layers the prefill's forward has staged so far), the
+sender shakes hands at once, then writes each batch of layers as it is staged and sends a LayersDone
+with those layers' digest, so the node verifies and converts them while later layers are still being
+computed; the final Done then covers nothing more. A node whose Hello does not say `layerwise` (an
+older node), or a sender without digests, gets today's flow: every layer is waited for, written, and
+covered by Done's digest.
 """
 
 from __future__ import annotations
@@ -15,6 +22,7 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -36,6 +44,20 @@ class HandoffRequest:
     num_senders: int = 1
 
 
+class LayerSourceFailed(Exception):
+    """The prefill gave up on the request between layers; the message says why."""
+
+
+class LayerSource(Protocol):
+    """The layers of one request staged so far, in the order the forward staged them."""
+
+    def next_layers(self, timeout: float) -> list[int] | None:
+        """The next batch of this rank's layers whose bytes are in staging (waiting up to `timeout`
+        seconds; TimeoutError after), or None when every layer has been given. Raises
+        LayerSourceFailed when the prefill gave up."""
+        ...
+
+
 @dataclass
 class HandoffResult:
     ok: bool
@@ -43,10 +65,15 @@ class HandoffResult:
     reason: str | None = None
     message: str = ""
     nbytes: int = 0
-    #: Seconds: connect+handshake, writes, done->ack.
+    #: Seconds: connect+handshake, writes (layer-wise: Accept to the last layer's write, waits for the
+    #: forward included), done->ack (from the end of the last write).
     handshake_s: float = 0.0
     write_s: float = 0.0
     ack_s: float = 0.0
+    #: Layer-wise: layers sent in LayersDone frames, and how many of them before the last batch
+    #: (those the node could convert while the prefill still computed).
+    layers_sent: int = 0
+    layers_early: int = 0
 
 
 class Sender:
@@ -71,16 +98,18 @@ class Sender:
         # Peer handle per node engine identity: connecting (NIXL metadata load) is done once per node.
         self._peers: dict[str, str] = {}
 
-    def send(self, host: str, port: int, req: HandoffRequest, error: str | None = None) -> HandoffResult:
+    def send(self, host: str, port: int, req: HandoffRequest, error: str | None = None,
+             layers: LayerSource | None = None) -> HandoffResult:
         """Hand the request's staged state to the node. With `error`, write nothing and tell the node
-        at once that this request's state will not come (so its slot frees now, not at the deadline)."""
+        at once that this request's state will not come (so its slot frees now, not at the deadline).
+        With `layers`, the state is still being staged: shake hands now and send layers as they come."""
         t0 = time.monotonic()
         try:
             chan = SyncChannel.connect(host, port, timeout=self.timeout_s)
         except OSError as exc:
             return HandoffResult(False, "unreachable", f"cannot reach decode node {host}:{port}: {exc}")
         try:
-            return self._send(chan, req, t0, error)
+            return self._send(chan, req, t0, error, layers)
         except TimeoutError:
             return HandoffResult(False, "timeout", f"decode node {host}:{port} did not answer in {self.timeout_s} s")
         except (OSError, ConnectionError) as exc:
@@ -114,7 +143,8 @@ class Sender:
             return msg
         raise MessageError(f"expected {kind.__name__}, got {type(msg).__name__}")
 
-    def _send(self, chan: SyncChannel, req: HandoffRequest, t0: float, error: str | None) -> HandoffResult:
+    def _send(self, chan: SyncChannel, req: HandoffRequest, t0: float, error: str | None,
+              source: LayerSource | None) -> HandoffResult:
         challenge, _ = chan.recv_frame(PREAUTH_MAX_BODY)
         if not isinstance(challenge, messages.Challenge):
             return _refused(challenge)
@@ -154,6 +184,18 @@ class Sender:
             self._expect(chan, messages.Ack)
             return HandoffResult(False, "prefill_failed", error, handshake_s=t1 - t0)
         dst = Placement(layout, max_tokens=accept.max_tokens, shards=len(accept.regions))
+        layerwise = (source is not None and hello.layerwise and self.send_digest
+                     and self.staging_buffers is not None)
+        if source is not None and not layerwise:
+            # The node (or our digest setting) takes the whole state at once: wait for every layer.
+            try:
+                while source.next_layers(self._left(t0)) is not None:
+                    pass
+            except LayerSourceFailed as exc:
+                return self._abandon(chan, req, accept, str(exc), t1 - t0, wrote=False)
+        if layerwise:
+            assert source is not None
+            return self._send_layers(chan, req, accept, dst, key, source, hello.digests, t0, t1)
         ranges = write_ranges(self.staging, dst, senders_layers(layout, req.rank, req.num_senders), req.num_tokens)
         ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes)
                for r in ranges]
@@ -171,6 +213,83 @@ class Sender:
         t2 = time.monotonic()
         chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes,
                                 digest=written))
+        return self._await_ack(chan, nbytes, t0, t1, t2)
+
+    def _left(self, t0: float) -> float:
+        return max(0.0, t0 + self.timeout_s - time.monotonic())
+
+    def _abandon(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, error: str, handshake_s: float,
+                 wrote: bool) -> HandoffResult:
+        """The prefill gave up between layers: every write call made has returned, so no byte of ours
+        can still land (writes_started False lets the node free the slot without quarantine)."""
+        chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
+                                error=error, writes_started=False))
+        self._expect(chan, messages.Ack)
+        return HandoffResult(False, "prefill_failed", error + (" (after some layers)" if wrote else ""),
+                             handshake_s=handshake_s)
+
+    def _send_layers(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, dst: Placement, key: str,
+                     source: LayerSource, theirs: list[str], t0: float, t1: float) -> HandoffResult:
+        mine = set(senders_layers(self.staging.layout, req.rank, req.num_senders))
+        sent: set[int] = set()
+        nbytes = last_batch = 0
+        algorithm = digest.preferred(theirs)
+        assert self.staging_buffers is not None
+        buffers = [b if b is not None else torch.empty(0, dtype=torch.uint8) for b in self.staging_buffers]
+        while True:
+            try:
+                layers = source.next_layers(self._left(t0))
+            except LayerSourceFailed as exc:
+                return self._abandon(chan, req, accept, str(exc), t1 - t0, wrote=bool(sent))
+            if layers is None:
+                break
+            layers = [lid for lid in layers if lid in mine and lid not in sent]
+            if not layers:
+                continue
+            ranges = write_ranges(self.staging, dst, layers, req.num_tokens)
+            ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst,
+                           r.nbytes) for r in ranges]
+            written = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
+                                                                     req.num_tokens, layers), algorithm)
+            try:
+                self.engine.write(self._peers[key], ops)
+            except TransferError as exc:
+                self._peers.pop(key, None)
+                chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
+                                        error=str(exc)))
+                return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
+            n = sum(o.nbytes for o in ops)
+            chan.send(messages.LayersDone(request_id=req.request_id, generation=accept.generation, layers=layers,
+                                          nbytes=n, digest=written))
+            sent.update(layers)
+            nbytes += n
+            last_batch = len(layers)
+        t2 = time.monotonic()
+        missing = sorted(mine - sent)
+        if missing:
+            # Layers the source never gave: written now and covered by Done's digest.
+            ranges = write_ranges(self.staging, dst, missing, req.num_tokens)
+            ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst,
+                           r.nbytes) for r in ranges]
+            rest = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
+                                                                  req.num_tokens, missing), algorithm)
+            try:
+                self.engine.write(self._peers[key], ops)
+            except TransferError as exc:
+                self._peers.pop(key, None)
+                chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
+                                        error=str(exc)))
+                return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
+            nbytes += sum(o.nbytes for o in ops)
+            t2 = time.monotonic()
+        chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes,
+                                digest=rest if missing else None))
+        result = self._await_ack(chan, nbytes, t0, t1, t2)
+        result.layers_sent = len(sent)
+        result.layers_early = len(sent) - last_batch
+        return result
+
+    def _await_ack(self, chan: SyncChannel, nbytes: int, t0: float, t1: float, t2: float) -> HandoffResult:
         ack = self._expect(chan, messages.Ack)
         t3 = time.monotonic()
         if not isinstance(ack, messages.Ack) or ack.status == "failed":
