@@ -339,7 +339,7 @@ def test_layers_done_frames_are_validated(node, num_tokens, frames):
     payload += _sealed(conn.chan.session, messages.Done.KIND, json.dumps(done).encode())
     _assert_answered(conn.finish(payload), True)
     status, events = node.http("/v1/generate", {"ticket": adm["ticket"], "first_token": 5, "max_tokens": 2})
-    assert status == 200 and events[-1]["done"] or status in (502, 504) and events[0]["error"]["message"], \
+    assert (status == 200 and events[-1]["done"]) or (status in (502, 504) and events[0]["error"]["message"]), \
         (status, events)
     assert slot.state.value in ("free", "quarantined")
     node.check_alive()
