@@ -20,6 +20,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -106,47 +107,75 @@ def up(args: argparse.Namespace) -> int:
         raise ValueError(f"{name} is already running locally; `tilert-pd local down` first")
     if getattr(args, "runtime", "process") == "docker":
         return _up_docker(args, name, spec, state_dir)
-    if runner.port_in_use(args.router_port):
-        raise ValueError(f"port {args.router_port} is taken; pass --router-port")
+    stack = launch(name, spec, state_dir, file=args.filename, router_port=args.router_port, timeout=args.timeout)
+    say(f"ready: the OpenAI API is at {stack.router}/v1 (model {spec.model.name!r}); "
+        "`tilert-pd local status`, `tilert-pd local down`")
+    return 0
+
+
+@dataclass
+class LocalStack:
+    """What `launch` started: the plan it ran (components, router config) and the processes."""
+
+    name: str
+    spec: PDClusterSpec
+    state_dir: Path
+    plan: planmod.Plan
+    procs: list[runner.Running]
+    router: str
+    secret_file: Path
+    token_file: Path
+
+
+def launch(name: str, spec: PDClusterSpec, state_dir: Path, *, file: str, router_port: int, timeout: float = 600.0,
+           say: Callable[[str], None] = say, adjust: Callable[[planmod.Plan], planmod.Plan] | None = None,
+           warm_up: bool = True) -> LocalStack:
+    """Start a PDCluster's components as local processes (what `up` runs) and wait until they serve.
+
+    `adjust` may change the plan before anything starts (tests: a shorter handoff-probe interval in the
+    router config, a component's own copy of a credential); the router reads the adjusted config."""
+    if runner.port_in_use(router_port):
+        raise ValueError(f"port {router_port} is taken; pass --router-port")
     state_dir.mkdir(parents=True, exist_ok=True)
     # 0600 from the moment they exist (runner.write_secret_file), fresh for every run.
     secret, token = runner.write_secrets(state_dir)
-    model_dir = _model_dir(home, name, spec)
+    model_dir = _model_dir(state_dir.parent, name, spec)
     prefill_n, tilert_n, native_n = planmod.replica_counts(spec)
-    ports = planmod.Ports(router=args.router_port, prefill=[runner.free_port() for _ in range(prefill_n)],
+    ports = planmod.Ports(router=router_port, prefill=[runner.free_port() for _ in range(prefill_n)],
                           native=[runner.free_port() for _ in range(native_n)],
                           tilert=[(runner.free_port(), runner.free_port()) for _ in range(tilert_n)])
     p = planmod.plan(spec, ports=ports, model_dir=str(model_dir), secret_file=str(secret),
                      router_config_file=str(state_dir / "router.yaml"), api_token_file=str(token))
+    if adjust is not None:
+        p = adjust(p)
     (state_dir / "router.yaml").write_text(router_config.dump(p.router_config))
-    say(f"tilert-pd local: {name} from {args.filename} (state in {state_dir})")
+    say(f"tilert-pd local: {name} from {file} (state in {state_dir})")
     if p.tiny_model is not None and not tinymodel.is_current(model_dir):
         say(f"  generating the tiny model into {model_dir} ...")
         subprocess.run(p.tiny_model, check=True, stdout=subprocess.DEVNULL)
     started: list[runner.Running] = []
-    meta = {"cluster": name, "file": str(Path(args.filename).resolve()), "started": time.time(),
-            "router": f"http://127.0.0.1:{args.router_port}"}
+    meta = {"cluster": name, "file": str(Path(file).resolve()), "started": time.time(),
+            "router": f"http://127.0.0.1:{router_port}"}
     try:
         engines = [c for c in p.components if c.kind != constants.ROUTER]
         for c in engines:
             say(f"  start  {c.name:<10} {c.url}")
             started.append(runner.start(_with_side_channel(c), state_dir))
         runner.save(state_dir, meta, started)
-        runner.wait_ready(started, args.timeout, say)
+        runner.wait_ready(started, timeout, say)
         router = next(c for c in p.components if c.kind == constants.ROUTER)
         say(f"  start  {router.name:<10} {router.url}")
         started.append(runner.start(router, state_dir))
         runner.save(state_dir, meta, started)
         runner.wait_ready(started[-1:], 60, say)
-        _warm_up(spec, meta["router"], say)
+        if warm_up:
+            _warm_up(spec, meta["router"], say)
     except BaseException:
         say("  stopping what was started ...")
         runner.stop(started)
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
         raise
-    say(f"ready: the OpenAI API is at {meta['router']}/v1 (model {spec.model.name!r}); "
-        "`tilert-pd local status`, `tilert-pd local down`")
-    return 0
+    return LocalStack(name, spec, state_dir, p, started, str(meta["router"]), secret, token)
 
 
 def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_dir: Path) -> int:
