@@ -269,8 +269,15 @@ def prefill_means(st: Stack, prefill: Conn, before: dict[str, float], n: int) ->
     def d(k: str) -> float:
         return (after.get(k, 0.0) - before.get(k, 0.0)) / got
 
-    return {"extract_ms": d("extract_seconds") * 1e3, "send_ms": d("handoff_seconds") * 1e3,
-            "bytes": d("handoff_bytes"), "handoffs": got}
+    out = {"extract_ms": d("extract_seconds") * 1e3, "send_ms": d("handoff_seconds") * 1e3,
+           "bytes": d("handoff_bytes"), "handoffs": got}
+    # Counters the connector adds later (per-layer sends, ack time, ...): per-request means too.
+    known = {"extract_seconds", "handoff_seconds", "handoff_bytes"}
+    for k in sorted(set(after) - known):
+        if not k.startswith("handoffs"):
+            out["prefill " + (k.removesuffix("_seconds") + "_ms" if k.endswith("_seconds") else k)] = \
+                d(k) * (1e3 if k.endswith("_seconds") else 1)
+    return out
 
 
 # -- the run -------------------------------------------------------------------------------------------
@@ -331,6 +338,9 @@ def summarize(b: Batch, keys: list[str]) -> dict[str, float]:
     out["extract_ms"] = b.prefill.get("extract_ms", float("nan"))
     out["send_ms"] = b.prefill.get("send_ms", float("nan"))
     out["bytes"] = b.prefill.get("bytes", float("nan"))
+    for k, v in b.prefill.items():
+        if k.startswith("prefill "):
+            out[k] = v
     out["critical"] = out["extract_ms"] + out["gap"]
     out["prefill_http"] = statistics.median(x.prefill_ms for x in s)
     return out
@@ -342,6 +352,7 @@ LABELS = {"wire_wait_ms": "wire (node: accept->done)", "digest_ms": "digest chec
 
 def tables(batches: dict[tuple[int, str], Batch], lengths: list[int], configs: list[str]) -> tuple[str, str]:
     keys, info = stage_keys(batches)
+    info += sorted({k for b in batches.values() for k in b.prefill if k.startswith("prefill ")})
     header = ["prompt tokens", "config", "n", "state KB", "gap ms median / p90", "forward end -> first decoded",
               "extraction (prefill, mean)", "wire (prefill: handshake+writes+done/ack, mean)",
               *[LABELS.get(k, k.removesuffix("_ms")) for k in keys], "after answer (wire tail + generate call)",
@@ -354,7 +365,7 @@ def tables(batches: dict[tuple[int, str], Batch], lengths: list[int], configs: l
             rows.append([str(n), c, str(len(batches[(n, c)].samples)), f"{s['bytes'] / 1e3:.0f}",
                          f"{s['gap']:.2f} / {s['gap_p90']:.2f}", f"{s['critical']:.2f}", f"{s['extract_ms']:.2f}",
                          f"{s['send_ms']:.2f}", *[f"{s[k]:.2f}" for k in keys], f"{s['after_answer']:.2f}",
-                         *[f"{s[k]:g}" for k in info]])
+                         *[f"{s[k]:.3g}" for k in info]])
     main = table(header, rows)
     if len(configs) < 2:
         return main, ""
