@@ -346,7 +346,7 @@ def summarize(b: Batch, keys: list[str]) -> dict[str, float]:
     return out
 
 
-LABELS = {"wire_wait_ms": "wire (node: accept->done)", "digest_ms": "digest check", "convert_ms": "conversion",
+LABELS = {"wire_wait_ms": "wire (node: accept->done; layer-wise, the accept comes with the first layer)", "digest_ms": "digest check", "convert_ms": "conversion",
           "inject_ms": "injection", "decode_ms": "first decode step"}
 
 
