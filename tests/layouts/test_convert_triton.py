@@ -113,3 +113,22 @@ def test_a_layer_converts_bit_for_bit_as_in_the_whole_state(n: int, shards: int)
         assert one.kv.device == regions[place.shard_of(lid)].device
         assert one.ki is not None and want.ki is not None
         assert torch.equal(one.kv, want.kv) and torch.equal(one.pe, want.pe) and torch.equal(one.ki, want.ki), lid
+
+
+def test_pages_per_program_and_launch_shape_leave_the_bits_alone() -> None:
+    # The whole state runs 4 indexer pages a program on large grids, a layer alone 1; one launch or two.
+    from tilert_serve.layouts import convert_triton
+
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=512)
+    regions = received(place, 450, seed=31, device=torch.device("cuda"))
+    want = convert_triton.to_injected_state(regions, place, 450, 0, pages=4)
+    for pages, one_launch in ((1, True), (2, False)):
+        convert_triton.ONE_LAUNCH = one_launch
+        try:
+            for lid in (0, 39, 78):
+                got = convert_triton.to_layer_state(regions, place, lid, 450, pages=pages)
+                w = want.layers[lid]
+                assert w.ki is not None and got.ki is not None
+                assert torch.equal(got.kv, w.kv) and torch.equal(got.pe, w.pe) and torch.equal(got.ki, w.ki)
+        finally:
+            convert_triton.ONE_LAUNCH = None

@@ -58,7 +58,7 @@ def check(place: layouts.Placement, caches: list[PagedCache], shard: int, n: int
     expected_bytes = gather(cpu, ids, n, place, want)
     got = [torch.full((place.shard_nbytes(s),), POISON, dtype=torch.uint8, device="cuda") for s in range(place.shards)]
     fused = Gatherer(caches, place, shard)
-    assert fused._fused, "on CUDA the Gatherer must take the Triton kernels"
+    assert fused._fused is not None, "on CUDA the Gatherer must take the Triton kernels"
     assert fused(ids, n, got) == expected_bytes
     torch.cuda.synchronize()
     back = [g.cpu() for g in got]

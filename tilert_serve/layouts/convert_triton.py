@@ -1,12 +1,13 @@
 """CUDA conversion of received fp8_ds_mla state into the engine's bf16 tensors, in one pass.
 
-Two Triton kernels, each over every layer in one launch:
+One launch over every layer (or over one layer, for layer-wise handoff), of two kinds of program:
   - MLA rows (656 B: 512 fp8 latent values, 4 fp32 block scales, 64 bf16 RoPE values) -> kv [L, n, 512]
     and pe [L, n, 64] in bf16;
   - indexer pages (64 tokens x 128 fp8 values, then 64 fp32 scales) -> dequantised, multiplied by the
     orthonormal Hadamard matrix on the tensor cores, stored as ki [L, n, 128] bf16.
 Each byte of the wire is read once and each output written once, so the conversion runs near the
-device's copy bandwidth (bench/convert). The torch path in convert.py is the reference it is
+device's copy bandwidth (bench/convert). A layer converted alone runs the same programs as in the
+whole state, so it is bit for bit the same. The torch path in convert.py is the reference it is
 tested against.
 """
 
@@ -25,15 +26,27 @@ from tilert_serve.layouts.state import InjectedState, LayerState
 
 _ROW = FP8_DS_MLA_ROW_BYTES
 _PAGE = INDEXER_PAGE_BYTES
-#: Tokens per program and warps: picked on an H200 with `bench/convert/run.py --tune`.
+#: MLA tokens per program and warps (indexer programs: IDX_WARPS when launched on their own): picked
+#: on an H200 with `bench/convert/run.py --tune`.
 BLOCK_T = 16
 NUM_WARPS = 4
+IDX_WARPS = 4
+#: Indexer pages per program (None: by grid size, see _pages): the 32 KB Hadamard matrix is read
+#: (from L2) once per program. Picked on an H200 with `bench/convert/run.py --tune`.
+PAGES: int | None = None
+#: Both planes in one launch (_convert_kernel) or one each (None: one for a single layer, two for
+#: more: one layer's few microseconds pay for a second launch, the whole state runs faster as two).
+ONE_LAUNCH: bool | None = None
+
+
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv: that is a ConstexprFunction, ~3.5 us a call from Python.
+    return -(-a // b)
 
 
 @triton.jit
-def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, layer0, ROW: tl.constexpr, BLOCK_T: tl.constexpr):
-    pid_t = tl.program_id(0)
-    layer = tl.program_id(1)  # output layer; its input is entry layer0 + layer of the offset table
+def _mla_tile(src, layer_off, kv_out, pe_out, n, layer0, pid_t, layer, ROW: tl.constexpr, BLOCK_T: tl.constexpr):
+    """BLOCK_T MLA rows of output layer `layer` (its input is entry layer0 + layer of the offset table)."""
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n
     # Offsets are multiples of 16 bytes (rows are 656 = 16 x 41 bytes): saying so lets loads vectorize.
@@ -42,7 +55,7 @@ def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, layer0, ROW: tl.constexp
     c = tl.arange(0, 128)
     col = g[:, None] * 128 + c[None, :]  # [4, 128]
     vptr = (rows[:, None, None] + col[None, :, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    vals = tl.load(vptr, mask=tmask[:, None, None], other=0.0).to(tl.float32)
+    vals = tl.load(vptr, mask=tmask[:, None, None], other=0.0, eviction_policy="evict_first").to(tl.float32)
     sptr = (rows + 512).to(tl.pointer_type(tl.float32), bitcast=True)
     scales = tl.load(sptr[:, None] + g[None, :], mask=tmask[:, None], other=0.0)
     kv = (vals * scales[:, :, None]).to(tl.bfloat16)
@@ -55,21 +68,47 @@ def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, layer0, ROW: tl.constexp
 
 
 @triton.jit
-def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr):
-    page = tl.program_id(0)
-    layer = tl.program_id(1)
-    base = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + page.to(tl.int64) * PAGE
+def _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, pid, layer, PAGE: tl.constexpr, PAGES: tl.constexpr):
+    """PAGES indexer pages of one layer, the Hadamard matrix loaded once for all of them."""
     r = tl.arange(0, 64)
     c = tl.arange(0, 128)
-    vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    vals = tl.load(vptr).to(tl.float32)
-    scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r)
-    x = (vals * scales[:, None]).to(tl.bfloat16)
     h = tl.load(hadamard + c[:, None] * 128 + c[None, :])
-    y = tl.dot(x, h)
-    t = page * 64 + r
-    out_row = layer.to(tl.int64) * n + t.to(tl.int64)
-    tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
+    n_pages = (n + 63) // 64
+    for k in tl.static_range(PAGES):
+        page = pid * PAGES + k
+        if page < n_pages:
+            base = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + page.to(tl.int64) * PAGE
+            vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+            vals = tl.load(vptr, eviction_policy="evict_first").to(tl.float32)
+            scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r)
+            x = (vals * scales[:, None]).to(tl.bfloat16)
+            y = tl.dot(x, h)
+            t = page * 64 + r
+            out_row = layer.to(tl.int64) * n + t.to(tl.int64)
+            tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
+
+
+@triton.jit
+def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, layer0, ROW: tl.constexpr, BLOCK_T: tl.constexpr):
+    _mla_tile(src, layer_off, kv_out, pe_out, n, layer0, tl.program_id(0), tl.program_id(1), ROW, BLOCK_T)
+
+
+@triton.jit
+def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr):
+    _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, tl.program_id(0), tl.program_id(1), PAGE, PAGES)
+
+
+@triton.jit
+def _convert_kernel(src, mla_off, idx_off, hadamard, kv_out, pe_out, ki_out, n, layer0, mla_programs,
+                    ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, PAGES: tl.constexpr):
+    """Both planes in one launch, side by side: the first `mla_programs` programs of a layer do MLA
+    rows, the rest indexer pages. One launch and one tail instead of two, which at 8k tokens (~0.35 ms
+    of bytes) and for one layer (a few microseconds) is a visible share."""
+    pid = tl.program_id(0)
+    if pid < mla_programs:
+        _mla_tile(src, mla_off, kv_out, pe_out, n, layer0, pid, tl.program_id(1), ROW, BLOCK_T)
+    else:
+        _indexer_tile(src, idx_off, hadamard, ki_out, n, layer0, pid - mla_programs, tl.program_id(1), PAGE, PAGES)
 
 
 @functools.cache
@@ -89,25 +128,41 @@ def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
 
 
 def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: int, block_t: int,
-                   num_warps: int, first: int = 0, count: int | None = None) -> list[LayerState]:
+                   num_warps: int, pages: int | None, first: int = 0, count: int | None = None) -> list[LayerState]:
     """Layers `first` .. `first + count - 1` of one shard's own (all of them by default), converted on
-    that shard's GPU (two launches whatever the count)."""
+    that shard's GPU in one launch or two (ONE_LAUNCH)."""
     layout, dev = placement.layout, region.device
     if count is None:
         count = len(_shard_layers(placement, shard)) - first
     kv = torch.empty(count, n, layout.kv_lora_rank, dtype=torch.bfloat16, device=dev)
     pe = torch.empty(count, n, layout.rope_dim, dtype=torch.bfloat16, device=dev)
-    _mla_rows_kernel[(triton.cdiv(n, block_t), count)](
-        region, _layer_offsets(placement, "mla", shard, dev), kv, pe, n, first, ROW=_ROW, BLOCK_T=block_t,
-        num_warps=num_warps)
-    if not layout.index_head_dim:
+    ki = (torch.empty(count, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
+          if layout.index_head_dim else None)
+    if pages is None:
+        pages = _pages(_cdiv(n, 64) * count)
+    mla_off = _layer_offsets(placement, "mla", shard, dev)
+    if ki is None:
+        _mla_rows_kernel[(_cdiv(n, block_t), count)](region, mla_off, kv, pe, n, first, ROW=_ROW, BLOCK_T=block_t,
+                                                     num_warps=num_warps)
         return [LayerState(kv=k, pe=p) for k, p in zip(kv.unbind(0), pe.unbind(0), strict=True)]
-    ki = torch.empty(count, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
-    _indexer_pages_kernel[(triton.cdiv(n, 64), count)](
-        region, _layer_offsets(placement, "indexer", shard, dev), _hadamard(layout.index_head_dim, dev), ki,
-        n, first, PAGE=_PAGE, num_warps=num_warps)
+    idx_off, had = _layer_offsets(placement, "indexer", shard, dev), _hadamard(layout.index_head_dim, dev)
+    mla_programs, idx_programs = _cdiv(n, block_t), _cdiv(_cdiv(n, 64), pages)
+    if (count == 1) if ONE_LAUNCH is None else ONE_LAUNCH:
+        _convert_kernel[(mla_programs + idx_programs, count)](
+            region, mla_off, idx_off, had, kv, pe, ki, n, first, mla_programs, ROW=_ROW, PAGE=_PAGE, BLOCK_T=block_t,
+            PAGES=pages, num_warps=num_warps)
+    else:
+        _mla_rows_kernel[(mla_programs, count)](region, mla_off, kv, pe, n, first, ROW=_ROW, BLOCK_T=block_t,
+                                                num_warps=num_warps)
+        _indexer_pages_kernel[(idx_programs, count)](region, idx_off, had, ki, n, first, PAGE=_PAGE, PAGES=pages,
+                                                     num_warps=IDX_WARPS)
     # unbind: one call for every layer's views instead of three indexing operations per layer.
     return [LayerState(kv=k, pe=p, ki=i) for k, p, i in zip(kv.unbind(0), pe.unbind(0), ki.unbind(0), strict=True)]
+
+
+def _pages(total_pages: int) -> int:
+    """Pages a program: several share one read of the Hadamard matrix when there are programs to spare."""
+    return 1 if total_pages < 4096 else 4 if total_pages < 32768 else 8
 
 
 def _check(regions: list[torch.Tensor], placement: Placement) -> None:
@@ -118,7 +173,7 @@ def _check(regions: list[torch.Tensor], placement: Placement) -> None:
 
 
 def to_layer_state(regions: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int, *,
-                   block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> LayerState:
+                   block_t: int = BLOCK_T, num_warps: int = NUM_WARPS, pages: int | None = PAGES) -> LayerState:
     """One layer of a slot's received fp8_ds_mla bytes -> bf16, on the GPU of the layer's shard; bit for
     bit what `to_injected_state` gives for it (the same kernels, one layer's grid)."""
     _check(regions, placement)
@@ -126,12 +181,12 @@ def to_layer_state(regions: list[torch.Tensor], placement: Placement, layer: int
         raise ValueError(f"layer {layer} is outside 0..{placement.layout.num_layers - 1}")
     shard = placement.shard_of(layer)
     # A shard holds layers shard, shard + shards, ...: this one is its (layer // shards)-th.
-    return _convert_shard(regions[shard], placement, shard, num_tokens, block_t, num_warps,
+    return _convert_shard(regions[shard], placement, shard, num_tokens, block_t, num_warps, pages,
                           layer // placement.shards, 1)[0]
 
 
 def to_injected_state(regions: list[torch.Tensor], placement: Placement, num_tokens: int, last_prompt_token: int,
-                      *, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS) -> InjectedState:
+                      *, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS, pages: int | None = PAGES) -> InjectedState:
     """One slot's received fp8_ds_mla bytes (a uint8 CUDA tensor per shard) -> bf16 engine state.
 
     Each shard converts on its own GPU, so a node that spreads layers over 8 GPUs converts them in
@@ -139,6 +194,7 @@ def to_injected_state(regions: list[torch.Tensor], placement: Placement, num_tok
     injection copies from.
     """
     _check(regions, placement)
-    per_shard = [iter(_convert_shard(r, placement, s, num_tokens, block_t, num_warps)) for s, r in enumerate(regions)]
+    per_shard = [iter(_convert_shard(r, placement, s, num_tokens, block_t, num_warps, pages))
+                 for s, r in enumerate(regions)]
     layers = [next(per_shard[placement.shard_of(lid)]) for lid in range(placement.layout.num_layers)]
     return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)

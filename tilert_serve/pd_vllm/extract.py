@@ -87,7 +87,7 @@ def gather(caches: list[PagedCache], block_ids: tuple[list[int], ...], num_token
 
 
 class Gatherer:
-    """The gather a worker runs every job: the fused Triton kernels on CUDA, `gather` elsewhere.
+    """The gather a worker runs every job: the fused Triton kernel on CUDA, `gather` elsewhere.
 
     Called with `layer`, it gathers only that layer's planes (for layer-wise handoff, as each layer's
     forward finishes); a layer this rank does not hold writes nothing and returns 0.
@@ -98,17 +98,15 @@ class Gatherer:
         self._by_layer: dict[int, list[PagedCache]] = {}
         for c in caches:
             self._by_layer.setdefault(c.layer, []).append(c)
-        self._fused: list[tuple[int, int, object]] = []
+        self._fused = None
+        #: The block-id rows last sent to the device and their device copy: a layer-wise handoff
+        #: gathers the same request layer after layer and pays the host-to-device copy once.
+        self._ids: tuple[list[list[int]], torch.Tensor] | None = None
         if caches and caches[0].tensor.is_cuda:
-            from tilert_serve.pd_vllm.extract_triton import PlaneGather
+            from tilert_serve.pd_vllm.extract_triton import FusedGather
 
-            for plane in staging.layout.planes:
-                mine = [c for c in caches if c.plane == plane.name]
-                if mine:
-                    # A block holds block_size tokens: as rows, or as one page (pages are blocks).
-                    fused = PlaneGather([c.tensor for c in mine], [c.layer for c in mine], plane.name, staging,
-                                        mine[0].block_size, shard)
-                    self._fused.append((mine[0].group, mine[0].block_size, fused))
+            self._fused = FusedGather([c.tensor for c in caches], [c.layer for c in caches], [c.plane for c in caches],
+                                      [c.group for c in caches], [c.block_size for c in caches], staging, shard)
 
     @property
     def layers(self) -> frozenset[int]:
@@ -119,16 +117,23 @@ class Gatherer:
                  layer: int | None = None) -> int:
         if layer is not None and layer not in self._by_layer:
             return 0
-        if not self._fused:
+        if self._fused is None:
             caches = self.caches if layer is None else self._by_layer[layer]
             return gather(caches, block_ids, num_tokens, self.staging, region)
-        written = 0
-        device = self.caches[0].tensor.device
-        for group, tokens_per_block, fused in self._fused:
-            blocks = (num_tokens + tokens_per_block - 1) // tokens_per_block
-            # Pinned (torch's caching host allocator keeps it alive until the copy is done): the copy is
-            # then truly asynchronous instead of a staged one the host waits for.
-            ids = torch.tensor(block_ids[group][:blocks], dtype=torch.int64, pin_memory=True)
-            written += fused(ids.to(device, non_blocking=True), num_tokens, region[self.shard],  # type: ignore[operator]
-                             layer=layer)
-        return written
+        return self._fused(self._device_ids(block_ids, num_tokens), num_tokens, region[self.shard], layer)
+
+    def _device_ids(self, block_ids: tuple[list[int], ...], num_tokens: int) -> torch.Tensor:
+        assert self._fused is not None
+        blocks = self._fused.blocks(num_tokens)
+        rows = [block_ids[g][:blocks] for g in self._fused.groups]
+        if self._ids is not None and self._ids[0] == rows:
+            return self._ids[1]
+        for g, r in zip(self._fused.groups, rows, strict=True):
+            if len(r) < blocks:
+                raise ValueError(f"{num_tokens} tokens need {blocks} blocks; group {g} lists {len(r)}")
+        # Pinned (torch's caching host allocator keeps it until the copy is done): the copy is then
+        # asynchronous, not a staged one the host waits for.
+        host = torch.tensor(rows, dtype=torch.int32, pin_memory=True)
+        ids = host.to(self.caches[0].tensor.device, non_blocking=True)
+        self._ids = (rows, ids)
+        return ids

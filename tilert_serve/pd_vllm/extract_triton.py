@@ -1,10 +1,13 @@
-"""CUDA extraction: one Triton launch per plane copies a request's blocks of every layer from vLLM's
-paged caches into staging.
+"""CUDA extraction: one Triton launch copies a request's blocks of every plane of every layer (or of one
+layer) from vLLM's paged caches into staging.
 
 Within a paged block a plane's rows are contiguous, so the copy works on whole blocks (41,984 bytes
 of MLA rows or one 8,448-byte indexer page for GLM-5), 16-byte words, no per-token indexing; the last
-block copies only the request's rows. The per-layer token-level index_select in extract.py is the
-reference (and the CPU path) it is tested and benchmarked against (bench/extract).
+block copies only the request's rows. Every (layer, plane) is a *segment* of one table, ordered by
+layer then plane, so the whole request is one launch (a 0.5 GB request at 8k tokens takes ~0.25 ms,
+where each launch and each kernel's tail is a visible share) and one layer is the same launch over
+that layer's segments. The per-layer token-level index_select in extract.py is the reference (and the
+CPU path) it is tested and benchmarked against (bench/extract).
 """
 
 from __future__ import annotations
@@ -15,80 +18,107 @@ import triton.language as tl
 
 from tilert_serve.layouts import Placement
 
-_WORD = 4  # bytes moved per element; rows and pages of every layout are multiples of 16 bytes
-#: Words per program (None: one program per block, its size rounded up to a power of two) and warps
-#: per program: picked on an H200 with `bench/extract/run.py --tune`.
-CHUNK_WORDS: int | None = 8192
+_WORD = 4  # bytes per element moved; rows and pages of every layout are multiples of 16 bytes
+_FIELDS = 6  # per segment: src offset, dst offset, block words, unit words, unit tokens, block-id row
+#: Words per loop step and warps per program: picked on an H200 with `bench/extract/run.py --tune`.
+CHUNK_WORDS = 1024
 NUM_WARPS = 8
+#: Programs a launch should have at least (a few per multiprocessor): a one-layer launch at 8k tokens
+#: has only ~256 blocks, so each block is then split over several programs.
+MIN_PROGRAMS = 1024
+#: Most programs a block is split over (an MLA block is ~10 chunks).
+MAX_SPLIT = 8
+
+
+def _cdiv(a: int, b: int) -> int:
+    # Not triton.cdiv: that is a ConstexprFunction, ~3.5 us a call from Python, hundreds per launch.
+    return -(-a // b)
 
 
 @triton.jit
-def _gather_blocks_kernel(src0, src_table, block_ids, dst, dst_off, units_per_block, unit_words, n_units,
-                          block_words, layer0, CHUNK: tl.constexpr):
-    j = tl.program_id(0)
-    # layer0 > 0 with a grid of one layer: a single layer of the table (layer-wise handoff).
-    layer = layer0 + tl.program_id(1)
-    chunk = tl.program_id(2)
-    # Layer caches are addressed relative to the first one, a pointer argument Triton knows is 16-byte
-    # aligned; with the offsets' alignment stated too, loads and stores compile to 16-byte vectors.
-    src = src0 + tl.multiple_of(tl.load(src_table + layer), 4)
-    bid = tl.load(block_ids + j)
-    units_here = tl.minimum(units_per_block, n_units - j * units_per_block)
-    words_here = units_here * unit_words
-    offs = chunk * CHUNK + tl.arange(0, CHUNK)
-    mask = offs < words_here
-    vals = tl.load(src + bid * block_words + offs, mask=mask)
-    out = dst + tl.multiple_of(tl.load(dst_off + layer), 4) + j.to(tl.int64) * units_per_block * unit_words
-    tl.store(out + offs, vals, mask=mask)
+def _gather_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, CHUNK: tl.constexpr):
+    j = tl.program_id(0)  # the request's j-th block
+    split = tl.program_id(2)  # this program copies chunks split, split + splits, ... of the block
+    splits = tl.num_programs(2)
+    row = table + (seg0 + tl.program_id(1)) * 6
+    block_words = tl.load(row + 2)
+    unit_words = tl.load(row + 3)
+    unit_tokens = tl.load(row + 4)
+    units_per_block = block_words // unit_words
+    n_units = (num_tokens + unit_tokens - 1) // unit_tokens
+    # Planes differ in blocks per request (rows vs pages): the grid covers the largest, so a program
+    # past its own plane's last block has nothing to do.
+    words_here = tl.multiple_of(tl.minimum(units_per_block, n_units - j * units_per_block) * unit_words, 4)
+    if words_here > 0:
+        bid = tl.load(block_ids + tl.load(row + 5) * ids_stride + j).to(tl.int64)
+        # Offsets in words, all multiples of 4 (16 bytes): stated, loads and stores become 16-byte vectors.
+        src = src0 + tl.multiple_of(tl.load(row) + bid * block_words, 4)
+        out = dst + tl.multiple_of(tl.load(row + 1) + j.to(tl.int64) * block_words, 4)
+        for c in range(split * CHUNK, words_here, splits * CHUNK):
+            offs = c + tl.arange(0, CHUNK)
+            mask = offs < words_here
+            tl.store(out + offs, tl.load(src + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
 
 
-class PlaneGather:
-    """A fused gather for one plane across a list of layers' caches (fixed at registration)."""
+class FusedGather:
+    """The gather of a fixed set of caches (one per layer and plane, fixed at registration) into one
+    staging shard: every layer in one launch, or one layer's planes in one launch."""
 
-    def __init__(self, caches: list[torch.Tensor], layers: list[int], plane: str, staging: Placement,
-                 block_size: int, shard: int) -> None:
-        p = staging.layout.plane(plane)
-        self.units_per_block = block_size if p.unit_tokens == 1 else 1
-        self.unit_tokens = p.unit_tokens
-        if p.unit_bytes % _WORD:
-            raise ValueError(f"{plane} units of {p.unit_bytes} bytes are not whole {_WORD}-byte words")
-        self.unit_words = p.unit_bytes // _WORD
-        self.block_words = self.units_per_block * self.unit_words
-        dev = caches[0].device
-        for c in caches:
-            if c[0].numel() * c.element_size() != self.block_words * _WORD:
-                raise ValueError(f"a {plane} cache block holds {c[0].numel() * c.element_size()} bytes, "
-                                 f"expected {self.block_words * _WORD}")
+    def __init__(self, caches: list[torch.Tensor], layers: list[int], planes: list[str], groups: list[int],
+                 block_sizes: list[int], staging: Placement, shard: int) -> None:
         base = caches[0].data_ptr()
-        if any((c.data_ptr() - base) % 16 for c in caches):
-            raise ValueError(f"{plane} caches are not 16-byte aligned relative to each other")
-        #: Word offsets of every layer's cache from the first (which is passed as a pointer).
-        self.src_table = torch.tensor([(c.data_ptr() - base) // _WORD for c in caches], dtype=torch.int64,
-                                      device=dev)
-        self.src0 = caches[0].view(torch.int32) if caches[0].is_contiguous() else caches[0]
-        offs = []
-        for lid in layers:
-            s, off = staging.offset(plane, lid)
+        order = sorted(range(len(caches)), key=lambda i: (layers[i], [p.name for p in staging.layout.planes].index(planes[i])))
+        self.groups = sorted(set(groups))
+        rows: list[list[int]] = []
+        #: layer -> (first segment, segments, [(unit tokens, units per block, unit bytes)])
+        self._layer: dict[int, tuple[int, int, list[tuple[int, int, int]]]] = {}
+        for seg, i in enumerate(order):
+            c, lid, plane = caches[i], layers[i], staging.layout.plane(planes[i])
+            units_per_block = block_sizes[i] if plane.unit_tokens == 1 else 1
+            block_bytes = units_per_block * plane.unit_bytes
+            if c[0].numel() * c.element_size() != block_bytes:
+                raise ValueError(f"a {plane.name} cache block holds {c[0].numel() * c.element_size()} bytes, "
+                                 f"expected {block_bytes}")
+            if plane.unit_bytes % 16 or (c.data_ptr() - base) % 16:
+                raise ValueError(f"layer {lid} {plane.name} cache is not 16-byte aligned relative to the first")
+            s, off = staging.offset(plane.name, lid)
             if s != shard or off % 16:
-                raise ValueError(f"layer {lid} {plane} staging offset {off} is not a 16-byte multiple on shard {shard}")
-            offs.append(off // _WORD)
-        self.dst_off = torch.tensor(offs, dtype=torch.int64, device=dev)
-        self.num_layers = len(caches)
-        self._index = {lid: i for i, lid in enumerate(layers)}
+                raise ValueError(f"layer {lid} {plane.name} staging offset {off} is not a 16-byte multiple on "
+                                 f"shard {shard}")
+            rows.append([(c.data_ptr() - base) // _WORD, off // _WORD, block_bytes // _WORD,
+                         plane.unit_bytes // _WORD, plane.unit_tokens, self.groups.index(groups[i])])
+            first, count, geo = self._layer.get(lid, (seg, 0, []))
+            self._layer[lid] = (first, count + 1, [*geo, (plane.unit_tokens, units_per_block, plane.unit_bytes)])
+        self.table = torch.tensor(rows, dtype=torch.int64, device=caches[0].device)
+        self.src0 = caches[0].view(torch.int32)
+        self.num_segments = len(rows)
+        self._all = [g for _, _, geo in self._layer.values() for g in geo]
+        self._geometries = sorted({(t, upb) for t, upb, _ in self._all})
 
-    def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor,
-                 chunk: int | None = CHUNK_WORDS, num_warps: int = NUM_WARPS, layer: int | None = None) -> int:
-        """Gather every layer of the table, or only `layer` (0 bytes if it is not in the table)."""
-        first, count = 0, self.num_layers
-        if layer is not None:
-            if layer not in self._index:
-                return 0
-            first, count = self._index[layer], 1
-        chunk = chunk or triton.next_power_of_2(self.block_words)
-        n_units = (num_tokens + self.unit_tokens - 1) // self.unit_tokens
-        n_blocks = (n_units + self.units_per_block - 1) // self.units_per_block
-        grid = (n_blocks, count, triton.cdiv(self.block_words, chunk))
-        _gather_blocks_kernel[grid](self.src0, self.src_table, block_ids, region.view(torch.int32), self.dst_off,
-                                    self.units_per_block, self.unit_words, n_units, self.block_words, first,
-                                    CHUNK=chunk, num_warps=num_warps)
-        return n_units * self.unit_words * _WORD * count
+    @property
+    def layers(self) -> frozenset[int]:
+        return frozenset(self._layer)
+
+    def blocks(self, num_tokens: int) -> int:
+        """Blocks of the request any plane reads (the block-id rows must hold at least these)."""
+        return max(_cdiv(_cdiv(num_tokens, t), upb) for t, upb in self._geometries)
+
+    def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor, layer: int | None = None,
+                 chunk: int = CHUNK_WORDS, num_warps: int = NUM_WARPS, split: int | None = None) -> int:
+        """Gather every layer, or only `layer` (0 bytes if this gather holds none of it).
+
+        `block_ids`: int32 [len(groups), >= blocks(num_tokens)] on the device, row g = group groups[g].
+        """
+        if layer is None:
+            first, count, geo = 0, self.num_segments, self._all
+        elif layer in self._layer:
+            first, count, geo = self._layer[layer]
+        else:
+            return 0
+        blocks = self.blocks(num_tokens)
+        if split is None:
+            split = min(MAX_SPLIT, _cdiv(MIN_PROGRAMS, blocks * count))
+        grid = (blocks, count, split)
+        _gather_kernel[grid](self.src0, self.table, block_ids, block_ids.stride(0), region.view(torch.int32),
+                             num_tokens, first, CHUNK=chunk, num_warps=num_warps)
+        return sum(_cdiv(num_tokens, t) * b for t, _, b in geo)
