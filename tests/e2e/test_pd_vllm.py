@@ -34,18 +34,22 @@ def baseline(stack: Stack, prompt: list[int]) -> list[int]:
     return out["choices"][0]["token_ids"]
 
 
-def prefill(stack: Stack, prompt: list[int], host: str, port: int, ticket: str | None) -> dict:
+def prefill(stack: Stack, prompt: list[int], host: str, port: int, ticket: str | None,
+            layerwise: bool | None = None) -> dict:
     params = {"tilert_host": host, "tilert_ctrl_port": port, "tilert_ticket": ticket}
+    if layerwise is not None:  # else the connector's tilert_layerwise (on by default)
+        params["tilert_layerwise"] = layerwise
     return post_json(f"{stack.prefill_url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
                                                              "temperature": 0, "kv_transfer_params": params})
 
 
-def pd(stack: Stack, prompt: list[int], node_url: str | None = None, ctrl_port: int | None = None) -> tuple[list[int], dict]:
+def pd(stack: Stack, prompt: list[int], node_url: str | None = None, ctrl_port: int | None = None,
+       layerwise: bool | None = None) -> tuple[list[int], dict]:
     """The TileRT path as the router drives it: admit, prefill with the mark, stream the rest."""
     node_url, ctrl_port = node_url or stack.node_url, ctrl_port or stack.ctrl_port
     adm = post_json(f"{node_url}/v1/admit", {"request_id": "e2e", "prompt_tokens": len(prompt),
                                              "max_tokens": NEW_TOKENS})
-    out = prefill(stack, prompt, "127.0.0.1", ctrl_port, adm["ticket"])
+    out = prefill(stack, prompt, "127.0.0.1", ctrl_port, adm["ticket"], layerwise)
     params = out["kv_transfer_params"]
     assert params["tilert_status"] == "queued" and params["tilert_num_tokens"] == len(prompt), params
     first = params["tilert_first_token"]
@@ -63,15 +67,29 @@ def test_pd_output_equals_vllm_greedy_with_mtp_from_the_first_step(stack: Stack)
     want = [baseline(stack, p) for p in PROMPTS]
     drafted = accepted = 0
     for prompt, expected in zip(PROMPTS, want, strict=True):
-        got, done = pd(stack, prompt)
+        got, done = pd(stack, prompt)  # the connector's default: layer-wise
         assert got == expected, f"{len(prompt)}-token prompt: PD {got} != vLLM {expected}"
         drafted += done["mtp"]["drafted"]
         accepted += done["mtp"]["accepted"]
-        assert set(done["timings"]) >= {"wire_wait_ms", "convert_ms", "inject_ms", "decode_ms", "tpot_ms"}
+        timings = done["timings"]
+        assert set(timings) >= {"wire_wait_ms", "convert_ms", "inject_ms", "decode_ms", "tpot_ms", "layerwise",
+                                "layers_early", "hidden_convert_ms"}
+        # Every layer came one by one, the main layers during the forward (save_kv_layer), before the
+        # MTP layer (after the drafter).
+        assert timings["layerwise"] == 1.0 and timings["layers_layerwise"] == 3, timings
+        assert timings["layers_early"] >= 1, timings
     assert drafted > 0 and accepted > 0, "MTP never accepted a draft"
     print(f"MTP acceptance over {len(PROMPTS)} requests: {accepted}/{drafted} = {accepted / drafted:.2f}")
     _wait_for(lambda: metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="ok") >= len(PROMPTS),
               "handoffs to be counted on vLLM's /metrics", extra_request=lambda: _flush(stack))
+
+
+def test_pd_output_equals_vllm_greedy_with_layerwise_off(stack: Stack):
+    """The whole-state handoff (tilert_layerwise off for these requests) stays equal too."""
+    for prompt in PROMPTS[::4]:
+        got, done = pd(stack, prompt, layerwise=False)
+        assert got == baseline(stack, prompt), f"{len(prompt)}-token prompt"
+        assert done["timings"]["layerwise"] == 0.0, done["timings"]
 
 
 def test_unclaimed_requests_in_the_same_batches_are_untouched(stack: Stack):

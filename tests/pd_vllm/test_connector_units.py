@@ -24,7 +24,7 @@ BASE = {"tilert_model": "mla", "tilert_max_seq_len": 256, "tilert_local_host": "
 @pytest.mark.parametrize(
     ("extra", "message"),
     [({"tilert_max_seq_len": 256}, r"tilert_model: Field required \(state layout family"),
-     ({**BASE, "tilert_modle": "mla"}, r"unknown TileRTConnector keys \['tilert_modle'\]; known keys: \['tilert_data_plane_networks', 'tilert_handoff_digest', 'tilert_local_host'"),
+     ({**BASE, "tilert_modle": "mla"}, r"unknown TileRTConnector keys \['tilert_modle'\]; known keys: \['tilert_data_plane_networks', 'tilert_handoff_digest', 'tilert_layerwise', 'tilert_local_host'"),
      ({**BASE, "tilert_host": "10.0.0.1"}, "destination is per request"),
      ({**BASE, "tilert_max_seq_len": "many"}, r"tilert_max_seq_len: Input should be a valid integer.*\(got 'many'\)"),
      ({**BASE, "tilert_transfer": "rdma"}, r"tilert_transfer: use one of \('mooncake', 'nixl'\) \(got 'rdma'\)"),

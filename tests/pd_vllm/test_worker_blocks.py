@@ -92,3 +92,128 @@ def test_staging_is_zeroed_once_its_state_is_sent(worker):
     _until(lambda: worker.pool.free == 1)
     assert seen and seen[0].any()  # the gathered state was there while it was sent
     assert not worker.pool.buffer.any()
+
+
+# -- layer-wise (tilert_layerwise) ------------------------------------------------------------------
+
+
+class FeedRecorder:
+    """Stands in for Sender.send: takes the layers as the worker stages them, copying staging each time."""
+
+    def __init__(self, worker: TileRTWorker) -> None:
+        self.worker = worker
+        self.batches: list[list[int]] = []
+        self.snapshots: list[torch.Tensor] = []
+        self.errors: list[str] = []
+        self.whole: list[str] = []
+
+    def __call__(self, host, port, req, error=None, layers=None):
+        from tilert_serve.handoff.sender import HandoffResult, LayerSourceFailed
+
+        if layers is None:
+            self.whole.append(req.request_id)
+            return HandoffResult(True, nbytes=1)
+        try:
+            while (batch := layers.next_layers(10.0)) is not None:
+                self.batches.append(batch)
+                self.snapshots.append(self.worker.pool.buffer.clone())
+        except LayerSourceFailed as exc:
+            self.errors.append(str(exc))
+            return HandoffResult(False, "prefill_failed", str(exc))
+        return HandoffResult(True, nbytes=1, layers_sent=len(self.batches))
+
+
+@pytest.fixture
+def layerwise_worker(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123456789abcdef")
+    cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
+                                             "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
+                                             "tilert_staging_requests": 1, "tilert_timeout_s": 5})
+    assert cfg.layerwise  # the default
+    w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
+    w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
+    w._sender.send = FeedRecorder(w)
+    yield w
+    w.shutdown()
+
+
+def _whole_gather(worker: TileRTWorker, j: SendJob) -> torch.Tensor:
+    from tilert_serve.pd_vllm.extract import gather
+
+    out = torch.zeros_like(worker.pool.buffer)
+    gather(worker.caches, j.block_ids, j.num_tokens, worker.pool.placement, [out])
+    return out
+
+
+def test_layers_are_staged_as_the_forward_reports_them_and_mtp_at_wait_for_save(layerwise_worker):
+    w, rec = layerwise_worker, layerwise_worker._sender.send
+    a = job("a", free_port())
+    w.begin([a])  # bind_connector_metadata, before the forward
+    assert w.pool.free == 0  # the region is taken, the sender already connecting
+    w.layer_saved("model.layers.0.self_attn.attn")
+    w.layer_saved("model.layers.0.self_attn.attn")  # reported again (another hook): staged once
+    w.layer_saved("model.layers.2.self_attn.attn")  # the MTP layer: not before the drafter
+    w.layer_saved("model.layers.1.self_attn.attn")
+    _until(lambda: len(rec.batches) == 2)
+    assert rec.batches == [[0], [1]]
+    assert w.finished({"a"}) is None  # not every layer is staged: the blocks stay
+    w.expect([a])
+    w.step([a])  # wait_for_save, after the drafter
+    _until(lambda: w.pool.free == 1)
+    assert rec.batches == [[0], [1], [2]] and rec.whole == []
+    assert torch.equal(rec.snapshots[-1], _whole_gather(w, a))  # the same bytes as the whole gather
+    assert w.finished(set()) == {"a"}
+    assert not w.pool.buffer.any()  # scrubbed after the send
+
+
+def test_a_failed_layer_gather_gives_the_job_up_and_frees_its_blocks(layerwise_worker, monkeypatch):
+    w, rec = layerwise_worker, layerwise_worker._sender.send
+    a = job("a", free_port())
+    w.begin([a])
+    w.layer_saved("model.layers.0.self_attn.attn")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(w, "gather", broken)
+    monkeypatch.setattr("tilert_serve.pd_vllm.worker.gather", broken)
+    w.layer_saved("model.layers.1.self_attn.attn")
+    w.step([a])
+    _until(lambda: w.pool.free == 1)
+    assert rec.batches == [[0]] and rec.errors == ["gather failed: boom"]
+    assert w.finished({"a"}) == {"a"}
+
+
+def test_a_job_without_free_staging_waits_for_the_whole_state_path(layerwise_worker):
+    w, rec = layerwise_worker, layerwise_worker._sender.send
+    a, b = job("a", free_port()), job("b", free_port())
+    w.begin([a, b])  # one region: a goes layer-wise, b waits
+    for i in range(2):
+        w.layer_saved(f"model.layers.{i}.self_attn.attn")
+    w.step([a, b])
+    _until(lambda: w.pool.free == 1)
+    w.step([])  # b gets the region, gathered whole
+    _until(lambda: rec.whole == ["b"])
+    assert rec.batches == [[0], [1], [2]]
+    assert w.finished({"a", "b"}) == {"a", "b"}
+
+
+def test_layerwise_off_gathers_everything_at_wait_for_save(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("0123456789abcdef0123456789abcdef")
+    cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
+                                             "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
+                                             "tilert_layerwise": False})
+    w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
+    w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
+    rec = w._sender.send = FeedRecorder(w)
+    try:
+        a = job("a", free_port())
+        w.begin([a])
+        w.layer_saved("model.layers.0.self_attn.attn")
+        w.step([a])
+        _until(lambda: rec.whole == ["a"])
+        assert rec.batches == []
+    finally:
+        w.shutdown()

@@ -3,6 +3,16 @@
 Unknown or inconsistent keys fail at start, naming the key: a typo must not silently fall back to a
 default on a production prefill. Each field is spelled in the extra config as its alias
 (`tilert_max_seq_len`), which is also what errors name.
+
+`tilert_layerwise` is on by default: each main layer's state leaves as the forward finishes it and the
+node checks and converts it while later layers compute (worker.py, decode/node.py), so only the last
+layers, the MTP layer (after the drafter) and injection remain when the prefill's forward ends. It
+keeps every property of the whole-state handoff (exact equality with vLLM's greedy output in
+tests/e2e/test_pd_vllm.py, MTP from step one, blocks held until every layer is staged, integrity
+checked before injection) and falls back to the whole state by itself toward a node that does not offer
+it or with digests off. Turn it off to save its per-layer control frames and hooks where a handoff is
+too small for overlap to matter; a request can also choose with `tilert_layerwise` in its
+kv_transfer_params (metadata.py).
 """
 
 from __future__ import annotations
@@ -53,6 +63,11 @@ class ConnectorConfig(BaseModel):
                                  description="send a digest of the written state in Done, which the decode nodes "
                                              "check before decoding (they refuse a state without one unless run "
                                              "with --handoff-digest off)")
+
+    layerwise: bool = Field(True, alias="tilert_layerwise",
+                            description="hand each layer's state over as the forward finishes it (the node checks "
+                                        "and converts it while later layers compute); off, the whole state "
+                                        "moves after the forward. Nodes that do not offer it get the whole state")
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorConfig:

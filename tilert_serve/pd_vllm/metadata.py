@@ -18,6 +18,9 @@ class Destination:
     host: str
     ctrl_port: int
     ticket: str | None
+    #: `tilert_layerwise` of this request (overrides the connector's tilert_layerwise; None: the
+    #: connector's), so a benchmark or test can compare both handoffs on one prefill.
+    layerwise: bool | None = None
 
     @staticmethod
     def claims(params: dict[str, Any] | None) -> bool:
@@ -35,7 +38,10 @@ class Destination:
             raise ValueError(f"tilert_ctrl_port must be a port number, got {port!r}")
         if ticket is not None and not isinstance(ticket, str):
             raise ValueError(f"tilert_ticket must be a string, got {type(ticket).__name__}")
-        return cls(host, port, ticket)
+        layerwise = params.get("tilert_layerwise")
+        if layerwise is not None and not isinstance(layerwise, bool):
+            raise ValueError(f"tilert_layerwise must be true or false, got {layerwise!r}")
+        return cls(host, port, ticket, layerwise)
 
 
 @dataclass(frozen=True)

@@ -17,12 +17,15 @@ Hooks implemented
              (tilert_status, tilert_first_token, tilert_num_tokens; blocks held until copied out),
              update_connector_output + has_pending_push_work (keep stepping until every copy is done).
   worker:    register_kv_caches (classify layers, staging, transfer engine, sender thread),
-             wait_for_save (gather into staging after the drafter; hand to the sender),
+             bind_connector_metadata (before the forward: layer-wise jobs take staging and the sender
+             starts the handshake), save_kv_layer (layer-wise: stage each main layer as the forward
+             finishes it), wait_for_save (after the drafter: the MTP layers and whatever was not
+             staged yet, or the whole state; hand to the sender),
              get_finished (ids copied out: their blocks may be freed), get_kv_connector_stats, shutdown.
 Block contract: see worker.py.
 No-ops, and why: get_num_new_matched_tokens -> (0, False) (a producer loads nothing);
-start_load_kv / wait_for_layer_load (nothing to load); save_kv_layer (the MTP layer and DSA indexer
-caches are complete only at wait_for_save, so extraction happens there once).
+start_load_kv / wait_for_layer_load (nothing to load; vLLM 0.32 calls start_load_kv after the
+forward unless a load is synchronous, so the layer-wise handshake starts at bind_connector_metadata).
 Reading path: config.py -> metadata.py -> scheduler.py -> worker.py (extract.py, stats.py).
 """
 
@@ -127,8 +130,15 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, TileRTConnectorMetadata):
+            self._worker.begin(connector_metadata.jobs)
+
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        return
+        if self._worker is None or _micro_batched():
+            return  # micro-batches report each layer once per batch: wait_for_save stages those steps
+        self._worker.layer_saved(layer_name)
 
     def wait_for_save(self) -> None:
         # Every step, empty or not: jobs waiting for staging are retried here.
@@ -158,6 +168,12 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.shutdown()
+
+
+def _micro_batched() -> bool:
+    from vllm.forward_context import get_forward_context, is_forward_context_available
+
+    return is_forward_context_available() and get_forward_context().ubatch_slices is not None
 
 
 def _register() -> None:

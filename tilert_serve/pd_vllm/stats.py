@@ -16,18 +16,25 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 
 def _empty() -> dict[str, Any]:
-    return {"handoffs": {}, "bytes": 0, "extract_s": 0.0, "send_s": 0.0}
+    return {"handoffs": {}, "bytes": 0, "extract_s": 0.0, "send_s": 0.0, "layers_sent": 0, "layers_early": 0,
+            "ack_s": 0.0}
 
 
 @dataclass
 class TileRTStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=_empty)
 
-    def record(self, outcome: str, nbytes: int = 0, extract_s: float = 0.0, send_s: float = 0.0) -> None:
+    def record(self, outcome: str, nbytes: int = 0, extract_s: float = 0.0, send_s: float = 0.0, *,
+               layers_sent: int = 0, layers_early: int = 0, ack_s: float = 0.0) -> None:
+        """`layers_sent`: layers reported one by one (LayersDone); `layers_early`: those before the
+        last batch; `ack_s`: from the end of the last write to the node's Ack."""
         self.data["handoffs"][outcome] = self.data["handoffs"].get(outcome, 0) + 1
         self.data["bytes"] += nbytes
         self.data["extract_s"] += extract_s
         self.data["send_s"] += send_s
+        self.data["layers_sent"] += layers_sent
+        self.data["layers_early"] += layers_early
+        self.data["ack_s"] += ack_s
 
     def reset(self) -> None:
         self.data = _empty()
@@ -35,8 +42,8 @@ class TileRTStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.get("handoffs", {}).items():
             self.data["handoffs"][k] = self.data["handoffs"].get(k, 0) + v
-        for k in ("bytes", "extract_s", "send_s"):
-            self.data[k] += other.data.get(k, 0)
+        for k in ("bytes", "extract_s", "send_s", "layers_sent", "layers_early", "ack_s"):
+            self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         return self
 
     def reduce(self) -> dict[str, int | float]:
@@ -44,6 +51,9 @@ class TileRTStats(KVConnectorStats):
         out["tilert_bytes"] = self.data["bytes"]
         out["tilert_extract_s"] = round(self.data["extract_s"], 4)
         out["tilert_send_s"] = round(self.data["send_s"], 4)
+        out["tilert_layers_sent"] = self.data.get("layers_sent", 0)
+        out["tilert_layers_early"] = self.data.get("layers_early", 0)
+        out["tilert_ack_s"] = round(self.data.get("ack_s", 0.0), 4)
         return out
 
     def is_empty(self) -> bool:
@@ -64,6 +74,13 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
         self._send_s = counter("vllm:tilert_handoff_seconds", "Seconds spent sending state", labelnames=labelnames)
         self._extract_s = counter("vllm:tilert_extract_seconds", "Seconds spent gathering state into staging",
                                   labelnames=labelnames)
+        self._layers_sent = counter("vllm:tilert_layers_sent", "Layers handed over one by one (layer-wise handoff)",
+                                    labelnames=labelnames)
+        self._layers_early = counter("vllm:tilert_layers_early",
+                                     "Layers handed over before a handoff's last batch (while the step still ran)",
+                                     labelnames=labelnames)
+        self._ack_s = counter("vllm:tilert_ack_seconds", "Seconds from a handoff's last write to the node's Ack",
+                              labelnames=labelnames)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -72,3 +89,6 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
         self._bytes.labels(*labels).inc(transfer_stats_data.get("bytes", 0))
         self._send_s.labels(*labels).inc(transfer_stats_data.get("send_s", 0.0))
         self._extract_s.labels(*labels).inc(transfer_stats_data.get("extract_s", 0.0))
+        self._layers_sent.labels(*labels).inc(transfer_stats_data.get("layers_sent", 0))
+        self._layers_early.labels(*labels).inc(transfer_stats_data.get("layers_early", 0))
+        self._ack_s.labels(*labels).inc(transfer_stats_data.get("ack_s", 0.0))

@@ -14,10 +14,26 @@ while has_pending_push_work keeps the engine stepping; after tilert_timeout_s it
 the node told at once. With TP > 1 every rank gathers and reports its own layers, so the default
 get_finished_count (all ranks) is right. On CUDA the gather is enqueued on the current stream
 before the blocks can be reused, and the sender waits on an event before writing.
+
+Layer-wise handoff (tilert_layerwise, config.py). vLLM binds the step's metadata before the forward
+(bind_connector_metadata): a job whose prompt completes in this step takes its staging region there
+and goes to the sender thread at once, which shakes hands with the node while the forward runs.
+After each main attention layer vLLM calls save_kv_layer (model_executor/layers/attention/
+kv_transfer_utils.py, for MLA layers too); that layer's planes (its MLA cache and its DSA indexer
+cache, which the layer's indexer wrote before its attention) are gathered into staging, an event is
+recorded on CUDA, and the sender writes the layer and tells the node (LayersDone). The MTP layer is
+written by the drafter after the target forward, and vLLM calls wait_for_save after the drafter
+when speculative decoding is on (gpu_model_runner: defer_kv_connector_finalize); so the MTP layers
+(ids >= num_hidden_layers), and any layer save_kv_layer did not report (micro-batched steps, whose
+layers are reported once per micro-batch, are not used layer-wise), are gathered in wait_for_save,
+which then closes the job's feed and only then reports its blocks copied: the block contract holds.
+A request whose prompt spans several steps (chunked prefill) has a job only in its last step, and
+each layer's gather there takes all its tokens (the earlier chunks are in the cache already).
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 import queue
 import re
@@ -25,16 +41,16 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 
 from tilert_serve import dataplane, layouts, transfer
 from tilert_serve.handoff import auth, digest
-from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, Sender
+from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, LayerSourceFailed, Sender
 from tilert_serve.layouts import Layout, Placement
 from tilert_serve.pd_vllm.config import ConnectorConfig
-from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache
+from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache, gather
 from tilert_serve.pd_vllm.logs import get_logger
 from tilert_serve.pd_vllm.metadata import SendJob
 from tilert_serve.pd_vllm.stats import TileRTStats
@@ -107,6 +123,41 @@ class StagingPool:
         return out
 
 
+class LayerFeed:
+    """The layers of one request staged so far: the step thread puts, the sender thread takes (a
+    handoff.sender.LayerSource). `closed` is set once the step thread will touch the staging region
+    no more (every layer staged, or given up): only then may the region be scrubbed and reused."""
+
+    def __init__(self) -> None:
+        self._items: queue.Queue[tuple[list[int], torch.Event | None] | str | None] = queue.Queue()
+        self.closed = threading.Event()
+
+    def put(self, layers: list[int], event: torch.Event | None) -> None:
+        self._items.put((layers, event))
+
+    def finish(self) -> None:
+        self._items.put(None)
+        self.closed.set()
+
+    def fail(self, error: str) -> None:
+        self._items.put(error)
+        self.closed.set()
+
+    def next_layers(self, timeout: float) -> list[int] | None:
+        try:
+            item = self._items.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"the prefill staged no further layer in {timeout:.1f} s") from None
+        if item is None:
+            return None
+        if isinstance(item, str):
+            raise LayerSourceFailed(item)
+        layers, event = item
+        if event is not None:
+            event.synchronize()
+        return layers
+
+
 @dataclass
 class _Work:
     job: SendJob
@@ -114,6 +165,18 @@ class _Work:
     event: torch.Event | None
     extract_s: float
     error: str | None = None
+    #: Layer-wise: the layers as they are staged (None: everything was staged before the work was queued).
+    feed: LayerFeed | None = None
+
+
+@dataclass
+class _Active:
+    """A layer-wise job of this step: queued to the sender before the forward, staged layer by layer."""
+
+    work: _Work
+    #: This rank's layers not yet staged.
+    pending: set[int]
+    failed: bool = False
 
 
 _STOP = object()
@@ -146,6 +209,9 @@ class TileRTWorker:
         self._finished: set[str] = set()
         self._thread: threading.Thread | None = None
         self._mover: transfer.TransferEngine | None = None
+        #: Layer-wise jobs of the current step (begin -> save_kv_layer -> step), and layer ids by cache name.
+        self._active: list[_Active] = []
+        self._layer_of: dict[str, int | None] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout, caches = classify(kv_caches, self.config.tilert_model, self.group_of, self.block_size_of,
@@ -156,6 +222,12 @@ class TileRTWorker:
         device = caches[0].tensor.device
         self.pool = StagingPool(staging, self.rank, self.config.staging_requests, device)
         self.gather = Gatherer(self.caches, staging, self.rank)
+        self._mine = sorted({c.layer for c in self.caches})
+        self._by_layer: dict[int, list[PagedCache]] = {}
+        for c in self.caches:
+            self._by_layer.setdefault(c.layer, []).append(c)
+        # The per-layer gather of extract.Gatherer (fused on CUDA) where it has one, else the plain one.
+        self._gatherer_takes_layer = "layer" in inspect.signature(Gatherer.__call__).parameters
         where = self._data_plane()
         assert where.address is not None
         self._mover = transfer.create(self.config.transfer, host=where.address,
@@ -179,10 +251,86 @@ class TileRTWorker:
         return dataplane.find(self.config.data_plane_networks, self.config.network_status_file,
                               os.environ.get("POD_NAMESPACE", ""), self.config.local_host, timeout_s=120.0)
 
+    def begin(self, jobs: list[SendJob]) -> None:
+        """Called when vLLM binds the step's metadata, before the forward: with tilert_layerwise, each
+        job that finds a staging region (and no older job waiting for one) goes to the sender thread
+        now, which connects while the forward runs. Never raises."""
+        self.expect(jobs)
+        if self.pool is None:
+            return
+        for job in jobs:
+            if not (self.config.layerwise if job.dest.layerwise is None else job.dest.layerwise):
+                continue
+            if self._waiting:
+                return  # older jobs first: this one waits in step() like them
+            index = self.pool.acquire()
+            if index is None:
+                return
+            work = _Work(job, index, None, 0.0, feed=LayerFeed())
+            self._active.append(_Active(work, set(self._mine)))
+            self._queue.put(work)
+
+    def layer_saved(self, layer_name: str) -> None:
+        """save_kv_layer: the forward finished main layer `layer_name`; stage it for this step's
+        layer-wise jobs. The MTP layers wait for wait_for_save (the drafter writes them). Never raises."""
+        if not self._active:
+            return
+        if layer_name not in self._layer_of:
+            m = _LAYER_ID.search(layer_name)
+            self._layer_of[layer_name] = int(m.group(1)) if m else None
+        layer = self._layer_of[layer_name]
+        if layer is None or layer >= self.num_hidden_layers:
+            return
+        for active in self._active:
+            if layer in active.pending and not active.failed:
+                self._stage(active, [layer])
+
+    def _stage(self, active: _Active, layers: list[int]) -> None:
+        assert self.pool is not None and active.work.staging_index is not None and active.work.feed is not None
+        job = active.work.job
+        t0 = time.perf_counter()
+        try:
+            region = self.pool.region(active.work.staging_index)
+            for layer in layers:
+                if self._gatherer_takes_layer:
+                    cast(Any, self.gather)(job.block_ids, job.num_tokens, region, layer=layer)
+                else:
+                    gather(self._by_layer[layer], job.block_ids, job.num_tokens, self.pool.placement,
+                           region)  # type: ignore[arg-type]
+            event = None
+            if self.pool.buffer.is_cuda:
+                event = torch.Event(device=self.pool.buffer.device)
+                event.record()
+        except Exception as exc:  # a bug here must not take the forward pass down
+            log.exception("gathering layers %s of request %s into staging failed", layers, job.req_id)
+            active.failed = True
+            active.work.feed.fail(f"gather failed: {exc}")
+            return
+        finally:
+            active.work.extract_s += time.perf_counter() - t0
+        active.pending.difference_update(layers)
+        active.work.feed.put(layers, event)
+
+    def _finish_active(self) -> None:
+        """wait_for_save: stage what save_kv_layer did not (the MTP layers, after the drafter), close
+        each layer-wise job's feed, and count its blocks as copied."""
+        active_jobs, self._active = self._active, []
+        for active in active_jobs:
+            assert active.work.feed is not None
+            if not active.failed:
+                if active.pending:
+                    self._stage(active, sorted(active.pending))
+                if not active.failed:
+                    active.work.feed.finish()
+            self._copied.add(active.work.job.req_id)
+
     def step(self, jobs: list[SendJob]) -> None:
-        """Called from every wait_for_save: gather what staging has room for, oldest first. Never raises."""
+        """Called from every wait_for_save: finish this step's layer-wise jobs, then gather what staging
+        has room for, oldest first. Never raises."""
+        begun = {a.work.job.req_id for a in self._active}
+        self._finish_active()
         now = time.monotonic()
-        self._waiting.extend((job, now) for job in jobs)
+        self._waiting.extend((job, now) for job in jobs if job.req_id not in begun)
         assert self.pool is not None
         while self._waiting:
             job, since = self._waiting[0]
@@ -239,13 +387,19 @@ class TileRTWorker:
                 log.exception("handoff of %s crashed", work.job.req_id)
                 result = HandoffResult(False, "internal", str(exc))
             finally:
-                if work.staging_index is not None:
+                if work.feed is not None and not work.feed.closed.wait(self.config.timeout_s):
+                    # The step thread may still gather into the region: never hand it to another request.
+                    log.error("request %s: its layers were never all staged; staging region %s is retired",
+                              work.job.req_id, work.staging_index)
+                elif work.staging_index is not None:
                     assert self.pool is not None
                     self._scrub(work)
                     self.pool.release(work.staging_index)
             with self._stats_lock:
                 self.stats.record("ok" if result.ok else (result.reason or "failed"), result.nbytes,
-                                  work.extract_s, result.handshake_s + result.write_s + result.ack_s)
+                                  work.extract_s, result.handshake_s + result.write_s + result.ack_s,
+                                  layers_sent=result.layers_sent, layers_early=result.layers_early,
+                                  ack_s=result.ack_s)
             if not result.ok:
                 log.warning("handoff of %s to %s:%d failed: %s: %s", work.job.req_id, work.job.dest.host,
                             work.job.dest.ctrl_port, result.reason, result.message)
@@ -262,6 +416,8 @@ class TileRTWorker:
         assert self.pool is not None
         self._sender.staging_addrs = self.pool.addrs(work.staging_index)
         self._sender.staging_buffers = self.pool.region(work.staging_index)
+        if work.feed is not None:
+            return self._sender.send(job.dest.host, job.dest.ctrl_port, req, layers=work.feed)
         return self._sender.send(job.dest.host, job.dest.ctrl_port, req)
 
     def _scrub(self, work: _Work) -> None:
