@@ -8,7 +8,7 @@ TileRT node and no native pool: the tiny generated model, vLLM's CPU prefill wit
 MTP, the node on the reference engine, the router probing the node with a real handoff every 2 s while
 idle (1 s after a failure; the operator renders 30 s and 5 s). HandoffReady is computed by the operator's
 own code (tilert_operator.handoff reads the node's authenticated /v1/status, status.handoff_ready), polled
-every 0.25 s (a status read that times out takes 3 s). The faults and how they are injected:
+every 0.25 s (a status read that times out takes 3 s). The faults (ctrl_blocked only as root with iptables) and how they are injected:
 tests/local/handoff_stack.py. Times are from the moment the fault (or the repair) is in place: the secret
 file written, SIGSTOP/SIGCONT sent, the restarted node ready (its restart time is given apart).
 """
@@ -30,7 +30,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.local import handoff_stack as hs  # noqa: E402
 
-FAULTS = ["secret", "unreachable", "layout"]
+FAULTS = ["secret", "unreachable", "ctrl_blocked", "layout"]
 
 
 def _fmt(xs: list[float]) -> str:
@@ -43,8 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--reps", type=int, default=3, help="repetitions of each fault")
     args = p.parse_args(argv)
-    times: dict[str, dict[str, list[float]]] = {f: {"down": [], "up": [], "inject": [], "repair": []} for f in FAULTS}
-    reasons: dict[str, set[str]] = {f: set() for f in FAULTS}
+    faults = [f for f in FAULTS if f != "ctrl_blocked" or hs.ctrl_blocking_unavailable() is None]
+    times: dict[str, dict[str, list[float]]] = {f: {"down": [], "up": [], "inject": [], "repair": []} for f in faults}
+    reasons: dict[str, set[str]] = {f: set() for f in faults}
     with tempfile.TemporaryDirectory(prefix="bench-handoff-ready-") as tmp:
         t0 = time.monotonic()
         stack = hs.start(Path(tmp) / "home", say=print)
@@ -52,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
             _, first = stack.until_true()
             print(f"stack up in {time.monotonic() - t0:.0f} s; HandoffReady True {first:.1f} s after launch returned")
             for rep in range(args.reps):
-                for fault in FAULTS:
+                for fault in faults:
                     stack.until_true()
                     t = time.monotonic()
                     stack.inject(fault)
@@ -73,9 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             stack.stop()
     what = {"secret": "node's handoff secret rewritten to another value / back",
             "unreachable": "node's process group SIGSTOP / SIGCONT",
+            "ctrl_blocked": "iptables DROP of the node's ctrl port on loopback / rule deleted",
             "layout": f"node restarted with KV-cache dtype {hs.WRONG_KV_DTYPE} / with the rendered command"}
     rows = [[f, what[f], " ".join(sorted(reasons[f])), _fmt(times[f]["down"]), _fmt(times[f]["up"]),
-             _fmt(times[f]["inject"] if f == "layout" else [])] for f in FAULTS]
+             _fmt(times[f]["inject"] if f == "layout" else [])] for f in faults]
     body = table(["fault", "injected as (fault / repair)", "reason", "fault -> False (s)", "repair -> True (s)",
                   "node restart (s)"], rows)
     print(body)

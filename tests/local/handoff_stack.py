@@ -16,6 +16,11 @@ The faults, each as a real cluster meets it:
   partition that drops packets or a hung host gives: connections that nobody answers, i.e. timeouts, while
   the pod itself is still there. (A killed node would refuse connections instead; Kubernetes already
   shows that as an unready pod, so it is not the case HandoffReady exists for.)
+- ctrl_blocked (needs root and iptables; the benchmark only): packets to the node's ctrl port dropped on
+  loopback (an iptables rule, as a NetworkPolicy or a firewall between the pools would): the router and
+  the operator still reach the node's HTTP API, only the prefill's sender cannot open the handoff. vLLM's
+  sender runs after the prefill answered, so nobody tells the node: its ticket expires and it records a
+  timeout (the netns test bed shows the same). The repair deletes the rule.
 - layout: the node restarted on the same ports with another KV-cache dtype than the prefill's (bfloat16
   against the spec's float32), as after a half-finished rollout of a model config; the repair restarts it
   with the rendered command again.
@@ -27,7 +32,9 @@ import asyncio
 import base64
 import os
 import secrets
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -49,8 +56,18 @@ EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
 PROBE_INTERVAL_S = 2.0
 PROBE_RETRY_S = 1.0
 #: What each fault turns HandoffReady's reason into.
-EXPECTED = {"secret": "NotAuthenticated", "unreachable": "Unreachable", "layout": "LayoutMismatch"}
+EXPECTED = {"secret": "NotAuthenticated", "unreachable": "Unreachable", "layout": "LayoutMismatch",
+            "ctrl_blocked": "Timeout"}
 WRONG_KV_DTYPE = "bfloat16"
+
+
+def ctrl_blocking_unavailable() -> str | None:
+    """Why the ctrl_blocked fault cannot run here, or None."""
+    if os.geteuid() != 0:
+        return "dropping packets needs root"
+    if shutil.which("iptables") is None:
+        return "no iptables"
+    return None
 
 
 def spec_doc() -> dict[str, Any]:
@@ -72,6 +89,7 @@ class Stack:
     local: local_cli.LocalStack
     node_secret: Path
     node: planmod.Component
+    blocked: bool = False
 
     @property
     def spec(self) -> PDClusterSpec:
@@ -147,14 +165,32 @@ class Stack:
         runner.save(self.local.state_dir, {"cluster": self.local.name, "router": self.local.router}, self.local.procs)
         runner.wait_ready([new], 120, lambda _msg: None)
 
+    def _ctrl_rule(self, op: str) -> subprocess.CompletedProcess[bytes]:
+        return subprocess.run(["iptables", "-w", op, "INPUT", "-i", "lo", "-p", "tcp", "--dport", str(self.node.ctrl_port),
+                               "-m", "comment", "--comment", "tilert-pd-handoff-ready", "-j", "DROP"],
+                              capture_output=True, check=False)
+
+    def block_ctrl(self) -> None:
+        done = self._ctrl_rule("-I")
+        assert done.returncode == 0, done.stderr.decode()
+        self.blocked = True
+
+    def unblock_ctrl(self) -> None:
+        while self._ctrl_rule("-D").returncode == 0:
+            pass
+        self.blocked = False
+
     def inject(self, fault: str) -> None:
-        {"secret": self.rotate_node_secret, "unreachable": self.stop_node,
+        {"secret": self.rotate_node_secret, "unreachable": self.stop_node, "ctrl_blocked": self.block_ctrl,
          "layout": lambda: self.restart_node(WRONG_KV_DTYPE)}[fault]()
 
     def repair(self, fault: str) -> None:
-        {"secret": self.restore_node_secret, "unreachable": self.resume_node, "layout": self.restart_node}[fault]()
+        {"secret": self.restore_node_secret, "unreachable": self.resume_node, "ctrl_blocked": self.unblock_ctrl,
+         "layout": self.restart_node}[fault]()
 
     def stop(self) -> None:
+        if self.blocked:
+            self.unblock_ctrl()
         for p in self.local.procs:  # a stopped group would sit out SIGTERM's grace period
             if runner.ours(p):
                 try:
