@@ -4,7 +4,8 @@
 # sections are written into $OUT/RESULTS.md (the machine has no git checkout: BENCH_COMMIT names the
 # commit that was sent); back here, `python -m bench.common merge <that file>` carries them over.
 #
-#   BENCH_COMMIT=$(git rev-parse --short HEAD) OUT=/some/dir bash bench/gpu.sh
+#   BENCH_COMMIT=$(git rev-parse --short HEAD) OUT=/some/dir [BENCH_TUNE=1] bash bench/gpu.sh
+# (BENCH_TUNE=1: extract and convert also time their kernel variants, into the notes under their tables)
 set -u
 : "${OUT:?set OUT to a folder for the logs and RESULTS.md}"
 export PYTHONUNBUFFERED=1 BENCH_RESULTS="$OUT/RESULTS.md"
@@ -15,8 +16,8 @@ echo "pytest start $(date -u +%FT%TZ)"
 timeout 300 "$PY" -m pytest -m gpu tests/layouts/test_convert_triton.py tests/pd_vllm/test_extract_triton.py -v \
   -p no:cacheprovider >"$OUT/pytest.log" 2>&1
 echo "pytest rc $? end $(date -u +%FT%TZ)"
-timeout 150 "$PY" -m bench.extract.run >"$OUT/extract.log" 2>&1; echo "extract rc $?"
-timeout 200 "$PY" -m bench.convert.run >"$OUT/convert.log" 2>&1; echo "convert rc $?"
+timeout 150 "$PY" -m bench.extract.run ${BENCH_TUNE:+--tune} >"$OUT/extract.log" 2>&1; echo "extract rc $?"
+timeout 240 "$PY" -m bench.convert.run ${BENCH_TUNE:+--tune} >"$OUT/convert.log" 2>&1; echo "convert rc $?"
 { "$PY" -m tilert_serve.cli tiny-model --out /tmp/tiny-bench &&
   timeout 120 "$PY" -m bench.engine.run --model /tmp/tiny-bench --device cuda; } >"$OUT/engine.log" 2>&1
 echo "engine rc $?"
