@@ -364,15 +364,17 @@ async def test_two_sender_ranks_each_digest_checked(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         for tamper in (False, True):
             _, adm = await n.admit("tp")
-            for rank in range(2):
-                sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging,
-                                staging_buffers=bufs)
-                req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11,
-                                     ticket=adm["ticket"], rank=rank, num_senders=2)
-                assert (await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req)).ok
-            if tamper:
-                shard, off = n.node.buffers.placement.offset("mla", 1)  # layer 1: rank 1's
-                n.node.buffers.views(0)[shard][off] ^= 0xFF
+            # Tampered: the node's check (as the state lands) is held until after the write over it.
+            with converter_held(n.node) if tamper else contextlib.nullcontext():
+                for rank in range(2):
+                    sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging,
+                                    staging_buffers=bufs)
+                    req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11,
+                                         ticket=adm["ticket"], rank=rank, num_senders=2)
+                    assert (await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req)).ok
+                if tamper:
+                    shard, off = n.node.buffers.placement.offset("mla", 1)  # layer 1: rank 1's
+                    n.node.buffers.views(0)[shard][off] ^= 0xFF
             status, events = await n.generate(adm["ticket"], max_tokens=2)
             if tamper:
                 assert status == 502 and "sender rank 1:" in events[0]["error"]["message"]

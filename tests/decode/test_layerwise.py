@@ -269,3 +269,55 @@ async def test_layers_done_digests_cover_what_the_sender_wrote(secret_file):
         status, events = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 200, events
         assert_same_state(n, case, 4)
+
+
+async def test_a_sender_without_digests_sends_the_whole_state(secret_file):
+    """Layer-wise needs per-layer digests: a sender with digests off waits for every layer and sends
+    the whole state, which a node with --handoff-digest off decodes."""
+    case = "mla-f32"
+    async with running_node(synthetic.layout_for(case), secret_file, slots=1, verify_digest=False) as n:
+        _, adm = await n.admit("plain")
+        result = json.loads((await n.send(case, NUM_TOKENS, 6, "mooncake", adm["ticket"], "--layerwise",
+                                          "--no-digest", request_id="plain"))[7:])
+        assert result["ok"] and result["layers_sent"] == 0, result
+        status, events = await n.generate(adm["ticket"], max_tokens=2)
+        assert status == 200 and events[-1]["timings"]["layerwise"] == 0.0
+        assert_same_state(n, case, 6)
+
+
+class AllAtOnce:
+    """A LayerSource giving each of `layers` in its own batch."""
+
+    def __init__(self, layers: list[int]) -> None:
+        self.left = list(layers)
+
+    def next_layers(self, timeout: float) -> list[int] | None:
+        return [self.left.pop(0)] if self.left else None
+
+
+async def test_two_sender_ranks_layer_by_layer(secret_file):
+    """TP=2: each rank reports only its own layers; the node assembles both ranks' layers."""
+    from tilert_serve import layouts, transfer
+    from tilert_serve.handoff.sender import HandoffRequest, Sender
+
+    case = "glm5-fp8"
+    layout = synthetic.layout_for(case)
+    staging = Placement(layout, max_tokens=NUM_TOKENS, shards=2)
+    bufs = [torch.zeros(staging.shard_nbytes(s), dtype=torch.uint8) for s in range(2)]
+    synthetic.fill(staging, bufs, NUM_TOKENS, 8)
+    mover = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="tp-layerwise")
+    for b in bufs:
+        mover.register(b.data_ptr(), b.numel())
+    async with running_node(layout, secret_file, slots=1, max_seq_len=128, shards=2) as n:
+        _, adm = await n.admit("tp")
+        for rank in range(2):
+            sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging, staging_buffers=bufs)
+            req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11, ticket=adm["ticket"],
+                                 rank=rank, num_senders=2)
+            source = AllAtOnce(layouts.senders_layers(layout, rank, 2))
+            result = await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req, None, source)
+            assert result.ok and result.layers_sent == len(layouts.senders_layers(layout, rank, 2)), result
+        status, events = await n.generate(adm["ticket"], max_tokens=2)
+        assert status == 200 and events[-1]["timings"]["layers_layerwise"] == layout.num_layers
+        assert_same_state(n, case, 8)
+    mover.close()

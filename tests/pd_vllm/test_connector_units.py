@@ -50,6 +50,11 @@ def test_claim_filter_and_destination_parsing():
         Destination("h", 5556, "t")
     with pytest.raises(ValueError, match="tilert_ctrl_port must be a port number"):
         Destination.parse({"tilert_host": "h", "tilert_ctrl_port": "5556"})
+    # A request may choose the layer-wise handoff or not (else the connector's tilert_layerwise).
+    assert Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_layerwise": False}).layerwise is False
+    assert Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 1}).layerwise is None
+    with pytest.raises(ValueError, match="tilert_layerwise must be true or false"):
+        Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_layerwise": "no"})
 
 
 @dataclass
