@@ -422,7 +422,7 @@ def report(m: Measured, a: Assumptions, lengths: tuple[int, ...] = LENGTHS) -> s
 
 def notes(m: Measured, a: Assumptions) -> str:
     layout = glm5()
-    meas = (f"MEASURED on one H200 (parsed from bench/RESULTS.md at run time): extraction (fused, fastest run) "
+    meas = (f"MEASURED on one H200 (parsed from bench/RESULTS.md at run time): extraction (fused, whole state, timed as a call; the fastest run where several) "
             f"{_fmt(m.extract)} [extract: {m.provenance.get('extract')}]; conversion (fused) {_fmt(m.convert)} "
             f"[convert: {m.provenance.get('convert')}]; per-layer calls: extraction "
             f"{_fmt(m.extract_layer) if m.extract_layer else 'not measured (whole-state time split evenly)'}, "
