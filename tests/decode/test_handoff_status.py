@@ -9,9 +9,21 @@ import json
 
 from tests.decode import synthetic
 from tests.decode.conftest import converter_held, running_node
+from tilert_serve.decode.node import link_seconds
+from tilert_serve.decode.slots import Slot
 
 CASE = "mla-f32"
 LAYOUT = synthetic.layout_for(CASE)
+
+
+def test_link_seconds_are_the_slowest_ranks_writes_and_never_include_the_forward():
+    slot = Slot(0, t_accept=10.0, t_ready=12.5)
+    slot.write_s = {0: 0.2, 1: 0.5}
+    assert link_seconds(slot, layerwise=True) == 0.5  # ranks write side by side
+    slot.write_s = {0: 0.2, 1: None}  # a sender too old to say
+    assert link_seconds(slot, layerwise=False) == 2.5  # Accept to the last Done
+    # Layer-wise, that span holds the prefill's forward: no bandwidth is claimed from it.
+    assert link_seconds(slot, layerwise=True) is None
 
 
 async def _status(n) -> dict:  # type: ignore[no-untyped-def]
@@ -40,8 +52,9 @@ async def test_success_then_failures_with_their_reasons(secret_file, tmp_path):
         ok = h["last_success"]
         assert ok is not None and h["successes"] == 1 and h["last_failure"] is None
         assert ok["bytes"] > 0
-        assert ok["seconds"] >= 0 and ok["age_s"] >= 0
-        assert ok["bandwidth_bytes_per_s"] is None or ok["bandwidth_bytes_per_s"] > 0
+        # Measured over the sender's write calls (Done.write_s), not the whole Accept-to-Done span.
+        assert ok["seconds"] > 0 and ok["age_s"] >= 0
+        assert ok["bandwidth_bytes_per_s"] == ok["bytes"] / n.node.handoff.ok_seconds
 
         # A prefill with another secret: refused as not authenticated; the router's generate then
         # times out, and the node keeps the specific reason.

@@ -19,11 +19,14 @@ from tilert_serve.handoff.errors import (
 )
 
 DONE = messages.Done(request_id="r1", generation=3, ok=True, nbytes=42)
-DONE_BODY = b'{"request_id":"r1","generation":3,"ok":true,"nbytes":42,"error":null,"digest":null,"writes_started":true}'
-DONE_BYTES = b"TP\x02\x07\x00\x00\x00\x69" + DONE_BODY
+DONE_BODY = (b'{"request_id":"r1","generation":3,"ok":true,"nbytes":42,"error":null,"digest":null,'
+             b'"writes_started":true,"write_s":null}')
+DONE_BYTES = b"TP\x02\x07\x00\x00\x00\x78" + DONE_BODY
 #: The same Done sealed as frame #0 with the key b"k" * 32: kind | 0x80, length + 32, HMAC-SHA256 tag.
-DONE_SEALED = (b"TP\x02\x87\x00\x00\x00\x89" + DONE_BODY
-               + bytes.fromhex("c107c00159f9e6aeb06a07aafca6bf2545cf4b6786ab6593d394651dd8fbae26"))
+DONE_SEALED = (b"TP\x02\x87\x00\x00\x00\x98" + DONE_BODY
+               + bytes.fromhex("8a280ed5fa6fd9b99bc9e099502548c5997624262a7cfed101bc8ce8055704c2"))
+#: A Done as senders wrote it before Done.write_s (an optional field of the same version): still read.
+OLDER_DONE_BODY = b'{"request_id":"r1","generation":3,"ok":true,"nbytes":42,"error":null,"digest":null,"writes_started":true}'
 HEX64 = "ab" * 32
 
 
@@ -32,6 +35,7 @@ def test_golden_bytes_both_ways():
     assert framing.Decoder().feed(DONE_BYTES) == [DONE]
     assert framing.encode(DONE, framing.Session(b"k" * 32, b"x" * 32)) == DONE_SEALED
     assert framing.Decoder(framing.Session(b"x" * 32, b"k" * 32)).feed(DONE_SEALED) == [DONE]
+    assert framing.Decoder().feed(b"TP\x02\x07\x00\x00\x00\x69" + OLDER_DONE_BODY) == [DONE]
 
 
 def _pair() -> tuple[framing.Session, framing.Session]:

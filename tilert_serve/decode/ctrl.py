@@ -260,7 +260,7 @@ async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: async
                            f"accepted for {req.request_id!r} generation {generation}")
     conn.slot = None  # reported: a later disconnect no longer fails the slot
     complete = node.slots.done(slot, generation, req.sender_rank, ok=done.ok, nbytes=done.nbytes, error=done.error,
-                               digest=done.digest, writes_started=done.writes_started)
+                               digest=done.digest, writes_started=done.writes_started, write_s=done.write_s)
     status: messages.AckStatus
     if not done.ok:
         status, msg = "failed", slot.error or done.error or ""

@@ -114,18 +114,19 @@ class HandoffRecord:
     clock: Callable[[], float]
     successes: int = 0
     failures: int = 0
-    #: Last success: clock and wall time, bytes, Accept-to-last-Done seconds.
+    #: Last success: clock and wall time, bytes, and the seconds its bytes took on the link (None when
+    #: not measured: see link_seconds).
     ok_at: float | None = None
     ok_wall: float = 0.0
     ok_bytes: int = 0
-    ok_seconds: float = 0.0
+    ok_seconds: float | None = None
     #: Last data-plane failure.
     fail_at: float | None = None
     fail_wall: float = 0.0
     fail_reason: str = ""
     fail_message: str = ""
 
-    def success(self, nbytes: int, seconds: float) -> None:
+    def success(self, nbytes: int, seconds: float | None) -> None:
         self.successes += 1
         self.ok_at, self.ok_wall, self.ok_bytes, self.ok_seconds = self.clock(), time.time(), nbytes, seconds
 
@@ -140,8 +141,9 @@ class HandoffRecord:
 
     @property
     def bandwidth(self) -> float | None:
-        """Bytes per second of the last successful handoff (None before one, or when instantaneous)."""
-        return self.ok_bytes / self.ok_seconds if self.ok_at is not None and self.ok_seconds > 0 else None
+        """Bytes per second of the last successful handoff (None before one, when not measured, or
+        when instantaneous)."""
+        return self.ok_bytes / self.ok_seconds if self.ok_at is not None and self.ok_seconds else None
 
     def as_dict(self) -> dict[str, Any]:
         now = self.clock()
@@ -150,11 +152,23 @@ class HandoffRecord:
                                "last_success": None, "last_failure": None}
         if self.ok_at is not None:
             out["last_success"] = {"age_s": round(now - self.ok_at, 3), "time": self.ok_wall, "bytes": self.ok_bytes,
-                                   "seconds": round(self.ok_seconds, 6), "bandwidth_bytes_per_s": self.bandwidth}
+                                   "seconds": None if self.ok_seconds is None else round(self.ok_seconds, 6),
+                                   "bandwidth_bytes_per_s": self.bandwidth}
         if self.fail_at is not None:
             out["last_failure"] = {"age_s": round(now - self.fail_at, 3), "time": self.fail_wall,
                                    "reason": self.fail_reason, "message": self.fail_message}
         return out
+
+
+def link_seconds(slot: Slot, layerwise: bool) -> float | None:
+    """Seconds the slot's bytes took on the link: the slowest sender rank's write calls (ranks write
+    side by side, each over its own NIC). From senders that do not report theirs, Accept to the last
+    Done, unless the handoff was layer-wise: that span holds the prefill's forward, and a bandwidth
+    measured over it would blame the link for the model's compute, so none is claimed."""
+    reported = [s for s in slot.write_s.values() if s is not None]
+    if reported and len(reported) == len(slot.write_s):
+        return max(reported)
+    return None if layerwise else max(slot.t_ready - slot.t_accept, 0.0)
 
 
 def _protocol(transfer: TransferEngine) -> str | None:
@@ -474,8 +488,8 @@ class DecodeNode:
         if self.handoff.failure(reason, message):
             self._m_failures.labels(reason).inc()
 
-    def _note_success(self, slot: Slot) -> None:
-        self.handoff.success(slot.nbytes, max(slot.t_ready - slot.t_accept, 0.0))
+    def _note_success(self, slot: Slot, layerwise: bool) -> None:
+        self.handoff.success(slot.nbytes, link_seconds(slot, layerwise))
         self._m_last_ok.set(self.handoff.ok_wall)
         bandwidth = self.handoff.bandwidth
         if bandwidth is not None:
@@ -563,7 +577,7 @@ class DecodeNode:
                     if not recorded:
                         # The node decoded from the handoff: the data plane works end to end.
                         recorded = True
-                        self._note_success(slot)
+                        self._note_success(slot, bool(timings.get("layerwise")))
                     drafted, accepted = drafted + value.drafted, accepted + value.accepted
                     tokens, finish = cut(value.token_ids, produced, p.max_tokens, stop_ids)
                     produced += len(tokens)
@@ -577,7 +591,7 @@ class DecodeNode:
                     finish = "cancelled" if cancel.is_set() else "length"
                     if injected and not recorded and p.max_tokens == 0:
                         recorded = True  # nothing to decode was asked: converted and injected is all there is
-                        self._note_success(slot)
+                        self._note_success(slot, bool(timings.get("layerwise")))
             decode_s = timings.pop("_decode_start", None)
             decode_ms = (time.perf_counter() - decode_s) * 1e3 if decode_s else 0.0
             timings.update(decode_ms=decode_ms, tpot_ms=decode_ms / produced if produced else 0.0,

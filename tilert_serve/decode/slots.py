@@ -91,6 +91,8 @@ class Slot:
     #: Each rank's digest of what it wrote ("ALGORITHM:HEX", or None when it sent none).
     digests: dict[int, str | None] = field(default_factory=dict)
     nbytes: int = 0
+    #: Each rank's seconds in its write calls (Done.write_s); None where a sender did not say.
+    write_s: dict[int, float | None] = field(default_factory=dict)
     error: str | None = None
     #: Clock readings for the timings reported with the stream.
     t_admit: float = 0.0
@@ -189,7 +191,7 @@ class SlotTable:
         return slot
 
     def done(self, slot: Slot, generation: int, rank: int, *, ok: bool, nbytes: int, error: str | None,
-             digest: str | None = None, writes_started: bool = True) -> bool:
+             digest: str | None = None, writes_started: bool = True, write_s: float | None = None) -> bool:
         """A rank reports its writes. RECEIVING -> READY when every rank has written, or -> FAILED when
         one failed. A rank that wrote everything (ok) or nothing (not `writes_started`) can no longer
         land bytes; one whose write failed part-way (a transfer engine's error or timeout) still may,
@@ -211,6 +213,7 @@ class SlotTable:
             return False
         slot.ranks_done.add(rank)
         slot.digests[rank] = digest
+        slot.write_s[rank] = write_s
         slot.nbytes += nbytes
         if len(slot.ranks_done) == slot.ranks_expected:
             slot.state = SlotState.READY

@@ -141,6 +141,10 @@ class Done(Message):
     #: prefill gave up between layers), so the node need not quarantine the slot against a late write
     #: (see decode/slots.py).
     writes_started: bool = True
+    #: Seconds this rank spent in its transfer engine's write calls (all of its LayersDone batches
+    #: included): what the node measures the link's bandwidth over, since under layer-wise the time
+    #: from Accept to Done includes the prefill's forward. None from older senders.
+    write_s: float | None = Field(default=None, ge=0)
 
 
 #: Most layers one LayersDone may name (far above any model's layer count).

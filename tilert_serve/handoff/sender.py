@@ -44,6 +44,10 @@ class HandoffRequest:
     num_senders: int = 1
 
 
+class _WriteFailed(Exception):
+    """A transfer engine write failed; the node has been told (Done not ok)."""
+
+
 class LayerSourceFailed(Exception):
     """The prefill gave up on the request between layers; the message says why."""
 
@@ -74,6 +78,9 @@ class HandoffResult:
     #: (those the node could convert while the prefill still computed).
     layers_sent: int = 0
     layers_early: int = 0
+    #: Seconds inside the transfer engine's write calls alone (what the link's bandwidth is measured
+    #: over; write_s includes the waits for the forward when layer-wise).
+    busy_s: float = 0.0
 
 
 class Sender:
@@ -196,24 +203,35 @@ class Sender:
         if layerwise:
             assert source is not None
             return self._send_layers(chan, req, accept, dst, key, source, hello.digests, t0, t1)
-        ranges = write_ranges(self.staging, dst, senders_layers(layout, req.rank, req.num_senders), req.num_tokens)
-        ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes)
-               for r in ranges]
-        nbytes = sum(o.nbytes for o in ops)
         # Hashed before the write: staging does not change while it is being sent.
         written = self._digest(req, hello.digests)
         try:
-            self.engine.write(self._peers[key], ops)
-        except TransferError as exc:
-            # The node may have restarted with new buffers: forget its handle, tell it, report.
-            self._peers.pop(key, None)
-            chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
-                                    error=str(exc)))
+            nbytes, busy_s = self._write(chan, req, accept, key, dst, senders_layers(layout, req.rank, req.num_senders))
+        except _WriteFailed as exc:
             return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
         t2 = time.monotonic()
         chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes,
-                                digest=written))
-        return self._await_ack(chan, nbytes, t0, t1, t2)
+                                digest=written, write_s=busy_s))
+        result = self._await_ack(chan, nbytes, t0, t1, t2)
+        result.busy_s = busy_s
+        return result
+
+    def _write(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, key: str, dst: Placement,
+               layers: list[int]) -> tuple[int, float]:
+        """Write this rank's ranges of `layers` into the node's slot: (bytes, seconds the write call
+        took). On a transfer error the node's handle is forgotten (it may have restarted with new
+        buffers), the node told, and _WriteFailed raised."""
+        ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes)
+               for r in write_ranges(self.staging, dst, layers, req.num_tokens)]
+        t = time.monotonic()
+        try:
+            self.engine.write(self._peers[key], ops)
+        except TransferError as exc:
+            self._peers.pop(key, None)
+            chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
+                                    error=str(exc)))
+            raise _WriteFailed(str(exc)) from exc
+        return sum(o.nbytes for o in ops), time.monotonic() - t
 
     def _left(self, t0: float) -> float:
         return max(0.0, t0 + self.timeout_s - time.monotonic())
@@ -233,6 +251,7 @@ class Sender:
         mine = set(senders_layers(self.staging.layout, req.rank, req.num_senders))
         sent: set[int] = set()
         nbytes = last_batch = 0
+        busy_s = 0.0
         algorithm = digest.preferred(theirs)
         assert self.staging_buffers is not None
         buffers = [b if b is not None else torch.empty(0, dtype=torch.uint8) for b in self.staging_buffers]
@@ -246,19 +265,13 @@ class Sender:
             layers = [lid for lid in layers if lid in mine and lid not in sent]
             if not layers:
                 continue
-            ranges = write_ranges(self.staging, dst, layers, req.num_tokens)
-            ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst,
-                           r.nbytes) for r in ranges]
             written = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
                                                                      req.num_tokens, layers), algorithm)
             try:
-                self.engine.write(self._peers[key], ops)
-            except TransferError as exc:
-                self._peers.pop(key, None)
-                chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
-                                        error=str(exc)))
+                n, seconds = self._write(chan, req, accept, key, dst, layers)
+            except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
-            n = sum(o.nbytes for o in ops)
+            busy_s += seconds
             chan.send(messages.LayersDone(request_id=req.request_id, generation=accept.generation, layers=layers,
                                           nbytes=n, digest=written))
             sent.update(layers)
@@ -268,25 +281,21 @@ class Sender:
         missing = sorted(mine - sent)
         if missing:
             # Layers the source never gave: written now and covered by Done's digest.
-            ranges = write_ranges(self.staging, dst, missing, req.num_tokens)
-            ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst,
-                           r.nbytes) for r in ranges]
             rest = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
                                                                   req.num_tokens, missing), algorithm)
             try:
-                self.engine.write(self._peers[key], ops)
-            except TransferError as exc:
-                self._peers.pop(key, None)
-                chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
-                                        error=str(exc)))
+                n, seconds = self._write(chan, req, accept, key, dst, missing)
+            except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
-            nbytes += sum(o.nbytes for o in ops)
+            nbytes += n
+            busy_s += seconds
             t2 = time.monotonic()
         chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes,
-                                digest=rest if missing else None))
+                                digest=rest if missing else None, write_s=busy_s))
         result = self._await_ack(chan, nbytes, t0, t1, t2)
         result.layers_sent = len(sent)
         result.layers_early = len(sent) - last_batch
+        result.busy_s = busy_s
         return result
 
     def _await_ack(self, chan: SyncChannel, nbytes: int, t0: float, t1: float, t2: float) -> HandoffResult:

@@ -399,7 +399,7 @@ class TileRTWorker:
                 self.stats.record("ok" if result.ok else (result.reason or "failed"), result.nbytes,
                                   work.extract_s, result.handshake_s + result.write_s + result.ack_s,
                                   layers_sent=result.layers_sent, layers_early=result.layers_early,
-                                  ack_s=result.ack_s)
+                                  ack_s=result.ack_s, write_s=result.busy_s)
             if not result.ok:
                 log.warning("handoff of %s to %s:%d failed: %s: %s", work.job.req_id, work.job.dest.host,
                             work.job.dest.ctrl_port, result.reason, result.message)
