@@ -177,7 +177,6 @@ def test_a_failed_layer_gather_gives_the_job_up_and_frees_its_blocks(layerwise_w
         raise RuntimeError("boom")
 
     monkeypatch.setattr(w, "gather", broken)
-    monkeypatch.setattr("tilert_serve.pd_vllm.worker.gather", broken)
     w.layer_saved("model.layers.1.self_attn.attn")
     w.step([a])
     _until(lambda: w.pool.free == 1)

@@ -33,7 +33,6 @@ each layer's gather there takes all its tokens (the earlier chunks are in the ca
 
 from __future__ import annotations
 
-import inspect
 import os
 import queue
 import re
@@ -41,7 +40,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any
 
 import torch
 
@@ -50,7 +49,7 @@ from tilert_serve.handoff import auth, digest
 from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, LayerSourceFailed, Sender
 from tilert_serve.layouts import Layout, Placement
 from tilert_serve.pd_vllm.config import ConnectorConfig
-from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache, gather
+from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache
 from tilert_serve.pd_vllm.logs import get_logger
 from tilert_serve.pd_vllm.metadata import SendJob
 from tilert_serve.pd_vllm.stats import TileRTStats
@@ -222,12 +221,7 @@ class TileRTWorker:
         device = caches[0].tensor.device
         self.pool = StagingPool(staging, self.rank, self.config.staging_requests, device)
         self.gather = Gatherer(self.caches, staging, self.rank)
-        self._mine = sorted({c.layer for c in self.caches})
-        self._by_layer: dict[int, list[PagedCache]] = {}
-        for c in self.caches:
-            self._by_layer.setdefault(c.layer, []).append(c)
-        # The per-layer gather of extract.Gatherer (fused on CUDA) where it has one, else the plain one.
-        self._gatherer_takes_layer = "layer" in inspect.signature(Gatherer.__call__).parameters
+        self._mine = sorted(self.gather.layers)
         where = self._data_plane()
         assert where.address is not None
         self._mover = transfer.create(self.config.transfer, host=where.address,
@@ -292,11 +286,7 @@ class TileRTWorker:
         try:
             region = self.pool.region(active.work.staging_index)
             for layer in layers:
-                if self._gatherer_takes_layer:
-                    cast(Any, self.gather)(job.block_ids, job.num_tokens, region, layer=layer)
-                else:
-                    gather(self._by_layer[layer], job.block_ids, job.num_tokens, self.pool.placement,
-                           region)  # type: ignore[arg-type]
+                self.gather(job.block_ids, job.num_tokens, region, layer=layer)  # type: ignore[arg-type]
             event = None
             if self.pool.buffer.is_cuda:
                 event = torch.Event(device=self.pool.buffer.device)
