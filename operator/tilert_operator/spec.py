@@ -92,6 +92,8 @@ class Transfer(_Section):
     shm_size: str = "2Gi"
     #: A digest of each handoff's bytes, checked by the TileRT node before it decodes the state.
     handoff_digest: bool = True
+    #: Hand each layer over as the prefill's forward finishes it (the connector's tilert_layerwise).
+    layerwise: bool = True
 
 
 class Mtp(_Section):

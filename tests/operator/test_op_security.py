@@ -24,6 +24,7 @@ from tilert_operator import spec as specmod
 from tilert_operator.render import commands
 from tilert_operator.render import router as router_render
 from tilert_serve import defaults
+from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.router import config as router_config
 
 NETS = helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}})
@@ -91,6 +92,17 @@ def test_handoff_digest_is_on_unless_the_spec_turns_it_off_on_both_sides() -> No
     kv = json.loads(_arg(off[constants.PREFILL].argv, "--kv-transfer-config"))
     tilert = next(c for c in kv["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "TileRTConnector")
     assert tilert["kv_connector_extra_config"]["tilert_handoff_digest"] is False
+
+
+def test_layerwise_handoff_is_on_unless_the_spec_turns_it_off() -> None:
+    on = commands.commands(specmod.parse(helpers.minimal()))
+    assert "tilert_layerwise" not in _arg(on[constants.PREFILL].argv, "--kv-transfer-config")
+    off = commands.commands(specmod.parse(helpers.minimal(transfer={"layerwise": False})))
+    kv = json.loads(_arg(off[constants.PREFILL].argv, "--kv-transfer-config"))
+    tilert = next(c for c in kv["kv_connector_extra_config"]["connectors"] if c["kv_connector"] == "TileRTConnector")
+    assert tilert["kv_connector_extra_config"]["tilert_layerwise"] is False
+    # The connector reads the key the operator renders.
+    assert ConnectorConfig.from_extra_config(tilert["kv_connector_extra_config"]).layerwise is False
 
 
 def test_router_metrics_need_a_key_unless_the_spec_opens_them() -> None:

@@ -77,6 +77,7 @@ def tilert_connector(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
             "tilert_secret_path": paths.secret_file,
             # Rendered only when off (on is both sides' default), so the default spec renders as before.
             **({} if spec.transfer.handoff_digest else {"tilert_handoff_digest": False}),
+            **({} if spec.transfer.layerwise else {"tilert_layerwise": False}),
             # The prefill finds its own address on the handoff's networks, as the decode node does.
             **({"tilert_data_plane_networks": list(spec.transfer.rdma.networks)} if spec.transfer.rdma.networks else {}),
         },
