@@ -15,15 +15,22 @@ from tilert_serve.pd_vllm.metadata import Destination, SendJob
 from tilert_serve.pd_vllm.worker import TileRTWorker
 
 
-@pytest.fixture
-def worker(tmp_path):
+def _worker(tmp_path, timeout_s: float) -> TileRTWorker:
+    """A rank of a 2-layer MLA model with MTP (3 caches) and one staging region."""
     secret = tmp_path / "secret"
     secret.write_text("0123456789abcdef0123456789abcdef")
     cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
                                              "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
-                                             "tilert_staging_requests": 1, "tilert_timeout_s": 0.5})
+                                             "tilert_staging_requests": 1, "tilert_timeout_s": timeout_s})
+    assert cfg.layerwise  # the default
     w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
     w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
+    return w
+
+
+@pytest.fixture
+def worker(tmp_path):
+    w = _worker(tmp_path, 0.5)
     yield w
     w.shutdown()
 
@@ -125,14 +132,7 @@ class FeedRecorder:
 
 @pytest.fixture
 def layerwise_worker(tmp_path):
-    secret = tmp_path / "secret"
-    secret.write_text("0123456789abcdef0123456789abcdef")
-    cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
-                                             "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
-                                             "tilert_staging_requests": 1, "tilert_timeout_s": 5})
-    assert cfg.layerwise  # the default
-    w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
-    w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
+    w = _worker(tmp_path, 5.0)
     w._sender.send = FeedRecorder(w)
     yield w
     w.shutdown()

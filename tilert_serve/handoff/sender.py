@@ -216,6 +216,15 @@ class Sender:
         result.busy_s = busy_s
         return result
 
+    def _hash_and_write(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, key: str,
+                        dst: Placement, layers: list[int], buffers: list[torch.Tensor],
+                        algorithm: str) -> tuple[str, int, float]:
+        """The digest of `layers`' staged bytes (hashed before the write: staging does not change while
+        it is sent), then their write: (digest, bytes, seconds)."""
+        hashed = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
+                                                                req.num_tokens, layers), algorithm)
+        return (hashed, *self._write(chan, req, accept, key, dst, layers))
+
     def _write(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, key: str, dst: Placement,
                layers: list[int]) -> tuple[int, float]:
         """Write this rank's ranges of `layers` into the node's slot: (bytes, seconds the write call
@@ -265,10 +274,8 @@ class Sender:
             layers = [lid for lid in layers if lid in mine and lid not in sent]
             if not layers:
                 continue
-            written = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
-                                                                     req.num_tokens, layers), algorithm)
             try:
-                n, seconds = self._write(chan, req, accept, key, dst, layers)
+                written, n, seconds = self._hash_and_write(chan, req, accept, key, dst, layers, buffers, algorithm)
             except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
             busy_s += seconds
@@ -281,10 +288,8 @@ class Sender:
         missing = sorted(mine - sent)
         if missing:
             # Layers the source never gave: written now and covered by Done's digest.
-            rest = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
-                                                                  req.num_tokens, missing), algorithm)
             try:
-                n, seconds = self._write(chan, req, accept, key, dst, missing)
+                rest, n, seconds = self._hash_and_write(chan, req, accept, key, dst, missing, buffers, algorithm)
             except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
             nbytes += n
