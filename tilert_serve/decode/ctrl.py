@@ -219,12 +219,17 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
     await _receive(node, reader, writer, conn, req, slot)
 
 
+def _check_handoff(msg: messages.LayersDone | messages.Done, req: messages.Request, generation: int) -> None:
+    """A LayersDone or Done must name the request and slot generation this connection was accepted for."""
+    if msg.generation != generation or msg.request_id != req.request_id:
+        raise MessageError(f"{type(msg).__name__} names request {msg.request_id!r} generation {msg.generation}, the "
+                           f"slot was accepted for {req.request_id!r} generation {generation}")
+
+
 def _check_layers(msg: messages.LayersDone, req: messages.Request, generation: int, mine: set[int],
                   reported: set[int]) -> None:
     """A LayersDone must name this handoff, and layers this sender rank holds, each once."""
-    if msg.generation != generation or msg.request_id != req.request_id:
-        raise MessageError(f"LayersDone names request {msg.request_id!r} generation {msg.generation}, the slot was "
-                           f"accepted for {req.request_id!r} generation {generation}")
+    _check_handoff(msg, req, generation)
     if len(set(msg.layers)) != len(msg.layers):
         raise MessageError(f"LayersDone names a layer twice: {msg.layers}")
     foreign = sorted(set(msg.layers) - mine)
@@ -255,9 +260,7 @@ async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: async
         _check_layers(frame, req, generation, mine, reported)
         reported.update(frame.layers)
         node.layers_arrived(slot, generation, req.sender_rank, frame.layers, frame.nbytes, frame.digest)
-    if done.generation != generation or done.request_id != req.request_id:
-        raise MessageError(f"Done names request {done.request_id!r} generation {done.generation}, the slot was "
-                           f"accepted for {req.request_id!r} generation {generation}")
+    _check_handoff(done, req, generation)
     conn.slot = None  # reported: a later disconnect no longer fails the slot
     complete = node.slots.done(slot, generation, req.sender_rank, ok=done.ok, nbytes=done.nbytes, error=done.error,
                                digest=done.digest, writes_started=done.writes_started, write_s=done.write_s)

@@ -38,7 +38,7 @@ from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.decode.slots import Slot, SlotState, SlotTable
 from tilert_serve.decode.stopping import cut
 from tilert_serve.handoff import auth, digest, messages
-from tilert_serve.layouts import Layout, Placement, convert, senders_layers
+from tilert_serve.layouts import Layout, convert, senders_layers
 from tilert_serve.layouts.state import InjectedState, LayerState
 from tilert_serve.transfer import TransferEngine
 
@@ -209,28 +209,6 @@ def _overlap(spans: list[tuple[str, float, float]], kind: str, lo: float, hi: fl
     return sum(max(0.0, min(end, hi) - max(start, lo)) for k, start, end in spans if k == kind)
 
 
-def _layer_state(region: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int,
-                 out_dtype: torch.dtype) -> LayerState:
-    """One layer of a slot's bytes in the engine's dtype: layouts.convert's per-layer helper when it has
-    one, else the same reads as its whole-state conversion, for one layer."""
-    helper = getattr(convert, "to_layer_state", None)
-    if helper is not None:
-        state: LayerState = helper(region, placement, layer, num_tokens, out_dtype)
-        return state
-    layout = placement.layout
-    mla = layout.plane("mla")
-    shard, off = placement.offset("mla", layer)
-    rows = region[shard][off:off + mla.nbytes(num_tokens)].view(num_tokens, mla.unit_bytes)
-    kv, pe = convert.mla_rows_to_kv_pe(rows, layout, out_dtype)
-    ki = None
-    if layout.index_head_dim:
-        idx = layout.plane("indexer")
-        shard, off = placement.offset("indexer", layer)
-        pages = region[shard][off:off + idx.nbytes(num_tokens)].view(idx.units(num_tokens), idx.unit_bytes)
-        ki = convert.indexer_pages_to_keys(pages, num_tokens, out_dtype)
-    return LayerState(kv=kv, pe=pe, ki=ki)
-
-
 @dataclass
 class _Waiters:
     event: asyncio.Event = field(default_factory=asyncio.Event)
@@ -399,7 +377,7 @@ class DecodeNode:
                 prepared.refused = f"sender rank {rank}, layers {layers}: {exc}"
                 return
         t1 = time.perf_counter()
-        converted = {lid: _layer_state(views, self.buffers.placement, lid, num_tokens, self.engine_dtype)
+        converted = {lid: convert.to_layer_state(views, self.buffers.placement, lid, num_tokens, self.engine_dtype)
                      for lid in layers if lid < self.engine.num_layers}
         t2 = time.perf_counter()
         with prepared.lock:
@@ -433,7 +411,8 @@ class DecodeNode:
             state = convert.to_injected_state(views, placement, num_tokens, last_prompt_token, self.engine_dtype)
             layers = state.layers[:self.engine.num_layers]
         else:
-            layers = [prepared.layers.get(lid) or _layer_state(views, placement, lid, num_tokens, self.engine_dtype)
+            layers = [prepared.layers.get(lid) or convert.to_layer_state(views, placement, lid, num_tokens,
+                                                                            self.engine_dtype)
                       for lid in range(self.engine.num_layers)]
         t2 = time.perf_counter()
         with prepared.lock:
@@ -669,16 +648,3 @@ class DecodeNode:
         except Exception as exc:
             log.exception("decode of slot %d failed", slot.index)
             put(("error", exc))
-
-    def check_state(self, slot: Slot) -> None:
-        """Raise StateRefused unless every sender rank's bytes in the slot hash to the digest it sent
-        (skipped with verify_digest off); layers a LayersDone covered and verified count as checked."""
-        if not self.config.verify_digest:
-            return
-        prepared = self._prepared[slot.index]
-        if prepared is None or prepared.generation != slot.generation:
-            prepared = _Prepared(slot.generation)
-        if prepared.refused is not None:
-            raise StateRefused(prepared.refused)
-        self._check_rest(self.buffers.views(slot.index), prepared, slot.ranks_expected, slot.num_tokens,
-                         dict(slot.digests))

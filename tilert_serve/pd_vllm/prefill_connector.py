@@ -136,7 +136,9 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
             self._worker.begin(connector_metadata.jobs)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
-        if self._worker is None or _micro_batched():
+        # Every attention layer of every step comes here: the forward-context look-up only when a
+        # layer-wise job is being staged.
+        if self._worker is None or not self._worker.staging_layers or _micro_batched():
             return  # micro-batches report each layer once per batch: wait_for_save stages those steps
         self._worker.layer_saved(layer_name)
 

@@ -264,6 +264,11 @@ class TileRTWorker:
             self._active.append(_Active(work, set(self._mine)))
             self._queue.put(work)
 
+    @property
+    def staging_layers(self) -> bool:
+        """This step has layer-wise jobs whose layers save_kv_layer stages."""
+        return bool(self._active)
+
     def layer_saved(self, layer_name: str) -> None:
         """save_kv_layer: the forward finished main layer `layer_name`; stage it for this step's
         layer-wise jobs. The MTP layers wait for wait_for_save (the drafter writes them). Never raises."""
