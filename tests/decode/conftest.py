@@ -130,6 +130,25 @@ def converter_held(node: DecodeNode, index: int = 0) -> Iterator[None]:
         release.set()
 
 
+@contextlib.contextmanager
+def two_rank_staging(layout: layouts.Layout, num_tokens: int, seed: int,
+                     role: str) -> Iterator[tuple[layouts.Placement, list[torch.Tensor], transfer.TransferEngine]]:
+    """A TP=2 prefill's staging: two shards of `layout` holding synthetic state of `seed`, registered
+    with one Mooncake engine (closed at the end)."""
+    from tests.decode import synthetic
+
+    staging = layouts.Placement(layout, max_tokens=num_tokens, shards=2)
+    bufs = [torch.zeros(staging.shard_nbytes(s), dtype=torch.uint8) for s in range(2)]
+    synthetic.fill(staging, bufs, num_tokens, seed)
+    mover = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role=role)
+    for b in bufs:
+        mover.register(b.data_ptr(), b.numel())
+    try:
+        yield staging, bufs, mover
+    finally:
+        mover.close()
+
+
 @pytest.fixture
 def secret_file(tmp_path: Path) -> Path:
     path = tmp_path / "secret"

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.decode import synthetic
-from tests.decode.conftest import SECRET, converter_held, running_node
+from tests.decode.conftest import SECRET, converter_held, running_node, two_rank_staging
 from tilert_serve import transfer
 from tilert_serve.decode import ctrl
 from tilert_serve.handoff import auth, framing, messages
@@ -355,32 +355,27 @@ async def test_a_rotated_secret_is_taken_without_a_restart(secret_file, tmp_path
 
 async def test_two_sender_ranks_each_digest_checked(secret_file):
     """TP=2 prefill: each rank's digest covers its own layers; a write over rank 1's layers names it."""
-    staging = Placement(LAYOUT, max_tokens=NUM_TOKENS, shards=2)
-    bufs = [torch.zeros(staging.shard_nbytes(s), dtype=torch.uint8) for s in range(2)]
-    synthetic.fill(staging, bufs, NUM_TOKENS, 9)
-    mover = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="tp-sender")
-    for b in bufs:
-        mover.register(b.data_ptr(), b.numel())
-    async with running_node(LAYOUT, secret_file, slots=1) as n:
-        for tamper in (False, True):
-            _, adm = await n.admit("tp")
-            # Tampered: the node's check (as the state lands) is held until after the write over it.
-            with converter_held(n.node) if tamper else contextlib.nullcontext():
-                for rank in range(2):
-                    sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging,
-                                    staging_buffers=bufs)
-                    req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11,
-                                         ticket=adm["ticket"], rank=rank, num_senders=2)
-                    assert (await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req)).ok
+    with two_rank_staging(LAYOUT, NUM_TOKENS, 9, "tp-sender") as (staging, bufs, mover):
+        async with running_node(LAYOUT, secret_file, slots=1) as n:
+            for tamper in (False, True):
+                _, adm = await n.admit("tp")
+                # Tampered: the node's check (as the state lands) is held until after the write over it.
+                with converter_held(n.node) if tamper else contextlib.nullcontext():
+                    for rank in range(2):
+                        sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging,
+                                        staging_buffers=bufs)
+                        req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11,
+                                             ticket=adm["ticket"], rank=rank, num_senders=2)
+                        assert (await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req)).ok
+                    if tamper:
+                        shard, off = n.node.buffers.placement.offset("mla", 1)  # layer 1: rank 1's
+                        n.node.buffers.views(0)[shard][off] ^= 0xFF
+                status, events = await n.generate(adm["ticket"], max_tokens=2)
                 if tamper:
-                    shard, off = n.node.buffers.placement.offset("mla", 1)  # layer 1: rank 1's
-                    n.node.buffers.views(0)[shard][off] ^= 0xFF
-            status, events = await n.generate(adm["ticket"], max_tokens=2)
-            if tamper:
-                assert status == 502 and "sender rank 1:" in events[0]["error"]["message"]
-                assert "rank 0" not in events[0]["error"]["message"]
-            else:
-                assert status == 200, events
+                    assert status == 502 and "sender rank 1:" in events[0]["error"]["message"]
+                    assert "rank 0" not in events[0]["error"]["message"]
+                else:
+                    assert status == 200, events
 
 
 async def test_done_after_the_deadline_leaves_the_slot_quarantined(secret_file):

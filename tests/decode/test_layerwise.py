@@ -16,7 +16,15 @@ import pytest
 import torch
 
 from tests.decode import synthetic
-from tests.decode.conftest import HERE, SECRET, SENDER_ENV, RunningNode, converter_held, running_node
+from tests.decode.conftest import (
+    HERE,
+    SECRET,
+    SENDER_ENV,
+    RunningNode,
+    converter_held,
+    running_node,
+    two_rank_staging,
+)
 from tilert_serve.handoff import auth, digest, framing, messages
 from tilert_serve.layouts import Placement, convert
 
@@ -297,27 +305,22 @@ class AllAtOnce:
 
 async def test_two_sender_ranks_layer_by_layer(secret_file):
     """TP=2: each rank reports only its own layers; the node assembles both ranks' layers."""
-    from tilert_serve import layouts, transfer
+    from tilert_serve import layouts
     from tilert_serve.handoff.sender import HandoffRequest, Sender
 
     case = "glm5-fp8"
     layout = synthetic.layout_for(case)
-    staging = Placement(layout, max_tokens=NUM_TOKENS, shards=2)
-    bufs = [torch.zeros(staging.shard_nbytes(s), dtype=torch.uint8) for s in range(2)]
-    synthetic.fill(staging, bufs, NUM_TOKENS, 8)
-    mover = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="tp-layerwise")
-    for b in bufs:
-        mover.register(b.data_ptr(), b.numel())
-    async with running_node(layout, secret_file, slots=1, max_seq_len=128, shards=2) as n:
-        _, adm = await n.admit("tp")
-        for rank in range(2):
-            sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging, staging_buffers=bufs)
-            req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11, ticket=adm["ticket"],
-                                 rank=rank, num_senders=2)
-            source = AllAtOnce(layouts.senders_layers(layout, rank, 2))
-            result = await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req, None, source)
-            assert result.ok and result.layers_sent == len(layouts.senders_layers(layout, rank, 2)), result
-        status, events = await n.generate(adm["ticket"], max_tokens=2)
-        assert status == 200 and events[-1]["timings"]["layers_layerwise"] == layout.num_layers
-        assert_same_state(n, case, 8)
-    mover.close()
+    with two_rank_staging(layout, NUM_TOKENS, 8, "tp-layerwise") as (staging, bufs, mover):
+        async with running_node(layout, secret_file, slots=1, max_seq_len=128, shards=2) as n:
+            _, adm = await n.admit("tp")
+            for rank in range(2):
+                sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging,
+                                staging_buffers=bufs)
+                req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11,
+                                     ticket=adm["ticket"], rank=rank, num_senders=2)
+                source = AllAtOnce(layouts.senders_layers(layout, rank, 2))
+                result = await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req, None, source)
+                assert result.ok and result.layers_sent == len(layouts.senders_layers(layout, rank, 2)), result
+            status, events = await n.generate(adm["ticket"], max_tokens=2)
+            assert status == 200 and events[-1]["timings"]["layers_layerwise"] == layout.num_layers
+            assert_same_state(n, case, 8)
