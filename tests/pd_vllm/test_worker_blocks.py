@@ -4,6 +4,7 @@ fail, until they have waited tilert_timeout_s. The sender runs for real against 
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -15,13 +16,13 @@ from tilert_serve.pd_vllm.metadata import Destination, SendJob
 from tilert_serve.pd_vllm.worker import TileRTWorker
 
 
-def _worker(tmp_path, timeout_s: float) -> TileRTWorker:
-    """A rank of a 2-layer MLA model with MTP (3 caches) and one staging region."""
+def _worker(tmp_path, timeout_s: float, staging: int = 1) -> TileRTWorker:
+    """A rank of a 2-layer MLA model with MTP (3 caches) and `staging` staging regions."""
     secret = tmp_path / "secret"
     secret.write_text("0123456789abcdef0123456789abcdef")
     cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
                                              "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
-                                             "tilert_staging_requests": 1, "tilert_timeout_s": timeout_s})
+                                             "tilert_staging_requests": staging, "tilert_timeout_s": timeout_s})
     assert cfg.layerwise  # the default
     w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
     w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
@@ -33,6 +34,13 @@ def worker(tmp_path):
     w = _worker(tmp_path, 0.5)
     yield w
     w.shutdown()
+
+
+def stand_in(worker: TileRTWorker, send):
+    """Every sender thread's Sender.send replaced by `send` (the threads look it up per job)."""
+    for sender in worker._senders:
+        sender.send = send
+    return send
 
 
 def job(req_id: str, port: int) -> SendJob:
@@ -88,17 +96,71 @@ def test_staging_is_zeroed_once_its_state_is_sent(worker):
 
     seen: list[torch.Tensor] = []
 
-    def send(host, port, req, error=None):
+    def send(host, port, req, error=None, layers=None):
         seen.append(worker.pool.buffer.clone())
         return HandoffResult(False, "unreachable", "test")
 
-    worker._sender.send = send
+    stand_in(worker, send)
     a = job("a", free_port())
     worker.expect([a])
     worker.step([a])
     _until(lambda: worker.pool.free == 1)
     assert seen and seen[0].any()  # the gathered state was there while it was sent
     assert not worker.pool.buffer.any()
+
+
+class HungNode:
+    """Stands in for Sender.send: request `hung`'s node never answers (until released); the others
+    are recorded as sent, with the error of a give-up notice."""
+
+    def __init__(self, hung: str) -> None:
+        self.hung, self.release, self.sent = hung, threading.Event(), []
+
+    def __call__(self, host, port, req, error=None, layers=None):
+        from tilert_serve.handoff.sender import HandoffResult
+
+        if req.request_id == self.hung:
+            self.release.wait(30)
+        self.sent.append((req.request_id, error))
+        return HandoffResult(True, nbytes=1)
+
+
+def test_a_hung_node_holds_up_no_other_request(tmp_path):
+    """Each staged job has a sender thread of its own: while one node never answers, the next
+    request's state goes out and its blocks are freed."""
+    w = _worker(tmp_path, 5.0, staging=2)
+    node = stand_in(w, HungNode("a"))
+    try:
+        a, b = job("a", free_port()), job("b", free_port())
+        w.expect([a, b])
+        w.step([a])
+        w.step([b])
+        _until(lambda: node.sent == [("b", None)])
+        assert w.finished({"a", "b"}) == {"a", "b"}  # both were copied out; a's handoff still hangs
+        assert w.pool.free == 1  # a holds its region, b gave its back
+    finally:
+        node.release.set()
+        w.shutdown()
+    assert node.sent == [("b", None), ("a", None)]
+
+
+def test_a_give_up_notice_goes_out_while_every_region_is_sending(tmp_path):
+    """The thread beyond the regions carries the notice of a job that waited too long for staging,
+    so its node frees the slot at once although the only region is stuck in a hung handoff."""
+    w = _worker(tmp_path, 0.5)
+    node = stand_in(w, HungNode("a"))
+    try:
+        a, b = job("a", free_port()), job("b", free_port())
+        w.expect([a, b])
+        w.step([a, b])  # a takes the region and hangs; b waits with its blocks held
+        time.sleep(0.6)
+        w.step([])  # b has waited past tilert_timeout_s: given up
+        _until(lambda: len(node.sent) == 1)
+        assert node.sent[0][0] == "b" and "staging stayed full" in node.sent[0][1]
+        assert w.finished({"a", "b"}) == {"a", "b"}
+    finally:
+        node.release.set()
+        w.shutdown()
 
 
 # -- layer-wise (tilert_layerwise) ------------------------------------------------------------------
@@ -133,7 +195,7 @@ class FeedRecorder:
 @pytest.fixture
 def layerwise_worker(tmp_path):
     w = _worker(tmp_path, 5.0)
-    w._sender.send = FeedRecorder(w)
+    w.recorder = stand_in(w, FeedRecorder(w))
     yield w
     w.shutdown()
 
@@ -147,7 +209,7 @@ def _whole_gather(worker: TileRTWorker, j: SendJob) -> torch.Tensor:
 
 
 def test_layers_are_staged_as_the_forward_reports_them_and_mtp_at_wait_for_save(layerwise_worker):
-    w, rec = layerwise_worker, layerwise_worker._sender.send
+    w, rec = layerwise_worker, layerwise_worker.recorder
     a = job("a", free_port())
     w.begin([a])  # bind_connector_metadata, before the forward
     assert w.pool.free == 0  # the region is taken, the sender already connecting
@@ -168,7 +230,7 @@ def test_layers_are_staged_as_the_forward_reports_them_and_mtp_at_wait_for_save(
 
 
 def test_a_failed_layer_gather_gives_the_job_up_and_frees_its_blocks(layerwise_worker, monkeypatch):
-    w, rec = layerwise_worker, layerwise_worker._sender.send
+    w, rec = layerwise_worker, layerwise_worker.recorder
     a = job("a", free_port())
     w.begin([a])
     w.layer_saved("model.layers.0.self_attn.attn")
@@ -185,7 +247,7 @@ def test_a_failed_layer_gather_gives_the_job_up_and_frees_its_blocks(layerwise_w
 
 
 def test_a_job_without_free_staging_waits_for_the_whole_state_path(layerwise_worker):
-    w, rec = layerwise_worker, layerwise_worker._sender.send
+    w, rec = layerwise_worker, layerwise_worker.recorder
     a, b = job("a", free_port()), job("b", free_port())
     w.begin([a, b])  # one region: a goes layer-wise, b waits
     for i in range(2):
@@ -206,7 +268,7 @@ def test_layerwise_off_gathers_everything_at_wait_for_save(tmp_path):
                                              "tilert_layerwise": False})
     w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
     w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
-    rec = w._sender.send = FeedRecorder(w)
+    rec = stand_in(w, FeedRecorder(w))
     try:
         a = job("a", free_port())
         w.begin([a])

@@ -5,6 +5,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -73,6 +74,36 @@ def test_one_sided_write_lands_exactly(engine_name):
         # Nothing beyond the ranges was touched.
         assert target.ask(f"zeros {1 << 20} {2 << 20}") == "yes"
         assert target.ask(f"zeros {(6 << 20) + 12345} 4096") == "yes"
+    finally:
+        target.close()
+
+
+def test_concurrent_writes_from_several_threads_all_land(engine_name):
+    """The connector's sender threads share one engine and write to the same node at once."""
+    target = Target(engine_name)
+    try:
+        engine = transfer.create(engine_name, host="127.0.0.1", protocol="tcp", role="sender")
+        src = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8)
+        engine.register(src.ctypes.data, src.nbytes)
+        handle = engine.connect(target.peer)
+        part = 1 << 20
+        errors: list[BaseException] = []
+
+        def write(i: int) -> None:
+            try:  # 16 writes of 64 KiB each, interleaved with the other threads'
+                for k in range(16):
+                    off = i * part + k * (part // 16)
+                    engine.write(handle, [transfer.WriteOp(src.ctypes.data + off, target.addr + off, part // 16)])
+            except BaseException as exc:  # reported below, in the test thread
+                errors.append(exc)
+
+        threads = [threading.Thread(target=write, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=60)
+        assert not errors
+        assert target.ask(f"md5 0 {4 * part}") == hashlib.md5(src.tobytes()).hexdigest()
     finally:
         target.close()
 

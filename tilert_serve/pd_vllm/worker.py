@@ -15,6 +15,12 @@ the node told at once. With TP > 1 every rank gathers and reports its own layers
 get_finished_count (all ranks) is right. On CUDA the gather is enqueued on the current stream
 before the blocks can be reused, and the sender waits on an event before writing.
 
+Sender threads: one per staging region plus one, each with its own Sender (sharing the transfer
+engine), taking jobs oldest first. A job holds its region until its handoff ends, so every staged
+job has a thread of its own: a slow or dead node, or a layer-wise job waiting on the forward, never
+holds up another request's handoff; the extra thread carries give-up notices (no region) while
+every region is sending.
+
 Layer-wise handoff (tilert_layerwise, config.py). vLLM binds the step's metadata before the forward
 (bind_connector_metadata): a job whose prompt completes in this step takes its staging region there
 and goes to the sender thread at once, which shakes hands with the node while the forward runs.
@@ -206,7 +212,8 @@ class TileRTWorker:
         self._copied: set[str] = set()
         #: ids vLLM has reported finished (a sending id may only be reported after that).
         self._finished: set[str] = set()
-        self._thread: threading.Thread | None = None
+        self._threads: list[threading.Thread] = []
+        self._senders: list[Sender] = []
         self._mover: transfer.TransferEngine | None = None
         #: Layer-wise jobs of the current step (begin -> save_kv_layer -> step), and layer ids by cache name.
         self._active: list[_Active] = []
@@ -229,11 +236,14 @@ class TileRTWorker:
                                       interface=where.interface)
         self._mover.register(self.pool.buffer.data_ptr(), self.pool.buffer.numel(),
                              "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
-        self._sender = Sender(name=f"prefill-rank{self.rank}", secret=self.keyring, engine=self._mover,
-                              staging=staging, staging_addrs=[0] * self.world_size, timeout_s=self.config.timeout_s,
-                              send_digest=self.config.handoff_digest)
-        self._thread = threading.Thread(target=self._run, name="tilert-sender", daemon=True)
-        self._thread.start()
+        for i in range(self.config.staging_requests + 1):
+            sender = Sender(name=f"prefill-rank{self.rank}", secret=self.keyring, engine=self._mover,
+                            staging=staging, staging_addrs=[0] * self.world_size, timeout_s=self.config.timeout_s,
+                            send_digest=self.config.handoff_digest)
+            thread = threading.Thread(target=self._run, args=(sender,), name=f"tilert-sender-{i}", daemon=True)
+            thread.start()
+            self._senders.append(sender)
+            self._threads.append(thread)
         log.info("TileRTConnector rank %d/%d: layout %s, %d layers here, staging %d x %.1f MB (%s), %s/%s",
                  self.rank, self.world_size, layout.describe(), len(mine), self.config.staging_requests,
                  self.pool.region_nbytes / 1e6, device, self.config.transfer, self.config.protocol)
@@ -371,13 +381,13 @@ class TileRTWorker:
     def expect(self, jobs: list[SendJob]) -> None:
         self._expected.update(j.req_id for j in jobs)
 
-    def _run(self) -> None:
+    def _run(self, sender: Sender) -> None:
         while True:
             work = self._queue.get()
             if work is _STOP:
                 return
             try:
-                result = self._send(work)
+                result = self._send(sender, work)
             except Exception as exc:  # keep the thread alive for the next request
                 log.exception("handoff of %s crashed", work.job.req_id)
                 result = HandoffResult(False, "internal", str(exc))
@@ -399,21 +409,19 @@ class TileRTWorker:
                 log.warning("handoff of %s to %s:%d failed: %s: %s", work.job.req_id, work.job.dest.host,
                             work.job.dest.ctrl_port, result.reason, result.message)
 
-    def _send(self, work: _Work) -> HandoffResult:
+    def _send(self, sender: Sender, work: _Work) -> HandoffResult:
         job = work.job
         req = HandoffRequest(request_id=job.req_id, num_tokens=job.num_tokens, last_prompt_token=job.last_prompt_token,
                              ticket=job.dest.ticket, prompt_token_ids=job.prompt_token_ids, rank=self.rank,
                              num_senders=self.world_size)
         if work.staging_index is None:
-            return self._sender.send(job.dest.host, job.dest.ctrl_port, req, error=work.error or "not staged")
+            return sender.send(job.dest.host, job.dest.ctrl_port, req, error=work.error or "not staged")
         if work.event is not None:
             work.event.synchronize()
         assert self.pool is not None
-        self._sender.staging_addrs = self.pool.addrs(work.staging_index)
-        self._sender.staging_buffers = self.pool.region(work.staging_index)
-        if work.feed is not None:
-            return self._sender.send(job.dest.host, job.dest.ctrl_port, req, layers=work.feed)
-        return self._sender.send(job.dest.host, job.dest.ctrl_port, req)
+        sender.staging_addrs = self.pool.addrs(work.staging_index)
+        sender.staging_buffers = self.pool.region(work.staging_index)
+        return sender.send(job.dest.host, job.dest.ctrl_port, req, layers=work.feed)
 
     def _scrub(self, work: _Work) -> None:
         """Zero what the gather wrote into the staging region once it is sent (or given up): registered
@@ -436,10 +444,11 @@ class TileRTWorker:
         return stats
 
     def shutdown(self) -> None:
-        if self._thread is not None:
+        for _ in self._threads:
             self._queue.put(_STOP)
-            self._thread.join(timeout=self.config.timeout_s)
-            self._thread = None
+        for thread in self._threads:
+            thread.join(timeout=self.config.timeout_s)
+        self._threads = []
         if self._mover is not None and self.pool is not None:
             self._mover.unregister(self.pool.buffer.data_ptr())
             self._mover.close()

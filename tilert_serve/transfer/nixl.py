@@ -66,7 +66,11 @@ class NixlEngine:
     def __init__(self, agent_name: str) -> None:
         api = import_nixl()
         self._api = api
-        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"])
+        # With its listener off NIXL defaults to no locking at all; the connector's sender threads
+        # write concurrently (pd_vllm/worker.py), so transfers take NIXL's shared lock, metadata its
+        # exclusive one.
+        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         self._agent = api.nixl_agent(agent_name, config)
         self.agent_name = agent_name
         self._regs: dict[int, tuple[Any, str, int]] = {}  # addr -> (registration, mem type, device id)
