@@ -50,6 +50,10 @@ def assert_same_state(n: RunningNode, case: str, seed: int) -> None:
         assert all(torch.equal(a, b) for a, b in zip(mine, ref, strict=True)), f"layer {lid} differs"
 
 
+def converted_bytes(n: RunningNode) -> float | None:
+    return n.node.metrics.registry.get_sample_value("tilert_decode_converted_state_bytes")
+
+
 async def wait_for(predicate, timeout: float = 20.0) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
@@ -69,8 +73,12 @@ async def test_layerwise_state_is_the_whole_states(case, secret_file):
         assert result["ok"], result
         assert result["layers_sent"] == layout.num_layers and result["layers_early"] == layout.num_layers - 1
         assert result["nbytes"] == layout.request_bytes(NUM_TOKENS)
+        # Converted ahead of /generate, and counted: the whole engine state waits in the node's memory.
+        state_bytes = sum(t.numel() * t.element_size() for layer in whole_state(case, NUM_TOKENS, 5) for t in layer)
+        await wait_for(lambda: converted_bytes(n) == state_bytes)
         status, events = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 200 and events[-1]["finish_reason"] == "length"
+        assert converted_bytes(n) == 0  # let go once injected, not kept through the decode
         timings = events[-1]["timings"]
         assert timings["layerwise"] == 1.0 and timings["layers_layerwise"] == layout.num_layers
         assert timings["layers_early"] == layout.num_layers - 1
@@ -160,11 +168,13 @@ async def test_cancel_between_layers_drops_what_was_converted(secret_file):
         prepared = n.node._prepared[0]
         assert prepared is not None
         await wait_for(lambda: len(prepared.layers) == 2)  # two layers checked and converted already
+        assert converted_bytes(n) == prepared.held_bytes > 0
         async with n.session.post(f"{n.url}/v1/cancel", json={"ticket": adm["ticket"]}) as r:
             assert (await r.json()) == {"cancelled": True}
         slot = n.node.slots.slots[0]
         assert slot.state.value == "quarantined"  # the sender may still write
         assert n.node._prepared[0] is None and prepared.dropped and not prepared.layers
+        assert converted_bytes(n) == 0
         proc.stdin.write(b"go\n")
         await proc.stdin.drain()
         out, _ = await asyncio.wait_for(proc.communicate(), 60)

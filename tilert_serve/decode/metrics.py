@@ -28,6 +28,9 @@ class NodeMetrics:
                                    "Slots released while a sender's write could still land", registry=r)
         self.convert_seconds = Histogram("tilert_decode_convert_seconds", "Wire bytes to engine tensors, after /generate found the state",
                                          buckets=_MS_BUCKETS, registry=r)
+        self.converted_bytes = Gauge("tilert_decode_converted_state_bytes",
+                                     "Engine-layout state converted ahead of injection and not yet injected "
+                                     "(device memory on top of the receive buffers)", registry=r)
         self.inject_seconds = Histogram("tilert_decode_inject_seconds", "Injection into the engine",
                                         buckets=_MS_BUCKETS, registry=r)
         self.tpot_seconds = Histogram("tilert_decode_tpot_seconds", "Time per output token, per request",

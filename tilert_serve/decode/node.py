@@ -21,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import AsyncGenerator, Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -202,7 +202,14 @@ class _Prepared:
     t_last_layer: float | None = None
     #: (kind "digest"|"convert", perf_counter start, end) of every converter task's work.
     spans: list[tuple[str, float, float]] = field(default_factory=list)
+    #: Bytes of converted tensors this generation holds (counted in the converted_bytes gauge).
+    held_bytes: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def _state_bytes(layers: Iterable[LayerState]) -> int:
+    return sum(t.numel() * t.element_size() for layer in layers for t in (layer.kv, layer.pe, layer.ki)
+               if t is not None)
 
 
 def _overlap(spans: list[tuple[str, float, float]], kind: str, lo: float, hi: float) -> float:
@@ -339,7 +346,21 @@ class DecodeNode:
         if prepared is not None:
             with prepared.lock:
                 prepared.dropped = True
-                prepared.layers.clear()
+            self._let_go(prepared)
+
+    def _hold(self, prepared: _Prepared, nbytes: int) -> None:
+        """Count `nbytes` more of converted state for this generation (caller holds prepared.lock)."""
+        prepared.held_bytes += nbytes
+        self.metrics.converted_bytes.inc(nbytes)
+
+    def _let_go(self, prepared: _Prepared) -> None:
+        """Drop the generation's converted tensors: once injected the engine holds its own copy, and a
+        failed or released slot needs none. Without this they would live until the slot's next use."""
+        with prepared.lock:
+            prepared.layers.clear()
+            prepared.final = None
+            nbytes, prepared.held_bytes = prepared.held_bytes, 0
+        self.metrics.converted_bytes.dec(nbytes)
 
     def _prepared_for(self, slot: Slot) -> _Prepared:
         prepared = self._prepared[slot.index]
@@ -384,6 +405,7 @@ class DecodeNode:
             if prepared.dropped:
                 return
             prepared.layers.update(converted)
+            self._hold(prepared, _state_bytes(converted.values()))
             if self.config.verify_digest:
                 prepared.verified.setdefault(rank, set()).update(layers)
             prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
@@ -417,6 +439,8 @@ class DecodeNode:
         t2 = time.perf_counter()
         with prepared.lock:
             prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
+            if not prepared.dropped:  # the layers converted ahead are counted already
+                self._hold(prepared, _state_bytes(layers) - prepared.held_bytes)
         return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)
 
     def _check_rest(self, views: list[torch.Tensor], prepared: _Prepared, num_senders: int, num_tokens: int,
@@ -596,20 +620,24 @@ class DecodeNode:
             t0 = time.perf_counter()
             t_found = self.slots.clock()
             prepared = self._prepared[slot.index]
-            if prepared is None or prepared.generation != slot.generation or prepared.final is None:
+            final = prepared.final if prepared is not None and prepared.generation == slot.generation else None
+            if prepared is None or final is None:
                 # Not queued at READY (cannot happen through the slot table): build it here.
                 prepared = _Prepared(slot.generation)
-                prepared.final = Future()
+                final = Future()
                 try:
-                    prepared.final.set_result(self._assemble(prepared, slot.index, slot.ranks_expected,
-                                                             slot.num_tokens, slot.last_prompt_token,
-                                                             dict(slot.digests)))
+                    final.set_result(self._assemble(prepared, slot.index, slot.ranks_expected, slot.num_tokens,
+                                                    slot.last_prompt_token, dict(slot.digests)))
                 except Exception as exc:
-                    prepared.final.set_exception(exc)
-            state = prepared.final.result()
-            t1 = time.perf_counter()
-            seq = self.engine.start(state)
-            t2 = time.perf_counter()
+                    final.set_exception(exc)
+            try:
+                state = final.result()
+                t1 = time.perf_counter()
+                seq = self.engine.start(state)
+                t2 = time.perf_counter()
+            finally:
+                self._let_go(prepared)
+            del state, final  # injected: the engine holds its own copy, the converted one is not kept through the decode
             # The engine holds its own copy now: the receive region need not keep the request's KV
             # readable on the data plane while it decodes.
             self.buffers.scrub(slot.index)
