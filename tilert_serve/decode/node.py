@@ -637,9 +637,9 @@ class DecodeNode:
                 t2 = time.perf_counter()
             finally:
                 self._let_go(prepared)
-            del state, final  # injected: the engine holds its own copy, the converted one is not kept through the decode
-            # The engine holds its own copy now: the receive region need not keep the request's KV
-            # readable on the data plane while it decodes.
+            del state, final  # not kept through the decode
+            # The engine holds its own copy now: neither the converted state nor the receive region
+            # need keep the request's KV (the region is readable on the data plane) while it decodes.
             self.buffers.scrub(slot.index)
             with prepared.lock:
                 spans = list(prepared.spans)
