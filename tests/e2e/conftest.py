@@ -1,6 +1,14 @@
 """The PD stack on CPU for end-to-end tests: a tiny generated model, a TileRT decode node on the
 reference engine, a vLLM prefill with MultiConnector[TileRTConnector, NixlConnector] and MTP, and a
-plain vLLM (no connector) as the baseline. Started once per module: vLLM takes ~30 s to boot here."""
+plain vLLM (no connector) as the baseline; for the native path, a native vLLM decode (NixlConnector)
+and the router in front of the same prefill.
+
+vLLM takes 30-60 s to boot on a 2-core box, so each process starts once per session and is shared by
+every module that needs it: the plain vLLM by test_pd_vllm, test_native_connectors and
+test_stack_openai (it serves the generated checkpoint under both the name these tests use and the
+example's model name: `tilert-pd tiny-model` writes the same bytes as TinySpec()); the prefill and the
+node by test_pd_vllm and test_native_connectors (their prefill configurations were the same). No test
+breaks the shared processes: the node a test kills is its own (test_failed_handoffs_...)."""
 
 from __future__ import annotations
 
@@ -11,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import yaml
 
 from tests.e2e.procs import PY, Proc
 from tilert_serve import vllm_cpu
@@ -18,6 +27,31 @@ from tilert_serve.local.runner import free_port
 
 MAX_SEQ_LEN = 512
 MTP = json.dumps({"method": "mtp", "num_speculative_tokens": 1, **vllm_cpu.drafter_config()})
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
+#: The example's served model name: the plain vLLM answers to it too (test_stack_openai).
+EXAMPLE_MODEL = yaml.safe_load(EXAMPLE.read_text())["spec"]["model"]["name"]
+#: The modules' order in a session (the rest keep theirs, after these): test_stack_openai brings up its
+#: own stack (`tilert-pd local up`, torn down with its module) beside the shared plain vLLM only, before
+#: the shared prefill, node and native decode start, so that at most one stack runs at a time.
+MODULE_ORDER = ("test_demo.py", "test_stack_openai.py", "test_native_connectors.py", "test_pd_vllm.py")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    here = Path(__file__).parent
+
+    def key(item: pytest.Item) -> int:
+        path = Path(str(item.path))
+        if path.parent != here or path.name not in MODULE_ORDER:
+            return -1 if path.parent != here else len(MODULE_ORDER)
+        return MODULE_ORDER.index(path.name)
+
+    # Only the e2e items move, among the positions they already hold (a stable sort keeps each
+    # module's own order).
+    slots = [i for i, item in enumerate(items) if Path(str(item.path)).parent == here]
+    ordered = sorted((items[i] for i in slots), key=key)
+    for i, item in zip(slots, ordered, strict=True):
+        items[i] = item
 
 
 @dataclass
@@ -30,11 +64,23 @@ class Stack:
     ctrl_port: int
     procs: dict[str, Proc]
     log_dir: Path
+    #: The native decode's port once it was started (native below), else 0.
+    decode_port: int = 0
 
 
-def vllm_argv(model_dir: Path, port: int, kv_transfer_config: dict | None) -> list[str]:
-    argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name", "tiny",
-            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+@dataclass
+class Native:
+    connector: str
+    router_url: str
+    prefill_url: str
+    decode_url: str
+    procs: dict[str, Proc]
+
+
+def vllm_argv(model_dir: Path, port: int, kv_transfer_config: dict | None,
+              served_names: tuple[str, ...] = ("tiny",)) -> list[str]:
+    argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
+            *served_names, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
             "--max-model-len", str(MAX_SEQ_LEN), "--gpu-memory-utilization", "0.3",
             "--kv-cache-memory-bytes", str(256 << 20), "--speculative-config", MTP, *vllm_cpu.serve_args()]
     if kv_transfer_config is not None:
@@ -63,28 +109,109 @@ def start_node(stack_dir: Path, model_dir: Path, secret_file: Path, name: str, s
     return proc, f"http://127.0.0.1:{http}", ctrl
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+@dataclass
+class Model:
+    root: Path
+    model_dir: Path
+    secret_file: Path
+
+
+@pytest.fixture(scope="session")
+def e2e_model(tmp_path_factory: pytest.TempPathFactory) -> Model:
     from tilert_serve.tinymodel.generate import TinySpec, generate
 
     root = tmp_path_factory.mktemp("pd-stack")
-    model_dir = root / "tiny"
-    generate(TinySpec(), model_dir)
-    secret_file = root / "secret"
-    secret_file.write_text(secrets.token_hex(32))
+    generate(TinySpec(), root / "tiny")
+    (root / "secret").write_text(secrets.token_hex(32))
+    return Model(root, root / "tiny", root / "secret")
+
+
+class Plain:
+    """The baseline vLLM, started when first asked for and waited for only where it is used (so that
+    it boots beside whatever the asking fixture starts next)."""
+
+    def __init__(self, model: Model) -> None:
+        self.port = free_port()
+        self.proc = Proc("plain", vllm_argv(model.model_dir, self.port, None, ("tiny", EXAMPLE_MODEL)), model.root)
+        self._ready = False
+
+    @property
+    def url(self) -> str:
+        if not self._ready:
+            self.proc.wait_ready(f"http://127.0.0.1:{self.port}/health", 600)
+            self._ready = True
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture(scope="session")
+def plain_vllm(e2e_model: Model) -> Iterator[Plain]:
+    plain = Plain(e2e_model)
+    try:
+        yield plain
+    finally:
+        plain.proc.stop()
+
+
+def _wants_native(session: pytest.Session) -> bool:
+    return any("native" in getattr(item, "fixturenames", ()) for item in session.items)
+
+
+@pytest.fixture(scope="session")
+def stack(request: pytest.FixtureRequest, e2e_model: Model, plain_vllm: Plain) -> Iterator[Stack]:
+    root, model_dir, secret_file = e2e_model.root, e2e_model.model_dir, e2e_model.secret_file
     procs: dict[str, Proc] = {}
+    decode_port = 0
     try:
         node, node_url, ctrl = start_node(root, model_dir, secret_file, "decode-node")
         procs["node"] = node
-        p_port, b_port = free_port(), free_port()
-        procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root,
-                                vllm_cpu.serve_env())
-        procs["plain"] = Proc("plain", vllm_argv(model_dir, b_port, None), root)
+        p_port = free_port()
+        # Its own NIXL side-channel port (vLLM's default, 5600, may be taken by another stack here), as
+        # the operator renders a CPU pool's environment (vllm_cpu.serve_env: a core left for the engine).
+        p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+                 **vllm_cpu.serve_env()}
+        procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root, p_env)
+        if _wants_native(request.session):  # boots beside the prefill (native_decode below)
+            procs["decode"], decode_port = _start_native_decode(model_dir, root)
         node.wait_ready(f"{node_url}/ready", 120)
-        procs["prefill"].wait_ready(f"http://127.0.0.1:{p_port}/health", 300)
-        procs["plain"].wait_ready(f"http://127.0.0.1:{b_port}/health", 300)
-        yield Stack(model_dir, secret_file, f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{b_port}", node_url,
-                    ctrl, procs, root)
+        procs["prefill"].wait_ready(f"http://127.0.0.1:{p_port}/health", 600)
+        yield Stack(model_dir, secret_file, f"http://127.0.0.1:{p_port}", plain_vllm.url, node_url,
+                    ctrl, procs, root, decode_port)
+    finally:
+        for p in procs.values():
+            p.stop()
+
+
+NATIVE_CONNECTOR = "NixlConnector"
+
+
+def _start_native_decode(model_dir: Path, root: Path) -> tuple[Proc, int]:
+    d_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+             **vllm_cpu.serve_env()}
+    d_kv = {"kv_connector": NATIVE_CONNECTOR, "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
+    port = free_port()
+    return Proc("decode", vllm_argv(model_dir, port, d_kv), root, d_env), port
+
+
+@pytest.fixture(scope="session")
+def native(stack: Stack) -> Iterator[Native]:
+    """The native path on the shared prefill (its NixlConnector is the MultiConnector's second): a native
+    vLLM decode reading the KV with NixlConnector, and the router in front, native by default."""
+    procs: dict[str, Proc] = {}
+    try:
+        if "decode" not in stack.procs:
+            stack.procs["decode"], stack.decode_port = _start_native_decode(stack.model_dir, stack.log_dir)
+        d_port = stack.decode_port
+        r_port = free_port()
+        cfg = {"model": "tiny", "prefill": [stack.prefill_url], "native": [f"http://127.0.0.1:{d_port}"],
+               "policy": {"default": "native"}, "native_connector": NATIVE_CONNECTOR}
+        (stack.log_dir / "router.yaml").write_text(yaml.safe_dump(cfg))
+        procs["router"] = Proc("router", [PY, "-m", "tilert_serve.router.cli", "--config",
+                                          str(stack.log_dir / "router.yaml"), "--host", "127.0.0.1",
+                                          "--port", str(r_port)], stack.log_dir)
+        stack.procs["decode"].wait_ready(f"http://127.0.0.1:{d_port}/health", 600)
+        procs["router"].wait_ready(f"http://127.0.0.1:{r_port}/health", 60)
+        yield Native(NATIVE_CONNECTOR, f"http://127.0.0.1:{r_port}", stack.prefill_url, f"http://127.0.0.1:{d_port}",
+                     {"prefill": stack.procs["prefill"], "decode": stack.procs["decode"], **procs})
     finally:
         for p in procs.values():
             p.stop()

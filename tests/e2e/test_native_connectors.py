@@ -1,7 +1,9 @@
 """The native path end to end on CPU: the router in front of a vLLM prefill running
 MultiConnector[TileRTConnector, NixlConnector] (as the operator renders it) and a native vLLM decode
-reading the KV with NixlConnector. The decode must not recompute the prompt (its prompt-token counters
-by source say where each token came from) and must answer what vLLM alone answers, token for token.
+reading the KV with NixlConnector (on the session's shared prefill and plain vLLM, tests/e2e/conftest.py:
+the prefill is what this module used to start for itself). The decode must not recompute the prompt (its
+prompt-token counters by source say where each token came from) and must answer what vLLM alone answers,
+token for token.
 
 MooncakeConnector is not run here: on vLLM 0.32's CPU build its worker raises at once
 (`torch.accelerator.current_device_index()` on a torch without an accelerator). With that one call
@@ -13,19 +15,12 @@ MooncakeConnectorScheduler in tests/router/test_router_native_connectors.py.
 
 from __future__ import annotations
 
-import json
 import random
-from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
-import yaml
 
-from tests.e2e.conftest import prefill_kv_config, vllm_argv
-from tests.e2e.procs import PY, Proc, metric, post_json
-from tilert_serve import vllm_cpu
-from tilert_serve.local.runner import free_port
+from tests.e2e.conftest import Native, Plain
+from tests.e2e.procs import metric, post_json
 
 pytestmark = pytest.mark.slow
 
@@ -34,75 +29,10 @@ NEW_TOKENS = 6
 rng = random.Random(99)
 PROMPTS = [[rng.randrange(2, 512) for _ in range(n)] for n in (5, 33, 140)]
 
-@dataclass
-class Native:
-    connector: str
-    router_url: str
-    prefill_url: str
-    decode_url: str
-    procs: dict[str, Proc]
 
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    from tilert_serve.tinymodel.generate import TinySpec, generate
-
-    root = tmp_path_factory.mktemp("native-model")
-    generate(TinySpec(), root / "tiny")
-    (root / "secret").write_text("00" * 32)
-    return root / "tiny", root / "secret"
-
-
-@pytest.fixture(scope="module")
-def plain(model: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    port = free_port()
-    proc = Proc("plain", vllm_argv(model[0], port, None), tmp_path_factory.mktemp("plain"))
-    try:
-        proc.wait_ready(f"http://127.0.0.1:{port}/health", 600)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        proc.stop()
-
-
-def _with_native(kv: dict, native: dict) -> dict:
-    kv = json.loads(json.dumps(kv))
-    kv["kv_connector_extra_config"]["connectors"][1] = native
-    return kv
-
-
-@pytest.fixture(scope="module")
-def native(model: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Native]:
-    connector = "NixlConnector"
-    model_dir, secret = model
-    root = tmp_path_factory.mktemp(connector)
-    extra = {"kv_buffer_device": "cpu"}
-    router_extra = {"native_connector": connector}
-    # Own side-channel ports: vLLM's default (5600) may be taken by another stack on this machine.
-    # As the operator renders a CPU pool's environment (vllm_cpu.serve_env: a core left for the engine).
-    p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-             **vllm_cpu.serve_env()}
-    d_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-             **vllm_cpu.serve_env()}
-    p_port, d_port, r_port = free_port(), free_port(), free_port()
-    p_kv = _with_native(prefill_kv_config(secret), {"kv_connector": connector, "kv_role": "kv_producer", **extra})
-    d_kv = {"kv_connector": connector, "kv_role": "kv_consumer", **extra}
-    procs: dict[str, Proc] = {}
-    try:
-        procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, p_kv), root, p_env)
-        procs["decode"] = Proc("decode", vllm_argv(model_dir, d_port, d_kv), root, d_env)
-        cfg = {"model": "tiny", "prefill": [f"http://127.0.0.1:{p_port}"], "native": [f"http://127.0.0.1:{d_port}"],
-               "policy": {"default": "native"}, **router_extra}
-        (root / "router.yaml").write_text(yaml.safe_dump(cfg))
-        procs["router"] = Proc("router", [PY, "-m", "tilert_serve.router.cli", "--config", str(root / "router.yaml"),
-                                          "--host", "127.0.0.1", "--port", str(r_port)], root)
-        procs["prefill"].wait_ready(f"http://127.0.0.1:{p_port}/health", 600)
-        procs["decode"].wait_ready(f"http://127.0.0.1:{d_port}/health", 600)
-        procs["router"].wait_ready(f"http://127.0.0.1:{r_port}/health", 60)
-        yield Native(connector, f"http://127.0.0.1:{r_port}", f"http://127.0.0.1:{p_port}",
-                     f"http://127.0.0.1:{d_port}", procs)
-    finally:
-        for p in procs.values():
-            p.stop()
+@pytest.fixture
+def plain(plain_vllm: Plain) -> str:
+    return plain_vllm.url
 
 
 def _by_source(url: str) -> dict[str, float]:

@@ -18,17 +18,15 @@ from pathlib import Path
 
 import openai
 import pytest
-import yaml
 
-from tests.e2e.conftest import vllm_argv
-from tests.e2e.procs import PY, Proc
+from tests.e2e.conftest import EXAMPLE, EXAMPLE_MODEL, Plain
+from tests.e2e.procs import PY
 from tilert_serve.local.runner import free_port
 
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
-MODEL = yaml.safe_load(EXAMPLE.read_text())["spec"]["model"]["name"]
+MODEL = EXAMPLE_MODEL
 PROMPTS: list[str | list[int]] = [[10, 20, 30], "Prefill is compute-bound; de", "Once upon a time there"]
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a token?"}]
 
@@ -40,27 +38,20 @@ class Clients:
 
 
 @pytest.fixture(scope="module")
-def clients(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clients]:
+def clients(tmp_path_factory: pytest.TempPathFactory, plain_vllm: Plain) -> Iterator[Clients]:
+    # The baseline is the session's plain vLLM (tests/e2e/conftest.py): the same checkpoint as the
+    # stack's (`tilert-pd tiny-model` writes TinySpec()'s bytes) and dtype, also served under the stack's
+    # model name. It boots beside the stack.
     home = tmp_path_factory.mktemp("stack-home")
     port = free_port()
     local = [PY, "-m", "tilert_serve.cli", "local"]
     up = subprocess.run([*local, "up", "-f", str(EXAMPLE), "--home", str(home), "--router-port", str(port)],
                         capture_output=True, text=True, timeout=900, cwd=ROOT)
-    plain: Proc | None = None
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        model_dir = next((home / "models").iterdir())
-        plain_port = free_port()
-        # The same checkpoint and dtype as the stack's prefill; the served name is the stack's model name.
-        argv = vllm_argv(model_dir, plain_port, None)
-        argv[argv.index("--served-model-name") + 1] = MODEL
-        plain = Proc("plain", argv, home)
-        plain.wait_ready(f"http://127.0.0.1:{plain_port}/health", 600)
         yield Clients(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0),
-                      openai.OpenAI(base_url=f"http://127.0.0.1:{plain_port}/v1", api_key="none", max_retries=0))
+                      openai.OpenAI(base_url=f"{plain_vllm.url}/v1", api_key="none", max_retries=0))
     finally:
-        if plain is not None:
-            plain.stop()
         subprocess.run([*local, "down", "--home", str(home)], capture_output=True, timeout=120, cwd=ROOT,
                        env={**os.environ})
 
