@@ -16,6 +16,7 @@ import argparse
 import torch
 
 from bench.common import copy_bandwidth, median_ms, record, table
+from bench.convert.explore import _copy_kernel, _mix_kernel
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
 from tilert_serve.layouts import convert
@@ -70,6 +71,31 @@ def check_sharded(dev: torch.device, layout: layouts.Layout, gen: torch.Generato
     return f"Sharded (3 shards, {n} tokens): every layer matches the CPU path, worst relative error {worst:.1e}"
 
 
+def mix_note(src: torch.Tensor, dst: torch.Tensor, moved: int, lhalf: int, copy_ms: float, layer_copy_ms: float,
+             t: dict[str, float]) -> str:
+    """The conversion's traffic as a plain Triton kernel, no arithmetic: read 4,096 words, write them and
+    3,232 of them again (1.79 bytes written per byte read, as 788 wire bytes -> 1,408 bf16 bytes a
+    token), contiguous 16-byte vectors; whole, and per layer over 79 layers' own bytes. And a Triton
+    copy with a layer's traffic. `src` (at least 0.36 x `moved` bytes) and `dst` are scratch."""
+    L = 79
+    words = moved * 788 // 2196 // 16384 * 4096
+    tiles, lw, lt = words // 4096, words // L // 4096 * 4096, words // L // 4096
+    m_src = src.view(torch.int32)[:words]
+    m_a = torch.empty(words, dtype=torch.int32, device=src.device)
+    m_b = torch.empty(tiles * 3232, dtype=torch.int32, device=src.device)
+    t_mix = graph_ms(lambda: _mix_kernel[(tiles,)](m_src, m_a, m_b, tiles, BLOCK_W=4096, EXTRA_W=3232, num_warps=8))
+    t_lmix = graph_ms(lambda: [_mix_kernel[(lt,)](m_src[i * lw:], m_a[i * lw:], m_b[i * lt * 3232:], lt, BLOCK_W=4096,
+                                                  EXTRA_W=3232, num_warps=8) for i in range(L)]) / L
+    hw = lhalf // 4 // 4 * 4
+    s32, d32 = src.view(torch.int32), dst.view(torch.int32)
+    t_ltri = graph_ms(lambda: [_copy_kernel[(-(-hw // 2048),)](s32[i * hw:], d32[i * hw:], hw, BLOCK_W=2048,
+                                                               num_warps=4) for i in range(L)]) / L
+    return (f"whole {t_mix:.4f} ms ({copy_ms / t_mix:.0%} of the copy's speed; the conversion "
+            f"{copy_ms / t['kernel']:.0%}), per layer {t_lmix * 1e3:.2f} us ({layer_copy_ms / t_lmix:.0%}; the conversion "
+            f"{t['layer kernel'] * 1e3:.2f} us, {layer_copy_ms / t['layer kernel']:.0%}); a same-traffic Triton copy "
+            f"per layer {t_ltri * 1e3:.2f} us")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -85,6 +111,7 @@ def main() -> None:
     errs: list[tuple] = []
     tuning: list[str] = []
     upcast: list[str] = []
+    mixes: list[str] = []
     from tilert_serve.layouts import convert_triton
 
     for n in [int(s) for s in args.sizes.split(",")]:
@@ -139,6 +166,8 @@ def main() -> None:
         t_up = median_ms(lambda a=up_src, b=up_dst: b.copy_(a), dev)
         upcast.append(f"{n // 1024}k: upcast {t_up:.4f} ms, {copy_ms / t_up:.0%} of the same-traffic copy's speed")
         del up_src, up_dst
+        if dev.type == "cuda":
+            mixes.append(f"{n // 1024}k: " + mix_note(src, dst, moved, lhalf, copy_ms, layer_copy_ms, t))
         if args.tune and dev.type == "cuda":
             for one_launch, block_t, warps, pages in ((False, 8, 2, None), (False, 16, 2, None), (False, 16, 4, None),
                                                       (False, 32, 4, None), (False, 32, 8, None), (False, 16, 4, 8),
@@ -178,7 +207,9 @@ def main() -> None:
         f"torch path in float32 (layers 0, 40, 78 at each size): kv {worst[0]:.1e}, pe {worst[1]:.1e}, ki "
         f"{worst[2]:.1e}; each of those layers converted alone equals the whole state's bit for bit. {sharded}.",
         "Write-heavy ceiling (a bf16 -> float32 copy, reading 1 byte per 2 written, same total traffic): "
-        + "; ".join(upcast) + ".", *tuning])
+        + "; ".join(upcast) + ".",
+        "The conversion's read:write mix with no arithmetic (a plain Triton kernel, CUDA graph; bench/convert/"
+        "explore.py's _mix_kernel): " + "; ".join(mixes) + ".", *tuning])
     print(body)
     print(notes)
     record("convert", "Conversion to TileRT's layout (`bench/convert/run.py`, H200)", body, device=dev, notes=notes)

@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from bench.common import copy_bandwidth, median_ms, record, table
+from bench.convert.explore import _copy_kernel, _empty_kernel
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
 from tilert_serve.pd_vllm import extract_triton
@@ -57,6 +58,11 @@ def main() -> None:
     bw = copy_bandwidth(dev)
     rows: list[list[str]] = []
     tuning: list[str] = []
+    floors: list[str] = []
+    if dev.type == "cuda":
+        x = torch.empty(16, dtype=torch.int32, device=dev)
+        t_empty = graph_ms(lambda: [_empty_kernel[(1024,)](x) for _ in range(L)]) / L
+        floors.append(f"an empty Triton launch of 1,024 programs {t_empty * 1e3:.2f} us")
     for n in sizes:
         nblk = (n + BLOCK - 1) // BLOCK
         id_sets = [(random.Random(n + k).sample(range(num_blocks), nblk),) for k in range(2)]
@@ -99,6 +105,13 @@ def main() -> None:
             "layer kernel": graph_ms(lambda i=dev_ids, k=n: [kernel(i, k, out, layer=lid) for lid in range(L)]) / L,
             "index_select": median_ms(lambda i=ids, k=n: gather(caches, i, k, staging, [ref]), dev),
         }
+        if dev.type == "cuda":
+            w = lbytes // 4 // 4 * 4
+            s32, d32 = src.view(torch.int32), dst.view(torch.int32)
+            t_tri = graph_ms(lambda s=s32, d=d32, k=w: [_copy_kernel[(-(-k // 2048),)](
+                s[i * k:], d[i * k:], k, BLOCK_W=2048, num_warps=4) for i in range(L)]) / L
+            floors.append(f"{n // 1024}k: a Triton copy of a layer's bytes {t_tri * 1e3:.2f} us, the gather "
+                          f"{t['layer kernel'] * 1e3:.2f} us")
         src = dst = None
         # A large copy captured in a graph runs on the copy engines, slower than torch's copy kernel:
         # the baseline is the faster of the two ways, for both timings.
@@ -116,7 +129,7 @@ def main() -> None:
                 tk = graph_ms(lambda i=dev_ids, k=n, c=chunk, w=warps: kernel(i, k, out, chunk=c, num_warps=w))
                 tuning.append(f"{n // 1024}k whole chunk={chunk} warps={warps}: kernel {tk:.4f} ms "
                               f"({tk / copy_ms:.2f}x copy)")
-            for chunk, warps, split in ((1024, 8, 1), (1024, 8, 4), (1024, 8, 8), (512, 4, 8), (1024, 4, 11)):
+            for chunk, warps, split in ((1024, 8, 1), (1024, 8, 4), (512, 4, 8), (1024, 4, 11), (2048, 8, 4)):
                 tk = graph_ms(lambda i=dev_ids, k=n, c=chunk, w=warps, sp=split: [
                     kernel(i, k, out, layer=lid, chunk=c, num_warps=w, split=sp) for lid in range(L)]) / L
                 tuning.append(f"{n // 1024}k per layer chunk={chunk} warps={warps} split={split}: kernel {tk:.4f} ms "
@@ -125,9 +138,12 @@ def main() -> None:
     notes = "\n".join([
         f"Copy bandwidth {bw:,.0f} GB/s (read + write, 4 GiB). Fused: one launch over every layer and plane "
         f"(chunk {extract_triton.CHUNK_WORDS} words, {extract_triton.NUM_WARPS} warps); per layer: ms per layer, "
-        f"over {L} one-layer calls (the copy: {L} copies of one layer's bytes). call = events around the Python "
+        f"over {L} one-layer calls (chunk {extract_triton.LAYER_CHUNK_WORDS} words, {extract_triton.LAYER_WARPS} "
+        f"warps, each block split over {extract_triton.LAYER_SPLIT} programs; the copy: {L} copies of one layer's "
+        "bytes). call = events around the Python "
         "call; kernel = CUDA graph replay; copy = the faster of its call and its graph replay (a large copy in a graph runs on the copy engines, slower). Every size checked byte for byte against index_select, whole and "
-        "layer by layer.", *tuning])
+        "layer by layer.", "Floors of a one-layer launch (CUDA graph, per launch, each copy of its own bytes): "
+        + "; ".join(floors) + ".", *tuning])
     print(body)
     print(notes)
     record("extract", "Extraction into staging (`bench/extract/run.py`, H200)", body, device=dev, notes=notes)

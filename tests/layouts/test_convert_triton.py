@@ -132,3 +132,36 @@ def test_pages_per_program_and_launch_shape_leave_the_bits_alone() -> None:
                 assert torch.equal(got.kv, w.kv) and torch.equal(got.pe, w.pe) and torch.equal(got.ki, w.ki)
         finally:
             convert_triton.ONE_LAUNCH = None
+
+
+@pytest.mark.parametrize("n", [1, 17, 65, 1000])
+def test_a_layers_tile_size_leaves_the_bits_alone(n: int) -> None:
+    # A layer alone may run other MLA tiles and warps (LAYER_BLOCK_T, LAYER_WARPS) than the whole state.
+    from tilert_serve.layouts import convert_triton
+
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=1024)
+    regions = received(place, n, seed=40 + n, device=torch.device("cuda"))
+    whole = convert_triton.to_injected_state(regions, place, n, 0)
+    for block_t, warps in ((16, 4), (32, 4), (64, 8)):
+        for lid in (0, 40, 78):
+            one = convert_triton.to_layer_state(regions, place, lid, n, block_t=block_t, num_warps=warps)
+            w = whole.layers[lid]
+            assert one.ki is not None and w.ki is not None
+            assert torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe) and torch.equal(one.ki, w.ki), (lid, block_t)
+
+
+def test_the_direct_launch_converts_what_tritons_own_launch_converts(monkeypatch) -> None:
+    from tilert_serve.layouts import convert_triton
+
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=512)
+    for n in (1, 64, 300, 64, 1, 300):  # specialisations differ: 1, a multiple of 16, neither
+        regions = received(place, n, seed=50 + n, device=torch.device("cuda"))
+        got = {}
+        for direct in (False, True):
+            monkeypatch.setattr(convert_triton, "DIRECT_LAUNCH", direct)
+            whole = convert_triton.to_injected_state(regions, place, n, 0)
+            one = convert_triton.to_layer_state(regions, place, 7, n)
+            got[direct] = [t.cpu() for s in (*whole.layers, one) for t in (s.kv, s.pe, s.ki) if t is not None]
+        assert all(torch.equal(a, b) for a, b in zip(got[True], got[False], strict=True)), n
+    launchers = (convert_triton._MLA_ROWS, convert_triton._INDEXER_PAGES, convert_triton._CONVERT)
+    assert all(x.direct and x._compiled for x in launchers), "the launcher refused: Triton's own path ran"

@@ -137,3 +137,43 @@ def test_gathering_layer_by_layer_equals_the_whole_request_on_cpu(shards: int, s
 @pytest.mark.parametrize(("shards", "shard", "n"), [(1, 0, 130), (2, 1, 64), (3, 2, 500)])
 def test_gathering_layer_by_layer_equals_the_whole_request_on_cuda(shards: int, shard: int, n: int) -> None:
     per_layer_equals_whole("cuda", shards, shard, n, seed=n)
+
+
+@gpu
+@pytest.mark.parametrize(("shards", "shard", "n"), [(1, 0, 1), (2, 1, 65), (3, 2, 500)])
+def test_the_general_kernel_writes_what_the_planes_kernel_writes(shards: int, shard: int, n: int,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every layout here takes _gather_planes_kernel; _gather_kernel (the segment table's geometry)
+    # stays for any other: both must gather the same bytes, whole and layer by layer.
+    from tilert_serve.pd_vllm import extract_triton
+
+    monkeypatch.setattr(extract_triton, "PLANES_KERNEL", False)
+    per_layer_equals_whole("cuda", shards, shard, n, seed=n + 100)
+
+
+@gpu
+def test_the_direct_launch_writes_what_tritons_own_launch_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The compiled kernel's launcher (convert_triton.Launcher) against JITFunction's call, byte for byte,
+    # over token counts whose specialisations differ (1, a multiple of 16, neither).
+    from tilert_serve.layouts import convert_triton
+    from tilert_serve.pd_vllm import extract_triton
+
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    place = layouts.Placement(layout, max_tokens=512)
+    caches = caches_for(layout, list(range(layout.num_layers)), 12, seed=11)
+    g = Gatherer(caches, place, 0)
+    for n in (1, 64, 300, 64, 1, 300):
+        ids = (random.Random(n).sample(range(12), (n + BLOCK - 1) // BLOCK),)
+        out = {}
+        for direct in (False, True):
+            monkeypatch.setattr(convert_triton, "DIRECT_LAUNCH", direct)
+            whole = torch.full((place.total_nbytes(),), POISON, dtype=torch.uint8, device="cuda")
+            parts = whole.clone()
+            g(ids, n, [whole])
+            for lid in range(layout.num_layers):
+                g(ids, n, [parts], layer=lid)
+            out[direct] = (whole.cpu(), parts.cpu())
+        assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), n
+    assert g._fused is not None and g._fused._planes is not None, "GLM-5 takes the planes kernel"
+    launcher = extract_triton._GATHER_PLANES
+    assert launcher.direct and launcher._compiled, "the launcher refused the call: Triton's own path ran instead"

@@ -8,16 +8,19 @@ One launch over every layer (or over one layer, for layer-wise handoff), of two 
 Each byte of the wire is read once and each output written once, so the conversion runs near the
 device's copy bandwidth (bench/convert). A layer converted alone runs the same programs as in the
 whole state, so it is bit for bit the same. The torch path in convert.py is the reference it is
-tested against.
+tested against. Launches go through Launcher (below): the node converts each layer as it lands.
 """
 
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
+from triton.runtime import driver
 
 from tilert_serve.layouts.convert import hadamard_matrix
 from tilert_serve.layouts.placement import Placement
@@ -37,11 +40,78 @@ PAGES: int | None = None
 #: Both planes in one launch (_convert_kernel) or one each (None: one for a single layer, two for
 #: more: one layer's few microseconds pay for a second launch, the whole state runs faster as two).
 ONE_LAUNCH: bool | None = None
+#: A layer converted alone (one launch of _convert_kernel): MLA tokens per program up to
+#: LAYER_SHORT tokens (a short layer's launch starts fewer, fatter programs sooner), BLOCK_T beyond;
+#: warps. Bit for bit the same either way (MLA tokens convert independently; the indexer tile is the
+#: same). Picked on an H200 with `bench/convert/explore.py`.
+LAYER_BLOCK_T = 32
+LAYER_SHORT = 16384
+LAYER_WARPS = 4
+#: Launch the compiled kernels through their launchers (Launcher below) instead of JITFunction.__call__,
+#: which spends ~20 us a launch in Python binding and specialising the arguments. Off: Triton's own path.
+DIRECT_LAUNCH = True
 
 
 def _cdiv(a: int, b: int) -> int:
     # Not triton.cdiv: that is a ConstexprFunction, ~3.5 us a call from Python.
     return -(-a // b)
+
+
+def _spec(arg: object) -> object:
+    """What Triton specialises a kernel on for one argument (its default, do_not_specialize unused):
+    a tensor's dtype and 16-byte alignment; an int's size class, whether it is 1 and whether a
+    multiple of 16. Two calls with equal keys run the same compiled kernel."""
+    if isinstance(arg, torch.Tensor):
+        return arg.dtype, arg.data_ptr() % 16 == 0
+    if isinstance(arg, int):
+        return -(1 << 31) <= arg < (1 << 31), arg == 1, arg % 16 == 0
+    return type(arg)
+
+
+def _hooked() -> bool:
+    """A launch hook is set (None, or an empty HookChain in newer Tritons, means none)."""
+    hooks = (knobs.runtime.launch_enter_hook, knobs.runtime.launch_exit_hook)
+    return any(bool(getattr(h, "calls", h)) for h in hooks)
+
+
+class Launcher:
+    """A Triton kernel launched straight through its compiled kernel's launcher.
+
+    `kernel[grid](...)` binds and specialises every argument in Python on every call (~20 us on the
+    H200's host, measured in bench/extract and bench/convert as "call" against "kernel"): a layer-wise
+    handoff makes a gather per layer in vLLM's forward thread and a conversion per layer on the node.
+    The first call for a specialisation key (device, constexprs, `_spec` of each argument) goes
+    through Triton's own path, which compiles and launches it and returns the compiled kernel; later
+    calls with the same key call its launcher with the same arguments. Triton's own path is kept
+    whenever launch hooks are set (a profiler) or DIRECT_LAUNCH is off, and for good if the launcher
+    refuses the call (another Triton's calling convention).
+    """
+
+    def __init__(self, fn: Any) -> None:
+        self.fn = fn
+        self._compiled: dict[tuple[object, ...], Any] = {}
+        self.direct = True
+
+    def __call__(self, grid: tuple[int, ...], args: tuple[Any, ...], constexprs: tuple[tuple[str, int], ...],
+                 num_warps: int) -> None:
+        """`args`: the kernel's runtime arguments in order; `constexprs`: (name, value) of the rest, in
+        the kernel's order (they follow the runtime arguments in every kernel here)."""
+        if not (DIRECT_LAUNCH and self.direct) or _hooked():
+            self.fn[grid](*args, **dict(constexprs), num_warps=num_warps)
+            return
+        device = torch.cuda.current_device()
+        key = (device, constexprs, num_warps, *map(_spec, args))
+        compiled = self._compiled.get(key)
+        if compiled is None:
+            self._compiled[key] = self.fn[grid](*args, **dict(constexprs), num_warps=num_warps)
+            return
+        g0, g1, g2 = (*grid, 1, 1)[:3]
+        try:
+            compiled.run(g0, g1, g2, driver.active.get_current_stream(device), compiled.function,
+                         compiled.packed_metadata, None, None, None, *args, *(v for _, v in constexprs))
+        except TypeError:  # not this Triton's launcher convention: the launch did not happen
+            self.direct = False
+            self.fn[grid](*args, **dict(constexprs), num_warps=num_warps)
 
 
 @triton.jit
@@ -68,24 +138,31 @@ def _mla_tile(src, layer_off, kv_out, pe_out, n, layer0, pid_t, layer, ROW: tl.c
 
 
 @triton.jit
+def _indexer_page(src, layer_off, h, ki_out, n, layer0, page, layer, PAGE: tl.constexpr):
+    """One indexer page (64 tokens) of output layer `layer`, rotated by `h` (the Hadamard matrix)."""
+    r = tl.arange(0, 64)
+    c = tl.arange(0, 128)
+    base = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + page.to(tl.int64) * PAGE
+    vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+    vals = tl.load(vptr, eviction_policy="evict_first").to(tl.float32)
+    scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r)
+    x = (vals * scales[:, None]).to(tl.bfloat16)
+    y = tl.dot(x, h)
+    t = page * 64 + r
+    out_row = layer.to(tl.int64) * n + t.to(tl.int64)
+    tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
+
+
+@triton.jit
 def _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, pid, layer, PAGE: tl.constexpr, PAGES: tl.constexpr):
     """PAGES indexer pages of one layer, the Hadamard matrix loaded once for all of them."""
-    r = tl.arange(0, 64)
     c = tl.arange(0, 128)
     h = tl.load(hadamard + c[:, None] * 128 + c[None, :])
     n_pages = (n + 63) // 64
     for k in tl.static_range(PAGES):
         page = pid * PAGES + k
         if page < n_pages:
-            base = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + page.to(tl.int64) * PAGE
-            vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-            vals = tl.load(vptr, eviction_policy="evict_first").to(tl.float32)
-            scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r)
-            x = (vals * scales[:, None]).to(tl.bfloat16)
-            y = tl.dot(x, h)
-            t = page * 64 + r
-            out_row = layer.to(tl.int64) * n + t.to(tl.int64)
-            tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
+            _indexer_page(src, layer_off, h, ki_out, n, layer0, page, layer, PAGE)
 
 
 @triton.jit
@@ -127,6 +204,11 @@ def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
     return hadamard_matrix(dim).to(device=device, dtype=torch.bfloat16)
 
 
+_MLA_ROWS = Launcher(_mla_rows_kernel)
+_INDEXER_PAGES = Launcher(_indexer_pages_kernel)
+_CONVERT = Launcher(_convert_kernel)
+
+
 def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: int, block_t: int,
                    num_warps: int, pages: int | None, first: int = 0, count: int | None = None) -> list[LayerState]:
     """Layers `first` .. `first + count - 1` of one shard's own (all of them by default), converted on
@@ -134,30 +216,34 @@ def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: in
     layout, dev = placement.layout, region.device
     if count is None:
         count = len(_shard_layers(placement, shard)) - first
-    kv = torch.empty(count, n, layout.kv_lora_rank, dtype=torch.bfloat16, device=dev)
-    pe = torch.empty(count, n, layout.rope_dim, dtype=torch.bfloat16, device=dev)
-    ki = (torch.empty(count, n, layout.index_head_dim, dtype=torch.bfloat16, device=dev)
-          if layout.index_head_dim else None)
-    if pages is None:
-        pages = _pages(_cdiv(n, 64) * count)
+    r, d, i = layout.kv_lora_rank, layout.rope_dim, layout.index_head_dim
+    # One allocation for the three outputs (each a contiguous part of it): one allocator call, not three.
+    out = torch.empty(count * n * (r + d + i), dtype=torch.bfloat16, device=dev)
+    kv = out[:count * n * r].view(count, n, r)
+    pe = out[count * n * r:count * n * (r + d)].view(count, n, d)
+    ki = out[count * n * (r + d):].view(count, n, i) if i else None
     mla_off = _layer_offsets(placement, "mla", shard, dev)
     if ki is None:
-        _mla_rows_kernel[(_cdiv(n, block_t), count)](region, mla_off, kv, pe, n, first, ROW=_ROW, BLOCK_T=block_t,
-                                                     num_warps=num_warps)
-        return [LayerState(kv=k, pe=p) for k, p in zip(kv.unbind(0), pe.unbind(0), strict=True)]
-    idx_off, had = _layer_offsets(placement, "indexer", shard, dev), _hadamard(layout.index_head_dim, dev)
-    mla_programs, idx_programs = _cdiv(n, block_t), _cdiv(_cdiv(n, 64), pages)
-    if (count == 1) if ONE_LAUNCH is None else ONE_LAUNCH:
-        _convert_kernel[(mla_programs + idx_programs, count)](
-            region, mla_off, idx_off, had, kv, pe, ki, n, first, mla_programs, ROW=_ROW, PAGE=_PAGE, BLOCK_T=block_t,
-            PAGES=pages, num_warps=num_warps)
+        _MLA_ROWS((_cdiv(n, block_t), count), (region, mla_off, kv, pe, n, first),
+                  (("ROW", _ROW), ("BLOCK_T", block_t)), num_warps)
     else:
-        _mla_rows_kernel[(mla_programs, count)](region, mla_off, kv, pe, n, first, ROW=_ROW, BLOCK_T=block_t,
-                                                num_warps=num_warps)
-        _indexer_pages_kernel[(idx_programs, count)](region, idx_off, had, ki, n, first, PAGE=_PAGE, PAGES=pages,
-                                                     num_warps=IDX_WARPS)
+        if pages is None:
+            pages = _pages(_cdiv(n, 64) * count)
+        idx_off, had = _layer_offsets(placement, "indexer", shard, dev), _hadamard(i, dev)
+        mla_programs, idx_programs = _cdiv(n, block_t), _cdiv(_cdiv(n, 64), pages)
+        if (count == 1) if ONE_LAUNCH is None else ONE_LAUNCH:
+            _CONVERT((mla_programs + idx_programs, count),
+                     (region, mla_off, idx_off, had, kv, pe, ki, n, first, mla_programs),
+                     (("ROW", _ROW), ("PAGE", _PAGE), ("BLOCK_T", block_t), ("PAGES", pages)), num_warps)
+        else:
+            _MLA_ROWS((mla_programs, count), (region, mla_off, kv, pe, n, first),
+                      (("ROW", _ROW), ("BLOCK_T", block_t)), num_warps)
+            _INDEXER_PAGES((idx_programs, count), (region, idx_off, had, ki, n, first),
+                           (("PAGE", _PAGE), ("PAGES", pages)), IDX_WARPS)
+    if ki is None:
+        return [LayerState(kv=k, pe=p) for k, p in zip(kv.unbind(0), pe.unbind(0), strict=True)]
     # unbind: one call for every layer's views instead of three indexing operations per layer.
-    return [LayerState(kv=k, pe=p, ki=i) for k, p, i in zip(kv.unbind(0), pe.unbind(0), ki.unbind(0), strict=True)]
+    return [LayerState(kv=k, pe=p, ki=x) for k, p, x in zip(kv.unbind(0), pe.unbind(0), ki.unbind(0), strict=True)]
 
 
 def _pages(total_pages: int) -> int:
@@ -173,7 +259,7 @@ def _check(regions: list[torch.Tensor], placement: Placement) -> None:
 
 
 def to_layer_state(regions: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int, *,
-                   block_t: int = BLOCK_T, num_warps: int = NUM_WARPS, pages: int | None = PAGES) -> LayerState:
+                   block_t: int | None = None, num_warps: int | None = None, pages: int | None = PAGES) -> LayerState:
     """One layer of a slot's received fp8_ds_mla bytes -> bf16, on the GPU of the layer's shard; bit for
     bit what `to_injected_state` gives for it (the same kernels, one layer's grid)."""
     _check(regions, placement)
@@ -181,8 +267,10 @@ def to_layer_state(regions: list[torch.Tensor], placement: Placement, layer: int
         raise ValueError(f"layer {layer} is outside 0..{placement.layout.num_layers - 1}")
     shard = placement.shard_of(layer)
     # A shard holds layers shard, shard + shards, ...: this one is its (layer // shards)-th.
-    return _convert_shard(regions[shard], placement, shard, num_tokens, block_t, num_warps, pages,
-                          layer // placement.shards, 1)[0]
+    if block_t is None:
+        block_t = LAYER_BLOCK_T if num_tokens <= LAYER_SHORT else BLOCK_T
+    return _convert_shard(regions[shard], placement, shard, num_tokens, block_t,
+                          LAYER_WARPS if num_warps is None else num_warps, pages, layer // placement.shards, 1)[0]
 
 
 def to_injected_state(regions: list[torch.Tensor], placement: Placement, num_tokens: int, last_prompt_token: int,

@@ -6,8 +6,14 @@ of MLA rows or one 8,448-byte indexer page for GLM-5), 16-byte words, no per-tok
 block copies only the request's rows. Every (layer, plane) is a *segment* of one table, ordered by
 layer then plane, so the whole request is one launch (a 0.5 GB request at 8k tokens takes ~0.25 ms,
 where each launch and each kernel's tail is a visible share) and one layer is the same launch over
-that layer's segments. The per-layer token-level index_select in extract.py is the reference (and the
-CPU path) it is tested and benchmarked against (bench/extract).
+that layer's segments. Every layout here has the same planes in every layer, so the kernel taken is
+_gather_planes_kernel, whose plane geometry is compile-time constant (one dependent load fewer before
+a block's bytes move, which is most of a one-layer launch's cost over a plain copy: bench/extract);
+_gather_kernel reads it from the segment table and serves any other set of caches. Launches go
+through convert_triton.Launcher (the compiled kernel's launcher, not JITFunction's ~20 us Python
+path): a layer-wise handoff gathers once per layer in vLLM's forward thread. The per-layer
+token-level index_select in extract.py is the reference (and the CPU path) it is tested and
+benchmarked against (bench/extract).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import triton
 import triton.language as tl
 
 from tilert_serve.layouts import Placement
+from tilert_serve.layouts.convert_triton import Launcher
 
 _WORD = 4  # bytes per element moved; rows and pages of every layout are multiples of 16 bytes
 _FIELDS = 6  # per segment: src offset, dst offset, block words, unit words, unit tokens, block-id row
@@ -28,6 +35,13 @@ NUM_WARPS = 8
 MIN_PROGRAMS = 1024
 #: Most programs a block is split over (an MLA block is ~10 chunks).
 MAX_SPLIT = 8
+#: A layer gathered alone (layer-wise handoff): words per step, warps, and programs a block is split
+#: over. A layer at 8k tokens is 256 blocks of two planes: more, thinner programs start sooner.
+LAYER_CHUNK_WORDS = 1024
+LAYER_WARPS = 4
+LAYER_SPLIT = 11
+#: Take _gather_planes_kernel (geometry as constants) when every layer has the same planes.
+PLANES_KERNEL = True
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -58,6 +72,41 @@ def _gather_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, CH
             offs = c + tl.arange(0, CHUNK)
             mask = offs < words_here
             tl.store(out + offs, tl.load(src + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+
+
+@triton.jit
+def _gather_planes_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, CHUNK: tl.constexpr,
+                          BW0: tl.constexpr, UW0: tl.constexpr, UT0: tl.constexpr, G0: tl.constexpr,
+                          BW1: tl.constexpr, UW1: tl.constexpr, UT1: tl.constexpr, G1: tl.constexpr):
+    """_gather_kernel where every layer has the same planes in the same order (every layout here): a
+    plane's geometry (block words, unit words, unit tokens, block-id row) is a constant of the kernel,
+    so a program's only load before its block's address is the block id (_gather_kernel first loads
+    the segment's row, then the block id: two dependent loads before any byte moves), and the src
+    and dst offsets load beside it. Segment s is plane s % 2 (one plane: BW1 = BW0, and so on)."""
+    j = tl.program_id(0)
+    split = tl.program_id(2)
+    splits = tl.num_programs(2)
+    seg = seg0 + tl.program_id(1)
+    second = (seg % 2) == 1
+    block_words = tl.where(second, BW1, BW0)
+    unit_tokens = tl.where(second, UT1, UT0)
+    units_per_block = tl.where(second, BW1 // UW1, BW0 // UW0)
+    n_units = (num_tokens + unit_tokens - 1) // unit_tokens
+    words_here = tl.multiple_of(tl.minimum(units_per_block, n_units - j * units_per_block) *
+                                tl.where(second, UW1, UW0), 4)
+    if words_here > 0:
+        row = table + seg * 6
+        bid = tl.load(block_ids + tl.where(second, G1, G0) * ids_stride + j).to(tl.int64)
+        src = src0 + tl.multiple_of(tl.load(row) + bid * block_words, 4)
+        out = dst + tl.multiple_of(tl.load(row + 1) + j.to(tl.int64) * block_words, 4)
+        for c in range(split * CHUNK, words_here, splits * CHUNK):
+            offs = c + tl.arange(0, CHUNK)
+            mask = offs < words_here
+            tl.store(out + offs, tl.load(src + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+
+
+_GATHER = Launcher(_gather_kernel)
+_GATHER_PLANES = Launcher(_gather_planes_kernel)
 
 
 class FusedGather:
@@ -94,6 +143,17 @@ class FusedGather:
         self.num_segments = len(rows)
         self._all = [g for _, _, geo in self._layer.values() for g in geo]
         self._geometries = sorted({(t, upb) for t, upb, _ in self._all})
+        #: The constants of _gather_planes_kernel when segment s's geometry is plane s % 2's in every layer
+        #: (one or two planes a layer, every layer the same), else None.
+        self._planes: tuple[tuple[str, int], ...] | None = None
+        geometry = [tuple(r[2:]) for r in rows]
+        per_layer = {count for _, count, _ in self._layer.values()}
+        if per_layer in ({1}, {2}):
+            k = per_layer.pop()
+            g0, g1 = geometry[0], geometry[k - 1]
+            if all(g == (g0, g1)[s % k] for s, g in enumerate(geometry)) and (k == 2 or g0 == g1):
+                self._planes = tuple(zip(("BW0", "UW0", "UT0", "G0", "BW1", "UW1", "UT1", "G1"), (*g0, *g1),
+                                         strict=True))
 
     @property
     def layers(self) -> frozenset[int]:
@@ -104,7 +164,7 @@ class FusedGather:
         return max(_cdiv(_cdiv(num_tokens, t), upb) for t, upb in self._geometries)
 
     def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor, layer: int | None = None,
-                 chunk: int = CHUNK_WORDS, num_warps: int = NUM_WARPS, split: int | None = None) -> int:
+                 chunk: int | None = None, num_warps: int | None = None, split: int | None = None) -> int:
         """Gather every layer, or only `layer` (0 bytes if this gather holds none of it).
 
         `block_ids`: int32 [len(groups), >= blocks(num_tokens)] on the device, row g = group groups[g].
@@ -116,9 +176,15 @@ class FusedGather:
         else:
             return 0
         blocks = self.blocks(num_tokens)
+        if chunk is None:
+            chunk = CHUNK_WORDS if layer is None else LAYER_CHUNK_WORDS
+        if num_warps is None:
+            num_warps = NUM_WARPS if layer is None else LAYER_WARPS
         if split is None:
-            split = min(MAX_SPLIT, _cdiv(MIN_PROGRAMS, blocks * count))
-        grid = (blocks, count, split)
-        _gather_kernel[grid](self.src0, self.table, block_ids, block_ids.stride(0), region.view(torch.int32),
-                             num_tokens, first, CHUNK=chunk, num_warps=num_warps)
+            split = min(MAX_SPLIT, _cdiv(MIN_PROGRAMS, blocks * count)) if layer is None else LAYER_SPLIT
+        args = (self.src0, self.table, block_ids, block_ids.stride(0), region.view(torch.int32), num_tokens, first)
+        if PLANES_KERNEL and self._planes is not None:
+            _GATHER_PLANES((blocks, count, split), args, (("CHUNK", chunk), *self._planes), num_warps)
+        else:
+            _GATHER((blocks, count, split), args, (("CHUNK", chunk),), num_warps)
         return sum(_cdiv(num_tokens, t) * b for t, _, b in geo)

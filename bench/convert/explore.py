@@ -1,0 +1,251 @@
+"""Issue 14's kernel experiments in one run (a borrowed GPU is held by the minute): the floors a
+per-layer call sits on (an empty launch; copies of one size, each of its own bytes so none is an L2
+hit), a write-heavy ceiling for the conversion (its read:write mix as a plain Triton kernel), tile
+variants of one layer's kernels, and the host cost of a launch through Triton's JITFunction against the compiled kernel's
+launcher (convert_triton.Launcher). Prints one line per measurement; the numbers feed the Reading
+paragraphs of bench/RESULTS.md's extraction and conversion sections.
+
+    python -m bench.convert.explore [--sizes 8192,32768,131072] [--only floors,mix,convert,extract]
+"""
+
+# Every lambda here is timed at once, inside the loop iteration that made it (and its tensors are
+# deleted after): the late binding ruff warns of cannot bite.
+# ruff: noqa: B023, F821
+from __future__ import annotations
+
+import argparse
+import random
+import time
+from collections.abc import Callable
+
+import torch
+import triton
+import triton.language as tl
+
+from bench.common import copy_bandwidth, median_ms
+from bench.convert.run import fill
+from bench.extract.timing import graph_ms
+from tilert_serve import layouts
+from tilert_serve.layouts import convert_triton
+from tilert_serve.pd_vllm import extract_triton
+from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather
+
+L = 79
+BLOCK = 64
+
+
+def say(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+@triton.jit
+def _empty_kernel(x):
+    pass
+
+
+@triton.jit
+def _copy_kernel(src, dst, words, BLOCK_W: tl.constexpr):
+    """A plain 1:1 copy in Triton: the same launch machinery as our kernels, no indexing."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
+    mask = offs < words
+    tl.store(dst + offs, tl.load(src + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+
+
+@triton.jit
+def _mix_kernel(src, dst_a, dst_b, tiles, BLOCK_W: tl.constexpr, EXTRA_W: tl.constexpr):
+    """The conversion's traffic with no arithmetic: each tile reads BLOCK_W words and writes them, then
+    EXTRA_W of them again elsewhere (BLOCK_W + EXTRA_W written per BLOCK_W read: 1.79 like GLM-5's
+    788 wire bytes -> 1,408 bf16 bytes a token), all contiguous 16-byte vectors."""
+    tile = tl.program_id(0).to(tl.int64)
+    r = tl.arange(0, BLOCK_W)
+    x = tl.load(src + tile * BLOCK_W + r, eviction_policy="evict_first")
+    tl.store(dst_a + tile * BLOCK_W + r, x)
+    tl.store(dst_b + tile * EXTRA_W + r, x, mask=r < EXTRA_W)
+
+
+def rotating(nbytes: int, dev: torch.device, total: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Source and destination holding k >= 8 distinct `nbytes` slices, k * nbytes >= 1 GiB: a call per
+    slice moves bytes from and to device memory, not the 60 MB L2."""
+    k = max(8, -(-total // nbytes))
+    src = torch.randint(0, 255, (k * nbytes,), dtype=torch.uint8, device=dev)
+    return src, torch.empty_like(src), k
+
+
+def per_slice_graph(fn: Callable[[int], object], k: int) -> float:
+    """ms per call of fn(i), i = 0 .. k - 1 in one CUDA graph."""
+    return graph_ms(lambda: [fn(i) for i in range(k)]) / k
+
+
+def floors(dev: torch.device) -> None:
+    x = torch.empty(16, dtype=torch.int32, device=dev)
+    for grid in (1, 132, 1024):
+        t = per_slice_graph(lambda i, g=grid: _empty_kernel[(g,)](x), L)
+        say(f"floor empty-triton grid={grid}: {t * 1e3:.2f} us a launch")
+    for mb in (0.5, 1, 2, 4, 6.5, 9, 13, 18, 26, 52, 103, 144):
+        n = int(mb * 1e6) // 64 * 64
+        src, dst, k = rotating(n, dev)
+        t_torch = per_slice_graph(lambda i: dst[i * n:(i + 1) * n].copy_(src[i * n:(i + 1) * n]), k)
+        s32, d32, w = src.view(torch.int32), dst.view(torch.int32), n // 4
+        t_tri = per_slice_graph(lambda i: _copy_kernel[(triton.cdiv(w, 2048),)](
+            s32[i * w:], d32[i * w:], w, BLOCK_W=2048, num_warps=4), k)
+        say(f"floor copy {mb} MB (read + write {2 * n / 1e6:.1f} MB, {k} slices): torch {t_torch * 1e3:.2f} us "
+            f"({2 * n / t_torch / 1e6:.0f} GB/s), triton {t_tri * 1e3:.2f} us ({2 * n / t_tri / 1e6:.0f} GB/s)")
+        del src, dst
+
+
+def mix(dev: torch.device, sizes: list[int], bw: float) -> None:
+    """Same-traffic 1:1 copy against the conversion's 1:1.79 read/write mix, both as Triton kernels."""
+    for n in sizes:
+        for what, layers in (("whole", L), ("layer", 1)):
+            moved = layers * n * (788 + 1408)
+            words = moved * 788 // (788 + 1408) // 16384 * 4096
+            tiles, extra = words // 4096, 3232
+            reps = 1 if what == "whole" else max(8, (1 << 30) // (words * 4))
+            src = torch.randint(0, 1 << 30, (reps * words,), dtype=torch.int32, device=dev)
+            a = torch.empty_like(src)
+            b = torch.empty(reps * tiles * extra, dtype=torch.int32, device=dev)
+            tot = (2 * words + tiles * extra) * 4
+            hw = tot // 2 // 4
+            half = torch.empty(reps * hw, dtype=torch.int32, device=dev)
+            half2 = torch.empty_like(half)
+            t_mix = per_slice_graph(lambda i: _mix_kernel[(tiles,)](src[i * words:], a[i * words:], b[i * tiles * extra:],
+                                                                    tiles, BLOCK_W=4096, EXTRA_W=extra, num_warps=8), reps)
+            t_copy = per_slice_graph(lambda i: half2[i * hw:(i + 1) * hw].copy_(half[i * hw:(i + 1) * hw]), reps)
+            if what == "whole":
+                t_copy = min(t_copy, median_ms(lambda: half2.copy_(half), dev))
+            t_tcopy = per_slice_graph(lambda i: _copy_kernel[(triton.cdiv(hw, 2048),)](
+                half[i * hw:], half2[i * hw:], hw, BLOCK_W=2048, num_warps=4), reps)
+            say(f"mix {n // 1024}k {what}: {tot / 1e6:.1f} MB moved; torch copy {t_copy * 1e3:.2f} us, triton copy "
+                f"{t_tcopy * 1e3:.2f} us, read 1 : write 1.79 {t_mix * 1e3:.2f} us = {t_copy / t_mix:.0%} of the torch "
+                f"copy's speed, {t_tcopy / t_mix:.0%} of the triton copy's, {tot / t_mix / 1e6 / bw:.0%} of copy bandwidth")
+            del src, a, b, half, half2
+
+
+def conversion(dev: torch.device, sizes: list[int]) -> None:
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for n in sizes:
+        place = layouts.Placement(layout, max_tokens=n)
+        region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
+        fill([region], place, n, gen)
+        moved = layout.request_bytes(n) + L * n * 704 * 2
+        lh = moved // 2 // L
+        half = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+        half2 = torch.empty_like(half)
+        layer_copy = per_slice_graph(lambda i: half2[i * lh:(i + 1) * lh].copy_(half[i * lh:(i + 1) * lh]), L)
+        del half, half2
+        ref = convert_triton.to_injected_state([region], place, n, 0)
+        tk = graph_ms(lambda: convert_triton.to_injected_state([region], place, n, 0))
+        say(f"convert {n // 1024}k: layer same-traffic copy {layer_copy * 1e3:.2f} us; whole default {tk:.4f} ms")
+        for block_t, warps in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
+            for lid in (0, 40, 78):
+                one = convert_triton.to_layer_state([region], place, lid, n, block_t=block_t, num_warps=warps)
+                w = ref.layers[lid]
+                assert one.ki is not None and w.ki is not None
+                if not (torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe) and torch.equal(one.ki, w.ki)):
+                    raise SystemExit(f"convert layer block_t={block_t} warps={warps} differs from the whole state")
+            t = per_slice_graph(lambda lid: convert_triton.to_layer_state([region], place, lid, n, block_t=block_t,
+                                                                          num_warps=warps), L)
+            say(f"convert {n // 1024}k layer block_t={block_t} warps={warps}: {t * 1e3:.2f} us "
+                f"({layer_copy / t:.0%} of the same-traffic copy's speed)")
+        host_calls("convert", n, dev, lambda: [convert_triton.to_layer_state([region], place, lid, n)
+                                               for lid in range(L)],
+                   lambda: convert_triton.to_injected_state([region], place, n, 0))
+        del region, ref
+        torch.cuda.empty_cache()
+
+
+def host_calls(what: str, n: int, dev: torch.device, layers: Callable[[], object], whole: Callable[[], object]) -> None:
+    """Call time (events around the calls) per layer and whole, JITFunction's launch against the
+    launcher's, interleaved three times (the host's timings wander); the best of each."""
+    got: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
+    for _ in range(3):
+        for direct in (False, True):
+            convert_triton.DIRECT_LAUNCH = direct
+            call = median_ms(layers, dev) / L
+            t_whole = median_ms(whole, dev)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(5):
+                layers()
+            host = (time.perf_counter() - t0) / 5 / L
+            torch.cuda.synchronize()
+            got[direct].append((call, host, t_whole))
+    convert_triton.DIRECT_LAUNCH = True
+    for direct, rows in got.items():
+        say(f"{what} {n // 1024}k direct_launch={direct}: layer call {min(r[0] for r in rows) * 1e3:.2f} us "
+            f"(host {min(r[1] for r in rows) * 1e6:.1f} us; all {', '.join(f'{r[0] * 1e3:.1f}' for r in rows)}), "
+            f"whole call {min(r[2] for r in rows):.4f} ms")
+
+
+def extraction(dev: torch.device, sizes: list[int]) -> None:
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    num_blocks = max(sizes) // BLOCK * 5 // 4
+    gen = torch.Generator(device=dev).manual_seed(0)
+    caches: list[PagedCache] = []
+    for lid in range(L):
+        mla = torch.randint(0, 256, (num_blocks, BLOCK, 656), dtype=torch.uint8, device=dev, generator=gen)
+        idx = torch.randint(0, 256, (num_blocks, BLOCK, 132), dtype=torch.uint8, device=dev, generator=gen)
+        caches += [PagedCache(f"l{lid}.mla", lid, "mla", mla, BLOCK, 0),
+                   PagedCache(f"l{lid}.indexer", lid, "indexer", idx, BLOCK, 0)]
+    staging = layouts.Placement(layout, max_tokens=max(sizes))
+    ref = torch.zeros(staging.total_nbytes(), dtype=torch.uint8, device=dev)
+    out = torch.zeros_like(ref)
+    g = Gatherer(caches, staging, 0)
+    assert g._fused is not None and g._fused._planes is not None
+    kernel = g._fused
+    for n in sizes:
+        nblk = (n + BLOCK - 1) // BLOCK
+        ids = (random.Random(n).sample(range(num_blocks), nblk),)
+        gather(caches, ids, n, staging, [ref])
+        dev_ids = torch.tensor([ids[0]], dtype=torch.int32, device=dev)
+        lbytes = layout.layer_bytes(n)
+        src = torch.randint(0, 256, (lbytes * L,), dtype=torch.uint8, device=dev)
+        dst = torch.empty_like(src)
+        layer_copy = per_slice_graph(lambda i: dst[i * lbytes:(i + 1) * lbytes].copy_(src[i * lbytes:(i + 1) * lbytes]), L)
+        whole_copy = min(graph_ms(lambda: dst.copy_(src)), median_ms(lambda: dst.copy_(src), dev))
+        del src, dst
+        say(f"extract {n // 1024}k: layer copy {layer_copy * 1e3:.2f} us ({lbytes / 1e6:.1f} MB), whole copy "
+            f"{whole_copy:.4f} ms")
+        for planes in (False, True):
+            extract_triton.PLANES_KERNEL = planes
+            for chunk, warps, split in ((1024, 8, None), (1024, 4, None), (512, 4, 8), (1024, 4, 11), (2048, 8, 4),
+                                        (1024, 8, 2)):
+                out.fill_(0)  # ref is zero outside the request's bytes
+                for lid in range(L):
+                    kernel(dev_ids, n, out, layer=lid, chunk=chunk, num_warps=warps, split=split)
+                if not torch.equal(out[:staging.offset("indexer", L - 1)[1]], ref[:staging.offset("indexer", L - 1)[1]]):
+                    raise SystemExit(f"extract planes={planes} {chunk, warps, split} differs")
+                t = per_slice_graph(lambda lid: kernel(dev_ids, n, out, layer=lid, chunk=chunk, num_warps=warps,
+                                                       split=split), L)
+                say(f"extract {n // 1024}k planes={planes} chunk={chunk} warps={warps} split={split}: layer "
+                    f"{t * 1e3:.2f} us ({t / layer_copy:.2f}x copy)")
+            tw = graph_ms(lambda: kernel(dev_ids, n, out))
+            say(f"extract {n // 1024}k planes={planes} whole: {tw:.4f} ms ({tw / whole_copy:.3f}x copy)")
+        extract_triton.PLANES_KERNEL = True
+        host_calls("extract", n, dev, lambda: [g(ids, n, [out], layer=lid) for lid in range(L)],
+                   lambda: g(ids, n, [out]))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="8192,32768,131072")
+    ap.add_argument("--only", default="floors,mix,convert,extract")
+    args = ap.parse_args()
+    dev = torch.device("cuda")
+    sizes = [int(s) for s in args.sizes.split(",")]
+    only = args.only.split(",")
+    bw = copy_bandwidth(dev)
+    say(f"copy bandwidth {bw:,.0f} GB/s; {torch.cuda.get_device_name(dev)}, triton {triton.__version__}")
+    if "floors" in only:
+        floors(dev)
+    if "mix" in only:
+        mix(dev, sizes, bw)
+    if "convert" in only:
+        conversion(dev, sizes)
+    if "extract" in only:
+        extraction(dev, sizes)
+
+
+if __name__ == "__main__":
+    main()
