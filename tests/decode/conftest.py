@@ -149,6 +149,57 @@ def two_rank_staging(layout: layouts.Layout, num_tokens: int, seed: int,
         mover.close()
 
 
+class _PooledMover:
+    """A node's transfer engine from `node_transfer`: every call goes to the engine, and close() hands
+    the engine back to the pool once everything registered with it was unregistered (a node's stop
+    unregisters its receive buffers, then closes its transfer), else really closes it."""
+
+    def __init__(self, engine: transfer.TransferEngine) -> None:
+        self._inner: transfer.TransferEngine | None = engine
+        self._registered: set[int] = set()
+
+    def __getattr__(self, name: str) -> object:
+        inner = self.__dict__.get("_inner")
+        if inner is None:
+            raise AttributeError(f"{name}: this transfer engine was closed")
+        return getattr(inner, name)
+
+    def register(self, addr: int, nbytes: int, device: str = "cpu") -> None:
+        assert self._inner is not None, "register after close"
+        self._inner.register(addr, nbytes, device)
+        self._registered.add(addr)
+
+    def unregister(self, addr: int) -> None:
+        assert self._inner is not None, "unregister after close"
+        self._inner.unregister(addr)
+        self._registered.discard(addr)
+
+    def close(self) -> None:
+        inner, self._inner = self._inner, None
+        if inner is None:
+            return
+        if self._registered:
+            inner.close()
+        else:
+            _IDLE_MOONCAKE.append(inner)
+
+
+#: Mooncake engines of stopped nodes, nothing registered: tearing one down takes ~1 s here (its
+#: destructor joins a periodic thread, holding the GIL), most of a decode test's time; a node that
+#: starts later takes one over (a new node, its own buffers; only the engine object is reused).
+_IDLE_MOONCAKE: list[transfer.TransferEngine] = []
+
+
+def node_transfer(name: str = "mooncake") -> transfer.TransferEngine:
+    """The transfer engine for a test's decode node: a fresh NIXL agent, or a pooled Mooncake engine
+    (_PooledMover). Senders always get fresh engines."""
+    if name != "mooncake":
+        return transfer.create(name, host="127.0.0.1", protocol="tcp", role="node")
+    engine = _IDLE_MOONCAKE.pop() if _IDLE_MOONCAKE else transfer.create(name, host="127.0.0.1", protocol="tcp",
+                                                                         role="node")
+    return _PooledMover(engine)  # type: ignore[return-value]
+
+
 @pytest.fixture
 def secret_file(tmp_path: Path) -> Path:
     path = tmp_path / "secret"
@@ -169,7 +220,7 @@ async def running_node(layout: layouts.Layout, secret_file: Path, *, transfer_na
                         http_port=0, shards=shards, devices=("cpu",) * shards, ticket_ttl_s=ticket_ttl_s,
                         handoff_timeout_s=handoff_timeout_s, quarantine_s=quarantine_s,
                         verify_digest=verify_digest)
-    mover = transfer.create(transfer_name, host="127.0.0.1", protocol="tcp", role="node")
+    mover = node_transfer(transfer_name)
     node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
                       eos_token_ids=eos)
     runner, url = await serve_node(make_app(node), node)

@@ -15,8 +15,7 @@ import aiohttp
 import pytest
 
 from tests.decode import synthetic
-from tests.decode.conftest import SECRET, SENDER_ENV, RecordingEngine, RunningNode, serve_node
-from tilert_serve import transfer
+from tests.decode.conftest import SECRET, SENDER_ENV, RecordingEngine, RunningNode, node_transfer, serve_node
 from tilert_serve.bearer import TokenFile
 from tilert_serve.decode import api_auth
 from tilert_serve.decode.cli import api_token_file
@@ -40,7 +39,7 @@ async def node_with_token(secret_file: Path, token_file: Path | None, *, slots: 
     engine = RecordingEngine(LAYOUT, 256, slots)
     config = NodeConfig(name="node-0", max_seq_len=256, slots=slots, host="127.0.0.1", ctrl_port=0, http_port=0,
                         shards=1, devices=("cpu",), ticket_ttl_s=30.0, handoff_timeout_s=30.0)
-    mover = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="node")
+    mover = node_transfer()
     node = DecodeNode(config, layout=LAYOUT, engine=engine, transfer=mover, secret=SECRET)
     tokens = TokenFile(token_file, check_interval_s=check_interval_s) if token_file is not None else None
     runner, url = await serve_node(make_app(node, tokens), node)

@@ -16,8 +16,8 @@ import aiohttp
 from aiohttp import web
 
 from tests.decode import synthetic
-from tests.decode.conftest import SECRET, SENDER_ENV, RecordingEngine, RunningNode, serve_node
-from tilert_serve import draining, transfer
+from tests.decode.conftest import SECRET, SENDER_ENV, RecordingEngine, RunningNode, node_transfer, serve_node
+from tilert_serve import draining
 from tilert_serve.decode import cli
 from tilert_serve.decode.http import make_app
 from tilert_serve.decode.node import DecodeNode, NodeConfig
@@ -34,7 +34,7 @@ def _node(slots: int = 1, http_port: int = 0) -> DecodeNode:
                         http_port=http_port, shards=1, devices=("cpu",), ticket_ttl_s=30.0, handoff_timeout_s=30.0,
                         quarantine_s=30.0)
     return DecodeNode(config, layout=LAYOUT, engine=RecordingEngine(LAYOUT, 256, slots),
-                      transfer=transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="node"),
+                      transfer=node_transfer(),
                       secret=SECRET)
 
 
