@@ -20,9 +20,9 @@ from collections.abc import Callable
 
 import torch
 import triton
-import triton.language as tl
 
 from bench.common import copy_bandwidth, median_ms
+from bench.convert.kernels import copy_kernel, empty_kernel, mix_kernel
 from bench.convert.run import fill
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
@@ -36,31 +36,6 @@ BLOCK = 64
 
 def say(*parts: object) -> None:
     print(*parts, flush=True)
-
-
-@triton.jit
-def _empty_kernel(x):
-    pass
-
-
-@triton.jit
-def _copy_kernel(src, dst, words, BLOCK_W: tl.constexpr):
-    """A plain 1:1 copy in Triton: the same launch machinery as our kernels, no indexing."""
-    offs = tl.program_id(0).to(tl.int64) * BLOCK_W + tl.arange(0, BLOCK_W)
-    mask = offs < words
-    tl.store(dst + offs, tl.load(src + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
-
-
-@triton.jit
-def _mix_kernel(src, dst_a, dst_b, tiles, BLOCK_W: tl.constexpr, EXTRA_W: tl.constexpr):
-    """The conversion's traffic with no arithmetic: each tile reads BLOCK_W words and writes them, then
-    EXTRA_W of them again elsewhere (BLOCK_W + EXTRA_W written per BLOCK_W read: 1.79 like GLM-5's
-    788 wire bytes -> 1,408 bf16 bytes a token), all contiguous 16-byte vectors."""
-    tile = tl.program_id(0).to(tl.int64)
-    r = tl.arange(0, BLOCK_W)
-    x = tl.load(src + tile * BLOCK_W + r, eviction_policy="evict_first")
-    tl.store(dst_a + tile * BLOCK_W + r, x)
-    tl.store(dst_b + tile * EXTRA_W + r, x, mask=r < EXTRA_W)
 
 
 def rotating(nbytes: int, dev: torch.device, total: int = 1 << 30) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -79,14 +54,14 @@ def per_slice_graph(fn: Callable[[int], object], k: int) -> float:
 def floors(dev: torch.device) -> None:
     x = torch.empty(16, dtype=torch.int32, device=dev)
     for grid in (1, 132, 1024):
-        t = per_slice_graph(lambda i, g=grid: _empty_kernel[(g,)](x), L)
+        t = per_slice_graph(lambda i, g=grid: empty_kernel[(g,)](x), L)
         say(f"floor empty-triton grid={grid}: {t * 1e3:.2f} us a launch")
     for mb in (0.5, 1, 2, 4, 6.5, 9, 13, 18, 26, 52, 103, 144):
         n = int(mb * 1e6) // 64 * 64
         src, dst, k = rotating(n, dev)
         t_torch = per_slice_graph(lambda i: dst[i * n:(i + 1) * n].copy_(src[i * n:(i + 1) * n]), k)
         s32, d32, w = src.view(torch.int32), dst.view(torch.int32), n // 4
-        t_tri = per_slice_graph(lambda i: _copy_kernel[(triton.cdiv(w, 2048),)](
+        t_tri = per_slice_graph(lambda i: copy_kernel[(triton.cdiv(w, 2048),)](
             s32[i * w:], d32[i * w:], w, BLOCK_W=2048, num_warps=4), k)
         say(f"floor copy {mb} MB (read + write {2 * n / 1e6:.1f} MB, {k} slices): torch {t_torch * 1e3:.2f} us "
             f"({2 * n / t_torch / 1e6:.0f} GB/s), triton {t_tri * 1e3:.2f} us ({2 * n / t_tri / 1e6:.0f} GB/s)")
@@ -108,12 +83,12 @@ def mix(dev: torch.device, sizes: list[int], bw: float) -> None:
             hw = tot // 2 // 4
             half = torch.empty(reps * hw, dtype=torch.int32, device=dev)
             half2 = torch.empty_like(half)
-            t_mix = per_slice_graph(lambda i: _mix_kernel[(tiles,)](src[i * words:], a[i * words:], b[i * tiles * extra:],
+            t_mix = per_slice_graph(lambda i: mix_kernel[(tiles,)](src[i * words:], a[i * words:], b[i * tiles * extra:],
                                                                     tiles, BLOCK_W=4096, EXTRA_W=extra, num_warps=8), reps)
             t_copy = per_slice_graph(lambda i: half2[i * hw:(i + 1) * hw].copy_(half[i * hw:(i + 1) * hw]), reps)
             if what == "whole":
                 t_copy = min(t_copy, median_ms(lambda: half2.copy_(half), dev))
-            t_tcopy = per_slice_graph(lambda i: _copy_kernel[(triton.cdiv(hw, 2048),)](
+            t_tcopy = per_slice_graph(lambda i: copy_kernel[(triton.cdiv(hw, 2048),)](
                 half[i * hw:], half2[i * hw:], hw, BLOCK_W=2048, num_warps=4), reps)
             say(f"mix {n // 1024}k {what}: {tot / 1e6:.1f} MB moved; torch copy {t_copy * 1e3:.2f} us, triton copy "
                 f"{t_tcopy * 1e3:.2f} us, read 1 : write 1.79 {t_mix * 1e3:.2f} us = {t_copy / t_mix:.0%} of the torch "

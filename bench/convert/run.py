@@ -16,7 +16,7 @@ import argparse
 import torch
 
 from bench.common import copy_bandwidth, median_ms, record, table
-from bench.convert.explore import _copy_kernel, _mix_kernel
+from bench.convert.kernels import copy_kernel, mix_kernel
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
 from tilert_serve.layouts import convert
@@ -83,12 +83,12 @@ def mix_note(src: torch.Tensor, dst: torch.Tensor, moved: int, lhalf: int, copy_
     m_src = src.view(torch.int32)[:words]
     m_a = torch.empty(words, dtype=torch.int32, device=src.device)
     m_b = torch.empty(tiles * 3232, dtype=torch.int32, device=src.device)
-    t_mix = graph_ms(lambda: _mix_kernel[(tiles,)](m_src, m_a, m_b, tiles, BLOCK_W=4096, EXTRA_W=3232, num_warps=8))
-    t_lmix = graph_ms(lambda: [_mix_kernel[(lt,)](m_src[i * lw:], m_a[i * lw:], m_b[i * lt * 3232:], lt, BLOCK_W=4096,
+    t_mix = graph_ms(lambda: mix_kernel[(tiles,)](m_src, m_a, m_b, tiles, BLOCK_W=4096, EXTRA_W=3232, num_warps=8))
+    t_lmix = graph_ms(lambda: [mix_kernel[(lt,)](m_src[i * lw:], m_a[i * lw:], m_b[i * lt * 3232:], lt, BLOCK_W=4096,
                                                   EXTRA_W=3232, num_warps=8) for i in range(L)]) / L
     hw = lhalf // 4 // 4 * 4
     s32, d32 = src.view(torch.int32), dst.view(torch.int32)
-    t_ltri = graph_ms(lambda: [_copy_kernel[(-(-hw // 2048),)](s32[i * hw:], d32[i * hw:], hw, BLOCK_W=2048,
+    t_ltri = graph_ms(lambda: [copy_kernel[(-(-hw // 2048),)](s32[i * hw:], d32[i * hw:], hw, BLOCK_W=2048,
                                                                num_warps=4) for i in range(L)]) / L
     return (f"whole {t_mix:.4f} ms ({copy_ms / t_mix:.0%} of the copy's speed; the conversion "
             f"{copy_ms / t['kernel']:.0%}), per layer {t_lmix * 1e3:.2f} us ({layer_copy_ms / t_lmix:.0%}; the conversion "
@@ -209,7 +209,7 @@ def main() -> None:
         "Write-heavy ceiling (a bf16 -> float32 copy, reading 1 byte per 2 written, same total traffic): "
         + "; ".join(upcast) + ".",
         "The conversion's read:write mix with no arithmetic (a plain Triton kernel, CUDA graph; bench/convert/"
-        "explore.py's _mix_kernel): " + "; ".join(mixes) + ".", *tuning])
+        "explore.py's mix_kernel): " + "; ".join(mixes) + ".", *tuning])
     print(body)
     print(notes)
     record("convert", "Conversion to TileRT's layout (`bench/convert/run.py`, H200)", body, device=dev, notes=notes)

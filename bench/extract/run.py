@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from bench.common import copy_bandwidth, median_ms, record, table
-from bench.convert.explore import _copy_kernel, _empty_kernel
+from bench.convert.kernels import copy_kernel, empty_kernel
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
 from tilert_serve.pd_vllm import extract_triton
@@ -61,7 +61,7 @@ def main() -> None:
     floors: list[str] = []
     if dev.type == "cuda":
         x = torch.empty(16, dtype=torch.int32, device=dev)
-        t_empty = graph_ms(lambda: [_empty_kernel[(1024,)](x) for _ in range(L)]) / L
+        t_empty = graph_ms(lambda: [empty_kernel[(1024,)](x) for _ in range(L)]) / L
         floors.append(f"an empty Triton launch of 1,024 programs {t_empty * 1e3:.2f} us")
     for n in sizes:
         nblk = (n + BLOCK - 1) // BLOCK
@@ -108,7 +108,7 @@ def main() -> None:
         if dev.type == "cuda":
             w = lbytes // 4 // 4 * 4
             s32, d32 = src.view(torch.int32), dst.view(torch.int32)
-            t_tri = graph_ms(lambda s=s32, d=d32, k=w: [_copy_kernel[(-(-k // 2048),)](
+            t_tri = graph_ms(lambda s=s32, d=d32, k=w: [copy_kernel[(-(-k // 2048),)](
                 s[i * k:], d[i * k:], k, BLOCK_W=2048, num_warps=4) for i in range(L)]) / L
             floors.append(f"{n // 1024}k: a Triton copy of a layer's bytes {t_tri * 1e3:.2f} us, the gather "
                           f"{t['layer kernel'] * 1e3:.2f} us")
