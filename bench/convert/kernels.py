@@ -1,11 +1,23 @@
 """Plain Triton kernels the conversion and extraction benchmarks measure against: an empty launch, a
 1:1 copy, and the conversion's read:write mix with no arithmetic (bench/convert/run.py, explore.py,
-bench/extract/run.py)."""
+bench/extract/run.py), and `call_ms`, the call timing both benchmarks report."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
+import torch
 import triton
 import triton.language as tl
+
+from bench.common import median_ms
+
+
+def call_ms(fn: Callable[[], object], device: torch.device) -> float:
+    """The best of three medians of `fn` as a caller sees it (events around the call): the borrowed
+    machine's host timings wander by up to 2x between back-to-back medians of the same call (bench/
+    convert/explore.py's launch-cost lines: 40.5, 22.6, 22.2 us), the first usually the slowest."""
+    return min(median_ms(fn, device) for _ in range(3))
 
 
 @triton.jit

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 
 from bench.common import copy_bandwidth, median_ms, record, table
-from bench.convert.kernels import copy_kernel, empty_kernel
+from bench.convert.kernels import call_ms, copy_kernel, empty_kernel
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
 from tilert_serve.pd_vllm import extract_triton
@@ -97,11 +97,11 @@ def main() -> None:
         t = {
             "copy call": median_ms(lambda s=src, d=dst: d.copy_(s), dev),
             "copy kernel": graph_ms(lambda s=src, d=dst: d.copy_(s)),
-            "call": median_ms(whole_call, dev),
+            "call": call_ms(whole_call, dev),
             "kernel": graph_ms(lambda i=dev_ids, k=n: kernel(i, k, out)),
             "layer copy call": median_ms(layer_copies, dev) / L,
             "layer copy kernel": graph_ms(layer_copies) / L,
-            "layer call": median_ms(layers_call, dev) / L,
+            "layer call": call_ms(layers_call, dev) / L,
             "layer kernel": graph_ms(lambda i=dev_ids, k=n: [kernel(i, k, out, layer=lid) for lid in range(L)]) / L,
             "index_select": median_ms(lambda i=ids, k=n: gather(caches, i, k, staging, [ref]), dev),
         }
@@ -141,7 +141,7 @@ def main() -> None:
         f"over {L} one-layer calls (chunk {extract_triton.LAYER_CHUNK_WORDS} words, {extract_triton.LAYER_WARPS} "
         f"warps, each block split over {extract_triton.LAYER_SPLIT} programs; the copy: {L} copies of one layer's "
         "bytes). call = events around the Python "
-        "call; kernel = CUDA graph replay; copy = the faster of its call and its graph replay (a large copy in a graph runs on the copy engines, slower). Every size checked byte for byte against index_select, whole and "
+        "call (the best of three medians); kernel = CUDA graph replay; copy = the faster of its call and its graph replay (a large copy in a graph runs on the copy engines, slower). Every size checked byte for byte against index_select, whole and "
         "layer by layer.", "Floors of a one-layer launch (CUDA graph, per launch, each copy of its own bytes): "
         + "; ".join(floors) + ".", *tuning])
     print(body)
