@@ -240,6 +240,8 @@ def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: in
                       (("ROW", _ROW), ("BLOCK_T", block_t)), num_warps)
             _INDEXER_PAGES((idx_programs, count), (region, idx_off, had, ki, n, first),
                            (("PAGE", _PAGE), ("PAGES", pages)), IDX_WARPS)
+    if count == 1:  # a layer alone (layer-wise, once per layer on the node): its views, no unbind
+        return [LayerState(kv=kv.view(n, r), pe=pe.view(n, d), ki=None if ki is None else ki.view(n, i))]
     if ki is None:
         return [LayerState(kv=k, pe=p) for k, p in zip(kv.unbind(0), pe.unbind(0), strict=True)]
     # unbind: one call for every layer's views instead of three indexing operations per layer.
