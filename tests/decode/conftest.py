@@ -4,9 +4,17 @@ InjectedState it is handed (so tests can check conversion exactly) and emits pre
 from __future__ import annotations
 
 import asyncio
+import atexit
+import concurrent.futures
 import contextlib
+import itertools
+import json
 import os
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -100,16 +108,81 @@ class RunningNode:
     async def send(self, case: str, num_tokens: int, seed: int, engine: str, ticket: str | None,
                    *flags: str, request_id: str = "req-1", secret_file: Path | None = None) -> str:
         """Run a sender process; returns its RESULT/ACCEPTED line."""
-        args = [sys.executable, str(HERE / "sender_proc.py"), case, str(num_tokens), str(seed), engine,
-                "127.0.0.1", str(self.ctrl_port), str(secret_file or self.secret_file), request_id]
+        args = [case, str(num_tokens), str(seed), engine, "127.0.0.1", str(self.ctrl_port),
+                str(secret_file or self.secret_file), request_id]
         if ticket:
             args.append(ticket)
-        proc = await asyncio.create_subprocess_exec(*args, *flags, stdout=asyncio.subprocess.PIPE,
-                                                    env=SENDER_ENV)
-        out, _ = await asyncio.wait_for(proc.communicate(), 60)
-        lines = [ln for ln in out.decode().splitlines() if ln.startswith(("RESULT ", "ACCEPTED"))]
-        assert lines, f"sender printed nothing useful (rc {proc.returncode}): {out.decode()[-2000:]}"
+        rc, out = await _zygote().run([*args, *flags], 60)
+        lines = [ln for ln in out.splitlines() if ln.startswith(("RESULT ", "ACCEPTED"))]
+        assert lines, f"sender printed nothing useful (rc {rc}): {out[-2000:]}"
         return lines[-1]
+
+
+class _SenderZygote:
+    """sender_zygote.py, started once per session: each `run` is a sender process of its own (a fork of
+    a process that imported sender_proc's modules already; `python sender_proc.py` pays ~1.5 s of
+    imports here, most of a handoff test's time)."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, str(HERE / "sender_zygote.py")], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, env=SENDER_ENV, text=True, bufsize=1)
+        self.dir = Path(tempfile.mkdtemp(prefix="sender-zygote-"))
+        self.ids = itertools.count()
+        self.lock = threading.Lock()
+        self.pids: dict[str, concurrent.futures.Future[int]] = {}
+        self.exits: dict[str, concurrent.futures.Future[int]] = {}
+        threading.Thread(target=self._read, daemon=True, name="sender-zygote").start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            kind, rid, value = line.split()
+            with self.lock:
+                (self.pids if kind == "PID" else self.exits)[rid].set_result(int(value))
+        with self.lock:  # the zygote ended: nothing more will come
+            for fut in [*self.pids.values(), *self.exits.values()]:
+                if not fut.done():
+                    fut.set_exception(RuntimeError(f"the sender zygote exited ({self.proc.poll()})"))
+
+    async def run(self, args: list[str], timeout: float) -> tuple[int, str]:
+        """(exit code, stdout) of one sender run; on `timeout` the sender is killed."""
+        rid = str(next(self.ids))
+        out = self.dir / f"{rid}.out"
+        with self.lock:
+            self.pids[rid], self.exits[rid] = concurrent.futures.Future(), concurrent.futures.Future()
+            assert self.proc.stdin is not None
+            self.proc.stdin.write(json.dumps({"id": rid, "args": args, "out": str(out)}) + "\n")
+            self.proc.stdin.flush()
+        pid = await asyncio.wait_for(asyncio.wrap_future(self.pids[rid]), 30)
+        try:
+            rc = await asyncio.wait_for(asyncio.wrap_future(self.exits[rid]), timeout)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            raise
+        text = out.read_text(errors="replace")
+        out.unlink()
+        return rc, text
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()  # EOF: the zygote returns
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+_ZYGOTE: list[_SenderZygote] = []
+
+
+def _zygote() -> _SenderZygote:
+    if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
+        _ZYGOTE[:] = [_SenderZygote()]
+        atexit.register(_ZYGOTE[0].close)
+    return _ZYGOTE[0]
 
 
 @contextlib.contextmanager
