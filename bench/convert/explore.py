@@ -5,7 +5,7 @@ variants of one layer's kernels, and the host cost of a launch through Triton's 
 launcher (convert_triton.Launcher). Prints one line per measurement; the numbers feed the Reading
 paragraphs of bench/RESULTS.md's extraction and conversion sections.
 
-    python -m bench.convert.explore [--sizes 8192,32768,131072] [--only floors,mix,convert,extract]
+    python -m bench.convert.explore [--sizes 8192,32768,131072] [--only floors,mix,convert,extract,planes]
 """
 
 # Every lambda here is timed at once, inside the loop iteration that made it (and its tensors are
@@ -130,6 +130,50 @@ def conversion(dev: torch.device, sizes: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def planes(dev: torch.device, sizes: list[int]) -> None:
+    """Which plane holds the whole state's gap to the copy: each plane's kernel alone (as the whole state
+    launches it) against a torch copy with that plane's traffic and the plain read:write-mix kernel."""
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for n in sizes:
+        place = layouts.Placement(layout, max_tokens=n)
+        region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
+        fill([region], place, n, gen)
+        mla_off = convert_triton._layer_offsets(place, "mla", 0, dev)
+        idx_off = convert_triton._layer_offsets(place, "indexer", 0, dev)
+        had = convert_triton._hadamard(128, dev)
+        kv = torch.empty(L, n, 512, dtype=torch.bfloat16, device=dev)
+        pe = torch.empty(L, n, 64, dtype=torch.bfloat16, device=dev)
+        ki = torch.empty(L, n, 128, dtype=torch.bfloat16, device=dev)
+        bt, pages = convert_triton.BLOCK_T, convert_triton._pages(-(-n // 64) * L)
+        t_mla = graph_ms(lambda: convert_triton._mla_rows_kernel[(-(-n // bt), L)](
+            region, mla_off, kv, pe, n, 0, ROW=656, BLOCK_T=bt, num_warps=convert_triton.NUM_WARPS))
+        pg = -(-n // 64)
+        t_idx = graph_ms(lambda: convert_triton._indexer_pages_kernel[(-(-pg // pages), L)](
+            region, idx_off, had, ki, n, 0, PAGE=8448, PAGES=pages, num_warps=convert_triton.IDX_WARPS))
+        for name, t, rd, wr in (("mla", t_mla, 656, 1152), ("indexer", t_idx, 132, 256)):
+            moved = L * n * (rd + wr)
+            half = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+            half2 = torch.empty_like(half)
+            t_copy = min(graph_ms(lambda: half2.copy_(half)), median_ms(lambda: half2.copy_(half), dev))
+            del half, half2
+            words = L * n * rd // 4 // 4096 * 4096
+            extra = int(4096 * (wr / rd - 1)) // 4 * 4
+            tiles = words // 4096
+            src = torch.randint(0, 1 << 30, (words,), dtype=torch.int32, device=dev)
+            a = torch.empty_like(src)
+            b = torch.empty(tiles * extra, dtype=torch.int32, device=dev)
+            t_mix = graph_ms(lambda: mix_kernel[(tiles,)](src, a, b, tiles, BLOCK_W=4096, EXTRA_W=extra, num_warps=8))
+            del src, a, b
+            say(f"planes {n // 1024}k {name}: kernel {t * 1e3:.1f} us for {moved / 1e6:.0f} MB, same-traffic copy "
+                f"{t_copy * 1e3:.1f} us ({t_copy / t:.0%} of its speed); its read:write mix as a plain kernel "
+                f"{t_mix * 1e3:.1f} us ({t_copy / t_mix:.0%})")
+        say(f"planes {n // 1024}k both: {(t_mla + t_idx) * 1e3:.1f} us, whole state "
+            f"{graph_ms(lambda: convert_triton.to_injected_state([region], place, n, 0)) * 1e3:.1f} us")
+        del region, kv, pe, ki
+        torch.cuda.empty_cache()
+
+
 def host_calls(what: str, n: int, dev: torch.device, layers: Callable[[], object], whole: Callable[[], object]) -> None:
     """Call time (events around the calls) per layer and whole, JITFunction's launch against the
     launcher's, interleaved three times (the host's timings wander); the best of each."""
@@ -218,6 +262,8 @@ def main() -> None:
         mix(dev, sizes, bw)
     if "convert" in only:
         conversion(dev, sizes)
+    if "planes" in only:
+        planes(dev, sizes)
     if "extract" in only:
         extraction(dev, sizes)
 
