@@ -59,6 +59,12 @@ PROBE_RETRY_S = 1.0
 EXPECTED = {"secret": "NotAuthenticated", "unreachable": "Unreachable", "layout": "LayoutMismatch",
             "ctrl_blocked": "Timeout"}
 WRONG_KV_DTYPE = "bfloat16"
+#: The node's ticket TTL at a test's pace (the rendered default is 30 s), as the probe interval above: a
+#: probe whose state never comes (its sender failed to authenticate, so the node cannot tie the failure
+#: to the ticket) holds the router's next probe until the ticket expires, which the secret repair waited
+#: out, and a node stopped for the layout fault's restarts drains until its admitted tickets are used or
+#: expired (it was SIGKILLed at runner.stop's 15 s grace instead).
+TICKET_TTL_S = 8.0
 
 
 def ctrl_blocking_unavailable() -> str | None:
@@ -201,9 +207,10 @@ class Stack:
 
 
 def start(home: Path, *, router_port: int | None = None, say: Callable[[str], None] = lambda _m: None,
-          timeout: float = 600.0) -> Stack:
+          timeout: float = 600.0, ticket_ttl_s: float | None = None) -> Stack:
     """The local stack as `tilert-pd local up` starts it (cli.launch), with the router's handoff probes
-    at PROBE_INTERVAL_S and the node reading its own copy of the handoff secret."""
+    at PROBE_INTERVAL_S and the node reading its own copy of the handoff secret; `ticket_ttl_s` sets the
+    node's --ticket-ttl (else the rendered default)."""
     doc = spec_doc()
     name = str(doc["metadata"]["name"])
     spec, problems = validation.validate(doc["spec"], name)
@@ -222,6 +229,8 @@ def start(home: Path, *, router_port: int | None = None, say: Callable[[str], No
                 secret_file = Path(c.argv[c.argv.index("--secret-file") + 1])
                 runner.write_secret_file(node_secret, secret_file.read_text())
                 c = replace(c, argv=_set_arg(c.argv, "--secret-file", str(node_secret)))
+                if ticket_ttl_s is not None:
+                    c = replace(c, argv=[*c.argv, "--ticket-ttl", str(ticket_ttl_s)])
             comps.append(c)
         return replace(p, components=comps, router_config=p.router_config.model_copy(update={"handoff_probe": probes}))
 

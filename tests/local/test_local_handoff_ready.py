@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.slow,
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[hs.Stack]:
-    s = hs.start(tmp_path_factory.mktemp("local-handoff") / "home")
+    s = hs.start(tmp_path_factory.mktemp("local-handoff") / "home", ticket_ttl_s=hs.TICKET_TTL_S)
     try:
         yield s
     finally:
