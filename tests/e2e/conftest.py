@@ -54,6 +54,22 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         items[i] = item
 
 
+#: The session's shared processes (plain vLLM, prefill, node, native decode, router): stopped after the
+#: last e2e test, not at the end of the session, so that they do not sit beside the directories that
+#: run after this one. (Their fixtures stop them again at the session's end: stop is idempotent.)
+_SHARED: list[Proc] = []
+
+
+def _in_e2e(item: pytest.Item | None) -> bool:
+    return item is not None and Path(str(item.path)).parent == Path(__file__).parent
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    if _in_e2e(item) and not _in_e2e(nextitem):
+        for p in reversed(_SHARED):
+            p.stop()
+
+
 @dataclass
 class Stack:
     model_dir: Path
@@ -133,6 +149,7 @@ class Plain:
     def __init__(self, model: Model) -> None:
         self.port = free_port()
         self.proc = Proc("plain", vllm_argv(model.model_dir, self.port, None, ("tiny", EXAMPLE_MODEL)), model.root)
+        _SHARED.append(self.proc)
         self._ready = False
 
     @property
@@ -164,13 +181,15 @@ def stack(request: pytest.FixtureRequest, e2e_model: Model, plain_vllm: Plain) -
     try:
         node, node_url, ctrl = start_node(root, model_dir, secret_file, "decode-node")
         procs["node"] = node
+        _SHARED.append(node)
         p_port = free_port()
         # Its own NIXL side-channel port (vLLM's default, 5600, may be taken by another stack here), as
         # the operator renders a CPU pool's environment (vllm_cpu.serve_env: a core left for the engine).
         p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
                  **vllm_cpu.serve_env()}
         procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root, p_env)
-        if _wants_native(request.session):  # boots beside the prefill (native_decode below)
+        _SHARED.append(procs["prefill"])
+        if _wants_native(request.session):  # boots beside the prefill (native below)
             procs["decode"], decode_port = _start_native_decode(model_dir, root)
         node.wait_ready(f"{node_url}/ready", 120)
         procs["prefill"].wait_ready(f"http://127.0.0.1:{p_port}/health", 600)
@@ -189,7 +208,9 @@ def _start_native_decode(model_dir: Path, root: Path) -> tuple[Proc, int]:
              **vllm_cpu.serve_env()}
     d_kv = {"kv_connector": NATIVE_CONNECTOR, "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
     port = free_port()
-    return Proc("decode", vllm_argv(model_dir, port, d_kv), root, d_env), port
+    proc = Proc("decode", vllm_argv(model_dir, port, d_kv), root, d_env)
+    _SHARED.append(proc)
+    return proc, port
 
 
 @pytest.fixture(scope="session")
@@ -208,6 +229,7 @@ def native(stack: Stack) -> Iterator[Native]:
         procs["router"] = Proc("router", [PY, "-m", "tilert_serve.router.cli", "--config",
                                           str(stack.log_dir / "router.yaml"), "--host", "127.0.0.1",
                                           "--port", str(r_port)], stack.log_dir)
+        _SHARED.append(procs["router"])
         stack.procs["decode"].wait_ready(f"http://127.0.0.1:{d_port}/health", 600)
         procs["router"].wait_ready(f"http://127.0.0.1:{r_port}/health", 60)
         yield Native(NATIVE_CONNECTOR, f"http://127.0.0.1:{r_port}", stack.prefill_url, f"http://127.0.0.1:{d_port}",
