@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 import triton
+import triton.language as tl
 
 from bench.common import copy_bandwidth, median_ms
 from bench.convert.kernels import copy_kernel, empty_kernel, mix_kernel
@@ -127,6 +128,78 @@ def conversion(dev: torch.device, sizes: list[int]) -> None:
                                                for lid in range(L)],
                    lambda: convert_triton.to_injected_state([region], place, n, 0))
         del region, ref
+        torch.cuda.empty_cache()
+
+
+@triton.jit
+def _indexer_variant_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr,
+                            LOAD_U8: tl.constexpr, STAGES: tl.constexpr):
+    """convert_triton's indexer pages kernel with two switches: the fp8 values loaded as bytes and
+    bitcast after the load (LOAD_U8), and the pages loop pipelined by tl.range (STAGES > 0)."""
+    pid = tl.program_id(0)
+    layer = tl.program_id(1)
+    r = tl.arange(0, 64)
+    c = tl.arange(0, 128)
+    h = tl.load(hadamard + c[:, None] * 128 + c[None, :])
+    n_pages = (n + 63) // 64
+    if STAGES == 0:  # as convert_triton: the pages unrolled
+        for k in tl.static_range(PAGES):
+            if pid * PAGES + k < n_pages:
+                _variant_page(src, layer_off, h, ki_out, n, layer0, pid * PAGES + k, layer, r, c, PAGE, LOAD_U8)
+    else:
+        for page in tl.range(pid * PAGES, tl.minimum(pid * PAGES + PAGES, n_pages), num_stages=STAGES):
+            _variant_page(src, layer_off, h, ki_out, n, layer0, page, layer, r, c, PAGE, LOAD_U8)
+
+
+@triton.jit
+def _variant_page(src, layer_off, h, ki_out, n, layer0, page, layer, r, c, PAGE: tl.constexpr, LOAD_U8: tl.constexpr):
+    if True:
+        base = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + page.to(tl.int64) * PAGE
+        if LOAD_U8:
+            raw = tl.load(base + r[:, None] * 128 + c[None, :], eviction_policy="evict_first")
+            vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        else:
+            vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+            vals = tl.load(vptr, eviction_policy="evict_first").to(tl.float32)
+        scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r)
+        x = (vals * scales[:, None]).to(tl.bfloat16)
+        y = tl.dot(x, h)
+        t = page * 64 + r
+        out_row = layer.to(tl.int64) * n + t.to(tl.int64)
+        tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
+
+
+def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    for n in sizes:
+        place = layouts.Placement(layout, max_tokens=n)
+        region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
+        fill([region], place, n, gen)
+        idx_off = convert_triton._layer_offsets(place, "indexer", 0, dev)
+        had = convert_triton._hadamard(128, dev)
+        ref = convert_triton.to_injected_state([region], place, n, 0)
+        ki = torch.empty(L, n, 128, dtype=torch.bfloat16, device=dev)
+        moved = L * n * (132 + 256)
+        half = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
+        half2 = torch.empty_like(half)
+        t_copy = min(graph_ms(lambda: half2.copy_(half)), median_ms(lambda: half2.copy_(half), dev))
+        del half, half2
+        pg = -(-n // 64)
+        for load_u8 in (False, True):
+            for stages, pages, warps in ((0, 1, 4), (0, 4, 4), (0, 8, 4), (0, 4, 8), (2, 4, 4), (2, 8, 4), (2, 4, 8)):
+                def fn(p: int = pages, u: bool = load_u8, st: int = stages, w: int = warps) -> None:
+                    _indexer_variant_kernel[(-(-pg // p), L)](region, idx_off, had, ki, n, 0, PAGE=8448, PAGES=p,
+                                                             LOAD_U8=u, STAGES=st, num_warps=w)
+                what = f"indexer {n // 1024}k load_u8={load_u8} stages={stages} pages={pages} warps={warps}"
+                try:
+                    fn()
+                    same = all(torch.equal(ki[lid], ref.layers[lid].ki) for lid in (0, 40, 78))
+                    t = graph_ms(fn)
+                    say(f"{what}: {t * 1e3:.1f} us ({t_copy / t:.0%} of its copy's speed), bits as now: {same}")
+                except Exception as exc:  # a variant that does not compile is a result too
+                    say(f"{what}: failed {type(exc).__name__}: {str(exc)[-160:]}")
+        del region, ki, ref
         torch.cuda.empty_cache()
 
 
@@ -262,6 +335,8 @@ def main() -> None:
         mix(dev, sizes, bw)
     if "convert" in only:
         conversion(dev, sizes)
+    if "indexer" in only:
+        indexer_variants(dev, sizes)
     if "planes" in only:
         planes(dev, sizes)
     if "extract" in only:
