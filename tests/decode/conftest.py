@@ -178,6 +178,20 @@ class _SenderZygote:
 _ZYGOTE: list[_SenderZygote] = []
 
 
+def _in_decode(item: pytest.Item | None) -> bool:
+    return item is not None and Path(str(item.path)).parent == HERE
+
+
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> None:
+    """After the last decode test: the zygote ends and the pooled engines are torn down, rather than
+    at the interpreter's exit beside the directories that run after this one."""
+    if _in_decode(item) and not _in_decode(nextitem):
+        if _ZYGOTE:
+            _ZYGOTE.pop().close()
+        while _IDLE_MOONCAKE:
+            _IDLE_MOONCAKE.pop().close()
+
+
 def _zygote() -> _SenderZygote:
     if not _ZYGOTE or _ZYGOTE[0].proc.poll() is not None:
         _ZYGOTE[:] = [_SenderZygote()]
