@@ -203,6 +203,26 @@ def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
         torch.cuda.empty_cache()
 
 
+def adopt(dev: torch.device) -> None:
+    """convert_triton.IDX_STAGES > 0 against 0: the same bits at token counts whose specialisations differ."""
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=8192)
+    gen = torch.Generator(device=dev).manual_seed(1)
+    region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
+    fill([region], place, 8192, gen)
+    for stages in (2, 3):
+        for n in (1, 17, 64, 65, 1000, 8192):
+            try:
+                got = {}
+                for st in (0, stages):
+                    convert_triton.IDX_STAGES = st
+                    got[st] = [s_.ki for s_ in convert_triton.to_injected_state([region], place, n, 0).layers]
+                same = all(torch.equal(a, b) for a, b in zip(got[0], got[stages], strict=True))
+                say(f"adopt idx_stages={stages} n={n}: bits as unrolled: {same}")
+            except Exception as exc:
+                say(f"adopt idx_stages={stages} n={n}: failed {type(exc).__name__}: {str(exc)[-160:]}")
+    convert_triton.IDX_STAGES = 0
+
+
 def planes(dev: torch.device, sizes: list[int]) -> None:
     """Which plane holds the whole state's gap to the copy: each plane's kernel alone (as the whole state
     launches it) against a torch copy with that plane's traffic and the plain read:write-mix kernel."""
@@ -223,7 +243,8 @@ def planes(dev: torch.device, sizes: list[int]) -> None:
             region, mla_off, kv, pe, n, 0, ROW=656, BLOCK_T=bt, num_warps=convert_triton.NUM_WARPS))
         pg = -(-n // 64)
         t_idx = graph_ms(lambda: convert_triton._indexer_pages_kernel[(-(-pg // pages), L)](
-            region, idx_off, had, ki, n, 0, PAGE=8448, PAGES=pages, num_warps=convert_triton.IDX_WARPS))
+            region, idx_off, had, ki, n, 0, PAGE=8448, PAGES=pages, STAGES=convert_triton.IDX_STAGES,
+            num_warps=convert_triton.IDX_WARPS))
         for name, t, rd, wr in (("mla", t_mla, 656, 1152), ("indexer", t_idx, 132, 256)):
             moved = L * n * (rd + wr)
             half = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
@@ -335,6 +356,8 @@ def main() -> None:
         mix(dev, sizes, bw)
     if "convert" in only:
         conversion(dev, sizes)
+    if "adopt" in only:
+        adopt(dev)
     if "indexer" in only:
         indexer_variants(dev, sizes)
     if "planes" in only:

@@ -101,7 +101,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--sizes", default="8192,32768,131072")
     ap.add_argument("--tune", action="store_true", help="also time kernel variants, tokens per step and warps")
+    ap.add_argument("--idx-stages", type=int, help="convert_triton.IDX_STAGES for this run (default: the module's)")
     args = ap.parse_args()
+    from tilert_serve.layouts import convert_triton
+
+    if args.idx_stages is not None:
+        convert_triton.IDX_STAGES = args.idx_stages
     dev = torch.device(args.device)
     layout = layouts.get("glm5", "fp8_ds_mla")
     L = layout.num_layers
@@ -112,7 +117,6 @@ def main() -> None:
     tuning: list[str] = []
     upcast: list[str] = []
     mixes: list[str] = []
-    from tilert_serve.layouts import convert_triton
 
     for n in [int(s) for s in args.sizes.split(",")]:
         place = layouts.Placement(layout, max_tokens=n)

@@ -37,6 +37,8 @@ IDX_WARPS = 4
 #: Indexer pages per program (None: by grid size, see _pages): the 32 KB Hadamard matrix is read
 #: (from L2) once per program. Picked on an H200 with `bench/convert/run.py --tune`.
 PAGES: int | None = None
+#: The whole state's indexer launch: its pages unrolled (0) or a loop pipelined over IDX_STAGES stages.
+IDX_STAGES = 0
 #: Both planes in one launch (_convert_kernel) or one each (None: one for a single layer, two for
 #: more: one layer's few microseconds pay for a second launch, the whole state runs faster as two).
 ONE_LAUNCH: bool | None = None
@@ -171,8 +173,16 @@ def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, layer0, ROW: tl.constexp
 
 
 @triton.jit
-def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr):
-    _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, tl.program_id(0), tl.program_id(1), PAGE, PAGES)
+def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr,
+                          STAGES: tl.constexpr):
+    if STAGES == 0:
+        _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, tl.program_id(0), tl.program_id(1), PAGE, PAGES)
+    else:  # the pages as a loop the compiler pipelines: the next page's bytes load while this one rotates
+        c = tl.arange(0, 128)
+        h = tl.load(hadamard + c[:, None] * 128 + c[None, :])
+        first = tl.program_id(0) * PAGES
+        for page in tl.range(first, tl.minimum(first + PAGES, (n + 63) // 64), num_stages=STAGES):
+            _indexer_page(src, layer_off, h, ki_out, n, layer0, page, tl.program_id(1), PAGE)
 
 
 @triton.jit
@@ -239,7 +249,7 @@ def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: in
             _MLA_ROWS((mla_programs, count), (region, mla_off, kv, pe, n, first),
                       (("ROW", _ROW), ("BLOCK_T", block_t)), num_warps)
             _INDEXER_PAGES((idx_programs, count), (region, idx_off, had, ki, n, first),
-                           (("PAGE", _PAGE), ("PAGES", pages)), IDX_WARPS)
+                           (("PAGE", _PAGE), ("PAGES", pages), ("STAGES", IDX_STAGES)), IDX_WARPS)
     if count == 1:  # a layer alone (layer-wise, once per layer on the node): its views, no unbind
         return [LayerState(kv=kv.view(n, r), pe=pe.view(n, d), ki=None if ki is None else ki.view(n, i))]
     if ki is None:
