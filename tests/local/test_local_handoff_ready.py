@@ -35,7 +35,9 @@ def test_the_stack_comes_up_handoff_ready(stack: hs.Stack) -> None:
     assert stack.ready()["reason"] == "Serving"
 
 
-@pytest.mark.parametrize("fault", ["secret", "unreachable", "layout"])
+# "unreachable" last: the router's admission that timed out against the stopped node is served once the
+# node resumes, and that ticket, which no one will use, holds the next restart's drain until it expires.
+@pytest.mark.parametrize("fault", ["secret", "layout", "unreachable"])
 def test_a_fault_turns_it_false_with_its_reason_and_the_repair_true(stack: hs.Stack, fault: str) -> None:
     stack.until_true()
     stack.inject(fault)
