@@ -213,7 +213,7 @@ def main() -> None:
         "Write-heavy ceiling (a bf16 -> float32 copy, reading 1 byte per 2 written, same total traffic): "
         + "; ".join(upcast) + ".",
         "The conversion's read:write mix with no arithmetic (a plain Triton kernel, CUDA graph; bench/convert/"
-        "explore.py's mix_kernel): " + "; ".join(mixes) + ".", *tuning])
+        "kernels.py's mix_kernel): " + "; ".join(mixes) + ".", *tuning])
     print(body)
     print(notes)
     record("convert", "Conversion to TileRT's layout (`bench/convert/run.py`, H200)", body, device=dev, notes=notes)

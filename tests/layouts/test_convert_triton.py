@@ -165,3 +165,19 @@ def test_the_direct_launch_converts_what_tritons_own_launch_converts(monkeypatch
         assert all(torch.equal(a, b) for a, b in zip(got[True], got[False], strict=True)), n
     launchers = (convert_triton._MLA_ROWS, convert_triton._INDEXER_PAGES, convert_triton._CONVERT)
     assert all(x.direct and x._compiled for x in launchers), "the launcher refused: Triton's own path ran"
+
+
+@pytest.mark.parametrize("n", [1, 64, 65, 1000])
+def test_the_pipelined_indexer_loop_leaves_the_bits_alone(n: int, monkeypatch) -> None:
+    # The whole state's indexer launch runs its pages as a pipelined loop (IDX_STAGES); unrolled, the
+    # same bits (and a layer alone, which runs the unrolled tile, equals the whole state's: above).
+    from tilert_serve.layouts import convert_triton
+
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=1024)
+    regions = received(place, n, seed=60 + n, device=torch.device("cuda"))
+    got = {}
+    for stages in (0, 2):
+        monkeypatch.setattr(convert_triton, "IDX_STAGES", stages)
+        got[stages] = [s.ki.cpu() for s in convert_triton.to_injected_state(regions, place, n, 0).layers if s.ki is not None]
+    assert len(got[0]) == place.layout.num_layers
+    assert all(torch.equal(a, b) for a, b in zip(got[0], got[2], strict=True))

@@ -37,8 +37,11 @@ IDX_WARPS = 4
 #: Indexer pages per program (None: by grid size, see _pages): the 32 KB Hadamard matrix is read
 #: (from L2) once per program. Picked on an H200 with `bench/convert/run.py --tune`.
 PAGES: int | None = None
-#: The whole state's indexer launch: its pages unrolled (0) or a loop pipelined over IDX_STAGES stages.
-IDX_STAGES = 0
+#: The whole state's indexer launch: its pages unrolled (0) or a loop pipelined over IDX_STAGES stages
+#: (the next page's bytes load while this one rotates). 2 on an H200: the indexer launch 98 -> 93 us at
+#: 8k, 353 -> 330 us at 32k, the same bits (`bench/convert/explore.py --only indexer,adopt`); 3 does
+#: not compile on Triton 3.6 (cp.async of the fp8 bytes).
+IDX_STAGES = 2
 #: Both planes in one launch (_convert_kernel) or one each (None: one for a single layer, two for
 #: more: one layer's few microseconds pay for a second launch, the whole state runs faster as two).
 ONE_LAUNCH: bool | None = None
