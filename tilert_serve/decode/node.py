@@ -212,6 +212,14 @@ def _state_bytes(layers: Iterable[LayerState]) -> int:
                if t is not None)
 
 
+def _settle(views: list[torch.Tensor]) -> None:
+    """Wait for the conversion's kernels on a GPU (they run after the call returns), so a converter
+    span ends when the layers are converted, not when they were queued: convert_ms and
+    hidden_convert_ms tell the device's time. The converter thread waits, not the decode."""
+    for device in {v.device for v in views if v.is_cuda}:
+        torch.cuda.current_stream(device).synchronize()
+
+
 def _overlap(spans: list[tuple[str, float, float]], kind: str, lo: float, hi: float) -> float:
     return sum(max(0.0, min(end, hi) - max(start, lo)) for k, start, end in spans if k == kind)
 
@@ -400,6 +408,7 @@ class DecodeNode:
         t1 = time.perf_counter()
         converted = {lid: convert.to_layer_state(views, self.buffers.placement, lid, num_tokens, self.engine_dtype)
                      for lid in layers if lid < self.engine.num_layers}
+        _settle(views)
         t2 = time.perf_counter()
         with prepared.lock:
             if prepared.dropped:
@@ -436,6 +445,7 @@ class DecodeNode:
             layers = [prepared.layers.get(lid) or convert.to_layer_state(views, placement, lid, num_tokens,
                                                                             self.engine_dtype)
                       for lid in range(self.engine.num_layers)]
+        _settle(views)
         t2 = time.perf_counter()
         with prepared.lock:
             prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
