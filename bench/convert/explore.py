@@ -25,11 +25,12 @@ import triton.language as tl
 from bench.common import copy_bandwidth, median_ms
 from bench.convert.kernels import copy_kernel, empty_kernel, mix_kernel
 from bench.convert.run import fill
+from bench.extract.run import glm5_caches
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
 from tilert_serve.layouts import convert_triton
 from tilert_serve.pd_vllm import extract_triton
-from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather
+from tilert_serve.pd_vllm.extract import Gatherer, gather
 
 L = 79
 BLOCK = 64
@@ -292,16 +293,9 @@ def host_calls(what: str, n: int, dev: torch.device, layers: Callable[[], object
 
 
 def extraction(dev: torch.device, sizes: list[int]) -> None:
-    layout = layouts.get("glm5", "fp8_ds_mla")
-    num_blocks = max(sizes) // BLOCK * 5 // 4
-    gen = torch.Generator(device=dev).manual_seed(0)
-    caches: list[PagedCache] = []
-    for lid in range(L):
-        mla = torch.randint(0, 256, (num_blocks, BLOCK, 656), dtype=torch.uint8, device=dev, generator=gen)
-        idx = torch.randint(0, 256, (num_blocks, BLOCK, 132), dtype=torch.uint8, device=dev, generator=gen)
-        caches += [PagedCache(f"l{lid}.mla", lid, "mla", mla, BLOCK, 0),
-                   PagedCache(f"l{lid}.indexer", lid, "indexer", idx, BLOCK, 0)]
-    staging = layouts.Placement(layout, max_tokens=max(sizes))
+    caches, staging = glm5_caches(dev, max(sizes))
+    layout = staging.layout
+    num_blocks = caches[0].tensor.shape[0]
     ref = torch.zeros(staging.total_nbytes(), dtype=torch.uint8, device=dev)
     out = torch.zeros_like(ref)
     g = Gatherer(caches, staging, 0)

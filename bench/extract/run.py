@@ -31,6 +31,21 @@ from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather
 BLOCK = 64
 
 
+def glm5_caches(dev: torch.device, max_tokens: int) -> tuple[list[PagedCache], layouts.Placement]:
+    """Random GLM-5 paged caches (MLA rows and indexer pages of every layer, a quarter more blocks
+    than `max_tokens` needs) and a staging placement for `max_tokens`."""
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    num_blocks = max_tokens // BLOCK * 5 // 4
+    gen = torch.Generator(device=dev).manual_seed(0)
+    caches: list[PagedCache] = []
+    for lid in range(layout.num_layers):
+        mla = torch.randint(0, 256, (num_blocks, BLOCK, 656), dtype=torch.uint8, device=dev, generator=gen)
+        idx = torch.randint(0, 256, (num_blocks, BLOCK, 132), dtype=torch.uint8, device=dev, generator=gen)
+        caches += [PagedCache(f"l{lid}.mla", lid, "mla", mla, BLOCK, 0),
+                   PagedCache(f"l{lid}.indexer", lid, "indexer", idx, BLOCK, 0)]
+    return caches, layouts.Placement(layout, max_tokens=max_tokens)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", default="cuda")
@@ -39,17 +54,10 @@ def main() -> None:
     args = ap.parse_args()
     dev = torch.device(args.device)
     sizes = [int(s) for s in args.sizes.split(",")]
-    layout = layouts.get("glm5", "fp8_ds_mla")
+    caches, staging = glm5_caches(dev, max(sizes))
+    layout = staging.layout
     L = layout.num_layers
-    num_blocks = max(sizes) // BLOCK * 5 // 4
-    gen = torch.Generator(device=dev).manual_seed(0)
-    caches: list[PagedCache] = []
-    for lid in range(L):
-        mla = torch.randint(0, 256, (num_blocks, BLOCK, 656), dtype=torch.uint8, device=dev, generator=gen)
-        idx = torch.randint(0, 256, (num_blocks, BLOCK, 132), dtype=torch.uint8, device=dev, generator=gen)
-        caches += [PagedCache(f"l{lid}.mla", lid, "mla", mla, BLOCK, 0),
-                   PagedCache(f"l{lid}.indexer", lid, "indexer", idx, BLOCK, 0)]
-    staging = layouts.Placement(layout, max_tokens=max(sizes))
+    num_blocks = caches[0].tensor.shape[0]
     ref = torch.zeros(staging.total_nbytes(), dtype=torch.uint8, device=dev)
     out = torch.zeros_like(ref)
     fused = Gatherer(caches, staging, 0)
