@@ -89,9 +89,14 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             put_pod(apiserver, h.pod("tiny", comp, 0, owner=srv.get("deployments", "default", f"tiny-{comp}")))
         put_pod(apiserver, h.pod("tiny", constants.TILERT, 0, ip="10.1.0.1", owner=sts))
         put_pod(apiserver, h.pod("tiny", constants.TILERT, 1, ip="10.1.0.2", owner=sts))
-        body = h.wait_for("Ready", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True"
-                          and srv.get("pdclusters", "default", "tiny"))
-        assert h.condition(body, "Ready")["reason"] == "Serving"
+        # A reconcile between the two TileRT pods' updates reports Ready=True, Degraded (one of two
+        # nodes serving) on the way: wait for the state after both.
+        def serving() -> dict[str, Any] | None:
+            body = srv.get("pdclusters", "default", "tiny")
+            ready = h.condition(body, "Ready")
+            return body if (ready.get("status"), ready.get("reason")) == ("True", "Serving") else None
+
+        body = h.wait_for("Ready, Serving", serving)
         assert h.condition(body, "EndpointsWired")["status"] == "True"
         assert body["status"]["replicas"] == {"prefill": "1/1", "tilert": "2/2", "native": "1/1", "router": "1/1"}
         assert [e["ctrlHost"] for e in body["status"]["endpoints"]] == ["10.1.0.1", "10.1.0.2"]
