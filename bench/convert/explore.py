@@ -24,7 +24,7 @@ import triton.language as tl
 
 from bench.common import copy_bandwidth, median_ms
 from bench.convert.kernels import copy_kernel, empty_kernel, mix_kernel
-from bench.convert.run import fill
+from bench.convert.run import received
 from bench.extract.run import glm5_caches
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
@@ -102,9 +102,7 @@ def conversion(dev: torch.device, sizes: list[int]) -> None:
     layout = layouts.get("glm5", "fp8_ds_mla")
     gen = torch.Generator(device=dev).manual_seed(0)
     for n in sizes:
-        place = layouts.Placement(layout, max_tokens=n)
-        region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
-        fill([region], place, n, gen)
+        place, region = received(n, gen, dev)
         moved = layout.request_bytes(n) + L * n * 704 * 2
         lh = moved // 2 // L
         half = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
@@ -171,12 +169,9 @@ def _variant_page(src, layer_off, h, ki_out, n, layer0, page, layer, r, c, PAGE:
 
 
 def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
-    layout = layouts.get("glm5", "fp8_ds_mla")
     gen = torch.Generator(device=dev).manual_seed(0)
     for n in sizes:
-        place = layouts.Placement(layout, max_tokens=n)
-        region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
-        fill([region], place, n, gen)
+        place, region = received(n, gen, dev)
         idx_off = convert_triton._layer_offsets(place, "indexer", 0, dev)
         had = convert_triton._hadamard(128, dev)
         ref = convert_triton.to_injected_state([region], place, n, 0)
@@ -206,10 +201,7 @@ def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
 
 def adopt(dev: torch.device) -> None:
     """convert_triton.IDX_STAGES > 0 against 0: the same bits at token counts whose specialisations differ."""
-    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=8192)
-    gen = torch.Generator(device=dev).manual_seed(1)
-    region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
-    fill([region], place, 8192, gen)
+    place, region = received(8192, torch.Generator(device=dev).manual_seed(1), dev)
     for stages in (2, 3):
         for n in (1, 17, 64, 65, 1000, 8192):
             try:
@@ -227,12 +219,9 @@ def adopt(dev: torch.device) -> None:
 def planes(dev: torch.device, sizes: list[int]) -> None:
     """Which plane holds the whole state's gap to the copy: each plane's kernel alone (as the whole state
     launches it) against a torch copy with that plane's traffic and the plain read:write-mix kernel."""
-    layout = layouts.get("glm5", "fp8_ds_mla")
     gen = torch.Generator(device=dev).manual_seed(0)
     for n in sizes:
-        place = layouts.Placement(layout, max_tokens=n)
-        region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
-        fill([region], place, n, gen)
+        place, region = received(n, gen, dev)
         mla_off = convert_triton._layer_offsets(place, "mla", 0, dev)
         idx_off = convert_triton._layer_offsets(place, "indexer", 0, dev)
         had = convert_triton._hadamard(128, dev)

@@ -36,6 +36,14 @@ def fill(regions: list[torch.Tensor], place: layouts.Placement, n: int, gen: tor
         regions[shard][off:off + pages.numel()] = pages
 
 
+def received(n: int, gen: torch.Generator, dev: torch.device) -> tuple[layouts.Placement, torch.Tensor]:
+    """A GLM-5 slot of `n` tokens as the node receives it: its placement and one region filled by fill()."""
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=n)
+    region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
+    fill([region], place, n, gen)
+    return place, region
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -119,9 +127,7 @@ def main() -> None:
     mixes: list[str] = []
 
     for n in [int(s) for s in args.sizes.split(",")]:
-        place = layouts.Placement(layout, max_tokens=n)
-        region = torch.zeros(place.total_nbytes(), dtype=torch.uint8, device=dev)
-        fill([region], place, n, gen)
+        place, region = received(n, gen, dev)
         fast = convert.to_injected_state([region], place, n, 0, torch.bfloat16)
         for lid in (0, 40, 78):  # the torch path, layer by layer (it needs the whole state otherwise)
             kv, pe = convert.mla_rows_to_kv_pe(
