@@ -50,6 +50,13 @@ class Target:
         self.proc.stdin.flush()
 
 
+def sender(engine_name: str, src: np.ndarray, target: Target) -> tuple[transfer.TransferEngine, str]:
+    """An engine of this process with `src` registered, connected to the target: (engine, peer handle)."""
+    engine = transfer.create(engine_name, host="127.0.0.1", protocol="tcp", role="sender")
+    engine.register(src.ctypes.data, src.nbytes)
+    return engine, engine.connect(target.peer)
+
+
 @pytest.fixture(params=transfer.ENGINES)
 def engine_name(request, monkeypatch):
     for key in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES"):
@@ -60,10 +67,8 @@ def engine_name(request, monkeypatch):
 def test_one_sided_write_lands_exactly(engine_name):
     target = Target(engine_name)
     try:
-        engine = transfer.create(engine_name, host="127.0.0.1", protocol="tcp", role="sender")
         src = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
-        engine.register(src.ctypes.data, src.nbytes)
-        handle = engine.connect(target.peer)
+        engine, handle = sender(engine_name, src, target)
         # Three ranges, scattered on both sides, as a layer-by-layer handoff writes them.
         ops = [transfer.WriteOp(src.ctypes.data + s, target.addr + d, n)
                for s, d, n in [(0, 0, 1 << 20), (1 << 20, 3 << 20, 2 << 20), (3 << 20, 6 << 20, 12345)]]
@@ -82,10 +87,8 @@ def test_concurrent_writes_from_several_threads_all_land(engine_name):
     """The connector's sender threads share one engine and write to the same node at once."""
     target = Target(engine_name)
     try:
-        engine = transfer.create(engine_name, host="127.0.0.1", protocol="tcp", role="sender")
         src = np.random.default_rng(1).integers(0, 256, 4 << 20, dtype=np.uint8)
-        engine.register(src.ctypes.data, src.nbytes)
-        handle = engine.connect(target.peer)
+        engine, handle = sender(engine_name, src, target)
         part = 1 << 20
         errors: list[BaseException] = []
 
@@ -111,10 +114,8 @@ def test_concurrent_writes_from_several_threads_all_land(engine_name):
 def test_write_outside_the_registration_fails_cleanly(engine_name):
     target = Target(engine_name)
     try:
-        engine = transfer.create(engine_name, host="127.0.0.1", protocol="tcp", role="sender")
         src = np.ones(1 << 20, dtype=np.uint8)
-        engine.register(src.ctypes.data, src.nbytes)
-        handle = engine.connect(target.peer)
+        engine, handle = sender(engine_name, src, target)
         with pytest.raises(transfer.TransferError, match=engine_name.capitalize().replace("Nixl", "NIXL")):
             engine.write(handle, [transfer.WriteOp(src.ctypes.data, target.addr + TARGET_BYTES - 100, 4096)])
         # The target is unharmed and still accepts a valid write.
