@@ -222,14 +222,12 @@ def test_gpu_staging_lands_and_converts_layer_by_layer_on_a_converter_thread():
 
     staged: queue.Queue[tuple[int, torch.cuda.Event] | None] = queue.Queue()
     converted: dict[int, Any] = {}
-    spans: list[tuple[int, float]] = []
 
     def convert_layer(lid: int, layer_digest_: str) -> None:
         """decode/node.py's _convert_layers: check the layer's digest, then convert it on this thread."""
         ranges = digest.receiver_ranges(staging, 0, 1, NUM_TOKENS, [lid])
         digest.check(layer_digest_, [received], ranges)
         converted[lid] = convert.to_layer_state([received], staging, lid, NUM_TOKENS, torch.bfloat16)
-        spans.append((lid, time.perf_counter()))
 
     send_thread = threading.Thread(target=sender)
     send_thread.start()
