@@ -32,7 +32,7 @@ from tilert_serve.layouts import convert_triton
 from tilert_serve.pd_vllm import extract_triton
 from tilert_serve.pd_vllm.extract import Gatherer, gather
 
-L = 79
+L = layouts.get("glm5", "fp8_ds_mla").num_layers
 BLOCK = 64
 
 

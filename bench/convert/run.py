@@ -80,12 +80,11 @@ def check_sharded(dev: torch.device, layout: layouts.Layout, gen: torch.Generato
 
 
 def mix_note(src: torch.Tensor, dst: torch.Tensor, moved: int, lhalf: int, copy_ms: float, layer_copy_ms: float,
-             t: dict[str, float]) -> str:
+             t: dict[str, float], L: int) -> str:
     """The conversion's traffic as a plain Triton kernel, no arithmetic: read 4,096 words, write them and
     3,232 of them again (1.79 bytes written per byte read, as 788 wire bytes -> 1,408 bf16 bytes a
-    token), contiguous 16-byte vectors; whole, and per layer over 79 layers' own bytes. And a Triton
+    token), contiguous 16-byte vectors; whole, and per layer over `L` layers' own bytes. And a Triton
     copy with a layer's traffic. `src` (at least 0.36 x `moved` bytes) and `dst` are scratch."""
-    L = 79
     words = moved * 788 // 2196 // 16384 * 4096
     tiles, lw, lt = words // 4096, words // L // 4096 * 4096, words // L // 4096
     m_src = src.view(torch.int32)[:words]
@@ -177,7 +176,7 @@ def main() -> None:
         upcast.append(f"{n // 1024}k: upcast {t_up:.4f} ms, {copy_ms / t_up:.0%} of the same-traffic copy's speed")
         del up_src, up_dst
         if dev.type == "cuda":
-            mixes.append(f"{n // 1024}k: " + mix_note(src, dst, moved, lhalf, copy_ms, layer_copy_ms, t))
+            mixes.append(f"{n // 1024}k: " + mix_note(src, dst, moved, lhalf, copy_ms, layer_copy_ms, t, L))
         if args.tune and dev.type == "cuda":
             for one_launch, block_t, warps, pages in ((False, 8, 2, None), (False, 16, 2, None), (False, 16, 4, None),
                                                       (False, 32, 4, None), (False, 32, 8, None), (False, 16, 4, 8),
