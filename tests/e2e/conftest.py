@@ -183,11 +183,8 @@ def stack(request: pytest.FixtureRequest, e2e_model: Model, plain_vllm: Plain) -
         procs["node"] = node
         _SHARED.append(node)
         p_port = free_port()
-        # Its own NIXL side-channel port (vLLM's default, 5600, may be taken by another stack here), as
-        # the operator renders a CPU pool's environment (vllm_cpu.serve_env: a core left for the engine).
-        p_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-                 **vllm_cpu.serve_env()}
-        procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root, p_env)
+        procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root,
+                                nixl_env())
         _SHARED.append(procs["prefill"])
         if _wants_native(request.session):  # boots beside the prefill (native below)
             procs["decode"], decode_port = _start_native_decode(model_dir, root)
@@ -203,12 +200,18 @@ def stack(request: pytest.FixtureRequest, e2e_model: Model, plain_vllm: Plain) -
 NATIVE_CONNECTOR = "NixlConnector"
 
 
+def nixl_env() -> dict[str, str]:
+    """A vLLM with NixlConnector: its own NIXL side-channel port (vLLM's default, 5600, may be taken by
+    another stack here), and a CPU pool's environment as the operator renders it (vllm_cpu.serve_env:
+    a core left for the engine)."""
+    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+            **vllm_cpu.serve_env()}
+
+
 def _start_native_decode(model_dir: Path, root: Path) -> tuple[Proc, int]:
-    d_env = {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-             **vllm_cpu.serve_env()}
     d_kv = {"kv_connector": NATIVE_CONNECTOR, "kv_role": "kv_consumer", "kv_buffer_device": "cpu"}
     port = free_port()
-    proc = Proc("decode", vllm_argv(model_dir, port, d_kv), root, d_env)
+    proc = Proc("decode", vllm_argv(model_dir, port, d_kv), root, nixl_env())
     _SHARED.append(proc)
     return proc, port
 
