@@ -9,6 +9,7 @@ into another layer). Token counts straddle the 64-token blocks. Timing lives in 
 
 from __future__ import annotations
 
+import itertools
 import random
 from collections.abc import Callable
 
@@ -126,6 +127,53 @@ def per_layer_equals_whole(device: str, shards: int, shard: int, n: int, seed: i
         assert torch.equal(back[off:end], parts[shard][off:end].cpu())
         back[off:end] = POISON
     assert bool((back == POISON).all()), "a single-layer gather wrote outside its layer"
+
+
+def chunk_by_chunk_equals_whole(device: str, bounds: list[int], seed: int, by_layer: bool) -> None:
+    """A chunked prefill: each step gathers its chunk's tokens (`start` = the chunk's first) while the
+    cache holds nothing valid past the chunk yet (poisoned here), and the chunks together leave exactly
+    the whole request's bytes in staging, a page split by a chunk boundary included (it is copied
+    again, whole, with the next chunk)."""
+    layout = layouts.get("glm5", "fp8_ds_mla")
+    place = layouts.Placement(layout, max_tokens=512, shards=2)
+    shard, n = 1, bounds[-1]
+    mine = [lid for lid in range(layout.num_layers) if place.shard_of(lid) == shard]
+    caches = caches_for(layout, mine, 12, seed=seed, device=device)
+    ids = (random.Random(seed).sample(range(12), (n + BLOCK - 1) // BLOCK),)
+    g = Gatherer(caches, place, shard)
+    whole = [torch.full((place.shard_nbytes(s),), POISON, dtype=torch.uint8, device=device) for s in range(2)]
+    g(ids, n, whole)
+    final = [c.tensor.clone() for c in caches]
+    staged = [torch.full_like(w, POISON) for w in whole]
+    for lo, hi in itertools.pairwise(bounds):
+        for c, full in zip(caches, final, strict=True):  # tokens the forward has not reached yet
+            c.tensor.copy_(full)
+            for t in range(hi, n):
+                c.tensor[ids[0][t // BLOCK], t % BLOCK] = 0x5A
+        if by_layer:
+            for lid in mine:
+                g(ids, hi, staged, layer=lid, start=lo)
+        else:
+            g(ids, hi, staged, start=lo)
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(whole, staged, strict=True)), bounds
+
+
+#: Chunk boundaries: vLLM's chunks of 9/63/63/29 tokens (reference/vllm-kv-connector.md), block-aligned
+#: chunks, and a chunk inside one page.
+CHUNKINGS = [[0, 9, 72, 135, 164], [0, 64, 128, 200], [0, 3, 5, 70]]
+
+
+@pytest.mark.parametrize("bounds", CHUNKINGS)
+@pytest.mark.parametrize("by_layer", [True, False])
+def test_gathering_chunk_by_chunk_equals_the_whole_request_on_cpu(bounds: list[int], by_layer: bool) -> None:
+    chunk_by_chunk_equals_whole("cpu", bounds, seed=len(bounds), by_layer=by_layer)
+
+
+@gpu
+@pytest.mark.parametrize("bounds", CHUNKINGS)
+@pytest.mark.parametrize("by_layer", [True, False])
+def test_gathering_chunk_by_chunk_equals_the_whole_request_on_cuda(bounds: list[int], by_layer: bool) -> None:
+    chunk_by_chunk_equals_whole("cuda", bounds, seed=len(bounds), by_layer=by_layer)
 
 
 @pytest.mark.parametrize(("shards", "shard", "n"), [(1, 0, 130), (2, 1, 64), (3, 2, 1)])

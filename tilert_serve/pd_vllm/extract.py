@@ -52,35 +52,41 @@ def check_cache(cache: PagedCache, layout: Layout) -> None:
                          "--kv-cache-dtype and tilert_model")
 
 
-def slot_indices(block_ids: list[int], num_tokens: int, block_size: int, device: torch.device) -> torch.Tensor:
-    """Row index in the flattened cache of each of the request's first `num_tokens` tokens."""
+def slot_indices(block_ids: list[int], num_tokens: int, block_size: int, device: torch.device,
+                 start: int = 0) -> torch.Tensor:
+    """Row index in the flattened cache of each of the request's tokens `start` to `num_tokens`."""
     blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
-    t = torch.arange(num_tokens, dtype=torch.int64, device=device)
+    t = torch.arange(start, num_tokens, dtype=torch.int64, device=device)
     return blocks[t // block_size] * block_size + t % block_size
 
 
 def gather(caches: list[PagedCache], block_ids: tuple[list[int], ...], num_tokens: int, staging: Placement,
-           region: list[torch.Tensor]) -> int:
-    """Copy each cache's rows for the request into `region` (uint8, one tensor per staging shard).
+           region: list[torch.Tensor], start: int = 0) -> int:
+    """Copy each cache's rows for the request's tokens `start` to `num_tokens` into `region` (uint8,
+    one tensor per staging shard), where the whole request's gather puts them (a page holding
+    `start` is copied whole).
 
     Returns the bytes written. `caches` may be a subset of the layers (a TP rank's share).
     """
     written = 0
+    if start >= num_tokens:
+        return written
     index_cache: dict[tuple[int, int, str], torch.Tensor] = {}
     for c in caches:
         plane = staging.layout.plane(c.plane)
-        units = plane.units(num_tokens)
+        first, units = start // plane.unit_tokens, plane.units(num_tokens)
         shard, off = staging.offset(c.plane, c.layer)
-        nbytes = units * plane.unit_bytes
+        nbytes = (units - first) * plane.unit_bytes
         src = c.rows
-        dst = region[shard][off:off + nbytes].view(src.dtype).view(units, src.shape[1])
+        begin = off + first * plane.unit_bytes
+        dst = region[shard][begin:begin + nbytes].view(src.dtype).view(units - first, src.shape[1])
         key = (c.group, c.block_size if c.plane != "indexer" else 0, c.plane)
         idx = index_cache.get(key)
         if idx is None:
             if c.plane == "indexer":
-                idx = torch.tensor(block_ids[c.group][:units], dtype=torch.int64, device=src.device)
+                idx = torch.tensor(block_ids[c.group][first:units], dtype=torch.int64, device=src.device)
             else:
-                idx = slot_indices(block_ids[c.group], num_tokens, c.block_size, src.device)
+                idx = slot_indices(block_ids[c.group], num_tokens, c.block_size, src.device, first)
             index_cache[key] = idx
         torch.index_select(src, 0, idx, out=dst)
         written += nbytes
@@ -91,7 +97,8 @@ class Gatherer:
     """The gather a worker runs every job: the fused Triton kernel on CUDA, `gather` elsewhere.
 
     Called with `layer`, it gathers only that layer's planes (for layer-wise handoff, as each layer's
-    forward finishes); a layer this rank does not hold writes nothing and returns 0.
+    forward finishes); a layer this rank does not hold writes nothing and returns 0. With `start`, only
+    tokens from `start` on (a chunk-wise handoff: this step's chunk; earlier chunks are staged).
     """
 
     def __init__(self, caches: list[PagedCache], staging: Placement, shard: int) -> None:
@@ -118,13 +125,14 @@ class Gatherer:
         return frozenset(self._by_layer)
 
     def __call__(self, block_ids: tuple[list[int], ...], num_tokens: int, region: list[torch.Tensor],
-                 layer: int | None = None) -> int:
+                 layer: int | None = None, start: int = 0) -> int:
         if layer is not None and layer not in self._by_layer:
             return 0
         if self._fused is None:
             caches = self.caches if layer is None else self._by_layer[layer]
-            return gather(caches, block_ids, num_tokens, self.staging, region)
-        return self._fused(self._device_ids(block_ids, num_tokens), num_tokens, region[self.shard], layer)
+            return gather(caches, block_ids, num_tokens, self.staging, region, start)
+        return self._fused(self._device_ids(block_ids, num_tokens), num_tokens, region[self.shard], layer,
+                           start=start)
 
     def _device_ids(self, block_ids: tuple[list[int], ...], num_tokens: int) -> torch.Tensor:
         assert self._fused is not None

@@ -50,8 +50,17 @@ def _cdiv(a: int, b: int) -> int:
 
 
 @triton.jit
-def _gather_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, CHUNK: tl.constexpr):
-    j = tl.program_id(0)  # the request's j-th block
+def _copy(src, out, words_here, split, splits, CHUNK: tl.constexpr):
+    """Chunks split, split + splits, ... of a block's `words_here` words, src to out."""
+    for c in range(split * CHUNK, words_here, splits * CHUNK):
+        offs = c + tl.arange(0, CHUNK)
+        mask = offs < words_here
+        tl.store(out + offs, tl.load(src + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+
+
+@triton.jit
+def _gather_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, j0, CHUNK: tl.constexpr):
+    j = j0 + tl.program_id(0)  # the request's j-th block (from block j0: a chunk-wise gather)
     split = tl.program_id(2)  # this program copies chunks split, split + splits, ... of the block
     splits = tl.num_programs(2)
     row = table + (seg0 + tl.program_id(1)) * 6
@@ -68,14 +77,11 @@ def _gather_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, CH
         # Offsets in words, all multiples of 4 (16 bytes): stated, loads and stores become 16-byte vectors.
         src = src0 + tl.multiple_of(tl.load(row) + bid * block_words, 4)
         out = dst + tl.multiple_of(tl.load(row + 1) + j.to(tl.int64) * block_words, 4)
-        for c in range(split * CHUNK, words_here, splits * CHUNK):
-            offs = c + tl.arange(0, CHUNK)
-            mask = offs < words_here
-            tl.store(out + offs, tl.load(src + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+        _copy(src, out, words_here, split, splits, CHUNK)
 
 
 @triton.jit
-def _gather_planes_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, CHUNK: tl.constexpr,
+def _gather_planes_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, j0, CHUNK: tl.constexpr,
                           BW0: tl.constexpr, UW0: tl.constexpr, UT0: tl.constexpr, G0: tl.constexpr,
                           BW1: tl.constexpr, UW1: tl.constexpr, UT1: tl.constexpr, G1: tl.constexpr):
     """_gather_kernel where every layer has the same planes in the same order (every layout here): a
@@ -83,7 +89,7 @@ def _gather_planes_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, s
     so a program's only load before its block's address is the block id (_gather_kernel first loads
     the segment's row, then the block id: two dependent loads before any byte moves), and the src
     and dst offsets load beside it. Segment s is plane s % 2 (one plane: BW1 = BW0, and so on)."""
-    j = tl.program_id(0)
+    j = j0 + tl.program_id(0)
     split = tl.program_id(2)
     splits = tl.num_programs(2)
     seg = seg0 + tl.program_id(1)
@@ -99,10 +105,7 @@ def _gather_planes_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, s
         bid = tl.load(block_ids + tl.where(second, G1, G0) * ids_stride + j).to(tl.int64)
         src = src0 + tl.multiple_of(tl.load(row) + bid * block_words, 4)
         out = dst + tl.multiple_of(tl.load(row + 1) + j.to(tl.int64) * block_words, 4)
-        for c in range(split * CHUNK, words_here, splits * CHUNK):
-            offs = c + tl.arange(0, CHUNK)
-            mask = offs < words_here
-            tl.store(out + offs, tl.load(src + offs, mask=mask, eviction_policy="evict_first"), mask=mask)
+        _copy(src, out, words_here, split, splits, CHUNK)
 
 
 _GATHER = Launcher(_gather_kernel)
@@ -163,9 +166,16 @@ class FusedGather:
         """Blocks of the request any plane reads (the block-id rows must hold at least these)."""
         return max(_cdiv(_cdiv(num_tokens, t), upb) for t, upb in self._geometries)
 
+    def first_block(self, start: int) -> int:
+        """The first block a gather from token `start` copies: in every plane it begins at or before
+        `start` (rows before it in that block are copied again, the same bytes)."""
+        return start // max(t * upb for t, upb in self._geometries)
+
     def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor, layer: int | None = None,
-                 chunk: int | None = None, num_warps: int | None = None, split: int | None = None) -> int:
-        """Gather every layer, or only `layer` (0 bytes if this gather holds none of it).
+                 chunk: int | None = None, num_warps: int | None = None, split: int | None = None,
+                 start: int = 0) -> int:
+        """Gather every layer, or only `layer` (0 bytes if this gather holds none of it), tokens
+        `start` (a chunk-wise handoff: the tokens of this step's chunk) to `num_tokens`.
 
         `block_ids`: int32 [len(groups), >= blocks(num_tokens)] on the device, row g = group groups[g].
         """
@@ -175,16 +185,19 @@ class FusedGather:
             first, count, geo = self._layer[layer]
         else:
             return 0
-        blocks = self.blocks(num_tokens)
+        j0 = self.first_block(start)
+        blocks = self.blocks(num_tokens) - j0
+        if blocks <= 0:
+            return 0
         if chunk is None:
             chunk = CHUNK_WORDS if layer is None else LAYER_CHUNK_WORDS
         if num_warps is None:
             num_warps = NUM_WARPS if layer is None else LAYER_WARPS
         if split is None:
             split = min(MAX_SPLIT, _cdiv(MIN_PROGRAMS, blocks * count)) if layer is None else LAYER_SPLIT
-        args = (self.src0, self.table, block_ids, block_ids.stride(0), region.view(torch.int32), num_tokens, first)
+        args = (self.src0, self.table, block_ids, block_ids.stride(0), region.view(torch.int32), num_tokens, first, j0)
         if PLANES_KERNEL and self._planes is not None:
             _GATHER_PLANES((blocks, count, split), args, (("CHUNK", chunk), *self._planes), num_warps)
         else:
             _GATHER((blocks, count, split), args, (("CHUNK", chunk),), num_warps)
-        return sum(_cdiv(num_tokens, t) * b for t, _, b in geo)
+        return sum((_cdiv(num_tokens, t) - start // t) * b for t, _, b in geo)
