@@ -26,7 +26,8 @@ from tests.decode.conftest import (
     two_rank_staging,
 )
 from tilert_serve.handoff import auth, digest, framing, messages
-from tilert_serve.layouts import Placement, convert
+from tilert_serve.handoff.sender import HandoffRequest, Sender, Staged
+from tilert_serve.layouts import Placement, convert, write_ranges
 
 NUM_TOKENS = 70  # two indexer pages, the last one partial
 
@@ -88,6 +89,29 @@ async def test_layerwise_state_is_the_whole_states(case, secret_file):
         assert_same_state(n, case, 5)
         assert b"tilert_decode_layers_received_total %d.0" % layout.num_layers in n.node.metrics.render()
         assert n.node.slots.free == 1 and not n.node.buffers.views(0)[0].any()
+
+
+@pytest.mark.parametrize("case", ["glm5-fp8", "mla-f32"])
+async def test_a_chunked_prefills_state_is_the_whole_states(case, secret_file):
+    """A prompt computed in chunks of 9, 31 and 30 tokens: each chunk's tokens are written as they are
+    staged, the node hears of a layer only with the last chunk, and decodes the whole-state flow's
+    state. The indexer page the first two chunks end inside holds garbage until the next chunk: it
+    must come again, whole (sender_proc's ChunkByChunk), or the layer digests would not match."""
+    layout = synthetic.layout_for(case)
+    shards = 2 if case.startswith("glm5") else 1
+    async with running_node(layout, secret_file, slots=1, max_seq_len=128, shards=shards) as n:
+        _, adm = await n.admit("chunked")
+        result = json.loads((await n.send(case, NUM_TOKENS, 7, "mooncake", adm["ticket"], "--chunks=9,40",
+                                          request_id="chunked"))[7:])
+        assert result["ok"], result
+        assert result["layers_sent"] == layout.num_layers
+        staging, every = Placement(layout, max_tokens=NUM_TOKENS), list(range(layout.num_layers))
+        early = [r.nbytes for lo, hi in ((0, 9), (9, 40)) for r in write_ranges(staging, staging, every, hi, lo)]
+        assert result["chunk_bytes"] == sum(early)
+        status, events = await n.generate(adm["ticket"], max_tokens=2)
+        assert status == 200 and events[-1]["finish_reason"] == "length"
+        assert events[-1]["timings"]["layers_layerwise"] == layout.num_layers
+        assert_same_state(n, case, 7)
 
 
 async def test_a_node_without_layerwise_gets_the_whole_state(secret_file, monkeypatch):
@@ -309,14 +333,13 @@ class AllAtOnce:
     def __init__(self, layers: list[int]) -> None:
         self.left = list(layers)
 
-    def next_layers(self, timeout: float) -> list[int] | None:
-        return [self.left.pop(0)] if self.left else None
+    def next_layers(self, timeout: float) -> Staged | None:
+        return Staged([self.left.pop(0)]) if self.left else None
 
 
 async def test_two_sender_ranks_layer_by_layer(secret_file):
     """TP=2: each rank reports only its own layers; the node assembles both ranks' layers."""
     from tilert_serve import layouts
-    from tilert_serve.handoff.sender import HandoffRequest, Sender
 
     case = "glm5-fp8"
     layout = synthetic.layout_for(case)

@@ -92,22 +92,32 @@ def _cached(req_ids: list[str], new_blocks: list, computed: list[int], resumed: 
 DEST = {"tilert_host": "127.0.0.1", "tilert_ctrl_port": 5556, "tilert_ticket": "tk"}
 
 
-def test_chunked_prefill_sends_once_with_every_block():
-    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
-    claimed = FakeRequest("a", list(range(100, 264)), dict(DEST))  # 164 tokens in chunks 9/63/63/29
-    plain = FakeRequest("b", list(range(30)))
-    for r in (claimed, plain):
-        sched.on_new_request(r)
-    assert sched.tracked == 1  # the unclaimed request is not even remembered
-    steps = [
+def chunked_steps(claimed: FakeRequest, plain: FakeRequest) -> list[SchedulerOutput]:
+    """vLLM's chunks of a 164-token prompt: 9/63/63/29 tokens (reference/vllm-kv-connector.md)."""
+    return [
         _output([_new(claimed, [3]), _new(plain, [7, 8])], _cached([], [], []), {"a": 9, "b": 30}),
         _output([], _cached(["a"], [([1, 4, 5, 6],)], [9]), {"a": 63}),
         _output([], _cached(["a"], [([9, 10, 11, 12],)], [72]), {"a": 63}),
         _output([], _cached(["a"], [([13],)], [135]), {"a": 29}),
     ]
-    metas = [sched.build_meta(s) for s in steps]
-    assert [len(m.jobs) for m in metas] == [0, 0, 0, 1]
-    job = metas[-1].jobs[0]
+
+
+def test_chunked_prefill_sends_each_chunk_and_completes_once_with_every_block():
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    claimed = FakeRequest("a", list(range(100, 264)), dict(DEST))
+    plain = FakeRequest("b", list(range(30)))
+    for r in (claimed, plain):
+        sched.on_new_request(r)
+    assert sched.tracked == 1  # the unclaimed request is not even remembered
+    metas = [sched.build_meta(s) for s in chunked_steps(claimed, plain)]
+    assert [len(m.jobs) for m in metas] == [1, 1, 1, 1]
+    chunks, job = [m.jobs[0] for m in metas[:3]], metas[-1].jobs[0]
+    # Layer-wise (the default): each earlier step may send the tokens computed so far, with the block
+    # table that covers them; the prompt's ids go with the first chunk only, and with the last step.
+    assert [c.upto for c in chunks] == [9, 72, 135]
+    assert [c.block_ids for c in chunks] == [([3],), ([3, 1, 4, 5, 6],), ([3, 1, 4, 5, 6, 9, 10, 11, 12],)]
+    assert [len(c.prompt_token_ids) for c in chunks] == [164, 0, 0]
+    assert job.upto is None and job.prompt_token_ids == claimed.prompt_token_ids
     assert job.block_ids == ([3, 1, 4, 5, 6, 9, 10, 11, 12, 13],)
     assert (job.num_tokens, job.last_prompt_token, job.dest.ticket) == (164, 263, "tk")
     claimed.output_token_ids = [42]
@@ -121,6 +131,14 @@ def test_chunked_prefill_sends_once_with_every_block():
     assert sched.pending_copies == 1
     sched.sent({"a"})
     assert sched.pending_copies == 0
+
+
+def test_without_layerwise_a_chunked_prompt_has_one_job_in_its_last_step():
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    claimed = FakeRequest("a", list(range(100, 264)), {**DEST, "tilert_layerwise": False})
+    sched.on_new_request(claimed)
+    metas = [sched.build_meta(s) for s in chunked_steps(claimed, FakeRequest("b", list(range(30))))]
+    assert [[j.upto for j in m.jobs] for m in metas] == [[], [], [], [None]]
 
 
 def test_resumed_request_replaces_its_block_table():

@@ -149,10 +149,10 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
         assert layers is not None, "a layer-wise job must be sent layer-wise"
         assert w.pool is not None
         buffers = [w.pool.buffer]  # one staging region: the pool's whole buffer
-        while (batch := layers.next_layers(30.0)) is not None:  # waits on the batch's CUDA event
-            on_gpu = layer_digest(buffers, staging, batch)
-            on_host = layer_digest([buffers[0].cpu()], staging, batch)
-            seen.append((batch, on_gpu, on_host))
+        while (staged := layers.next_layers(30.0)) is not None:  # waits on the batch's CUDA event
+            on_gpu = layer_digest(buffers, staging, staged.layers)
+            on_host = layer_digest([buffers[0].cpu()], staging, staged.layers)
+            seen.append((staged.layers, on_gpu, on_host))
         return HandoffResult(True, nbytes=1, layers_sent=len(seen))
 
     monkeypatch.setattr(Sender, "send", send)

@@ -4,6 +4,7 @@ fail, until they have waited tilert_timeout_s. The sender runs for real against 
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -172,6 +173,8 @@ class FeedRecorder:
     def __init__(self, worker: TileRTWorker) -> None:
         self.worker = worker
         self.batches: list[list[int]] = []
+        #: (start, upto) of each batch: the tokens it holds.
+        self.ranges: list[tuple[int, int | None]] = []
         self.snapshots: list[torch.Tensor] = []
         self.errors: list[str] = []
         self.whole: list[str] = []
@@ -183,8 +186,9 @@ class FeedRecorder:
             self.whole.append(req.request_id)
             return HandoffResult(True, nbytes=1)
         try:
-            while (batch := layers.next_layers(10.0)) is not None:
-                self.batches.append(batch)
+            while (staged := layers.next_layers(10.0)) is not None:
+                self.batches.append(staged.layers)
+                self.ranges.append((staged.start, staged.upto))
                 self.snapshots.append(self.worker.pool.buffer.clone())
         except LayerSourceFailed as exc:
             self.errors.append(str(exc))
@@ -276,5 +280,101 @@ def test_layerwise_off_gathers_everything_at_wait_for_save(tmp_path):
         w.step([a])
         _until(lambda: rec.whole == ["a"])
         assert rec.batches == []
+    finally:
+        w.shutdown()
+
+
+# -- chunk-wise (a chunked prefill, layer-wise) -----------------------------------------------------
+
+
+def chunk(j: SendJob, upto: int, blocks: list[int], first: bool) -> SendJob:
+    """`j`'s job in a step of its chunked prefill before the last: `upto` tokens computed by its end."""
+    return dataclasses.replace(j, upto=upto, block_ids=(blocks,), prompt_token_ids=j.prompt_token_ids if first else [])
+
+
+def forward(w: TileRTWorker, jobs: list[SendJob]) -> None:
+    """One vLLM step: the metadata bound, the forward's two main layers, wait_for_save."""
+    w.begin(jobs)
+    for i in range(2):
+        w.layer_saved(f"model.layers.{i}.self_attn.attn")
+    w.step(jobs)
+
+
+@pytest.fixture
+def chunk_worker(tmp_path):
+    w = _worker(tmp_path, 5.0, staging=2)
+    w.recorder = stand_in(w, FeedRecorder(w))
+    yield w
+    w.shutdown()
+
+
+def test_a_chunked_prompt_is_sent_chunk_by_chunk_and_completed_in_its_last_step(chunk_worker):
+    w, rec = chunk_worker, chunk_worker.recorder
+    a = job("a", free_port())  # 20 tokens in blocks 1 and 2 (16 tokens a block)
+    forward(w, [chunk(a, 7, [1], first=True)])
+    _until(lambda: len(rec.batches) == 3)
+    assert rec.batches == [[0], [1], [2]] and rec.ranges == [(0, 7)] * 3  # the MTP layer's at wait_for_save
+    assert w.pool.free == 1  # the region stays with the request between its steps
+    assert w.finished(set()) is None  # no block is held for a chunk
+    whole, staged = _whole_gather(w, a), rec.snapshots[-1]
+    row = w.layout.plane("mla").unit_bytes
+    for lid in range(3):
+        _, off = w.pool.placement.offset("mla", lid)
+        assert torch.equal(staged[off:off + 7 * row], whole[off:off + 7 * row])
+        assert not staged[off + 7 * row:off + 20 * row].any()  # not computed yet, so not staged
+    forward(w, [chunk(a, 7, [3], first=False)])  # preempted and resumed: recomputes what is staged already
+    forward(w, [a])  # the last step: the rest of every layer, which the node now hears of
+    _until(lambda: w.pool.free == 2)
+    assert rec.batches == [[0], [1], [2]] * 2 and rec.ranges == [(0, 7)] * 3 + [(7, None)] * 3
+    assert torch.equal(rec.snapshots[-1], whole)
+    assert w.finished({"a"}) == {"a"}
+    assert not w.pool.buffer.any()  # scrubbed after the send
+
+
+def test_a_chunk_leaves_a_region_for_prompts_that_complete(chunk_worker):
+    w, rec = chunk_worker, chunk_worker.recorder
+    w.pool.acquire()  # another request's handoff holds one of the two regions
+    a = job("a", free_port())
+    forward(w, [chunk(a, 7, [1], first=True)])
+    assert w.pool.free == 1  # not taken by a prompt still being computed
+    forward(w, [a])  # its last step takes it: every token of every layer
+    _until(lambda: len(rec.batches) == 3)
+    assert rec.ranges == [(0, None)] * 3
+    assert w.finished({"a"}) == {"a"}
+
+
+def test_a_request_aborted_mid_prompt_gives_its_handoff_up(chunk_worker):
+    w, rec = chunk_worker, chunk_worker.recorder
+    forward(w, [chunk(job("a", free_port()), 7, [1], first=True)])
+    _until(lambda: len(rec.batches) == 3)
+    assert w.finished({"a"}) is None  # none of its blocks was held
+    _until(lambda: rec.errors == ["the request ended before its prefill did"])
+    _until(lambda: w.pool.free == 2)
+
+
+def test_a_handoff_that_ends_between_steps_frees_its_region_and_its_last_step_sends_nothing(tmp_path):
+    from tilert_serve.handoff.sender import HandoffResult
+
+    w = _worker(tmp_path, 5.0, staging=2)
+    calls = []
+
+    def node_gone(host, port, req, error=None, layers=None):
+        calls.append(req.request_id)
+        for _ in range(3):
+            layers.next_layers(10.0)
+        return HandoffResult(False, "unreachable", "connection to decode node lost")
+
+    stand_in(w, node_gone)
+    try:
+        a = job("a", free_port())
+        forward(w, [chunk(a, 7, [1], first=True)])
+        _until(lambda: w.pool.free == 2)  # given back between the request's steps
+        forward(w, [chunk(a, 14, [1], first=False)])
+        assert w.pool.free == 2  # nothing staged into a region that is no longer its own
+        forward(w, [a])
+        assert w.finished({"a"}) == {"a"}  # its blocks free at once: nothing is left to send
+        assert calls == ["a"]  # and no second handshake on a used ticket
+        stats = w.take_stats()
+        assert stats is not None and stats.data["handoffs"] == {"unreachable": 1}
     finally:
         w.shutdown()

@@ -12,9 +12,11 @@ before a byte is written, and the result says so (reason not_authenticated).
 Layer-wise handoff: given a `LayerSource` (the layers the prefill's forward has staged so far), the
 sender shakes hands at once, then writes each batch of layers as it is staged and sends a LayersDone
 with those layers' digest, so the node verifies and converts them while later layers are still being
-computed; the final Done then covers nothing more. A node whose Hello does not say `layerwise` (an
-older node), or a sender without digests, gets today's flow: every layer is waited for, written, and
-covered by Done's digest.
+computed; the final Done then covers nothing more. A chunked prefill's source also gives the chunks
+before the last (`Staged.upto`): their token ranges are written as they are staged, with no frame,
+and the last chunk's batches complete the layers (LayersDone, digest over every token). A node whose
+Hello does not say `layerwise` (an older node), or a sender without digests, gets today's flow: every
+layer is waited for, written, and covered by Done's digest.
 """
 
 from __future__ import annotations
@@ -52,13 +54,24 @@ class LayerSourceFailed(Exception):
     """The prefill gave up on the request between layers; the message says why."""
 
 
+@dataclass(frozen=True)
+class Staged:
+    """A batch of layers whose tokens `start` to `upto` are in staging. `upto` None: every token from
+    `start` to the request's end, so these layers are complete (checked and converted once written);
+    else a chunk of a chunked prefill whose later chunks are still to be computed (a paged plane's
+    page holding `upto` is partial and comes again, whole, with the next chunk)."""
+
+    layers: list[int]
+    start: int = 0
+    upto: int | None = None
+
+
 class LayerSource(Protocol):
     """The layers of one request staged so far, in the order the forward staged them."""
 
-    def next_layers(self, timeout: float) -> list[int] | None:
-        """The next batch of this rank's layers whose bytes are in staging (waiting up to `timeout`
-        seconds; TimeoutError after), or None when every layer has been given. Raises
-        LayerSourceFailed when the prefill gave up."""
+    def next_layers(self, timeout: float) -> Staged | None:
+        """The next batch of this rank's layers staged (waiting up to `timeout` seconds; TimeoutError
+        after), or None when every layer is complete. Raises LayerSourceFailed when the prefill gave up."""
         ...
 
 
@@ -78,6 +91,8 @@ class HandoffResult:
     #: (those the node could convert while the prefill still computed).
     layers_sent: int = 0
     layers_early: int = 0
+    #: Chunked prefill: bytes written while the prompt's later chunks were still to be computed.
+    chunk_bytes: int = 0
     #: Seconds inside the transfer engine's write calls alone (what the link's bandwidth is measured
     #: over; write_s includes the waits for the forward when layer-wise).
     busy_s: float = 0.0
@@ -196,9 +211,9 @@ class Sender:
         if source is not None and not layerwise:
             # The node (or our digest setting) takes the whole state at once: wait for every layer.
             try:
-                while source.next_layers(self._left(t0)) is not None:
+                while source.next_layers(self.timeout_s) is not None:
                     pass
-            except LayerSourceFailed as exc:
+            except (LayerSourceFailed, TimeoutError) as exc:
                 return self._abandon(chan, req, accept, str(exc), t1 - t0, wrote=False)
         if layerwise:
             assert source is not None
@@ -218,20 +233,22 @@ class Sender:
 
     def _hash_and_write(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, key: str,
                         dst: Placement, layers: list[int], buffers: list[torch.Tensor],
-                        algorithm: str) -> tuple[str, int, float]:
-        """The digest of `layers`' staged bytes (hashed before the write: staging does not change while
-        it is sent), then their write: (digest, bytes, seconds)."""
+                        algorithm: str, start: int = 0) -> tuple[str, int, float]:
+        """The digest of `layers`' staged bytes, every token (hashed before the write: staging does not
+        change while it is sent), then the write of tokens `start` on (earlier chunks went before):
+        (digest, bytes, seconds)."""
         hashed = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
                                                                 req.num_tokens, layers), algorithm)
-        return (hashed, *self._write(chan, req, accept, key, dst, layers))
+        return (hashed, *self._write(chan, req, accept, key, dst, layers, start))
 
     def _write(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, key: str, dst: Placement,
-               layers: list[int]) -> tuple[int, float]:
-        """Write this rank's ranges of `layers` into the node's slot: (bytes, seconds the write call
-        took). On a transfer error the node's handle is forgotten (it may have restarted with new
-        buffers), the node told, and _WriteFailed raised."""
+               layers: list[int], start: int = 0, upto: int | None = None) -> tuple[int, float]:
+        """Write this rank's ranges of `layers`, tokens `start` to `upto` (None: the request's end), into
+        the node's slot: (bytes, seconds the write call took). On a transfer error the node's handle is
+        forgotten (it may have restarted with new buffers), the node told, and _WriteFailed raised."""
+        end = req.num_tokens if upto is None else upto
         ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes)
-               for r in write_ranges(self.staging, dst, layers, req.num_tokens)]
+               for r in write_ranges(self.staging, dst, layers, end, start)]
         t = time.monotonic()
         try:
             self.engine.write(self._peers[key], ops)
@@ -241,9 +258,6 @@ class Sender:
                                     error=str(exc)))
             raise _WriteFailed(str(exc)) from exc
         return sum(o.nbytes for o in ops), time.monotonic() - t
-
-    def _left(self, t0: float) -> float:
-        return max(0.0, t0 + self.timeout_s - time.monotonic())
 
     def _abandon(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, error: str, handshake_s: float,
                  wrote: bool) -> HandoffResult:
@@ -259,23 +273,32 @@ class Sender:
                      source: LayerSource, theirs: list[str], t0: float, t1: float) -> HandoffResult:
         mine = set(senders_layers(self.staging.layout, req.rank, req.num_senders))
         sent: set[int] = set()
-        nbytes = last_batch = 0
+        nbytes = last_batch = chunk_bytes = 0
         busy_s = 0.0
         algorithm = digest.preferred(theirs)
         assert self.staging_buffers is not None
         buffers = [b if b is not None else torch.empty(0, dtype=torch.uint8) for b in self.staging_buffers]
         while True:
+            # Each batch may take as long as one step of the prefill (a chunked prompt spans many);
+            # the node's handoff deadline bounds the whole.
             try:
-                layers = source.next_layers(self._left(t0))
-            except LayerSourceFailed as exc:
-                return self._abandon(chan, req, accept, str(exc), t1 - t0, wrote=bool(sent))
-            if layers is None:
+                staged = source.next_layers(self.timeout_s)
+            except (LayerSourceFailed, TimeoutError) as exc:
+                return self._abandon(chan, req, accept, str(exc), t1 - t0, wrote=bool(sent) or chunk_bytes > 0)
+            if staged is None:
                 break
-            layers = [lid for lid in layers if lid in mine and lid not in sent]
+            layers = [lid for lid in staged.layers if lid in mine and lid not in sent]
             if not layers:
                 continue
             try:
-                written, n, seconds = self._hash_and_write(chan, req, accept, key, dst, layers, buffers, algorithm)
+                if staged.upto is not None:  # a chunk of layers still being computed: written, nothing said
+                    n, seconds = self._write(chan, req, accept, key, dst, layers, staged.start, staged.upto)
+                    chunk_bytes += n
+                    nbytes += n
+                    busy_s += seconds
+                    continue
+                written, n, seconds = self._hash_and_write(chan, req, accept, key, dst, layers, buffers, algorithm,
+                                                           staged.start)
             except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
             busy_s += seconds
@@ -300,6 +323,7 @@ class Sender:
         result = self._await_ack(chan, nbytes, t0, t1, t2)
         result.layers_sent = len(sent)
         result.layers_early = len(sent) - last_batch
+        result.chunk_bytes = chunk_bytes
         result.busy_s = busy_s
         return result
 

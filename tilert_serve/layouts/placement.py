@@ -70,8 +70,9 @@ class Placement:
         return sum(self.shard_nbytes(s) for s in range(self.shards))
 
 
-def write_ranges(src: Placement, dst: Placement, layers: list[int], num_tokens: int) -> list[Range]:
-    """The copies that move `num_tokens` tokens of `layers` from one placement to another."""
+def write_ranges(src: Placement, dst: Placement, layers: list[int], num_tokens: int, start: int = 0) -> list[Range]:
+    """The copies that move tokens `start` to `num_tokens` of `layers` from one placement to another
+    (a paged plane's page holding `start` moves whole: a chunk boundary inside it leaves it partial)."""
     if src.layout.fingerprint != dst.layout.fingerprint:
         raise ValueError("source and destination use different layouts")
     for p in (src, dst):
@@ -82,5 +83,6 @@ def write_ranges(src: Placement, dst: Placement, layers: list[int], num_tokens: 
         for plane in src.layout.planes:
             s_shard, s_off = src.offset(plane.name, layer)
             d_shard, d_off = dst.offset(plane.name, layer)
-            out.append(Range(s_shard, s_off, d_shard, d_off, plane.nbytes(num_tokens)))
+            skip = start // plane.unit_tokens * plane.unit_bytes
+            out.append(Range(s_shard, s_off + skip, d_shard, d_off + skip, plane.nbytes(num_tokens) - skip))
     return out

@@ -12,7 +12,9 @@ tests/e2e/test_pd_vllm.py, MTP from step one, blocks held until every layer is s
 checked before injection) and falls back to the whole state by itself toward a node that does not offer
 it or with digests off. Turn it off to save its per-layer control frames and hooks where a handoff is
 too small for overlap to matter; a request can also choose with `tilert_layerwise` in its
-kv_transfer_params (metadata.py).
+kv_transfer_params (metadata.py). With chunked prefill (a long prompt over several steps) each step's
+tokens leave during that step, when a staging region is free for the request while another stays free
+for prompts that complete (so `tilert_staging_requests` of 1 sends a chunked prompt in its last step).
 """
 
 from __future__ import annotations
@@ -45,7 +47,9 @@ class ConnectorConfig(BaseModel):
     secret_path: str = Field(defaults.SECRET_PATH, alias="tilert_secret_path",
                              description="file holding the handoff's shared secret (re-read when it changes)")
     staging_requests: int = Field(2, alias="tilert_staging_requests", ge=1,
-                                  description="requests whose state can wait in staging for the sender at once")
+                                  description="requests whose state can wait in staging for the sender at once; a "
+                                              "chunked prompt sent step by step holds one from its first "
+                                              "step, and may take one only while another stays free")
     local_host: str = Field("", alias="tilert_local_host", validate_default=True,
                             description="address the decode nodes reach this worker's transfer engine at "
                                         "(default $POD_IP, else this host's address; unused with "
@@ -58,7 +62,9 @@ class ConnectorConfig(BaseModel):
     network_status_file: str = Field(dataplane.NETWORK_STATUS_FILE, alias="tilert_network_status_file",
                                      description="the pod's Multus network-status annotation, mounted by the "
                                                  "downward API")
-    timeout_s: float = Field(30.0, alias="tilert_timeout_s", description="seconds a handoff may take before it is failed")
+    timeout_s: float = Field(30.0, alias="tilert_timeout_s",
+                             description="seconds a handoff may wait for the node, or for the prefill to stage a "
+                                         "further layer (one step), before it is failed")
     handoff_digest: bool = Field(True, alias="tilert_handoff_digest",
                                  description="send a digest of the written state in Done, which the decode nodes "
                                              "check before decoding (they refuse a state without one unless run "

@@ -46,15 +46,20 @@ class Destination:
 
 @dataclass(frozen=True)
 class SendJob:
-    """Extract this request's state in this step's wait_for_save and hand it to the sender."""
+    """Extract this request's state in this step's wait_for_save and hand it to the sender; with
+    `upto`, a step of a chunked prefill before the prompt's last (layer-wise only), which may send
+    the tokens computed so far."""
 
     req_id: ReqId
     dest: Destination
     num_tokens: int
     last_prompt_token: int
+    #: The prompt; a chunked prefill's jobs carry it in their first step and their last only.
     prompt_token_ids: list[int]
-    #: Block ids per KV-cache group covering the prompt, in token order.
+    #: Block ids per KV-cache group covering the prompt (with `upto`, its first `upto` tokens), in token order.
     block_ids: tuple[list[int], ...]
+    #: Tokens of the prompt computed by the end of this step, when that is not yet all of them.
+    upto: int | None = None
 
 
 @dataclass

@@ -13,7 +13,8 @@ returned. Keys this connector returns are namespaced `tilert_*` so MultiConnecto
 
 Hooks implemented
   scheduler: on_new_request (claim), update_state_after_alloc (block ids), build_connector_meta
-             (jobs for requests whose prompt completes this step), request_finished[_all_groups]
+             (jobs for requests whose prompt completes this step; layer-wise, also for each earlier
+             step of a chunked prompt, whose tokens can leave as they are computed), request_finished[_all_groups]
              (tilert_status, tilert_first_token, tilert_num_tokens; blocks held until copied out),
              update_connector_output + has_pending_push_work (keep stepping until every copy is done).
   worker:    register_kv_caches (classify layers, staging, transfer engine, sender thread),

@@ -1,8 +1,9 @@
 """TileRTConnector, scheduler side (runs in vLLM's EngineCore process).
 
 Follows claimed requests across (chunked) prefill steps, accumulating their block ids, and in the
-step that completes a request's prompt tells the workers to extract and send it. Unclaimed requests
-never enter any structure here.
+step that completes a request's prompt tells the workers to extract and send it; with the layer-wise
+handoff, every earlier step of its prompt also gets a job (SendJob.upto), so the workers can send each
+chunk as it is computed. Unclaimed requests never enter any structure here.
 """
 
 from __future__ import annotations
@@ -30,6 +31,8 @@ class _Claimed:
     block_ids: tuple[list[int], ...] = ()
     #: Set once the step completing the prompt was scheduled and the job went to the workers.
     queued: bool = False
+    #: A chunk job (with the prompt's ids) went to the workers: later chunks' jobs leave the ids out.
+    announced: bool = False
 
 
 class TileRTScheduler:
@@ -89,12 +92,19 @@ class TileRTScheduler:
             n = claimed.request.num_prompt_tokens
             if claimed.queued or claimed.refused or claimed.dest is None:
                 continue
-            if computed + out.num_scheduled_tokens.get(req_id, 0) >= n:
-                prompt = list(claimed.request.prompt_token_ids or [])
+            upto = computed + out.num_scheduled_tokens.get(req_id, 0)
+            prompt = claimed.request.prompt_token_ids or []
+            if upto >= n:
                 meta.jobs.append(SendJob(req_id=req_id, dest=claimed.dest, num_tokens=n,
-                                         last_prompt_token=prompt[n - 1], prompt_token_ids=prompt,
+                                         last_prompt_token=prompt[n - 1], prompt_token_ids=list(prompt),
                                          block_ids=claimed.block_ids))
                 claimed.queued = True
+            elif self.config.layerwise if claimed.dest.layerwise is None else claimed.dest.layerwise:
+                meta.jobs.append(SendJob(req_id=req_id, dest=claimed.dest, num_tokens=n,
+                                         last_prompt_token=prompt[n - 1],
+                                         prompt_token_ids=[] if claimed.announced else list(prompt),
+                                         block_ids=claimed.block_ids, upto=upto))
+                claimed.announced = True
         return meta
 
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:

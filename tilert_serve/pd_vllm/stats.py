@@ -17,7 +17,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
 
 def _empty() -> dict[str, Any]:
     return {"handoffs": {}, "bytes": 0, "extract_s": 0.0, "send_s": 0.0, "layers_sent": 0, "layers_early": 0,
-            "ack_s": 0.0, "write_s": 0.0}
+            "ack_s": 0.0, "write_s": 0.0, "chunk_bytes": 0}
 
 
 @dataclass
@@ -25,11 +25,13 @@ class TileRTStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=_empty)
 
     def record(self, outcome: str, nbytes: int = 0, extract_s: float = 0.0, send_s: float = 0.0, *,
-               layers_sent: int = 0, layers_early: int = 0, ack_s: float = 0.0, write_s: float = 0.0) -> None:
+               layers_sent: int = 0, layers_early: int = 0, ack_s: float = 0.0, write_s: float = 0.0,
+               chunk_bytes: int = 0) -> None:
         """`layers_sent`: layers reported one by one (LayersDone); `layers_early`: those before the
         last batch; `ack_s`: from the end of the last write to the node's Ack; `write_s`: inside the
         transfer engine's write calls alone (bytes / write_s is the link's bandwidth; send_s holds
-        the waits for the forward when layer-wise)."""
+        the waits for the forward when layer-wise); `chunk_bytes`: bytes sent during a chunked
+        prefill's steps before its last (of `nbytes`)."""
         self.data["handoffs"][outcome] = self.data["handoffs"].get(outcome, 0) + 1
         self.data["bytes"] += nbytes
         self.data["extract_s"] += extract_s
@@ -38,6 +40,7 @@ class TileRTStats(KVConnectorStats):
         self.data["layers_early"] += layers_early
         self.data["ack_s"] += ack_s
         self.data["write_s"] += write_s
+        self.data["chunk_bytes"] = self.data.get("chunk_bytes", 0) + chunk_bytes
 
     def reset(self) -> None:
         self.data = _empty()
@@ -45,7 +48,7 @@ class TileRTStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.get("handoffs", {}).items():
             self.data["handoffs"][k] = self.data["handoffs"].get(k, 0) + v
-        for k in ("bytes", "extract_s", "send_s", "layers_sent", "layers_early", "ack_s", "write_s"):
+        for k in ("bytes", "extract_s", "send_s", "layers_sent", "layers_early", "ack_s", "write_s", "chunk_bytes"):
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         return self
 
@@ -58,6 +61,7 @@ class TileRTStats(KVConnectorStats):
         out["tilert_layers_early"] = self.data.get("layers_early", 0)
         out["tilert_ack_s"] = round(self.data.get("ack_s", 0.0), 4)
         out["tilert_write_s"] = round(self.data.get("write_s", 0.0), 4)
+        out["tilert_chunk_bytes"] = self.data.get("chunk_bytes", 0)
         return out
 
     def is_empty(self) -> bool:
@@ -88,6 +92,9 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
         self._write_s = counter("vllm:tilert_write_seconds",
                                 "Seconds inside the transfer engine's writes (handoff bytes / this = link bandwidth)",
                                 labelnames=labelnames)
+        self._chunk_bytes = counter("vllm:tilert_handoff_chunk_bytes",
+                                    "Of the handoff bytes, those sent while a chunked prefill's later chunks "
+                                    "were still being computed", labelnames=labelnames)
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]
@@ -100,3 +107,4 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
         self._layers_early.labels(*labels).inc(transfer_stats_data.get("layers_early", 0))
         self._ack_s.labels(*labels).inc(transfer_stats_data.get("ack_s", 0.0))
         self._write_s.labels(*labels).inc(transfer_stats_data.get("write_s", 0.0))
+        self._chunk_bytes.labels(*labels).inc(transfer_stats_data.get("chunk_bytes", 0))

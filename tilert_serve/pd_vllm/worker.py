@@ -33,12 +33,24 @@ when speculative decoding is on (gpu_model_runner: defer_kv_connector_finalize);
 (ids >= num_hidden_layers), and any layer save_kv_layer did not report (micro-batched steps, whose
 layers are reported once per micro-batch, are not used layer-wise), are gathered in wait_for_save,
 which then closes the job's feed and only then reports its blocks copied: the block contract holds.
-A request whose prompt spans several steps (chunked prefill) has a job only in its last step, and
-each layer's gather there takes all its tokens (the earlier chunks are in the cache already).
+
+Chunk-wise handoff (chunked prefill, layer-wise on). A request whose prompt spans several steps has a
+job in each step before its last too (SendJob.upto: the tokens computed by the end of that step). The
+first such step that finds a staging region (leaving one free, so a prompt completing in a step never
+waits behind a long prompt still being computed) begins the handoff there, and every later step stages
+and sends, layer by layer, the tokens from where the last step stopped (`_Work.staged`; a page split
+by the chunk boundary is gathered and sent again, whole); the node hears of a layer (LayersDone, with
+the digest of all its tokens) only in the prompt's last step, and so converts only finished layers of
+finished chunks. A job that finds no region before its last step gathers everything then, as above.
+Between steps the region is untouched: blocks are never held for a chunk (its rows are in staging
+when wait_for_save returns), and a handoff that ends early (the node gone, a timeout, the request
+aborted or preempted too long) gives its region back at once (LayerFeed.abandon) and its last step
+has nothing left to send.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import re
@@ -52,7 +64,7 @@ import torch
 
 from tilert_serve import dataplane, layouts, transfer
 from tilert_serve.handoff import auth, digest
-from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, LayerSourceFailed, Sender
+from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, LayerSourceFailed, Sender, Staged
 from tilert_serve.layouts import Layout, Placement
 from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache
@@ -103,9 +115,10 @@ class StagingPool:
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()  # guards _free: the forward thread takes, the sender thread gives back
 
-    def acquire(self) -> int | None:
+    def acquire(self, keep: int = 0) -> int | None:
+        """A free region, if more than `keep` are free."""
         with self._lock:
-            return self._free.pop() if self._free else None
+            return self._free.pop() if len(self._free) > keep else None
 
     def release(self, index: int) -> None:
         with self._lock:
@@ -131,14 +144,39 @@ class StagingPool:
 class LayerFeed:
     """The layers of one request staged so far: the step thread puts, the sender thread takes (a
     handoff.sender.LayerSource). `closed` is set once the step thread will touch the staging region
-    no more (every layer staged, or given up): only then may the region be scrubbed and reused."""
+    no more (every layer staged, given up, or the handoff ended between steps of a chunked prefill):
+    only then may the region be scrubbed and reused."""
 
     def __init__(self) -> None:
-        self._items: queue.Queue[tuple[list[int], torch.Event | None] | str | None] = queue.Queue()
+        self._items: queue.Queue[tuple[Staged, torch.Event | None] | str | None] = queue.Queue()
         self.closed = threading.Event()
+        self._lock = threading.Lock()  # orders claim/pause (step thread) against abandon (sender thread)
+        self._in_step = True  # a feed is made by the step that first stages into it
+        self._ended = False
 
-    def put(self, layers: list[int], event: torch.Event | None) -> None:
-        self._items.put((layers, event))
+    def claim(self) -> bool:
+        """Step thread, a chunked prefill's later step: may this step stage into the region? False
+        once the handoff has ended (the region is then no longer this job's)."""
+        with self._lock:
+            self._in_step = not self._ended
+            return self._in_step
+
+    def pause(self) -> None:
+        """Step thread: done with the region until the request's next step."""
+        with self._lock:
+            self._in_step = False
+            if self._ended:
+                self.closed.set()
+
+    def abandon(self) -> None:
+        """Sender thread: the handoff has ended; the region is free once no step stages into it."""
+        with self._lock:
+            self._ended = True
+            if not self._in_step:
+                self.closed.set()
+
+    def put(self, staged: Staged, event: torch.Event | None) -> None:
+        self._items.put((staged, event))
 
     def finish(self) -> None:
         self._items.put(None)
@@ -148,7 +186,7 @@ class LayerFeed:
         self._items.put(error)
         self.closed.set()
 
-    def next_layers(self, timeout: float) -> list[int] | None:
+    def next_layers(self, timeout: float) -> Staged | None:
         try:
             item = self._items.get(timeout=timeout)
         except queue.Empty:
@@ -157,10 +195,10 @@ class LayerFeed:
             return None
         if isinstance(item, str):
             raise LayerSourceFailed(item)
-        layers, event = item
+        staged, event = item
         if event is not None:
             event.synchronize()
-        return layers
+        return staged
 
 
 @dataclass
@@ -172,15 +210,21 @@ class _Work:
     error: str | None = None
     #: Layer-wise: the layers as they are staged (None: everything was staged before the work was queued).
     feed: LayerFeed | None = None
+    #: Chunk-wise: tokens of every layer of this rank in staging, by the steps before this one.
+    staged: int = 0
 
 
 @dataclass
 class _Active:
-    """A layer-wise job of this step: queued to the sender before the forward, staged layer by layer."""
+    """A layer-wise job's work in this step: its chunk's tokens (or all the rest), staged layer by layer."""
 
     work: _Work
     #: This rank's layers not yet staged.
     pending: set[int]
+    #: Tokens end (exclusive) staged this step; None: to the prompt's end (its last step).
+    upto: int | None
+    #: This step's block table (a chunked prompt's grows step by step).
+    block_ids: tuple[list[int], ...]
     failed: bool = False
 
 
@@ -217,7 +261,16 @@ class TileRTWorker:
         self._mover: transfer.TransferEngine | None = None
         #: Layer-wise jobs of the current step (begin -> save_kv_layer -> step), and layer ids by cache name.
         self._active: list[_Active] = []
+        #: Ids of this step's last-step jobs that begin() took care of (step() leaves them be).
+        self._taken: set[str] = set()
         self._layer_of: dict[str, int | None] = {}
+        #: Chunk-wise handoffs begun in an earlier step of a prompt still being computed, by request.
+        self._chunked: dict[str, _Work] = {}
+        #: Requests whose chunk-wise handoff ended before their prompt did (their last step sends nothing).
+        self._ended: set[str] = set()
+        #: Prompt tokens of requests seen in a chunk job, until their handoff begins (the scheduler sends
+        #: them once: a long prompt's ids are not pickled again every step).
+        self._prompts: dict[str, list[int]] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout, caches = classify(kv_caches, self.config.tilert_model, self.group_of, self.block_size_of,
@@ -256,23 +309,66 @@ class TileRTWorker:
                               os.environ.get("POD_NAMESPACE", ""), self.config.local_host, timeout_s=120.0)
 
     def begin(self, jobs: list[SendJob]) -> None:
-        """Called when vLLM binds the step's metadata, before the forward: with tilert_layerwise, each
+        """Called when vLLM binds the step's metadata, before the forward. With tilert_layerwise, a
+        chunk-wise handoff begun in an earlier step goes on with this step's tokens, and any other
         job that finds a staging region (and no older job waiting for one) goes to the sender thread
         now, which connects while the forward runs. Never raises."""
         self.expect(jobs)
         if self.pool is None:
             return
+        blocked = bool(self._waiting)  # older jobs take staging first: they wait in step()
         for job in jobs:
-            if not (self.config.layerwise if job.dest.layerwise is None else job.dest.layerwise):
-                continue
-            if self._waiting:
-                return  # older jobs first: this one waits in step() like them
-            index = self.pool.acquire()
-            if index is None:
-                return
-            work = _Work(job, index, None, 0.0, feed=LayerFeed())
-            self._active.append(_Active(work, set(self._mine)))
-            self._queue.put(work)
+            if job.upto is None:
+                self._prompts.pop(job.req_id, None)
+            elif job.prompt_token_ids:
+                self._prompts[job.req_id] = job.prompt_token_ids
+            work = self._chunked.get(job.req_id)
+            if work is not None:
+                self._go_on(work, job)
+            elif job.req_id in self._ended:
+                if job.upto is None:  # its handoff ended in an earlier step: nothing left to send
+                    self._ended.discard(job.req_id)
+                    self._copied.add(job.req_id)
+                    self._taken.add(job.req_id)
+            elif (self.config.layerwise if job.dest.layerwise is None else job.dest.layerwise) and not blocked:
+                blocked = not self._start(job) and job.upto is None
+
+    def _start(self, job: SendJob) -> bool:
+        """Begin `job`'s layer-wise handoff in this step, if staging has a region for it (a chunk, one
+        that leaves another free)."""
+        assert self.pool is not None
+        prompt = job.prompt_token_ids or self._prompts.get(job.req_id)
+        if not prompt:
+            return False
+        index = self.pool.acquire(keep=0 if job.upto is None else 1)
+        if index is None:
+            return False
+        self._prompts.pop(job.req_id, None)
+        work = _Work(dataclasses.replace(job, prompt_token_ids=prompt), index, None, 0.0, feed=LayerFeed())
+        self._active.append(_Active(work, set(self._mine), job.upto, job.block_ids))
+        self._taken.add(job.req_id)
+        if job.upto is not None:
+            self._chunked[job.req_id] = work
+        self._queue.put(work)
+        return True
+
+    def _go_on(self, work: _Work, job: SendJob) -> None:
+        """This step's chunk (or the prompt's rest) of a chunk-wise handoff begun earlier."""
+        assert work.feed is not None
+        if job.upto is None:
+            del self._chunked[job.req_id]
+            self._taken.add(job.req_id)
+        elif job.upto <= work.staged:
+            return  # recomputing tokens already staged (the request was preempted and resumed)
+        if work.feed.claim():
+            self._active.append(_Active(work, set(self._mine), job.upto, job.block_ids))
+            return
+        # The handoff ended between steps (and said why): the region is no longer this job's.
+        self._chunked.pop(job.req_id, None)
+        if job.upto is None:
+            self._copied.add(job.req_id)
+        else:
+            self._ended.add(job.req_id)
 
     @property
     def staging_layers(self) -> bool:
@@ -295,47 +391,56 @@ class TileRTWorker:
                 self._stage(active, [layer])
 
     def _stage(self, active: _Active, layers: list[int]) -> None:
-        assert self.pool is not None and active.work.staging_index is not None and active.work.feed is not None
-        job = active.work.job
+        work = active.work
+        assert self.pool is not None and work.staging_index is not None and work.feed is not None
+        end = work.job.num_tokens if active.upto is None else active.upto
         t0 = time.perf_counter()
         try:
-            region = self.pool.region(active.work.staging_index)
+            region = self.pool.region(work.staging_index)
             for layer in layers:
-                self.gather(job.block_ids, job.num_tokens, region, layer=layer)  # type: ignore[arg-type]
+                self.gather(active.block_ids, end, region, layer=layer, start=work.staged)  # type: ignore[arg-type]
             event = None
             if self.pool.buffer.is_cuda:
                 event = torch.Event(device=self.pool.buffer.device)
                 event.record()
         except Exception as exc:  # a bug here must not take the forward pass down
-            log.exception("gathering layers %s of request %s into staging failed", layers, job.req_id)
+            log.exception("gathering layers %s of request %s into staging failed", layers, work.job.req_id)
             active.failed = True
-            active.work.feed.fail(f"gather failed: {exc}")
+            work.feed.fail(f"gather failed: {exc}")
             return
         finally:
-            active.work.extract_s += time.perf_counter() - t0
+            work.extract_s += time.perf_counter() - t0
         active.pending.difference_update(layers)
-        active.work.feed.put(layers, event)
+        work.feed.put(Staged(layers, work.staged, active.upto), event)
 
     def _finish_active(self) -> None:
-        """wait_for_save: stage what save_kv_layer did not (the MTP layers, after the drafter), close
-        each layer-wise job's feed, and count its blocks as copied."""
+        """wait_for_save: stage what save_kv_layer did not (the MTP layers, after the drafter); a job
+        in its prompt's last step then closes its feed and counts its blocks as copied, a chunk leaves
+        the region until the request's next step."""
         active_jobs, self._active = self._active, []
         for active in active_jobs:
-            assert active.work.feed is not None
-            if not active.failed:
-                if active.pending:
-                    self._stage(active, sorted(active.pending))
+            work = active.work
+            assert work.feed is not None
+            if not active.failed and active.pending:
+                self._stage(active, sorted(active.pending))
+            if active.upto is None:
                 if not active.failed:
-                    active.work.feed.finish()
-            self._copied.add(active.work.job.req_id)
+                    work.feed.finish()
+                self._copied.add(work.job.req_id)
+            elif active.failed:  # the feed told the sender, which gives the region back
+                del self._chunked[work.job.req_id]
+                self._ended.add(work.job.req_id)
+            else:
+                work.staged = active.upto
+                work.feed.pause()
 
     def step(self, jobs: list[SendJob]) -> None:
         """Called from every wait_for_save: finish this step's layer-wise jobs, then gather what staging
         has room for, oldest first. Never raises."""
-        begun = {a.work.job.req_id for a in self._active}
+        taken, self._taken = self._taken, set()
         self._finish_active()
         now = time.monotonic()
-        self._waiting.extend((job, now) for job in jobs if job.req_id not in begun)
+        self._waiting.extend((job, now) for job in jobs if job.upto is None and job.req_id not in taken)
         assert self.pool is not None
         while self._waiting:
             job, since = self._waiting[0]
@@ -371,6 +476,13 @@ class TileRTWorker:
 
     def finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Ids whose blocks vLLM may free: copied out (or given up) and reported finished by vLLM."""
+        for req_id in finished_req_ids & self._chunked.keys():  # aborted before its prompt was computed
+            feed = self._chunked.pop(req_id).feed
+            assert feed is not None
+            feed.fail("the request ended before its prefill did")
+        self._ended -= finished_req_ids
+        for req_id in finished_req_ids:
+            self._prompts.pop(req_id, None)
         self._finished |= finished_req_ids & self._expected
         ready = self._copied & self._finished
         self._copied -= ready
@@ -379,7 +491,8 @@ class TileRTWorker:
         return ready or None
 
     def expect(self, jobs: list[SendJob]) -> None:
-        self._expected.update(j.req_id for j in jobs)
+        """Jobs whose blocks the worker will report (a chunk's are never held)."""
+        self._expected.update(j.req_id for j in jobs if j.upto is None)
 
     def _run(self, sender: Sender) -> None:
         while True:
@@ -392,6 +505,8 @@ class TileRTWorker:
                 log.exception("handoff of %s crashed", work.job.req_id)
                 result = HandoffResult(False, "internal", str(exc))
             finally:
+                if work.feed is not None:
+                    work.feed.abandon()
                 if work.feed is not None and not work.feed.closed.wait(self.config.timeout_s):
                     # The step thread may still gather into the region: never hand it to another request.
                     log.error("request %s: its layers were never all staged; staging region %s is retired",
@@ -404,7 +519,7 @@ class TileRTWorker:
                 self.stats.record("ok" if result.ok else (result.reason or "failed"), result.nbytes,
                                   work.extract_s, result.handshake_s + result.write_s + result.ack_s,
                                   layers_sent=result.layers_sent, layers_early=result.layers_early,
-                                  ack_s=result.ack_s, write_s=result.busy_s)
+                                  ack_s=result.ack_s, write_s=result.busy_s, chunk_bytes=result.chunk_bytes)
             if not result.ok:
                 log.warning("handoff of %s to %s:%d failed: %s: %s", work.job.req_id, work.job.dest.host,
                             work.job.dest.ctrl_port, result.reason, result.message)
