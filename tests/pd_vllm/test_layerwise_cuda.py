@@ -6,7 +6,9 @@ back by a sleep kernel so the host runs ahead of it. The sender thread (Sender.s
 network, no transfer engine) takes each layer as the feed hands it over, after its CUDA event, and
 hashes that layer's staging bytes on the GPU (handoff/digest.py: pinned host copies on a side
 stream); each digest must equal the digest of the reference bytes (extract.gather's index_select on
-the CPU over the same caches). Node side: each layer lands in a CUDA receive buffer (a copy on
+the CPU over the same caches). The same over a chunked prefill of three steps (SendJob.upto): each
+step's tokens staged layer by layer, the blocks a chunk ends inside staged again with the next chunk.
+Node side: each layer lands in a CUDA receive buffer (a copy on
 another stream standing in for the NIC's write, finished before its LayersDone), and a converter
 thread per slot checks the layer's digest and converts it (convert.to_layer_state on the thread's
 stream, as decode/node.py's _convert_layers does); the layers must equal the whole-state conversion
@@ -27,7 +29,7 @@ import threading
 import time
 import types
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -109,11 +111,26 @@ def reference_staging(layout: layouts.Layout, mla: list[torch.Tensor], idx: list
     return out
 
 
-def layer_digest(buffers: list[torch.Tensor], staging: layouts.Placement, layers: list[int]) -> str:
-    return digest.of_ranges(buffers, digest.sender_ranges(staging, 0, 1, NUM_TOKENS, layers), ALGO)
+def layer_digest(buffers: list[torch.Tensor], staging: layouts.Placement, layers: list[int],
+                 tokens: int = NUM_TOKENS) -> str:
+    return digest.of_ranges(buffers, digest.sender_ranges(staging, 0, 1, tokens, layers), ALGO)
 
 
-def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_references(tmp_path, monkeypatch):
+def forward_writes(cache: torch.Tensor, truth: torch.Tensor, ids: list[int], upto: int, page: bool) -> None:
+    """The forward writes `cache` (blocks of BLOCK rows) up to token `upto`: before the prompt's end, the
+    rows of later tokens hold garbage, and so does an indexer `page` holding any (it is complete only
+    once the next chunk has run)."""
+    cache.copy_(truth)
+    if upto < NUM_TOKENS:
+        tokens = torch.arange(upto // BLOCK * BLOCK if page else upto, len(ids) * BLOCK)
+        blocks = torch.tensor(ids, dtype=torch.int64)[tokens // BLOCK]
+        cache[blocks.to(cache.device), (tokens % BLOCK).to(cache.device)] = 0x5A
+
+
+@pytest.mark.parametrize("ends", [(NUM_TOKENS,), (300, 700, NUM_TOKENS)], ids=["one step", "three chunks"])
+def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_references(tmp_path, monkeypatch, ends):
+    # "three chunks": a chunked prefill, every step's tokens staged as its layers finish (300 and 700
+    # end inside a block, so its rows and the indexer page are staged again with the next chunk).
     pytest.importorskip("pydantic", reason="the connector's config needs pydantic (bench/gpu.sh carries its wheels)")
     _stand_in_vllm()
     from tilert_serve import transfer
@@ -143,16 +160,18 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
             pass
 
     monkeypatch.setattr(transfer, "create", lambda *a, **k: NoMover())
-    seen: list[tuple[list[int], str, str]] = []  # (layers, digest of GPU staging, of its host copy)
+    seen: list[tuple[list[int], int | None, str, str]] = []  # (layers, upto, digest of GPU staging, of its host copy)
 
     def send(self: Sender, host: str, port: int, req: Any, error: str | None = None, layers: Any = None) -> Any:
         assert layers is not None, "a layer-wise job must be sent layer-wise"
         assert w.pool is not None
         buffers = [w.pool.buffer]  # one staging region: the pool's whole buffer
         while (staged := layers.next_layers(30.0)) is not None:  # waits on the batch's CUDA event
-            on_gpu = layer_digest(buffers, staging, staged.layers)
-            on_host = layer_digest([buffers[0].cpu()], staging, staged.layers)
-            seen.append((staged.layers, on_gpu, on_host))
+            # A chunk's tokens up to its last whole block are final (the next step stages that block again).
+            tokens = NUM_TOKENS if staged.upto is None else staged.upto // BLOCK * BLOCK
+            on_gpu = layer_digest(buffers, staging, staged.layers, tokens)
+            on_host = layer_digest([buffers[0].cpu()], staging, staged.layers, tokens)
+            seen.append((staged.layers, staged.upto, on_gpu, on_host))
         return HandoffResult(True, nbytes=1, layers_sent=len(seen))
 
     monkeypatch.setattr(Sender, "send", send)
@@ -160,7 +179,7 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
     secret.write_text("0123456789abcdef0123456789abcdef")
     cfg = ConnectorConfig.from_extra_config({"tilert_model": "glm5", "tilert_max_seq_len": 1024,
                                              "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
-                                             "tilert_staging_requests": 1, "tilert_timeout_s": 30.0})
+                                             "tilert_staging_requests": 2, "tilert_timeout_s": 30.0})
     w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: BLOCK}, num_hidden_layers=main)
     w.register(kv_caches)
     try:
@@ -170,23 +189,29 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
         want = reference_staging(layout, truth_mla, truth_idx, ids, staging)
         job = SendJob(req_id="a", dest=Destination("127.0.0.1", 9, None), num_tokens=NUM_TOKENS, last_prompt_token=5,
                       prompt_token_ids=list(range(NUM_TOKENS)), block_ids=(ids,))
-        w.begin([job])
-        for lid in range(layout.num_layers):
-            # The forward writes layer lid's caches on the GPU (behind a sleep: the host runs ahead),
-            # then reports the layer; the MTP layer is written by the drafter, before wait_for_save.
-            torch.cuda._sleep(2_000_000)
-            kv_caches[f"model.layers.{lid}.self_attn.attn"].copy_(truth_mla[lid])
-            kv_caches[f"model.layers.{lid}.self_attn.indexer.k_cache"].copy_(truth_idx[lid])
-            if lid < main:
-                w.layer_saved(f"model.layers.{lid}.self_attn.attn")
-        w.step([job])
+        for upto in ends:
+            step = job if upto == NUM_TOKENS else replace(job, upto=upto)
+            w.begin([step])
+            for lid in range(layout.num_layers):
+                # The forward writes layer lid's caches on the GPU (behind a sleep: the host runs ahead),
+                # then reports the layer; the MTP layer is written by the drafter, before wait_for_save.
+                torch.cuda._sleep(2_000_000)
+                forward_writes(kv_caches[f"model.layers.{lid}.self_attn.attn"], truth_mla[lid], ids, upto, False)
+                forward_writes(kv_caches[f"model.layers.{lid}.self_attn.indexer.k_cache"], truth_idx[lid], ids, upto,
+                               True)
+                if lid < main:
+                    w.layer_saved(f"model.layers.{lid}.self_attn.attn")
+            w.step([step])
         deadline = time.monotonic() + 60
-        while w.pool.free != 1:
+        while w.pool.free != 2:
             assert time.monotonic() < deadline, "the job never finished"
             time.sleep(0.01)
-        assert [b for b, _, _ in seen] == [[lid] for lid in range(layout.num_layers)]
-        for batch, on_gpu, on_host in seen:
-            assert on_gpu == on_host == layer_digest([want], staging, batch), f"layer {batch}: staging differs"
+        every = [[lid] for lid in range(layout.num_layers)]
+        assert [(b, u) for b, u, _, _ in seen] == [(b, u) for u in [*ends[:-1], None] for b in every]
+        for batch, upto, on_gpu, on_host in seen:
+            # A complete layer: every chunk's tokens, a page split by a chunk staged again, whole.
+            tokens = NUM_TOKENS if upto is None else upto // BLOCK * BLOCK
+            assert on_gpu == on_host == layer_digest([want], staging, batch, tokens), f"layer {batch}, {upto}: differs"
         assert w.finished({"a"}) == {"a"}
         assert not w.pool.buffer.any()  # scrubbed once sent
     finally:
