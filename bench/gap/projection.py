@@ -81,6 +81,8 @@ class Assumptions:
     engine_itemsize: int = 2
     #: digests on (the default of tilert_handoff_digest / --handoff-digest).
     digest: bool = True
+    #: tokens a chunked prefill computes per step (vLLM's max_num_batched_tokens).
+    chunk_tokens: int = 16384
 
 
 SOURCES = {
@@ -91,6 +93,8 @@ SOURCES = {
     "prefill_tok_s": "assumed; not measured here (no B200, no GLM-5 weights)",
     "tpot_points": "TileRT v0.1.5 chart, GLM-5.1-FP8 on 8xB200, no MTP: 301 UTPS at 1K, 169 at 192K",
     "launch_floor_ms": "assumed",
+    "chunk_tokens": ("vLLM 0.32's default max_num_batched_tokens for its API server on GPUs of >= 160 GB (B200; "
+                     "engine/arg_utils.py), one prompt alone in its steps"),
     "digest": ("the 8 ranks' digests each at the single-H200 rate, side by side (optimistic: 8 at once ask ~350 GB/s "
                "of host copies and BLAKE3 of each host)"),
     "ranks": "TP=8 prefill, each rank sends its layers over its own NIC (layouts.senders_layers); the node's "
@@ -262,7 +266,8 @@ def _pipeline(avail: list[float], e: float, w: float, c: float, wire_from: float
     return c_free
 
 
-def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_per_layer: bool = True) -> Overlap:
+def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_per_layer: bool = True,
+            step_tokens: int | None = None, moved_tokens: int | None = None, backlog_ms: float | None = None) -> Overlap:
     """Layer-wise overlap: the forward computes main layer i during [i*f, (i+1)*f], the MTP drafter one
     more layer's time after the last; the forward ends at F = (main + 1) * f. Each rank pipelines its
     layers (senders_layers) through extract, wire (after the handshake, started with the forward) and
@@ -272,39 +277,81 @@ def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_
     overlap can only be shorter; measured per-layer calls carry their own launch overhead, and with a
     forward too short to hide it the overlap can lose (then it should be off). Digests per layer ride in
     wire (sender) and convert (node); with `digest_per_layer` off the whole-state digest runs after the
-    last byte, as today."""
+    last byte, as today.
+
+    A chunked prefill's last step (`chunked`): the forward computes only `step_tokens` tokens (f shrinks
+    with them), `moved_tokens` of each layer are extracted and written in it (every token when the
+    handoff is layer-wise in the last step only, the last chunk's when it is chunk-wise), each layer is
+    still hashed and converted whole, and with `backlog_ms` (chunk-wise: connected in an earlier step)
+    the wire is free only that long after the step starts (what earlier chunks left), not after a
+    handshake."""
     n_busy = busiest_rank_layers(layout, a.ranks)
+    moved = tokens if moved_tokens is None else moved_tokens
     whole = _rank_costs(layout, m, a, tokens, n_busy)
+    part = _rank_costs(layout, m, a, moved, n_busy)
     dig = whole["digest"] / 2 / n_busy if digest_per_layer else 0.0  # one side's hash of one layer
-    e, c = whole["extract"] / n_busy, whole["convert"] / n_busy
-    lb = layer_bytes(layout, tokens)
+    e, c = part["extract"] / n_busy, whole["convert"] / n_busy
     if m.extract_layer:  # the per-layer call as measured (launch overhead and all), scaled like the rest
+        lb = layer_bytes(layout, moved)
         e = lb * ms_per_byte(m.extract_layer, layout, lb, per_layer=True) / a.hbm_ratio
     if m.convert_layer:
+        lb = layer_bytes(layout, tokens)
         c = lb * ms_per_byte(m.convert_layer, layout, lb, per_layer=True) / a.hbm_ratio
-    w, c = whole["wire"] / n_busy + dig, c + dig
+    w, c = part["wire"] / n_busy + dig, c + dig
     main = layout.num_layers - layout.num_mtp_layers
-    f = tokens / a.prefill_tok_s / (main + layout.num_mtp_layers) * 1e3
+    step = tokens if step_tokens is None else step_tokens
+    f = step / a.prefill_tok_s / (main + layout.num_mtp_layers) * 1e3
     end = (main + layout.num_mtp_layers) * f
-    handshake = a.handshake_rtts * a.rtt_ms
+    wire_from = a.handshake_rtts * a.rtt_ms if backlog_ms is None else backlog_ms
 
     def avail(lid: int) -> float:
         return (lid + 1) * f if lid < main else end
 
     def finish(e: float, w: float, c: float) -> float:
-        return max(_pipeline([avail(lid) for lid in layouts.senders_layers(layout, r, a.ranks)], e, w, c, handshake)
+        return max(_pipeline([avail(lid) for lid in layouts.senders_layers(layout, r, a.ranks)], e, w, c, wire_from)
                    for r in range(a.ranks))
 
     in_flight = max(0.0, finish(e, w, c) - end)
     # The same pipeline with the transfer infinitely fast except for the last main and the MTP layer
     # would still leave those two: the rest is backlog.
-    last = max(0.0, max(max(avail(lid), handshake) for lid in range(main - 1, layout.num_layers)) - end) \
+    last = max(0.0, max(max(avail(lid), wire_from) for lid in range(main - 1, layout.num_layers)) - end) \
         + max(e + w + c, 0.0)
     stage = max(e, w, c)
-    break_even = a.ranks * tokens * 1e3 / (main * stage) if stage > 0 else math.inf
-    backlog = max(0.0, in_flight - last) if stage > a.ranks * f else 0.0
+    break_even = a.ranks * step * 1e3 / (main * stage) if stage > 0 else math.inf
+    backlog = max(0.0, in_flight - last) if stage > a.ranks * f or wire_from > end else 0.0
     return Overlap(tokens, f, stage, break_even, in_flight, backlog, a.rtt_ms,
                    0.0 if digest_per_layer else whole["digest"], whole["inject"], first_step_ms(tokens, a))
+
+
+@dataclass(frozen=True)
+class Chunked:
+    """A prompt prefilled in steps of `Assumptions.chunk_tokens`: the gap with the handoff layer-wise in
+    the prompt's last step only, and chunk-wise (every step's tokens sent during that step)."""
+
+    tokens: int
+    steps: int
+    last_step_tokens: int
+    #: wire time the earlier chunks left for the last step (their bytes outran their steps), ms
+    carried_ms: float
+    last_step: Overlap
+    chunkwise: Overlap
+
+
+def chunked(layout: Layout, m: Measured, a: Assumptions, tokens: int) -> Chunked:
+    """Earlier chunks: step k's tokens leave during step k on each rank's NIC; whatever the link could
+    not move while those steps ran is carried into the last step (`carried_ms`), which then moves its
+    own chunk's tokens (and the page a chunk boundary split, neglected: one 64-token page) and converts
+    every layer whole. Layer-wise in the last step only, every token moves in the last step."""
+    c = a.chunk_tokens
+    steps = max(1, math.ceil(tokens / c))
+    last = tokens - (steps - 1) * c
+    earlier = tokens - last
+    n_busy = busiest_rank_layers(layout, a.ranks)
+    carried = max(0.0, wire_ms(n_busy * layer_bytes(layout, earlier), a) - earlier / a.prefill_tok_s * 1e3)
+    return Chunked(tokens, steps, last, carried,
+                   overlap(layout, m, a, tokens, step_tokens=last),
+                   overlap(layout, m, a, tokens, step_tokens=last, moved_tokens=last,
+                           backlog_ms=carried if steps > 1 else None))
 
 
 # -- measured numbers from RESULTS.md ----------------------------------------------------------------
@@ -416,8 +463,18 @@ def report(m: Measured, a: Assumptions, lengths: tuple[int, ...] = LENGTHS) -> s
                [[_k(s.tokens), f"{s.total:.2f}", f"{o.total:.2f}", f"{o.total / s.total:.2f}x",
                  f"{d.total:.2f}", f"{s.total / s.first_step:.1f}", f"{o.total / o.first_step:.1f}"]
                 for s, o, d in zip(ser, ovl, end, strict=True)])
+    chk = [chunked(layout, m, a, n) for n in lengths if n > a.chunk_tokens]
+    t4 = table(["prompt", "steps", "last step tokens", "serial ms", "layer-wise, last step only ms",
+                "chunk-wise ms", "chunk-wise / last step only", "wire carried into the last step ms",
+                "chunk-wise in TileRT steps"],
+               [[_k(c.tokens), str(c.steps), f"{c.last_step_tokens:,}", f"{s.total:.2f}", f"{c.last_step.total:.2f}",
+                 f"{c.chunkwise.total:.2f}", f"{c.chunkwise.total / c.last_step.total:.2f}x", f"{c.carried_ms:.2f}",
+                 f"{c.chunkwise.total / c.chunkwise.first_step:.1f}"]
+                for c, s in zip(chk, [x for x in ser if x.tokens > a.chunk_tokens], strict=True)])
     return ("Serial (today): stage ms on the busiest of 8 ranks, from the forward's end\n\n" + t1 +
-            "\n\nLayer-wise overlap: what is left after the forward's end\n\n" + t2 + "\n\nGap\n\n" + t3)
+            "\n\nLayer-wise overlap: what is left after the forward's end\n\n" + t2 + "\n\nGap\n\n" + t3 +
+            f"\n\nChunked prefill ({a.chunk_tokens:,} tokens a step): the gap with the handoff layer-wise in "
+            "the last step only, and chunk-wise\n\n" + t4)
 
 
 def notes(m: Measured, a: Assumptions) -> str:
@@ -449,11 +506,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--nic-efficiency", type=float, default=Assumptions.nic_efficiency)
     ap.add_argument("--rtt-ms", type=float, default=Assumptions.rtt_ms)
     ap.add_argument("--digest", choices=("on", "off"), default="on")
+    ap.add_argument("--chunk-tokens", type=int, default=Assumptions.chunk_tokens)
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
     m = measured_from_results(args.results.read_text())
     a = Assumptions(prefill_tok_s=args.prefill_tok_s, nic_gbit=args.nic_gbit, nic_efficiency=args.nic_efficiency,
-                    rtt_ms=args.rtt_ms, digest=args.digest == "on")
+                    rtt_ms=args.rtt_ms, digest=args.digest == "on", chunk_tokens=args.chunk_tokens)
     body, why = report(m, a), notes(m, a)
     print(body)
     print()

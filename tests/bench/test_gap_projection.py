@@ -189,3 +189,37 @@ def test_measured_per_layer_calls_replace_the_even_split() -> None:
     assert slow.total > even.total
     # The serial path does not use them.
     assert pj.serial(LAYOUT, costly, A, 8192) == pj.serial(LAYOUT, M, A, 8192)
+
+
+@pytest.mark.parametrize("tokens", [16384, 32768, 131072])
+@pytest.mark.parametrize("assume", [
+    A,
+    dataclasses.replace(A, prefill_tok_s=1e7),   # a forward so fast the link cannot keep up with the chunks
+    dataclasses.replace(A, nic_gbit=1.0),        # transfer-bound
+    dataclasses.replace(A, chunk_tokens=4096),
+])
+def test_chunk_wise_never_makes_a_chunked_prompts_gap_longer(tokens: int, assume: pj.Assumptions) -> None:
+    c = pj.chunked(LAYOUT, M, assume, tokens)
+    assert c.steps == math.ceil(tokens / assume.chunk_tokens)
+    assert c.last_step_tokens + (c.steps - 1) * assume.chunk_tokens == tokens
+    assert c.chunkwise.total <= c.last_step.total + 1e-9
+    # Whichever way, each layer is converted whole in the last step, then injected and decoded once.
+    assert c.chunkwise.inject == c.last_step.inject and c.chunkwise.first_step == c.last_step.first_step
+    assert c.last_step.total <= pj.serial(LAYOUT, M, assume, tokens).total + 1e-9
+
+
+def test_a_prompt_of_one_step_is_the_unchunked_overlap() -> None:
+    c = pj.chunked(LAYOUT, M, A, A.chunk_tokens)
+    whole = pj.overlap(LAYOUT, M, A, A.chunk_tokens)
+    assert c.steps == 1 and c.carried_ms == 0
+    assert c.last_step.total == pytest.approx(whole.total) and c.chunkwise.total == pytest.approx(whole.total)
+
+
+def test_earlier_chunks_carry_wire_time_only_when_the_link_falls_behind() -> None:
+    assert pj.chunked(LAYOUT, M, A, 131072).carried_ms == 0
+    slow = dataclasses.replace(A, nic_gbit=1.0)
+    c = pj.chunked(LAYOUT, M, slow, 131072)
+    earlier = 131072 - c.last_step_tokens
+    moved = pj.busiest_rank_layers(LAYOUT, 8) * pj.layer_bytes(LAYOUT, earlier)
+    assert c.carried_ms == pytest.approx(pj.wire_ms(moved, slow) - earlier / slow.prefill_tok_s * 1e3)
+    assert c.chunkwise.in_flight >= c.carried_ms - c.chunkwise.forward_per_layer * LAYOUT.num_layers
