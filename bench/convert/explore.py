@@ -5,7 +5,7 @@ variants of one layer's kernels, and the host cost of a launch through Triton's 
 launcher (convert_triton.Launcher). Prints one line per measurement; the numbers feed the Reading
 paragraphs of bench/RESULTS.md's extraction and conversion sections.
 
-    python -m bench.convert.explore [--sizes 8192,32768,131072] [--only floors,mix,convert,extract,planes]
+    python -m bench.convert.explore [--sizes 8192,32768,131072] [--only floors,mix,convert,host,extract,adopt,indexer,planes]
 """
 
 # Every lambda here is timed at once, inside the loop iteration that made it (and its tensors are
@@ -28,7 +28,8 @@ from bench.convert.run import received
 from bench.extract.run import glm5_caches
 from bench.extract.timing import graph_ms
 from tilert_serve import layouts
-from tilert_serve.layouts import convert_triton
+from tilert_serve.layouts import convert, convert_triton
+from tilert_serve.layouts.convert import hadamard_matrix
 from tilert_serve.pd_vllm import extract_triton
 from tilert_serve.pd_vllm.extract import Gatherer, gather
 
@@ -98,7 +99,7 @@ def mix(dev: torch.device, sizes: list[int], bw: float) -> None:
             del src, a, b, half, half2
 
 
-def conversion(dev: torch.device, sizes: list[int]) -> None:
+def conversion(dev: torch.device, sizes: list[int], host: bool) -> None:
     layout = layouts.get("glm5", "fp8_ds_mla")
     gen = torch.Generator(device=dev).manual_seed(0)
     for n in sizes:
@@ -112,69 +113,75 @@ def conversion(dev: torch.device, sizes: list[int]) -> None:
         ref = convert_triton.to_injected_state([region], place, n, 0)
         tk = graph_ms(lambda: convert_triton.to_injected_state([region], place, n, 0))
         say(f"convert {n // 1024}k: layer same-traffic copy {layer_copy * 1e3:.2f} us; whole default {tk:.4f} ms")
-        for block_t, warps in ((16, 4), (32, 4), (32, 8), (64, 4), (64, 8)):
+        # one_launch=False: a layer as two launches, its indexer pages in the pipelined loop (IDX_STAGES).
+        for block_t, warps, pages, one_launch in ((16, 4, 1, True), (32, 4, 1, True), (32, 8, 1, True),
+                                                  (64, 8, 1, True), (32, 8, 2, True), (32, 8, 1, False),
+                                                  (32, 8, 2, False)):
+            convert_triton.ONE_LAUNCH = one_launch
             for lid in (0, 40, 78):
-                one = convert_triton.to_layer_state([region], place, lid, n, block_t=block_t, num_warps=warps)
+                one = convert_triton.to_layer_state([region], place, lid, n, block_t=block_t, num_warps=warps,
+                                                    pages=pages)
                 w = ref.layers[lid]
                 assert one.ki is not None and w.ki is not None
                 if not (torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe) and torch.equal(one.ki, w.ki)):
                     raise SystemExit(f"convert layer block_t={block_t} warps={warps} differs from the whole state")
             t = per_slice_graph(lambda lid: convert_triton.to_layer_state([region], place, lid, n, block_t=block_t,
-                                                                          num_warps=warps), L)
-            say(f"convert {n // 1024}k layer block_t={block_t} warps={warps}: {t * 1e3:.2f} us "
-                f"({layer_copy / t:.0%} of the same-traffic copy's speed)")
-        host_calls("convert", n, dev, lambda: [convert_triton.to_layer_state([region], place, lid, n)
-                                               for lid in range(L)],
-                   lambda: convert_triton.to_injected_state([region], place, n, 0))
+                                                                          num_warps=warps, pages=pages), L)
+            say(f"convert {n // 1024}k layer block_t={block_t} warps={warps} pages={pages} one_launch={one_launch}: "
+                f"{t * 1e3:.2f} us ({layer_copy / t:.0%} of the same-traffic copy's speed)")
+        convert_triton.ONE_LAUNCH = None
+        if host:
+            host_calls("convert", n, dev, lambda: [convert_triton.to_layer_state([region], place, lid, n)
+                                                   for lid in range(L)],
+                       lambda: convert_triton.to_injected_state([region], place, n, 0))
         del region, ref
         torch.cuda.empty_cache()
 
 
 @triton.jit
-def _indexer_variant_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr,
-                            LOAD_U8: tl.constexpr, STAGES: tl.constexpr):
-    """convert_triton's indexer pages kernel with two switches: the fp8 values loaded as bytes and
-    bitcast after the load (LOAD_U8), and the pages loop pipelined by tl.range (STAGES > 0)."""
-    pid = tl.program_id(0)
-    layer = tl.program_id(1)
-    r = tl.arange(0, 64)
+def _bf16_indexer_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr,
+                         STAGES: tl.constexpr, EXACT: tl.constexpr):
+    """The indexer kernel as it was before the fp8 product (commit f87d784): fp8 -> float32 x scale -> bf16
+    in registers, stored to shared memory, times the orthonormal Hadamard matrix in bf16 (`hadamard`
+    bf16 [128, 128]), a `tl.range` loop of STAGES stages over PAGES pages. EXACT: the fp8 values
+    converted as they are (exact in bf16), times the +-1 matrix, the scale and 128^-1/2 after the product
+    (the fp8 kernel's arithmetic with a bf16 product: what its fp8 accumulation costs in precision)."""
     c = tl.arange(0, 128)
+    r = tl.arange(0, 64)
     h = tl.load(hadamard + c[:, None] * 128 + c[None, :])
-    n_pages = (n + 63) // 64
-    if STAGES == 0:  # as convert_triton: the pages unrolled
-        for k in tl.static_range(PAGES):
-            if pid * PAGES + k < n_pages:
-                _variant_page(src, layer_off, h, ki_out, n, layer0, pid * PAGES + k, layer, r, c, PAGE, LOAD_U8)
-    else:
-        for page in tl.range(pid * PAGES, tl.minimum(pid * PAGES + PAGES, n_pages), num_stages=STAGES):
-            _variant_page(src, layer_off, h, ki_out, n, layer0, page, layer, r, c, PAGE, LOAD_U8)
-
-
-@triton.jit
-def _variant_page(src, layer_off, h, ki_out, n, layer0, page, layer, r, c, PAGE: tl.constexpr, LOAD_U8: tl.constexpr):
-    if True:
+    first = tl.program_id(0) * PAGES
+    layer = tl.program_id(1)
+    for page in tl.range(first, tl.minimum(first + PAGES, (n + 63) // 64), num_stages=STAGES):
         base = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + page.to(tl.int64) * PAGE
-        if LOAD_U8:
-            raw = tl.load(base + r[:, None] * 128 + c[None, :], eviction_policy="evict_first")
-            vals = raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-        else:
-            vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-            vals = tl.load(vptr, eviction_policy="evict_first").to(tl.float32)
+        vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
+        vals = tl.load(vptr, eviction_policy="evict_first").to(tl.float32)
         scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r)
-        x = (vals * scales[:, None]).to(tl.bfloat16)
-        y = tl.dot(x, h)
+        if EXACT:
+            y = tl.dot(vals.to(tl.bfloat16), h) * (scales * 0.08838834764831845)[:, None]
+        else:
+            y = tl.dot((vals * scales[:, None]).to(tl.bfloat16), h)
         t = page * 64 + r
         out_row = layer.to(tl.int64) * n + t.to(tl.int64)
         tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
 
 
 def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
+    """The indexer pages kernel alone over every layer (as the whole state launches it): the bf16 kernel
+    it replaced against convert_triton's fp8 product at several stages, pages a program and warps,
+    each against a copy with the plane's traffic; errors against the torch path in float32, and every
+    fp8 variant bit for bit against convert_triton's whole state."""
     gen = torch.Generator(device=dev).manual_seed(0)
+    had_bf16 = hadamard_matrix(128).to(device=dev, dtype=torch.bfloat16)
+    had_pm1 = (hadamard_matrix(128) * 128 ** 0.5).to(device=dev, dtype=torch.bfloat16)
+    had_f8 = convert_triton._hadamard(128, dev)
+    layout = layouts.get("glm5", "fp8_ds_mla")
     for n in sizes:
         place, region = received(n, gen, dev)
         idx_off = convert_triton._layer_offsets(place, "indexer", 0, dev)
-        had = convert_triton._hadamard(128, dev)
         ref = convert_triton.to_injected_state([region], place, n, 0)
+        pages_of = [region[place.offset("indexer", lid)[1]:][:layout.plane("indexer").nbytes(n)].view(-1, 8448)
+                    for lid in (0, 40, 78)]
+        want = [convert.indexer_pages_to_keys(p, n, torch.float32) for p in pages_of]
         ki = torch.empty(L, n, 128, dtype=torch.bfloat16, device=dev)
         moved = L * n * (132 + 256)
         half = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
@@ -182,19 +189,28 @@ def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
         t_copy = min(graph_ms(lambda: half2.copy_(half)), median_ms(lambda: half2.copy_(half), dev))
         del half, half2
         pg = -(-n // 64)
-        for load_u8 in (False, True):
-            for stages, pages, warps in ((0, 1, 4), (0, 4, 4), (0, 8, 4), (0, 4, 8), (2, 4, 4), (2, 8, 4), (2, 4, 8)):
-                def fn(p: int = pages, u: bool = load_u8, st: int = stages, w: int = warps) -> None:
-                    _indexer_variant_kernel[(-(-pg // p), L)](region, idx_off, had, ki, n, 0, PAGE=8448, PAGES=p,
-                                                             LOAD_U8=u, STAGES=st, num_warps=w)
-                what = f"indexer {n // 1024}k load_u8={load_u8} stages={stages} pages={pages} warps={warps}"
-                try:
-                    fn()
-                    same = all(torch.equal(ki[lid], ref.layers[lid].ki) for lid in (0, 40, 78))
-                    t = graph_ms(fn)
-                    say(f"{what}: {t * 1e3:.1f} us ({t_copy / t:.0%} of its copy's speed), bits as now: {same}")
-                except Exception as exc:  # a variant that does not compile is a result too
-                    say(f"{what}: failed {type(exc).__name__}: {str(exc)[-160:]}")
+        say(f"indexer {n // 1024}k: same-traffic copy {t_copy * 1e3:.1f} us ({moved / 1e6:.0f} MB)")
+        variants: list[tuple[str, Callable[[], object]]] = []
+        for exact, had in ((False, had_bf16), (True, had_pm1)):
+            variants.append((f"bf16 exact={exact} stages=2 pages=4 warps=4", lambda h=had, e=exact: _bf16_indexer_kernel[
+                (-(-pg // 4), L)](region, idx_off, h, ki, n, 0, PAGE=8448, PAGES=4, STAGES=2, EXACT=e, num_warps=4)))
+        for stages, pages, warps in ((0, 4, 4), (2, 4, 4), (3, 1, 4), (3, 2, 4), (3, 3, 4), (3, 4, 4), (4, 2, 4),
+                                     (4, 3, 4), (4, 4, 4), (5, 4, 4), (3, 2, 8), (4, 4, 8)):
+            variants.append((f"fp8 stages={stages} pages={pages} warps={warps}", lambda s=stages, p=pages, w=warps:
+                             convert_triton._indexer_pages_kernel[(-(-pg // p), L)](
+                                 region, idx_off, had_f8, ki, n, 0, PAGE=8448, PAGES=p, STAGES=s, num_warps=w)))
+        for what, fn in variants:
+            try:
+                ki.fill_(float("nan"))
+                fn()
+                err = max(float((ki[lid].double() - w.double()).norm() / w.double().norm())
+                          for lid, w in zip((0, 40, 78), want, strict=True))
+                same = all(torch.equal(ki[lid], ref.layers[lid].ki) for lid in range(L))
+                t = graph_ms(fn)
+                say(f"indexer {n // 1024}k {what}: {t * 1e3:.1f} us ({t_copy / t:.0%} of its copy's speed), "
+                    f"error {err:.2e}, bits as convert_triton: {same}")
+            except Exception as exc:  # a variant that does not compile is a result too
+                say(f"indexer {n // 1024}k {what}: failed {type(exc).__name__}: {str(exc)[-160:]}")
         del region, ki, ref
         torch.cuda.empty_cache()
 
@@ -202,7 +218,8 @@ def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
 def adopt(dev: torch.device) -> None:
     """convert_triton.IDX_STAGES > 0 against 0: the same bits at token counts whose specialisations differ."""
     place, region = received(8192, torch.Generator(device=dev).manual_seed(1), dev)
-    for stages in (2, 3):
+    saved = convert_triton.IDX_STAGES
+    for stages in (2, 3, 4):
         for n in (1, 17, 64, 65, 1000, 8192):
             try:
                 got = {}
@@ -213,7 +230,7 @@ def adopt(dev: torch.device) -> None:
                 say(f"adopt idx_stages={stages} n={n}: bits as unrolled: {same}")
             except Exception as exc:
                 say(f"adopt idx_stages={stages} n={n}: failed {type(exc).__name__}: {str(exc)[-160:]}")
-    convert_triton.IDX_STAGES = 0
+    convert_triton.IDX_STAGES = saved
 
 
 def planes(dev: torch.device, sizes: list[int]) -> None:
@@ -326,7 +343,7 @@ def extraction(dev: torch.device, sizes: list[int]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sizes", default="8192,32768,131072")
-    ap.add_argument("--only", default="floors,mix,convert,extract")
+    ap.add_argument("--only", default="floors,mix,convert,host,extract")
     args = ap.parse_args()
     dev = torch.device("cuda")
     sizes = [int(s) for s in args.sizes.split(",")]
@@ -338,7 +355,7 @@ def main() -> None:
     if "mix" in only:
         mix(dev, sizes, bw)
     if "convert" in only:
-        conversion(dev, sizes)
+        conversion(dev, sizes, "host" in only)
     if "adopt" in only:
         adopt(dev)
     if "indexer" in only:

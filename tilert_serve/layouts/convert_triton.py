@@ -3,12 +3,14 @@
 One launch over every layer (or over one layer, for layer-wise handoff), of two kinds of program:
   - MLA rows (656 B: 512 fp8 latent values, 4 fp32 block scales, 64 bf16 RoPE values) -> kv [L, n, 512]
     and pe [L, n, 64] in bf16;
-  - indexer pages (64 tokens x 128 fp8 values, then 64 fp32 scales) -> dequantised, multiplied by the
-    orthonormal Hadamard matrix on the tensor cores, stored as ki [L, n, 128] bf16.
+  - indexer pages (64 tokens x 128 fp8 values, then 64 fp32 scales) -> the fp8 values times the +-1
+    Hadamard matrix on the tensor cores in fp8 (no conversion before the product), times each token's
+    scale and 128^-1/2, stored as ki [L, n, 128] bf16.
 Each byte of the wire is read once and each output written once, so the conversion runs near the
-device's copy bandwidth (bench/convert). A layer converted alone runs the same programs as in the
-whole state, so it is bit for bit the same. The torch path in convert.py is the reference it is
-tested against. Launches go through Launcher (below): the node converts each layer as it lands.
+device's copy bandwidth (bench/convert). A layer converted alone runs the same tiles as in the whole
+state (its indexer pages unrolled rather than in a pipelined loop: the same product), so it is bit for
+bit the same. The torch path in convert.py is the reference it is tested against. Launches go
+through Launcher (below): the node converts each layer as it lands.
 """
 
 from __future__ import annotations
@@ -34,24 +36,24 @@ _PAGE = INDEXER_PAGE_BYTES
 BLOCK_T = 16
 NUM_WARPS = 4
 IDX_WARPS = 4
-#: Indexer pages per program (None: by grid size, see _pages): the 32 KB Hadamard matrix is read
-#: (from L2) once per program. Picked on an H200 with `bench/convert/run.py --tune`.
+#: Indexer pages per program (None: by grid size, see _pages): the 16 KB Hadamard matrix is read
+#: (from L2) once per program. Picked on an H200 with `bench/convert/explore.py --only indexer`.
 PAGES: int | None = None
 #: The whole state's indexer launch: its pages unrolled (0) or a loop pipelined over IDX_STAGES stages
-#: (the next page's bytes load while this one rotates). 2 on an H200: the indexer launch 98 -> 93 us at
-#: 8k, 353 -> 330 us at 32k, the same bits (`bench/convert/explore.py --only indexer,adopt`); 3 does
-#: not compile on Triton 3.6 (cp.async of the fp8 bytes).
-IDX_STAGES = 2
+#: (each page's bytes go straight to shared memory, the next pages' load while this one multiplies).
+#: 3 stages over 2 pages a program on an H200: the indexer launch 70 / 259 / 1006 us at 8k / 32k / 128k
+#: against 74 / 269 / 1054 with 2 stages over 4 pages, 80 / 293 / 1126 unrolled, the same bits
+#: (`bench/convert/explore.py --only indexer,adopt`; 4 and 5 stages, 1 to 4 pages: no better).
+IDX_STAGES = 3
 #: Both planes in one launch (_convert_kernel) or one each (None: one for a single layer, two for
 #: more: one layer's few microseconds pay for a second launch, the whole state runs faster as two).
 ONE_LAUNCH: bool | None = None
-#: A layer converted alone (one launch of _convert_kernel): MLA tokens per program up to
-#: LAYER_SHORT tokens (a short layer's launch starts fewer, fatter programs sooner), BLOCK_T beyond;
-#: warps. Bit for bit the same either way (MLA tokens convert independently; the indexer tile is the
-#: same). Picked on an H200 with `bench/convert/explore.py`.
+#: A layer converted alone (one launch of _convert_kernel): MLA tokens per program and warps. Bit for
+#: bit the same as the whole state's (MLA tokens convert independently; the indexer page is the same
+#: product). 32 tokens, 8 warps on an H200: 7.8 / 23.0 / 83.0 us at 8k / 32k / 128k, within 1% of
+#: the best of 16-64 tokens and 4-8 warps at each size (`bench/convert/explore.py --only convert`).
 LAYER_BLOCK_T = 32
-LAYER_SHORT = 16384
-LAYER_WARPS = 4
+LAYER_WARPS = 8
 #: Launch the compiled kernels through their launchers (Launcher below) instead of JITFunction.__call__,
 #: which spends ~20 us a launch in Python binding and specialising the arguments. Off: Triton's own path.
 DIRECT_LAUNCH = True
@@ -143,31 +145,57 @@ def _mla_tile(src, layer_off, kv_out, pe_out, n, layer0, pid_t, layer, ROW: tl.c
 
 
 @triton.jit
-def _indexer_page(src, layer_off, h, ki_out, n, layer0, page, layer, PAGE: tl.constexpr):
-    """One indexer page (64 tokens) of output layer `layer`, rotated by `h` (the Hadamard matrix)."""
+def _indexer_page(lbase, h, ki_out, n, page, layer, PAGE: tl.constexpr):
+    """One indexer page (64 tokens) of output layer `layer`, whose pages start at `lbase`: the fp8
+    values times `h`, the +-1 Hadamard matrix, in fp8 on the tensor cores (the page's bytes go to shared
+    memory as they are: no conversion before the product), then each token's sums times its scale and
+    128^-1/2 (the orthonormal matrix's factor) in float32. The products are exact; the tensor cores'
+    fp8 sums keep fewer bits than float32, yet the keys' error (1.7e-3 relative to the float32 torch
+    path) is the bf16 rounding's alone: a bf16 product of the same exact values gives the same."""
     r = tl.arange(0, 64)
     c = tl.arange(0, 128)
-    base = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + page.to(tl.int64) * PAGE
+    base = lbase + page.to(tl.int64) * PAGE
     vptr = (base + r[:, None] * 128 + c[None, :]).to(tl.pointer_type(tl.float8e4nv), bitcast=True)
-    vals = tl.load(vptr, eviction_policy="evict_first").to(tl.float32)
-    scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r)
-    x = (vals * scales[:, None]).to(tl.bfloat16)
-    y = tl.dot(x, h)
+    acc = tl.dot(tl.load(vptr, eviction_policy="evict_first"), h)
+    scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r) * 0.08838834764831845
     t = page * 64 + r
     out_row = layer.to(tl.int64) * n + t.to(tl.int64)
-    tl.store(ki_out + out_row[:, None] * 128 + c[None, :], y.to(tl.bfloat16), mask=(t < n)[:, None])
+    tl.store(ki_out + out_row[:, None] * 128 + c[None, :], (acc * scales[:, None]).to(tl.bfloat16),
+             mask=(t < n)[:, None])
 
 
 @triton.jit
-def _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, pid, layer, PAGE: tl.constexpr, PAGES: tl.constexpr):
-    """PAGES indexer pages of one layer, the Hadamard matrix loaded once for all of them."""
+def _hadamard_tile(hadamard):
+    """The +-1 Hadamard matrix [128, 128] (fp8), read transposed (it is symmetric): the fp8 product
+    wants its second operand K-major, which this order stores with 16-byte vectors."""
     c = tl.arange(0, 128)
-    h = tl.load(hadamard + c[:, None] * 128 + c[None, :])
+    return tl.load(hadamard + c[None, :] * 128 + c[:, None])
+
+
+@triton.jit
+def _layer_base(src, layer_off, layer0, layer):
+    """Where output layer `layer`'s pages start (entry layer0 + layer of the offset table): offsets are
+    multiples of 16 bytes, and saying so lets the loads vectorize."""
+    return src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16)
+
+
+@triton.jit
+def _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, pid, layer, PAGE: tl.constexpr, PAGES: tl.constexpr,
+                  STAGES: tl.constexpr):
+    """PAGES indexer pages of one layer, the Hadamard matrix loaded once for all of them: unrolled
+    (STAGES 0), or a loop the compiler pipelines over STAGES stages (the page's bytes go straight to
+    shared memory, and the next pages' load while this one multiplies)."""
+    h = _hadamard_tile(hadamard)
+    lbase = _layer_base(src, layer_off, layer0, layer)
     n_pages = (n + 63) // 64
-    for k in tl.static_range(PAGES):
-        page = pid * PAGES + k
-        if page < n_pages:
-            _indexer_page(src, layer_off, h, ki_out, n, layer0, page, layer, PAGE)
+    if STAGES == 0:
+        for k in tl.static_range(PAGES):
+            page = pid * PAGES + k
+            if page < n_pages:
+                _indexer_page(lbase, h, ki_out, n, page, layer, PAGE)
+    else:
+        for page in tl.range(pid * PAGES, tl.minimum(pid * PAGES + PAGES, n_pages), num_stages=STAGES):
+            _indexer_page(lbase, h, ki_out, n, page, layer, PAGE)
 
 
 @triton.jit
@@ -178,14 +206,7 @@ def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, layer0, ROW: tl.constexp
 @triton.jit
 def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr,
                           STAGES: tl.constexpr):
-    if STAGES == 0:
-        _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, tl.program_id(0), tl.program_id(1), PAGE, PAGES)
-    else:  # the pages as a loop the compiler pipelines: the next page's bytes load while this one rotates
-        c = tl.arange(0, 128)
-        h = tl.load(hadamard + c[:, None] * 128 + c[None, :])
-        first = tl.program_id(0) * PAGES
-        for page in tl.range(first, tl.minimum(first + PAGES, (n + 63) // 64), num_stages=STAGES):
-            _indexer_page(src, layer_off, h, ki_out, n, layer0, page, tl.program_id(1), PAGE)
+    _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, tl.program_id(0), tl.program_id(1), PAGE, PAGES, STAGES)
 
 
 @triton.jit
@@ -198,7 +219,9 @@ def _convert_kernel(src, mla_off, idx_off, hadamard, kv_out, pe_out, ki_out, n, 
     if pid < mla_programs:
         _mla_tile(src, mla_off, kv_out, pe_out, n, layer0, pid, tl.program_id(1), ROW, BLOCK_T)
     else:
-        _indexer_tile(src, idx_off, hadamard, ki_out, n, layer0, pid - mla_programs, tl.program_id(1), PAGE, PAGES)
+        # Unrolled: the pipelined loop's buffers (58 KB of shared memory a program) would hold back the
+        # MLA programs of the same launch (a layer alone: 8.1 against 7.8 us at 8k, 91 against 83 us at 128k).
+        _indexer_tile(src, idx_off, hadamard, ki_out, n, layer0, pid - mla_programs, tl.program_id(1), PAGE, PAGES, 0)
 
 
 @functools.cache
@@ -214,7 +237,9 @@ def _shard_layers(placement: Placement, shard: int) -> list[int]:
 
 @functools.cache
 def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
-    return hadamard_matrix(dim).to(device=device, dtype=torch.bfloat16)
+    """The Sylvester Hadamard matrix's +-1 entries in fp8 (exact); the kernels apply its dim^-1/2."""
+    signs: torch.Tensor = (hadamard_matrix(dim) * dim ** 0.5).round()
+    return signs.to(device=device, dtype=torch.float8_e4m3fn)
 
 
 _MLA_ROWS = Launcher(_mla_rows_kernel)
@@ -262,8 +287,9 @@ def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: in
 
 
 def _pages(total_pages: int) -> int:
-    """Pages a program: several share one read of the Hadamard matrix when there are programs to spare."""
-    return 1 if total_pages < 4096 else 4 if total_pages < 32768 else 8
+    """Pages a program: two share one read of the Hadamard matrix, and load together in the pipelined
+    loop, when there are programs to spare (more pages a program: fewer loads in flight)."""
+    return 1 if total_pages < 4096 else 2
 
 
 def _check(regions: list[torch.Tensor], placement: Placement) -> None:
@@ -276,15 +302,13 @@ def _check(regions: list[torch.Tensor], placement: Placement) -> None:
 def to_layer_state(regions: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int, *,
                    block_t: int | None = None, num_warps: int | None = None, pages: int | None = PAGES) -> LayerState:
     """One layer of a slot's received fp8_ds_mla bytes -> bf16, on the GPU of the layer's shard; bit for
-    bit what `to_injected_state` gives for it (the same kernels, one layer's grid)."""
+    bit what `to_injected_state` gives for it (the same tiles, one layer's grid)."""
     _check(regions, placement)
     if not 0 <= layer < placement.layout.num_layers:
         raise ValueError(f"layer {layer} is outside 0..{placement.layout.num_layers - 1}")
     shard = placement.shard_of(layer)
     # A shard holds layers shard, shard + shards, ...: this one is its (layer // shards)-th.
-    if block_t is None:
-        block_t = LAYER_BLOCK_T if num_tokens <= LAYER_SHORT else BLOCK_T
-    return _convert_shard(regions[shard], placement, shard, num_tokens, block_t,
+    return _convert_shard(regions[shard], placement, shard, num_tokens, LAYER_BLOCK_T if block_t is None else block_t,
                           LAYER_WARPS if num_warps is None else num_warps, pages, layer // placement.shards, 1)[0]
 
 
