@@ -6,10 +6,12 @@
 #
 #   BENCH_COMMIT=$(git rev-parse --short HEAD) OUT=/some/dir [BENCH_TUNE=1] [BENCH_EXPLORE=1] bash bench/gpu.sh
 # (BENCH_TUNE=1: extract and convert also time their kernel variants, into the notes under their tables)
-# The machine has no pydantic, which the layer-wise CUDA test's worker needs: carry its wheels in .whl
+# The machine has no pydantic, which the layer-wise CUDA test's worker and the decode node (the settle
+# test) need: carry its wheels in .whl
 # (python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --platform
 # manylinux2014_x86_64 -d .whl pydantic pydantic_core annotated-types typing-inspection, versions as in
-# the venv); they are installed into /tmp/site here. Without them that one test is skipped.
+# the venv); they are installed into /tmp/site here. Without them the layer-wise test is skipped and the
+# settle test fails to import (tests/decode/conftest.py and decode/node.py import pydantic).
 set -u
 : "${OUT:?set OUT to a folder for the logs and RESULTS.md}"
 export PYTHONUNBUFFERED=1 BENCH_RESULTS="$OUT/RESULTS.md"
@@ -22,7 +24,7 @@ cp bench/RESULTS.md "$OUT/RESULTS.md"
 nvidia-smi -L
 echo "pytest start $(date -u +%FT%TZ)"
 timeout 300 "$PY" -m pytest -m gpu tests/layouts/test_convert_triton.py tests/pd_vllm/test_extract_triton.py \
-  tests/pd_vllm/test_layerwise_cuda.py -v \
+  tests/pd_vllm/test_layerwise_cuda.py tests/decode/test_settle_cuda.py -v \
   -p no:cacheprovider >"$OUT/pytest.log" 2>&1
 echo "pytest rc $? end $(date -u +%FT%TZ)"
 timeout 150 "$PY" -m bench.extract.run ${BENCH_TUNE:+--tune} >"$OUT/extract.log" 2>&1; echo "extract rc $?"
