@@ -63,14 +63,21 @@ async def wait_for(predicate, timeout: float = 20.0) -> None:
         await asyncio.sleep(0.02)
 
 
+@contextlib.asynccontextmanager
+async def handed_over(case: str, secret_file, seed: int, flag: str):
+    """A node of `case`'s layout (GLM-5's on two shards) and the result of one sender process's
+    handoff of NUM_TOKENS tokens to it, with sender_proc's `flag`: (node, admission, result)."""
+    shards = 2 if case.startswith("glm5") else 1
+    async with running_node(synthetic.layout_for(case), secret_file, slots=1, max_seq_len=128, shards=shards) as n:
+        _, adm = await n.admit("r")
+        line = await n.send(case, NUM_TOKENS, seed, "mooncake", adm["ticket"], flag, request_id="r")
+        yield n, adm, json.loads(line[7:])
+
+
 @pytest.mark.parametrize("case", ["glm5-fp8", "mla-f32"])
 async def test_layerwise_state_is_the_whole_states(case, secret_file):
     layout = synthetic.layout_for(case)
-    shards = 2 if case.startswith("glm5") else 1
-    async with running_node(layout, secret_file, slots=1, max_seq_len=128, shards=shards) as n:
-        _, adm = await n.admit("lw")
-        result = json.loads((await n.send(case, NUM_TOKENS, 5, "mooncake", adm["ticket"], "--layerwise",
-                                          request_id="lw"))[7:])
+    async with handed_over(case, secret_file, 5, "--layerwise") as (n, adm, result):
         assert result["ok"], result
         assert result["layers_sent"] == layout.num_layers and result["layers_early"] == layout.num_layers - 1
         assert result["nbytes"] == layout.request_bytes(NUM_TOKENS)
@@ -98,11 +105,7 @@ async def test_a_chunked_prefills_state_is_the_whole_states(case, secret_file):
     state. The indexer page the first two chunks end inside holds garbage until the next chunk: it
     must come again, whole (sender_proc's ChunkByChunk), or the layer digests would not match."""
     layout = synthetic.layout_for(case)
-    shards = 2 if case.startswith("glm5") else 1
-    async with running_node(layout, secret_file, slots=1, max_seq_len=128, shards=shards) as n:
-        _, adm = await n.admit("chunked")
-        result = json.loads((await n.send(case, NUM_TOKENS, 7, "mooncake", adm["ticket"], "--chunks=9,40",
-                                          request_id="chunked"))[7:])
+    async with handed_over(case, secret_file, 7, "--chunks=9,40") as (n, adm, result):
         assert result["ok"], result
         assert result["layers_sent"] == layout.num_layers
         staging, every = Placement(layout, max_tokens=NUM_TOKENS), list(range(layout.num_layers))
