@@ -2,12 +2,13 @@
 
 usage: sender_proc.py CASE NUM_TOKENS SEED ENGINE HOST PORT SECRET_FILE REQUEST_ID [TICKET] [--die-after-accept]
                       [--no-digest] [--layerwise] [--die-after-layers=K] [--give-up-after-layers=K]
-                      [--hold-after-layers=K] [--chunks=T1,T2,...]
+                      [--hold-after-layers=K] [--stall-after-layers=K] [--chunks=T1,T2,...]
 Prints one line `RESULT {json}`.
 
 --layerwise hands the sender a LayerSource that gives one layer at a time, as a prefill's forward
 does; --die-after-layers kills the process (SIGKILL) once K layers were given, --give-up-after-layers
-makes the source fail (the prefill gave up), --hold-after-layers prints `HELD` after K layers and
+makes the source fail (the prefill gave up), --stall-after-layers makes it time out (the prefill
+staged nothing more), --hold-after-layers prints `HELD` after K layers and
 waits for a line on stdin before giving the rest. --chunks makes it a chunked prefill's source: the
 prompt is computed in chunks ending at T1, T2, ... and at NUM_TOKENS; staging starts empty and each
 chunk puts its tokens there (the page a chunk ends inside holds garbage until the next chunk
@@ -70,6 +71,8 @@ class OneByOne:
             os.kill(os.getpid(), signal.SIGKILL)
         if self.given == _flag("give-up-after-layers"):
             raise LayerSourceFailed("the prefill gave up (test)")
+        if self.given == _flag("stall-after-layers"):
+            raise TimeoutError(f"the prefill staged no further layer in {timeout:.1f} s (test)")
         if self.given == _flag("hold-after-layers"):
             print("HELD", flush=True)
             sys.stdin.readline()

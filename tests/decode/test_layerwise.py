@@ -166,15 +166,19 @@ async def test_a_sender_dying_between_layers_fails_and_quarantines_the_slot(secr
         assert not n.node.buffers.views(0)[0].any()
 
 
-async def test_a_prefill_giving_up_between_layers_frees_the_slot_without_quarantine(secret_file):
+@pytest.mark.parametrize(("flag", "why"), [("--give-up-after-layers=2", "gave up"),
+                                           ("--stall-after-layers=2", "staged no further layer")])
+async def test_a_prefill_giving_up_between_layers_frees_the_slot_without_quarantine(secret_file, flag, why):
+    # Given up, or stalled past the sender's wait for a batch (a step): the node hears at once, not
+    # at its handoff deadline.
     case = "mla-f32"
     async with running_node(synthetic.layout_for(case), secret_file, slots=1) as n:
         _, adm = await n.admit("given-up")
-        result = json.loads((await n.send(case, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--layerwise",
-                                          "--give-up-after-layers=2", request_id="given-up"))[7:])
+        result = json.loads((await n.send(case, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--layerwise", flag,
+                                          request_id="given-up"))[7:])
         assert not result["ok"] and result["reason"] == "prefill_failed", result
         status, events = await n.generate(adm["ticket"])
-        assert status == 502 and "gave up" in events[0]["error"]["message"]
+        assert status == 502 and why in events[0]["error"]["message"]
         assert n.node.slots.free == 1 and n.node._prepared[0] is None
         assert b"tilert_decode_quarantined_slots_total 0.0" in n.node.metrics.render()
 
