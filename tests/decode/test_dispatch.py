@@ -91,6 +91,19 @@ async def test_unticketed_sender_takes_a_free_slot_or_is_told_busy(secret_file):
         assert (busy["ok"], busy["reason"]) == (False, "busy")
 
 
+@pytest.mark.parametrize(("case", "tokens", "reason"), [("mla-bf16", 20, "layout_mismatch"), (CASE, 65, "too_long")])
+async def test_a_refused_request_fails_its_ticket_at_once(secret_file, case, tokens, reason):
+    # A prefill whose state this node can never take (another layout, more tokens than it holds): the
+    # generate call hears why at once, not when the ticket expires.
+    async with running_node(LAYOUT, secret_file, slots=1, max_seq_len=64, ticket_ttl_s=300) as n:
+        _, adm = await n.admit("doomed")
+        r = json.loads((await n.send(case, tokens, 1, "mooncake", adm["ticket"], request_id="doomed"))[7:])
+        assert (r["ok"], r["reason"]) == (False, reason)
+        status, events = await asyncio.wait_for(n.generate(adm["ticket"]), 30)
+        assert status == 502 and reason in events[0]["error"]["message"]
+        assert n.node.slots.free == 1
+
+
 async def test_refusals_name_the_reason(secret_file, tmp_path):
     async with running_node(LAYOUT, secret_file, slots=1, max_seq_len=64) as n:
         wrong = tmp_path / "wrong"

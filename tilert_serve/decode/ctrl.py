@@ -195,16 +195,13 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
     req = await _read(reader, conn, messages.Request, HANDSHAKE_TIMEOUT_S)
     assert isinstance(req, messages.Request)
     conn.request_id = req.request_id
-    if req.layout_fingerprint != node.layout.fingerprint:
-        raise _Refuse(RejectReason.LAYOUT, f"this node runs layout {node.layout.describe()}")
-    if req.num_tokens > node.config.max_seq_len:
-        raise _Refuse(RejectReason.TOO_LONG, f"{req.num_tokens} tokens exceed this node's max_seq_len "
-                                             f"{node.config.max_seq_len}")
-    if not 0 <= req.sender_rank < req.num_senders:
-        raise _Refuse(RejectReason.BAD_REQUEST, f"sender_rank {req.sender_rank} not in 0..{req.num_senders - 1}")
-    if req.num_senders > node.layout.num_layers:
-        raise _Refuse(RejectReason.BAD_REQUEST, f"num_senders {req.num_senders} exceeds the layout's "
-                                                f"{node.layout.num_layers} layers")
+    refused = _refusal(node, req)
+    if refused is not None:
+        # An authenticated sender's request for this ticket that can never be served: the request
+        # fails now, naming why, instead of when its ticket expires.
+        if req.ticket is not None and (slot := node.slots.find(req.ticket)) is not None:
+            node.slots.fail(slot, f"the prefill's state was refused: {refused.reason.value}: {refused.message}")
+        raise refused
     try:
         slot = node.slots.accept(ticket=req.ticket, request_id=req.request_id, rank=req.sender_rank,
                                  num_senders=req.num_senders, num_tokens=req.num_tokens,
@@ -217,6 +214,21 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
         raise _Refuse(RejectReason.DUPLICATE, str(exc)) from exc
     conn.slot, conn.generation, conn.rank = slot, slot.generation, req.sender_rank
     await _receive(node, reader, writer, conn, req, slot)
+
+
+def _refusal(node: DecodeNode, req: messages.Request) -> _Refuse | None:
+    """Why this node can never take `req`'s state, or None."""
+    if req.layout_fingerprint != node.layout.fingerprint:
+        return _Refuse(RejectReason.LAYOUT, f"this node runs layout {node.layout.describe()}")
+    if req.num_tokens > node.config.max_seq_len:
+        return _Refuse(RejectReason.TOO_LONG, f"{req.num_tokens} tokens exceed this node's max_seq_len "
+                                              f"{node.config.max_seq_len}")
+    if not 0 <= req.sender_rank < req.num_senders:
+        return _Refuse(RejectReason.BAD_REQUEST, f"sender_rank {req.sender_rank} not in 0..{req.num_senders - 1}")
+    if req.num_senders > node.layout.num_layers:
+        return _Refuse(RejectReason.BAD_REQUEST, f"num_senders {req.num_senders} exceeds the layout's "
+                                                 f"{node.layout.num_layers} layers")
+    return None
 
 
 def _check_handoff(msg: messages.LayersDone | messages.Done, req: messages.Request, generation: int) -> None:

@@ -138,11 +138,15 @@ class SlotTable:
         return len(self.slots) - self.free
 
     def by_ticket(self, ticket: str) -> Slot:
-        slot = self._by_ticket.get(ticket)
+        slot = self.find(ticket)
         if slot is None:
             raise UnknownTicket(f"ticket {ticket[:8]}... is unknown, expired, cancelled or already used; "
                                 "admit the request again")
         return slot
+
+    def find(self, ticket: str) -> Slot | None:
+        """The live slot holding `ticket`, or None."""
+        return self._by_ticket.get(ticket)
 
     def by_request(self, request_id: str) -> Slot | None:
         return next((s for s in self.slots if s.ticket is not None and s.request_id == request_id), None)

@@ -183,19 +183,23 @@ class Sender:
             return HandoffResult(False, RejectReason.UNAUTHENTICATED.value,
                                  f"decode node {hello.node} does not hold the handoff secret; state not sent")
         layout = self.staging.layout
+        request = messages.Request(request_id=req.request_id, ticket=req.ticket, num_tokens=req.num_tokens,
+                                   last_prompt_token=req.last_prompt_token, prompt_token_ids=req.prompt_token_ids,
+                                   layout_fingerprint=layout.fingerprint, sender_rank=req.rank,
+                                   num_senders=req.num_senders)
         if hello.layout.fingerprint != layout.fingerprint:
             msg = (f"node {hello.node} runs layout {hello.layout.model}/{hello.layout.kv_cache_dtype} "
                    f"v{hello.layout.version} ({hello.layout.num_layers} layers), this prefill "
                    f"{layout.model}/{layout.kv_cache_dtype} v{layout.version} ({layout.num_layers} layers)")
-            chan.send(messages.Error(reason=RejectReason.LAYOUT, message=msg))
+            # The request still goes: the node refuses it and fails its ticket at once, so the client
+            # hears why now, not when the ticket expires.
+            chan.send(request)
+            self._expect(chan, messages.Accept)
             return HandoffResult(False, RejectReason.LAYOUT.value, msg)
         key = f"{hello.transfer}:{hello.peer.get('session_id') or hello.peer.get('agent')}"
         if key not in self._peers:
             self._peers[key] = self.engine.connect(hello.peer)
-        chan.send(messages.Request(request_id=req.request_id, ticket=req.ticket, num_tokens=req.num_tokens,
-                                   last_prompt_token=req.last_prompt_token,
-                                   prompt_token_ids=req.prompt_token_ids, layout_fingerprint=layout.fingerprint,
-                                   sender_rank=req.rank, num_senders=req.num_senders))
+        chan.send(request)
         accept = self._expect(chan, messages.Accept)
         if not isinstance(accept, messages.Accept):
             return _refused(accept)
