@@ -114,10 +114,12 @@ def conversion(dev: torch.device, sizes: list[int], host: bool) -> None:
         tk = graph_ms(lambda: convert_triton.to_injected_state([region], place, n, 0))
         say(f"convert {n // 1024}k: layer same-traffic copy {layer_copy * 1e3:.2f} us; whole default {tk:.4f} ms")
         # one_launch=False: a layer as two launches, its indexer pages in the pipelined loop (IDX_STAGES).
-        for block_t, warps, pages, one_launch in ((16, 4, 1, True), (32, 4, 1, True), (32, 8, 1, True),
-                                                  (64, 8, 1, True), (32, 8, 2, True), (32, 8, 1, False),
-                                                  (32, 8, 2, False)):
+        for block_t, warps, pages, one_launch, order in (
+                (32, 8, 1, True, 0), (32, 8, 1, True, 1), (32, 8, 1, True, 2), (16, 4, 1, True, 1),
+                (16, 4, 1, True, 2), (32, 4, 1, True, 1), (32, 4, 1, True, 2), (64, 8, 1, True, 1),
+                (64, 8, 1, True, 2), (32, 8, 2, True, 1), (32, 8, 2, True, 2), (16, 8, 1, True, 2)):
             convert_triton.ONE_LAUNCH = one_launch
+            convert_triton.LAYER_ORDER = order
             for lid in (0, 40, 78):
                 one = convert_triton.to_layer_state([region], place, lid, n, block_t=block_t, num_warps=warps,
                                                     pages=pages)
@@ -127,9 +129,11 @@ def conversion(dev: torch.device, sizes: list[int], host: bool) -> None:
                     raise SystemExit(f"convert layer block_t={block_t} warps={warps} differs from the whole state")
             t = per_slice_graph(lambda lid: convert_triton.to_layer_state([region], place, lid, n, block_t=block_t,
                                                                           num_warps=warps, pages=pages), L)
-            say(f"convert {n // 1024}k layer block_t={block_t} warps={warps} pages={pages} one_launch={one_launch}: "
+            say(f"convert {n // 1024}k layer block_t={block_t} warps={warps} pages={pages} one_launch={one_launch} "
+                f"order={order}: "
                 f"{t * 1e3:.2f} us ({layer_copy / t:.0%} of the same-traffic copy's speed)")
         convert_triton.ONE_LAUNCH = None
+        convert_triton.LAYER_ORDER = None
         if host:
             host_calls("convert", n, dev, lambda: [convert_triton.to_layer_state([region], place, lid, n)
                                                    for lid in range(L)],
@@ -320,10 +324,10 @@ def extraction(dev: torch.device, sizes: list[int]) -> None:
         del src, dst
         say(f"extract {n // 1024}k: layer copy {layer_copy * 1e3:.2f} us ({lbytes / 1e6:.1f} MB), whole copy "
             f"{whole_copy:.4f} ms")
-        for planes in (False, True):
+        for planes in (True,):
             extract_triton.PLANES_KERNEL = planes
-            for chunk, warps, split in ((1024, 8, None), (1024, 4, None), (512, 4, 8), (1024, 4, 11), (2048, 8, 4),
-                                        (1024, 8, 2)):
+            for chunk, warps, split in ((1024, 4, 11), (1024, 2, 11), (1024, 8, 11), (2048, 4, 6), (2048, 8, 6),
+                                        (512, 2, 21), (512, 4, 21), (4096, 8, 3), (1024, 4, 6), (256, 2, 41)):
                 out.fill_(0)  # ref is zero outside the request's bytes
                 for lid in range(L):
                     kernel(dev_ids, n, out, layer=lid, chunk=chunk, num_warps=warps, split=split)

@@ -181,3 +181,24 @@ def test_the_pipelined_indexer_loop_leaves_the_bits_alone(n: int, monkeypatch) -
         got[stages] = [s.ki.cpu() for s in convert_triton.to_injected_state(regions, place, n, 0).layers if s.ki is not None]
     assert len(got[0]) == place.layout.num_layers
     assert all(torch.equal(a, b) for a, b in zip(got[0], got[2], strict=True))
+
+
+@pytest.mark.parametrize("n", [1, 17, 65, 1000])
+def test_a_layers_program_order_leaves_the_bits_alone(n: int, monkeypatch) -> None:
+    # LAYER_ORDER: MLA programs first, indexer programs first, or interleaved (with block_t 64 and 2
+    # pages a program, 1 token: one MLA program and one indexer program, mla_programs // idx_programs 1).
+    from tilert_serve.layouts import convert_triton
+
+    place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=1024)
+    regions = received(place, n, seed=50 + n, device=torch.device("cuda"))
+    whole = convert_triton.to_injected_state(regions, place, n, 0)
+    for order in (0, 1, 2):
+        monkeypatch.setattr(convert_triton, "LAYER_ORDER", order)
+        for block_t, warps, pages in ((32, 8, 1), (16, 4, 1), (64, 8, 2)):
+            for lid in (0, 40, 78):
+                one = convert_triton.to_layer_state(regions, place, lid, n, block_t=block_t, num_warps=warps,
+                                                    pages=pages)
+                w = whole.layers[lid]
+                assert one.ki is not None and w.ki is not None
+                assert (torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe)
+                        and torch.equal(one.ki, w.ki)), (order, block_t, pages, lid)

@@ -54,6 +54,11 @@ ONE_LAUNCH: bool | None = None
 #: the best of 16-64 tokens and 4-8 warps at each size (`bench/convert/explore.py --only convert`).
 LAYER_BLOCK_T = 32
 LAYER_WARPS = 8
+#: The one launch's program order: 0 MLA programs first, 1 indexer programs first, 2 interleaved (an
+#: indexer program after every mla_programs // idx_programs MLA programs); None: by size (_layer_order).
+#: The same bits in any order. H200, 32 tokens, 8 warps (`bench/convert/explore.py --only convert`):
+#: at 32k 22.9 / 24.1 / 23.1 us, at 128k 82.2 / 83.9 / 80.7 us (0 / 1 / 2).
+LAYER_ORDER: int | None = None
 #: Launch the compiled kernels through their launchers (Launcher below) instead of JITFunction.__call__,
 #: which spends ~20 us a launch in Python binding and specialising the arguments. Off: Triton's own path.
 DIRECT_LAUNCH = True
@@ -211,17 +216,34 @@ def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.
 
 @triton.jit
 def _convert_kernel(src, mla_off, idx_off, hadamard, kv_out, pe_out, ki_out, n, layer0, mla_programs,
-                    ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, PAGES: tl.constexpr):
+                    ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, PAGES: tl.constexpr,
+                    ORDER: tl.constexpr):
     """Both planes in one launch, side by side: the first `mla_programs` programs of a layer do MLA
     rows, the rest indexer pages. One launch and one tail instead of two, which at 8k tokens (~0.35 ms
     of bytes) and for one layer (a few microseconds) is a visible share."""
     pid = tl.program_id(0)
-    if pid < mla_programs:
-        _mla_tile(src, mla_off, kv_out, pe_out, n, layer0, pid, tl.program_id(1), ROW, BLOCK_T)
-    else:
+    idx_programs = tl.num_programs(0) - mla_programs
+    if ORDER == 0:  # MLA programs first
+        is_idx = pid >= mla_programs
+        idx_pid = pid - mla_programs
+        mla_pid = pid
+    elif ORDER == 1:  # indexer programs first
+        is_idx = pid < idx_programs
+        idx_pid = pid
+        mla_pid = pid - idx_programs
+    else:  # interleaved: R MLA programs, then one indexer program, while indexer programs last
+        r = mla_programs // idx_programs
+        q = pid // (r + 1)
+        inside = pid < idx_programs * (r + 1)
+        is_idx = inside & (pid - q * (r + 1) == r)
+        idx_pid = q
+        mla_pid = tl.where(inside, pid - q, pid - idx_programs)
+    if is_idx:
         # Unrolled: the pipelined loop's buffers (58 KB of shared memory a program) would hold back the
         # MLA programs of the same launch (a layer alone: 8.1 against 7.8 us at 8k, 91 against 83 us at 128k).
-        _indexer_tile(src, idx_off, hadamard, ki_out, n, layer0, pid - mla_programs, tl.program_id(1), PAGE, PAGES, 0)
+        _indexer_tile(src, idx_off, hadamard, ki_out, n, layer0, idx_pid, tl.program_id(1), PAGE, PAGES, 0)
+    else:
+        _mla_tile(src, mla_off, kv_out, pe_out, n, layer0, mla_pid, tl.program_id(1), ROW, BLOCK_T)
 
 
 @functools.cache
@@ -272,7 +294,8 @@ def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: in
         if (count == 1) if ONE_LAUNCH is None else ONE_LAUNCH:
             _CONVERT((mla_programs + idx_programs, count),
                      (region, mla_off, idx_off, had, kv, pe, ki, n, first, mla_programs),
-                     (("ROW", _ROW), ("PAGE", _PAGE), ("BLOCK_T", block_t), ("PAGES", pages)), num_warps)
+                     (("ROW", _ROW), ("PAGE", _PAGE), ("BLOCK_T", block_t), ("PAGES", pages),
+                      ("ORDER", _layer_order(n) if LAYER_ORDER is None else LAYER_ORDER)), num_warps)
         else:
             _MLA_ROWS((mla_programs, count), (region, mla_off, kv, pe, n, first),
                       (("ROW", _ROW), ("BLOCK_T", block_t)), num_warps)
@@ -284,6 +307,12 @@ def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: in
         return [LayerState(kv=k, pe=p) for k, p in zip(kv.unbind(0), pe.unbind(0), strict=True)]
     # unbind: one call for every layer's views instead of three indexing operations per layer.
     return [LayerState(kv=k, pe=p, ki=x) for k, p, x in zip(kv.unbind(0), pe.unbind(0), ki.unbind(0), strict=True)]
+
+
+def _layer_order(n: int) -> int:
+    """A layer's program order (LAYER_ORDER): interleaved from 64k tokens, where the indexer programs,
+    slower per byte than the MLA ones, otherwise all run in the launch's tail; MLA first below."""
+    return 2 if n >= 65536 else 0
 
 
 def _pages(total_pages: int) -> int:
