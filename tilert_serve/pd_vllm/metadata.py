@@ -22,6 +22,10 @@ class Destination:
     #: connector's), so a benchmark or test can compare both handoffs on one prefill.
     layerwise: bool | None = None
 
+    def wants_layerwise(self, default: bool) -> bool:
+        """This request's choice of the layer-wise handoff, else the connector's `default`."""
+        return default if self.layerwise is None else self.layerwise
+
     @staticmethod
     def claims(params: dict[str, Any] | None) -> bool:
         """The claim filter: only requests the router marked for TileRT (tilert_host) are ours."""

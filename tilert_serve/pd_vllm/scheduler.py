@@ -99,7 +99,7 @@ class TileRTScheduler:
                                          last_prompt_token=prompt[n - 1], prompt_token_ids=list(prompt),
                                          block_ids=claimed.block_ids))
                 claimed.queued = True
-            elif self.config.layerwise if claimed.dest.layerwise is None else claimed.dest.layerwise:
+            elif claimed.dest.wants_layerwise(self.config.layerwise):
                 meta.jobs.append(SendJob(req_id=req_id, dest=claimed.dest, num_tokens=n,
                                          last_prompt_token=prompt[n - 1],
                                          prompt_token_ids=[] if claimed.announced else list(prompt),

@@ -330,7 +330,7 @@ class TileRTWorker:
                     self._ended.discard(job.req_id)
                     self._copied.add(job.req_id)
                     self._taken.add(job.req_id)
-            elif (self.config.layerwise if job.dest.layerwise is None else job.dest.layerwise) and not blocked:
+            elif job.dest.wants_layerwise(self.config.layerwise) and not blocked:
                 blocked = not self._start(job) and job.upto is None
 
     def _start(self, job: SendJob) -> bool:
