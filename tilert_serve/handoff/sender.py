@@ -295,21 +295,22 @@ class Sender:
             if not layers:
                 continue
             try:
-                if staged.upto is not None:  # a chunk of layers still being computed: written, nothing said
-                    n, seconds = self._write(chan, req, accept, key, dst, layers, staged.start, staged.upto)
-                    chunk_bytes += n
-                    nbytes += n
-                    busy_s += seconds
-                    continue
-                written, n, seconds = self._hash_and_write(chan, req, accept, key, dst, layers, buffers, algorithm,
-                                                           staged.start)
+                if staged.upto is None:
+                    written, n, seconds = self._hash_and_write(chan, req, accept, key, dst, layers, buffers,
+                                                               algorithm, staged.start)
+                else:
+                    written, (n, seconds) = None, self._write(chan, req, accept, key, dst, layers, staged.start,
+                                                              staged.upto)
             except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
             busy_s += seconds
+            nbytes += n
+            if written is None:  # a chunk of layers still being computed: written, nothing said
+                chunk_bytes += n
+                continue
             chan.send(messages.LayersDone(request_id=req.request_id, generation=accept.generation, layers=layers,
                                           nbytes=n, digest=written))
             sent.update(layers)
-            nbytes += n
             last_batch = len(layers)
         t2 = time.monotonic()
         missing = sorted(mine - sent)

@@ -40,7 +40,7 @@ class TileRTStats(KVConnectorStats):
         self.data["layers_early"] += layers_early
         self.data["ack_s"] += ack_s
         self.data["write_s"] += write_s
-        self.data["chunk_bytes"] = self.data.get("chunk_bytes", 0) + chunk_bytes
+        self.data["chunk_bytes"] += chunk_bytes
 
     def reset(self) -> None:
         self.data = _empty()
