@@ -143,7 +143,7 @@ def data_plane(networks: Sequence[str], host_network: bool, policies_enabled: bo
 #: A node's last successful handoff counts as recent this long (the router probes an idle node every
 #: 30 s, tilert_serve/router/canary.py); a node with a slot in use is exempt (long decodes, no new state).
 HANDOFF_MAX_AGE_S = 120.0
-#: The node's failure category (tilert_serve/decode/node.py DATA_PLANE_FAILURES) -> the condition's reason.
+#: The node's failure category (tilert_serve/decode/record.py DATA_PLANE_FAILURES) -> the condition's reason.
 HANDOFF_REASONS = {
     "not_authenticated": "NotAuthenticated", "layout_mismatch": "LayoutMismatch", "version_mismatch": "VersionMismatch",
     "timeout": "Timeout", "digest_mismatch": "DigestMismatch", "transfer_failed": "TransferFailed",

@@ -9,7 +9,7 @@ import json
 
 from tests.decode import synthetic
 from tests.decode.conftest import converter_held, running_node
-from tilert_serve.decode.node import link_seconds
+from tilert_serve.decode.record import link_seconds
 from tilert_serve.decode.slots import Slot
 
 CASE = "mla-f32"

@@ -86,34 +86,34 @@ class ControlServer:
         try:
             await _handoff(node, reader, writer, conn, self)
         except _Refuse as exc:
-            node.ctrl_error(exc.reason.value, exc.message)
+            node.recorder.ctrl_error(exc.reason.value, exc.message)
             log.info("handoff from %s refused: %s: %s", peer, exc.reason.value, exc.message)
             await _try_send(writer, messages.Reject(request_id=conn.request_id, reason=exc.reason,
                                                     message=exc.message), conn.session)
         except VersionMismatch as exc:
-            node.ctrl_error(RejectReason.VERSION.value, str(exc))
+            node.recorder.ctrl_error(RejectReason.VERSION.value, str(exc))
             log.info("handoff from %s: %s", peer, exc)
             # In the peer's version: Error's body is the same in every version, so an older peer reads why.
             await _try_send(writer, messages.Error(reason=RejectReason.VERSION, message=str(exc)), None,
                             version=exc.version)
             _lost(node, conn, f"sender speaks another protocol version: {exc}")
         except SessionError as exc:
-            node.ctrl_error(RejectReason.UNAUTHENTICATED.value, f"session check failed: {exc}")
+            node.recorder.ctrl_error(RejectReason.UNAUTHENTICATED.value, f"session check failed: {exc}")
             log.warning("handoff from %s: session check failed: %s", peer, exc)
             await _try_send(writer, messages.Error(reason=RejectReason.UNAUTHENTICATED, message=str(exc)),
                             conn.session)
             _lost(node, conn, f"the control connection failed its session check: {exc}")
         except (FrameError, MessageError) as exc:
-            node.ctrl_error("bad_request", f"protocol error: {exc}")
+            node.recorder.ctrl_error("bad_request", f"protocol error: {exc}")
             log.warning("handoff from %s: protocol error: %s", peer, exc)
             await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST, message=str(exc)), conn.session)
             _lost(node, conn, f"sender broke the protocol: {exc}")
         except _PeerError as exc:
-            node.ctrl_error("peer_error", str(exc))
+            node.recorder.ctrl_error("peer_error", str(exc))
             log.info("handoff from %s: the sender gave up: %s", peer, exc)
             _lost(node, conn, str(exc))
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
-            node.ctrl_error("disconnected", f"sender disconnected or timed out ({type(exc).__name__})")
+            node.recorder.ctrl_error("disconnected", f"sender disconnected or timed out ({type(exc).__name__})")
             if isinstance(exc, TimeoutError):
                 await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST,
                                                        message="timed out waiting for the next message"),
@@ -127,7 +127,7 @@ class ControlServer:
                     conn.session)
             _lost(node, conn, f"sender disconnected or timed out before reporting done ({type(exc).__name__})")
         except Exception:  # the server must outlive any one connection
-            node.ctrl_error("internal", "internal error in the control plane")
+            node.recorder.ctrl_error("internal", "internal error in the control plane")
             log.exception("handoff from %s: internal error", peer)
             _lost(node, conn, "internal error in the decode node's control plane; see its log")
         finally:

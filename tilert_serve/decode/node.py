@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import threading
 import time
 from collections.abc import AsyncGenerator, Callable, Iterable
@@ -27,7 +26,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from prometheus_client import Counter, Gauge
 
 from tilert_serve import defaults
 from tilert_serve.decode import ctrl
@@ -35,6 +33,7 @@ from tilert_serve.decode.buffers import ReceiveBuffers
 from tilert_serve.decode.detokenize import detokenizer
 from tilert_serve.decode.engines.base import DecodeEngine, Sampling
 from tilert_serve.decode.metrics import NodeMetrics
+from tilert_serve.decode.record import Recorder
 from tilert_serve.decode.slots import Slot, SlotState, SlotTable
 from tilert_serve.decode.stopping import cut
 from tilert_serve.handoff import auth, digest, messages
@@ -93,93 +92,6 @@ class StateRefused(HandoffFailed):
 
     def __init__(self, message: str) -> None:
         super().__init__(message, timeout=False)
-
-
-#: Failure categories that say the data plane is broken (as opposed to a node that is busy, a ticket
-#: that expired unused, or a request too long): these, and only these, are the node's last failure.
-DATA_PLANE_FAILURES = frozenset({
-    "not_authenticated", "layout_mismatch", "version_mismatch", "bad_request", "timeout", "digest_mismatch",
-    "transfer_failed", "disconnected", "decode_failed", "internal",
-})
-
-
-@dataclass
-class HandoffRecord:
-    """What the node knows of the handoffs that reached it: the last one it decoded from, the last
-    data-plane failure (reason from the wire's Reject/Error reasons, or the node's own checks), and the
-    transport. Read by GET /v1/status (the operator's HandoffReady) and the metrics; no request ids."""
-
-    engine: str
-    protocol: str | None
-    clock: Callable[[], float]
-    successes: int = 0
-    failures: int = 0
-    #: Last success: clock and wall time, bytes, and the seconds its bytes took on the link (None when
-    #: not measured: see link_seconds).
-    ok_at: float | None = None
-    ok_wall: float = 0.0
-    ok_bytes: int = 0
-    ok_seconds: float | None = None
-    #: Last data-plane failure.
-    fail_at: float | None = None
-    fail_wall: float = 0.0
-    fail_reason: str = ""
-    fail_message: str = ""
-
-    def success(self, nbytes: int, seconds: float | None) -> None:
-        self.successes += 1
-        self.ok_at, self.ok_wall, self.ok_bytes, self.ok_seconds = self.clock(), time.time(), nbytes, seconds
-
-    def failure(self, reason: str, message: str) -> bool:
-        """Record a failure; False (nothing recorded) for reasons that are not the data plane's."""
-        if reason not in DATA_PLANE_FAILURES:
-            return False
-        self.failures += 1
-        self.fail_at, self.fail_wall = self.clock(), time.time()
-        self.fail_reason, self.fail_message = reason, message[:500]
-        return True
-
-    @property
-    def bandwidth(self) -> float | None:
-        """Bytes per second of the last successful handoff (None before one, when not measured, or
-        when instantaneous)."""
-        return self.ok_bytes / self.ok_seconds if self.ok_at is not None and self.ok_seconds else None
-
-    def as_dict(self) -> dict[str, Any]:
-        now = self.clock()
-        out: dict[str, Any] = {"transport": {"engine": self.engine, "protocol": self.protocol},
-                               "successes": self.successes, "failures": self.failures,
-                               "last_success": None, "last_failure": None}
-        if self.ok_at is not None:
-            out["last_success"] = {"age_s": round(now - self.ok_at, 3), "time": self.ok_wall, "bytes": self.ok_bytes,
-                                   "seconds": None if self.ok_seconds is None else round(self.ok_seconds, 6),
-                                   "bandwidth_bytes_per_s": self.bandwidth}
-        if self.fail_at is not None:
-            out["last_failure"] = {"age_s": round(now - self.fail_at, 3), "time": self.fail_wall,
-                                   "reason": self.fail_reason, "message": self.fail_message}
-        return out
-
-
-def link_seconds(slot: Slot, layerwise: bool) -> float | None:
-    """Seconds the slot's bytes took on the link: the slowest sender rank's write calls (ranks write
-    side by side, each over its own NIC). From senders that do not report theirs, Accept to the last
-    Done, unless the handoff was layer-wise: that span holds the prefill's forward, and a bandwidth
-    measured over it would blame the link for the model's compute, so none is claimed."""
-    reported = [s for s in slot.write_s.values() if s is not None]
-    if reported and len(reported) == len(slot.write_s):
-        return max(reported)
-    return None if layerwise else max(slot.t_ready - slot.t_accept, 0.0)
-
-
-def _protocol(transfer: TransferEngine) -> str | None:
-    """The transport the byte mover uses: Mooncake says it; NIXL's UCX is told by transfer_env (tcp) or
-    picks IB/RoCE itself (rdma)."""
-    protocol = getattr(transfer, "protocol", None)
-    if isinstance(protocol, str):
-        return protocol
-    if transfer.name == "nixl":
-        return "tcp" if os.environ.get("UCX_TLS") == "tcp" else "ucx"
-    return None
 
 
 @dataclass
@@ -252,14 +164,9 @@ class DecodeNode:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.metrics = NodeMetrics(config.slots)
-        self.handoff = HandoffRecord(engine=transfer.name, protocol=_protocol(transfer), clock=clock)
-        r = self.metrics.registry
-        self._m_last_ok = Gauge("tilert_decode_last_handoff_success_timestamp_seconds",
-                                "Wall time of the last handoff this node decoded from", registry=r)
-        self._m_bandwidth = Gauge("tilert_decode_last_handoff_bandwidth_bytes_per_second",
-                                  "Bytes per second of the last successful handoff (Accept to last Done)", registry=r)
-        self._m_failures = Counter("tilert_decode_handoff_failures", "Data-plane handoff failures by reason",
-                                   ["reason"], registry=r)
+        self.recorder = Recorder(transfer, self.metrics, clock)
+        #: The data plane's record (/v1/status); written through `recorder` only.
+        self.handoff = self.recorder.record
         self.buffers = ReceiveBuffers(layout, max_seq_len=config.max_seq_len, slots=config.slots,
                                       shards=config.shards, devices=list(config.devices))
         self.slots = SlotTable(config.slots, ticket_ttl_s=config.ticket_ttl_s,
@@ -336,9 +243,9 @@ class DecodeNode:
         elif event == "failed":
             self.metrics.handoffs.labels("failed").inc()
             # A rank's failed write (its Done said so); the control plane's own failures were recorded
-            # by ctrl_error with their reason already.
+            # by the recorder (ctrl_error) with their reason already.
             if (slot.error or "").startswith("sender rank"):
-                self.note_failure("transfer_failed", slot.error or "")
+                self.recorder.failure("transfer_failed", slot.error or "")
         elif event == "quarantined":
             self.metrics.quarantined.inc()
             log.info("slot %d quarantined: sender ranks %s may still be writing", slot.index, sorted(slot.in_flight))
@@ -484,30 +391,6 @@ class DecodeNode:
         if problems:
             raise StateRefused("; ".join(problems))
 
-    # -- the data plane's record (HandoffReady) -------------------------------------------------
-
-    def ctrl_error(self, reason: str, message: str) -> None:
-        """A control connection was refused or broke (ctrl.py): count it, and record it when it is the
-        data plane's failure."""
-        self.metrics.ctrl_errors.labels(reason).inc()
-        if reason == "peer_error":
-            # The sender's own Error ("the sender reported REASON: ..."): it found the layouts differ
-            # from our Hello, or its write failed; without a reason of ours, the transfer failed.
-            said = message.removeprefix("the sender reported ").split(":", 1)[0]
-            reason = said if said in DATA_PLANE_FAILURES and said != message else "transfer_failed"
-        self.note_failure(reason, message)
-
-    def note_failure(self, reason: str, message: str) -> None:
-        if self.handoff.failure(reason, message):
-            self._m_failures.labels(reason).inc()
-
-    def _note_success(self, slot: Slot, layerwise: bool) -> None:
-        self.handoff.success(slot.nbytes, link_seconds(slot, layerwise))
-        self._m_last_ok.set(self.handoff.ok_wall)
-        bandwidth = self.handoff.bandwidth
-        if bandwidth is not None:
-            self._m_bandwidth.set(bandwidth)
-
     def hello(self, mac: str) -> messages.Hello:
         return messages.Hello(mac=mac, node=self.config.name,
                               layout=messages.LayoutInfo(**self.layout.describe()),  # type: ignore[arg-type]
@@ -535,7 +418,7 @@ class DecodeNode:
             # layout mismatch) is why: keep it as the node's last failure.
             h = self.handoff
             if h.fail_at is None or h.fail_at < t_admit:
-                self.note_failure("timeout", message)
+                self.recorder.failure("timeout", message)
             return HandoffFailed(message, True)
 
         while slot.state in (SlotState.RESERVED, SlotState.RECEIVING) and slot.generation == generation:
@@ -590,21 +473,21 @@ class DecodeNode:
                     if not recorded:
                         # The node decoded from the handoff: the data plane works end to end.
                         recorded = True
-                        self._note_success(slot, bool(timings.get("layerwise")))
+                        self.recorder.success(slot, bool(timings.get("layerwise")))
                     drafted, accepted = drafted + value.drafted, accepted + value.accepted
                     tokens, finish = cut(value.token_ids, produced, p.max_tokens, stop_ids)
                     produced += len(tokens)
                     if tokens:
                         yield {"token_ids": tokens, "text": detok.push(tokens) if detok else ""}
                 elif kind == "error":
-                    self.note_failure("digest_mismatch" if isinstance(value, StateRefused) else "decode_failed",
+                    self.recorder.failure("digest_mismatch" if isinstance(value, StateRefused) else "decode_failed",
                                       f"{type(value).__name__}: {value}")
                     raise value
                 elif kind == "end":
                     finish = "cancelled" if cancel.is_set() else "length"
                     if injected and not recorded and p.max_tokens == 0:
                         recorded = True  # nothing to decode was asked: converted and injected is all there is
-                        self._note_success(slot, bool(timings.get("layerwise")))
+                        self.recorder.success(slot, bool(timings.get("layerwise")))
             decode_s = timings.pop("_decode_start", None)
             decode_ms = (time.perf_counter() - decode_s) * 1e3 if decode_s else 0.0
             timings.update(decode_ms=decode_ms, tpot_ms=decode_ms / produced if produced else 0.0,
