@@ -77,9 +77,19 @@ def test_altered_replayed_reordered_reflected_and_unsealed_frames_fail():
         framing.Decoder(node3).feed(framing.encode(DONE, node3))
     with pytest.raises(SessionError, match="Done frame without a session tag after the handshake"):
         framing.Decoder(node3).feed(framing.encode(DONE))
-    # A peer that cannot seal may still say why it refuses (and the connection ends there).
+    # Before the node's first sealed frame, a node that cannot seal (the sender's secret differs) may
+    # still say why it refuses (and the connection ends there)...
     err = messages.Error(reason=RejectReason.UNAUTHENTICATED, message="no")
-    assert framing.Decoder(node3).feed(framing.encode(err)) == [err]
+    node4, sender4 = _pair()
+    assert framing.Decoder(sender4).feed(framing.encode(err)) == [err]
+    # ...but once the session is established (the node: at once; the sender: after the Hello opened)
+    # an unsealed Error can only be injected on the way.
+    with pytest.raises(SessionError, match="Error frame without a session tag"):
+        framing.Decoder(node3).feed(framing.encode(err))
+    to_sender = framing.Decoder(sender4)
+    assert to_sender.feed(framing.encode(DONE, node4)) == [DONE]
+    with pytest.raises(SessionError, match="Error frame without a session tag"):
+        to_sender.feed(framing.encode(err))
     with pytest.raises(FrameError, match="sealed, but the handshake has not finished"):
         framing.Decoder().feed(framing.encode(DONE, sender3))
 

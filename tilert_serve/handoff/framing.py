@@ -9,9 +9,12 @@ Sealed frames. Once both sides hold the session keys (auth.session_keys), every 
 kind byte carries SEALED (0x80), the length counts the body plus the tag, and the tag is
 HMAC-SHA256(direction key, 8-byte big-endian sequence number || header || body). The sequence number
 is implicit (each side counts the frames of each direction from 0), so a dropped, replayed or
-reordered frame fails its tag like an altered one. After the handshake a receiver takes an unsealed
-frame only if it is an Error or a Reject (a peer that cannot seal: it does not hold our secret), and
-such a refusal ends the connection.
+reordered frame fails its tag like an altered one. Once the session is established (the node: the
+sender's Auth verified; the sender: the first sealed frame from the node, the Hello, opened) every
+frame must be sealed, an Error or Reject included: an unsealed one can only come from someone on the
+path, and its words must not end the handoff. Before that, the sender takes an unsealed Error or
+Reject (the node could not seal it: the sender's secret differs, or the frame is too old), and such a
+refusal ends the connection.
 
 Protocol versions. A version changes when a message changes incompatibly.
   1: Challenge/Auth/Hello/Request/Accept|Reject/Done/Ack, HMAC-SHA256 mutual authentication.
@@ -51,8 +54,10 @@ _UNSEALED_OK: Final = frozenset({messages.Error.KIND, messages.Reject.KIND})
 class Session:
     """One connection's frame keys and sequence numbers (see the module docstring)."""
 
-    def __init__(self, send_key: bytes, recv_key: bytes) -> None:
+    def __init__(self, send_key: bytes, recv_key: bytes, established: bool = False) -> None:
         self._send_key, self._recv_key = send_key, recv_key
+        #: The peer proved it holds these keys: from now on an unsealed frame is refused, whatever its kind.
+        self.established = established
         #: Frames sealed and opened so far: the next frame's sequence number in each direction.
         self.sent = 0
         self.received = 0
@@ -60,7 +65,8 @@ class Session:
     @classmethod
     def of_node(cls, secret: bytes, node_nonce: str, sender_nonce: str) -> Session:
         to_node, to_sender = auth.session_keys(secret, node_nonce, sender_nonce)
-        return cls(send_key=to_sender, recv_key=to_node)
+        # The node derives the keys only after the sender's Auth verified: the peer is proven.
+        return cls(send_key=to_sender, recv_key=to_node, established=True)
 
     @classmethod
     def of_sender(cls, secret: bytes, node_nonce: str, sender_nonce: str) -> Session:
@@ -83,6 +89,7 @@ class Session:
             name = getattr(messages.KINDS.get(kind), "__name__", f"kind 0x{kind:02x}")
             raise SessionError(f"{name} frame #{seq} of this session does not verify: it was altered, injected, "
                                "replayed or reordered on the way (or the peer lost the session)")
+        self.established = True
 
 
 def encode(msg: messages.Message, session: Session | None = None, version: int = PROTOCOL_VERSION) -> bytes:
@@ -125,9 +132,10 @@ def open_frame(header: bytes, payload: bytes, session: Session | None) -> tuple[
         body, tag = payload[:-TAG_SIZE], payload[-TAG_SIZE:]
         session.open(header + body, tag, kind)
         return parse_body(kind, body), True
-    if session is not None and kind not in _UNSEALED_OK:
+    if session is not None and (session.established or kind not in _UNSEALED_OK):
         name = getattr(messages.KINDS.get(kind), "__name__", f"kind 0x{kind:02x}")
-        raise SessionError(f"{name} frame without a session tag after the handshake")
+        raise SessionError(f"{name} frame without a session tag after the handshake (injected on the way, or the "
+                           "peer lost the session)")
     return parse_body(kind, payload), False
 
 

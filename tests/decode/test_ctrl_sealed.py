@@ -1,0 +1,70 @@
+"""Issue 22: after the handshake every frame is sealed, an Error included. An on-path relay (no secret)
+that injects an unsealed Error must not end a handoff with its own words, on either side, and its
+text must land in no record the operator reads."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+
+from tests.decode import synthetic
+from tests.decode.conftest import SECRET, running_node
+from tests.decode.test_attacks import NUM_TOKENS, _send, _sender, relay
+from tilert_serve.handoff import auth, framing, messages
+from tilert_serve.handoff.errors import RejectReason
+
+CASE = "mla-f32"
+LAYOUT = synthetic.layout_for(CASE)
+INJECTED = "relay-says-check-your-firewall"
+
+
+def _handshake(port: int) -> tuple[socket.socket, framing.SyncChannel]:
+    sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+    chan = framing.SyncChannel(sock)
+    challenge = chan.recv()
+    assert isinstance(challenge, messages.Challenge)
+    nonce = auth.new_nonce()
+    chan.send(messages.Auth(mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce, sender="s"))
+    chan.session = framing.Session.of_sender(SECRET, challenge.nonce, nonce)
+    assert isinstance(chan.recv(), messages.Hello)
+    return sock, chan
+
+
+async def test_an_unsealed_error_after_the_handshake_is_a_session_failure_at_the_node(secret_file):
+    async with running_node(LAYOUT, secret_file, slots=1) as n:
+        _, adm = await n.admit("r")
+
+        def inject() -> list[messages.Message]:
+            sock, chan = _handshake(n.ctrl_port)
+            with contextlib.closing(sock):
+                chan.send(messages.Request(request_id="r", ticket=adm["ticket"], num_tokens=NUM_TOKENS,
+                                           last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+                assert isinstance(chan.recv(), messages.Accept)
+                # What a relay can put on the wire: an Error without the session's tag.
+                sock.sendall(framing.encode(messages.Error(reason=RejectReason.BAD_REQUEST, message=INJECTED)))
+                got = []
+                with contextlib.suppress(ConnectionError, OSError):
+                    got.append(chan.recv())
+                return got
+
+        got = await asyncio.to_thread(inject)
+        assert got and isinstance(got[0], messages.Error) and got[0].reason == "not_authenticated", got
+        async with n.session.get(f"{n.url}/v1/status") as r:
+            text = await r.text()
+        assert INJECTED not in text
+        assert b'tilert_decode_ctrl_errors_total{reason="peer_error"}' not in n.node.metrics.render()
+
+
+async def test_an_unsealed_error_after_the_hello_does_not_end_the_senders_handoff_in_its_words(secret_file):
+    async with running_node(LAYOUT, secret_file, slots=1) as n:
+        def swap_accept(frame: bytes) -> bytes:
+            if frame[3] & 0x7F != messages.Accept.KIND:
+                return frame
+            return framing.encode(messages.Error(reason=RejectReason.BUSY, message=INJECTED))
+
+        sender, _ = _sender()
+        async with relay(n.ctrl_port, to_sender=swap_accept) as port:
+            result = await _send(sender, port, None)
+        assert (result.ok, result.reason) == (False, "not_authenticated"), result
+        assert INJECTED not in result.message
