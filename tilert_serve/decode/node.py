@@ -5,11 +5,13 @@ Threads: the event loop owns the slot table, the control plane and HTTP; engine 
 decode steps) runs in a pool with one worker per slot and reports back through the loop.
 
 Conversion runs ahead of /generate, on one converter thread per slot (FIFO, so a slot's tasks run in
-the order they were queued): each layer a layer-wise sender reports done (LayersDone) is checked
-against its digest and converted as it lands, and once every rank reported done (READY) the rest is
-checked (Done's digests) and converted and the engine state assembled. /generate then waits only for
-what is still queued, injects and decodes. A state whose digest is wrong or missing is refused there,
-before anything is injected. Converted tensors belong to one generation of a slot: the slot's
+the order they were queued): each layer a layer-wise sender reports done (LayersDone) is taken and
+converted as it lands, and once every rank reported done (READY) the rest is taken (Done's digests)
+and converted and the engine state assembled. Taking bytes means: copy them out of the receive
+region (which any data-plane peer can still write) into the slot's snapshot, which no peer can
+write, check the copy against the sender's digest, and convert only from the copy (`_take`).
+/generate then waits only for what is still queued, injects and decodes. A state whose digest is
+wrong or missing is refused there, before anything is injected. Converted tensors belong to one generation of a slot: the slot's
 failure, release or quarantine drops them (a task of a dropped generation does nothing).
 """
 
@@ -101,8 +103,8 @@ class _Prepared:
     generation: int
     #: Converted layers (engine layers only), by layer id.
     layers: dict[int, LayerState] = field(default_factory=dict)
-    #: Layers whose per-layer digest was checked, per sender rank.
-    verified: dict[int, set[int]] = field(default_factory=dict)
+    #: Layers taken (copied into the snapshot and, digests on, checked there) by LayersDone, per sender rank.
+    taken: dict[int, set[int]] = field(default_factory=dict)
     #: Why the state is refused (a layer's digest differs); raised at /generate, before injection.
     refused: str | None = None
     #: The assembled state (or StateRefused), queued when the slot became READY.
@@ -199,7 +201,7 @@ class DecodeNode:
         self.ctrl_port = self._server.sockets[0].getsockname()[1]
         self._reaper = asyncio.create_task(self._reap(), name="slot-reaper")
         self.ready = True
-        log.info("decode node %s ready: %d slots, layout %s, ctrl %s:%d, %.1f MB receive buffers",
+        log.info("decode node %s ready: %d slots, layout %s, ctrl %s:%d, %.1f MB receive buffers (and as much again of snapshots)",
                  self.config.name, self.config.slots, self.layout.describe(), self.config.advertise_host,
                  self.ctrl_port, self.buffers.nbytes / 1e6)
 
@@ -300,30 +302,27 @@ class DecodeNode:
 
     def _convert_layers(self, prepared: _Prepared, index: int, rank: int, num_senders: int, num_tokens: int,
                         layers: list[int], layer_digest: str) -> None:
-        """Converter thread: check these layers' digest, then convert them (engine layers only)."""
+        """Converter thread: take these layers (snapshot and check), then convert them (engine layers
+        only) from the snapshot."""
         if prepared.dropped or prepared.refused is not None:
             return
-        views = self.buffers.views(index)
+        snap = self.buffers.snapshot_views(index)
         t0 = time.perf_counter()
-        if self.config.verify_digest:
-            ranges = digest.receiver_ranges(self.buffers.placement, rank, num_senders, num_tokens, layers)
-            try:
-                digest.check(layer_digest, views, ranges)
-            except digest.DigestError as exc:
-                prepared.refused = f"sender rank {rank}, layers {layers}: {exc}"
-                return
+        problem = self._take(index, rank, num_senders, num_tokens, layers, layer_digest)
+        if problem is not None:
+            prepared.refused = f"sender rank {rank}, layers {layers}: {problem}"
+            return
         t1 = time.perf_counter()
-        converted = {lid: convert.to_layer_state(views, self.buffers.placement, lid, num_tokens, self.engine_dtype)
+        converted = {lid: convert.to_layer_state(snap, self.buffers.placement, lid, num_tokens, self.engine_dtype)
                      for lid in layers if lid < self.engine.num_layers}
-        _settle(views)
+        _settle(snap)
         t2 = time.perf_counter()
         with prepared.lock:
             if prepared.dropped:
                 return
             prepared.layers.update(converted)
             self._hold(prepared, _state_bytes(converted.values()))
-            if self.config.verify_digest:
-                prepared.verified.setdefault(rank, set()).update(layers)
+            prepared.taken.setdefault(rank, set()).update(layers)
             prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
 
     def _queue_final(self, slot: Slot) -> None:
@@ -336,23 +335,22 @@ class DecodeNode:
     def _assemble(self, prepared: _Prepared, index: int, num_senders: int, num_tokens: int, last_prompt_token: int,
                   digests: dict[int, str | None]) -> InjectedState:
         """Converter thread: StateRefused unless every rank's bytes are covered by a digest that matches
-        (per layer, or Done's over the rest); else the engine's state."""
+        (per layer, or Done's over the rest); else the engine's state, converted from the snapshot."""
         if prepared.refused is not None:
             raise StateRefused(prepared.refused)
-        views = self.buffers.views(index)
+        snap = self.buffers.snapshot_views(index)
         placement = self.buffers.placement
         t0 = time.perf_counter()
-        if self.config.verify_digest:
-            self._check_rest(views, prepared, num_senders, num_tokens, digests)
+        self._take_rest(prepared, index, num_senders, num_tokens, digests)
         t1 = time.perf_counter()
         if not prepared.layers:
-            state = convert.to_injected_state(views, placement, num_tokens, last_prompt_token, self.engine_dtype)
+            state = convert.to_injected_state(snap, placement, num_tokens, last_prompt_token, self.engine_dtype)
             layers = state.layers[:self.engine.num_layers]
         else:
-            layers = [prepared.layers.get(lid) or convert.to_layer_state(views, placement, lid, num_tokens,
+            layers = [prepared.layers.get(lid) or convert.to_layer_state(snap, placement, lid, num_tokens,
                                                                             self.engine_dtype)
                       for lid in range(self.engine.num_layers)]
-        _settle(views)
+        _settle(snap)
         t2 = time.perf_counter()
         with prepared.lock:
             prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
@@ -360,33 +358,47 @@ class DecodeNode:
                 self._hold(prepared, _state_bytes(layers) - prepared.held_bytes)
         return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)
 
-    def _check_rest(self, views: list[torch.Tensor], prepared: _Prepared, num_senders: int, num_tokens: int,
-                    digests: dict[int, str | None]) -> None:
-        rest = {rank: sorted(set(senders_layers(self.layout, rank, num_senders)) - prepared.verified.get(rank, set()))
+    def _take(self, index: int, rank: int, num_senders: int, num_tokens: int, layers: list[int],
+              expected: str | None) -> str | None:
+        """Copy what sender `rank` wrote of `layers` out of the slot's receive region into its snapshot,
+        then (digests on) check the copy against `expected`: why it differs, or None. Snapshot first,
+        then check, then convert from the snapshot: the receive region stays writable by any data-plane
+        peer, so the bytes checked must be the bytes used (decode/buffers.py)."""
+        ranges = digest.receiver_ranges(self.buffers.placement, rank, num_senders, num_tokens, layers)
+        self.buffers.snapshot(index, ranges)
+        if not self.config.verify_digest:
+            return None
+        try:
+            digest.check(expected or "", self.buffers.snapshot_views(index), ranges)
+        except digest.DigestError as exc:
+            return str(exc)
+        return None
+
+    def _take_rest(self, prepared: _Prepared, index: int, num_senders: int, num_tokens: int,
+                   digests: dict[int, str | None]) -> None:
+        """Take every rank's layers no LayersDone covered (Done's digest covers them); StateRefused
+        when one is not covered or differs."""
+        rest = {rank: sorted(set(senders_layers(self.layout, rank, num_senders)) - prepared.taken.get(rank, set()))
                 for rank in range(num_senders)}
         missing = [rank for rank, layers in rest.items() if layers and digests.get(rank) is None]
-        if missing:
+        if missing and self.config.verify_digest:
             raise StateRefused(f"sender ranks {missing} sent no digest of their state and this node checks digests; "
                                "turn tilert_handoff_digest on in the prefill's connector (or the node's "
                                "--handoff-digest off)")
 
-        def check(rank: int) -> str | None:
+        def take(rank: int) -> str | None:
             if not rest[rank]:
                 return None
-            ranges = digest.receiver_ranges(self.buffers.placement, rank, num_senders, num_tokens, rest[rank])
-            try:
-                digest.check(digests[rank] or "", views, ranges)
-            except digest.DigestError as exc:
-                return f"sender rank {rank}: {exc}"
-            return None
+            problem = self._take(index, rank, num_senders, num_tokens, rest[rank], digests.get(rank))
+            return None if problem is None else f"sender rank {rank}: {problem}"
 
-        # One thread per rank: with TP senders each rank's bytes sit on its own GPU shard, whose host
-        # copies then run side by side (the hashing releases the GIL).
+        # One thread per rank: with TP senders each rank's bytes sit on its own GPU shard, whose copies
+        # and hashing then run side by side (the hashing releases the GIL).
         if num_senders == 1:
-            errors = [check(0)]
+            errors = [take(0)]
         else:
             with ThreadPoolExecutor(max_workers=min(num_senders, 8), thread_name_prefix="digest") as pool:
-                errors = list(pool.map(check, range(num_senders)))
+                errors = list(pool.map(take, range(num_senders)))
         problems = [e for e in errors if e]
         if problems:
             raise StateRefused("; ".join(problems))
