@@ -100,8 +100,10 @@ class HandoffResult:
 
 class Sender:
     """`secret`: bytes, or a Keyring (auth.FileKeyring re-reads a rotated secret before each handoff).
-    `staging_buffers`: the staging shards as uint8 tensors (this rank's, others None), for the digest;
-    `staging_addrs` defaults to their addresses. `send_digest`: put a digest of the written bytes in
+    `staging_buffers`: the staging shards as uint8 tensors (this rank's, others None), for the digest:
+    in a prefill, the private twin of the registered region that `staging_addrs` point at (registered
+    memory can be written by any data-plane peer, so it is never what is hashed; see
+    pd_vllm/worker.py StagingPool). `staging_addrs` defaults to their addresses. `send_digest`: put a digest of the written bytes in
     Done (the node refuses a state without one unless it runs with digests off)."""
 
     def __init__(self, *, name: str, secret: bytes | auth.Keyring, engine: TransferEngine, staging: Placement,

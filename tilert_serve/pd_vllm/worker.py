@@ -1,9 +1,10 @@
 """TileRTConnector, worker side (runs in each vLLM worker process, one per TP rank).
 
 In `wait_for_save` (after the target model and the MTP drafter have written the step's KV) each
-claimed request that finished its prompt this step is gathered from the paged caches into a
-pre-registered staging region, and handed to a background sender thread that does the handshake,
-the one-sided writes and done. The forward pass never waits on the network.
+claimed request that finished its prompt this step is gathered from the paged caches into a staging
+region's private twin, copied from there into the pre-registered region (StagingPool: the digest is
+taken over the copy no peer can write), and handed to a background sender thread that does the
+handshake, the one-sided writes and done. The forward pass never waits on the network.
 
 Block contract: delay the free until the copy is done. request_finished returns delay_free=True for
 every request with a send job; the worker reports the id in get_finished once its rows are in
@@ -65,7 +66,7 @@ import torch
 from tilert_serve import dataplane, layouts, transfer
 from tilert_serve.handoff import auth, digest
 from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, LayerSourceFailed, Sender, Staged
-from tilert_serve.layouts import Layout, Placement
+from tilert_serve.layouts import Layout, Placement, write_ranges
 from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache
 from tilert_serve.pd_vllm.logs import get_logger
@@ -106,12 +107,21 @@ def classify(kv_caches: dict[str, torch.Tensor], tilert_model: str, group_of: di
 
 
 class StagingPool:
-    """`slots` staging regions of one rank's share of the layout, allocated and registered once."""
+    """`slots` staging regions of one rank's share of the layout, allocated and registered once.
+
+    Each region has a private twin, never registered: the gather writes there, the sender hashes
+    there, and `publish` copies what was gathered into the registered region the one-sided write
+    reads. Registered memory is writable by any peer of the transfer engine, so a digest of it would
+    vouch for whatever a peer wrote between the gather and the hash; a write into the registered
+    region now makes the node's check of the bytes it received fail instead. The cost is the staging
+    memory twice over and one device-local copy of each state.
+    """
 
     def __init__(self, staging: Placement, rank: int, slots: int, device: torch.device) -> None:
         self.placement, self.rank = staging, rank
         self.region_nbytes = staging.shard_nbytes(rank)
         self.buffer = torch.zeros(slots * self.region_nbytes, dtype=torch.uint8, device=device)
+        self.private = torch.zeros_like(self.buffer)
         self._free = list(range(slots - 1, -1, -1))
         self._lock = threading.Lock()  # guards _free: the forward thread takes, the sender thread gives back
 
@@ -130,14 +140,29 @@ class StagingPool:
             return len(self._free)
 
     def region(self, index: int) -> list[torch.Tensor | None]:
-        """Per staging shard; only this rank's shard exists here."""
-        out: list[torch.Tensor | None] = [None] * self.placement.shards
-        out[self.rank] = self.buffer[index * self.region_nbytes:(index + 1) * self.region_nbytes]
-        return out
+        """The registered region, per staging shard; only this rank's shard exists here."""
+        return self._shards(self.buffer, index)
+
+    def gather_region(self, index: int) -> list[torch.Tensor | None]:
+        """The region's private twin, per staging shard: where the gather writes and the digest reads."""
+        return self._shards(self.private, index)
+
+    def publish(self, index: int, layers: list[int], num_tokens: int, start: int = 0) -> None:
+        """Copy tokens `start` to `num_tokens` of `layers` from the private twin into the registered
+        region (queued on the current stream on a GPU, like the gather before it)."""
+        src, dst = self.gather_region(index)[self.rank], self.region(index)[self.rank]
+        assert src is not None and dst is not None
+        for r in write_ranges(self.placement, self.placement, layers, num_tokens, start):
+            dst[r.src:r.src + r.nbytes].copy_(src[r.src:r.src + r.nbytes])
 
     def addrs(self, index: int) -> list[int]:
         out = [0] * self.placement.shards
         out[self.rank] = self.buffer.data_ptr() + index * self.region_nbytes
+        return out
+
+    def _shards(self, buffer: torch.Tensor, index: int) -> list[torch.Tensor | None]:
+        out: list[torch.Tensor | None] = [None] * self.placement.shards
+        out[self.rank] = buffer[index * self.region_nbytes:(index + 1) * self.region_nbytes]
         return out
 
 
@@ -396,9 +421,11 @@ class TileRTWorker:
         end = work.job.num_tokens if active.upto is None else active.upto
         t0 = time.perf_counter()
         try:
-            region = self.pool.region(work.staging_index)
+            region = self.pool.gather_region(work.staging_index)
             for layer in layers:
                 self.gather(active.block_ids, end, region, layer=layer, start=work.staged)  # type: ignore[arg-type]
+            self.pool.publish(work.staging_index, [lid for lid in layers if lid in self.gather.layers], end,
+                              work.staged)
             event = None
             if self.pool.buffer.is_cuda:
                 event = torch.Event(device=self.pool.buffer.device)
@@ -456,7 +483,8 @@ class TileRTWorker:
             self._waiting.popleft()
             t0 = time.perf_counter()
             try:
-                self.gather(job.block_ids, job.num_tokens, self.pool.region(index))  # type: ignore[arg-type]
+                self.gather(job.block_ids, job.num_tokens, self.pool.gather_region(index))  # type: ignore[arg-type]
+                self.pool.publish(index, self._mine, job.num_tokens)
                 event = None
                 if self.pool.buffer.is_cuda:
                     event = torch.Event(device=self.pool.buffer.device)
@@ -535,7 +563,7 @@ class TileRTWorker:
             work.event.synchronize()
         assert self.pool is not None
         sender.staging_addrs = self.pool.addrs(work.staging_index)
-        sender.staging_buffers = self.pool.region(work.staging_index)
+        sender.staging_buffers = self.pool.gather_region(work.staging_index)  # hashed there, not in staging
         return sender.send(job.dest.host, job.dest.ctrl_port, req, layers=work.feed)
 
     def _scrub(self, work: _Work) -> None:
