@@ -23,6 +23,9 @@ included) to the node's first decoded token:
   + done/ack (one round trip).
 - Digest (on by default): the sender hashes its staging before the write and the node checks each rank
   before conversion, both through pinned host copies (PCIe-bound; same rate assumed on B200 hosts).
+  The stage also holds the two device copies that keep the check meaningful, digests on or off: the
+  prefill gathers into private memory and copies it into registered staging, the node copies what
+  landed out of its registered receive buffer into a snapshot; each at the B200's copy bandwidth.
 - Injection: one device copy of the converted bf16 tensors per GPU (not measured anywhere; assumed at
   the B200's copy bandwidth). First step: TileRT's measured TPOT without MTP (upstream's chart, 8xB200),
   interpolated in log(context) between 1K and 192K.
@@ -239,10 +242,11 @@ def _rank_costs(layout: Layout, m: Measured, a: Assumptions, tokens: int, layers
     out_bytes = layers * converted_layer_bytes(layout, tokens, a.engine_itemsize)
     b200_copy = m.copy_gbs * a.hbm_ratio  # read + write GB/s
     digest_one = kernel_ms(m.digest, layout, nbytes, 1.0, 0.0) if a.digest else 0.0
+    copy_one = 2 * nbytes / (b200_copy * 1e9) * 1e3  # one side's copy between private and registered memory
     return {
         "extract": kernel_ms(m.extract, layout, nbytes, a.hbm_ratio, a.launch_floor_ms),
         "wire": wire_ms(nbytes, a),
-        "digest": 2 * digest_one,
+        "digest": 2 * (digest_one + copy_one),
         "convert": kernel_ms(m.convert, layout, nbytes, a.hbm_ratio, a.launch_floor_ms),
         "inject": a.launch_floor_ms + 2 * out_bytes / (b200_copy * 1e9) * 1e3,
     }
@@ -289,7 +293,7 @@ def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_
     moved = tokens if moved_tokens is None else moved_tokens
     whole = _rank_costs(layout, m, a, tokens, n_busy)
     part = _rank_costs(layout, m, a, moved, n_busy)
-    dig = whole["digest"] / 2 / n_busy if digest_per_layer else 0.0  # one side's hash of one layer
+    dig = whole["digest"] / 2 / n_busy if digest_per_layer else 0.0  # one side's copy and hash of one layer
     e, c = part["extract"] / n_busy, whole["convert"] / n_busy
     if m.extract_layer:  # the per-layer call as measured (launch overhead and all), scaled like the rest
         lb = layer_bytes(layout, moved)
