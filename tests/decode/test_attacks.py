@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from tests.decode import synthetic
+from tests.decode.attacker import DataPlaneWriter
 from tests.decode.conftest import SECRET, converter_held, running_node, two_rank_staging
 from tilert_serve import transfer
 from tilert_serve.decode import ctrl
@@ -162,12 +163,9 @@ async def test_write_over_a_ready_slot_is_refused_by_the_digest(secret_file):
             line = await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], request_id="victim")
             assert json.loads(line[7:])["ok"], line
             # Another process on the data plane writes into the READY slot: no secret needed for that.
-            junk = torch.full((4096,), 0x41, dtype=torch.uint8)
-            attacker = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="attacker")
-            attacker.register(junk.data_ptr(), junk.numel())
-            peer = attacker.connect(n.node.transfer.peer_info())
-            region = n.node.buffers.regions(0)[0]
-            attacker.write(peer, [transfer.WriteOp(junk.data_ptr(), region.addr + 100, junk.numel())])
+            attacker = DataPlaneWriter(junk_bytes=4096)
+            attacker.write(n.node.transfer.peer_info(), [(n.node.buffers.regions(0)[0].addr + 100, 4096)])
+            attacker.close()
         status, events = await n.generate(adm["ticket"])
         assert status == 502 and events[0]["error"]["type"] == "handoff_failed"
         assert "digest differs" in events[0]["error"]["message"]
@@ -297,13 +295,19 @@ async def test_unauthenticated_connections_are_capped_and_hold_little(secret_fil
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         def crowd() -> tuple[list[socket.socket], list[messages.Message], list[messages.Message]]:
             held = []
-            for _ in range(8):  # idle after the challenge, each with a partial 4 KiB frame
-                s = socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)
+            for i in range(8):  # idle after the challenge, each with a partial 4 KiB frame
+                s = socket.socket()
+                s.settimeout(10)
+                s.bind((f"127.0.0.{2 + i}", 0))  # one source each: only the global cap applies
+                s.connect(("127.0.0.1", n.ctrl_port))
                 framing.SyncChannel(s).recv()
                 s.sendall(HEADER.pack(b"TP", 2, messages.Auth.KIND, 4096) + b"{" * 4000)
                 held.append(s)
+            # One more: it gets its Challenge, and the oldest idle one (the first) is told busy and closed,
+            # so no more than the cap is ever held.
             with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as s:
-                over = framing.Decoder().feed(s.recv(65536))
+                assert isinstance(framing.SyncChannel(s).recv(), messages.Challenge)
+                over = framing.Decoder().feed(held[0].recv(65536))
             # 40 more, each announcing a 4 MiB body: refused on the header, before any of it is buffered.
             big = []
             for s in held[:4]:
@@ -322,7 +326,10 @@ async def test_unauthenticated_connections_are_capped_and_hold_little(secret_fil
         assert n.node.ctrl.preauth <= 8
         for s in held:
             s.close()
-        await asyncio.sleep(0.2)
+        for _ in range(500):  # the node notices the closes
+            if n.node.ctrl.preauth == 0:
+                break
+            await asyncio.sleep(0.01)
         assert n.node.ctrl.preauth == 0
         sender, _ = _sender()
         _, adm = await n.admit("after")

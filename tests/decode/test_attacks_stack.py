@@ -12,9 +12,6 @@ request.
 from __future__ import annotations
 
 import asyncio
-import random
-import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +21,7 @@ import torch
 from aiohttp import web
 
 from tests.decode import synthetic
+from tests.decode.attacker import Scribbler
 from tests.decode.conftest import SECRET, RunningNode, running_node
 from tests.decode.sender_proc import OneByOne
 from tests.decode.test_layerwise import whole_state
@@ -77,41 +75,6 @@ class StandinPrefill(FakePrefill):
         self.sent.append(self.sender.send(host, port, req, layers=layers).ok)
 
 
-class Attacker:
-    """Writes junk over Mooncake at random offsets of the given regions until stopped (bounded)."""
-
-    def __init__(self, targets: list[tuple[dict[str, Any], int, int]]) -> None:
-        self.targets = targets  # (peer info, address, nbytes)
-        self.junk = torch.full((64 << 10,), 0x41, dtype=torch.uint8)
-        self.engine = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="attacker")
-        self.engine.register(self.junk.data_ptr(), self.junk.numel())
-        self.stop = threading.Event()
-        self.writes = 0
-        self.thread = threading.Thread(target=self._run, name="attacker", daemon=True)
-
-    def _run(self) -> None:
-        rng = random.Random(7)
-        peers = [(self.engine.connect(info), addr, n) for info, addr, n in self.targets]
-        deadline = time.monotonic() + 120
-        while not self.stop.is_set() and time.monotonic() < deadline and self.writes < 100_000:
-            peer, addr, n = rng.choice(peers)
-            size = rng.randint(1, min(n, self.junk.numel()))
-            off = rng.randrange(0, n - size + 1)
-            self.engine.write(peer, [transfer.WriteOp(self.junk.data_ptr(), addr + off, size)])
-            self.writes += 1
-            # Bursts and pauses: some handoffs are hit while they land, some after the node took them.
-            self.stop.wait(rng.random() * 0.03)
-
-    def __enter__(self) -> Attacker:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop.set()
-        self.thread.join(30)
-        self.engine.close()
-
-
 def _same(n: RunningNode, case: str) -> bool:
     got = n.engine.started[-1]
     want = whole_state(case, NUM_TOKENS, SEED)
@@ -154,7 +117,7 @@ async def test_no_tampered_state_is_decoded_through_the_router(case, layerwise, 
         targets.append((prefill.engine.peer_info(), prefill.registered.data_ptr(), prefill.registered.numel()))
         ok = fell_back = refused = tampered = 0
         try:
-            with Attacker(targets) as attacker:
+            with Scribbler(targets) as attacker:
                 for _ in range(REQUESTS):
                     started = len(n.engine.started)
                     try:

@@ -17,12 +17,11 @@ import json
 from collections.abc import Iterator
 
 import pytest
-import torch
 
 from tests.decode import synthetic
+from tests.decode.attacker import DataPlaneWriter
 from tests.decode.conftest import RunningNode, converter_held, running_node
 from tests.decode.test_layerwise import NUM_TOKENS, assert_same_state, wait_for
-from tilert_serve import transfer
 from tilert_serve.decode.buffers import ReceiveBuffers
 
 CASES = list(synthetic.LAYOUT_CASES)
@@ -30,36 +29,21 @@ MODES = {"whole": (), "layerwise": ("--layerwise",)}
 SEED = 9
 
 
-class Attacker:
-    """A Mooncake engine of its own that writes 0x41 bytes wherever it is told in a node's slot."""
+def _overwrite(writer: DataPlaneWriter, n: RunningNode, ranges: list[tuple[int, int, int]], slot: int = 0) -> None:
+    """Junk over `ranges` ((shard, slot-relative offset, nbytes)) of the node's receive region."""
+    regions = n.node.buffers.regions(slot)
+    writer.write(n.node.transfer.peer_info(), [(regions[shard].addr + off, nbytes) for shard, off, nbytes in ranges])
 
-    def __init__(self) -> None:
-        self.junk = torch.full((4 << 20,), 0x41, dtype=torch.uint8)
-        self.engine = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="attacker")
-        self.engine.register(self.junk.data_ptr(), self.junk.numel())
-        self.writes = 0
 
-    def overwrite(self, n: RunningNode, ranges: list[tuple[int, int, int]], slot: int = 0) -> None:
-        """Write junk over `ranges` ((shard, slot-relative offset, nbytes)) of the node's slot."""
-        peer = self.engine.connect(n.node.transfer.peer_info())
-        regions = n.node.buffers.regions(slot)
-        ops = []
-        for shard, off, nbytes in ranges:
-            for start in range(0, nbytes, self.junk.numel()):
-                size = min(self.junk.numel(), nbytes - start)
-                ops.append(transfer.WriteOp(self.junk.data_ptr(), regions[shard].addr + off + start, size))
-        self.engine.write(peer, ops)
-        self.writes += 1
-
-    def everything(self, n: RunningNode, slot: int = 0) -> list[tuple[int, int, int]]:
-        return [(shard, 0, view.numel()) for shard, view in enumerate(n.node.buffers.views(slot))]
+def _everything(n: RunningNode, slot: int = 0) -> list[tuple[int, int, int]]:
+    return [(shard, 0, view.numel()) for shard, view in enumerate(n.node.buffers.views(slot))]
 
 
 @pytest.fixture(scope="module")
-def attacker() -> Iterator[Attacker]:
-    a = Attacker()
-    yield a
-    a.engine.close()
+def attacker() -> Iterator[DataPlaneWriter]:
+    writer = DataPlaneWriter()
+    yield writer
+    writer.close()
 
 
 def _node(case: str, secret_file):  # type: ignore[no-untyped-def]
@@ -79,7 +63,7 @@ async def test_a_write_before_the_node_took_the_state_is_refused(case, mode, sec
         _, adm = await n.admit("v")
         with converter_held(n.node):  # the node takes what landed only once this block ends
             await _send(n, case, mode, adm["ticket"])
-            attacker.overwrite(n, attacker.everything(n))
+            _overwrite(attacker, n, _everything(n))
         status, events = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 502 and "digest differs" in events[0]["error"]["message"], events
         assert n.engine.started == []  # never injected
@@ -98,7 +82,7 @@ async def test_a_write_between_the_copy_and_its_check_changes_nothing(case, mode
             ranges = list(ranges)
             copy(slot, ranges)
             taken.append(ranges)
-            attacker.overwrite(n, ranges, slot)  # the very bytes just taken, before they are hashed
+            _overwrite(attacker, n, ranges, slot)  # the very bytes just taken, before they are hashed
 
         monkeypatch.setattr(n.node.buffers, "snapshot", copy_then_attack)
         _, adm = await n.admit("v")
@@ -119,7 +103,7 @@ async def test_a_write_after_the_check_changes_nothing(case, mode, secret_file, 
         await _send(n, case, mode, adm["ticket"])
         # Checked and converted ahead of /generate: the state waits for injection.
         await wait_for(lambda: (p := n.node._prepared[0]) is not None and p.final is not None and p.final.done())
-        attacker.overwrite(n, attacker.everything(n))
+        _overwrite(attacker, n, _everything(n))
         assert n.node.buffers.views(0)[0][:16].eq(0x41).all()  # it did land
         status, events = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 200, events

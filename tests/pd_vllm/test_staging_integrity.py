@@ -13,8 +13,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from tests.decode.attacker import DataPlaneWriter
 from tests.decode.conftest import SECRET, running_node
-from tilert_serve import transfer
 from tilert_serve.layouts import convert
 from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.pd_vllm.extract import gather
@@ -42,21 +42,16 @@ def _worker(secret_file, layerwise: bool) -> TileRTWorker:
 
 
 @pytest.fixture(scope="module")
-def attacker() -> Iterator[tuple[transfer.TransferEngine, torch.Tensor]]:
-    junk = torch.full((1 << 20,), 0x41, dtype=torch.uint8)
-    engine = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="staging-attacker")
-    engine.register(junk.data_ptr(), junk.numel())
-    yield engine, junk
-    engine.close()
+def attacker() -> Iterator[DataPlaneWriter]:
+    writer = DataPlaneWriter(role="staging-attacker")
+    yield writer
+    writer.close()
 
 
-def _overwrite_staging(attacker: tuple[transfer.TransferEngine, torch.Tensor], w: TileRTWorker) -> None:
+def _overwrite_staging(attacker: DataPlaneWriter, w: TileRTWorker) -> None:
     """Junk over the whole registered staging buffer, written over Mooncake as any peer can."""
-    engine, junk = attacker
     assert w.pool is not None and w._mover is not None
-    assert w.pool.buffer.numel() <= junk.numel()
-    peer = engine.connect(w._mover.peer_info())
-    engine.write(peer, [transfer.WriteOp(junk.data_ptr(), w.pool.buffer.data_ptr(), w.pool.buffer.numel())])
+    attacker.write(w._mover.peer_info(), [(w.pool.buffer.data_ptr(), w.pool.buffer.numel())])
 
 
 def _run_job(w: TileRTWorker, job: SendJob, layerwise: bool) -> None:
