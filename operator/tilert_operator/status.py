@@ -194,12 +194,25 @@ def node_handoff(report: NodeReport, max_age_s: float = HANDOFF_MAX_AGE_S) -> tu
     ok, bad = h.get("last_success"), h.get("last_failure")
     if bad and (not ok or float(bad.get("age_s", 0)) <= float(ok.get("age_s", 0))):
         reason = HANDOFF_REASONS.get(str(bad.get("reason")), "HandoffFailed")
-        return reason, f"{bad.get('reason')}: {bad.get('message', '')}"[:400]
+        # The node's own words (record.py keeps every peer's text out of them), kept to one printable line.
+        said = "".join(ch if ch.isprintable() else " " for ch in str(bad.get("message", "")))[:300]
+        text = f"{reason}: {said}" if reason == "HandoffFailed" else f"{bad.get('reason')}: {said}"
+        failed_auth = bad.get("failed_authentication")
+        if reason == "Timeout" and isinstance(failed_auth, int) and failed_auth > 0:
+            # The node counts wrong-MAC Auths apart (anyone can send one); with tickets expiring unused
+            # beside them, a prefill with another secret is the likely cause.
+            text += f" ({_HANDOFF_HINTS['NotAuthenticated']})"
+        return reason, text[:600]
+    # Wrong-MAC Auths are anyone's to send, so they never fail the condition; but with no handoff
+    # arriving they point at the likely cause (presence only: a count would rewrite the status each resync).
+    recent = h.get("recent_auth_failures")
+    secret = (f"; control connections failed authentication recently ({_HANDOFF_HINTS['NotAuthenticated']})"
+              if isinstance(recent, int) and recent > 0 else "")
     if not ok:
-        return "NoHandoffYet", "no handoff has reached it"
+        return "NoHandoffYet", f"no handoff has reached it{secret}"
     age = float(ok.get("age_s", 0))
     if age > max_age_s and not report.busy:
-        return "HandoffStale", f"no handoff for over {max_age_s:.0f} s while idle (the last: {_gbps(h)})"
+        return "HandoffStale", f"no handoff for over {max_age_s:.0f} s while idle (the last: {_gbps(h)}){secret}"
     # No ages or exact figures: the message changes only when what it says does (no write per resync).
     return "HandoffOK", f"decoded from a handoff within {max_age_s:.0f} s, {_gbps(h)}"
 

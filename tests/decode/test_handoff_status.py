@@ -5,15 +5,20 @@ authenticated /v1/status and as metrics without request ids."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
 
 from tests.decode import synthetic
 from tests.decode.conftest import converter_held, running_node
 from tilert_serve.decode.record import link_seconds
 from tilert_serve.decode.slots import Slot
+from tilert_serve.handoff import auth, framing, messages
+from tilert_serve.handoff.errors import RejectReason
 
 CASE = "mla-f32"
 LAYOUT = synthetic.layout_for(CASE)
+INJECTED = "peer-text-check-the-firewall"
 
 
 def test_link_seconds_are_the_slowest_ranks_writes_and_never_include_the_forward():
@@ -56,17 +61,24 @@ async def test_success_then_failures_with_their_reasons(secret_file, tmp_path):
         assert ok["seconds"] > 0 and ok["age_s"] >= 0
         assert ok["bandwidth_bytes_per_s"] == ok["bytes"] / n.node.handoff.ok_seconds
 
-        # A prefill with another secret: refused as not authenticated; the router's generate then
-        # times out, and the node keeps the specific reason.
+        # A prefill with another secret: refused as not authenticated, which anyone could cause, so it is
+        # no failure of the node's yet; the router's generate then times out (the node's own fact), and
+        # that failure says how many control connections failed authentication since.
         n.node.slots.ticket_ttl_s = 3.0
         wrong = tmp_path / "wrong"
         wrong.write_text("not-the-secret-0123456789")
-        line, status, events = await _handoff_and_decode(n, "bad-secret", secret_file=wrong)
+        _, adm = await n.admit("bad-secret")
+        waiting = asyncio.create_task(n.generate(adm["ticket"], max_tokens=1))
+        line = await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id="bad-secret", secret_file=wrong)
         assert json.loads(line[7:])["reason"] == "not_authenticated"
-        assert status in (404, 504)  # timed out waiting, or the ticket expired while the sender ran
+        assert (await _status(n))["last_failure"] is None
+        status, events = await waiting
+        assert status == 504, events
         h = await _status(n)
-        assert h["last_failure"]["reason"] == "not_authenticated", h
-        assert "secret" in h["last_failure"]["message"]
+        assert h["last_failure"]["reason"] == "timeout", h
+        assert h["last_failure"]["failed_authentication"] == 1
+        assert "1 control connection(s) failed authentication" in h["last_failure"]["message"]
+        assert h["unauthenticated"] == {"not_authenticated": 1}
         assert h["last_failure"]["age_s"] <= h["last_success"]["age_s"]
 
         # A prefill with another layout.
@@ -97,7 +109,9 @@ async def test_success_then_failures_with_their_reasons(secret_file, tmp_path):
 
         async with n.session.get(f"{n.url}/metrics") as resp:
             text = await resp.text()
-        assert 'tilert_decode_handoff_failures_total{reason="not_authenticated"} 1.0' in text
+        assert 'tilert_decode_handoff_failures_total{reason="not_authenticated"}' not in text
+        assert 'tilert_decode_handoff_failures_total{reason="timeout"} 2.0' in text
+        assert 'tilert_decode_ctrl_unauthenticated_total{reason="not_authenticated"} 1.0' in text
         assert 'tilert_decode_handoff_failures_total{reason="layout_mismatch"} 1.0' in text
         assert "tilert_decode_last_handoff_success_timestamp_seconds" in text
         assert "good" not in text and "bad-secret" not in text  # no request ids in metrics
@@ -114,3 +128,58 @@ async def test_digest_mismatch_is_recorded(secret_file):
         assert status == 502
         h = await _status(n)
         assert h["last_failure"]["reason"] == "digest_mismatch" and h["last_success"] is None
+
+
+async def test_unauthenticated_noise_flips_no_status(secret_file):
+    """Anyone reaching the ctrl port: a connect+close, a wrong-MAC Auth, an unsealed Error with its own
+    text. None is the data plane's failure: /v1/status's last failure stays unset and the operator's
+    HandoffReady (from this very payload) stays True; each is counted by how it ended."""
+    from tilert_operator import observe
+    from tilert_operator import status as op_status
+    from tilert_serve.router.config import TileRTNode
+
+    async with running_node(LAYOUT, secret_file, slots=1) as n:
+        line, status, _ = await _handoff_and_decode(n, "good")
+        assert status == 200, line
+
+        def noise() -> None:
+            with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)):
+                pass
+            with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as sock:
+                chan = framing.SyncChannel(sock)
+                challenge = chan.recv()
+                assert isinstance(challenge, messages.Challenge)
+                nonce = auth.new_nonce()
+                chan.send(messages.Auth(mac=auth.sender_mac(b"w" * 32, challenge.nonce, nonce), nonce=nonce,
+                                        sender="x"))
+                assert isinstance(chan.recv(), messages.Reject)
+            with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as sock:
+                chan = framing.SyncChannel(sock)
+                chan.recv()
+                chan.send(messages.Error(reason=RejectReason.LAYOUT, message=INJECTED))
+                with contextlib.suppress(OSError):
+                    sock.recv(1)
+
+        await asyncio.to_thread(noise)
+
+        async def counted() -> dict:
+            for _ in range(500):
+                h = await _status(n)
+                if h["last_failure"] is not None or sum(h.get("unauthenticated", {}).values()) >= 3:
+                    return h
+                await asyncio.sleep(0.01)
+            raise AssertionError(f"the node did not count the noise: {h}")
+
+        h = await counted()
+        assert h["last_failure"] is None and h["failures"] == 0, h
+        assert h["unauthenticated"] == {"disconnected": 1, "not_authenticated": 1, "peer_error": 1}
+        async with n.session.get(f"{n.url}/v1/status") as r:
+            body = await r.json()
+        assert INJECTED not in json.dumps(body)
+        report = observe.NodeReport.from_status("node-0", body)
+        node = TileRTNode(name="node-0", http_url=n.url, ctrl_host="127.0.0.1", ctrl_port=n.ctrl_port)
+        c = op_status.handoff_ready(1, [node], [report])
+        assert (c["status"], c["reason"]) == ("True", "HandoffOK"), c
+        text = n.node.metrics.render().decode()
+        assert 'tilert_decode_ctrl_unauthenticated_total{reason="not_authenticated"} 1.0' in text
+        assert "tilert_decode_handoff_failures_total{" not in text

@@ -1,8 +1,9 @@
 """HandoffReady's facts in a small stack (issue 11): a real decode node, the real router with handoff
 probes on, and a prefill stand-in (tests/netns/prefill_standin.py: the project's own Sender over a real
 Mooncake engine, answering the router as vLLM with TileRTConnector does; vLLM itself boots in minutes
-here). A prefill with the wrong handoff secret: the router's probe fails, the node records
-not_authenticated on its /v1/status, the router is not ready (no other decode route). The prefill comes
+here). A prefill with the wrong handoff secret: the router's probe fails, the node counts the failed
+authentications on its /v1/status (anyone can send a wrong MAC: no failure of the node's, but the
+operator's hint names the secret), the router is not ready (no other decode route). The prefill comes
 back with the right secret but another model (a layout mismatch): the node says so. Then with the
 right model: the next probe decodes, both recover."""
 
@@ -17,6 +18,8 @@ import aiohttp
 
 from tests.decode import synthetic
 from tests.decode.conftest import SENDER_ENV, running_node
+from tilert_operator import observe
+from tilert_operator import status as op_status
 from tilert_serve.layouts import registry
 from tilert_serve.local.runner import free_port
 from tilert_serve.router import config as router_config
@@ -93,11 +96,15 @@ async def test_wrong_secret_fails_the_probe_and_the_node_says_why_then_both_reco
                     return (await r.json())["handoff"]
 
             async def failed() -> dict | None:
+                # A wrong MAC is anyone's to send, so the node counts it apart and records no failure (the
+                # router cancels its probe's ticket); the operator's hint then names the secret.
                 h = await node_handoff()
-                return h if h["last_failure"] and h["last_failure"]["reason"] == "not_authenticated" else None
+                return h if h["recent_auth_failures"] else None
 
-            h = await _until("the node's not_authenticated", failed)
-            assert h["last_success"] is None
+            h = await _until("the node's count of failed authentications", failed)
+            assert h["last_success"] is None and h["last_failure"] is None
+            verdict = op_status.node_handoff(observe.NodeReport("node-0", h))
+            assert verdict[0] == "NoHandoffYet" and "handoff secret differs" in verdict[1], verdict
             async with n.session.get(f"{router}/ready") as r:
                 body = await r.json()
             assert r.status == 503 and body["degraded"][0].startswith("TileRT node node-0: handoff_failed")
@@ -107,7 +114,8 @@ async def test_wrong_secret_fails_the_probe_and_the_node_says_why_then_both_reco
 
             async def mismatch() -> dict | None:
                 h = await node_handoff()
-                return h if h["last_failure"]["reason"] == "layout_mismatch" else None
+                bad = h["last_failure"]
+                return h if bad and bad["reason"] == "layout_mismatch" else None
 
             h = await _until("the node's layout_mismatch", mismatch)
             assert "layout" in h["last_failure"]["message"] and h["last_success"] is None

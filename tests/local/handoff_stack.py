@@ -10,7 +10,10 @@ The faults, each as a real cluster meets it:
 - secret: the node's copy of the handoff secret differs from the prefill's. In a cluster each pod mounts
   the `<cluster>-handoff` Secret on its own; here the node gets its own copy of the state directory's
   secret file (in a directory of its own: FileKeyring also reads an `accept` file beside it), rewritten
-  to another value (the fault) and back (the repair). Both sides re-read their file on change.
+  to another value (the fault) and back (the repair). Both sides re-read their file on change. A wrong
+  MAC is anyone's to send, so the node records no failure for it; vLLM's sender runs after the prefill
+  answered, so the probe's ticket expires unused: a Timeout, whose message counts the failed
+  authentications and names the secret.
 - unreachable: the node's process group is stopped (SIGSTOP) and resumed (SIGCONT). Every peer (the
   prefill's sender on the ctrl port, the router, the operator's status read) then meets what a network
   partition that drops packets or a hung host gives: connections that nobody answers, i.e. timeouts, while
@@ -56,7 +59,7 @@ EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
 PROBE_INTERVAL_S = 2.0
 PROBE_RETRY_S = 1.0
 #: What each fault turns HandoffReady's reason into.
-EXPECTED = {"secret": "NotAuthenticated", "unreachable": "Unreachable", "layout": "LayoutMismatch",
+EXPECTED = {"secret": "Timeout", "unreachable": "Unreachable", "layout": "LayoutMismatch",
             "ctrl_blocked": "Timeout"}
 WRONG_KV_DTYPE = "bfloat16"
 #: The node's ticket TTL at a test's pace (the rendered default is 30 s), as the probe interval above: a

@@ -61,6 +61,33 @@ def test_false_with_the_reason(report: observe.NodeReport, reason: str) -> None:
     assert "p: " + reason in c["message"]
 
 
+def test_a_timeout_beside_failed_authentications_hints_at_the_secret_and_quotes_one_clean_line() -> None:
+    """The node counts wrong-MAC Auths apart (anyone can send one): only its own timeout fails the
+    condition, and then the count turns the hint to the secret."""
+    plain = status.handoff_ready(1, NODES[:1], [_rep("p", fail=_fail("timeout"))])
+    assert plain["reason"] == "Timeout" and "secret" not in plain["message"]
+    counted = _fail("timeout") | {"failed_authentication": 3, "message": "did not arrive; 3 control connection(s) "
+                                                                         "failed authentication\nsince the admission"}
+    c = status.handoff_ready(1, NODES[:1], [_rep("p", fail=counted)])
+    assert (c["status"], c["reason"]) == ("False", "Timeout")
+    assert "3 control connection(s) failed authentication since the admission" in c["message"]
+    assert "handoff secret differs" in c["message"] and "\n" not in c["message"]
+    # No handoff arriving and wrong-MAC Auths lately (the router cancels its probe's ticket): the hint
+    # names the secret, the condition's reason is still the absence of news.
+    quiet = observe.NodeReport("p", {"transport": TRANSPORT, "last_success": None, "last_failure": None,
+                                     "recent_auth_failures": 2})
+    c = status.handoff_ready(1, NODES[:1], [quiet])
+    assert c["reason"] == "NoHandoffYet" and "handoff secret differs" in c["message"]
+    stale = observe.NodeReport("p", {"transport": TRANSPORT, "last_success": OK | {"age_s": 500.0},
+                                     "last_failure": None, "recent_auth_failures": 5})
+    assert "handoff secret differs" in status.node_handoff(stale)[1]
+    fine = observe.NodeReport("p", {"transport": TRANSPORT, "last_success": OK, "last_failure": None,
+                                    "recent_auth_failures": 9})
+    assert status.node_handoff(fine)[0] == "HandoffOK"
+    odd = status.handoff_ready(1, NODES[:1], [_rep("p", fail=_fail("timeout") | {"reason": "made-up"})])
+    assert odd["reason"] == "HandoffFailed" and "made-up" not in odd["message"]
+
+
 def test_a_failure_older_than_the_last_success_is_history_and_busy_nodes_are_not_stale() -> None:
     assert status.node_handoff(_rep("p", fail=_fail("timeout", age=10.0)))[0] == "HandoffOK"
     assert status.node_handoff(_rep("p", ok=OK | {"age_s": 500.0}, busy=True))[0] == "HandoffOK"

@@ -5,27 +5,40 @@ must name this handoff's request and generation and layers of this sender rank n
 anything else is a protocol error like any other. The node queues each reported layer's digest check
 and conversion (node.layers_arrived) while the rest are still being written.
 
-Before the handshake completes a connection is unauthenticated: at most MAX_PREAUTH of them are
-held at once (more are told busy and closed), each frame is at most framing.PREAUTH_MAX_BODY bytes,
-and the Auth must come within HANDSHAKE_TIMEOUT_S. After it every frame is sealed with the session
-keys (framing.Session). Anything wrong, in any phase (a malformed or oversized frame, another
-protocol version, a failed MAC or session tag, an unexpected message, a timeout), is answered with
-an Error or Reject that names the reason, and the connection is closed; a slot it was given is failed
-through the slot table (quarantined on release if its write may still land). The server goes on
-serving every other connection.
+Before the handshake completes a connection is unauthenticated. Anyone who reaches the port can open
+such connections and hold them, so they are admitted by a gate (`PreauthGate`) built so that a real
+prefill is never starved by them: a sender answers the Challenge within a round trip, so each gets
+AUTH_TIMEOUT_S for its Auth; each frame is at most framing.PREAUTH_MAX_BODY bytes; one source address
+(an IPv6 /64) holds at most MAX_PREAUTH_PER_SOURCE, and a newcomer past that evicts its own source's
+oldest; at MAX_PREAUTH in all, a newcomer evicts the oldest connection of the worst source (most held,
+plus a decaying count of its connections that ended unauthenticated), or is itself told busy when its
+own source is the worst. A crowd of idle connections thus churns among its own sources, while a
+sender that authenticates in a round trip is never the one evicted or refused.
+
+After the handshake every frame is sealed with the session keys (framing.Session). Anything wrong, in
+any phase (a malformed or oversized frame, another protocol version, a failed MAC or session tag, an
+unexpected message, a timeout), is answered with an Error or Reject that names the reason, and the
+connection is closed; a slot it was given is failed through the slot table (quarantined on release if
+its write may still land). The server goes on serving every other connection. What an
+unauthenticated connection did is counted apart (record.py) and never becomes the node's data-plane
+failure; what is recorded is the node's own words, never the peer's text.
 """
 
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
-from dataclasses import dataclass
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tilert_serve.decode.slots import DuplicateSender, NodeFull, Slot, UnknownTicket
 from tilert_serve.handoff import auth, messages
 from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason, SessionError, VersionMismatch
-from tilert_serve.handoff.framing import HEADER, PREAUTH_MAX_BODY, Session, read_frame, write_message
+from tilert_serve.handoff.framing import HEADER, PREAUTH_MAX_BODY, Session, encode, read_frame, write_message
 from tilert_serve.layouts import senders_layers
 
 if TYPE_CHECKING:
@@ -33,13 +46,127 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-#: Seconds a sender gets for each handshake message; the writes themselves get the slot's deadline.
+#: Seconds an authenticated sender gets for each handshake message; the writes themselves get the
+#: slot's deadline.
 HANDSHAKE_TIMEOUT_S = 10.0
+#: Seconds from accepting a connection to its Auth: a real sender answers the Challenge within a round
+#: trip and one HMAC; an idle connection is closed after this.
+AUTH_TIMEOUT_S = 3.0
 #: Unauthenticated connections held at once. Each holds at most the stream reader's buffer
-#: (READ_LIMIT, twice that before the transport pauses) for HANDSHAKE_TIMEOUT_S.
+#: (READ_LIMIT, twice that before the transport pauses) for AUTH_TIMEOUT_S.
 MAX_PREAUTH = 64
+#: Unauthenticated connections held at once from one source address (an IPv6 /64): a TP=8 prefill
+#: opening one connection per rank for two requests at once fits.
+MAX_PREAUTH_PER_SOURCE = 16
+#: Half-life of a source's count of connections that ended unauthenticated (evicted, timed out,
+#: refused, failed the MAC).
+STRIKE_HALF_LIFE_S = 60.0
+#: Sources whose strikes are remembered; past it the least suspicious are forgotten.
+MAX_SOURCES = 4096
 #: asyncio's stream buffer limit for control connections.
 READ_LIMIT = 64 * 1024
+
+
+def source_of(peername: object) -> str:
+    """The address a connection is counted under: the IPv4 address, or the IPv6 /64 (one host's
+    addresses are a whole /64)."""
+    host = peername[0] if isinstance(peername, tuple) and peername else peername
+    try:
+        addr = ipaddress.ip_address(str(host).split("%", 1)[0])
+    except ValueError:
+        return str(host)
+    if isinstance(addr, ipaddress.IPv6Address):
+        if addr.ipv4_mapped is not None:
+            return str(addr.ipv4_mapped)
+        return str(ipaddress.IPv6Network((addr, 64), strict=False))
+    return str(addr)
+
+
+@dataclass(eq=False)
+class Preauth:
+    """One unauthenticated connection's place in the gate."""
+
+    source: str
+    opened: float
+    #: Cancelled to evict the connection.
+    task: asyncio.Task[None] | None
+    evicted: bool = False
+
+
+@dataclass
+class PreauthGate:
+    """Which unauthenticated connections are held; the one owner of their admission, eviction and
+    release (see the module docstring). Plain data on an injected clock; the event loop is its only
+    caller."""
+
+    limit: int = MAX_PREAUTH
+    per_source: int = MAX_PREAUTH_PER_SOURCE
+    clock: Callable[[], float] = time.monotonic
+    #: Held connections per source, oldest first.
+    held: dict[str, list[Preauth]] = field(default_factory=dict)
+    #: Per source: (strikes, clock when last updated); decays with STRIKE_HALF_LIFE_S.
+    strikes: dict[str, tuple[float, float]] = field(default_factory=dict)
+
+    @property
+    def count(self) -> int:
+        return sum(len(v) for v in self.held.values())
+
+    def _strikes(self, source: str, now: float) -> float:
+        value, at = self.strikes.get(source, (0.0, now))
+        return value * math.pow(0.5, (now - at) / STRIKE_HALF_LIFE_S)
+
+    def strike(self, source: str) -> None:
+        now = self.clock()
+        self.strikes[source] = (self._strikes(source, now) + 1.0, now)
+        if len(self.strikes) > MAX_SOURCES:
+            keep = sorted(self.strikes, key=lambda s: self._strikes(s, now), reverse=True)[:MAX_SOURCES // 2]
+            self.strikes = {s: self.strikes[s] for s in keep}
+
+    def admit(self, source: str, task: asyncio.Task[None] | None) -> tuple[Preauth | None, Preauth | None]:
+        """(the newcomer's place, or None: refuse it as busy; the connection to evict, or None)."""
+        now = self.clock()
+        mine = self.held.get(source, [])
+        worst = None
+        if len(mine) >= self.per_source:
+            worst = source
+        elif self.count >= self.limit:
+            def badness(s: str) -> tuple[float, float]:
+                held = self.held.get(s, [])
+                # Ties go to the source whose oldest connection is the oldest.
+                return len(held) + (s == source) + self._strikes(s, now), -(held[0].opened if held else now)
+            worst = max({*self.held, source}, key=badness)
+        victim = None
+        if worst == source:
+            # The newcomer's own source is the worst: a clean one (a prefill's burst of ranks) trades its
+            # oldest for it; one whose connections have been ending unauthenticated is refused, cheaply,
+            # instead of churning.
+            if not mine or self._strikes(source, now) >= 0.5:
+                self.strike(source)
+                return None, None
+            victim = mine[0]
+        elif worst is not None:
+            victim = self.held[worst][0]
+        if victim is not None:
+            self.evict(victim)
+        entry = Preauth(source, now, task)
+        self.held.setdefault(source, []).append(entry)
+        return entry, victim
+
+    def evict(self, entry: Preauth) -> None:
+        """Take `entry` out and mark it evicted (its owner cancels its task)."""
+        entry.evicted = True
+        self.release(entry, authenticated=False)
+
+    def release(self, entry: Preauth, *, authenticated: bool) -> None:
+        """The connection authenticated or ended; idempotent."""
+        mine = self.held.get(entry.source)
+        if mine is None or entry not in mine:
+            return
+        mine.remove(entry)
+        if not mine:
+            del self.held[entry.source]
+        if not authenticated:
+            self.strike(entry.source)
 
 
 @dataclass
@@ -52,10 +179,16 @@ class _Conn:
     rank: int = 0
     request_id: str = ""
     authenticated: bool = False
+    place: Preauth | None = None
 
 
 class _PeerError(Exception):
-    """The sender sent an Error: it gives up on this connection, saying why."""
+    """The sender sent an Error: it gives up on this connection, saying why (a RejectReason)."""
+
+    def __init__(self, reason: RejectReason, said: str) -> None:
+        super().__init__(f"the sender gave up, reporting {reason.value}")
+        #: The sender's own words (sealed: an authenticated sender's): for the request's error only.
+        self.reason, self.said = reason, said[:500]
 
 
 class _Refuse(Exception):
@@ -65,55 +198,77 @@ class _Refuse(Exception):
 
 
 class ControlServer:
-    """Counts unauthenticated connections; `handle` serves one connection."""
+    """Admits unauthenticated connections through its gate; `handle` serves one connection."""
 
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
-        self.preauth = 0
+        self.gate = PreauthGate(limit=MAX_PREAUTH, per_source=MAX_PREAUTH_PER_SOURCE, clock=node.slots.clock)
+
+    @property
+    def preauth(self) -> int:
+        """Unauthenticated connections held now."""
+        return self.gate.count
 
     async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         node = self.node
         peer = writer.get_extra_info("peername")
         conn = _Conn()
-        if self.preauth >= MAX_PREAUTH:
-            node.metrics.ctrl_errors.labels("preauth_limit").inc()
-            await _try_send(writer, messages.Error(reason=RejectReason.BUSY,
-                                                   message=f"{MAX_PREAUTH} unauthenticated control connections are "
-                                                           "open already; retry"), None)
+        conn.place, victim = self.gate.admit(source_of(peer), asyncio.current_task())
+        if victim is not None and victim.task is not None:
+            victim.task.cancel()
+        if conn.place is None:
+            node.recorder.unauthenticated("refused_busy")
+            _say_busy(writer, "too many unauthenticated control connections from this address")
             writer.close()
             return
-        self.preauth += 1
         try:
-            await _handoff(node, reader, writer, conn, self)
+            try:
+                await _handoff(node, reader, writer, conn, self)
+            finally:
+                # Out of the gate before any answer is sent: a connection on its way out is never evicted.
+                self.gate.release(conn.place, authenticated=conn.authenticated)
+        except asyncio.CancelledError:
+            if not conn.place.evicted or conn.authenticated:
+                raise
+            node.recorder.unauthenticated("evicted")
+            log.debug("control connection from %s evicted before it authenticated", peer)
+            _say_busy(writer, "evicted: too many unauthenticated control connections")
         except _Refuse as exc:
-            node.recorder.ctrl_error(exc.reason.value, exc.message)
-            log.info("handoff from %s refused: %s: %s", peer, exc.reason.value, exc.message)
+            node.recorder.ctrl_error(exc.reason.value, exc.message, authenticated=conn.authenticated)
+            log.info("handoff from %s refused: %s: %.300r", peer, exc.reason.value, exc.message)
             await _try_send(writer, messages.Reject(request_id=conn.request_id, reason=exc.reason,
                                                     message=exc.message), conn.session)
         except VersionMismatch as exc:
-            node.recorder.ctrl_error(RejectReason.VERSION.value, str(exc))
+            node.recorder.ctrl_error(RejectReason.VERSION.value, f"the sender speaks protocol version {exc.version}",
+                                     authenticated=conn.authenticated)
             log.info("handoff from %s: %s", peer, exc)
             # In the peer's version: Error's body is the same in every version, so an older peer reads why.
             await _try_send(writer, messages.Error(reason=RejectReason.VERSION, message=str(exc)), None,
                             version=exc.version)
             _lost(node, conn, f"sender speaks another protocol version: {exc}")
         except SessionError as exc:
-            node.recorder.ctrl_error(RejectReason.UNAUTHENTICATED.value, f"session check failed: {exc}")
+            node.recorder.ctrl_error(RejectReason.UNAUTHENTICATED.value, f"session check failed: {exc}",
+                                     authenticated=conn.authenticated)
             log.warning("handoff from %s: session check failed: %s", peer, exc)
             await _try_send(writer, messages.Error(reason=RejectReason.UNAUTHENTICATED, message=str(exc)),
                             conn.session)
             _lost(node, conn, f"the control connection failed its session check: {exc}")
         except (FrameError, MessageError) as exc:
-            node.recorder.ctrl_error("bad_request", f"protocol error: {exc}")
-            log.warning("handoff from %s: protocol error: %s", peer, exc)
+            # The message may quote the peer (a field's value): the log has it, the record does not.
+            node.recorder.ctrl_error("bad_request", f"the sender broke the protocol ({type(exc).__name__}); see "
+                                     "the node's log", authenticated=conn.authenticated)
+            log.warning("handoff from %s: protocol error: %.500r", peer, str(exc))
             await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST, message=str(exc)), conn.session)
             _lost(node, conn, f"sender broke the protocol: {exc}")
         except _PeerError as exc:
-            node.recorder.ctrl_error("peer_error", str(exc))
-            log.info("handoff from %s: the sender gave up: %s", peer, exc)
-            _lost(node, conn, str(exc))
+            node.recorder.ctrl_error("peer_error", str(exc), authenticated=conn.authenticated,
+                                     peer_reason=exc.reason.value)
+            log.info("handoff from %s: %s: %.500r", peer, exc, exc.said)
+            _lost(node, conn, f"the sender reported {exc.reason.value}: {exc.said}")
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
-            node.recorder.ctrl_error("disconnected", f"sender disconnected or timed out ({type(exc).__name__})")
+            reason = "auth_timeout" if isinstance(exc, TimeoutError) and not conn.authenticated else "disconnected"
+            node.recorder.ctrl_error(reason, f"sender disconnected or timed out ({type(exc).__name__})",
+                                     authenticated=conn.authenticated)
             if isinstance(exc, TimeoutError):
                 await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST,
                                                        message="timed out waiting for the next message"),
@@ -127,13 +282,20 @@ class ControlServer:
                     conn.session)
             _lost(node, conn, f"sender disconnected or timed out before reporting done ({type(exc).__name__})")
         except Exception:  # the server must outlive any one connection
-            node.recorder.ctrl_error("internal", "internal error in the control plane")
+            node.recorder.ctrl_error("internal", "internal error in the decode node's control plane; see its log",
+                                     authenticated=conn.authenticated)
             log.exception("handoff from %s: internal error", peer)
             _lost(node, conn, "internal error in the decode node's control plane; see its log")
         finally:
-            if not conn.authenticated:
-                self.preauth -= 1
             writer.close()
+
+
+def _say_busy(writer: asyncio.StreamWriter, why: str) -> None:
+    """Tell an unauthenticated peer it was turned away, without waiting on it (it holds nothing of ours)."""
+    try:
+        writer.write(encode(messages.Error(reason=RejectReason.BUSY, message=f"{why}; retry")))
+    except (ConnectionError, RuntimeError):
+        pass
 
 
 def _lost(node: DecodeNode, conn: _Conn, error: str) -> None:
@@ -159,7 +321,8 @@ async def _read(reader: asyncio.StreamReader, conn: _Conn, kind: type[messages.M
     else:
         msg, _ = await asyncio.wait_for(read_frame(reader, conn.session, max_body), timeout)
     if isinstance(msg, messages.Error):
-        raise _PeerError(f"the sender reported {msg.reason.value}: {msg.message}"[:1000])
+        # Its text is the peer's: the record gets only the reason (an enum).
+        raise _PeerError(msg.reason, msg.message)
     if not isinstance(msg, kind):
         names = " or ".join(k.__name__ for k in kind) if isinstance(kind, tuple) else kind.__name__
         raise MessageError(f"expected {names}, got {type(msg).__name__}")
@@ -179,8 +342,9 @@ def _check_auth(node: DecodeNode, nonce: str, a: messages.Auth) -> bytes | None:
 async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                    conn: _Conn, server: ControlServer) -> None:
     nonce = auth.new_nonce()
-    await write_message(writer, messages.Challenge(nonce=nonce, node=node.config.name))
-    a = await _read(reader, conn, messages.Auth, HANDSHAKE_TIMEOUT_S, PREAUTH_MAX_BODY)
+    async with asyncio.timeout(AUTH_TIMEOUT_S):
+        await write_message(writer, messages.Challenge(nonce=nonce, node=node.config.name))
+        a = await _read(reader, conn, messages.Auth, AUTH_TIMEOUT_S, PREAUTH_MAX_BODY)
     assert isinstance(a, messages.Auth)
     secret = _check_auth(node, nonce, a)
     if secret is None:
@@ -188,7 +352,8 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
                       "HMAC does not verify: the sender's handoff secret differs from this node's")
     conn.session = Session.of_node(secret, nonce, a.nonce)
     conn.authenticated = True
-    server.preauth -= 1
+    if conn.place is not None:
+        server.gate.release(conn.place, authenticated=True)
     if node.stopping:
         raise _Refuse(RejectReason.SHUTTING_DOWN, "the node is stopping; send to another node")
     await write_message(writer, node.hello(auth.node_mac(secret, nonce, a.nonce)), conn.session)

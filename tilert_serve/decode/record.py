@@ -4,14 +4,26 @@ condition reads it); it holds no request ids.
 
 One owner: the node and its control server report events here (`ctrl_error`, `failure`,
 `success`); nothing else writes the record.
+
+Only authenticated peers' facts are the data plane's failures. Anyone who reaches the control port can
+open a connection and close it, or send an Auth with a wrong MAC: those connections are counted apart
+(`unauthenticated`, and a metric by a bounded reason) and never become the last failure, so they
+cannot flip HandoffReady. A prefill with another secret still shows: the router's tickets for it then
+expire unused (the node records `timeout`, its own fact), and that failure says how many control
+connections failed authentication meanwhile (a count, never what the peer sent).
+
+The record's messages are the node's own words and reason enums only: the operator copies them into
+a condition, so nothing a peer wrote (an Error's text, a request id) may reach them.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import time
+from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter, Gauge
@@ -26,6 +38,16 @@ DATA_PLANE_FAILURES = frozenset({
     "not_authenticated", "layout_mismatch", "version_mismatch", "bad_request", "timeout", "digest_mismatch",
     "transfer_failed", "disconnected", "decode_failed", "internal",
 })
+#: Why an unauthenticated control connection ended (the metric's label values: a peer cannot add one).
+UNAUTHENTICATED_REASONS = frozenset({
+    "not_authenticated", "auth_timeout", "evicted", "refused_busy", "version_mismatch", "bad_request",
+    "disconnected", "peer_error", "internal",
+})
+#: Wrong-MAC Auths remembered for the timeout's count; past this many the count says "at least".
+_AUTH_FAILURES_KEPT = 4096
+#: /v1/status counts the wrong-MAC Auths of this many recent seconds (the operator's HandoffReady
+#: window): with no handoff arriving, they point at a prefill holding another secret.
+RECENT_AUTH_S = 120.0
 
 
 @dataclass
@@ -48,19 +70,36 @@ class HandoffRecord:
     fail_wall: float = 0.0
     fail_reason: str = ""
     fail_message: str = ""
+    #: Wrong-MAC Auths counted into the last failure (a timeout) since its admission; None when not counted.
+    fail_auth_failures: int | None = None
+    #: Unauthenticated control connections by how they ended (UNAUTHENTICATED_REASONS).
+    unauthenticated: dict[str, int] = field(default_factory=dict)
+    #: Clock readings of the latest wrong-MAC Auths, oldest first.
+    auth_failed_at: deque[float] = field(default_factory=lambda: deque(maxlen=_AUTH_FAILURES_KEPT))
 
     def success(self, nbytes: int, seconds: float | None) -> None:
         self.successes += 1
         self.ok_at, self.ok_wall, self.ok_bytes, self.ok_seconds = self.clock(), time.time(), nbytes, seconds
 
-    def failure(self, reason: str, message: str) -> bool:
+    def failure(self, reason: str, message: str, auth_failures: int | None = None) -> bool:
         """Record a failure; False (nothing recorded) for reasons that are not the data plane's."""
         if reason not in DATA_PLANE_FAILURES:
             return False
         self.failures += 1
         self.fail_at, self.fail_wall = self.clock(), time.time()
-        self.fail_reason, self.fail_message = reason, message[:500]
+        self.fail_reason, self.fail_message, self.fail_auth_failures = reason, message[:500], auth_failures
         return True
+
+    def unauthenticated_ended(self, reason: str) -> None:
+        self.unauthenticated[reason] = self.unauthenticated.get(reason, 0) + 1
+        if reason == "not_authenticated":
+            self.auth_failed_at.append(self.clock())
+
+    def auth_failures_since(self, since: float) -> tuple[int, bool]:
+        """(wrong-MAC Auths since `since`, whether that is all of them: False when more came than are kept)."""
+        n = sum(1 for t in self.auth_failed_at if t >= since)
+        complete = n < len(self.auth_failed_at) or len(self.auth_failed_at) < _AUTH_FAILURES_KEPT
+        return n, complete
 
     @property
     def bandwidth(self) -> float | None:
@@ -72,6 +111,8 @@ class HandoffRecord:
         now = self.clock()
         out: dict[str, Any] = {"transport": {"engine": self.engine, "protocol": self.protocol},
                                "successes": self.successes, "failures": self.failures,
+                               "unauthenticated": dict(sorted(self.unauthenticated.items())),
+                               "recent_auth_failures": self.auth_failures_since(now - RECENT_AUTH_S)[0],
                                "last_success": None, "last_failure": None}
         if self.ok_at is not None:
             out["last_success"] = {"age_s": round(now - self.ok_at, 3), "time": self.ok_wall, "bytes": self.ok_bytes,
@@ -80,7 +121,19 @@ class HandoffRecord:
         if self.fail_at is not None:
             out["last_failure"] = {"age_s": round(now - self.fail_at, 3), "time": self.fail_wall,
                                    "reason": self.fail_reason, "message": self.fail_message}
+            if self.fail_auth_failures is not None:
+                out["last_failure"]["failed_authentication"] = self.fail_auth_failures
         return out
+
+
+_RANK_FAILED = re.compile(r"sender rank (\d+) failed to write")
+
+
+def _own_words(message: str) -> str:
+    """A sender rank's failed write as the slot table words it, without the reason the sender gave."""
+    m = _RANK_FAILED.match(message)
+    return f"{m.group(0)} (its reason is in the generate call's error and the prefill's log)" if m else \
+        "a sender rank failed to write"
 
 
 def link_seconds(slot: Slot, layerwise: bool) -> float | None:
@@ -118,20 +171,52 @@ class Recorder:
                                   "Bytes per second of the last successful handoff (Accept to last Done)", registry=r)
         self._m_failures = Counter("tilert_decode_handoff_failures", "Data-plane handoff failures by reason",
                                    ["reason"], registry=r)
+        self._m_unauthenticated = Counter(
+            "tilert_decode_ctrl_unauthenticated", "Control connections that ended before authenticating, by how "
+            "(anyone reaching the port can cause these; they are not the data plane's failures)", ["reason"],
+            registry=r)
 
-    def ctrl_error(self, reason: str, message: str) -> None:
-        """A control connection was refused or broke (ctrl.py): count it, and record it when it is the
-        data plane's failure."""
+    def ctrl_error(self, reason: str, message: str, *, authenticated: bool, peer_reason: str | None = None) -> None:
+        """A control connection was refused or broke (ctrl.py). From an authenticated peer: counted,
+        and recorded when it is the data plane's failure. Before authentication: counted apart, never
+        recorded. `message` must be the node's own words (ctrl.py keeps the peer's text to its log);
+        `peer_reason`: the RejectReason of a `peer_error` (the sender's own Error)."""
+        if not authenticated:
+            label = reason if reason in UNAUTHENTICATED_REASONS else "bad_request"
+            self.record.unauthenticated_ended(label)
+            self._m_unauthenticated.labels(label).inc()
+            if reason == "internal":  # our bug, whoever triggered it
+                self.metrics.ctrl_errors.labels(reason).inc()
+            return
         self.metrics.ctrl_errors.labels(reason).inc()
         if reason == "peer_error":
-            # The sender's own Error ("the sender reported REASON: ..."): it found the layouts differ
-            # from our Hello, or its write failed; without a reason of ours, the transfer failed.
-            said = message.removeprefix("the sender reported ").split(":", 1)[0]
-            reason = said if said in DATA_PLANE_FAILURES and said != message else "transfer_failed"
+            # The sender found the layouts differ from our Hello, or our frames failed its session check,
+            # or its write failed: without a reason of ours, the transfer failed.
+            reason = peer_reason if peer_reason in DATA_PLANE_FAILURES else "transfer_failed"
         self.failure(reason, message)
 
-    def failure(self, reason: str, message: str) -> None:
-        if self.record.failure(reason, message):
+    def unauthenticated(self, reason: str) -> None:
+        """An unauthenticated control connection refused or ended before it could speak (ctrl.py's gate)."""
+        self.ctrl_error(reason, "", authenticated=False)
+
+    def failure(self, reason: str, message: str, since: float | None = None) -> None:
+        """A data-plane failure the node saw itself (node.py) or an authenticated peer caused. A
+        `timeout` says how many control connections failed authentication since `since` (the
+        ticket's admission; without it, since the previous recorded event)."""
+        auth_failures = None
+        if reason == "timeout":
+            h = self.record
+            what = "the admission" if since is not None else "the last handoff event"
+            if since is None:
+                since = max(t for t in (h.ok_at, h.fail_at, float("-inf")) if t is not None)
+            n, complete = h.auth_failures_since(since)
+            if n:
+                auth_failures = n
+                message = (f"{message}; {'' if complete else 'at least '}{n} control connection(s) failed "
+                           f"authentication since {what} (a prefill with another handoff secret?)")
+        elif reason == "transfer_failed":
+            message = _own_words(message)
+        if self.record.failure(reason, message, auth_failures):
             self._m_failures.labels(reason).inc()
 
     def success(self, slot: Slot, layerwise: bool) -> None:
