@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds after SIGTERM for admitted requests and streams to finish before they are "
                         "cancelled (default 30; pods get terminationGracePeriodSeconds - preStop sleep - 5)")
+    p.add_argument("--http-idle-timeout", type=float, default=HTTP_IDLE_S,
+                   help="seconds an HTTP connection may stay open without a request in progress (idle keep-alive, "
+                        f"or request headers still arriving; default {HTTP_IDLE_S:g})")
     p.add_argument("--log-level", default="INFO")
 
 
@@ -125,9 +128,14 @@ def run(args: argparse.Namespace) -> int:
     tokenizer, eos = _tokenizer(model_dir)
     node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
                       eos_token_ids=eos)
-    asyncio.run(serve(make_app(node, api_tokens), node, args.host, args.http_port, args.drain_timeout))
+    asyncio.run(serve(make_app(node, api_tokens), node, args.host, args.http_port, args.drain_timeout,
+                      args.http_idle_timeout))
     return 0
 
+
+#: Seconds an HTTP connection may stay without a request in progress (idle keep-alive, or headers still
+#: arriving): the router's default (its timeouts.client_idle_s). aiohttp's own is 3,630 s.
+HTTP_IDLE_S = 15.0
 
 #: Slot states with a request between its admission and the end of its stream.
 _ACTIVE = frozenset({"reserved", "receiving", "ready", "decoding"})
@@ -146,16 +154,23 @@ def node_idle(node: DecodeNode) -> bool:
     return not any(s.state.value in _ACTIVE for s in node.slots.slots)
 
 
-async def serve(app: web.Application, node: DecodeNode, host: str, port: int, drain_timeout: float) -> str:
+async def serve(app: web.Application, node: DecodeNode, host: str, port: int, drain_timeout: float,
+                idle_s: float = HTTP_IDLE_S) -> str:
     """Serve `app` until SIGTERM/SIGINT, then drain and stop; returns the drain's outcome."""
-    from aiohttp import web
-
     drain = drain_for(node, drain_timeout)
     app.middlewares.append(drain.middleware)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
+    runner = await start_http(app, host, port, idle_s)
     return await draining.serve_until_signal(runner, drain, stop_listening=False, idle=lambda: node_idle(node))
+
+
+async def start_http(app: web.Application, host: str, port: int, idle_s: float = HTTP_IDLE_S) -> web.AppRunner:
+    """The node's HTTP server, set up as the router's (tilert_serve/httpserver.py): idle and slow-header
+    connections closed after `idle_s`, connections capped below the open-file limit, malformed requests
+    answered in the node's JSON error shape."""
+    from tilert_serve import httpserver
+    from tilert_serve.decode.http import error_body
+
+    return await httpserver.start(app, host, port, idle_s=idle_s, error_body=error_body)
 
 
 def api_token_file(flag: str | None) -> TokenFile | None:

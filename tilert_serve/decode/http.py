@@ -22,7 +22,7 @@ from typing import Any
 from aiohttp import web
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from tilert_serve import pydantic_errors
+from tilert_serve import httpserver, pydantic_errors
 from tilert_serve.bearer import TokenFile
 from tilert_serve.decode import api_auth
 from tilert_serve.decode.engines.base import Sampling
@@ -32,6 +32,8 @@ from tilert_serve.decode.slots import AlreadyClaimed, NodeFull, UnknownTicket
 log = logging.getLogger(__name__)
 NODE = web.AppKey("node", DecodeNode)
 MAX_BODY = 1 << 20
+#: A body must arrive this long after its headers: one sent a byte at a time holds a handler for nothing.
+BODY_TIMEOUT_S = 30.0
 #: Seeds are 64-bit, as vLLM's (and the router's check) take them.
 _INT64 = 2**63
 
@@ -69,13 +71,33 @@ class CancelBody(_Body):
     ticket: str = Field(min_length=1, max_length=256)
 
 
+def error_body(status: int, message: str) -> dict[str, Any]:
+    """The node's error shape, for answers the HTTP server gives before a handler runs (httpserver.py)."""
+    kind = "bad_request" if status < 500 else ("overloaded" if status == 503 else "internal_error")
+    return {"error": {"type": kind, "message": message}}
+
+
 def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> web.Response:
     return web.json_response({"error": {"type": kind, "message": message}}, status=status, headers=headers)
 
 
-async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+async def _read(request: web.Request) -> bytes:
     try:
-        data = json.loads(await request.read())
+        async with asyncio.timeout(BODY_TIMEOUT_S):
+            return await request.read()
+    except TimeoutError:
+        raise web.HTTPRequestTimeout(text=json.dumps(error_body(408, f"request body not received within "
+                                                                     f"{BODY_TIMEOUT_S:g} s of its headers")),
+                                     content_type="application/json") from None
+    except httpserver.BadBody:
+        raise web.HTTPBadRequest(text=json.dumps(error_body(400, httpserver.BAD_BODY)),
+                                 content_type="application/json") from None
+
+
+async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
+    raw = await _read(request)
+    try:
+        data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, 5000-digit numbers, 100k-deep nesting
         raise web.HTTPBadRequest(text=json.dumps({"error": {"type": "invalid_json", "message": str(exc)}}),
                                  content_type="application/json") from exc

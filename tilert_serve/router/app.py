@@ -14,6 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
+from tilert_serve import httpserver
 from tilert_serve.router import canary, discovery, handlers, health, reload, upstream
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import error_middleware
@@ -70,15 +71,13 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Start the app on host:port (0 = any free port) with handler cancellation on; returns the runner
     (its `addresses` give the bound port; `await runner.cleanup()` stops it).
 
-    A connection without a request in progress is closed after `timeouts.client_idle_s`: aiohttp arms
-    that timer when the connection opens and after each response, and only a complete request line
-    and headers disarm it, so it bounds idle keep-alive connections and half-sent headers alike."""
-    idle = app[STATE].config.timeouts.client_idle_s
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, keepalive_timeout=idle)
-    await runner.setup()
-    site = web.TCPSite(runner, host, port, backlog=2048)
-    await site.start()
-    return runner
+    The server is set up as the decode node's (tilert_serve/httpserver.py): a connection without a
+    request in progress (idle keep-alive, or headers still arriving) is closed after
+    `timeouts.client_idle_s`, connections are capped at `limits.max_client_connections`, and requests
+    aiohttp's parser refuses get a JSON 400."""
+    cfg = app[STATE].config
+    return await httpserver.start(app, host, port, idle_s=cfg.timeouts.client_idle_s, error_body=httpserver.openai_error,
+                                  handler_cancellation=True, max_connections=cfg.limits.max_client_connections)
 
 
 def bound_port(runner: web.AppRunner) -> int:

@@ -113,6 +113,10 @@ class Limits(_Strict):
     default_max_tokens: int = Field(default=4096, ge=1)
     #: Pooled upstream connections per host (prefill, native decode, TileRT node).
     connections_per_host: int = Field(default=0, ge=0)
+    #: Client connections held at once; past it the connection idle the longest is closed to make room
+    #: (httpserver.py). None = half the open-file limit (raised to the hard limit at start), which keeps
+    #: descriptors for upstream connections however many clients connect. Read when the router starts.
+    max_client_connections: int | None = Field(default=None, ge=1)
 
 
 class TileRTDiscovery(_Strict):

@@ -8,6 +8,7 @@ import time
 
 from aiohttp import web
 
+from tilert_serve import httpserver
 from tilert_serve.bearer import bearer_token
 from tilert_serve.router import metrics as metrics_mod
 from tilert_serve.router import native_path, openai_request, policy, tilert_path
@@ -42,6 +43,8 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
             return await request.read()
     except TimeoutError:
         raise RouterError(408, f"request body not received within {timeout_s:g} s", code="body_timeout") from None
+    except httpserver.BadBody:
+        raise RouterError(400, httpserver.BAD_BODY, code="malformed_http") from None
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
