@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Everything bench/ runs on a GPU, in one go (a borrowed machine is held by the minute): the gpu-marked
-# tests of the Triton kernels, then extract, convert and the reference engine on CUDA. RESULTS.md
+# tests of the Triton kernels, then extract, convert, the GPU digest and the reference engine on CUDA. RESULTS.md
 # sections are written into $OUT/RESULTS.md (the machine has no git checkout: BENCH_COMMIT names the
 # commit that was sent); back here, `python -m bench.common merge <that file>` carries them over.
 #
@@ -24,11 +24,12 @@ cp bench/RESULTS.md "$OUT/RESULTS.md"
 nvidia-smi -L
 echo "pytest start $(date -u +%FT%TZ)"
 timeout 300 "$PY" -m pytest -m gpu tests/layouts/test_convert_triton.py tests/pd_vllm/test_extract_triton.py \
-  tests/pd_vllm/test_layerwise_cuda.py tests/decode/test_settle_cuda.py -v \
+  tests/pd_vllm/test_layerwise_cuda.py tests/decode/test_settle_cuda.py tests/handoff/test_digest_gpu.py -v \
   -p no:cacheprovider >"$OUT/pytest.log" 2>&1
 echo "pytest rc $? end $(date -u +%FT%TZ)"
 timeout 150 "$PY" -m bench.extract.run ${BENCH_TUNE:+--tune} >"$OUT/extract.log" 2>&1; echo "extract rc $?"
 timeout 240 "$PY" -m bench.convert.run ${BENCH_TUNE:+--tune} >"$OUT/convert.log" 2>&1; echo "convert rc $?"
+timeout 300 "$PY" -m bench.digest.gpu ${BENCH_TUNE:+--tune} >"$OUT/digest_gpu.log" 2>&1; echo "digest gpu rc $?"
 { "$PY" -m tilert_serve.cli tiny-model --out /tmp/tiny-bench &&
   timeout 120 "$PY" -m bench.engine.run --model /tmp/tiny-bench --device cuda; } >"$OUT/engine.log" 2>&1
 echo "engine rc $?"

@@ -5,8 +5,9 @@ bytes measured in the same run (memcpy on the CPU, device-to-device on a GPU).
 Sizes: the tiny CPU stack's state (mla, float32, 3 layers) at 128 and 2048 tokens, and one GLM-5
 request (79 layers, fp8_ds_mla + indexer) at 8k, 32k and 128k tokens. Candidates on the CPU: BLAKE3
 (one thread, and its own threads), BLAKE2b and SHA-256 (hashlib), xxh3-128 where installed (not
-cryptographic: for scale only). On a GPU: the project's path (digest.of_ranges: pinned host copies
-on a side stream overlapping BLAKE3 on host threads), the host copy alone, and zero_ on the device.
+cryptographic: for scale only). On a GPU: the host path (digest.of_ranges_on_host: pinned host copies
+on a side stream overlapping BLAKE3 on host threads; of_ranges itself hashes CUDA buffers on the GPU,
+measured by bench/digest/gpu.py), the host copy alone, and zero_ on the device.
 Each cell is a median (reps shrink with size); sizes over --max-bytes are skipped and say so.
 
     python -m bench.digest.run [--device cpu|cuda] [--max-bytes 2.5e9]
@@ -76,8 +77,8 @@ def _measure(name: str, nbytes: int, dev: torch.device) -> tuple[list[str], list
 
         cells["host copy (64 MB pinned chunks)"] = median_ms(to_host, dev, reps, warm)
         alg = digest.preferred()
-        cells[f"of_ranges ({alg}, pipelined)"] = median_ms(
-            lambda: digest.of_ranges([src], [(0, 0, nbytes)], alg), torch.device("cpu"), reps, warm)
+        cells[f"host path, of_ranges_on_host ({alg}, pipelined)"] = median_ms(
+            lambda: digest.of_ranges_on_host([src], [(0, 0, nbytes)], alg), torch.device("cpu"), reps, warm)
     cells["scrub (zero_)"] = median_ms(lambda: dst.zero_(), dev, reps, warm)
     header = ["state", "MB", "copy ms", *[f"{c} ms (x copy)" for c in cells]]
     return header, [name, f"{nbytes / 1e6:.1f}", f"{base:.3f}",

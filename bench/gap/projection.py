@@ -3,9 +3,9 @@
     .venv/bin/python -m bench.gap.projection [--prefill-tok-s 30000] [--nic-gbit 400] [--no-record]
 
 Pure model (no I/O but `measured_from_results`, which parses bench/RESULTS.md at run time, and `main`).
-Every figure is either MEASURED (kernel times on one H200: extraction, conversion and the digest's
-pinned-host hashing, parsed from the `extract`, `convert` and `digest-cuda` sections of RESULTS.md,
-which their benches rewrite) or ASSUMED (a `Assumptions` field, printed with the tables). State sizes
+Every figure is either MEASURED (kernel times on one H200: extraction, conversion and the digest,
+parsed from the `extract`, `convert` and `digest-gpu` sections of RESULTS.md (`digest-cuda`, the
+pinned-host hashing, where no `digest-gpu` section exists), which their benches rewrite) or ASSUMED (a `Assumptions` field, printed with the tables). State sizes
 come from the layout registry (tilert_serve.layouts: Placement.total_nbytes, Plane.nbytes), not from
 constants here.
 
@@ -22,7 +22,9 @@ included) to the node's first decoded token:
 - Wire = handshake (a few control-channel round trips) + the busiest rank's bytes / one NIC's goodput
   + done/ack (one round trip).
 - Digest (on by default): the sender hashes its staging before the write and the node checks each rank
-  before conversion, both through pinned host copies (PCIe-bound; same rate assumed on B200 hosts).
+  before conversion, each on its own GPU (handoff/blake3_gpu.py; bound by 32-bit integer issue, not
+  HBM: scaled by `int_ratio`, not `hbm_ratio`), or through pinned host copies when only the host
+  path was measured (PCIe-bound; same rate assumed on B200 hosts).
   The stage also holds the two device copies that keep the check meaningful, digests on or off: the
   prefill gathers into private memory and copies it into registered staging, the node copies what
   landed out of its registered receive buffer into a snapshot; each at the B200's copy bandwidth.
@@ -86,6 +88,8 @@ class Assumptions:
     digest: bool = True
     #: tokens a chunked prefill computes per step (vLLM's max_num_batched_tokens).
     chunk_tokens: int = 16384
+    #: B200 / H200 32-bit integer throughput, which bounds the GPU digest.
+    int_ratio: float = 1.0
 
 
 SOURCES = {
@@ -98,8 +102,11 @@ SOURCES = {
     "launch_floor_ms": "assumed",
     "chunk_tokens": ("vLLM 0.32's default max_num_batched_tokens for its API server on GPUs of >= 160 GB (B200; "
                      "engine/arg_utils.py), one prompt alone in its steps"),
-    "digest": ("the 8 ranks' digests each at the single-H200 rate, side by side (optimistic: 8 at once ask ~350 GB/s "
-               "of host copies and BLAKE3 of each host)"),
+    "digest": ("the 8 ranks' digests each at the single-H200 rate, side by side: each on its own GPU with the GPU "
+               "digest (nothing shared); with the host path, optimistic (8 at once ask ~350 GB/s of host copies and "
+               "BLAKE3 of each host)"),
+    "int_ratio": ("assumed equal: B200 has 148 SMs to the H200's 132 at similar clocks, but its 32-bit integer rate "
+                  "per SM is not in the datasheets; the GPU digest is bound by it, not by HBM"),
     "ranks": "TP=8 prefill, each rank sends its layers over its own NIC (layouts.senders_layers); the node's "
              "receive buffer sharded the same way over its 8 GPUs",
 }
@@ -120,6 +127,10 @@ class Measured:
     #: overlap uses (empty: the model splits the whole-state time evenly over the layers instead).
     extract_layer: dict[int, float] = field(default_factory=dict)
     convert_layer: dict[int, float] = field(default_factory=dict)
+    #: the digest of one layer (a LayersDone's) where measured, ms per call at that many tokens.
+    digest_layer: dict[int, float] = field(default_factory=dict)
+    #: where `digest` ran: "gpu" (in place, handoff/blake3_gpu.py) or "host" (pinned copies + host BLAKE3).
+    digest_on: str = "host"
 
 
 # -- sizes: the layout registry is the one source ----------------------------------------------------
@@ -241,7 +252,8 @@ def _rank_costs(layout: Layout, m: Measured, a: Assumptions, tokens: int, layers
     nbytes = layers * layer_bytes(layout, tokens)
     out_bytes = layers * converted_layer_bytes(layout, tokens, a.engine_itemsize)
     b200_copy = m.copy_gbs * a.hbm_ratio  # read + write GB/s
-    digest_one = kernel_ms(m.digest, layout, nbytes, 1.0, 0.0) if a.digest else 0.0
+    speedup = a.int_ratio if m.digest_on == "gpu" else 1.0  # the host path is PCIe-bound on either GPU
+    digest_one = kernel_ms(m.digest, layout, nbytes, speedup, 0.0) if a.digest else 0.0
     copy_one = 2 * nbytes / (b200_copy * 1e9) * 1e3  # one side's copy between private and registered memory
     return {
         "extract": kernel_ms(m.extract, layout, nbytes, a.hbm_ratio, a.launch_floor_ms),
@@ -294,6 +306,10 @@ def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_
     whole = _rank_costs(layout, m, a, tokens, n_busy)
     part = _rank_costs(layout, m, a, moved, n_busy)
     dig = whole["digest"] / 2 / n_busy if digest_per_layer else 0.0  # one side's copy and hash of one layer
+    if digest_per_layer and a.digest and m.digest_layer:  # the one-layer hash call as measured, and the copy
+        lb = layer_bytes(layout, tokens)
+        dig = (lb * ms_per_byte(m.digest_layer, layout, lb, per_layer=True) / a.int_ratio
+               + 2 * lb / (m.copy_gbs * a.hbm_ratio * 1e9) * 1e3)
     e, c = part["extract"] / n_busy, whole["convert"] / n_busy
     if m.extract_layer:  # the per-layer call as measured (launch overhead and all), scaled like the rest
         lb = layer_bytes(layout, moved)
@@ -414,10 +430,11 @@ def _meta(block: str) -> str:
 
 
 def measured_from_results(text: str) -> Measured:
-    """H200 kernel times from RESULTS.md's extract, convert and digest-cuda sections, whatever run last
+    """H200 kernel times from RESULTS.md's extract, convert and digest sections, whatever run last
     wrote them: the fused extraction (its fastest run where several are given) and conversion as a
-    caller times them, their per-layer calls where measured, the pipelined blake3 digest."""
-    ex, cv, dg = _block(text, "extract"), _block(text, "convert"), _block(text, "digest-cuda")
+    caller times them, their per-layer calls where measured; the GPU digest (whole state and one
+    layer, as calls) from `digest-gpu`, else the pipelined host-path blake3 from `digest-cuda`."""
+    ex, cv = _block(text, "extract"), _block(text, "convert")
     extract = _points(ex, "fused", "fastest") if "fastest" in ex else _points(ex, "fused", "ms", what="whole")
     convert = _points(cv, "fused", "ms", what="whole")
     per_layer = {}
@@ -430,13 +447,19 @@ def measured_from_results(text: str) -> Measured:
         per_layer["extract"] = {}
     if "what" not in _rows(cv)[0]:
         per_layer["convert"] = {}
-    digest = _points(dg, "of_ranges")
+    try:
+        dg, key, on = _block(text, "digest-gpu"), "digest-gpu", "gpu"
+        digest = _points(dg, "gpu digest", "ms", what="whole")
+        digest_layer = _points(dg, "gpu digest", "ms", what="per layer")
+    except ValueError:
+        dg, key, on = _block(text, "digest-cuda"), "digest-cuda", "host"
+        digest, digest_layer = _points(dg, "of_ranges"), {}
     copies = [float(x.replace(",", "")) for x in re.findall(r"Copy bandwidth ([\d,.]+) GB/s", ex + cv)]
     if not copies:
         raise ValueError("no 'Copy bandwidth ... GB/s' line in the extract/convert sections")
     return Measured(extract, convert, digest, sum(copies) / len(copies),
-                    {"extract": _meta(ex), "convert": _meta(cv), "digest-cuda": _meta(dg)},
-                    per_layer["extract"], per_layer["convert"])
+                    {"extract": _meta(ex), "convert": _meta(cv), key: _meta(dg)},
+                    per_layer["extract"], per_layer["convert"], digest_layer, on)
 
 
 # -- output -------------------------------------------------------------------------------------------
@@ -488,8 +511,12 @@ def notes(m: Measured, a: Assumptions) -> str:
             f"[convert: {m.provenance.get('convert')}]; per-layer calls: extraction "
             f"{_fmt(m.extract_layer) if m.extract_layer else 'not measured (whole-state time split evenly)'}, "
             f"conversion {_fmt(m.convert_layer) if m.convert_layer else 'not measured (whole-state time split evenly)'}"
-            f" (ms per layer); digest, pinned host copies + blake3 {_fmt(m.digest)} "
-            f"[digest-cuda: {m.provenance.get('digest-cuda')}]; copy bandwidth {m.copy_gbs:,.0f} GB/s (read + write).")
+            " (ms per layer); " + (
+                f"digest on the GPU (blake3, in place; calls) {_fmt(m.digest)} whole state, "
+                f"{_fmt(m.digest_layer) if m.digest_layer else 'not measured (whole-state time split evenly)'} "
+                f"per layer [digest-gpu: {m.provenance.get('digest-gpu')}]" if m.digest_on == "gpu" else
+                f"digest, pinned host copies + blake3 {_fmt(m.digest)} [digest-cuda: {m.provenance.get('digest-cuda')}]")
+            + f"; copy bandwidth {m.copy_gbs:,.0f} GB/s (read + write).")
     assumed = "ASSUMED: " + "; ".join(
         f"{k} = {v}" + (f" ({SOURCES[k]})" if k in SOURCES else "") for k, v in asdict(a).items())
     sizes = (f"Sizes from the layout registry: {layout.describe()}, {layout.num_layers} layers "

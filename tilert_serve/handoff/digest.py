@@ -9,8 +9,12 @@ hashlib (~6x slower). The node lists what it can compute in Hello (`digests`); t
 first preference the node shares and names it in the digest ("blake3:HEX"), so a node without
 `blake3` still gets digests it can check. A cryptographic hash matters because the digest travels
 readable (sealed, not encrypted) and the bytes can be read back from the data plane: a writer who
-could find a second preimage could swap the state undetected. Buffers on a GPU are hashed through
-pinned host copies in chunks (measured in bench/digest).
+could find a second preimage could swap the state undetected.
+
+Buffers on a GPU are hashed where they are when the digest is BLAKE3 and Triton is importable
+(handoff/blake3_gpu.py: the same digest, computed in place, so a GPU node and a CPU prefill agree on
+the string; its cost against the host path is in bench/digest/gpu.py). BLAKE2b, or GPU buffers without
+Triton, go through pinned host copies in chunks (bench/digest/run.py).
 """
 
 from __future__ import annotations
@@ -66,7 +70,33 @@ def preferred(theirs: Sequence[str] | None = None) -> str:
 
 
 def of_ranges(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]], algorithm: str) -> str:
-    """"ALGORITHM:HEX" of the bytes of `ranges` ((shard, offset, nbytes), in order) of `buffers`."""
+    """"ALGORITHM:HEX" of the bytes of `ranges` ((shard, offset, nbytes), in order) of `buffers`: on their
+    GPU when `_on_gpu` says so (one set of launches for all the ranges), else on the host."""
+    if algorithm == "blake3" and _on_gpu(buffers, ranges):
+        from tilert_serve.handoff import blake3_gpu
+
+        return f"blake3:{blake3_gpu.hexdigest(buffers, ranges)}"
+    return of_ranges_on_host(buffers, ranges, algorithm)
+
+
+def _on_gpu(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> bool:
+    """Every buffer a range reads is a 1-D uint8 tensor on one CUDA device, and Triton imports."""
+    used = {shard for shard, _, n in ranges if n > 0}
+    if not used:
+        return False
+    device = buffers[next(iter(used))].device
+    if device.type != "cuda" or any(buffers[s].device != device or buffers[s].dtype != torch.uint8
+                                    or buffers[s].dim() != 1 for s in used):
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def of_ranges_on_host(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]], algorithm: str) -> str:
+    """of_ranges through the host: CPU buffers as they are, GPU ones through pinned copies."""
     h = _hasher(algorithm)
     for shard, off, n in ranges:
         view = buffers[shard][off:off + n]

@@ -1,0 +1,524 @@
+"""BLAKE3 of byte ranges of CUDA buffers, on the GPU, in place: the same 32-byte digest as the `blake3`
+package over the ranges' bytes concatenated in order (unkeyed), without copying them anywhere.
+
+Why on the GPU: hashing a GPU state through host copies is bound by the device-to-host link (a whole
+GLM-5 state at 128k tokens took 166 ms on an H200, bench/RESULTS.md's digest-cuda section), the
+largest serial stage of a handoff; BLAKE3's compression is 32-bit adds, xors and rotations, which the
+GPU does at half the speed it copies the bytes (bench/digest/gpu.py).
+
+BLAKE3's tree, as used here: the message is cut into 1024-byte chunks; chunk i is 16 compressions of
+64-byte blocks chained through an 8-word chaining value (CV), with counter i, CHUNK_START on its first
+block, CHUNK_END on its last (the last chunk may be short: its last block is zero-padded, the block
+length says how much is real; an empty message is one empty block). Parents compress two children's
+CVs (left then right) with counter 0 and PARENT. The tree is left-complete, which is the same as
+pairing the nodes of each level left to right, an odd last node going up unchanged. The top node
+(the only chunk, or the last parent) carries ROOT too; its output words are the digest.
+
+The work, C chunks (`PER_PROGRAM`, a power of two) per program, so each program's chunks are one
+aligned subtree: a program computes its chunks' CVs, one chunk per lane, and reduces them to the
+subtree's CV (fewer when it holds the message's end). Two kernels produce the subtrees:
+
+- _fast_kernel: every program whose chunks are whole, each inside one range, at 16-byte-aligned
+  addresses (a message of rows that are multiples of 16 bytes, cut by ranges at multiples of 1024:
+  all of a GLM-5 state but a few programs). Each block's 64 bytes of every chunk are loaded as 16-byte
+  words, consecutive lanes on consecutive words (coalesced), and regrouped one chunk per lane through
+  shared memory (the splits below); the next block's load is issued before this block's compression.
+  A program with any other chunk does nothing; its CV comes from
+- _general_kernel: the programs the host lists (a superset of those: _plan), byte by byte, any
+  range boundary, alignment or short last chunk. A handful per state.
+
+then _parent_kernel reduces the programs' CVs, PARENT_FANIN per program, launch after launch, until
+one is left (ROOT on the last). Launches go through convert_triton.Launcher (the compiled kernel's
+own launcher, not Triton's ~20 us per call Python path): a layer-wise node checks a digest per layer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from tilert_serve.layouts.convert_triton import Launcher
+
+CHUNK = 1024
+#: Chunks per program (a power of two) and warps of the chunk kernels. One chunk per lane.
+PER_PROGRAM = 128
+NUM_WARPS = 4
+GENERAL_WARPS = 4
+#: CVs one parent program reduces (a power of two), and its warps.
+PARENT_FANIN = 1024
+PARENT_WARPS = 4
+#: Byte address alignment the fast kernel loads with.
+_ALIGN = 16
+
+_IV = (0x6A09E667, 0xBB67AE85, 0x3C6EF372, 0xA54FF53A, 0x510E527F, 0x9B05688C, 0x1F83D9AB, 0x5BE0CD19)
+_START, _END, _PARENT, _ROOT = 1, 2, 4, 8
+
+
+# -- the compression function (elementwise over a tensor of independent chunks or parents) ---------
+
+@triton.jit
+def _rotr(x, n: tl.constexpr):
+    return (x >> n) | (x << (32 - n))
+
+
+@triton.jit
+def _g(a, b, c, d, mx, my):
+    a = a + b + mx
+    d = _rotr(d ^ a, 16)
+    c = c + d
+    b = _rotr(b ^ c, 12)
+    a = a + b + my
+    d = _rotr(d ^ a, 8)
+    c = c + d
+    b = _rotr(b ^ c, 7)
+    return a, b, c, d
+
+
+@triton.jit
+def _compress(h0, h1, h2, h3, h4, h5, h6, h7,
+              m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
+              t_lo, t_hi, blen, flags):
+    """The first 8 output words of BLAKE3's compression; every argument a uint32 tensor of one shape
+    (or broadcastable to it)."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = h0, h1, h2, h3, h4, h5, h6, h7
+    s8 = tl.full(h0.shape, 0x6A09E667, tl.uint32)
+    s9 = tl.full(h0.shape, 0xBB67AE85, tl.uint32)
+    s10 = tl.full(h0.shape, 0x3C6EF372, tl.uint32)
+    s11 = tl.full(h0.shape, 0xA54FF53A, tl.uint32)
+    s12, s13, s14, s15 = t_lo, t_hi, blen, flags
+    for _ in tl.static_range(7):
+        s0, s4, s8, s12 = _g(s0, s4, s8, s12, m0, m1)
+        s1, s5, s9, s13 = _g(s1, s5, s9, s13, m2, m3)
+        s2, s6, s10, s14 = _g(s2, s6, s10, s14, m4, m5)
+        s3, s7, s11, s15 = _g(s3, s7, s11, s15, m6, m7)
+        s0, s5, s10, s15 = _g(s0, s5, s10, s15, m8, m9)
+        s1, s6, s11, s12 = _g(s1, s6, s11, s12, m10, m11)
+        s2, s7, s8, s13 = _g(s2, s7, s8, s13, m12, m13)
+        s3, s4, s9, s14 = _g(s3, s4, s9, s14, m14, m15)
+        # BLAKE3's message permutation, applied between rounds (a renaming: no instructions).
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = (
+            m2, m6, m3, m10, m7, m0, m4, m13, m1, m11, m12, m5, m9, m14, m15, m8)
+    return s0 ^ s8, s1 ^ s9, s2 ^ s10, s3 ^ s11, s4 ^ s12, s5 ^ s13, s6 ^ s14, s7 ^ s15
+
+
+@triton.jit
+def _iv(like, i: tl.constexpr):
+    if i == 0:
+        v = tl.full(like.shape, 0x6A09E667, tl.uint32)
+    elif i == 1:
+        v = tl.full(like.shape, 0xBB67AE85, tl.uint32)
+    elif i == 2:
+        v = tl.full(like.shape, 0x3C6EF372, tl.uint32)
+    elif i == 3:
+        v = tl.full(like.shape, 0xA54FF53A, tl.uint32)
+    elif i == 4:
+        v = tl.full(like.shape, 0x510E527F, tl.uint32)
+    elif i == 5:
+        v = tl.full(like.shape, 0x9B05688C, tl.uint32)
+    elif i == 6:
+        v = tl.full(like.shape, 0x1F83D9AB, tl.uint32)
+    else:
+        v = tl.full(like.shape, 0x5BE0CD19, tl.uint32)
+    return v
+
+
+@triton.jit
+def _split16(w, C: tl.constexpr):
+    """[C, 16] words -> 16 tensors [C], word j of each row (the regrouping goes through shared memory)."""
+    x = tl.reshape(w, [C, 2, 2, 2, 2])
+    e, o = tl.split(x)
+    ee, eo = tl.split(e)
+    oe, oo = tl.split(o)
+    eee, eeo = tl.split(ee)
+    eoe, eoo = tl.split(eo)
+    oee, oeo = tl.split(oe)
+    ooe, ooo = tl.split(oo)
+    m0, m8 = tl.split(eee)
+    m4, m12 = tl.split(eeo)
+    m2, m10 = tl.split(eoe)
+    m6, m14 = tl.split(eoo)
+    m1, m9 = tl.split(oee)
+    m5, m13 = tl.split(oeo)
+    m3, m11 = tl.split(ooe)
+    m7, m15 = tl.split(ooo)
+    return m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15
+
+
+@triton.jit
+def _halves(h, N: tl.constexpr):
+    """[N] -> (even-indexed, odd-indexed) [N // 2]: left and right children."""
+    return tl.split(tl.reshape(h, [N // 2, 2]))
+
+
+@triton.jit
+def _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, single, N: tl.constexpr, LOG2N: tl.constexpr):
+    """Reduce N nodes (the first `cnt` real) pairwise, level by level, an odd last node carried up, to
+    one; `single`: this is the whole tree, so the last parent is the root. Returns 8 scalars."""
+    for lvl in tl.static_range(LOG2N):
+        l0, r0 = _halves(h0, N >> lvl)
+        l1, r1 = _halves(h1, N >> lvl)
+        l2, r2 = _halves(h2, N >> lvl)
+        l3, r3 = _halves(h3, N >> lvl)
+        l4, r4 = _halves(h4, N >> lvl)
+        l5, r5 = _halves(h5, N >> lvl)
+        l6, r6 = _halves(h6, N >> lvl)
+        l7, r7 = _halves(h7, N >> lvl)
+        zero = tl.zeros(l0.shape, tl.uint32)
+        root = (single & (cnt == 2)).to(tl.uint32)
+        flags = zero + (4 + 8 * root)
+        p0, p1, p2, p3, p4, p5, p6, p7 = _compress(
+            _iv(l0, 0), _iv(l0, 1), _iv(l0, 2), _iv(l0, 3), _iv(l0, 4), _iv(l0, 5), _iv(l0, 6), _iv(l0, 7),
+            l0, l1, l2, l3, l4, l5, l6, l7, r0, r1, r2, r3, r4, r5, r6, r7, zero, zero, zero + 64, flags)
+        pair = 2 * tl.arange(0, N >> (lvl + 1)) + 1 < cnt
+        h0 = tl.where(pair, p0, l0)
+        h1 = tl.where(pair, p1, l1)
+        h2 = tl.where(pair, p2, l2)
+        h3 = tl.where(pair, p3, l3)
+        h4 = tl.where(pair, p4, l4)
+        h5 = tl.where(pair, p5, l5)
+        h6 = tl.where(pair, p6, l6)
+        h7 = tl.where(pair, p7, l7)
+        cnt = (cnt + 1) // 2
+    return (tl.sum(h0, axis=0), tl.sum(h1, axis=0), tl.sum(h2, axis=0), tl.sum(h3, axis=0),
+            tl.sum(h4, axis=0), tl.sum(h5, axis=0), tl.sum(h6, axis=0), tl.sum(h7, axis=0))
+
+
+@triton.jit
+def _store8(out, i, h0, h1, h2, h3, h4, h5, h6, h7):
+    o = out.to(tl.pointer_type(tl.uint32), bitcast=True) + i * 8
+    tl.store(o + 0, h0)
+    tl.store(o + 1, h1)
+    tl.store(o + 2, h2)
+    tl.store(o + 3, h3)
+    tl.store(o + 4, h4)
+    tl.store(o + 5, h5)
+    tl.store(o + 6, h6)
+    tl.store(o + 7, h7)
+
+
+@triton.jit
+def _range_of(starts, num_ranges, nsteps, pos):
+    """Index of the range holding message byte `pos` (the last start <= pos), elementwise."""
+    lo = (pos * 0).to(tl.int32)
+    hi = lo + num_ranges - 1
+    for _ in range(nsteps):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(starts + mid) <= pos
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return lo
+
+
+# -- the kernels ----------------------------------------------------------------------------------------
+
+# Integer arguments are not specialised (on being 1 or a multiple of 16): each specialisation is another
+# compilation of a large kernel, tens of seconds, for no gain here.
+@triton.jit(do_not_specialize=["num_ranges", "nsteps", "num_chunks"])
+def _fast_kernel(base, starts, addrs, num_ranges, nsteps, num_chunks, out, C: tl.constexpr, LOG2C: tl.constexpr):
+    pid = tl.program_id(0)
+    chunk = pid.to(tl.int64) * C + tl.arange(0, C)
+    pos = chunk * 1024
+    r = _range_of(starts, num_ranges, nsteps, pos)
+    s = tl.load(starts + r)
+    rel = tl.load(addrs + r) + pos - s
+    ok = (tl.load(starts + r + 1) >= pos + 1024) & (rel % 16 == 0)
+    if tl.min(ok.to(tl.int32), axis=0) == 1:
+        rows = tl.multiple_of(rel // 4, 4)
+        ptr = base.to(tl.pointer_type(tl.uint32), bitcast=True) + rows[:, None] + tl.arange(0, 16)[None, :]
+        t_lo = chunk.to(tl.uint32)
+        t_hi = (chunk >> 32).to(tl.uint32)
+        zero = tl.zeros([C], tl.uint32)
+        h0, h1, h2, h3 = _iv(zero, 0), _iv(zero, 1), _iv(zero, 2), _iv(zero, 3)
+        h4, h5, h6, h7 = _iv(zero, 4), _iv(zero, 5), _iv(zero, 6), _iv(zero, 7)
+        w = tl.load(ptr, eviction_policy="evict_first")
+        for b in range(16):
+            # The next block's load goes out before this block's compression (the last one re-reads
+            # block 0, unused); blocks of a chunk are 64 bytes = 16 words apart.
+            w_next = tl.load(ptr + ((b + 1) % 16) * 16, eviction_policy="evict_first")
+            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _split16(w, C)
+            flags = zero + (tl.where(b == 0, 1, 0) + tl.where(b == 15, 2, 0)).to(tl.uint32)
+            h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
+                h0, h1, h2, h3, h4, h5, h6, h7,
+                m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
+                t_lo, t_hi, zero + 64, flags)
+            w = w_next
+        single = num_chunks <= C
+        g0, g1, g2, g3, g4, g5, g6, g7 = _tree(h0, h1, h2, h3, h4, h5, h6, h7, pid * 0 + C, single, C, LOG2C)
+        _store8(out, pid, g0, g1, g2, g3, g4, g5, g6, g7)
+
+
+@triton.jit(do_not_specialize=["num_ranges", "nsteps", "total", "num_chunks"])
+def _general_kernel(base, starts, addrs, progs, num_ranges, nsteps, total, num_chunks, out,
+                    C: tl.constexpr, LOG2C: tl.constexpr):
+    pid = tl.load(progs + tl.program_id(0))
+    first = pid * C
+    p0 = first * 1024
+    span = tl.minimum(total - p0, C * 1024)  # real bytes in this program (0 for an empty message)
+    r_first = _range_of(starts, num_ranges, nsteps, p0)
+    r_last = _range_of(starts, num_ranges, nsteps, p0 + tl.maximum(span - 1, 0))
+    c = tl.arange(0, C)
+    chunk = first + c
+    clen = tl.minimum(tl.maximum(total - chunk * 1024, 0), 1024).to(tl.int32)
+    valid = chunk < num_chunks
+    last_block = tl.maximum(clen - 1, 0) // 64
+    t_lo = chunk.to(tl.uint32)
+    t_hi = (chunk >> 32).to(tl.uint32)
+    zero = tl.zeros([C], tl.uint32)
+    h0, h1, h2, h3 = _iv(zero, 0), _iv(zero, 1), _iv(zero, 2), _iv(zero, 3)
+    h4, h5, h6, h7 = _iv(zero, 4), _iv(zero, 5), _iv(zero, 6), _iv(zero, 7)
+    j = tl.arange(0, 16)
+    only_chunk = num_chunks == 1
+    for b in range(16):
+        w = tl.zeros([C, 16], tl.uint32)
+        for q in tl.static_range(4):
+            # Program-relative byte positions (int32: a program spans C KiB) and their addresses.
+            p = c[:, None] * 1024 + b * 64 + j[None, :] * 4 + q
+            addr = tl.zeros([C, 16], tl.int64)
+            for k in range(r_first, r_last + 1):
+                s = tl.load(starts + k)
+                lo = tl.minimum(tl.maximum(s - p0, 0), C * 1024).to(tl.int32)
+                hi = tl.minimum(tl.maximum(tl.load(starts + k + 1) - p0, 0), C * 1024).to(tl.int32)
+                delta = tl.load(addrs + k) - s + p0
+                addr = tl.where((p >= lo) & (p < hi), delta + p, addr)
+            byte = tl.load(base + addr, mask=p < span, other=0)
+            w = w | (byte.to(tl.uint32) << (8 * q))
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _split16(w, C)
+        is_last = b == last_block
+        flags = (tl.where(b == 0, 1, 0) + tl.where(is_last, 2, 0) + tl.where(is_last & only_chunk, 8, 0)).to(tl.uint32)
+        blen = tl.minimum(tl.maximum(clen - b * 64, 0), 64).to(tl.uint32)
+        n0, n1, n2, n3, n4, n5, n6, n7 = _compress(
+            h0, h1, h2, h3, h4, h5, h6, h7,
+            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
+            t_lo, t_hi, blen, flags)
+        live = valid & ((b * 64 < clen) | tl.where(b == 0, True, False))
+        h0 = tl.where(live, n0, h0)
+        h1 = tl.where(live, n1, h1)
+        h2 = tl.where(live, n2, h2)
+        h3 = tl.where(live, n3, h3)
+        h4 = tl.where(live, n4, h4)
+        h5 = tl.where(live, n5, h5)
+        h6 = tl.where(live, n6, h6)
+        h7 = tl.where(live, n7, h7)
+    cnt = tl.minimum(num_chunks - first, C)
+    single = num_chunks <= C
+    g0, g1, g2, g3, g4, g5, g6, g7 = _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, single, C, LOG2C)
+    _store8(out, pid, g0, g1, g2, g3, g4, g5, g6, g7)
+
+
+@triton.jit(do_not_specialize=["count"])
+def _parent_kernel(cvs, count, out, N: tl.constexpr, LOG2N: tl.constexpr):
+    pid = tl.program_id(0)
+    first = pid.to(tl.int64) * N
+    rows = first + tl.arange(0, N)
+    src = cvs.to(tl.pointer_type(tl.uint32), bitcast=True)
+    tile = tl.load(src + rows[:, None] * 8 + tl.arange(0, 8)[None, :], mask=(rows < count)[:, None], other=0)
+    x = tl.reshape(tile, [N, 2, 2, 2])
+    e, o = tl.split(x)
+    ee, eo = tl.split(e)
+    oe, oo = tl.split(o)
+    h0, h4 = tl.split(ee)
+    h2, h6 = tl.split(eo)
+    h1, h5 = tl.split(oe)
+    h3, h7 = tl.split(oo)
+    cnt = tl.minimum(count - first, N)
+    g0, g1, g2, g3, g4, g5, g6, g7 = _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, count <= N, N, LOG2N)
+    _store8(out, pid, g0, g1, g2, g3, g4, g5, g6, g7)
+
+
+_fast = Launcher(_fast_kernel)
+_general = Launcher(_general_kernel)
+_parent = Launcher(_parent_kernel)
+
+
+# -- the host side ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Plan:
+    """Where the message's bytes are and which programs the general kernel takes.
+
+    `starts[r]`: the message offset of range r's first byte (`starts[-1]` = the message's length);
+    `addrs[r]`: its address relative to the base pointer; `general`: program indices, a superset of
+    those with a chunk that is short, crosses a range boundary, or sits at an address that is not a
+    multiple of 16 (with the base pointer 16-byte aligned)."""
+
+    starts: list[int]
+    addrs: list[int]
+    num_chunks: int
+    programs: int
+    general: list[int]
+
+    @property
+    def total(self) -> int:
+        return self.starts[-1]
+
+
+def plan(ranges: Sequence[tuple[int, int]], per_program: int = PER_PROGRAM, base_aligned: bool = True) -> Plan:
+    """`ranges`: (address relative to the base pointer, nbytes) in message order, empty ones allowed."""
+    starts, addrs = [0], []
+    for addr, n in ranges:
+        if n > 0:
+            addrs.append(addr)
+            starts.append(starts[-1] + n)
+    if not addrs:  # the empty message: one range of nothing
+        addrs, starts = [0], [0, 0]
+    total = starts[-1]
+    num_chunks = max(1, -(-total // CHUNK))
+    programs = -(-num_chunks // per_program)
+    span = per_program * CHUNK
+    general: set[int] = set()
+    if not base_aligned:
+        general.update(range(programs))
+    for r, addr in enumerate(addrs):
+        s, e = starts[r], starts[r + 1]
+        if e == s:
+            continue
+        if (addr - s) % _ALIGN:
+            general.update(range(s // span, (e - 1) // span + 1))
+        if s % CHUNK:  # a chunk that straddles this range's start
+            general.add(s // span)
+    if total % CHUNK or num_chunks % per_program:
+        general.add(programs - 1)
+    return Plan(starts, addrs, num_chunks, programs, sorted(general))
+
+
+@dataclass(frozen=True)
+class Job:
+    """One digest's launches, ready to go: the range table on the device and the plan."""
+
+    base: torch.Tensor
+    table: torch.Tensor
+    plan: Plan
+
+
+def prepare(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> Job:
+    """Check the ranges and copy their table to the device (the one host-to-device copy)."""
+    used = sorted({shard for shard, _, n in ranges if n > 0}) or [0]
+    device = buffers[used[0]].device
+    for s in used:
+        b = buffers[s]
+        if b.device != device or b.dtype != torch.uint8 or b.dim() != 1:
+            raise ValueError("blake3_gpu takes 1-D uint8 tensors on one device")
+    base = min((buffers[s] for s in used), key=lambda t: t.data_ptr())
+    rel: list[tuple[int, int]] = []
+    for shard, off, n in ranges:
+        buf = buffers[shard]
+        if off < 0 or n < 0 or off + n > buf.numel():
+            raise ValueError(f"range ({shard}, {off}, {n}) is outside its buffer of {buf.numel()} bytes")
+        rel.append((buf.data_ptr() + off - base.data_ptr(), n))
+    p = plan(rel, PER_PROGRAM, base.data_ptr() % _ALIGN == 0)
+    # Each part of the table starts 16-byte aligned, as Triton assumes of the pointers it compiled for.
+    pad = [[0] * (len(part) % 2) for part in (p.starts, p.addrs)]
+    table = torch.tensor(p.starts + pad[0] + p.addrs + pad[1] + p.general, dtype=torch.int64)
+    return Job(base, table.to(device, non_blocking=True), p)
+
+
+def launch(job: Job) -> torch.Tensor:
+    """Queue the kernels on the current stream; returns the digest's 8 words (int32) on the device."""
+    p, table = job.plan, job.table
+    nranges = len(p.addrs)
+    nsteps = nranges.bit_length()
+    a0 = nranges + 1 + (nranges + 1) % 2
+    g0 = a0 + nranges + nranges % 2
+    starts, addrs, progs = table[:nranges + 1], table[a0:a0 + nranges], table[g0:]
+    device = table.device
+    cvs = torch.empty((p.programs, 8), dtype=torch.int32, device=device)
+    consts = (("C", PER_PROGRAM), ("LOG2C", PER_PROGRAM.bit_length() - 1))
+    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+        if len(p.general) < p.programs:
+            _fast((p.programs,), (job.base, starts, addrs, nranges, nsteps, p.num_chunks, cvs), consts, NUM_WARPS)
+        if p.general:
+            _general((len(p.general),), (job.base, starts, addrs, progs, nranges, nsteps, p.total, p.num_chunks,
+                                         cvs), consts, GENERAL_WARPS)
+        count = p.programs
+        fanin = (("N", PARENT_FANIN), ("LOG2N", PARENT_FANIN.bit_length() - 1))
+        while count > 1:
+            nxt = -(-count // PARENT_FANIN)
+            up = torch.empty((nxt, 8), dtype=torch.int32, device=device)
+            _parent((nxt,), (cvs, count, up), fanin, PARENT_WARPS)
+            cvs, count = up, nxt
+    return cvs[0]
+
+
+def digest(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> bytes:
+    """BLAKE3 (32 bytes) of the concatenated bytes of `ranges` ((shard, offset, nbytes)) of the 1-D
+    uint8 tensors `buffers`, all on one CUDA device. Runs on the current stream, after the work queued
+    there, and returns once the digest is on the host."""
+    words = launch(prepare(buffers, ranges)).cpu()
+    return words.numpy().astype("<i4").tobytes()
+
+
+def hexdigest(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> str:
+    return digest(buffers, ranges).hex()
+
+
+def reference(data: bytes, per_program: int = PER_PROGRAM, parent_fanin: int = PARENT_FANIN) -> bytes:
+    """The same computation on the host in plain Python, program by program and launch by launch (the
+    subtrees, the carried odd nodes, where ROOT goes): the tree plan checked against `blake3` without
+    a GPU. Slow: for tests of a few chunks."""
+    chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
+    only = len(chunks) == 1
+    nodes = [_chunk_cv(c, i, root=only) for i, c in enumerate(chunks)]
+    group = per_program
+    while True:
+        single = len(nodes) <= group
+        nodes = [_reduce(nodes[i:i + group], single) for i in range(0, len(nodes), group)]
+        if len(nodes) == 1:
+            return b"".join(w.to_bytes(4, "little") for w in nodes[0])
+        group = parent_fanin
+
+
+def _reduce(nodes: list[list[int]], single: bool) -> list[int]:
+    while len(nodes) > 1:
+        root = single and len(nodes) == 2
+        nodes = [_compress_py(list(_IV), nodes[i] + nodes[i + 1], 0, 64, _PARENT | (_ROOT if root else 0))
+                 if i + 1 < len(nodes) else nodes[i] for i in range(0, len(nodes), 2)]
+    return nodes[0]
+
+
+def _chunk_cv(chunk: bytes, index: int, root: bool) -> list[int]:
+    blocks = [chunk[i:i + 64] for i in range(0, len(chunk), 64)] or [b""]
+    h = list(_IV)
+    for k, blk in enumerate(blocks):
+        flags = (_START if k == 0 else 0) | (_END | (_ROOT if root else 0) if k == len(blocks) - 1 else 0)
+        words = [int.from_bytes(blk.ljust(64, b"\0")[4 * i:4 * i + 4], "little") for i in range(16)]
+        h = _compress_py(h, words, index, len(blk), flags)
+    return h
+
+
+_PERM = (2, 6, 3, 10, 7, 0, 4, 13, 1, 11, 12, 5, 9, 14, 15, 8)
+_M32 = 0xFFFFFFFF
+
+
+def _compress_py(h: list[int], m: list[int], counter: int, blen: int, flags: int) -> list[int]:
+    s = [*h, *_IV[:4], counter & _M32, counter >> 32, blen, flags]
+
+    def g(a: int, b: int, c: int, d: int, x: int, y: int) -> None:
+        s[a] = (s[a] + s[b] + x) & _M32
+        s[d] = _rot(s[d] ^ s[a], 16)
+        s[c] = (s[c] + s[d]) & _M32
+        s[b] = _rot(s[b] ^ s[c], 12)
+        s[a] = (s[a] + s[b] + y) & _M32
+        s[d] = _rot(s[d] ^ s[a], 8)
+        s[c] = (s[c] + s[d]) & _M32
+        s[b] = _rot(s[b] ^ s[c], 7)
+
+    for _ in range(7):
+        g(0, 4, 8, 12, m[0], m[1])
+        g(1, 5, 9, 13, m[2], m[3])
+        g(2, 6, 10, 14, m[4], m[5])
+        g(3, 7, 11, 15, m[6], m[7])
+        g(0, 5, 10, 15, m[8], m[9])
+        g(1, 6, 11, 12, m[10], m[11])
+        g(2, 7, 8, 13, m[12], m[13])
+        g(3, 4, 9, 14, m[14], m[15])
+        m = [m[i] for i in _PERM]
+    return [s[i] ^ s[i + 8] for i in range(8)]
+
+
+def _rot(x: int, n: int) -> int:
+    return ((x >> n) | (x << (32 - n))) & _M32
