@@ -85,13 +85,18 @@ def main() -> None:
                                   f"({t_copy / tk:.0%} of copy){'' if ok else ' WRONG DIGEST'}")
                     print(tuning[-1], flush=True)
                 blake3_gpu.PER_PROGRAM, blake3_gpu.NUM_WARPS, blake3_gpu.GENERAL_WARPS = base
+    regs = []
+    for name, launcher in (("fast", blake3_gpu._fast), ("general", blake3_gpu._general), ("parent", blake3_gpu._parent)):
+        for key, k in launcher._compiled.items():
+            regs.append(f"{name} {dict(key[1])}, {key[2]} warps: {getattr(k, 'n_regs', '?')} registers, "
+                        f"{getattr(k, 'n_spills', '?')} spilled")
     body = table(["tokens", "what", "timing", "MB", "copy ms", "GPU digest ms", "GiB/s", "of copy",
                   "host path ms", "GPU / host"], rows)
     notes = "\n".join([
         f"GPU digest: {blake3_gpu.PER_PROGRAM} chunks of 1 KiB per program (one per lane), {blake3_gpu.NUM_WARPS} "
         f"warps; parents {blake3_gpu.PARENT_FANIN} per program. Host path: 64 MB pinned copies on a side stream "
         "overlapping BLAKE3 on the host's threads (the `blake3` package). Both give the same digest, checked "
-        "at every size.", *tuning])
+        "at every size.", "Compiled: " + "; ".join(regs) + ".", *tuning])
     print(body)
     print(notes)
     record("digest-gpu", "Handoff digest on the GPU (`bench/digest/gpu.py`, H200)", body, device=dev, notes=notes)
