@@ -17,15 +17,16 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from typing import Any
+from typing import Annotated, Any
 
 from aiohttp import web
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from tilert_serve import httpserver, pydantic_errors
 from tilert_serve.bearer import TokenFile
 from tilert_serve.decode import api_auth
 from tilert_serve.decode.engines.base import Sampling
+from tilert_serve.decode.engines.sampling import vllm_temperature
 from tilert_serve.decode.node import DecodeNode, GenerateParams, HandoffFailed
 from tilert_serve.decode.slots import AlreadyClaimed, NodeFull, UnknownTicket
 
@@ -49,7 +50,8 @@ class AdmitBody(_Body):
 
 
 class SamplingBody(_Body):
-    temperature: float = Field(default=0.0, ge=0.0)
+    #: Taken as vLLM takes it (a positive one below 0.01 is 0.01), as the prefill did for the first token.
+    temperature: Annotated[float, AfterValidator(vllm_temperature)] = Field(default=0.0, ge=0.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     #: 0 or -1 (vLLM's and the OpenAI extensions' spelling) mean no top-k.
     top_k: int = Field(default=0, ge=-1)

@@ -54,6 +54,9 @@ class Call:
         # which host. Only the router may set them; vLLM also reads them from vllm_xargs (its
         # to_sampling_params copies the field into extra_args, where the engine looks).
         body.pop("kv_transfer_params", None)
+        # An SDK option (its contents belong at the top level), sent literally: vLLM ignores the field,
+        # so nothing the router has not looked at travels inside it.
+        body.pop("extra_body", None)
         xargs = body.get("vllm_xargs")
         if isinstance(xargs, dict) and "kv_transfer_params" in xargs:
             body["vllm_xargs"] = {k: v for k, v in xargs.items() if k != "kv_transfer_params"}

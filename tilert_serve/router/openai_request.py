@@ -193,6 +193,39 @@ def _loads(raw: bytes) -> Any:
     return body
 
 
+#: vLLM's temperature floor (vllm/sampling_params.py): a positive temperature below it is raised to it,
+#: since float logits divided by less overflow (5e-39 failed the decode on every TileRT node). The prefill
+#: samples the first token so; the router tells the TileRT node the same.
+_MIN_TEMPERATURE = 1e-2
+
+
+def _vllm_temperature(t: float | None) -> float | None:
+    return max(t, _MIN_TEMPERATURE) if t is not None and t > 0 else t
+
+
+def _scalar(v: Any) -> bool:
+    return isinstance(v, str | int | float)
+
+
+def _check_vllm_xargs(body: dict[str, Any]) -> None:
+    """`vllm_xargs` becomes the engine's extra_args on the prefill and the native decode: only the shape
+    vLLM types it as (an object of strings, numbers and lists of them) goes upstream. A JSON string,
+    which vLLM's speech endpoints parse but these refuse after the router had admitted and prefilled,
+    is refused here, before any upstream work."""
+    xargs = body.get("vllm_xargs")
+    if xargs is None:
+        return
+    if not isinstance(xargs, dict):
+        got = "a string (send the object itself, not its JSON text)" if isinstance(xargs, str) else type(xargs).__name__
+        raise bad_request(f"'vllm_xargs' must be an object of strings, numbers or lists of them; got {got}",
+                          param="vllm_xargs")
+    for key, value in xargs.items():
+        if not (_scalar(value) or (isinstance(value, list) and all(_scalar(v) for v in value))):
+            shown = key if len(key) <= 64 else key[:64] + "..."
+            raise bad_request(f"'vllm_xargs.{shown}' must be a string, a number or a list of them; got "
+                              f"{type(value).__name__}", param="vllm_xargs")
+
+
 def _opt_bool(body: dict[str, Any], name: str) -> bool:
     v = body.get(name)
     if v is None:
@@ -280,11 +313,12 @@ def parse(kind: Kind, raw: bytes, served_models: list[str]) -> ParsedRequest:
         raise bad_request("'stop_token_ids' must be a list of token ids (integers from 0 to 2^63-1)",
                           param="stop_token_ids")
 
-    temperature = _opt_number(body, "temperature", 0.0, 2.0 if kind == "chat" else None)
+    temperature = _vllm_temperature(_opt_number(body, "temperature", 0.0, 2.0 if kind == "chat" else None))
     # vLLM's range: 0 < top_p <= 1 (a top_p of 0 would pass here and be refused after the prefill).
     top_p = _opt_number(body, "top_p", 0.0, 1.0, lo_open=True)
     top_k = _opt_int(body, "top_k", -1)
     seed = _opt_int(body, "seed")
+    _check_vllm_xargs(body)
 
     # Only the keys the body has: most requests carry few of these fields.
     unsupported = sorted(k for k in body.keys() & _TILERT_UNSUPPORTED.keys() if _needs(body[k], _TILERT_UNSUPPORTED[k]))

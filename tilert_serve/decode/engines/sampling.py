@@ -16,6 +16,21 @@ import torch
 
 from tilert_serve.decode.engines.base import Sampling
 
+#: vLLM's bounds (vllm/sampling_params.py), so that the node samples as the prefill sampled the first
+#: token: a positive temperature below MIN_TEMPERATURE is raised to it (below it float logits overflow:
+#: 5e-39 turned every row into inf/nan), and one below GREEDY_BELOW is greedy.
+MIN_TEMPERATURE = 1e-2
+GREEDY_BELOW = 1e-5
+
+
+def vllm_temperature(temperature: float) -> float:
+    """The temperature vLLM samples with for a requested one (0 stays 0: greedy)."""
+    return max(temperature, MIN_TEMPERATURE) if temperature > 0 else temperature
+
+
+def greedy(sampling: Sampling) -> bool:
+    return vllm_temperature(sampling.temperature) < GREEDY_BELOW
+
 
 def validate(sampling: Sampling) -> None:
     if not sampling.temperature >= 0.0:
@@ -27,8 +42,17 @@ def validate(sampling: Sampling) -> None:
 
 
 def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
-    """Rows of float32 logits -> probabilities after temperature, top-k, then top-p (vLLM's order)."""
-    x = logits.float() / sampling.temperature
+    """Rows of float32 logits -> probabilities after temperature, top-k, then top-p (vLLM's order).
+
+    Always a distribution, whatever slipped past validation: the temperature is taken as vLLM takes it
+    (greedy: all mass on the argmax), and scaled logits that overflowed or were not numbers to begin with
+    are made finite (NaN counts as the lowest), so softmax never sees inf - inf."""
+    if greedy(sampling):
+        x = torch.nan_to_num(logits.float(), nan=float("-inf"))
+        return torch.nn.functional.one_hot(x.argmax(dim=-1), x.shape[-1]).float()
+    finfo = torch.finfo(torch.float32)
+    x = logits.float() / vllm_temperature(sampling.temperature)
+    x = torch.nan_to_num(x, nan=finfo.min, posinf=finfo.max, neginf=finfo.min)
     if 0 < sampling.top_k < x.shape[-1]:
         kth = torch.topk(x, sampling.top_k, dim=-1).values[..., -1:]
         x = x.masked_fill(x < kth, float("-inf"))
@@ -77,6 +101,6 @@ def sample_verify(
 
 def sample_one(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
     """logits [V] -> token [1]: argmax when greedy, else a draw from the processed distribution."""
-    if sampling.temperature == 0.0 or generator is None:
+    if greedy(sampling) or generator is None:
         return logits.argmax(dim=-1, keepdim=True)
     return torch.multinomial(probabilities(logits.unsqueeze(0), sampling), 1, generator=generator).view(1)

@@ -16,6 +16,7 @@ from typing import Any, Final
 
 import torch
 
+from tilert_serve.decode.engines import sampling as smp
 from tilert_serve.decode.engines.base import DecodeStep, InjectedState, Sampling
 
 #: TileRT's MTP drafts 3 tokens a step (its `mtp_seq_len` is 4: one token plus 3 drafts).
@@ -89,8 +90,9 @@ class TileRTEngine:
     def _apply_sampling(self, sampling: Sampling) -> None:
         # Changing sampling parameters recaptures CUDA graphs in TileRT: only when they change.
         if sampling != self._sampling:
-            greedy = sampling.temperature == 0.0
-            self.gen.update_sampling_params(temperature=max(sampling.temperature, 1e-5),
+            greedy = smp.greedy(sampling)
+            # vLLM's floor, as the prefill sampled with: TileRT's kernels overflow below it as ours did.
+            self.gen.update_sampling_params(temperature=max(sampling.temperature, smp.MIN_TEMPERATURE),
                                             top_p=1.0 if greedy else sampling.top_p,
                                             top_k=1 if greedy else (sampling.top_k or 256), use_topp=not greedy)
             self._sampling = sampling
