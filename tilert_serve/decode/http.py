@@ -25,7 +25,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationErr
 from tilert_serve import httpserver, pydantic_errors
 from tilert_serve.bearer import TokenFile
 from tilert_serve.decode import api_auth
-from tilert_serve.decode.engines.base import Sampling
+from tilert_serve.decode.engines.base import InvalidRequest, Sampling
 from tilert_serve.decode.engines.sampling import vllm_temperature
 from tilert_serve.decode.node import DecodeNode, GenerateParams, HandoffFailed
 from tilert_serve.decode.slots import AlreadyClaimed, NodeFull, UnknownTicket
@@ -154,6 +154,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
         first: dict[str, Any] | None = await anext(events)
     except HandoffFailed as exc:
         return _error(502, "handoff_failed", str(exc))
+    except InvalidRequest as exc:
+        return _error(400, "invalid_request", str(exc))
     except Exception as exc:
         log.exception("decode of slot %d failed before its first event", slot.index)
         return _error(500, "decode_failed", f"{type(exc).__name__}: {exc}")
@@ -172,8 +174,11 @@ async def generate(request: web.Request) -> web.StreamResponse:
     except (ConnectionResetError, ConnectionError):
         log.info("client of slot %d went away; decode cancelled", slot.index)
     except Exception as exc:
-        log.exception("decode stream of slot %d failed", slot.index)
-        err = {"error": {"type": "decode_failed", "message": f"{type(exc).__name__}: {exc}"}}
+        if isinstance(exc, InvalidRequest):
+            err = {"error": {"type": "invalid_request", "message": str(exc)}}
+        else:
+            log.exception("decode stream of slot %d failed", slot.index)
+            err = {"error": {"type": "decode_failed", "message": f"{type(exc).__name__}: {exc}"}}
         try:
             await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
         except ConnectionError:

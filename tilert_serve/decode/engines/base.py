@@ -14,7 +14,12 @@ from typing import Protocol
 
 from tilert_serve.layouts.state import InjectedState, LayerState
 
-__all__ = ["DecodeEngine", "DecodeStep", "InjectedState", "LayerState", "Sampling", "Sequence"]
+__all__ = ["DecodeEngine", "DecodeStep", "InjectedState", "InvalidRequest", "LayerState", "Sampling", "Sequence"]
+
+
+class InvalidRequest(ValueError):
+    """A request's own parameters cannot be decoded (a sampling value out of range): the request's
+    fault, not the node's or the data plane's."""
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from tilert_serve.decode.engines.base import Sampling
+from tilert_serve.decode.engines.base import InvalidRequest, Sampling
 
 #: vLLM's bounds (vllm/sampling_params.py), so that the node samples as the prefill sampled the first
 #: token: a positive temperature below MIN_TEMPERATURE is raised to it (below it float logits overflow:
@@ -34,11 +34,11 @@ def greedy(sampling: Sampling) -> bool:
 
 def validate(sampling: Sampling) -> None:
     if not sampling.temperature >= 0.0:
-        raise ValueError(f"sampling.temperature={sampling.temperature}: must be >= 0 (0 means greedy)")
+        raise InvalidRequest(f"sampling.temperature={sampling.temperature}: must be >= 0 (0 means greedy)")
     if not 0.0 < sampling.top_p <= 1.0:
-        raise ValueError(f"sampling.top_p={sampling.top_p}: must be in (0, 1]")
+        raise InvalidRequest(f"sampling.top_p={sampling.top_p}: must be in (0, 1]")
     if sampling.top_k < 0:
-        raise ValueError(f"sampling.top_k={sampling.top_k}: must be >= 0 (0 means off)")
+        raise InvalidRequest(f"sampling.top_k={sampling.top_k}: must be >= 0 (0 means off)")
 
 
 def probabilities(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
