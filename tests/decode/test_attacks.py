@@ -416,6 +416,13 @@ async def test_done_after_the_deadline_leaves_the_slot_quarantined(secret_file):
         status, events = await n.generate(adm["ticket"])
         assert status in (404, 502, 504), events  # the reaper or the control connection got there first
         assert n.node.slots.slots[0].state.value == "quarantined"
+        assert n.node.slots.quarantine_status()["quarantined"][0]["ranks_in_flight"] == [0]
         assert (await n.admit("next"))[0] == 429
-        await asyncio.sleep(1.2)
+        for _ in range(1000):  # the quarantine's bound
+            if n.node.slots.slots[0].state.value == "free":
+                break
+            await asyncio.sleep(0.01)
         assert (await n.admit("next"))[0] == 200
+        # Back in use with its writer never confirmed done: reported, not silent.
+        assert n.node.slots.unconfirmed_reuses == 1
+        assert b'tilert_decode_expired_slots_total{state="quarantined"} 1.0' in n.node.metrics.render()

@@ -68,3 +68,31 @@ async def test_an_unsealed_error_after_the_hello_does_not_end_the_senders_handof
             result = await _send(sender, port, None)
         assert (result.ok, result.reason) == (False, "not_authenticated"), result
         assert INJECTED not in result.message
+
+
+async def test_a_handoff_that_fails_before_its_accept_went_out_leaves_no_quarantine(secret_file, monkeypatch):
+    """Issue 22: the slot was taken for the sender, but the Accept (the regions) never went out: no
+    write can land, so the failed slot is freed at once, not held for the quarantine's bound."""
+    async with running_node(LAYOUT, secret_file, slots=1, quarantine_s=600) as n:
+        def broken(index: int) -> list:
+            raise RuntimeError("regions unavailable")
+
+        monkeypatch.setattr(n.node.buffers, "regions", broken)
+        _, adm = await n.admit("r")
+
+        def request() -> list[messages.Message]:
+            sock, chan = _handshake(n.ctrl_port)
+            with contextlib.closing(sock):
+                chan.send(messages.Request(request_id="r", ticket=adm["ticket"], num_tokens=NUM_TOKENS,
+                                           last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+                got = []
+                with contextlib.suppress(ConnectionError, OSError):
+                    got.append(chan.recv())
+                return got
+
+        got = await asyncio.to_thread(request)
+        assert not any(isinstance(m, messages.Accept) for m in got), got
+        status, _ = await n.generate(adm["ticket"])
+        assert status == 502
+        assert n.node.slots.slots[0].state.value == "free"
+        assert (await n.admit("next"))[0] == 200

@@ -39,6 +39,7 @@ class Table:
         for rank in range(senders):
             self.t.accept(ticket=slot.ticket, request_id=request_id, rank=rank, num_senders=senders, num_tokens=7,
                           last_prompt_token=3, prompt_token_ids=list(range(7)))
+            self.t.regions_given(slot, slot.generation, rank)
         return slot
 
 
@@ -186,3 +187,47 @@ def test_unused_ticket_expires_and_start_decoding_needs_ready():
     (freed,) = tb.t.expire()
     assert (freed.state, freed.request_id) == (SlotState.RESERVED, "a") and slot.state is SlotState.FREE
     assert tb.t.free == 2 and tb.t.expire() == []
+
+
+def test_a_writer_lost_before_its_regions_were_given_frees_the_slot_at_once():
+    """Issue 22: only a sender that was handed the slot's regions (Accept) can write; one whose
+    connection ended before that leaves nothing in flight, so the slot is not quarantined."""
+    tb = Table(1)
+    slot = tb.t.admit("r")
+    tb.t.accept(ticket=slot.ticket, request_id="r", rank=0, num_senders=1, num_tokens=7, last_prompt_token=3,
+                prompt_token_ids=[])
+    assert slot.state is SlotState.RECEIVING and slot.in_flight == set()
+    tb.t.writer_lost(slot, slot.generation, 0, "protocol error before the Accept went out")
+    tb.t.release(slot)
+    assert slot.state is SlotState.FREE and tb.scrubbed == [0]
+    # Given the regions, the same loss quarantines.
+    slot = tb.receiving()
+    assert slot.in_flight == {0}
+    tb.t.writer_lost(slot, slot.generation, 0, "disconnected")
+    tb.t.release(slot)
+    assert slot.state is SlotState.QUARANTINED
+
+
+def test_a_quarantine_that_ends_with_its_writer_unconfirmed_is_reported(caplog: pytest.LogCaptureFixture):
+    """Issue 22: the quarantine's bound may end before a writer that never reported: the slot goes back
+    into use anyway (a late write is refused by the node's snapshot and digest), and that is counted,
+    logged once and visible in the table's status, never silent."""
+    tb = Table(1)
+    slot = tb.receiving()
+    tb.t.writer_lost(slot, slot.generation, 0, "disconnected")
+    tb.t.release(slot)
+    assert tb.t.quarantine_status() == {"unconfirmed_reuses": 0, "quarantined": [
+        {"index": 0, "generation": slot.generation, "ranks_in_flight": [0], "ends_in_s": 30.0}]}
+    tb.clock.now += 30
+    with caplog.at_level("WARNING", logger="tilert_serve.decode.slots"):
+        tb.t.expire()
+        tb.t.expire()
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "sender rank(s) [0]" in warnings[0] and "slot 0" in warnings[0], warnings
+    assert tb.t.unconfirmed_reuses == 1 and slot.state is SlotState.FREE
+    assert tb.t.quarantine_status() == {"unconfirmed_reuses": 1, "quarantined": []}
+    # A quarantine its writer ends by reporting is no such case.
+    slot = tb.receiving()
+    tb.t.release(slot)
+    tb.t.done(slot, slot.generation, 0, ok=True, nbytes=1, error=None)
+    assert slot.state is SlotState.FREE and tb.t.unconfirmed_reuses == 1

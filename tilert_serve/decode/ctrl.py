@@ -243,7 +243,8 @@ class ControlServer:
                                      authenticated=conn.authenticated)
             log.info("handoff from %s: %s", peer, exc)
             # In the peer's version: Error's body is the same in every version, so an older peer reads why.
-            await _try_send(writer, messages.Error(reason=RejectReason.VERSION, message=str(exc)), None,
+            # Sealed once the session is established: after it, an unsealed frame is refused as injected.
+            await _try_send(writer, messages.Error(reason=RejectReason.VERSION, message=str(exc)), conn.session,
                             version=exc.version)
             _lost(node, conn, f"sender speaks another protocol version: {exc}")
         except SessionError as exc:
@@ -421,9 +422,13 @@ def _check_layers(msg: messages.LayersDone, req: messages.Request, generation: i
 async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn,
                    req: messages.Request, slot: Slot) -> None:
     generation = conn.generation
-    await write_message(writer, messages.Accept(request_id=req.request_id, slot=slot.index, generation=generation,
-                                                regions=node.buffers.regions(slot.index),
-                                                max_tokens=node.config.max_seq_len), conn.session)
+    accept = messages.Accept(request_id=req.request_id, slot=slot.index, generation=generation,
+                             regions=node.buffers.regions(slot.index), max_tokens=node.config.max_seq_len)
+    if writer.transport.is_closing():
+        raise ConnectionResetError("the sender's connection closed before its Accept went out")
+    # From here the regions may reach the sender (even if the write below fails part-way).
+    node.slots.regions_given(slot, generation, req.sender_rank)
+    await write_message(writer, accept, conn.session)
     deadline = slot.deadline
     mine = set(senders_layers(node.layout, req.sender_rank, req.num_senders))
     reported: set[int] = set()

@@ -38,8 +38,10 @@ class NodeMetrics:
         self.mtp_drafted = Counter("tilert_decode_mtp_drafted_tokens", "MTP draft tokens proposed", registry=r)
         self.mtp_accepted = Counter("tilert_decode_mtp_accepted_tokens", "MTP draft tokens accepted", registry=r)
         self.requests = Counter("tilert_decode_requests", "Finished decode requests", ["finish_reason"], registry=r)
-        self.expired = Counter("tilert_decode_expired_slots", "Slots freed by their deadline", ["state"],
-                               registry=r)
+        self.expired = Counter("tilert_decode_expired_slots",
+                               "Slots freed by their deadline, by the state they were in; quarantined: the bound "
+                               "ended a quarantine with a writer never confirmed done, and the slot went back into "
+                               "use (slots.py)", ["state"], registry=r)
         self.ctrl_errors = Counter("tilert_decode_ctrl_errors", "Control-plane connections refused or broken",
                                    ["reason"], registry=r)
 

@@ -5,7 +5,7 @@ The router admits a request before its prefill starts: the node reserves a slot 
 ticket. The prefill's senders then hand the state over under that ticket, and the router's
 generate call decodes it. A slot moves
 
-    FREE -> RESERVED (admit) -> RECEIVING (accept: a sender rank may now write)
+    FREE -> RESERVED (admit) -> RECEIVING (accept; regions_given: a sender rank may now write)
          -> READY (done: every rank reported its writes) -> DECODING (start_decoding) -> released
     RESERVED | RECEIVING | READY -> FAILED (fail, writer_lost, a rank's failed done) -> released
     released: no write may still land -> scrubbed -> FREE
@@ -16,13 +16,17 @@ and never queues: a full node says so at once. Every state but DECODING has a de
 releases what is past it (and ends quarantines), so an abandoned ticket cannot hold a slot.
 
 Quarantine. The data plane's writes are one-sided: once a sender rank has been given the slot's
-regions (accept), its bytes can land until its write call returns. A rank that reports done (ok or
+regions (`regions_given`, as its Accept goes out), its bytes can land until its write call returns; a
+rank accepted whose Accept never went out cannot write, and its loss frees the slot at once. A rank that reports done (ok or
 not) says its write call returned; a rank whose connection ended first (killed, timed out, Done after
 the deadline) may still be writing. A slot released with such a rank is not reused until the rank
 reports done on its still-open connection, or `quarantine_s` has passed: the transfer engines' own
 write bound (transfer.WRITE_BOUND_S: Mooncake's MC_TRANSFER_TIMEOUT, NIXL's write timeout) plus a
-margin. A process frozen mid-write (SIGSTOP) can outlast any time bound; the digest checked before
-injection (handoff.digest) refuses whatever such a write tears.
+margin. A process frozen mid-write (SIGSTOP) can outlast any time bound; the node checks and converts
+only a snapshot of what landed, so such a late write cannot change a later request's state unseen. A
+quarantine that ends by its bound with a writer never confirmed done is reported, not silent: counted
+(`unconfirmed_reuses`, and node metrics from the expired copy), logged once as a warning, and shown by
+`quarantine_status`.
 
 Every slot is scrubbed (its receive regions zeroed, by the injected `scrub`) before it is FREE again,
 so a freed slot's bytes are never a previous request's state. The table is plain data driven by an
@@ -33,11 +37,15 @@ injected clock; the node's event loop is its only caller (no locks). Every trans
 from __future__ import annotations
 
 import dataclasses
+import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
+
+log = logging.getLogger(__name__)
 
 
 class SlotState(StrEnum):
@@ -126,6 +134,9 @@ class SlotTable:
         self.scrub = scrub
         self.on_change = on_change
         self._by_ticket: dict[str, Slot] = {}
+        #: Quarantines that ended by their bound with a writer never confirmed done: each such slot went
+        #: back into use while a late write could still land.
+        self.unconfirmed_reuses = 0
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -190,9 +201,14 @@ class SlotTable:
             slot.t_accept = self.clock()
             slot.deadline = slot.t_accept + self.handoff_timeout_s
         slot.ranks_accepted.add(rank)
-        slot.in_flight.add(rank)
         self.on_change(slot, "accepted")
         return slot
+
+    def regions_given(self, slot: Slot, generation: int, rank: int) -> None:
+        """Sender `rank` is handed the slot's regions (its Accept goes out): from now on its bytes may
+        land until it reports done, so losing it quarantines the slot on release."""
+        if generation == slot.generation and rank in slot.ranks_accepted:
+            slot.in_flight.add(rank)
 
     def done(self, slot: Slot, generation: int, rank: int, *, ok: bool, nbytes: int, error: str | None,
              digest: str | None = None, writes_started: bool = True, write_s: float | None = None) -> bool:
@@ -292,8 +308,22 @@ class SlotTable:
                 continue
             out.append(dataclasses.replace(slot, in_flight=set(slot.in_flight)))
             if slot.state is SlotState.QUARANTINED:
+                self.unconfirmed_reuses += 1
+                log.warning("slot %d back in use after its %.0f s quarantine although sender rank(s) %s of generation "
+                            "%d never reported their writes done: a write still landing goes into the next request's "
+                            "receive region, where the node's snapshot and digest check refuse it",
+                            slot.index, self.quarantine_s, sorted(slot.in_flight), slot.generation)
                 slot.in_flight.clear()
                 self._recycle(slot, "quarantine_over")
             else:
                 self.release(slot)
         return out
+
+    def quarantine_status(self) -> dict[str, Any]:
+        """The quarantines now (slot, generation, ranks not confirmed done, seconds left) and how many
+        ended with a writer unconfirmed (for /v1/status)."""
+        now = self.clock()
+        return {"unconfirmed_reuses": self.unconfirmed_reuses,
+                "quarantined": [{"index": s.index, "generation": s.generation, "ranks_in_flight": sorted(s.in_flight),
+                                 "ends_in_s": round(max(s.deadline - now, 0.0), 3)}
+                                for s in self.slots if s.state is SlotState.QUARANTINED]}
