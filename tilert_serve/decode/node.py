@@ -33,7 +33,7 @@ from tilert_serve import defaults
 from tilert_serve.decode import ctrl
 from tilert_serve.decode.buffers import ReceiveBuffers
 from tilert_serve.decode.detokenize import detokenizer
-from tilert_serve.decode.engines.base import DecodeEngine, Sampling
+from tilert_serve.decode.engines.base import DecodeEngine, InvalidRequest, Sampling
 from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.decode.record import Recorder
 from tilert_serve.decode.slots import Slot, SlotState, SlotTable
@@ -492,8 +492,11 @@ class DecodeNode:
                     if tokens:
                         yield {"token_ids": tokens, "text": detok.push(tokens) if detok else ""}
                 elif kind == "error":
-                    self.recorder.failure("digest_mismatch" if isinstance(value, StateRefused) else "decode_failed",
-                                      f"{type(value).__name__}: {value}")
+                    # A request whose own parameters cannot be decoded says nothing of the node or the
+                    # data plane: recorded, any client could turn every node's status false.
+                    if not isinstance(value, InvalidRequest):
+                        self.recorder.failure("digest_mismatch" if isinstance(value, StateRefused)
+                                              else "decode_failed", f"{type(value).__name__}: {value}")
                     raise value
                 elif kind == "end":
                     finish = "cancelled" if cancel.is_set() else "length"
@@ -577,6 +580,9 @@ class DecodeNode:
         except StateRefused as exc:
             log.warning("slot %d (request %s): %s", slot.index, slot.request_id, exc)
             self.metrics.handoffs.labels("refused").inc()
+            put(("error", exc))
+        except InvalidRequest as exc:
+            log.info("slot %d (request %s): %s", slot.index, slot.request_id, exc)
             put(("error", exc))
         except Exception as exc:
             log.exception("decode of slot %d failed", slot.index)
