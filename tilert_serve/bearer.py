@@ -9,6 +9,10 @@ good read, the last tokens stay in force and the error is logged once (a Secret 
 whole directory atomically, so that is an operator's mistake, not a rotation). An empty file accepts
 nobody: a configured credential never fails open.
 
+The file is read only if it is a regular file of at most MAX_CREDENTIAL_FILE_BYTES (`read_regular`):
+it is opened without blocking, so a FIFO, a device or a directory put at its path is refused with an
+error naming the path (the last tokens stay in force) instead of hanging the event loop that reads it.
+
 Tokens are compared in constant time: each presented token is hashed and compared with every
 token's hash by `hmac.compare_digest`, without stopping at the first match, so neither the position
 of a match nor a token's length shows in the timing.
@@ -16,10 +20,12 @@ of a match nor a token's length shows in the timing.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import hmac
 import logging
 import os
+import stat
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -28,6 +34,38 @@ log = logging.getLogger(__name__)
 
 #: How often (seconds) a token file is checked for changes, at most.
 CHECK_INTERVAL_S = 1.0
+#: The largest token or secret file read (a few hundred tokens fit many times over).
+MAX_CREDENTIAL_FILE_BYTES = 1 << 20
+
+
+def read_regular(path: str | Path, max_bytes: int = MAX_CREDENTIAL_FILE_BYTES) -> bytes:
+    """The content of the regular file at `path`, of at most `max_bytes`; OSError naming the path and
+    what is wrong otherwise.
+
+    Opened with O_NONBLOCK, so opening a FIFO returns at once (then fstat refuses it) rather than
+    waiting for a writer. Symlinks are followed: a Kubernetes Secret's files are symlinks into its
+    `..data` directory, so O_NOFOLLOW would refuse every mounted credential."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC | os.O_NOCTTY)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
+                "a device or socket"
+            raise OSError(errno.EINVAL, f"not a regular file (it is {kind}); put the credential in a plain file "
+                                        "there", str(path))
+        chunks, size = [], 0
+        while size <= max_bytes:
+            chunk = os.read(fd, max_bytes + 1 - size)
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+        if size > max_bytes:
+            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes, which no credential file is; check what "
+                                       "is mounted there", str(path))
+        return b"".join(chunks)
+    finally:
+        os.close(fd)
 
 
 class TokenFileError(Exception):
@@ -69,7 +107,8 @@ class TokenFile:
         try:
             self._load(self._stat())
         except OSError as exc:
-            raise TokenFileError(f"cannot read the token file {self.path}: {exc.strerror or exc}") from exc
+            raise TokenFileError(f"cannot read the token file {self.path}: {exc.strerror or exc}; point the flag at a "
+                                 "readable file of tokens, one a line") from exc
         if not self._tokens:
             log.warning("token file %s holds no token: every request presenting one is refused", self.path)
 
@@ -78,7 +117,7 @@ class TokenFile:
         return (s.st_ino, s.st_size, s.st_mtime_ns)
 
     def _load(self, signature: tuple[int, int, int]) -> None:
-        tokens = parse_tokens(self.path.read_text(encoding="utf-8", errors="surrogateescape"))
+        tokens = parse_tokens(read_regular(self.path).decode("utf-8", errors="surrogateescape"))
         self._tokens, self._digests = tokens, tuple(_digest(t) for t in tokens)
         self._signature = signature
 
@@ -96,7 +135,7 @@ class TokenFile:
         except OSError as exc:
             if not self._failing:
                 log.error("token file %s cannot be read, keeping its last %d token(s): %s", self.path,
-                          len(self._tokens), exc)
+                          len(self._tokens), exc.strerror or exc)
             self._failing = True
             return
         self._failing = False

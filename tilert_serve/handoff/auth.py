@@ -27,12 +27,15 @@ import threading
 from pathlib import Path
 from typing import Protocol
 
+from tilert_serve.bearer import read_regular
 from tilert_serve.handoff.errors import AuthError
 
 log = logging.getLogger(__name__)
 
 _DOMAIN = b"tilert-pd handoff v1"
 MIN_SECRET_BYTES = 16
+#: The largest secret (or accept) file read: a few secrets of 64 hex characters fit many times over.
+MAX_SECRET_FILE_BYTES = 64 * 1024
 #: The file beside `secret` holding the extra secrets a node accepts (one per line, may be empty or absent).
 ACCEPT_FILE = "accept"
 
@@ -105,9 +108,11 @@ def keyring(secret: bytes | Keyring) -> Keyring:
 class FileKeyring:
     """The mounted handoff Secret: `path` (signing, accepted) and `accept` beside it (accepted too).
 
-    Each call stats both files (a few microseconds) and re-reads them when their identity, size or
-    mtime changed; the kubelet's atomic symlink swap on a Secret update changes all three. A file that
-    is briefly missing or short during an update keeps the last good secrets (logged once per change).
+    Each call stats both files (a few microseconds) and re-reads the one whose identity, size or mtime
+    changed; the kubelet's atomic symlink swap on a Secret update changes all three. Each file stands on
+    its own: one that cannot be read (briefly missing or short during an update, or no regular file: a
+    FIFO or a directory put at its path, which is never waited on) keeps its last good secrets, logged
+    once per change, while the other is still taken; a readable file is taken as soon as it is there.
     Thread-safe: the connector's sender thread and the node's event loop both call it.
     """
 
@@ -115,10 +120,16 @@ class FileKeyring:
         self.path = Path(path)
         self.accept_path = self.path.parent / ACCEPT_FILE
         self._lock = threading.Lock()
-        self._stamp: tuple[object, object] | None = None
         self._signing = load_secret(self.path)
-        self._accepted = (self._signing, *self._read_accept())
-        self._stamp = (self._stat(self.path), self._stat(self.accept_path))
+        self._secret_stamp = self._stat(self.path)
+        self._accept_stamp = self._stat(self.accept_path)
+        try:
+            extra = self._read_accept()
+        except OSError as exc:
+            log.error("%s cannot be read (%s): accepting only %s until it is a readable file", self.accept_path,
+                      exc.strerror or exc, self.path)
+            extra = []
+        self._accepted = (self._signing, *extra)
 
     @staticmethod
     def _stat(path: Path) -> object:
@@ -130,7 +141,7 @@ class FileKeyring:
 
     def _read_accept(self) -> list[bytes]:
         try:
-            lines = self.accept_path.read_bytes().splitlines()
+            lines = read_regular(self.accept_path, MAX_SECRET_FILE_BYTES).splitlines()
         except FileNotFoundError:
             return []
         out = []
@@ -145,18 +156,27 @@ class FileKeyring:
         return out
 
     def _refresh(self) -> None:
-        stamp = (self._stat(self.path), self._stat(self.accept_path))
+        secret_stamp, accept_stamp = self._stat(self.path), self._stat(self.accept_path)
         with self._lock:
-            if stamp == self._stamp:
+            if (secret_stamp, accept_stamp) == (self._secret_stamp, self._accept_stamp):
                 return
-            try:
-                signing = load_secret(self.path)
-                accept = self._read_accept()
-            except (AuthError, OSError) as exc:
-                log.warning("handoff secret changed but cannot be read (%s); keeping the previous one", exc)
-                self._stamp = stamp
+            signing, extra = self._signing, list(self._accepted[1:])
+            if secret_stamp != self._secret_stamp:
+                self._secret_stamp = secret_stamp
+                try:
+                    signing = load_secret(self.path)
+                except AuthError as exc:
+                    log.warning("handoff secret changed but cannot be read (%s); keeping the previous one", exc)
+            if accept_stamp != self._accept_stamp:
+                self._accept_stamp = accept_stamp
+                try:
+                    extra = self._read_accept()
+                except OSError as exc:
+                    log.error("%s changed but cannot be read (%s); still accepting the %d secret(s) it held before",
+                              self.accept_path, exc.strerror or exc, len(extra))
+            if (signing, *extra) == self._accepted:
                 return
-            self._signing, self._accepted, self._stamp = signing, (signing, *accept), stamp
+            self._signing, self._accepted = signing, (signing, *extra)
             log.info("handoff secrets reloaded from %s: %d accepted", self.path.parent, len(self._accepted))
 
     def signing(self) -> bytes:
@@ -173,7 +193,7 @@ def load_secret(path: str | Path) -> bytes:
     how to fix it."""
     p = Path(path)
     try:
-        secret = p.read_bytes().strip()
+        secret = read_regular(p, MAX_SECRET_FILE_BYTES).strip()
     except OSError as exc:
         raise AuthError(f"cannot read the handoff secret at {p}: {exc.strerror}; mount the PDCluster's "
                         "handoff Secret there, or for local runs write one with "
