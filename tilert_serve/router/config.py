@@ -103,6 +103,18 @@ class HandoffProbe(_Strict):
     timeout_s: float = Field(default=60.0, gt=0)
 
 
+class CircuitBreaker(_Strict):
+    """Per TileRT node: after `failures_to_open` failed handoffs in a row (a user's or a probe's: the
+    node's control port refusing, a state that never arrives), the node takes no request for `open_s`,
+    doubled after each failed trial up to `max_open_s`. Then one request tries it (half-open; handoff
+    probes try it too) and a handoff that decodes closes the breaker. While every node's breaker is open
+    the TileRT path is down: requests go native or get a 503 at once, by the routing policy."""
+
+    failures_to_open: int = Field(default=1, ge=1)
+    open_s: float = Field(default=5.0, gt=0)
+    max_open_s: float = Field(default=60.0, gt=0)
+
+
 class Limits(_Strict):
     #: Largest accepted request body; larger bodies get a 413 before anything is parsed.
     max_body_bytes: int = Field(default=8 * 1024 * 1024, ge=1024)
@@ -159,6 +171,7 @@ class RouterConfig(_Strict):
     tilert_api_token_file: str | None = None
     health: HealthChecks = HealthChecks()
     handoff_probe: HandoffProbe = HandoffProbe()
+    breaker: CircuitBreaker = CircuitBreaker()
     limits: Limits = Limits()
     #: Model name sent to the vLLM servers, when it differs from the served name (vLLM checks it).
     upstream_model: str | None = None

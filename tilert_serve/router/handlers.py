@@ -118,6 +118,11 @@ async def _route(call: Call) -> web.StreamResponse:
             if not err.retryable or attempt == 1:
                 break
             call.exclude.add(err.url)
+            if err.pool == "tilert" and want == "auto" and cfg.policy.when_tilert_full == "native" \
+                    and st.pools.native_state(cfg.limits.native_max_inflight) == "ok":
+                # Another TileRT node would likely fail the same way (a control plane locked out, a
+                # broken data plane) and cost the client a second handoff timeout: native is the retry.
+                call.exclude.update(n.url for n in st.pools.tilert.values())
             m.retries.inc()
         finally:
             m.inflight.labels(decision.route).dec()
@@ -254,11 +259,37 @@ async def ready(request: web.Request) -> web.Response:
         has(list(pools.native.values()), "native decode server")
     if not pools.tilert and not pools.native:
         reasons.append("no decode pool configured")
-    body: dict[str, object] = {"ready": not reasons, "reasons": reasons}
+    paths = _paths(state)
+    degraded = _breakers(state, full)
+    if paths["tilert"] == "down" and paths["native"] != "up":
+        reasons.append("no decode route: every TileRT node's circuit breaker is open and no native decode "
+                       f"server is healthy ({'; '.join(degraded)})")
+    body: dict[str, object] = {"ready": not reasons, "reasons": reasons, "degraded": degraded, "paths": paths}
     if full:
-        body["tilert_slots"] = {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy}
-                                for n in pools.tilert.values()}
+        body["tilert_slots"] = {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy,
+                                              "breaker": n.breaker} for n in pools.tilert.values()}
     return web.json_response(body, status=200 if not reasons else 503)
+
+
+def _paths(state: RouterState) -> dict[str, str]:
+    """Each decode path: "up", "down" (configured, nothing can take a request now) or "none"."""
+    pools = state.pools
+    tilert = "none" if not pools.tilert else ("up" if pools.tilert_path_up() else "down")
+    native = "none" if not pools.native else ("up" if any(e.healthy is True for e in pools.native.values())
+                                              else "down")
+    return {"tilert": tilert, "native": native}
+
+
+def _breakers(state: RouterState, full: bool) -> list[str]:
+    """TileRT nodes behind an open breaker, with the last handoff failure (its kind only, anonymously)."""
+    now = time.monotonic()
+    out = []
+    for n in state.pools.tilert.values():
+        if n.breaker == "open":
+            why = n.handoff_error if full else n.handoff_error.split(":", 1)[0]
+            out.append(f"TileRT node {n.spec.name}: {why or 'handoff failed'} (circuit breaker open for "
+                       f"{max(n.open_until - now, 0.0):.1f} s more after {n.handoff_fails} failed handoff(s))")
+    return out
 
 
 def _ready_routes(state: RouterState, full: bool) -> web.Response:
@@ -270,6 +301,8 @@ def _ready_routes(state: RouterState, full: bool) -> web.Response:
     handoff = [n for n in pools.tilert.values() if n.healthy is True and n.handoff_ready]
     native = [e for e in pools.native.values() if e.healthy is True]
     for n in pools.tilert.values():
+        if n.breaker == "open":
+            continue  # _breakers says why
         if not (n.healthy is True and n.handoff_ready):
             if n.healthy is not True:
                 why = "not probed healthy"
@@ -278,13 +311,18 @@ def _ready_routes(state: RouterState, full: bool) -> web.Response:
             else:
                 why = "no handoff yet"
             degraded.append(f"TileRT node {n.spec.name}: " + (why if full else why.split(":", 1)[0]))
+    degraded[:0] = _breakers(state, full)
     if not handoff and not native:
         reasons.append("no decode route: no TileRT node with a working handoff and no healthy native decode server"
                        + (f" ({'; '.join(degraded)})" if degraded else ""))
-    body: dict[str, object] = {"ready": not reasons, "reasons": reasons, "degraded": degraded}
+    paths = _paths(state)
+    if paths["tilert"] == "up" and not handoff:
+        paths["tilert"] = "down"  # no handoff decoded lately: the probes say what the breaker does not
+    body: dict[str, object] = {"ready": not reasons, "reasons": reasons, "degraded": degraded, "paths": paths}
     if full:
         body["tilert_slots"] = {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy,
-                                              "handoff_ready": n.handoff_ready} for n in pools.tilert.values()}
+                                              "handoff_ready": n.handoff_ready, "breaker": n.breaker}
+                                for n in pools.tilert.values()}
     return web.json_response(body, status=200 if not reasons else 503)
 
 
@@ -296,6 +334,11 @@ async def metrics(request: web.Request) -> web.Response:
         check_api_key(state, request)
     for ep in state.pools.all():
         state.metrics.healthy.labels(ep.pool, ep.url).set(-1 if ep.healthy is None else int(ep.healthy))
+    state.metrics.breaker_open.keep_only({(name,) for name in state.pools.tilert})
+    for name, node in state.pools.tilert.items():
+        state.metrics.breaker_open.labels(name).set(int(node.breaker != "closed"))
+    for path, up in _paths(state).items():
+        state.metrics.path_up.labels(path).set(-1 if up == "none" else int(up == "up"))
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

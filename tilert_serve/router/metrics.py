@@ -101,6 +101,10 @@ class Metrics:
                            ["node"], registry=r))
         self.healthy = _Cached(Gauge(p + "endpoint_healthy", "1 healthy, 0 ejected, -1 not probed yet",
                              ["pool", "endpoint"], registry=r))
+        self.breaker_open = _Cached(Gauge(p + "breaker_open", "1 while a TileRT node's circuit breaker is open or "
+                                                              "half-open (failed handoffs), 0 closed", ["node"], registry=r))
+        self.path_up = _Cached(Gauge(p + "path_up", "1 when a decode path can take a request, 0 down, -1 not configured",
+                                     ["path"], registry=r))
         self.config_reloads = _Cached(Counter(p + "config_reloads_total", "Config reloads by result",
                                       ["result"], registry=r))
 

@@ -102,7 +102,7 @@ def decide(
     if tilert == "free":
         return Decision("tilert", "slot free")
     if tilert == "down":
-        if policy.when_tilert_full == "native":
+        if policy.when_tilert_full == "native" and native != "none":
             return to_native("tilert down")
         raise RouterError(503, "no TileRT decode node is available; retry later", type="service_unavailable",
                           code="tilert_unavailable", headers=retry_after)

@@ -12,9 +12,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tilert_serve.router.config import HealthChecks, RouterConfig, TileRTNode
+from tilert_serve.router.config import CircuitBreaker, HealthChecks, RouterConfig, TileRTNode
 
 TileRTState = Literal["free", "full", "down"]
+BreakerState = Literal["closed", "open", "half-open"]
 
 
 @dataclass(eq=False)
@@ -64,12 +65,42 @@ class Node(Endpoint):
     #: A probe (canary.py) is running on the node / when the last one started.
     probing: bool = False
     probe_at: float = -1e18
+    #: The circuit breaker (config.CircuitBreaker): failed handoffs in a row, the open period in force
+    #: (0 = closed) and its end (monotonic), and whether a half-open trial request holds the node.
+    breaker_cfg: CircuitBreaker = field(default_factory=CircuitBreaker)
+    handoff_fails: int = 0
+    open_s: float = 0.0
+    open_until: float = 0.0
+    trial: bool = False
 
     def handoff_ok(self, now: float) -> None:
         self.handoff_ok_at = now
+        self.handoff_fails, self.open_s, self.open_until, self.trial = 0, 0.0, 0.0, False
 
     def handoff_failed(self, now: float, why: str) -> None:
         self.handoff_fail_at, self.handoff_error = now, why[:300]
+        self.handoff_fails += 1
+        self.trial = False
+        cfg = self.breaker_cfg
+        if self.open_s == 0.0:
+            if self.handoff_fails >= cfg.failures_to_open:
+                self.open_s, self.open_until = cfg.open_s, now + cfg.open_s
+        elif now >= self.open_until:
+            # The half-open trial failed (requests that were in flight when it opened do not extend it).
+            self.open_s = min(self.open_s * 2, cfg.max_open_s)
+            self.open_until = now + self.open_s
+
+    @property
+    def breaker(self) -> BreakerState:
+        if self.open_s == 0.0:
+            return "closed"
+        return "open" if time.monotonic() < self.open_until else "half-open"
+
+    @property
+    def takes_requests(self) -> bool:
+        """Not behind an open breaker: closed, or half-open with no trial under way."""
+        state = self.breaker
+        return state == "closed" or (state == "half-open" and not self.trial)
 
     @property
     def handoff_ready(self) -> bool:
@@ -119,6 +150,7 @@ class Pools:
                 nodes[spec.name] = old
             else:
                 nodes[spec.name] = Node(spec.http_url, "tilert", spec=spec)
+            nodes[spec.name].breaker_cfg = config.breaker
         self.tilert = nodes
 
     def all(self) -> Iterable[Endpoint]:
@@ -154,20 +186,32 @@ class Pools:
     def tilert_state(self, exclude: set[str] = frozenset()) -> TileRTState:  # type: ignore[assignment]
         """'free' when a node outside `exclude` has a free slot, 'full' when such nodes are up but have
         none, 'down' when none is up (every node ejected, or failed this request)."""
-        up = [n for n in self.tilert.values() if n.routable and n.url not in exclude]
+        up = [n for n in self.tilert.values() if n.routable and n.url not in exclude and n.takes_requests]
         if any(n.free > 0 for n in up):
             return "free"
         return "full" if up else "down"
 
     def reserve_tilert(self, exclude: set[str]) -> Node | None:
         """Take one slot on the node with the most free slots; None when every node is full."""
-        cands = [n for n in self.tilert.values() if n.routable and n.url not in exclude and n.free > 0]
+        cands = [n for n in self.tilert.values()
+                 if n.routable and n.url not in exclude and n.free > 0 and n.takes_requests]
         if not cands:
             return None
-        node = max(cands, key=lambda n: n.free)
+        # A closed breaker first: a half-open node gets a trial only when no other node can serve.
+        node = max(cands, key=lambda n: (n.breaker == "closed", n.free))
+        if node.breaker == "half-open":
+            node.trial = True
         node.in_use += 1
         return node
+
+    def tilert_path_up(self) -> bool:
+        """Whether some TileRT node may take a request: probed healthy (or not probed yet) and not
+        behind an open breaker."""
+        return any(n.routable and n.breaker != "open" for n in self.tilert.values())
 
     @staticmethod
     def release(node: Node) -> None:
         node.in_use = max(node.in_use - 1, 0)
+        # A trial that ended without a handoff's verdict (node full, prefill failed, client gone)
+        # leaves the node to the next request.
+        node.trial = False
