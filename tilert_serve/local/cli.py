@@ -7,6 +7,11 @@ in the background. `status` lists each component with its URL and health; `down`
 
 `--runtime docker` runs the operator's rendered manifests instead, each pod a container of its image
 (docker_runtime.py); `status` and `down` work for either runtime from what `up` recorded.
+
+The home holds the stack's handoff secret, its node-API token and the PIDs `down` signals, so it must
+be the caller's alone: `private_dir` creates it owner-only, and every action refuses a home (or a
+cluster's state directory in it) owned by someone else or writable by group or others, before anything
+is written, read back or signalled.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import subprocess
 import sys
 import time
@@ -53,6 +59,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for q in (up, st, *sub.choices.values()):
         if not any(a.dest == "home" for a in q._actions):
             q.add_argument("--home", type=Path, default=DEFAULT_HOME, help="state directory (default %(default)s)")
+
+
+def private_dir(path: Path, *, create: bool = True) -> Path:
+    """`path` as a directory only the caller can change: created owner-only (0700) when missing (with
+    `create`), refused (ValueError saying how to fix it) when it is owned by another user or writable by
+    group or others."""
+    if create:
+        path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = os.stat(path)
+    problems = []
+    if st.st_uid != os.geteuid():
+        problems.append(f"owned by uid {st.st_uid}, not by you (uid {os.geteuid()})")
+    if st.st_mode & 0o022:
+        who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit)
+        problems.append(f"writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})")
+    if problems:
+        fix = f"`chmod go-w {path}`" + ("" if st.st_uid == os.geteuid() else f" after `sudo chown $(id -u) {path}`")
+        raise ValueError(f"the local state directory {path} is {' and '.join(problems)}: another user could swap the "
+                         f"handoff secret, the node-API token or the PIDs `down` signals in it. Run {fix}, or pass "
+                         "another --home")
+    return path
 
 
 def run(args: argparse.Namespace) -> int:
@@ -101,8 +128,10 @@ def say(msg: str) -> None:
 
 def up(args: argparse.Namespace) -> int:
     name, spec = _load(args.filename)
-    home: Path = args.home
+    home = private_dir(args.home)
     state_dir = (home / name).resolve()
+    if state_dir.exists():
+        private_dir(state_dir)
     if (state_dir / runner.STATE_FILE).exists() and _is_running(state_dir):
         raise ValueError(f"{name} is already running locally; `tilert-pd local down` first")
     if getattr(args, "runtime", "process") == "docker":
@@ -136,7 +165,8 @@ def launch(name: str, spec: PDClusterSpec, state_dir: Path, *, file: str, router
     router config, a component's own copy of a credential); the router reads the adjusted config."""
     if runner.port_in_use(router_port):
         raise ValueError(f"port {router_port} is taken; pass --router-port")
-    state_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(state_dir.parent)
+    private_dir(state_dir)
     # 0600 from the moment they exist (runner.write_secret_file), fresh for every run.
     secret, token = runner.write_secrets(state_dir)
     model_dir = _model_dir(state_dir.parent, name, spec)
@@ -182,7 +212,7 @@ def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_d
     from tilert_operator.cli_render import render_document
 
     manifests = render_document(_document(args.filename), None, with_secret=True)
-    state_dir.mkdir(parents=True, exist_ok=True)
+    private_dir(state_dir)
     say(f"tilert-pd local: {name} from {args.filename} as containers (state in {state_dir})")
     meta: dict[str, object] = {"cluster": name, "file": str(Path(args.filename).resolve()), "started": time.time(),
                                "router": "", "runtime": "docker", "networks": [], "pods": []}
@@ -274,7 +304,11 @@ def _with_side_channel(c: planmod.Component) -> planmod.Component:
 
 
 def _states(home: Path) -> list[Path]:
-    return sorted(p.parent for p in home.glob(f"*/{runner.STATE_FILE}")) if home.exists() else []
+    """The state directories of the stacks recorded under `home` (each checked as private_dir)."""
+    if not home.exists():
+        return []
+    private_dir(home, create=False)
+    return sorted(private_dir(p.parent, create=False) for p in home.glob(f"*/{runner.STATE_FILE}"))
 
 
 def status(args: argparse.Namespace) -> int:
