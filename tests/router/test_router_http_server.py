@@ -7,12 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 from typing import Any
 
 import pytest
 from router_fakes import until
+
+from tilert_serve import httpserver
 
 MARKER = b"SMUGGLED-MARKER-7f3a"
 
@@ -109,3 +112,40 @@ async def test_past_the_connection_cap_idle_connections_make_room(make_stack):
         for w in conns:
             with contextlib.suppress(Exception):
                 w.close()
+
+
+async def test_past_the_cap_with_every_connection_busy_a_new_one_gets_a_json_503(make_stack):
+    s = await make_stack(node_slots=(2,), limits={"max_client_connections": 2})
+    s.node.go.clear()  # both streams wait before their first token: two requests in progress
+    c = s.client()
+    streams = [await c.completions.create(model="tiny", prompt="a", max_tokens=3, stream=True,
+                                          extra_headers={"x-pd-route": "tilert"}) for _ in range(2)]
+    try:
+        answer = await _raw(_port(s.router_url), b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+        status, err = _status_and_error(answer)
+        assert status == 503 and b"Retry-After: 1" in answer, answer
+        assert "too many connections" in str(err["message"])
+    finally:
+        s.node.go.set()
+        for st in streams:
+            async for _ in st:
+                pass
+    # The busy connections finished: the router takes new ones again.
+    r = await c.completions.create(model="tiny", prompt="a", max_tokens=2)
+    assert r.choices[0].text
+
+
+def test_accept_errors_are_logged_once_per_interval(caplog):
+    loop = asyncio.new_event_loop()
+    try:
+        httpserver.throttle_accept_errors(loop)
+        caplog.set_level(logging.INFO)
+        for _ in range(1000):
+            loop.call_exception_handler({"message": "socket.accept() out of system resource",
+                                         "exception": OSError(errno.EMFILE, "Too many open files")})
+        loop.call_exception_handler({"message": "something else", "exception": RuntimeError("kept")})
+    finally:
+        loop.close()
+    accept = [r for r in caplog.records if "accept" in r.getMessage()]
+    assert len(accept) == 1 and "1 time(s)" in accept[0].getMessage() and not accept[0].exc_info
+    assert any("something else" in r.getMessage() for r in caplog.records)  # other errors as before
