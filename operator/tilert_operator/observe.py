@@ -94,8 +94,9 @@ def tilert_nodes(spec: PDClusterSpec, pods: list[dict[str, Any]]) -> tuple[list[
 class NodeReport:
     """What a TileRT node's authenticated GET /v1/status said of its data plane (handoff.py fetches it).
 
-    `handoff`: the node's record (tilert_serve/decode/record.py HandoffRecord.as_dict); None when the
-    status could not be read, then `error` says why and `error_kind` is unreachable, timeout or
+    `handoff`: the node's record (tilert_serve/decode/record.py HandoffRecord.as_dict: its last failure
+    is an authenticated peer's or the node's own fact, in the node's words; control connections that
+    failed before authenticating are only counted there); None when the status could not be read, then `error` says why and `error_kind` is unreachable, timeout or
     not_authorized. `busy`: a slot is in use (a node decoding long streams has no new handoff to show)."""
 
     pod: str

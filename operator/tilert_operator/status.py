@@ -151,8 +151,13 @@ HANDOFF_REASONS = {
     "internal": "NodeError",
 }
 _HANDOFF_HINTS = {
-    "NotAuthenticated": "the prefill's handoff secret differs from the node's: check the <cluster>-handoff Secret mounts "
-                        "(a rotation in progress accepts both)",
+    # The node records it only for an authenticated connection (a wrong MAC is anyone's to send and is
+    # counted apart): a frame failed its session check after the handshake.
+    "NotAuthenticated": "a control connection failed its session check after the handshake: something between the "
+                        "prefill and the node alters or injects frames (or the prefill lost its session); check the "
+                        "network path",
+    "SecretDiffers": "the prefill's handoff secret may differ from the node's: check the <cluster>-handoff Secret "
+                     "mounts (a rotation in progress accepts both)",
     "LayoutMismatch": "the prefill and the node disagree on the model, KV-cache dtype or MTP layer",
     "VersionMismatch": "the prefill and the node run different tilert-pd versions; finish the rollout",
     "Timeout": "the state did not arrive in time: the node's ctrl port or the transfer engine is not reachable from the "
@@ -165,6 +170,20 @@ _HANDOFF_HINTS = {
                     "the router's log",
     "HandoffStale": "no handoff reached the node recently although it is idle: check the router's probes",
 }
+
+
+#: The node's counts of unauthenticated control connections that point at a misconfigured prefill
+#: (tilert_serve/decode/record.py SIGNALS) -> the hint each adds. Anyone can cause them, so they never
+#: fail the condition; beside a failure or an absence of handoffs they say where to look.
+_SIGNAL_HINTS = {"failed_authentication": "SecretDiffers", "version_mismatches": "VersionMismatch"}
+
+
+def _signal_hints(counts: dict[str, Any], prefix: str = "") -> str:
+    """The hints of the signals counted in `counts` (presence only: a count would rewrite the status
+    on every resync)."""
+    hints = [_HANDOFF_HINTS[hint] for key, hint in _SIGNAL_HINTS.items()
+             if isinstance(counts.get(prefix + key), int) and counts[prefix + key] > 0]
+    return f" ({'; '.join(hints)})" if hints else ""
 
 
 def bandwidth_band(bytes_per_s: float) -> str:
@@ -197,22 +216,18 @@ def node_handoff(report: NodeReport, max_age_s: float = HANDOFF_MAX_AGE_S) -> tu
         # The node's own words (record.py keeps every peer's text out of them), kept to one printable line.
         said = "".join(ch if ch.isprintable() else " " for ch in str(bad.get("message", "")))[:300]
         text = f"{reason}: {said}" if reason == "HandoffFailed" else f"{bad.get('reason')}: {said}"
-        failed_auth = bad.get("failed_authentication")
-        if reason == "Timeout" and isinstance(failed_auth, int) and failed_auth > 0:
-            # The node counts wrong-MAC Auths apart (anyone can send one); with tickets expiring unused
-            # beside them, a prefill with another secret is the likely cause.
-            text += f" ({_HANDOFF_HINTS['NotAuthenticated']})"
+        if reason == "Timeout":
+            # Tickets expiring unused beside control connections that failed authentication (or spoke
+            # another version) since their admission: a misconfigured prefill is the likely cause.
+            text += _signal_hints(bad)
         return reason, text[:600]
-    # Wrong-MAC Auths are anyone's to send, so they never fail the condition; but with no handoff
-    # arriving they point at the likely cause (presence only: a count would rewrite the status each resync).
-    recent = h.get("recent_auth_failures")
-    secret = (f"; control connections failed authentication recently ({_HANDOFF_HINTS['NotAuthenticated']})"
-              if isinstance(recent, int) and recent > 0 else "")
+    recent = _signal_hints(h, "recent_")
+    lately = f"; control connections failed before authenticating lately{recent}" if recent else ""
     if not ok:
-        return "NoHandoffYet", f"no handoff has reached it{secret}"
+        return "NoHandoffYet", f"no handoff has reached it{lately}"
     age = float(ok.get("age_s", 0))
     if age > max_age_s and not report.busy:
-        return "HandoffStale", f"no handoff for over {max_age_s:.0f} s while idle (the last: {_gbps(h)}){secret}"
+        return "HandoffStale", f"no handoff for over {max_age_s:.0f} s while idle (the last: {_gbps(h)}){lately}"
     # No ages or exact figures: the message changes only when what it says does (no write per resync).
     return "HandoffOK", f"decoded from a handoff within {max_age_s:.0f} s, {_gbps(h)}"
 

@@ -77,7 +77,7 @@ async def test_success_then_failures_with_their_reasons(secret_file, tmp_path):
         h = await _status(n)
         assert h["last_failure"]["reason"] == "timeout", h
         assert h["last_failure"]["failed_authentication"] == 1
-        assert "1 control connection(s) failed authentication" in h["last_failure"]["message"]
+        assert "control connections: 1 failed authentication" in h["last_failure"]["message"]
         assert h["unauthenticated"] == {"not_authenticated": 1}
         assert h["last_failure"]["age_s"] <= h["last_success"]["age_s"]
 
@@ -132,7 +132,7 @@ async def test_digest_mismatch_is_recorded(secret_file):
 
 async def test_unauthenticated_noise_flips_no_status(secret_file):
     """Anyone reaching the ctrl port: a connect+close, a wrong-MAC Auth, an unsealed Error with its own
-    text. None is the data plane's failure: /v1/status's last failure stays unset and the operator's
+    text, a frame of another protocol version. None is the data plane's failure: /v1/status's last failure stays unset and the operator's
     HandoffReady (from this very payload) stays True; each is counted by how it ended."""
     from tilert_operator import observe
     from tilert_operator import status as op_status
@@ -159,20 +159,28 @@ async def test_unauthenticated_noise_flips_no_status(secret_file):
                 chan.send(messages.Error(reason=RejectReason.LAYOUT, message=INJECTED))
                 with contextlib.suppress(OSError):
                     sock.recv(1)
+            with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as sock:
+                framing.SyncChannel(sock).recv()
+                sock.sendall(framing.encode(messages.Auth(mac="a" * 64, nonce=auth.new_nonce(), sender="old"),
+                                            version=1))
+                with contextlib.suppress(OSError):
+                    sock.recv(4096)
 
         await asyncio.to_thread(noise)
 
         async def counted() -> dict:
             for _ in range(500):
                 h = await _status(n)
-                if h["last_failure"] is not None or sum(h.get("unauthenticated", {}).values()) >= 3:
+                if h["last_failure"] is not None or sum(h.get("unauthenticated", {}).values()) >= 4:
                     return h
                 await asyncio.sleep(0.01)
             raise AssertionError(f"the node did not count the noise: {h}")
 
         h = await counted()
         assert h["last_failure"] is None and h["failures"] == 0, h
-        assert h["unauthenticated"] == {"disconnected": 1, "not_authenticated": 1, "peer_error": 1}
+        assert h["unauthenticated"] == {"disconnected": 1, "not_authenticated": 1, "peer_error": 1,
+                                        "version_mismatch": 1}
+        assert (h["recent_failed_authentication"], h["recent_version_mismatches"]) == (1, 1)
         async with n.session.get(f"{n.url}/v1/status") as r:
             body = await r.json()
         assert INJECTED not in json.dumps(body)

@@ -133,7 +133,7 @@ def test_a_secret_mismatch_fails_the_handoff_and_recovers(probed: tuple[Cluster,
         # A wrong MAC is anyone's to send: the node counts it apart and records no failure of its own
         # (the router cancels its probe's ticket); the count turns the operator's hint to the secret.
         h = handoff()
-        return h if h["recent_auth_failures"] else None
+        return h if h["recent_failed_authentication"] else None
 
     h = _until("the node's count of failed authentications", refused, c)
     assert h["last_success"] is None and h["last_failure"] is None and h["transport"]["engine"] == "mooncake"

@@ -66,23 +66,26 @@ def test_a_timeout_beside_failed_authentications_hints_at_the_secret_and_quotes_
     condition, and then the count turns the hint to the secret."""
     plain = status.handoff_ready(1, NODES[:1], [_rep("p", fail=_fail("timeout"))])
     assert plain["reason"] == "Timeout" and "secret" not in plain["message"]
-    counted = _fail("timeout") | {"failed_authentication": 3, "message": "did not arrive; 3 control connection(s) "
-                                                                         "failed authentication\nsince the admission"}
+    counted = _fail("timeout") | {"failed_authentication": 3, "message": "did not arrive; since the admission,\n"
+                                                                         "control connections: 3 failed authentication"}
     c = status.handoff_ready(1, NODES[:1], [_rep("p", fail=counted)])
     assert (c["status"], c["reason"]) == ("False", "Timeout")
-    assert "3 control connection(s) failed authentication since the admission" in c["message"]
-    assert "handoff secret differs" in c["message"] and "\n" not in c["message"]
+    assert "since the admission, control connections: 3 failed authentication" in c["message"]
+    assert "handoff secret may differ" in c["message"] and "\n" not in c["message"]
+    assert "tilert-pd versions" not in c["message"]
+    versions = _fail("timeout") | {"version_mismatches": 1}
+    assert "different tilert-pd versions" in status.handoff_ready(1, NODES[:1], [_rep("p", fail=versions)])["message"]
     # No handoff arriving and wrong-MAC Auths lately (the router cancels its probe's ticket): the hint
     # names the secret, the condition's reason is still the absence of news.
     quiet = observe.NodeReport("p", {"transport": TRANSPORT, "last_success": None, "last_failure": None,
-                                     "recent_auth_failures": 2})
+                                     "recent_failed_authentication": 2})
     c = status.handoff_ready(1, NODES[:1], [quiet])
-    assert c["reason"] == "NoHandoffYet" and "handoff secret differs" in c["message"]
+    assert c["reason"] == "NoHandoffYet" and "handoff secret may differ" in c["message"]
     stale = observe.NodeReport("p", {"transport": TRANSPORT, "last_success": OK | {"age_s": 500.0},
-                                     "last_failure": None, "recent_auth_failures": 5})
-    assert "handoff secret differs" in status.node_handoff(stale)[1]
+                                     "last_failure": None, "recent_version_mismatches": 5})
+    assert "different tilert-pd versions" in status.node_handoff(stale)[1]
     fine = observe.NodeReport("p", {"transport": TRANSPORT, "last_success": OK, "last_failure": None,
-                                    "recent_auth_failures": 9})
+                                    "recent_failed_authentication": 9})
     assert status.node_handoff(fine)[0] == "HandoffOK"
     odd = status.handoff_ready(1, NODES[:1], [_rep("p", fail=_fail("timeout") | {"reason": "made-up"})])
     assert odd["reason"] == "HandoffFailed" and "made-up" not in odd["message"]

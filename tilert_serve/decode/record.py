@@ -8,9 +8,11 @@ One owner: the node and its control server report events here (`ctrl_error`, `fa
 Only authenticated peers' facts are the data plane's failures. Anyone who reaches the control port can
 open a connection and close it, or send an Auth with a wrong MAC: those connections are counted apart
 (`unauthenticated`, and a metric by a bounded reason) and never become the last failure, so they
-cannot flip HandoffReady. A prefill with another secret still shows: the router's tickets for it then
-expire unused (the node records `timeout`, its own fact), and that failure says how many control
-connections failed authentication meanwhile (a count, never what the peer sent).
+cannot flip HandoffReady. A prefill with another secret (or of another protocol version) still shows:
+the router's tickets for it then expire unused (the node records `timeout`, its own fact), and that
+failure says how many control connections failed authentication (or spoke another version) meanwhile;
+/v1/status also counts those of the last RECENT_S, which the operator's hint reads when no handoff
+arrives (counts, never what the peer sent).
 
 The record's messages are the node's own words and reason enums only: the operator copies them into
 a condition, so nothing a peer wrote (an Error's text, a request id) may reach them.
@@ -43,11 +45,17 @@ UNAUTHENTICATED_REASONS = frozenset({
     "not_authenticated", "auth_timeout", "evicted", "refused_busy", "version_mismatch", "bad_request",
     "disconnected", "peer_error", "internal",
 })
-#: Wrong-MAC Auths remembered for the timeout's count; past this many the count says "at least".
-_AUTH_FAILURES_KEPT = 4096
-#: /v1/status counts the wrong-MAC Auths of this many recent seconds (the operator's HandoffReady
-#: window): with no handoff arriving, they point at a prefill holding another secret.
-RECENT_AUTH_S = 120.0
+#: Unauthenticated endings that, with no handoff arriving, point at a misconfigured prefill rather than
+#: at noise: each is timed (to count them since an admission) and counted in /v1/status over the last
+#: RECENT_S. Values: the status and failure keys they are counted under.
+SIGNALS = {"not_authenticated": "failed_authentication", "version_mismatch": "version_mismatches"}
+#: Endings of each signal remembered; past this many a count says "at least".
+_SIGNALS_KEPT = 4096
+#: /v1/status counts the signals of this many recent seconds (the operator's HandoffReady window).
+RECENT_S = 120.0
+#: How the timeout's message words each signal.
+_SIGNAL_WORDS = {"not_authenticated": "failed authentication (a prefill with another handoff secret?)",
+                 "version_mismatch": "spoke another protocol version (a prefill of another tilert-pd release?)"}
 
 
 @dataclass
@@ -70,36 +78,38 @@ class HandoffRecord:
     fail_wall: float = 0.0
     fail_reason: str = ""
     fail_message: str = ""
-    #: Wrong-MAC Auths counted into the last failure (a timeout) since its admission; None when not counted.
-    fail_auth_failures: int | None = None
+    #: The SIGNALS counted into the last failure (a timeout) since its admission, by their key.
+    fail_signals: dict[str, int] = field(default_factory=dict)
     #: Unauthenticated control connections by how they ended (UNAUTHENTICATED_REASONS).
     unauthenticated: dict[str, int] = field(default_factory=dict)
-    #: Clock readings of the latest wrong-MAC Auths, oldest first.
-    auth_failed_at: deque[float] = field(default_factory=lambda: deque(maxlen=_AUTH_FAILURES_KEPT))
+    #: Clock readings of the latest endings of each of SIGNALS, oldest first.
+    signal_at: dict[str, deque[float]] = field(
+        default_factory=lambda: {r: deque(maxlen=_SIGNALS_KEPT) for r in SIGNALS})
 
     def success(self, nbytes: int, seconds: float | None) -> None:
         self.successes += 1
         self.ok_at, self.ok_wall, self.ok_bytes, self.ok_seconds = self.clock(), time.time(), nbytes, seconds
 
-    def failure(self, reason: str, message: str, auth_failures: int | None = None) -> bool:
+    def failure(self, reason: str, message: str, signals: dict[str, int] | None = None) -> bool:
         """Record a failure; False (nothing recorded) for reasons that are not the data plane's."""
         if reason not in DATA_PLANE_FAILURES:
             return False
         self.failures += 1
         self.fail_at, self.fail_wall = self.clock(), time.time()
-        self.fail_reason, self.fail_message, self.fail_auth_failures = reason, message[:500], auth_failures
+        self.fail_reason, self.fail_message, self.fail_signals = reason, message[:500], dict(signals or {})
         return True
 
     def unauthenticated_ended(self, reason: str) -> None:
         self.unauthenticated[reason] = self.unauthenticated.get(reason, 0) + 1
-        if reason == "not_authenticated":
-            self.auth_failed_at.append(self.clock())
+        if reason in self.signal_at:
+            self.signal_at[reason].append(self.clock())
 
-    def auth_failures_since(self, since: float) -> tuple[int, bool]:
-        """(wrong-MAC Auths since `since`, whether that is all of them: False when more came than are kept)."""
-        n = sum(1 for t in self.auth_failed_at if t >= since)
-        complete = n < len(self.auth_failed_at) or len(self.auth_failed_at) < _AUTH_FAILURES_KEPT
-        return n, complete
+    def signals_since(self, reason: str, since: float) -> tuple[int, bool]:
+        """(endings of signal `reason` since `since`, whether that is all of them: False when more came
+        than are kept)."""
+        times = self.signal_at[reason]
+        n = sum(1 for t in times if t >= since)
+        return n, n < len(times) or len(times) < _SIGNALS_KEPT
 
     @property
     def bandwidth(self) -> float | None:
@@ -112,7 +122,8 @@ class HandoffRecord:
         out: dict[str, Any] = {"transport": {"engine": self.engine, "protocol": self.protocol},
                                "successes": self.successes, "failures": self.failures,
                                "unauthenticated": dict(sorted(self.unauthenticated.items())),
-                               "recent_auth_failures": self.auth_failures_since(now - RECENT_AUTH_S)[0],
+                               **{f"recent_{key}": self.signals_since(r, now - RECENT_S)[0]
+                                  for r, key in SIGNALS.items()},
                                "last_success": None, "last_failure": None}
         if self.ok_at is not None:
             out["last_success"] = {"age_s": round(now - self.ok_at, 3), "time": self.ok_wall, "bytes": self.ok_bytes,
@@ -121,8 +132,7 @@ class HandoffRecord:
         if self.fail_at is not None:
             out["last_failure"] = {"age_s": round(now - self.fail_at, 3), "time": self.fail_wall,
                                    "reason": self.fail_reason, "message": self.fail_message}
-            if self.fail_auth_failures is not None:
-                out["last_failure"]["failed_authentication"] = self.fail_auth_failures
+            out["last_failure"].update(self.fail_signals)
         return out
 
 
@@ -201,22 +211,25 @@ class Recorder:
 
     def failure(self, reason: str, message: str, since: float | None = None) -> None:
         """A data-plane failure the node saw itself (node.py) or an authenticated peer caused. A
-        `timeout` says how many control connections failed authentication since `since` (the
-        ticket's admission; without it, since the previous recorded event)."""
-        auth_failures = None
+        `timeout` says how many control connections failed authentication or spoke another protocol
+        version since `since` (the ticket's admission; without it, since the previous recorded event)."""
+        signals: dict[str, int] = {}
         if reason == "timeout":
             h = self.record
             what = "the admission" if since is not None else "the last handoff event"
             if since is None:
                 since = max(t for t in (h.ok_at, h.fail_at, float("-inf")) if t is not None)
-            n, complete = h.auth_failures_since(since)
-            if n:
-                auth_failures = n
-                message = (f"{message}; {'' if complete else 'at least '}{n} control connection(s) failed "
-                           f"authentication since {what} (a prefill with another handoff secret?)")
+            said = []
+            for signal, key in SIGNALS.items():
+                n, complete = h.signals_since(signal, since)
+                if n:
+                    signals[key] = n
+                    said.append(f"{'' if complete else 'at least '}{n} {_SIGNAL_WORDS[signal]}")
+            if said:
+                message = f"{message}; since {what}, control connections: {'; '.join(said)}"
         elif reason == "transfer_failed":
             message = _own_words(message)
-        if self.record.failure(reason, message, auth_failures):
+        if self.record.failure(reason, message, signals):
             self._m_failures.labels(reason).inc()
 
     def success(self, slot: Slot, layerwise: bool) -> None:
