@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import errno
+import logging
 import selectors
 import socket
 import statistics
@@ -93,7 +94,8 @@ class Crowd:
     pytest.param(["127.0.0.2"], 80, id="one-address"),
     pytest.param([f"127.0.0.{i}" for i in range(2, 42)], 2, id="many-addresses"),
 ])
-async def test_idle_connections_never_starve_the_prefill(secret_file, sources, per_source):
+async def test_idle_connections_never_starve_the_prefill(secret_file, sources, per_source, caplog):
+    caplog.set_level(logging.INFO, logger="tilert_serve.decode.ctrl")
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         crowd = Crowd(n.ctrl_port, sources, per_source)
         thread = threading.Thread(target=crowd.run, daemon=True)
@@ -127,6 +129,9 @@ async def test_idle_connections_never_starve_the_prefill(secret_file, sources, p
         assert max(took) < HANDOFF_BOUND_S, took
         assert held <= ctrl.MAX_PREAUTH
         assert n.node.handoff.as_dict()["last_failure"] is None  # the noise is no data-plane failure
+        # Thousands of endings, one summary line in the log (each is at debug).
+        lines = [r for r in caplog.records if r.name == "tilert_serve.decode.ctrl" and r.levelno >= logging.INFO]
+        assert len(lines) <= 2, [r.getMessage() for r in lines[:5]]
 
 
 def test_gate_evicts_the_worst_sources_oldest_and_refuses_a_striking_source():

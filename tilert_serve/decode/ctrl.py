@@ -65,6 +65,9 @@ STRIKE_HALF_LIFE_S = 60.0
 MAX_SOURCES = 4096
 #: asyncio's stream buffer limit for control connections.
 READ_LIMIT = 64 * 1024
+#: Connections that end before authenticating are anyone's to cause: each is logged at debug only,
+#: and their counts by reason at most once per this many seconds (the metric counts every one).
+UNAUTHENTICATED_LOG_INTERVAL_S = 60.0
 
 
 def source_of(peername: object) -> str:
@@ -203,6 +206,25 @@ class ControlServer:
     def __init__(self, node: DecodeNode) -> None:
         self.node = node
         self.gate = PreauthGate(limit=MAX_PREAUTH, per_source=MAX_PREAUTH_PER_SOURCE, clock=node.slots.clock)
+        self._summed_at = -math.inf
+        self._summed: dict[str, int] = {}
+
+    def _log(self, conn: _Conn, level: int, msg: str, *args: object) -> None:
+        """Log a connection's end: as is when it authenticated; else at debug, plus the counts of such
+        endings at most once per UNAUTHENTICATED_LOG_INTERVAL_S (so a crowd cannot flood the log)."""
+        if conn.authenticated:
+            log.log(level, msg, *args)
+            return
+        log.debug(msg, *args)
+        now = self.node.slots.clock()
+        if now - self._summed_at < UNAUTHENTICATED_LOG_INTERVAL_S:
+            return
+        counts = self.node.handoff.unauthenticated
+        new = {k: n - self._summed.get(k, 0) for k, n in counts.items() if n > self._summed.get(k, 0)}
+        since = "" if math.isinf(self._summed_at) else " since the last such line"
+        self._summed_at, self._summed = now, dict(counts)
+        log.info("control connections that ended before authenticating%s: %s (each is logged at debug)", since,
+                 ", ".join(f"{n} {k}" for k, n in sorted(new.items())) or "none")
 
     @property
     def preauth(self) -> int:
@@ -218,6 +240,7 @@ class ControlServer:
             victim.task.cancel()
         if conn.place is None:
             node.recorder.unauthenticated("refused_busy")
+            self._log(conn, logging.DEBUG, "control connection from %s refused: its address holds too many", peer)
             _say_busy(writer, "too many unauthenticated control connections from this address")
             writer.close()
             return
@@ -231,17 +254,17 @@ class ControlServer:
             if not conn.place.evicted or conn.authenticated:
                 raise
             node.recorder.unauthenticated("evicted")
-            log.debug("control connection from %s evicted before it authenticated", peer)
+            self._log(conn, logging.DEBUG, "control connection from %s evicted before it authenticated", peer)
             _say_busy(writer, "evicted: too many unauthenticated control connections")
         except _Refuse as exc:
             node.recorder.ctrl_error(exc.reason.value, exc.message, authenticated=conn.authenticated)
-            log.info("handoff from %s refused: %s: %.300r", peer, exc.reason.value, exc.message)
+            self._log(conn, logging.INFO, "handoff from %s refused: %s: %.300r", peer, exc.reason.value, exc.message)
             await _try_send(writer, messages.Reject(request_id=conn.request_id, reason=exc.reason,
                                                     message=exc.message), conn.session)
         except VersionMismatch as exc:
             node.recorder.ctrl_error(RejectReason.VERSION.value, f"the sender speaks protocol version {exc.version}",
                                      authenticated=conn.authenticated)
-            log.info("handoff from %s: %s", peer, exc)
+            self._log(conn, logging.INFO, "handoff from %s: %s", peer, exc)
             # In the peer's version: Error's body is the same in every version, so an older peer reads why.
             # Sealed once the session is established: after it, an unsealed frame is refused as injected.
             await _try_send(writer, messages.Error(reason=RejectReason.VERSION, message=str(exc)), conn.session,
@@ -250,7 +273,7 @@ class ControlServer:
         except SessionError as exc:
             node.recorder.ctrl_error(RejectReason.UNAUTHENTICATED.value, f"session check failed: {exc}",
                                      authenticated=conn.authenticated)
-            log.warning("handoff from %s: session check failed: %s", peer, exc)
+            self._log(conn, logging.WARNING, "handoff from %s: session check failed: %s", peer, exc)
             await _try_send(writer, messages.Error(reason=RejectReason.UNAUTHENTICATED, message=str(exc)),
                             conn.session)
             _lost(node, conn, f"the control connection failed its session check: {exc}")
@@ -258,18 +281,19 @@ class ControlServer:
             # The message may quote the peer (a field's value): the log has it, the record does not.
             node.recorder.ctrl_error("bad_request", f"the sender broke the protocol ({type(exc).__name__}); see "
                                      "the node's log", authenticated=conn.authenticated)
-            log.warning("handoff from %s: protocol error: %.500r", peer, str(exc))
+            self._log(conn, logging.WARNING, "handoff from %s: protocol error: %.500r", peer, str(exc))
             await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST, message=str(exc)), conn.session)
             _lost(node, conn, f"sender broke the protocol: {exc}")
         except _PeerError as exc:
             node.recorder.ctrl_error("peer_error", str(exc), authenticated=conn.authenticated,
                                      peer_reason=exc.reason.value)
-            log.info("handoff from %s: %s: %.500r", peer, exc, exc.said)
+            self._log(conn, logging.INFO, "handoff from %s: %s: %.500r", peer, exc, exc.said)
             _lost(node, conn, f"the sender reported {exc.reason.value}: {exc.said}")
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
             reason = "auth_timeout" if isinstance(exc, TimeoutError) and not conn.authenticated else "disconnected"
             node.recorder.ctrl_error(reason, f"sender disconnected or timed out ({type(exc).__name__})",
                                      authenticated=conn.authenticated)
+            self._log(conn, logging.DEBUG, "handoff from %s: %s (%s)", peer, reason, type(exc).__name__)
             if isinstance(exc, TimeoutError):
                 await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST,
                                                        message="timed out waiting for the next message"),
