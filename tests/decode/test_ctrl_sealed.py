@@ -96,3 +96,33 @@ async def test_a_handoff_that_fails_before_its_accept_went_out_leaves_no_quarant
         assert status == 502
         assert n.node.slots.slots[0].state.value == "free"
         assert (await n.admit("next"))[0] == 200
+
+
+async def test_an_authenticated_senders_words_stay_out_of_the_record(secret_file):
+    """Even an authenticated sender's text (a failed write's reason, its Error's message) reaches only the
+    request's error and the log: the record the operator quotes holds the node's words and the reason."""
+    async with running_node(LAYOUT, secret_file, slots=1) as n:
+        for how in ("done", "error"):
+            _, adm = await n.admit(how)
+
+            def fail(how: str = how, ticket: str = adm["ticket"]) -> None:
+                sock, chan = _handshake(n.ctrl_port)
+                with contextlib.closing(sock):
+                    chan.send(messages.Request(request_id=how, ticket=ticket, num_tokens=NUM_TOKENS,
+                                               last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+                    accept = chan.recv()
+                    assert isinstance(accept, messages.Accept)
+                    if how == "done":
+                        chan.send(messages.Done(request_id=how, generation=accept.generation, ok=False, nbytes=0,
+                                                error=INJECTED, writes_started=False))
+                        chan.recv()
+                    else:
+                        chan.send(messages.Error(reason=RejectReason.LAYOUT, message=INJECTED))
+
+            await asyncio.to_thread(fail)
+            status, events = await n.generate(adm["ticket"])
+            assert status == 502 and INJECTED in events[0]["error"]["message"]  # the request's own error
+            async with n.session.get(f"{n.url}/v1/status") as r:
+                h = (await r.json())["handoff"]
+            assert h["last_failure"] is not None and INJECTED not in h["last_failure"]["message"], h
+            assert h["last_failure"]["reason"] == ("transfer_failed" if how == "done" else "layout_mismatch")
