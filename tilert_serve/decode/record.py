@@ -216,9 +216,10 @@ class Recorder:
         signals: dict[str, int] = {}
         if reason == "timeout":
             h = self.record
-            what = "the admission" if since is not None else "the last handoff event"
+            last = [t for t in (h.ok_at, h.fail_at) if t is not None]
+            what = "the admission" if since is not None else "the last handoff event" if last else "the node started"
             if since is None:
-                since = max(t for t in (h.ok_at, h.fail_at, float("-inf")) if t is not None)
+                since = max(last, default=float("-inf"))
             said = []
             for signal, key in SIGNALS.items():
                 n, complete = h.signals_since(signal, since)
