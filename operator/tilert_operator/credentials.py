@@ -102,13 +102,16 @@ def adoptable(secret: Obj, body: Obj) -> bool:
     )
 
 
-def not_owned_message(secret: Obj, body: Obj) -> str:
-    meta, cluster = secret["metadata"], body["metadata"]["name"]
+def not_owned_message(obj: Obj, body: Obj, kind: str = "Secret", consequence: str = "deploys nothing that mounts it",
+                      adopting: str = "") -> str:
+    """Why an object with a name the operator needs is left alone, and the two ways out. Secrets and
+    children share it: one adoption mark for every kind."""
+    meta, cluster = obj["metadata"], body["metadata"]["name"]
     owners = ", ".join(f"{r.get('kind')}/{r.get('name')}" for r in meta.get("ownerReferences") or []) or "none"
     return (
-        f"Secret {meta['namespace']}/{meta['name']} exists but is not this PDCluster's (owners: {owners}); "
-        "the operator leaves it untouched and deploys nothing that mounts it. Delete it and the operator "
-        f"creates its own, or adopt it on purpose: label it {constants.LABEL_CLUSTER}={cluster} and "
+        f"{kind} {meta['namespace']}/{meta['name']} exists but is not this PDCluster's (owners: {owners}); "
+        f"the operator leaves it untouched and {consequence}. Delete or rename it and the operator "
+        f"creates its own, or adopt it on purpose{adopting}: label it {constants.LABEL_CLUSTER}={cluster} and "
         f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY} and annotate it {constants.ADOPT_ANNOTATION}=true"
     )
 

@@ -61,6 +61,24 @@ class ApiError(Exception):
     def __init__(self, status: int, method: str, path: str, message: str) -> None:
         super().__init__(f"{method} {path}: HTTP {status}: {message[:300]}")
         self.status = status
+        #: The API server's Status object when it answered one: its whole message (the text above is
+        #: cut), its reason and details (a 403's resource and group), which reports quote and classify.
+        self.body: Obj | None = _status_object(message)
+
+
+def _status_object(text: str) -> Obj | None:
+    try:
+        obj = json.loads(text)
+    except ValueError:
+        return None
+    return obj if isinstance(obj, dict) and obj.get("kind") == "Status" else None
+
+
+def group_resource(kind: str) -> tuple[str, str]:
+    """(API group, plural) of a kind the operator touches: what RBAC rules name."""
+    prefix, plural = KINDS[kind]
+    parts = prefix.strip("/").split("/")
+    return (parts[1] if parts[0] == "apis" else ""), plural
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,11 @@ label). Writes only what differs from the rendered intent (a resync with nothing
 nothing): the Secrets when created, adopted or rotated (credentials.py), server-side apply of changed
 or missing children, deletion of children the spec no longer wants, the status when it changed, and
 an Event per condition transition. A Secret with the expected name that is not this PDCluster's
-stops the reconcile before anything is applied (SecretsOwned=False). MultiNetworkPolicies are
+stops the reconcile before anything is applied (SecretsOwned=False). A child is never taken over
+either: before its first apply, an object of its name without this PDCluster's ownerReference is
+read, and left untouched unless marked for adoption like a Secret (credentials.adoptable); otherwise
+ChildrenOwned=False, Reconciled=False and Ready=False (ChildNotOwned) name it and say what to do, and
+the garbage collector never deletes it with the PDCluster. MultiNetworkPolicies are
 applied only when the API server serves them; otherwise DataPlaneProtected says so and the rest of
 the stack is reconciled as usual.
 
@@ -14,7 +18,9 @@ after the client's retries) is reported in the same reconcile as `Reconciled=Fal
 ApplyRejected, the child and the API server's message) with a Warning Event naming the child; the
 other children are still applied, and the reconcile is retried after FAILED_RETRY_S. Any other
 failure of a reconcile (a list, a Secret) writes `Reconciled=False` (ReconcileError) before the
-controller backs off. The next reconcile that applies everything sets `Reconciled=True` again.
+controller backs off. A refusal by the operator's own role (403) is neither: reason Forbidden, and
+the message names the verb and the resource the role lacks and sends the reader to the chart's RBAC,
+not to the spec. The next reconcile that applies everything sets `Reconciled=True` again.
 Children are compared with what the server holds by meaning: quantities (`0.5` and `500m`) by value.
 """
 
@@ -26,9 +32,9 @@ import logging
 import re
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
-from tilert_operator import constants, credentials, observe, render, status, validation
+from tilert_operator import constants, credentials, kubeapi, observe, render, status, validation
 from tilert_operator import handoff as handoff_check
 from tilert_operator.credentials import owner_reference
 from tilert_operator.kubeapi import ApiError, Client, Obj
@@ -46,6 +52,24 @@ OPTIONAL_KINDS = frozenset({"MultiNetworkPolicy"})
 #: Seconds until a reconcile that could not apply a child runs again (a spec change runs it sooner).
 FAILED_RETRY_S = 10.0
 RECONCILED = "Reconciled"
+CHILDREN_OWNED = "ChildrenOwned"
+CHILD_NOT_OWNED = "ChildNotOwned"
+FORBIDDEN = "Forbidden"
+APPLY_REJECTED = "ApplyRejected"
+RECONCILE_ERROR = "ReconcileError"
+#: Reasons of a Failure, most pressing first: Reconciled takes the first that any failure has (each
+#: failure's own Event keeps its own reason).
+SEVERITY = (CHILD_NOT_OWNED, FORBIDDEN, APPLY_REJECTED, RECONCILE_ERROR)
+#: What to do about a 403: the role comes from the chart, and an older chart lacks newer rules.
+RBAC_FIX = "fix the chart's RBAC or install the chart's current version"
+
+
+class Failure(NamedTuple):
+    """A child (or the reconcile) that could not be made what the spec says."""
+
+    key: str  # Kind/name, or "reconcile"
+    message: str
+    reason: str = APPLY_REJECTED
 
 
 @dataclass
@@ -63,8 +87,10 @@ class Outcome:
     requeue_at: float | None = None
     #: What was done to the Secrets (created, adopted, completed, rotation phases).
     secrets: list[str] = field(default_factory=list)
-    #: Children the API server refused (or that could not be written): (Kind/name, its message).
-    failed: list[tuple[str, str]] = field(default_factory=list)
+    #: Children the API server refused, that could not be written, or that are someone else's.
+    failed: list[Failure] = field(default_factory=list)
+    #: Children taken over because they were marked for adoption (Kind/name).
+    adopted: list[str] = field(default_factory=list)
 
     @property
     def writes(self) -> int:
@@ -120,11 +146,13 @@ def is_quantity(path: tuple[str, ...]) -> bool:
 
 
 def api_message(error: ApiError) -> str:
-    """The API server's own message in a failed call (its Status's `message`), else the error's text."""
+    """The API server's own message in a failed call (its Status's `message`, after the HTTP status),
+    else the error's text."""
     for attr in ("message", "body", "text"):  # a richer ApiError keeps the whole answer
         value = getattr(error, attr, None)
         if isinstance(value, dict) and isinstance(value.get("message"), str):
-            return str(value["message"])
+            code = getattr(error, "status", None)
+            return (f"HTTP {code}: " if code else "") + str(value["message"])
         if isinstance(value, str):
             found = _message_in(value)
             if found:
@@ -144,6 +172,41 @@ def _message_in(text: str) -> str | None:
     code = re.search(r"HTTP (\d{3})", text)
     prefix = f"HTTP {code.group(1)}: " if code else ""
     return prefix + message + ("" if closed else "...")
+
+
+def forbidden(error: ApiError, *, verb: str | None = None, kind: str | None = None) -> str | None:
+    """For a 403, what the operator's role lacks and what to do; None for any other error.
+
+    A refusal by the authorization filter names the verb and the resource; OwnerReferencesPermission-
+    Enforcement's names what it checks in words; a create refused inside a server-side apply names
+    neither (the RBAC authorizer gives no reason), so `verb` and `kind` (the call that failed: "create"
+    for an apply that creates) stand in for what the answer leaves out."""
+    if error.status != 403:
+        return None
+    text = api_message(error)
+    details = (error.body or {}).get("details") or {}
+    group, resource = kubeapi.group_resource(kind) if kind is not None and kind in kubeapi.KINDS else ("", "")
+    if details.get("kind"):
+        group, resource = str(details.get("group") or ""), str(details["kind"])
+    said = re.search(r'cannot (\S+) resource "([^"]+)" in API group "([^"]*)"', text)
+    if said:
+        verb, resource, group = said.groups()
+    elif "can't set finalizers on" in text:  # blockOwnerDeletion: the owner's finalizers subresource
+        verb, resource, group = "update", f"{constants.PLURAL}/finalizers", constants.GROUP
+    elif "on a resource you can't delete" in text:  # changing an object's ownerReferences
+        verb = "delete"
+    where = f' in API group "{group}"' if group else ""
+    lacks = f"{verb} on {resource or 'a resource'}{where}" if verb else f"a permission on {resource or 'a resource'}{where}"
+    return f"forbidden: the operator's role lacks {lacks} ({RBAC_FIX}); the API server said: {text}"
+
+
+def failure(key: str, error: ApiError, *, verb: str | None = None, kind: str | None = None,
+            otherwise: str = APPLY_REJECTED, prefix: str = "") -> Failure:
+    """A failed call as a Failure: Forbidden when the role refused it, else `otherwise`."""
+    lacking = forbidden(error, verb=verb, kind=kind)
+    if lacking is not None:
+        return Failure(key, prefix + lacking, FORBIDDEN)
+    return Failure(key, prefix + api_message(error), otherwise)
 
 
 def _owned_by(obj: Obj, uid: str) -> bool:
@@ -201,15 +264,25 @@ def _old_condition(body: Obj, type_: str) -> Obj:
     return next((c for c in (body.get("status") or {}).get("conditions") or [] if c.get("type") == type_), {})
 
 
-def reconciled(failed: list[tuple[str, str]], reason: str = "ApplyRejected") -> status.Condition:
-    """Reconciled: whether every child the spec wants is what the API server holds."""
+def reconciled(failed: list[Failure]) -> status.Condition:
+    """Reconciled: whether every child the spec wants is what the API server holds. Only a refusal
+    of what the spec rendered (ApplyRejected) sends the reader to the spec."""
     if not failed:
         return {"type": RECONCILED, "status": "True", "reason": "Applied",
                 "message": "every child matches the spec"}
-    listed = "; ".join(f"{key}: {message}" for key, message in failed)
+    reason = next(r for r in SEVERITY if any(f.reason == r for f in failed))
+    listed = "; ".join(f"{f.key}: {f.message}" for f in failed)
+    spec_fix = "; fix the spec field that renders it" if any(f.reason == APPLY_REJECTED for f in failed) else ""
     return {"type": RECONCILED, "status": "False", "reason": reason,
-            "message": f"{listed} (retried every {FAILED_RETRY_S:.0f}s and on every spec change; fix the spec field "
-                       "that renders it, see the Events)"}
+            "message": f"{listed} (retried every {FAILED_RETRY_S:.0f}s and on every spec change{spec_fix}; see the Events)"}
+
+
+def children_owned(failed: list[Failure]) -> status.Condition:
+    """ChildrenOwned: no object the stack needs is someone else's under the child's name."""
+    foreign = [f for f in failed if f.reason == CHILD_NOT_OWNED]
+    if not foreign:
+        return {"type": CHILDREN_OWNED, "status": "True", "reason": "Owned", "message": "every child is this PDCluster's"}
+    return {"type": CHILDREN_OWNED, "status": "False", "reason": CHILD_NOT_OWNED, "message": "; ".join(f.message for f in foreign)}
 
 
 async def _failure_events(api: Client, body: Obj, cond: status.Condition, out: Outcome, ns: str) -> None:
@@ -222,11 +295,11 @@ async def _failure_events(api: Client, body: Obj, cond: status.Condition, out: O
         return
     if (old.get("status"), old.get("reason"), old.get("message")) == (cond["status"], cond["reason"], cond["message"]):
         return
-    for key, message in out.failed:
-        kind, _, name = key.partition("/")
+    for f in out.failed:
+        kind, _, name = f.key.partition("/")
         related = {"apiVersion": API_VERSIONS.get(kind, "v1"), "kind": kind, "name": name, "namespace": ns} if name else None
-        await _post_event(api, body, ok=False, reason=cond["reason"], message=f"{key}: {message}", out=out,
-                          tag=f"{cond['reason']} {key}", related=related)
+        await _post_event(api, body, ok=False, reason=f.reason, message=f"{f.key}: {f.message}", out=out,
+                          tag=f"{f.reason} {f.key}", related=related)
 
 
 async def _list_children(api: Client, kind: str, ns: str, selector: str) -> list[Obj] | int:
@@ -257,8 +330,11 @@ async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credent
 
 
 async def _report_error(api: Client, body: Obj, error: Exception, out: Outcome) -> None:
-    message = api_message(error) if isinstance(error, ApiError) else f"{type(error).__name__}: {error}"
-    cond = reconciled([("reconcile", message[:800])], reason="ReconcileError")
+    if isinstance(error, ApiError):
+        failed = failure("reconcile", error, otherwise=RECONCILE_ERROR)
+    else:
+        failed = Failure("reconcile", f"{type(error).__name__}: {error}", RECONCILE_ERROR)
+    cond = reconciled([failed._replace(message=failed.message[:800])])
     old = body.get("status") or {}
     conds = [c for c in old.get("conditions") or [] if c.get("type") != RECONCILED]
     conds = status.with_transition_times([*conds, cond], old.get("conditions") or [], body["metadata"].get("generation"))
@@ -267,8 +343,8 @@ async def _report_error(api: Client, body: Obj, error: Exception, out: Outcome) 
     if (before.get("status"), before.get("reason"), before.get("message")) == (cond["status"], cond["reason"], cond["message"]):
         return
     out.written = await api.patch_status(constants.KIND, meta["namespace"], meta["name"], {"conditions": conds})
-    await _post_event(api, body, ok=False, reason="ReconcileError", message=f"reconcile failed: {message}", out=out,
-                      tag="ReconcileError")
+    await _post_event(api, body, ok=False, reason=cond["reason"], message=f"reconcile failed: {failed.message}", out=out,
+                      tag=cond["reason"])
 
 
 async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: float, now: float | None) -> Outcome:
@@ -325,21 +401,14 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
             # List items carry no apiVersion/kind on a real API server: compare the rest.
             body_only = {k: v for k, v in want.items() if k not in ("apiVersion", "kind")}
             if want["kind"] == kind and not contains(actual.get(key), body_only):
-                try:
-                    await api.apply(want)
-                except ApiError as e:
-                    # Refused or not writable: report it and carry on with the other children.
-                    log.warning("[%s/%s] applying %s failed: %s", ns, cluster, key, e)
-                    out.failed.append((key, api_message(e)))
-                    continue
-                out.applied.append(key)
+                await _apply_child(api, body, want, key, owned=key in actual, out=out)
         for key, have in actual.items():
             if key not in desired:
                 try:
                     await api.delete(kind, ns, have["metadata"]["name"])
                 except ApiError as e:
                     log.warning("[%s/%s] deleting %s failed: %s", ns, cluster, key, e)
-                    out.failed.append((key, f"could not delete it: {api_message(e)}"))
+                    out.failed.append(failure(key, e, verb="delete", kind=kind, prefix="could not delete it: "))
                     continue
                 out.deleted.append(key)
     if out.failed:
@@ -355,11 +424,18 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
                           served["MultiNetworkPolicy"] if wants_mnp else None),
     ]
     applied = reconciled(out.failed)
+    owned_cond = children_owned(out.failed)
     # HandoffReady (issue 11): each wired TileRT node's own record of the handoffs that reached it.
     reports = await handoff_check.poll(nodes, node_api.secret) if handoff_check.enabled() else None
-    conds = status.conditions(cluster, pools, nodes, unwired, [status.secrets_owned([handoff.name, node_api.name]), *security, applied],
+    conds = status.conditions(cluster, pools, nodes, unwired,
+                              [status.secrets_owned([handoff.name, node_api.name]), owned_cond, *security, applied],
                               handoff=status.handoff_ready(spec.decode.tilert.replicas, nodes, reports),
                               handoff_working=status.any_handoff_working(reports))
+    if owned_cond["status"] == "False":
+        # What serves under a child's name is not what this PDCluster describes: not Ready, whatever the pods say.
+        conds = [c if c["type"] != "Ready" else {"type": "Ready", "status": "False", "reason": CHILD_NOT_OWNED,
+                                                 "message": "an object with a child's name is not this PDCluster's (see ChildrenOwned)"}
+                 for c in conds]
     ready = next(c for c in conds if c["type"] == "Ready")
     out.state = "ready" if ready["status"] == "True" else "not_ready"
     new = status.build(generation=generation, conditions_=conds, old=body.get("status") or {}, pools=pools, endpoints=nodes,
@@ -367,6 +443,45 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
                                   "nodeApiToken": token_rotation.status(rotation_grace_s)})
     await _write_status(api, body, new, out)
     await _failure_events(api, body, applied, out, ns)
+    for key in out.adopted:
+        await _post_event(api, body, ok=True, reason="ChildAdopted", out=out, tag=f"adopted {key}",
+                          message=f"{key}: adopted (marked {constants.ADOPT_ANNOTATION}=true); it now follows the spec "
+                                  "and is deleted with the PDCluster")
     if out.applied or out.deleted:
         log.info("[%s/%s] applied %s, deleted %s", ns, cluster, out.applied, out.deleted)
     return out
+
+
+async def _apply_child(api: Client, body: Obj, want: Obj, key: str, *, owned: bool, out: Outcome) -> None:
+    """Apply one child; before its first apply, make sure the name is free, ours or marked for adoption.
+
+    A failure is recorded in `out.failed` and the reconcile carries on with the other children."""
+    meta = body["metadata"]
+    kind, ns, name = want["kind"], meta["namespace"], want["metadata"]["name"]
+    creating = adopting = False
+    if not owned:
+        # The list holds only labelled objects: someone else's with this name may carry no labels.
+        try:
+            found = await api.get(kind, ns, name)
+        except ApiError as e:
+            out.failed.append(failure(key, e, verb="get", kind=kind, prefix="could not read it: "))
+            return
+        creating = found is None
+        if found is not None and not _owned_by(found, meta["uid"]):
+            if not credentials.adoptable(found, body):
+                out.failed.append(Failure(key, credentials.not_owned_message(
+                    found, body, kind, "applies nothing under its name; the PDCluster is not Ready until it is resolved",
+                    " (the operator then rewrites it to the spec and the garbage collector deletes it with the PDCluster)"),
+                    CHILD_NOT_OWNED))
+                return
+            adopting = True
+    try:
+        await api.apply(want)
+    except ApiError as e:
+        # Refused or not writable: report it and carry on with the other children.
+        log.warning("[%s/%s] applying %s failed: %s", ns, meta["name"], key, e)
+        out.failed.append(failure(key, e, verb="create" if creating else "patch", kind=kind))
+        return
+    out.applied.append(key)
+    if adopting:
+        out.adopted.append(key)

@@ -24,8 +24,15 @@ validate's, v1.32): unknown fields and duplicate list keys answered 500 as a rea
 standing in for the StatefulSet controller this server does not run, StatefulSet names over 52
 characters refused (their pods' controller-revision-hash label could not fit).
 
+RBAC, when a test installs roles (`rbac`, pdc_rbac.Rbac, e.g. the ones the chart renders) and says
+who each bearer token is (`users`): every resource request authorized by the RBAC authorizer's rules,
+a server-side apply that creates authorized again as `create`, and, with the switch
+`owner_references_permission_enforcement`, that admission plugin's checks (`delete` on an object whose
+ownerReferences change, `update` on the owner's `finalizers` for blockOwnerDeletion); a refusal is the
+403 Status a real server answers, and every decision is logged (`checks`). See pdc_rbac.py.
+
 Not emulated (not proven by tests on this server): pruning,
-Kubernetes CEL extension libraries, admission webhooks, RBAC enforcement, SSA field ownership (apply replaces the applied top-level
+Kubernetes CEL extension libraries, admission webhooks, SSA field ownership (apply replaces the applied top-level
 fields and merges metadata labels/annotations), strategic-merge list merging, controllers (no pod
 is ever created from a Deployment), 410 Gone, dryRun.
 """
@@ -47,11 +54,14 @@ import aiohttp.web
 import kmock
 import pdc_k8s_semantics as sem
 import yaml
-from kmock._internal import rendering
+from kmock._internal import parsing, rendering
+from pdc_rbac import Attributes, Check, Rbac, User, forbidden_message, qualified
 
 Res = tuple[str, str, str]  # group, version, plural
 Key = tuple[Res, str | None, str]  # resource, namespace, name
 Obj = dict[str, Any]
+#: The bearer token of the kubeconfig the tests give the operator (kubeconfig()).
+TOKEN = "test-token"
 
 
 @dataclass(frozen=True)
@@ -76,6 +86,22 @@ class Fault:
     user_agent: str | None = "tilert-pd-operator"
     #: Answer late instead of failing (status is then ignored): a client-side timeout.
     delay: float = 0.0
+
+
+_kmock_parse_path = parsing.parse_path
+
+
+def _parse_path(path: str) -> Any:
+    """kmock 0.8 reads `/api/v1/namespaces[/NAME]` as a namespace prefix with no resource (and fails
+    on the list): Namespaces are the one resource whose plural is that prefix."""
+    parts = path.strip("/").split("/")
+    if parts[:3] == ["api", "v1", "namespaces"] and (len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))):
+        return parsing.ParsedPath("", "v1", "namespaces", None, parts[3] if len(parts) > 3 else None,
+                                  parts[4] if len(parts) > 4 else None)
+    return _kmock_parse_path(path)
+
+
+parsing.parse_path = _parse_path  # rendering calls it through the module
 
 
 def _retry(fn: Callable[[], Any]) -> Any:
@@ -129,6 +155,16 @@ class ApiServer(kmock.KubernetesEmulator):
         #: Called with (resource, event type, object) for every change, under the writers' lock
         #: (benchmarks timestamp what they wait for without polling).
         self.on_change: list[Callable[[Res, str, Obj], None]] = []
+        #: RBAC: None lets every request through; set, requests are authorized like a real server's.
+        self.rbac: Rbac | None = None
+        #: Bearer token -> user (a token not listed is system:anonymous).
+        self.users: dict[str, User] = {}
+        #: The OwnerReferencesPermissionEnforcement admission plugin (OpenShift turns it on).
+        self.owner_references_permission_enforcement = False
+        #: Every authorization decision made while `rbac` is set.
+        self.checks: list[Check] = []
+        #: Who sent the write being handled (under the writers' lock), for admission's own checks.
+        self._user: User | None = None
 
     # ---- discovery / version -------------------------------------------------------------------
 
@@ -305,6 +341,7 @@ class ApiServer(kmock.KubernetesEmulator):
             else:
                 new.pop("status", None)
         new = self._admit(res, new, old)
+        self._admit_owner_references(res, new, old)
         body_old = {k: v for k, v in old.items() if k not in ("metadata", "status")}
         body_new = {k: v for k, v in new.items() if k not in ("metadata", "status")}
         if body_old != body_new:
@@ -349,6 +386,7 @@ class ApiServer(kmock.KubernetesEmulator):
         verb = self._verb(request)
         try:
             delay = self._record(request, res, verb)
+            user = self._authorize(request, res, verb)
             if delay:
                 await asyncio.sleep(delay)
             if verb == "watch":
@@ -356,13 +394,89 @@ class ApiServer(kmock.KubernetesEmulator):
             if verb in ("get", "list"):
                 return await self._read(request, res, verb)
             async with self.wlock:
+                self._user = user
                 try:
                     obj, code = self._write(request, res, verb)
                 finally:
                     self._converted = False
+                    self._user = None
             return aiohttp.web.json_response(obj, status=code)
         except sem.ApiError as e:
             return aiohttp.web.json_response(_status(e.code, e.reason, e.message, getattr(e, "details", None)), status=e.code)
+
+    # ---- authorization -------------------------------------------------------------------------
+
+    def _allowed(self, user: User, a: Attributes, *, probe: bool = False) -> bool:
+        assert self.rbac is not None
+        ok = self.rbac.allows(user, a)
+        self.checks.append(Check(user, a, ok, probe))
+        return ok
+
+    @staticmethod
+    def _forbidden(a: Attributes, message: str) -> sem.ApiError:
+        error = sem.ApiError(403, "Forbidden", message)
+        error.details = {k: v for k, v in (("name", a.name), ("group", a.group), ("kind", a.resource)) if v}
+        return error
+
+    def _authorize(self, request: rendering.Request, res: Res, verb: str) -> User | None:
+        """The authorization filter: every resource request, before any handler sees it."""
+        if self.rbac is None:
+            return None
+        scheme, _, token = (request.headers.get("Authorization") or "").partition(" ")
+        user = self.users.get(token) if scheme.lower() == "bearer" else None
+        user = user or User("system:anonymous", ("system:unauthenticated",))
+        a = Attributes(verb, res[0], res[2], request.subresource or "", request.namespace, request.name or "")
+        if not self._allowed(user, a):
+            raise self._forbidden(a, forbidden_message(user, a))
+        return user
+
+    def _authorize_create_on_apply(self, res: Res, ns: str | None, name: str) -> None:
+        """An apply that finds nothing to patch creates: the handler checks `create` too. The RBAC
+        authorizer gives no reason, so the message names neither the verb nor the user."""
+        if self.rbac is None or self._user is None:
+            return
+        a = Attributes("create", res[0], res[2], "", ns, name)
+        if not self._allowed(self._user, a):
+            raise self._forbidden(a, f'{qualified(res[0], res[2])} "{name}" is forbidden: ')
+
+    def _admit_owner_references(self, res: Res, obj: Obj, old: Obj | None) -> None:
+        """OwnerReferencesPermissionEnforcement: who changes ownerReferences must be able to delete the
+        object; who sets blockOwnerDeletion must be able to update the owner's finalizers."""
+        if self.rbac is None or self._user is None or not self.owner_references_permission_enforcement:
+            return
+        meta = obj["metadata"]
+        refs = meta.get("ownerReferences") or []
+        old_refs = ((old or {}).get("metadata") or {}).get("ownerReferences") or []
+        if (refs == old_refs) if old is not None else not refs:
+            return
+        name, ns = meta.get("name") or "", meta.get("namespace")
+        target = f'{qualified(res[0], res[2])} "{name}" is forbidden: '
+        if old is not None:
+            a = Attributes("delete", res[0], res[2], "", ns, name)
+            if not self._allowed(self._user, a):
+                raise self._forbidden(a, target + "cannot set an ownerRef on a resource you can't delete: , <nil>")
+        was_blocking = {r.get("uid") for r in old_refs if r.get("blockOwnerDeletion")}
+        blocking = [r for r in refs if r.get("blockOwnerDeletion") and r.get("uid") not in was_blocking]
+        if not blocking or self._allowed(self._user, Attributes("update", "*", "*", "finalizers", ns), probe=True):
+            return
+        for ref in blocking:
+            group = ref.get("apiVersion", "").rpartition("/")[0]
+            plural = self._plural(ref.get("apiVersion", ""), ref.get("kind", ""))
+            if plural is None:
+                raise self._forbidden(Attributes("update", group, "", "finalizers", ns, name), target + (
+                    f"cannot set blockOwnerDeletion in this case because cannot find RESTMapping for APIVersion "
+                    f"{ref.get('apiVersion')} Kind {ref.get('kind')}"))
+            a = Attributes("update", group, plural, "finalizers", ns, ref.get("name") or "")
+            if not self._allowed(self._user, a):
+                raise self._forbidden(Attributes("update", res[0], res[2], "", ns, name), target + (
+                    "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on: , <nil>"))
+
+    def _plural(self, api_version: str, kind: str) -> str | None:
+        group, _, version = api_version.rpartition("/")
+        for r in self.resources:
+            if (r.group or "", r.version) == (group, version) and self.resources[r].kind == kind and "/" not in (r.plural or "/"):
+                return str(r.plural)
+        return None
 
     def _body(self, request: rendering.Request) -> Any:
         if (request.data is not None and not isinstance(request.data, (str, bytes)) and hasattr(request.data, "keys")) or isinstance(request.data, list):
@@ -434,6 +548,7 @@ class ApiServer(kmock.KubernetesEmulator):
             for k in ("uid", "resourceVersion", "deletionTimestamp"):
                 meta.pop(k, None)
             obj = self._admit(res, obj, None)
+            self._admit_owner_references(res, obj, None)
             self._stamp_new(obj)
             if res == ("apiextensions.k8s.io", "v1", "customresourcedefinitions"):
                 self._serve_crd(obj)
@@ -456,8 +571,10 @@ class ApiServer(kmock.KubernetesEmulator):
                 body["apiVersion"], body["kind"] = self.api_version(res), self.kind_of(res)
                 if self.has_status(res):
                     body.pop("status", None)
+                self._authorize_create_on_apply(res, ns, name or "")
                 self._typed(res, body, ns, name or "")
                 body = self._admit(res, body, None)
+                self._admit_owner_references(res, body, None)
                 self._stamp_new(body)
                 return self._commit(res, key, body, "ADDED"), 201
             # One field manager: the applied top-level fields replace ours; metadata merges.
@@ -564,6 +681,6 @@ def kubeconfig(url: str) -> str:
     return yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "test",
         "clusters": [{"name": "test", "cluster": {"server": url.rstrip("/")}}],
-        "users": [{"name": "test", "user": {"token": "test-token"}}],
+        "users": [{"name": "test", "user": {"token": TOKEN}}],
         "contexts": [{"name": "test", "context": {"cluster": "test", "user": "test", "namespace": "default"}}],
     })  # fmt: skip

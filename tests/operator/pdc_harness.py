@@ -6,7 +6,11 @@ import copy
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any, TypeVar
+
+import pdc_apiserver
+import pdc_rbac
 
 from tilert_operator import constants
 from tilert_serve import dataplane
@@ -90,3 +94,44 @@ def install_crd(apiserver: Any, crd: dict[str, Any]) -> None:
             srv._commit(CRD_RES, (CRD_RES, None, obj["metadata"]["name"]), obj, "ADDED")
 
     apiserver.call(install())
+
+
+@dataclass
+class ChartInstall:
+    """The chart's RBAC installed in the API test server, and how its Deployment runs the operator."""
+
+    objects: list[dict[str, Any]]
+    user: pdc_rbac.User
+    namespaces: list[str]
+    #: KopfRunner arguments with the namespaces the chart's Deployment passes (none: all namespaces).
+    kopf_args: list[str]
+    #: (group, resource, verb) of every rule bound to the operator.
+    granted: set[tuple[str, str, str]]
+
+
+def install_chart_rbac(apiserver: Any, values: dict[str, Any], *, without: tuple[str, str, str] | None = None) -> ChartInstall:
+    """Render the chart (the real Helm engine), make the API test server enforce its roles and bindings
+    for the operator's ServiceAccount (the kubeconfig's token) with OwnerReferencesPermissionEnforcement
+    on; `without` (group, resource, verb) takes that verb out of every rendered rule, as an older or
+    broken chart would lack it."""
+    objects = pdc_rbac.render_chart(values)
+    enforced = copy.deepcopy(objects)
+    if without is not None:
+        group, resource, verb = without
+        for o in enforced:
+            for rule in o.get("rules") or [] if o["kind"] in ("ClusterRole", "Role") else []:
+                if group in rule["apiGroups"] and resource in rule["resources"]:
+                    rule["verbs"] = [v for v in rule["verbs"] if v != verb]
+    user = pdc_rbac.operator_identity(objects)
+    namespaces = pdc_rbac.operator_namespaces(objects)
+    srv = apiserver.server
+    release = next(o for o in objects if o["kind"] == "Deployment")["metadata"]["namespace"]
+    for ns in {"default", release, *namespaces}:  # a real cluster has them; kopf looks them up
+        if srv.get("namespaces", None, ns) is None:
+            apiserver.call(srv.put(("", "v1", "namespaces"), {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
+    srv.rbac = pdc_rbac.Rbac(enforced)
+    srv.users[pdc_apiserver.TOKEN] = user
+    srv.owner_references_permission_enforcement = True
+    scope = [f"--namespace={n}" for n in namespaces] or ["--all-namespaces"]
+    return ChartInstall(objects, user, namespaces, ["run", "-m", "tilert_operator.wiring", *scope, "--standalone", "--verbose"],
+                        pdc_rbac.Rbac(objects).granted(user, namespaces))

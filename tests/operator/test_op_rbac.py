@@ -1,34 +1,31 @@
-"""The ClusterRole allows every call the operator makes, and nothing it does not make.
+"""The chart's RBAC allows every call the operator makes, and grants nothing it does not use.
 
-Every request the operator sends (kopf's watches, identified by its kopf/ User-Agent, and the
-reconcile's own calls, by the tilert-pd-operator User-Agent) is recorded by the API test server
-over a scenario that exercises every code path: create, pods ready, a pool removed, a child
-deleted, an invalid spec, deletion.
+The API test server authorizes every request as a real one does (pdc_rbac.py), against the roles and
+bindings the chart renders with the real Helm engine, for the cluster-wide install and the
+namespaced one (`operator.watchNamespaces`), with OwnerReferencesPermissionEnforcement on (as on
+OpenShift). The operator runs as the chart's ServiceAccount with the chart's namespace arguments over
+a scenario that exercises every code path: create, Secrets and children adopted, pods ready, a pool
+removed, a child deleted, a rotation, MultiNetworkPolicies, an invalid spec, deletion. A refusal
+fails the test with the server's 403 message; a rule that no decision used fails it too.
 """
 
 from __future__ import annotations
 
-import json
-import time
-from pathlib import Path
+import base64
+import re
 from typing import Any
 
 import pdc_harness as h
 import pdc_helpers as helpers
+import pdc_rbac
 import pytest
-import yaml
 from kopf.testing import KopfRunner
 
 from tilert_operator import constants
 
-ROLE = Path(__file__).resolve().parents[2] / "operator" / "tilert_operator" / "rbac.yaml"
-#: Verbs granted without the test server seeing them, with the reason.
-UNSEEN_OK = {
-    # Server-side apply that creates an object is authorized as create as well on a real API server;
-    # the test server records it as patch only.
-    ("", "services", "create"), ("", "configmaps", "create"), ("apps", "deployments", "create"),
-    ("apps", "statefulsets", "create"), ("networking.k8s.io", "networkpolicies", "create"),
-    ("k8s.cni.cncf.io", "multi-networkpolicies", "create"),
+MODES: dict[str, dict[str, Any]] = {
+    "cluster-wide": {},
+    "namespaced": {"operator": {"watchNamespaces": ["default", "serving"]}},
 }
 
 
@@ -39,30 +36,66 @@ def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TILERT_PD_SECRET_ROTATION_GRACE_S", "0.5")
 
 
-def allowed(role: dict[str, Any]) -> set[tuple[str, str, str]]:
-    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
+def _bump(body: dict[str, Any]) -> dict[str, Any]:
+    return body | {"metadata": body["metadata"] | {"generation": body["metadata"]["generation"] + 1}}
 
 
-def test_role_covers_exactly_the_operators_calls(apiserver: Any) -> None:
+def _marked_for_adoption(kind: str, name: str, cluster: str, extra: dict[str, Any]) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": kind,
+            "metadata": {"name": name, "namespace": "default",
+                         "labels": {constants.LABEL_CLUSTER: cluster, constants.LABEL_MANAGED_BY: constants.MANAGED_BY},
+                         "annotations": {constants.ADOPT_ANNOTATION: "true"}}} | extra
+
+
+def _refusals(srv: Any) -> list[str]:
+    return sorted({f"{c.attrs.verb} {pdc_rbac.qualified(c.attrs.group, c.attrs.combined)} in {c.attrs.namespace or 'the cluster scope'}"
+                   for c in srv.checks if not c.allowed and not c.probe})
+
+
+def _no_refusal_logged(log: str) -> bool:
+    """No 403 answered, and no kopf fallback for one ("Not enough permissions ...")."""
+    return re.search(r'" 403 |HTTP 403|Forbidden|[Nn]ot enough permissions', log) is None
+
+
+def _wait(srv: Any, what: str, fn: Any) -> Any:
+    """h.wait_for, and on a timeout the refusals that explain it."""
+    try:
+        return h.wait_for(what, fn)
+    except AssertionError as e:
+        raise AssertionError(f"{e}; refused by the chart's RBAC: {_refusals(srv)}") from None
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_charts_rbac_allows_exactly_what_the_operator_does(apiserver: Any, mode: str) -> None:
     srv = apiserver.server
-    doc = h.pdc(helpers.example("tiny-cpu"))
-    with KopfRunner(h.ARGS, timeout=30) as runner:
-        apiserver.call(srv.put(h.PDC, doc))
-        sts = h.wait_for("StatefulSet", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode"))
+    chart = h.install_chart_rbac(apiserver, MODES[mode])
+    # Someone else's Secret and ConfigMap, marked for adoption: taking them changes their ownerReferences.
+    apiserver.call(srv.put(("", "v1", "secrets"), _marked_for_adoption(
+        "Secret", "tiny-handoff", "tiny", {"type": "Opaque", "data": {"secret": base64.b64encode(b"s").decode()}})))
+    apiserver.call(srv.put(("", "v1", "configmaps"), _marked_for_adoption("ConfigMap", "tiny-router", "tiny", {"data": {"k": "v"}})))
+    with KopfRunner(chart.kopf_args, timeout=60) as runner:
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+        sts = _wait(srv, "StatefulSet", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode"))
         for comp in (constants.PREFILL, constants.ROUTER, constants.NATIVE):
             apiserver.call(srv.put(h.POD, h.pod("tiny", comp, 0)))
         apiserver.call(srv.put(h.POD, h.pod("tiny", constants.TILERT, 0, owner=sts)))
-        h.wait_for("Ready", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True")
+        _wait(srv, "Ready", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True")
+        assert _refusals(srv) == [], "the chart's RBAC refuses these calls of the operator"
+        assert h.condition(srv.get("pdclusters", "default", "tiny"), "Reconciled")["status"] == "True"
+        uid = srv.get("pdclusters", "default", "tiny")["metadata"]["uid"]
+        for plural, name in (("secrets", "tiny-handoff"), ("configmaps", "tiny-router")):
+            assert [r["uid"] for r in srv.get(plural, "default", name)["metadata"]["ownerReferences"]] == [uid]
         body = srv.get("pdclusters", "default", "tiny")
         body["spec"]["decode"]["native"]["replicas"] = 0
         body["spec"]["networkPolicies"] = {"enabled": False}
-        apiserver.call(srv.put(h.PDC, body | {"metadata": body["metadata"] | {"generation": body["metadata"]["generation"] + 1}}))
+        apiserver.call(srv.put(h.PDC, _bump(body)))
         h.wait_for("native removed", lambda: srv.get("deployments", "default", "tiny-native-decode") is None)
         h.wait_for("policies removed", lambda: not srv.objects("networkpolicies", "default"))
         body = srv.get("pdclusters", "default", "tiny")
         body["spec"]["decode"] = {"tilert": {"replicas": 0}, "native": {"replicas": 1}}
-        apiserver.call(srv.put(h.PDC, body | {"metadata": body["metadata"] | {"generation": body["metadata"]["generation"] + 1}}))
+        apiserver.call(srv.put(h.PDC, _bump(body)))
         h.wait_for("TileRT pool removed", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode") is None)
+        h.wait_for("its PodDisruptionBudget removed", lambda: srv.get("poddisruptionbudgets", "default", "tiny-tilert-decode") is None)
         apiserver.call(srv.remove(("", "v1", "configmaps"), "default", "tiny-router"))
         h.wait_for("ConfigMap back", lambda: srv.get("configmaps", "default", "tiny-router"))
         # Rotate the handoff secret (patches it) and run a stack on Multus networks with the
@@ -76,41 +109,78 @@ def test_role_covers_exactly_the_operators_calls(apiserver: Any) -> None:
         h.wait_for("MultiNetworkPolicies", lambda: srv.objects("multi-networkpolicies", "default"))
         nets = srv.get("pdclusters", "default", "nets")
         nets["spec"]["transfer"]["rdma"] = {}
-        apiserver.call(srv.put(h.PDC, nets | {"metadata": nets["metadata"] | {"generation": nets["metadata"]["generation"] + 1}}))
+        apiserver.call(srv.put(h.PDC, _bump(nets)))
         h.wait_for("MultiNetworkPolicies removed", lambda: not srv.objects("multi-networkpolicies", "default"))
         bad = h.pdc(helpers.cr(helpers.minimal(prefill={"gpus": 3}), name="bad"))
         apiserver.call(srv.put(h.PDC, bad))
         h.wait_for("SpecValid=False", lambda: h.condition(srv.get("pdclusters", "default", "bad"), "SpecValid").get("status") == "False")
         apiserver.call(srv.remove(h.PDC, "default", "tiny"))
-        time.sleep(1)
+        assert not [d for d in srv.objects("deployments", "default") if d["metadata"]["name"].startswith("tiny-")]
+        checked = len(srv.checks)
+        h.wait_for("a resync after the deletion", lambda: len(srv.checks) > checked + 5)
     assert runner.exception is None
 
-    seen = {(c.group, c.resource, c.verb) for c in srv.calls
-            if c.user_agent.startswith(("kopf/", constants.FIELD_MANAGER))}
-    role = allowed(yaml.safe_load(ROLE.read_text()))
-    assert sorted(seen - role) == [], "the ClusterRole lacks these calls"
-    assert sorted(role - seen - UNSEEN_OK) == [], "the ClusterRole grants calls the operator never makes"
+    assert _refusals(srv) == [], "the chart's RBAC refuses these calls of the operator"
+    assert _no_refusal_logged(runner.output)
+    used = {(c.attrs.group, c.attrs.combined, c.attrs.verb) for c in srv.checks if c.allowed and c.user == chart.user}
+    unused = chart.granted - used
+    assert sorted(unused) == [], "the chart's RBAC grants calls the operator never makes"
 
 
-def test_invalid_spec_changes_nothing(apiserver: Any) -> None:
+@pytest.mark.parametrize("mode", list(MODES))
+def test_the_chart_installed_operator_reconciles_every_example_without_a_403(apiserver: Any, mode: str) -> None:
     srv = apiserver.server
-    bad = h.pdc(helpers.cr(helpers.minimal(prefill={"mtp": {"enabled": False}}), name="bad"))
-    with KopfRunner(h.ARGS, timeout=30) as runner:
-        apiserver.call(srv.put(h.PDC, bad))
-        body = h.wait_for("SpecValid=False", lambda: h.condition(srv.get("pdclusters", "default", "bad"), "SpecValid").get("status") == "False"
-                          and srv.get("pdclusters", "default", "bad"))
-        msg = h.condition(body, "SpecValid")["message"]
-        assert "spec.prefill.mtp.enabled" in msg and "set spec.prefill.mtp.enabled: true" in msg
-        assert h.condition(body, "Ready")["status"] == "False"
-        time.sleep(1.0)
-        assert [c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER) and c.resource not in ("pdclusters/status", "events") and c.verb != "get"] == []
-        assert all(not srv.objects(p, "default") for p in ("deployments", "statefulsets", "services", "configmaps", "secrets"))
-        # Fixing the spec brings the stack up.
-        body["spec"]["prefill"]["mtp"]["enabled"] = True
-        apiserver.call(srv.put(h.PDC, body | {"metadata": body["metadata"] | {"generation": 2}}))
-        h.wait_for("children", lambda: srv.get("deployments", "default", "bad-prefill"))
-        h.wait_for("SpecValid=True", lambda: h.condition(srv.get("pdclusters", "default", "bad"), "SpecValid").get("status") == "True")
-        h.wait_for("SpecValid events", lambda: (lambda ms: any(m.startswith("SpecValid=False") for m in ms) and any(
-            m.startswith("SpecValid=True") for m in ms))([e["message"] for e in srv.objects("events", "default")]), timeout=5)
+    chart = h.install_chart_rbac(apiserver, MODES[mode])
+    h.install_crd(apiserver, h.MULTI_NETWORK_POLICY_CRD)
+    docs = [h.pdc(helpers.example(p.stem)) for p in helpers.EXAMPLES]
+    with KopfRunner(chart.kopf_args, timeout=60) as runner:
+        for doc in docs:
+            apiserver.call(srv.put(h.PDC, doc))
+        for doc in docs:
+            ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
+            _wait(srv, f"{ns}/{name} Reconciled=True",
+                       lambda ns=ns, name=name: h.condition(srv.get("pdclusters", ns, name), "Reconciled").get("status") == "True")
+            assert srv.get("configmaps", ns, f"{name}-router")
     assert runner.exception is None
-    _ = json  # keep the import for debugging dumps
+    assert _refusals(srv) == []
+    assert _no_refusal_logged(runner.output)
+
+
+def test_a_role_without_a_rule_is_reported_as_forbidden_not_as_a_spec_error(apiserver: Any) -> None:
+    """An install whose role lacks `create` on PodDisruptionBudgets (the chart before this was fixed):
+    Reconciled=False names the verb, the resource and the fix, and does not blame the spec."""
+    srv = apiserver.server
+    chart = h.install_chart_rbac(apiserver, {}, without=("policy", "poddisruptionbudgets", "create"))
+    with KopfRunner(chart.kopf_args, timeout=40) as runner:
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+        body = h.wait_for("Reconciled=False", lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
+            srv.get("pdclusters", "default", "tiny")))
+        cond = h.condition(body, "Reconciled")
+        assert cond["reason"] == "Forbidden", cond
+        assert "PodDisruptionBudget/tiny-prefill" in cond["message"]
+        assert "the operator's role lacks create on poddisruptionbudgets" in cond["message"]
+        assert "fix the chart's RBAC or install the chart's current version" in cond["message"]
+        assert "fix the spec" not in cond["message"]
+        assert h.condition(body, "Ready")["status"] == "False"
+        events = h.wait_for("Forbidden Events", lambda: [e for e in srv.objects("events", "default") if e["reason"] == "Forbidden"])
+        assert all(e["type"] == "Warning" and "lacks create on poddisruptionbudgets" in e["message"] for e in events)
+        # The rest of the stack is still applied.
+        assert srv.get("statefulsets", "default", "tiny-tilert-decode") and srv.get("services", "default", "tiny-router")
+        # The role fixed (the chart's current version installed): Reconciled=True without a restart.
+        srv.rbac = pdc_rbac.Rbac(chart.objects)
+        h.wait_for("Reconciled=True", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Reconciled").get("status") == "True")
+    assert runner.exception is None
+
+
+def test_a_403_outside_the_children_is_reported_as_forbidden(apiserver: Any) -> None:
+    srv = apiserver.server
+    chart = h.install_chart_rbac(apiserver, {}, without=("", "secrets", "create"))
+    with KopfRunner(chart.kopf_args, timeout=40) as runner:
+        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+        body = h.wait_for("Reconciled=False", lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
+            srv.get("pdclusters", "default", "tiny")))
+        cond = h.condition(body, "Reconciled")
+        assert cond["reason"] == "Forbidden", cond
+        assert "the operator's role lacks create on secrets" in cond["message"] and "fix the chart's RBAC" in cond["message"]
+        assert "fix the spec" not in cond["message"]
+    assert runner.exception is None
