@@ -1,7 +1,7 @@
 """A Kubernetes API test server: kmock 0.8's KubernetesEmulator (HTTP server, request parsing,
 discovery, bundled built-in resources) plus the compatibility layer an operator test needs.
 
-Added, each something a real kube-apiserver does (see shared/reference/kubernetes-testing.md §2):
+Added, each something a real kube-apiserver does:
 uid / resourceVersion / creationTimestamp / generation; generateName; 409 on duplicate create and on
 stale resourceVersion preconditions; 422 on a failed JSON-patch test; the status subresource kept
 apart from the main endpoint; server-side apply that creates a missing object; PUT; lists with

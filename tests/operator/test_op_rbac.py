@@ -11,17 +11,21 @@ fails the test with the server's 403 message; a rule that no decision used fails
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import copy
 import re
 from typing import Any
 
+import pdc_apiserver
 import pdc_harness as h
 import pdc_helpers as helpers
 import pdc_rbac
 import pytest
 from kopf.testing import KopfRunner
 
-from tilert_operator import constants
+from tilert_operator import constants, credentials
+from tilert_operator.kubeapi import ApiError, Client, Connection, Retry
 
 MODES: dict[str, dict[str, Any]] = {
     "cluster-wide": {},
@@ -184,3 +188,68 @@ def test_a_403_outside_the_children_is_reported_as_forbidden(apiserver: Any) -> 
         assert "the operator's role lacks create on secrets" in cond["message"] and "fix the chart's RBAC" in cond["message"]
         assert "fix the spec" not in cond["message"]
     assert runner.exception is None
+
+
+def _client_call(apiserver: Any, fn: Any) -> Any:
+    async def go() -> Any:
+        async with Client(Connection(server=apiserver.url, token=pdc_apiserver.TOKEN), retry=Retry(attempts=1)) as api:
+            return await fn(api)
+
+    return asyncio.run(go())
+
+
+def _refused(apiserver: Any, fn: Any) -> ApiError:
+    with pytest.raises(ApiError) as caught:
+        _client_call(apiserver, fn)
+    assert caught.value.status == 403 and caught.value.body is not None
+    assert (caught.value.body["kind"], caught.value.body["reason"], caught.value.body["code"]) == ("Status", "Forbidden", 403)
+    return caught.value
+
+
+def test_the_test_server_authorizes_like_a_real_api_server(apiserver: Any) -> None:
+    """The checks test_op_rbac relies on, one by one, with the answers a real API server gives."""
+    srv = apiserver.server
+    user = pdc_rbac.service_account("ops", "op")
+    role = {"kind": "ClusterRole", "metadata": {"name": "r"}, "rules": [
+        {"apiGroups": [constants.GROUP], "resources": [constants.PLURAL], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["services"], "verbs": ["patch"]}]}
+    binding = {"kind": "ClusterRoleBinding", "metadata": {"name": "r"}, "roleRef": {"kind": "ClusterRole", "name": "r"},
+               "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]}
+    srv.rbac, srv.users[pdc_apiserver.TOKEN] = pdc_rbac.Rbac([role, binding]), user
+    pdc = apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(helpers.minimal(), name="o"))))
+    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "default"},
+               "spec": {"ports": [{"port": 80}]}}
+
+    # The filter: verb, resource and user named. A subresource is its own resource.
+    e = _refused(apiserver, lambda api: api.patch_status(constants.KIND, "default", "o", {"conditions": []}))
+    assert e.body and e.body["message"] == (f'pdclusters.pd.tilert.ai "o" is forbidden: User "{user.name}" cannot patch resource '
+                                           '"pdclusters/status" in API group "pd.tilert.ai" in the namespace "default"')
+    assert e.body["details"] == {"name": "o", "group": constants.GROUP, "kind": "pdclusters"}
+    # An apply that creates needs create as well as patch; the refusal gives no reason.
+    e = _refused(apiserver, lambda api: api.apply(copy.deepcopy(service)))
+    assert e.body and e.body["message"] == 'services "s" is forbidden: '
+    role["rules"][1]["verbs"] = ["patch", "create"]
+    _client_call(apiserver, lambda api: api.apply(copy.deepcopy(service)))
+    # OwnerReferencesPermissionEnforcement: off, anyone who may patch sets blockOwnerDeletion; on, it
+    # takes delete on the object (its ownerReferences change) and update on the owner's finalizers.
+    owned = copy.deepcopy(service)
+    owned["metadata"]["ownerReferences"] = [credentials.owner_reference(pdc)]
+    srv.owner_references_permission_enforcement = True
+    e = _refused(apiserver, lambda api: api.apply(copy.deepcopy(owned)))
+    assert e.body and e.body["message"] == 'services "s" is forbidden: cannot set an ownerRef on a resource you can\'t delete: , <nil>'
+    role["rules"][1]["verbs"].append("delete")
+    e = _refused(apiserver, lambda api: api.apply(copy.deepcopy(owned)))
+    assert e.body and e.body["message"] == ('services "s" is forbidden: cannot set blockOwnerDeletion if an ownerReference refers to '
+                                           "a resource you can't set finalizers on: , <nil>")
+    assert [c.attrs for c in srv.checks if not c.allowed][-1] == pdc_rbac.Attributes(
+        "update", constants.GROUP, constants.PLURAL, "finalizers", "default", "o")
+    role["rules"].append({"apiGroups": [constants.GROUP], "resources": [f"{constants.PLURAL}/finalizers"], "verbs": ["update"]})
+    _client_call(apiserver, lambda api: api.apply(copy.deepcopy(owned)))
+    srv.owner_references_permission_enforcement = False
+    # A Role binds only in its namespace.
+    srv.rbac = pdc_rbac.Rbac([role | {"kind": "Role", "metadata": {"name": "r", "namespace": "other"}},
+                              binding | {"kind": "RoleBinding", "metadata": {"name": "r", "namespace": "other"},
+                                         "roleRef": {"kind": "Role", "name": "r"}}])
+    e = _refused(apiserver, lambda api: api.list(constants.KIND, "default", ""))
+    assert e.body and e.body["message"].startswith(f'pdclusters.pd.tilert.ai is forbidden: User "{user.name}" cannot list')
+    assert _client_call(apiserver, lambda api: api.list(constants.KIND, "other", "")) == []
