@@ -209,6 +209,14 @@ def failure(key: str, error: ApiError, *, verb: str | None = None, kind: str | N
     return Failure(key, prefix + api_message(error), otherwise)
 
 
+def _earlier_owner(obj: Obj, body: Obj) -> bool:
+    """Whether a PDCluster of this name but another uid (deleted, then created again) controls `obj`."""
+    meta = body["metadata"]
+    return any(r.get("kind") == constants.KIND and r.get("apiVersion", "").startswith(f"{constants.GROUP}/")
+               and r.get("name") == meta["name"] and r.get("uid") != meta["uid"] and r.get("controller")
+               for r in obj.get("metadata", {}).get("ownerReferences") or [])
+
+
 def _owned_by(obj: Obj, uid: str) -> bool:
     return any(ref.get("uid") == uid for ref in obj.get("metadata", {}).get("ownerReferences") or [])
 
@@ -468,6 +476,12 @@ async def _apply_child(api: Client, body: Obj, want: Obj, key: str, *, owned: bo
             return
         creating = found is None
         if found is not None and not _owned_by(found, meta["uid"]):
+            if _earlier_owner(found, body):
+                out.failed.append(Failure(key, (
+                    f"{kind} {ns}/{name} still belongs to an earlier PDCluster {ns}/{meta['name']}, which was deleted; the "
+                    "garbage collector deletes it shortly and the operator then creates its own (if it stays, check "
+                    "the garbage collector)"), CHILD_NOT_OWNED))
+                return
             if not credentials.adoptable(found, body):
                 out.failed.append(Failure(key, credentials.not_owned_message(
                     found, body, kind, "applies nothing under its name; the PDCluster is not Ready until it is resolved",

@@ -4,6 +4,7 @@ adopted only when marked for it, with the Secrets' mark."""
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import pdc_harness as h
@@ -11,7 +12,8 @@ import pdc_helpers as helpers
 import pytest
 from kopf.testing import KopfRunner
 
-from tilert_operator import constants
+from tilert_operator import constants, reconcile
+from tilert_operator.kubeapi import Client, Connection
 
 THEIR_LABELS = {"app": "their-app", "team": "search"}
 THEIR_POD = {"metadata": {"labels": THEIR_LABELS}, "spec": {"containers": [{"name": "app", "image": "their/app:1"}]}}
@@ -98,3 +100,26 @@ def test_a_foreign_object_marked_for_adoption_is_adopted(apiserver: Any) -> None
         apiserver.call(srv.remove(h.PDC, "default", "tiny"))
         assert srv.get("services", "default", "tiny-router") is None
     assert runner.exception is None
+
+
+def test_a_child_of_an_earlier_pdcluster_of_the_same_name_is_waited_for_not_blamed(apiserver: Any) -> None:
+    """Deleted and created again at once: the old children wait for the garbage collector. The report
+    says so instead of asking someone to delete or adopt them."""
+    srv = apiserver.server
+    obj = {"apiVersion": "v1", "kind": "ConfigMap", "data": {"old": "1"},
+           "metadata": {"name": "tiny-router", "namespace": "default",
+                        "ownerReferences": [{"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": "tiny",
+                                             "uid": "0b5e7c1e-dead-4bee-8000-000000000001", "controller": True}]}}
+    before = apiserver.call(srv.put(("", "v1", "configmaps"), obj))
+    apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+
+    async def once() -> reconcile.Outcome:
+        async with Client(Connection(server=apiserver.url)) as api:
+            return await reconcile.reconcile(api, _tiny(srv) or {})
+
+    out = asyncio.run(once())
+    [failed] = out.failed
+    assert (failed.key, failed.reason) == ("ConfigMap/tiny-router", "ChildNotOwned")
+    assert "an earlier PDCluster default/tiny" in failed.message and "garbage collector" in failed.message
+    assert constants.ADOPT_ANNOTATION not in failed.message
+    assert srv.get("configmaps", "default", "tiny-router") == before
