@@ -152,6 +152,8 @@ async def test_connection_flood_past_the_fd_limit(node: NodeProc) -> None:
     t0 = time.monotonic()
     try:
         for i in range(2 * FD_LIMIT):
+            if time.monotonic() - t0 > 20.0:
+                break  # a node that stopped accepting (the flood won) is not waited for connection by connection
             with contextlib.suppress(OSError, TimeoutError):
                 # A full backlog leaves a connect hanging in SYN retries: the flood moves on.
                 _, w = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", node.port), 2.0)
