@@ -430,7 +430,7 @@ class DecodeNode:
             # layout mismatch) is why: keep it as the node's last failure.
             h = self.handoff
             if h.fail_at is None or h.fail_at < t_admit:
-                self.recorder.failure("timeout", message)
+                self.recorder.failure("timeout", message, since=t_admit)
             return HandoffFailed(message, True)
 
         while slot.state in (SlotState.RESERVED, SlotState.RECEIVING) and slot.generation == generation:
@@ -494,9 +494,13 @@ class DecodeNode:
                 elif kind == "error":
                     # A request whose own parameters cannot be decoded says nothing of the node or the
                     # data plane: recorded, any client could turn every node's status false.
-                    if not isinstance(value, InvalidRequest):
-                        self.recorder.failure("digest_mismatch" if isinstance(value, StateRefused)
-                                              else "decode_failed", f"{type(value).__name__}: {value}")
+                    if isinstance(value, StateRefused):
+                        # Our own words only: the refusal's text can quote what a sender named (its
+                        # digest algorithm), and the record reaches the operator's conditions.
+                        self.recorder.failure("digest_mismatch", "a state was refused: its bytes are not what its "
+                                              "sender hashed (torn, or written by another data-plane peer)")
+                    elif not isinstance(value, InvalidRequest):
+                        self.recorder.failure("decode_failed", f"{type(value).__name__}: {value}")
                     raise value
                 elif kind == "end":
                     finish = "cancelled" if cancel.is_set() else "length"
