@@ -109,7 +109,10 @@ async def test_no_tampered_state_is_decoded_through_the_router(case, layerwise, 
         native = await FakeNative().start()
         cfg = config.RouterConfig.model_validate({
             "model": MODEL, "prefill": [prefill.url], "native": [native.url],
-            "tilert": [{"name": "t0", "http_url": n.url, "ctrl_host": "127.0.0.1", "slots": 1, "max_seq_len": 128}]})
+            "tilert": [{"name": "t0", "http_url": n.url, "ctrl_host": "127.0.0.1", "slots": 1, "max_seq_len": 128}],
+            # Every request tries the node (a refused handoff would otherwise send the next ones
+            # straight to native for a while): this test is about what the node decodes.
+            "breaker": {"failures_to_open": 1000}})
         runner = await start(make_app(cfg, health_checks=False), "127.0.0.1", 0)
         client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="none",
                                     max_retries=0, timeout=60)
