@@ -75,16 +75,20 @@ def main() -> None:
             # Tuning (each shape compiles both chunk kernels anew): the whole state at the middle size,
             # one layer at the smallest.
             if args.tune and (n, what) in ((sizes[len(sizes) // 2], "whole"), (sizes[0], "per layer")):
-                base = (blake3_gpu.PER_PROGRAM, blake3_gpu.NUM_WARPS, blake3_gpu.GENERAL_WARPS)
-                for per_program, warps in ((128, 4), (64, 2), (256, 8), (256, 4)):
-                    blake3_gpu.PER_PROGRAM, blake3_gpu.NUM_WARPS, blake3_gpu.GENERAL_WARPS = per_program, warps, warps
+                names = ("PER_PROGRAM", "NUM_WARPS", "ROW_LOADS", "PARENT_FANIN", "PARENT_WARPS")
+                base = tuple(getattr(blake3_gpu, k) for k in names)
+                for shape in ((128, 4, True, 256, 1), (128, 4, False, 256, 1), (256, 8, True, 256, 1),
+                              (128, 4, True, 512, 2)):
+                    for k, v in zip(names, shape, strict=True):
+                        setattr(blake3_gpu, k, v)
                     j = blake3_gpu.prepare(bufs, ranges)
                     ok = blake3_gpu.launch(j).cpu().numpy().astype("<i4").tobytes().hex() == host.split(":")[1]
                     tk = graph_ms(lambda j=j: blake3_gpu.launch(j), reps=reps, warmup=warm)
-                    tuning.append(f"{n // 1024}k {what}: {per_program} chunks x {warps} warps: kernel {tk:.4f} ms "
+                    tuning.append(f"{n // 1024}k {what}: {dict(zip(names, shape, strict=True))}: kernel {tk:.4f} ms "
                                   f"({t_copy / tk:.0%} of copy){'' if ok else ' WRONG DIGEST'}")
                     print(tuning[-1], flush=True)
-                blake3_gpu.PER_PROGRAM, blake3_gpu.NUM_WARPS, blake3_gpu.GENERAL_WARPS = base
+                for k, v in zip(names, base, strict=True):
+                    setattr(blake3_gpu, k, v)
     regs = []
     for name, launcher in (("fast", blake3_gpu._fast), ("general", blake3_gpu._general), ("parent", blake3_gpu._parent)):
         for key, k in launcher._compiled.items():
@@ -94,7 +98,8 @@ def main() -> None:
                   "host path ms", "GPU / host"], rows)
     notes = "\n".join([
         f"GPU digest: {blake3_gpu.PER_PROGRAM} chunks of 1 KiB per program (one per lane), {blake3_gpu.NUM_WARPS} "
-        f"warps; parents {blake3_gpu.PARENT_FANIN} per program. Host path: 64 MB pinned copies on a side stream "
+        f"warps, {'each lane loading its own chunk' if blake3_gpu.ROW_LOADS else 'coalesced loads regrouped in shared memory'}; "
+        f"parents {blake3_gpu.PARENT_FANIN} per program of {blake3_gpu.PARENT_WARPS} warp(s). Host path: 64 MB pinned copies on a side stream "
         "overlapping BLAKE3 on the host's threads (the `blake3` package). Both give the same digest, checked "
         "at every size.", "Compiled: " + "; ".join(regs) + ".", *tuning])
     print(body)

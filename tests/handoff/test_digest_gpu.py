@@ -33,52 +33,50 @@ def want(data: bytes) -> str:
 
 # -- everywhere: the tree the kernels compute, and which programs the general kernel takes -------------
 
-@pytest.mark.parametrize("per_program,fanin", [(1, 2), (2, 2), (4, 4), (8, 2), (128, 1024)])
-def test_the_kernels_tree_is_blake3s(per_program: int, fanin: int) -> None:
-    rng = random.Random(per_program * 31 + fanin)
+@pytest.mark.parametrize("fanin", [2, 4, 8, 256])
+def test_the_kernels_tree_is_blake3s(fanin: int) -> None:
+    rng = random.Random(fanin)
     for n in (0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3072, 4097, 5 * 1024, 7 * 1024 + 3, 9 * 1024,
               17 * 1024 - 1, 33 * 1024 + 100, 64 * 1024):
         data = rng.randbytes(n)
-        assert blake3_gpu.reference(data, per_program, fanin).hex() == want(data), (n, per_program, fanin)
+        assert blake3_gpu.reference(data, fanin).hex() == want(data), (n, fanin)
 
 
-def _nonsimple_programs(ranges: list[tuple[int, int]], per_program: int) -> set[int]:
-    """By definition, chunk by chunk: programs with a chunk that is short, not inside one range, or at
-    an address that is not 16-byte aligned."""
+def _chunks_the_fast_kernel_leaves(ranges: list[tuple[int, int]]) -> set[int]:
+    """By definition: chunks that are short, not inside one range, at an address that is not 16-byte
+    aligned, or the message's only chunk."""
     where: list[tuple[int, int]] = []  # (range, address) of each message byte
     for r, (addr, n) in enumerate(ranges):
         where.extend((r, a) for a in range(addr, addr + n))
     num_chunks = max(1, -(-len(where) // 1024))
     out = set()
-    for c in range(-(-num_chunks // per_program) * per_program):
+    for c in range(num_chunks):
         chunk = where[c * 1024:(c + 1) * 1024]
-        simple = len(chunk) == 1024 and chunk[0][1] % 16 == 0 and chunk[0][0] == chunk[-1][0]
-        if not simple:
-            out.add(c // per_program)
+        if not (len(chunk) == 1024 and chunk[0][1] % 16 == 0 and chunk[0][0] == chunk[-1][0]) or num_chunks == 1:
+            out.add(c)
     return out
 
 
-@pytest.mark.parametrize("seed", range(6))
-def test_the_plan_sends_every_program_the_fast_kernel_would_refuse_to_the_general_one(seed: int) -> None:
+@pytest.mark.parametrize("seed", range(8))
+def test_the_plan_lists_every_chunk_the_fast_kernel_leaves(seed: int) -> None:
     rng = random.Random(seed)
-    per_program = rng.choice([1, 2, 4])
     ranges, addr = [], 0
     for _ in range(rng.randint(1, 12)):
         n = rng.choice([0, 1, 100, 656, 1024, 2048, 4096, 8448, rng.randint(1, 6000)])
         addr += rng.choice([0, 0, 16, 1024, rng.randint(0, 99)])
         ranges.append((addr, n))
         addr += n
-    p = blake3_gpu.plan(ranges, per_program)
-    assert _nonsimple_programs([r for r in ranges if r[1]], per_program) <= set(p.general)
+    p = blake3_gpu.plan(ranges)
+    assert _chunks_the_fast_kernel_leaves([r for r in ranges if r[1]]) <= set(p.general)
     assert p.total == sum(n for _, n in ranges)
-    assert p.programs == -(-max(1, -(-p.total // 1024)) // per_program)
+    assert p.num_chunks == max(1, -(-p.total // 1024))
 
 
-def test_a_row_aligned_state_needs_the_general_kernel_only_at_its_end() -> None:
+def test_a_glm5_state_needs_the_general_kernel_only_where_rows_cut_chunks() -> None:
     place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=4096)
-    ranges = digest.sender_ranges(place, 0, 1, 4096)
-    p = blake3_gpu.plan([(off, n) for _, off, n in ranges])
-    assert len(p.general) <= len(ranges) + 1 < p.programs
+    for tokens, most in ((4096, 0), (64, 2 * place.layout.num_layers + 1), (777, 2 * place.layout.num_layers + 1)):
+        ranges = digest.sender_ranges(place, 0, 1, tokens)
+        assert len(blake3_gpu.plan([(off, n) for _, off, n in ranges]).general) <= most, tokens
 
 
 # -- on a GPU: bit for bit ------------------------------------------------------------------------------

@@ -14,22 +14,23 @@ CVs (left then right) with counter 0 and PARENT. The tree is left-complete, whic
 pairing the nodes of each level left to right, an odd last node going up unchanged. The top node
 (the only chunk, or the last parent) carries ROOT too; its output words are the digest.
 
-The work, C chunks (`PER_PROGRAM`, a power of two) per program, so each program's chunks are one
-aligned subtree: a program computes its chunks' CVs, one chunk per lane, and reduces them to the
-subtree's CV (fewer when it holds the message's end). Two kernels produce the subtrees:
+The work, in a few launches over the whole list of ranges:
 
-- _fast_kernel: every program whose chunks are whole, each inside one range, at 16-byte-aligned
-  addresses (a message of rows that are multiples of 16 bytes, cut by ranges at multiples of 1024:
-  all of a GLM-5 state but a few programs). Each block's 64 bytes of every chunk are loaded as 16-byte
-  words, consecutive lanes on consecutive words (coalesced), and regrouped one chunk per lane through
-  shared memory (the splits below); the next block's load is issued before this block's compression.
-  A program with any other chunk does nothing; its CV comes from
-- _general_kernel: the programs the host lists (a superset of those: _plan), byte by byte, any
-  range boundary, alignment or short last chunk. A handful per state.
+- _fast_kernel: one lane per chunk, PER_PROGRAM chunks per program, every chunk's CV into a [chunks, 8]
+  array. A lane whose chunk is whole, inside one range and 16-byte aligned (all of a GLM-5 state's:
+  its rows and pages are multiples of 16 bytes and its planes of 1 KiB) loads each 64-byte block as
+  four 16-byte words and compresses it; other lanes store nothing.
+- _general_kernel: the chunks the host lists (_plan: a superset of those), byte by byte, whatever
+  their ranges, alignment or length; none for a GLM-5 state, a few where rows cut 1 KiB chunks.
+- _parent_kernel: PARENT_FANIN nodes a program reduced to their subtree's node (aligned groups of a
+  power of two are subtrees), launch after launch until one is left, ROOT on the last parent.
 
-then _parent_kernel reduces the programs' CVs, PARENT_FANIN per program, launch after launch, until
-one is left (ROOT on the last). Launches go through convert_triton.Launcher (the compiled kernel's
-own launcher, not Triton's ~20 us per call Python path): a layer-wise node checks a digest per layer.
+Parents get a kernel of their own rather than being reduced inside the chunk programs: a level with
+fewer nodes than lanes costs a whole compression per lane however few are real, and seven such levels
+in a 128-chunk program cost ~40% on top of its 16 compressions per lane (measured: 42% of copy speed
+with them, bench/digest/gpu.py). A parent program of one warp over 256 nodes wastes less, and parents
+are a sixteenth of the work. Launches go through convert_triton.Launcher (the compiled kernel's own
+launcher, not Triton's ~20 us per call Python path): a layer-wise node checks a digest per layer.
 """
 
 from __future__ import annotations
@@ -45,13 +46,17 @@ import triton.language as tl
 from tilert_serve.layouts.convert_triton import Launcher
 
 CHUNK = 1024
-#: Chunks per program (a power of two) and warps of the chunk kernels. One chunk per lane.
+#: Chunks per program of the fast kernel (a power of two, one chunk per lane) and its warps; ROW_LOADS:
+#: each lane loads its own chunk's 64-byte blocks, else the blocks are loaded coalesced and regrouped.
 PER_PROGRAM = 128
 NUM_WARPS = 4
-GENERAL_WARPS = 4
+ROW_LOADS = True
+#: The general kernel: chunks per program (one per lane) and warps.
+GENERAL_LANES = 32
+GENERAL_WARPS = 1
 #: CVs one parent program reduces (a power of two), and its warps.
-PARENT_FANIN = 1024
-PARENT_WARPS = 4
+PARENT_FANIN = 256
+PARENT_WARPS = 1
 #: Byte address alignment the fast kernel loads with.
 _ALIGN = 16
 
@@ -216,55 +221,93 @@ def _range_of(starts, num_ranges, nsteps, pos):
 
 # -- the kernels ----------------------------------------------------------------------------------------
 
+@triton.jit
+def _split4(q):
+    """[C, 4] -> 4 tensors [C] (a lane's own 16 bytes: no data movement)."""
+    e, o = tl.split(tl.reshape(q, [q.shape[0], 2, 2]))
+    w0, w2 = tl.split(e)
+    w1, w3 = tl.split(o)
+    return w0, w1, w2, w3
+
+
+@triton.jit
+def _block_words(rows, b, ok, C: tl.constexpr, ROW_LOADS: tl.constexpr):
+    """Block b's 16 words of every lane's chunk (`rows`: a uint32 pointer per chunk). ROW_LOADS: each lane
+    loads its own 64 bytes (4 x 16 bytes); else the [C, 16] tile is loaded with consecutive lanes on
+    consecutive 16-byte words and regrouped through shared memory."""
+    if ROW_LOADS:
+        k = tl.arange(0, 4)[None, :]
+        m = ok[:, None]
+        w0, w1, w2, w3 = _split4(tl.load(rows[:, None] + (b * 16 + k), mask=m, other=0, eviction_policy="evict_first"))
+        w4, w5, w6, w7 = _split4(tl.load(rows[:, None] + (b * 16 + 4 + k), mask=m, other=0,
+                                         eviction_policy="evict_first"))
+        w8, w9, w10, w11 = _split4(tl.load(rows[:, None] + (b * 16 + 8 + k), mask=m, other=0,
+                                           eviction_policy="evict_first"))
+        w12, w13, w14, w15 = _split4(tl.load(rows[:, None] + (b * 16 + 12 + k), mask=m, other=0,
+                                             eviction_policy="evict_first"))
+    else:
+        w = tl.load(rows[:, None] + (b * 16 + tl.arange(0, 16)[None, :]), mask=ok[:, None], other=0,
+                    eviction_policy="evict_first")
+        w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _split16(w, C)
+    return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
+
+
 # Integer arguments are not specialised (on being 1 or a multiple of 16): each specialisation is another
 # compilation of a large kernel, tens of seconds, for no gain here.
-@triton.jit(do_not_specialize=["num_ranges", "nsteps", "num_chunks"])
-def _fast_kernel(base, starts, addrs, num_ranges, nsteps, num_chunks, out, C: tl.constexpr, LOG2C: tl.constexpr):
-    pid = tl.program_id(0)
-    chunk = pid.to(tl.int64) * C + tl.arange(0, C)
+@triton.jit(do_not_specialize=["num_ranges", "nsteps", "num_chunks", "base_mod"])
+def _fast_kernel(base, starts, addrs, num_ranges, nsteps, num_chunks, base_mod, out,
+                 C: tl.constexpr, ROW_LOADS: tl.constexpr):
+    """The CV of every whole chunk that lies inside one range at a 16-byte-aligned address; the other
+    lanes store nothing (their chunks are the general kernel's)."""
+    chunk = tl.program_id(0).to(tl.int64) * C + tl.arange(0, C)
     pos = chunk * 1024
     r = _range_of(starts, num_ranges, nsteps, pos)
     s = tl.load(starts + r)
     rel = tl.load(addrs + r) + pos - s
-    ok = (tl.load(starts + r + 1) >= pos + 1024) & (rel % 16 == 0)
-    if tl.min(ok.to(tl.int32), axis=0) == 1:
-        rows = tl.multiple_of(rel // 4, 4)
-        ptr = base.to(tl.pointer_type(tl.uint32), bitcast=True) + rows[:, None] + tl.arange(0, 16)[None, :]
-        t_lo = chunk.to(tl.uint32)
-        t_hi = (chunk >> 32).to(tl.uint32)
-        zero = tl.zeros([C], tl.uint32)
-        h0, h1, h2, h3 = _iv(zero, 0), _iv(zero, 1), _iv(zero, 2), _iv(zero, 3)
-        h4, h5, h6, h7 = _iv(zero, 4), _iv(zero, 5), _iv(zero, 6), _iv(zero, 7)
-        w = tl.load(ptr, eviction_policy="evict_first")
-        for b in range(16):
-            # The next block's load goes out before this block's compression (the last one re-reads
-            # block 0, unused); blocks of a chunk are 64 bytes = 16 words apart.
-            w_next = tl.load(ptr + ((b + 1) % 16) * 16, eviction_policy="evict_first")
-            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _split16(w, C)
-            flags = zero + (tl.where(b == 0, 1, 0) + tl.where(b == 15, 2, 0)).to(tl.uint32)
-            h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
-                h0, h1, h2, h3, h4, h5, h6, h7,
-                m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
-                t_lo, t_hi, zero + 64, flags)
-            w = w_next
-        single = num_chunks <= C
-        g0, g1, g2, g3, g4, g5, g6, g7 = _tree(h0, h1, h2, h3, h4, h5, h6, h7, pid * 0 + C, single, C, LOG2C)
-        _store8(out, pid, g0, g1, g2, g3, g4, g5, g6, g7)
+    ok = ((chunk < num_chunks) & (tl.load(starts + r + 1) >= pos + 1024) & ((rel + base_mod) % 16 == 0)
+          & (chunk * 0 + num_chunks > 1))
+    rows = (base + tl.multiple_of(tl.where(ok, rel, 0), 16)).to(tl.pointer_type(tl.uint32), bitcast=True)
+    t_lo = chunk.to(tl.uint32)
+    t_hi = (chunk >> 32).to(tl.uint32)
+    zero = tl.zeros([C], tl.uint32)
+    h0, h1, h2, h3 = _iv(zero, 0), _iv(zero, 1), _iv(zero, 2), _iv(zero, 3)
+    h4, h5, h6, h7 = _iv(zero, 4), _iv(zero, 5), _iv(zero, 6), _iv(zero, 7)
+    for b in range(16):
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _block_words(rows, b, ok, C, ROW_LOADS)
+        flags = zero + (tl.where(b == 0, 1, 0) + tl.where(b == 15, 2, 0)).to(tl.uint32)
+        h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
+            h0, h1, h2, h3, h4, h5, h6, h7,
+            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
+            t_lo, t_hi, zero + 64, flags)
+    _store_cvs(out, chunk, ok, h0, h1, h2, h3, h4, h5, h6, h7)
 
 
-@triton.jit(do_not_specialize=["num_ranges", "nsteps", "total", "num_chunks"])
-def _general_kernel(base, starts, addrs, progs, num_ranges, nsteps, total, num_chunks, out,
-                    C: tl.constexpr, LOG2C: tl.constexpr):
-    pid = tl.load(progs + tl.program_id(0))
-    first = pid * C
-    p0 = first * 1024
-    span = tl.minimum(total - p0, C * 1024)  # real bytes in this program (0 for an empty message)
-    r_first = _range_of(starts, num_ranges, nsteps, p0)
-    r_last = _range_of(starts, num_ranges, nsteps, p0 + tl.maximum(span - 1, 0))
-    c = tl.arange(0, C)
-    chunk = first + c
-    clen = tl.minimum(tl.maximum(total - chunk * 1024, 0), 1024).to(tl.int32)
-    valid = chunk < num_chunks
+@triton.jit
+def _store_cvs(out, idx, mask, h0, h1, h2, h3, h4, h5, h6, h7):
+    o = out.to(tl.pointer_type(tl.uint32), bitcast=True) + idx * 8
+    tl.store(o + 0, h0, mask=mask)
+    tl.store(o + 1, h1, mask=mask)
+    tl.store(o + 2, h2, mask=mask)
+    tl.store(o + 3, h3, mask=mask)
+    tl.store(o + 4, h4, mask=mask)
+    tl.store(o + 5, h5, mask=mask)
+    tl.store(o + 6, h6, mask=mask)
+    tl.store(o + 7, h7, mask=mask)
+
+
+@triton.jit(do_not_specialize=["count", "num_ranges", "nsteps", "total", "num_chunks"])
+def _general_kernel(base, starts, addrs, chunks, count, num_ranges, nsteps, total, num_chunks, out,
+                    C: tl.constexpr):
+    """The CVs of the listed chunks (`count` of them), any length, ranges and alignment, byte by byte;
+    the only chunk of a message is the root."""
+    i = tl.program_id(0).to(tl.int64) * C + tl.arange(0, C)
+    valid = i < count
+    chunk = tl.load(chunks + i, mask=valid, other=0)
+    pos = chunk * 1024
+    clen = tl.minimum(tl.maximum(total - pos, 0), 1024).to(tl.int32)
+    r_first = _range_of(starts, num_ranges, nsteps, pos)
+    r_last = _range_of(starts, num_ranges, nsteps, pos + tl.maximum(clen - 1, 0))
+    spread = tl.max(tl.where(valid, r_last - r_first, 0), axis=0)  # most ranges a chunk here crosses, - 1
     last_block = tl.maximum(clen - 1, 0) // 64
     t_lo = chunk.to(tl.uint32)
     t_hi = (chunk >> 32).to(tl.uint32)
@@ -276,16 +319,17 @@ def _general_kernel(base, starts, addrs, progs, num_ranges, nsteps, total, num_c
     for b in range(16):
         w = tl.zeros([C, 16], tl.uint32)
         for q in tl.static_range(4):
-            # Program-relative byte positions (int32: a program spans C KiB) and their addresses.
-            p = c[:, None] * 1024 + b * 64 + j[None, :] * 4 + q
+            # Chunk-relative byte positions, and each one's address in whichever range holds it.
+            p = b * 64 + j[None, :] * 4 + q + tl.zeros([C, 16], tl.int32)
             addr = tl.zeros([C, 16], tl.int64)
-            for k in range(r_first, r_last + 1):
-                s = tl.load(starts + k)
-                lo = tl.minimum(tl.maximum(s - p0, 0), C * 1024).to(tl.int32)
-                hi = tl.minimum(tl.maximum(tl.load(starts + k + 1) - p0, 0), C * 1024).to(tl.int32)
-                delta = tl.load(addrs + k) - s + p0
-                addr = tl.where((p >= lo) & (p < hi), delta + p, addr)
-            byte = tl.load(base + addr, mask=p < span, other=0)
+            for k in range(0, spread + 1):
+                r = tl.minimum(r_first + k, num_ranges - 1)
+                s = tl.load(starts + r) - pos
+                e = tl.load(starts + r + 1) - pos
+                delta = tl.load(addrs + r) - s
+                sel = (p >= s[:, None]) & (p < e[:, None])
+                addr = tl.where(sel, delta[:, None] + p, addr)
+            byte = tl.load(base + addr, mask=(p < clen[:, None]) & valid[:, None], other=0)
             w = w | (byte.to(tl.uint32) << (8 * q))
         m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _split16(w, C)
         is_last = b == last_block
@@ -295,7 +339,7 @@ def _general_kernel(base, starts, addrs, progs, num_ranges, nsteps, total, num_c
             h0, h1, h2, h3, h4, h5, h6, h7,
             m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
             t_lo, t_hi, blen, flags)
-        live = valid & ((b * 64 < clen) | tl.where(b == 0, True, False))
+        live = (b * 64 < clen) | tl.where(b == 0, True, False)
         h0 = tl.where(live, n0, h0)
         h1 = tl.where(live, n1, h1)
         h2 = tl.where(live, n2, h2)
@@ -304,14 +348,12 @@ def _general_kernel(base, starts, addrs, progs, num_ranges, nsteps, total, num_c
         h5 = tl.where(live, n5, h5)
         h6 = tl.where(live, n6, h6)
         h7 = tl.where(live, n7, h7)
-    cnt = tl.minimum(num_chunks - first, C)
-    single = num_chunks <= C
-    g0, g1, g2, g3, g4, g5, g6, g7 = _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, single, C, LOG2C)
-    _store8(out, pid, g0, g1, g2, g3, g4, g5, g6, g7)
+    _store_cvs(out, chunk, valid, h0, h1, h2, h3, h4, h5, h6, h7)
 
 
 @triton.jit(do_not_specialize=["count"])
 def _parent_kernel(cvs, count, out, N: tl.constexpr, LOG2N: tl.constexpr):
+    """N nodes of a level -> their subtree's node, N // 2 ... levels up (pid-th of the next launch)."""
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * N
     rows = first + tl.arange(0, N)
@@ -339,17 +381,16 @@ _parent = Launcher(_parent_kernel)
 
 @dataclass(frozen=True)
 class Plan:
-    """Where the message's bytes are and which programs the general kernel takes.
+    """Where the message's bytes are and which chunks the general kernel takes.
 
     `starts[r]`: the message offset of range r's first byte (`starts[-1]` = the message's length);
-    `addrs[r]`: its address relative to the base pointer; `general`: program indices, a superset of
-    those with a chunk that is short, crosses a range boundary, or sits at an address that is not a
-    multiple of 16 (with the base pointer 16-byte aligned)."""
+    `addrs[r]`: its address relative to the base pointer; `general`: chunk indices, a superset of
+    those the fast kernel leaves (short, crossing a range boundary, at an address that is not a
+    multiple of 16, or the message's only chunk)."""
 
     starts: list[int]
     addrs: list[int]
     num_chunks: int
-    programs: int
     general: list[int]
 
     @property
@@ -357,8 +398,9 @@ class Plan:
         return self.starts[-1]
 
 
-def plan(ranges: Sequence[tuple[int, int]], per_program: int = PER_PROGRAM, base_aligned: bool = True) -> Plan:
-    """`ranges`: (address relative to the base pointer, nbytes) in message order, empty ones allowed."""
+def plan(ranges: Sequence[tuple[int, int]], base_mod: int = 0) -> Plan:
+    """`ranges`: (address relative to the base pointer, nbytes) in message order, empty ones allowed;
+    `base_mod`: the base pointer's address modulo 16."""
     starts, addrs = [0], []
     for addr, n in ranges:
         if n > 0:
@@ -368,22 +410,18 @@ def plan(ranges: Sequence[tuple[int, int]], per_program: int = PER_PROGRAM, base
         addrs, starts = [0], [0, 0]
     total = starts[-1]
     num_chunks = max(1, -(-total // CHUNK))
-    programs = -(-num_chunks // per_program)
-    span = per_program * CHUNK
     general: set[int] = set()
-    if not base_aligned:
-        general.update(range(programs))
     for r, addr in enumerate(addrs):
         s, e = starts[r], starts[r + 1]
         if e == s:
             continue
-        if (addr - s) % _ALIGN:
-            general.update(range(s // span, (e - 1) // span + 1))
-        if s % CHUNK:  # a chunk that straddles this range's start
-            general.add(s // span)
-    if total % CHUNK or num_chunks % per_program:
-        general.add(programs - 1)
-    return Plan(starts, addrs, num_chunks, programs, sorted(general))
+        if (base_mod + addr - s) % _ALIGN:
+            general.update(range(s // CHUNK, (e - 1) // CHUNK + 1))
+        if s % CHUNK:  # the chunk that straddles this range's start
+            general.add(s // CHUNK)
+    if total % CHUNK or num_chunks == 1:
+        general.add(num_chunks - 1)
+    return Plan(starts, addrs, num_chunks, sorted(general))
 
 
 @dataclass(frozen=True)
@@ -391,6 +429,7 @@ class Job:
     """One digest's launches, ready to go: the range table on the device and the plan."""
 
     base: torch.Tensor
+    base_mod: int
     table: torch.Tensor
     plan: Plan
 
@@ -410,11 +449,12 @@ def prepare(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, in
         if off < 0 or n < 0 or off + n > buf.numel():
             raise ValueError(f"range ({shard}, {off}, {n}) is outside its buffer of {buf.numel()} bytes")
         rel.append((buf.data_ptr() + off - base.data_ptr(), n))
-    p = plan(rel, PER_PROGRAM, base.data_ptr() % _ALIGN == 0)
+    base_mod = base.data_ptr() % _ALIGN
+    p = plan(rel, base_mod)
     # Each part of the table starts 16-byte aligned, as Triton assumes of the pointers it compiled for.
     pad = [[0] * (len(part) % 2) for part in (p.starts, p.addrs)]
     table = torch.tensor(p.starts + pad[0] + p.addrs + pad[1] + p.general, dtype=torch.int64)
-    return Job(base, table.to(device, non_blocking=True), p)
+    return Job(base, base_mod, table.to(device, non_blocking=True), p)
 
 
 def launch(job: Job) -> torch.Tensor:
@@ -424,17 +464,19 @@ def launch(job: Job) -> torch.Tensor:
     nsteps = nranges.bit_length()
     a0 = nranges + 1 + (nranges + 1) % 2
     g0 = a0 + nranges + nranges % 2
-    starts, addrs, progs = table[:nranges + 1], table[a0:a0 + nranges], table[g0:]
+    starts, addrs, chunks = table[:nranges + 1], table[a0:a0 + nranges], table[g0:]
     device = table.device
-    cvs = torch.empty((p.programs, 8), dtype=torch.int32, device=device)
-    consts = (("C", PER_PROGRAM), ("LOG2C", PER_PROGRAM.bit_length() - 1))
+    cvs = torch.empty((p.num_chunks, 8), dtype=torch.int32, device=device)
     with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
-        if len(p.general) < p.programs:
-            _fast((p.programs,), (job.base, starts, addrs, nranges, nsteps, p.num_chunks, cvs), consts, NUM_WARPS)
+        if len(p.general) < p.num_chunks:
+            _fast((-(-p.num_chunks // PER_PROGRAM),),
+                  (job.base, starts, addrs, nranges, nsteps, p.num_chunks, job.base_mod, cvs),
+                  (("C", PER_PROGRAM), ("ROW_LOADS", ROW_LOADS)), NUM_WARPS)
         if p.general:
-            _general((len(p.general),), (job.base, starts, addrs, progs, nranges, nsteps, p.total, p.num_chunks,
-                                         cvs), consts, GENERAL_WARPS)
-        count = p.programs
+            _general((-(-len(p.general) // GENERAL_LANES),),
+                     (job.base, starts, addrs, chunks, len(p.general), nranges, nsteps, p.total, p.num_chunks, cvs),
+                     (("C", GENERAL_LANES),), GENERAL_WARPS)
+        count = p.num_chunks
         fanin = (("N", PARENT_FANIN), ("LOG2N", PARENT_FANIN.bit_length() - 1))
         while count > 1:
             nxt = -(-count // PARENT_FANIN)
@@ -456,20 +498,16 @@ def hexdigest(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, 
     return digest(buffers, ranges).hex()
 
 
-def reference(data: bytes, per_program: int = PER_PROGRAM, parent_fanin: int = PARENT_FANIN) -> bytes:
-    """The same computation on the host in plain Python, program by program and launch by launch (the
-    subtrees, the carried odd nodes, where ROOT goes): the tree plan checked against `blake3` without
-    a GPU. Slow: for tests of a few chunks."""
+def reference(data: bytes, parent_fanin: int = PARENT_FANIN) -> bytes:
+    """The same computation on the host in plain Python, launch by launch (every chunk's CV, then groups
+    of `parent_fanin` nodes reduced to one until one is left, odd nodes carried up, ROOT on the last
+    parent): the tree plan checked against `blake3` without a GPU. Slow: for tests of a few chunks."""
     chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
-    only = len(chunks) == 1
-    nodes = [_chunk_cv(c, i, root=only) for i, c in enumerate(chunks)]
-    group = per_program
-    while True:
-        single = len(nodes) <= group
-        nodes = [_reduce(nodes[i:i + group], single) for i in range(0, len(nodes), group)]
-        if len(nodes) == 1:
-            return b"".join(w.to_bytes(4, "little") for w in nodes[0])
-        group = parent_fanin
+    nodes = [_chunk_cv(c, i, root=len(chunks) == 1) for i, c in enumerate(chunks)]
+    while len(nodes) > 1:
+        single = len(nodes) <= parent_fanin
+        nodes = [_reduce(nodes[i:i + parent_fanin], single) for i in range(0, len(nodes), parent_fanin)]
+    return b"".join(w.to_bytes(4, "little") for w in nodes[0])
 
 
 def _reduce(nodes: list[list[int]], single: bool) -> list[int]:
