@@ -51,7 +51,9 @@ def test_router_and_tiny_model_parse_the_rendered_commands(example: str) -> None
 
 @pytest.mark.slow
 def test_vllm_serve_parses_the_rendered_commands() -> None:
-    vllm_args = pytest.importorskip("vllm.entrypoints.launchers.cli_args")
+    # Imported here (importing vLLM is slow) and never importorskip'd: make setup always installs vLLM,
+    # so a vLLM that moved these must fail the contract, not skip it.
+    from vllm.entrypoints.launchers import cli_args as vllm_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     for example in EXAMPLES:
@@ -79,10 +81,10 @@ def _vllm_omp_binding(env: dict[str, str], monkeypatch: pytest.MonkeyPatch, *, c
                       cpus: int = 2) -> tuple[list[int], list[int]]:
     """(the CPUs vLLM's CPU build pins its worker's OpenMP threads to, those it leaves to the rest),
     as its executor computes them for one rank on a box of `cpus` single-thread cores."""
-    omp = pytest.importorskip("vllm.utils.ompmultiprocessing")
     from types import SimpleNamespace
 
     from vllm.platforms import current_platform
+    from vllm.utils import ompmultiprocessing as omp
 
     if not current_platform.is_cpu():
         pytest.skip("vLLM's CPU build is not the installed one")
