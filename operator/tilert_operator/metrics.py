@@ -1,30 +1,38 @@
 """The operator's Prometheus metrics, served on /metrics: reconcile duration and errors, API writes,
 PDClusters by state, Kubernetes API calls by verb. One registry per Metrics, because tests run
-several operators in one process."""
+several operators in one process. docs/metrics.md lists them (tilert_serve.metrics_catalogue)."""
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from tilert_serve.metric_defs import Domain, Registry, counter, histogram, values
+
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-STATES = ("ready", "not_ready", "invalid")
+#: A PDCluster's state as the controller keeps it; every state is a series, 0 when none is in it.
+STATES = values(("ready", "not_ready", "invalid"), other=False)
+#: The API client's verbs (kubeapi.Client.request's first argument); another counts as "other".
+API_VERBS = values(("get", "list", "patch", "create", "delete"))
 CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_PDCLUSTERS = "tilert_pd_pdclusters"
+_API_CALLS = "tilert_pd_api_calls"
 
 
 class Metrics:
     def __init__(self, api_calls: collections.Counter[str] | None = None) -> None:
-        r = self.registry = CollectorRegistry()
-        self.reconcile_duration = Histogram(
-            "tilert_pd_reconcile_duration_seconds", "Time of one PDCluster reconcile.", buckets=BUCKETS, registry=r,
-        )  # fmt: skip
-        self.reconcile_errors = Counter("tilert_pd_reconcile_errors", "Reconciles that failed (retried with backoff).", registry=r)
-        self.writes = Counter("tilert_pd_writes", "API writes made by reconciles.", registry=r)
+        r = self.registry = Registry()
+        self.reconcile_duration = histogram(r, "tilert_pd_reconcile_duration_seconds",
+                                            "Seconds of one PDCluster reconcile.", BUCKETS)
+        self.reconcile_errors = counter(r, "tilert_pd_reconcile_errors_total",
+                                        "Reconciles that failed (each is retried with backoff).")
+        self.writes = counter(r, "tilert_pd_writes_total", "Kubernetes API writes made by reconciles.")
         #: (namespace, name) -> ready | not_ready | invalid; the controller keeps it, a scrape counts it.
         self.states: dict[tuple[str, str], str] = {}
         #: verb -> calls; the API client counts them (kubeapi.Client.calls), a scrape reads them.
@@ -42,13 +50,21 @@ class _ScrapeTime(Collector):
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
 
+    def label_domains(self) -> Mapping[str, Mapping[str, Domain]]:
+        return {_PDCLUSTERS: {"state": STATES}, _API_CALLS: {"verb": API_VERBS}}
+
     def collect(self) -> Iterator[Metric]:
+        # A PDCluster whose reconcile has not decided yet (reconcile.py's "unknown") is in no state.
         by_state = collections.Counter(self.metrics.states.values())
-        clusters = GaugeMetricFamily("tilert_pd_pdclusters", "PDClusters by state.", labels=["state"])
-        for state in STATES:
+        clusters = GaugeMetricFamily(_PDCLUSTERS, "PDClusters by state.", labels=["state"])
+        for state in STATES.listed():
             clusters.add_metric([state], by_state.get(state, 0))
         yield clusters
-        calls = CounterMetricFamily("tilert_pd_api_calls", "Kubernetes API calls by verb.", labels=["verb"])
-        for verb, n in sorted(self.metrics.api_calls.items()):
+        by_verb = collections.Counter[str]()
+        for verb, n in self.metrics.api_calls.items():
+            by_verb[API_VERBS.bound(verb)] += n
+        calls = CounterMetricFamily(_API_CALLS, "Kubernetes API calls by verb (retries included).",
+                                    labels=["verb"])
+        for verb, n in sorted(by_verb.items()):
             calls.add_metric([verb], n)
         yield calls

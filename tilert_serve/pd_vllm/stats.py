@@ -1,5 +1,5 @@
 """Handoff statistics, reported through vLLM's own connector-stats path so they appear in the
-prefill's log and on its /metrics endpoint (as vllm:tilert_* counters)."""
+prefill's log and on its /metrics endpoint (as vllm:tilert_* counters; docs/metrics.md lists them)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,20 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetric,
     PromMetricT,
 )
+
+from tilert_serve.handoff.errors import RejectReason
+from tilert_serve.metric_defs import Domain, Unbounded, declare, values
+
+#: How a handoff ends, the outcome label's values: ok, the sender's failures (handoff/sender.py), the
+#: node's refusals, and the worker's own (internal: the sender crashed; failed: no reason given).
+#: Anything else counts as "other".
+HANDOFF_OUTCOMES = values({"ok", "failed", "internal", "unreachable", "timeout", "protocol", "prefill_failed",
+                           "transfer_failed", *RejectReason})
+#: The labels vLLM gives its metrics, ours included.
+VLLM_LABELS: dict[str, Domain] = {
+    "model_name": Unbounded("the served model's name (vLLM's label)"),
+    "engine": Unbounded("the engine core's index, one per data-parallel rank (vLLM's label)"),
+}
 
 
 def _empty() -> dict[str, Any]:
@@ -32,6 +46,7 @@ class TileRTStats(KVConnectorStats):
         transfer engine's write calls alone (bytes / write_s is the link's bandwidth; send_s holds
         the waits for the forward when layer-wise); `chunk_bytes`: bytes sent during a chunked
         prefill's steps before its last (of `nbytes`)."""
+        outcome = HANDOFF_OUTCOMES.bound(outcome)
         self.data["handoffs"][outcome] = self.data["handoffs"].get(outcome, 0) + 1
         self.data["bytes"] += nbytes
         self.data["extract_s"] += extract_s
@@ -74,27 +89,31 @@ class TileRTPromMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # vLLM maps each prometheus_client class to a compatible one (its own, or Ray's wrapper): the
         # class under the Counter key is a Counter.
-        counter = cast("type[Counter]", self._counter_cls)
-        self._handoffs = counter("vllm:tilert_handoffs", "TileRT handoffs by outcome",
-                                 labelnames=[*labelnames, "outcome"])
-        self._bytes = counter("vllm:tilert_handoff_bytes", "State bytes sent to TileRT nodes",
-                              labelnames=labelnames)
-        self._send_s = counter("vllm:tilert_handoff_seconds", "Seconds spent sending state", labelnames=labelnames)
-        self._extract_s = counter("vllm:tilert_extract_seconds", "Seconds spent gathering state into staging",
-                                  labelnames=labelnames)
-        self._layers_sent = counter("vllm:tilert_layers_sent", "Layers handed over one by one (layer-wise handoff)",
-                                    labelnames=labelnames)
-        self._layers_early = counter("vllm:tilert_layers_early",
-                                     "Layers handed over before a handoff's last batch (while the step still ran)",
-                                     labelnames=labelnames)
-        self._ack_s = counter("vllm:tilert_ack_seconds", "Seconds from a handoff's last write to the node's Ack",
-                              labelnames=labelnames)
-        self._write_s = counter("vllm:tilert_write_seconds",
-                                "Seconds inside the transfer engine's writes (handoff bytes / this = link bandwidth)",
-                                labelnames=labelnames)
-        self._chunk_bytes = counter("vllm:tilert_handoff_chunk_bytes",
-                                    "Of the handoff bytes, those sent while a chunked prefill's later chunks "
-                                    "were still being computed", labelnames=labelnames)
+        counter_cls = cast("type[Counter]", self._counter_cls)
+        vllm_labels = {n: VLLM_LABELS.get(n, Unbounded("a label vLLM gives all its metrics")) for n in labelnames}
+
+        def counter(name: str, documentation: str, labels: dict[str, Domain] | None = None) -> Counter:
+            domains = {**vllm_labels, **(labels or {})}
+            return declare(counter_cls(name, documentation, labelnames=list(domains)), domains)
+
+        self._handoffs = counter("vllm:tilert_handoffs_total", "Handoffs to TileRT nodes by outcome: ok, or why "
+                                 "the handoff failed.", {"outcome": HANDOFF_OUTCOMES})
+        self._bytes = counter("vllm:tilert_handoff_bytes_total", "Bytes of state sent to TileRT nodes.")
+        self._send_s = counter("vllm:tilert_handoff_seconds_total", "Seconds sending state to TileRT nodes: "
+                               "handshake, writes (and, layer-wise, the waits for the forward) and Ack.")
+        self._extract_s = counter("vllm:tilert_extract_seconds_total",
+                                  "Seconds gathering state from the KV cache into staging.")
+        self._layers_sent = counter("vllm:tilert_layers_sent_total",
+                                    "Layers handed over one by one (layer-wise handoff).")
+        self._layers_early = counter("vllm:tilert_layers_early_total", "Layers handed over before a handoff's "
+                                     "last batch, while the forward still ran.")
+        self._ack_s = counter("vllm:tilert_ack_seconds_total",
+                              "Seconds from a handoff's last write to the node's Ack.")
+        self._write_s = counter("vllm:tilert_write_seconds_total", "Seconds inside the transfer engine's writes; "
+                                "handoff bytes over these seconds is the link's bandwidth.")
+        self._chunk_bytes = counter("vllm:tilert_handoff_chunk_bytes_total",
+                                    "Bytes of state, of the handoff bytes, sent while a chunked prefill's later "
+                                    "chunks were still being computed.")
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]

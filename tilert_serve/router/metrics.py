@@ -1,13 +1,19 @@
-"""Prometheus metrics, one registry per app (tests build many apps in one process)."""
+"""The router's Prometheus metrics, one registry per app (tests build many apps in one process).
+
+Label values are bounded (paths, route reasons, status codes, error kinds from fixed sets; node names
+and endpoint URLs from the config): no value comes from a client, and an upstream's words count as
+"other". docs/metrics.md lists them (tilert_serve.metrics_catalogue)."""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
-from typing import Any
+from typing import get_args
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from tilert_serve.metric_defs import Bounded, Registry, Unbounded, Values, counter, gauge, histogram, values
+from tilert_serve.router.policy import Label, Route
 
 # 0.5 ms .. 4 min: the router adds about a millisecond, prefills of long prompts take minutes.
 _LATENCY_BUCKETS = (
@@ -21,92 +27,92 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: Upstream failure kinds the router itself names, and the error types a TileRT node answers a
 #: generate call with (prefixed "generate_"); anything else counts as "other", so that an upstream's
 #: words never make new series.
+_GENERATE_TYPES = ("unknown_ticket", "already_generating", "handoff_timeout", "handoff_failed", "not_ready",
+                   "invalid_request", "invalid_json", "unauthorized", "request_too_large", "internal_error",
+                   "decode_failed", "timeout", "transport")
 _KINDS = frozenset({
     "timeout", "connect", "transport", "bad_response", "no_endpoint", "handoff_failed", "stream_error",
-    "truncated", "stream_broken", "cancel", "bootstrap",
-    *(f"generate_{t}" for t in ("unknown_ticket", "already_generating", "handoff_timeout", "handoff_failed",
-                                "not_ready", "invalid_request", "invalid_json", "unauthorized",
-                                "request_too_large", "internal_error", "decode_failed", "timeout", "transport")),
+    "truncated", "stream_broken", "cancel", "bootstrap", *(f"generate_{t}" for t in _GENERATE_TYPES),
 })
-_HTTP_KIND = re.compile(r"^(admit_|generate_)?http_[1-5][0-9][0-9]$")
+_HTTP_KIND = "(admit_|generate_)?http_[1-5][0-9][0-9]"
+#: An upstream failure's kind.
+KINDS = Values(_KINDS, _HTTP_KIND, "admit_http_NNN, generate_http_NNN, http_NNN: an upstream's HTTP status")
+#: The upstream pools (pools.Endpoint.pool).
+POOLS = values(("prefill", "native", "tilert"))
+#: The decode paths.
+PATHS = values(get_args(Route))
+#: How a request ended (handlers.py): ok, error (the router's own), client_gone, or http_NNN (the
+#: status the router answered).
+OUTCOMES = Values(frozenset({"ok", "error", "client_gone"}), "http_[1-5][0-9][0-9]",
+                  "http_NNN: the router answered this HTTP status")
+#: A TileRT node's answer to an admission call (tilert_path.py).
+ADMISSION_RESULTS = values({"ok", "full", "too_long", "error"})
+#: Why the router cancelled a TileRT ticket (tilert_path.py).
+CANCEL_REASONS = values({"failed", "aborted", "first token ends", "stop string"})
+#: How a handoff probe ended (canary.py): its own verdicts, the error type a node's generate call
+#: answered, or a failed upstream call's pool and kind.
+PROBE_OUTCOMES = Values(
+    frozenset({"ok", "error", "busy", "admit_failed", "no_prefill", "handoff_failed", "decode_failed",
+               *_GENERATE_TYPES, *_KINDS}),
+    f"(((prefill|native|tilert)_)?({'|'.join(re.escape(k) for k in sorted(_KINDS))})|"
+    f"((prefill|native|tilert)_)?{_HTTP_KIND})",
+    "POOL_KIND: a failed upstream call's pool and kind (as upstream_errors_total's), generate_http_NNN",
+)
+#: A config reload's result (reload.py).
+RELOAD_RESULTS = values({"ok", "error"})
+#: The HTTP status of a request the router refused.
+CODES = Values(frozenset(), "[45][0-9][0-9]", "NNN: the HTTP status, 400 to 599")
+NODE = Unbounded("a TileRT node's name (router config tilert[].name): one per node")
+ENDPOINT = Unbounded("an endpoint's URL: one per prefill, native and TileRT endpoint")
 
 
 def bounded_kind(kind: str) -> str:
     """`kind` when it is one of a fixed set (an HTTP status included), else "other"."""
-    return kind if kind in _KINDS or _HTTP_KIND.match(kind) else "other"
-
-
-class _Cached:
-    """A labelled metric whose children are looked up once per label set: prometheus_client's
-    `labels()` costs a lock and a few dict operations, and the hot path calls it several times per
-    request. Label values here are bounded (paths, node names, route reasons from a fixed set, status
-    codes; error kinds through `bounded_kind`): no value comes from a client."""
-
-    def __init__(self, metric: Any, normalize: Callable[[tuple[str, ...]], tuple[str, ...]] | None = None) -> None:
-        self._metric = metric
-        self._normalize = normalize
-        self._children: dict[tuple[str, ...], Any] = {}
-
-    def labels(self, *values: str) -> Any:
-        if self._normalize is not None:
-            values = self._normalize(values)
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = self._metric.labels(*values)
-        return child
-
-    def keep_only(self, keep: set[tuple[str, ...]]) -> None:
-        """Drop every label set not in `keep` (series of endpoints that left the pools)."""
-        for values in list(self._children):
-            if values not in keep:
-                del self._children[values]
-                self._metric.remove(*values)
+    return KINDS.bound(kind)
 
 
 class Metrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        self.registry = r = Registry()
         p = "tilert_router_"
-        self.ttft = _Cached(Histogram(p + "ttft_seconds", "Request arrival to first token written, by path",
-                              ["path"], buckets=_LATENCY_BUCKETS, registry=r))
-        self.itl = _Cached(Histogram(p + "inter_token_seconds", "Gap between two chunks written to the client",
-                             ["path"], buckets=_ITL_BUCKETS, registry=r))
-        self.e2e = _Cached(Histogram(p + "request_duration_seconds", "Request arrival to the last byte, by path",
-                             ["path"], buckets=_LATENCY_BUCKETS, registry=r))
-        self.prefill = _Cached(Histogram(p + "prefill_seconds", "Prefill call duration, by path",
-                                 ["path"], buckets=_LATENCY_BUCKETS, registry=r))
-        self.handoff = Histogram(p + "handoff_seconds",
-                                 "Prefill answer to the first token from the TileRT node (KV handoff)",
-                                 buckets=_LATENCY_BUCKETS, registry=r)
-        self.requests = _Cached(Counter(p + "requests_total", "Finished requests by path and outcome",
-                                ["path", "outcome"], registry=r))
-        self.routes = _Cached(Counter(p + "routes_total", "Routing decisions by path and reason",
-                              ["path", "reason"], registry=r))
-        self.admissions = _Cached(Counter(p + "admissions_total", "TileRT admission calls by node and result",
-                                  ["node", "result"], registry=r))
-        self.rejections = _Cached(Counter(p + "rejections_total", "Requests answered 4xx/5xx by the router, by code",
-                                  ["code"], registry=r))
-        self.upstream_errors = _Cached(Counter(p + "upstream_errors_total", "Upstream failures by pool and kind",
-                                       ["pool", "kind"], registry=r),
-                                       lambda v: (v[0], bounded_kind(v[1])))
-        self.probes = _Cached(Counter(p + "handoff_probes_total", "Handoff probes (canary) by node and outcome",
-                                      ["node", "outcome"], registry=r))
-        self.retries = Counter(p + "retries_total", "Requests retried before their first byte",
-                               registry=r)
-        self.cancels = _Cached(Counter(p + "tilert_cancels_total", "Cancel calls to TileRT nodes by reason",
-                               ["reason"], registry=r))
-        self.inflight = _Cached(Gauge(p + "inflight_requests", "Requests in flight by path", ["path"], registry=r))
-        self.slots = _Cached(Gauge(p + "tilert_slots_in_use", "TileRT slots this router holds, by node",
-                           ["node"], registry=r))
-        self.healthy = _Cached(Gauge(p + "endpoint_healthy", "1 healthy, 0 ejected, -1 not probed yet",
-                             ["pool", "endpoint"], registry=r))
-        self.breaker_open = _Cached(Gauge(p + "breaker_open", "1 while a TileRT node's circuit breaker is open or "
-                                                              "half-open (failed handoffs), 0 closed", ["node"], registry=r))
-        self.path_up = _Cached(Gauge(p + "path_up", "1 when a decode path can take a request, 0 down, -1 not configured",
-                                     ["path"], registry=r))
-        self.config_reloads = _Cached(Counter(p + "config_reloads_total", "Config reloads by result",
-                                      ["result"], registry=r))
+        path = {"path": PATHS}
+        self.ttft = Bounded(histogram(r, p + "ttft_seconds", "Seconds from a request's arrival to its first token "
+                                      "written to the client, by decode path.", _LATENCY_BUCKETS, path))
+        self.itl = Bounded(histogram(r, p + "inter_token_seconds", "Seconds between two chunks written to a client, "
+                                     "by decode path.", _ITL_BUCKETS, path))
+        self.e2e = Bounded(histogram(r, p + "request_duration_seconds", "Seconds from a request's arrival to its "
+                                     "last byte written, by decode path.", _LATENCY_BUCKETS, path))
+        self.prefill = Bounded(histogram(r, p + "prefill_seconds", "Seconds of the prefill call, by decode path.",
+                                         _LATENCY_BUCKETS, path))
+        self.handoff = histogram(r, p + "handoff_seconds", "Seconds from the prefill's answer to the first token "
+                                 "from the TileRT node (the KV handoff, as the router sees it).", _LATENCY_BUCKETS)
+        self.requests = Bounded(counter(r, p + "requests_total", "Finished requests by decode path and outcome.",
+                                        {"path": PATHS, "outcome": OUTCOMES}))
+        self.routes = Bounded(counter(r, p + "routes_total", "Routing decisions by decode path and reason.",
+                                      {"path": PATHS, "reason": values(get_args(Label))}))
+        self.admissions = Bounded(counter(r, p + "admissions_total", "TileRT admission calls by node and result.",
+                                          {"node": NODE, "result": ADMISSION_RESULTS}))
+        self.rejections = Bounded(counter(r, p + "rejections_total", "Requests the router answered with a 4xx or "
+                                          "5xx status, by status.", {"code": CODES}))
+        self.upstream_errors = Bounded(counter(r, p + "upstream_errors_total", "Failed upstream calls by pool and "
+                                               "kind.", {"pool": POOLS, "kind": KINDS}))
+        self.probes = Bounded(counter(r, p + "handoff_probes_total", "Handoff probes (canary requests to idle TileRT "
+                                      "nodes) by node and outcome.", {"node": NODE, "outcome": PROBE_OUTCOMES}))
+        self.retries = counter(r, p + "retries_total", "Requests retried on another endpoint before their first "
+                               "byte.")
+        self.cancels = Bounded(counter(r, p + "tilert_cancels_total", "Ticket cancels sent to TileRT nodes, by "
+                                       "reason.", {"reason": CANCEL_REASONS}))
+        self.inflight = Bounded(gauge(r, p + "inflight_requests", "Requests in flight, by decode path.", path))
+        self.slots = Bounded(gauge(r, p + "tilert_slots_in_use", "TileRT slots this router holds, by node.",
+                                   {"node": NODE}))
+        self.healthy = Bounded(gauge(r, p + "endpoint_healthy", "Endpoint health: 1 healthy, 0 ejected, -1 not "
+                                     "probed yet.", {"pool": POOLS, "endpoint": ENDPOINT}))
+        self.breaker_open = Bounded(gauge(r, p + "breaker_open", "1 while a TileRT node's circuit breaker is open "
+                                          "or half-open (after failed handoffs), 0 while closed.", {"node": NODE}))
+        self.path_up = Bounded(gauge(r, p + "path_up", "1 when a decode path can take a request, 0 when it is down, "
+                                     "-1 when it is not configured.", path))
+        self.config_reloads = Bounded(counter(r, p + "config_reloads_total", "Config reloads by result.",
+                                              {"result": RELOAD_RESULTS}))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
