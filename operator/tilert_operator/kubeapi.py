@@ -188,6 +188,16 @@ def object_path(kind: str, namespace: str, name: str | None = None, subresource:
 REFRESH_RETRY_S = 5.0
 #: How many of its own writes the client remembers (by object) to recognise their watch echoes.
 OWN_WRITES = 4096
+#: How many Events the client remembers to aggregate repeats into (client-go's recorder keeps 4096).
+EVENT_CACHE = 4096
+
+
+def event_key(event: Obj) -> tuple[str, ...]:
+    """What makes two Events the same occurrence again (client-go's getEventKey): the object, the
+    related object, type, reason and message."""
+    inv, rel = event.get("involvedObject") or {}, event.get("related") or {}
+    return (str(event["metadata"].get("namespace")), str(inv.get("uid") or inv.get("name")), str(rel.get("kind")),
+            str(rel.get("name")), str(event.get("type")), str(event.get("reason")), str(event.get("message")))
 
 
 class Client:
@@ -208,6 +218,8 @@ class Client:
         self._refresh_after = 0.0
         self._token_sig = _file_sig(conn.token_file) if conn.token_file else None
         self._own: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+        #: event_key -> (the Event's name, its count) of the Events this client posted.
+        self._events: OrderedDict[tuple[str, ...], tuple[str, int]] = OrderedDict()
 
     def own(self, kind: str, namespace: str, name: str) -> str | None:
         """The resourceVersion our last write of this object got (DELETED after our delete), if any."""
@@ -388,6 +400,34 @@ class Client:
         if status != 409 and out and meta.get("name"):
             self._wrote(obj["kind"], meta["namespace"], meta["name"], (out.get("metadata") or {}).get("resourceVersion"))
         return None if status == 409 else out
+
+    async def event(self, event: Obj) -> Obj | None:
+        """Post an Event the way client-go's recorder does: the first occurrence is created, a repeat
+        of the same one (event_key) bumps its `count` and `lastTimestamp` with a patch, so a condition
+        that keeps coming back is one Event with a count, not one Event each time. An Event gone
+        meanwhile (they expire after an hour) is created again."""
+        key = event_key(event)
+        known = self._events.pop(key, None)
+        ns = event["metadata"]["namespace"]
+        if known is not None:
+            name, count = known
+            status, out = await self.request(
+                "patch", "PATCH", object_path("Event", ns, name),
+                body={"count": count + 1, "lastTimestamp": event.get("lastTimestamp")},
+                content_type="application/merge-patch+json", ok_statuses=frozenset({404}),
+            )  # fmt: skip
+            if status != 404 and out:
+                self._remember_event(key, name, count + 1)
+                return out
+        out = await self.create(event)
+        if out and (out.get("metadata") or {}).get("name"):
+            self._remember_event(key, out["metadata"]["name"], int(out.get("count") or 1))
+        return out
+
+    def _remember_event(self, key: tuple[str, ...], name: str, count: int) -> None:
+        self._events[key] = (name, count)
+        while len(self._events) > EVENT_CACHE:
+            self._events.popitem(last=False)
 
     async def delete(self, kind: str, namespace: str, name: str) -> None:
         await self.request(

@@ -21,7 +21,9 @@ failure of a reconcile (a list, a Secret) writes `Reconciled=False` (ReconcileEr
 controller backs off. A refusal by the operator's own role (403) is neither: reason Forbidden, and
 the message names the verb and the resource the role lacks and sends the reader to the chart's RBAC,
 not to the spec. The next reconcile that applies everything sets `Reconciled=True` again.
-Children are compared with what the server holds by meaning: quantities (`0.5` and `500m`) by value.
+Children are compared with what the server holds by meaning: quantities (`0.5` and `500m`) by value,
+keyed lists by the keys server-side apply merges them by (someone else's env var or port is no
+difference), an empty map as absent. An Event that repeats is one Event with a count (kubeapi.Client.event).
 """
 
 from __future__ import annotations
@@ -109,19 +111,55 @@ def stamp(obj: Obj) -> Obj:
     return obj
 
 
+#: Lists the built-in kinds' schemas merge by key (x-kubernetes-list-type: map), with their keys:
+#: server-side apply keeps someone else's entries beside ours, so the live list may hold more, in
+#: any order. Every other list is atomic: compared whole, in order.
+LIST_MAP_KEYS: dict[str, tuple[str, ...]] = {
+    "containers": ("name",), "initContainers": ("name",), "ephemeralContainers": ("name",), "env": ("name",),
+    "volumes": ("name",), "volumeMounts": ("mountPath",), "imagePullSecrets": ("name",),
+    "ports": ("containerPort", "protocol"),
+}
+
+
+def list_keys(path: tuple[str, ...], items: list[Any]) -> tuple[str, ...] | None:
+    """The merge keys of a list at `path` (keys of a built-in object, lists as "[]"); None when atomic."""
+    field = path[-1] if path else ""
+    if not items or field not in LIST_MAP_KEYS or not all(isinstance(i, dict) for i in items):
+        return None
+    if field == "ports" and not all("containerPort" in i for i in items):
+        # A Service's ports are a map by port and protocol; a NetworkPolicy rule's are atomic.
+        return ("port", "protocol") if path == ("spec", "ports") else None
+    return LIST_MAP_KEYS[field]
+
+
+def _item_key(keys: tuple[str, ...], item: dict[str, Any]) -> tuple[Any, ...]:
+    # The API server defaults a port's protocol to TCP: an entry without one is the TCP entry.
+    return tuple(str(item.get(k, "TCP" if k == "protocol" else None)) for k in keys)
+
+
 def contains(actual: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
-    """Whether `actual` already holds everything in `desired` (server defaults may add more).
+    """Whether `actual` already holds everything in `desired` (server defaults and other managers'
+    fields may add more), so that a resync at rest applies nothing.
 
     Compared by meaning where the API server normalises: a quantity (resources' requests and limits,
     an emptyDir's sizeLimit, pod overhead) is stored canonical (`0.5` -> `500m`, `1.5Gi` -> `1536Mi`,
     8 -> "8"), so quantities compare by value; other scalars compare as text too (8 and "8"); an empty
-    string or list the server omits on read (an env var's `value: ""`) matches its absence.
+    string, list or map the server omits on read (an env var's `value: ""`, `limits: {}`) matches its
+    absence. Keyed lists (containers and env by name, ports by containerPort and protocol, volumes by
+    name: LIST_MAP_KEYS) are matched by key as server-side apply merges them, so an entry someone
+    else added is no difference; an entry of ours that differs or is missing is.
     """
     if isinstance(desired, dict):
         return isinstance(actual, dict) and all(contains(actual[k], v, (*path, k)) if k in actual else _omitted(v)
                                                 for k, v in desired.items())
     if isinstance(desired, list):
-        return isinstance(actual, list) and len(actual) == len(desired) and all(
+        if not isinstance(actual, list):
+            return False
+        keys = list_keys(path, desired)
+        if keys is not None:
+            live = {_item_key(keys, a): a for a in actual if isinstance(a, dict)}
+            return all(contains(live.get(_item_key(keys, d)), d, (*path, "[]")) for d in desired)
+        return len(actual) == len(desired) and all(
             contains(a, d, (*path, "[]")) for a, d in zip(actual, desired, strict=True))
     if actual == desired or str(actual) == str(desired):
         return True
@@ -134,8 +172,8 @@ def contains(actual: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
 
 
 def _omitted(value: Any) -> bool:
-    """An empty string or list the API server does not return (its types mark them omitempty)."""
-    return bool(value == "" or value == [])
+    """An empty string, list or map the API server does not return (its types mark them omitempty)."""
+    return bool(value == "" or value == [] or value == {})
 
 
 def is_quantity(path: tuple[str, ...]) -> bool:
@@ -226,7 +264,7 @@ def _key(obj: Obj) -> str:
 
 
 async def _event(api: Client, body: Obj, cond: status.Condition, out: Outcome) -> None:
-    await _post_event(api, body, ok=cond["status"] == "True", reason=cond["reason"],
+    await _post_event(api, body, ok=not status.is_fault(cond), reason=cond["reason"],
                       message=f"{cond['type']}={cond['status']}: {cond['message']}", out=out,
                       tag=f"{cond['type']}={cond['status']}")
 
@@ -252,7 +290,7 @@ async def _post_event(api: Client, body: Obj, *, ok: bool, reason: str, message:
     }  # fmt: skip
     if related is not None:
         event["related"] = related
-    await api.create(event)
+    await api.event(event)
     out.events.append(tag)
 
 
@@ -261,7 +299,9 @@ async def _write_status(api: Client, body: Obj, new: dict[str, Any], out: Outcom
     if status.same(new, old):
         return
     meta = body["metadata"]
-    out.written = await api.patch_status(constants.KIND, meta["namespace"], meta["name"], new)
+    # A merge patch keeps what it does not name: a key the status no longer has (a finished
+    # rotation's nextPhaseAt) is removed explicitly, or every resync would find it and write again.
+    out.written = await api.patch_status(constants.KIND, meta["namespace"], meta["name"], status.merge_patch(old, new))
     out.status_written = True
     for cond in status.transitions(new["conditions"], old.get("conditions") or []):
         if cond["type"] != RECONCILED:  # its Events name each child (_failure_events)

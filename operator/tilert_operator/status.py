@@ -37,6 +37,12 @@ POOL_KEYS = {constants.PREFILL: "prefill", constants.TILERT: "tilert", constants
 Condition = dict[str, Any]
 
 
+def is_fault(cond: Condition) -> bool:
+    """Whether a condition says something is wrong (its Event is a Warning). A rotation condition
+    never does: False means no rotation is under way (none asked for, or the last one finished)."""
+    return cond["status"] != "True" and cond["type"] not in ROTATION_CONDITIONS.values()
+
+
 def _cond(type_: str, ok: bool, reason: str, message: str) -> Condition:
     return {"type": type_, "status": "True" if ok else "False", "reason": reason, "message": message}
 
@@ -375,6 +381,20 @@ def build(
         ]
     status.update(rotations or {})
     return status
+
+
+def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """The JSON merge patch that turns the maps of `new` into what they say: a key an object of `old`
+    has and the same object of `new` lacks is set to null (removed). Top-level keys `new` does not
+    name are left as they are; lists are replaced whole."""
+    out: dict[str, Any] = {}
+    for k, v in new.items():
+        before = old.get(k)
+        if isinstance(v, dict) and isinstance(before, dict):
+            out[k] = merge_patch(before, v) | {gone: None for gone in before if gone not in v}
+        else:
+            out[k] = v
+    return out
 
 
 def same(new: dict[str, Any], old: dict[str, Any]) -> bool:

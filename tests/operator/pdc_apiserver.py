@@ -32,8 +32,10 @@ ownerReferences change, `update` on the owner's `finalizers` for blockOwnerDelet
 403 Status a real server answers, and every decision is logged (`checks`). See pdc_rbac.py.
 
 Not emulated (not proven by tests on this server): pruning,
-Kubernetes CEL extension libraries, admission webhooks, SSA field ownership (apply replaces the applied top-level
-fields and merges metadata labels/annotations), strategic-merge list merging, controllers (no pod
+Kubernetes CEL extension libraries, admission webhooks, SSA conflicts between managers (an apply merges into
+the live object as a real one does: its fields set, the fields it applied before and dropped removed,
+everyone else's kept, keyed lists merged by key; managedFields are not shown; custom resources' applied
+top-level fields replace; metadata labels/annotations merge), strategic-merge list merging, controllers (no pod
 is ever created from a Deployment), 410 Gone, dryRun.
 """
 
@@ -163,6 +165,9 @@ class ApiServer(kmock.KubernetesEmulator):
         self.owner_references_permission_enforcement = False
         #: Every authorization decision made while `rbac` is set.
         self.checks: list[Check] = []
+        #: Per object, per field manager: the fields its last server-side apply set (what a real server
+        #: keeps in managedFields), so an apply removes only what the same manager stops applying.
+        self.managed: dict[Key, dict[str, Obj]] = {}
         #: Who sent the write being handled (under the writers' lock), for admission's own checks.
         self._user: User | None = None
 
@@ -279,6 +284,7 @@ class ApiServer(kmock.KubernetesEmulator):
             return copy.deepcopy(obj)
         del self.store[key]
         self.by_res[key[0]].pop(key, None)
+        self.managed.pop(key, None)
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
         self._emit(key[0], "DELETED", obj)
@@ -576,19 +582,30 @@ class ApiServer(kmock.KubernetesEmulator):
                 body = self._admit(res, body, None)
                 self._admit_owner_references(res, body, None)
                 self._stamp_new(body)
+                self._remember_apply(key, request.params.get("fieldManager") or "", body)
                 return self._commit(res, key, body, "ADDED"), 201
-            # One field manager: the applied top-level fields replace ours; metadata merges.
             self._typed(res, body, ns, name or "")
             new = copy.deepcopy(old)
-            for k, v in body.items():
-                if k != "metadata":
-                    new[k] = copy.deepcopy(v)
+            manager = request.params.get("fieldManager") or ""
+            if res in self.crds:  # a custom resource's lists are atomic: the applied top-level fields replace
+                for k, v in body.items():
+                    if k != "metadata":
+                        new[k] = copy.deepcopy(v)
+            else:  # built-in kinds: merged as server-side apply merges (keyed lists by key)
+                content = {k: v for k, v in body.items() if k not in ("metadata", "apiVersion", "kind", "status")}
+                previous = self.managed.get(key, {}).get(manager)
+                merged = sem.apply_merge({k: v for k, v in old.items() if k not in ("metadata", "apiVersion", "kind", "status")},
+                                         content, previous)
+                new = {k: v for k, v in old.items() if k in ("metadata", "apiVersion", "kind", "status")} | merged
+                new = copy.deepcopy(new)
             for k, v in (body.get("metadata") or {}).items():
                 if k in ("labels", "annotations") and isinstance(v, dict):
                     new["metadata"][k] = (new["metadata"].get(k) or {}) | v
                 elif k not in ("resourceVersion", "uid"):
                     new["metadata"][k] = copy.deepcopy(v)
-            return self._update(res, key, old, new, subresource=sub), 200
+            out = self._update(res, key, old, new, subresource=sub)
+            self._remember_apply(key, manager, body)
+            return out, 200
         if old is None:
             raise sem.ApiError(404, "NotFound", f'{res[2]} "{name}" not found')
         want_rv = (body or {}).get("metadata", {}).get("resourceVersion") if isinstance(body, dict) else None
@@ -601,6 +618,11 @@ class ApiServer(kmock.KubernetesEmulator):
         else:  # merge and strategic-merge patches (strategic handled as merge)
             new = sem.merge(old, body)
         return self._update(res, key, old, new, subresource=sub), 200
+
+    def _remember_apply(self, key: Key, manager: str, body: Obj) -> None:
+        """The fields a manager applied: what its next apply may remove (managedFields, in short)."""
+        self.managed.setdefault(key, {})[manager] = {
+            k: copy.deepcopy(v) for k, v in body.items() if k not in ("metadata", "apiVersion", "kind", "status")}
 
     def _typed(self, res: Res, body: Obj, ns: str | None, name: str) -> None:
         """Server-side apply's conversion of the applied object to its kind's schema (built-in kinds)."""

@@ -407,13 +407,15 @@ _MAP_FIELDS = frozenset({"labels", "annotations", "data", "stringData", "binaryD
 def drop_empty(node: Any) -> Any:
     """What a real API server returns for fields the client sent empty: the Go types mark optional
     fields `omitempty`, so an empty string or list the client wrote (an env var's `value: ""`, `args: []`)
-    is not there when the object is read back. (Empty objects are kept: `emptyDir: {}` means something;
+    is not there when the object is read back, nor is an empty map (`limits: {}`, `labels: {}`).
+    (Empty objects are kept: `emptyDir: {}` means something;
     false booleans too: many are pointers.)"""
     if isinstance(node, dict):
         out = {}
         for k, v in node.items():
             if k in _MAP_FIELDS and isinstance(v, dict):
-                out[k] = v
+                if v:  # an empty Go map is omitted like an empty string (`limits: {}` reads back absent)
+                    out[k] = v
             elif v == "" or v == []:
                 continue
             else:
@@ -687,3 +689,63 @@ def _keyed_lists(obj: Any, path: str = "") -> list[tuple[str, list[Any], tuple[s
         for i, v in enumerate(obj):
             out += _keyed_lists(v, f"{path}[{i}]")
     return out
+
+
+# ---- server-side apply's merge (one field manager's set of fields) -------------------------------
+
+#: Lists the built-in schemas merge by key (x-kubernetes-list-type: map) and their keys; every other
+#: list is atomic (the applier's list replaces the live one).
+LIST_MAP_KEYS: dict[str, tuple[str, ...]] = {
+    "containers": ("name",), "initContainers": ("name",), "ephemeralContainers": ("name",), "env": ("name",),
+    "volumes": ("name",), "volumeMounts": ("mountPath",), "imagePullSecrets": ("name",),
+    "ports": ("containerPort", "protocol"),
+}
+
+
+#: Objects the built-in schemas mark atomic (a LabelSelector is `structType=atomic`; a Service's
+#: selector and a pod's nodeSelector `mapType=atomic`): the applier's value replaces the live one.
+ATOMIC_FIELDS = frozenset({"selector", "nodeSelector", "podSelector", "namespaceSelector", "labelSelector"})
+
+
+def _list_keys(path: tuple[str, ...], items: list[Any]) -> tuple[str, ...] | None:
+    field = path[-1] if path else ""
+    if not items or not all(isinstance(i, dict) for i in items) or field not in LIST_MAP_KEYS:
+        return None
+    if field == "ports":
+        if all("containerPort" in i for i in items):
+            return LIST_MAP_KEYS["ports"]
+        # A Service's ports are a map by port and protocol; a NetworkPolicy rule's ports are atomic.
+        return ("port", "protocol") if path == ("spec", "ports") else None
+    return LIST_MAP_KEYS[field]
+
+
+def _item_key(keys: tuple[str, ...], item: Obj) -> tuple[Any, ...]:
+    return tuple(item.get(k, "TCP" if k == "protocol" else None) for k in keys)
+
+
+def apply_merge(live: Any, applied: Any, previous: Any, path: tuple[str, ...] = ()) -> Any:
+    """What server-side apply stores when one manager applies `applied` over `live`, having applied
+    `previous` before (its managed fields; None the first time): fields it applies take its values,
+    fields it applied before and no longer does are removed, everyone else's fields stay. Maps merge
+    by key, keyed lists (LIST_MAP_KEYS) by their items' keys (someone's extra env var stays beside
+    ours, after them); atomic objects (ATOMIC_FIELDS), other lists and scalars are replaced."""
+    if isinstance(applied, dict) and not (path and path[-1] in ATOMIC_FIELDS):
+        out = copy.deepcopy(live) if isinstance(live, dict) else {}
+        prev = previous if isinstance(previous, dict) else {}
+        for k in prev:
+            if k not in applied:
+                out.pop(k, None)
+        for k, v in applied.items():
+            out[k] = apply_merge(out.get(k), v, prev.get(k), (*path, k))
+        return out
+    keys = _list_keys(path, applied) if isinstance(applied, list) else None
+    if keys is not None:
+        live_items = [i for i in live if isinstance(i, dict)] if isinstance(live, list) else []
+        prev_items = [i for i in previous if isinstance(i, dict)] if isinstance(previous, list) else []
+        live_by = {_item_key(keys, i): i for i in live_items}
+        prev_by = {_item_key(keys, i): i for i in prev_items}
+        mine = [_item_key(keys, i) for i in applied]
+        out_list = [apply_merge(live_by.get(k), i, prev_by.get(k), (*path, "[]")) for k, i in zip(mine, applied, strict=True)]
+        return out_list + [copy.deepcopy(i) for i in live_items
+                           if _item_key(keys, i) not in mine and _item_key(keys, i) not in prev_by]
+    return copy.deepcopy(applied)

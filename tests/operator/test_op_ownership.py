@@ -94,7 +94,9 @@ def test_a_foreign_object_marked_for_adoption_is_adopted(apiserver: Any) -> None
         uid = _tiny(srv)["metadata"]["uid"]
         assert [r["uid"] for r in adopted["metadata"]["ownerReferences"]] == [uid]
         assert adopted["spec"]["selector"] == {constants.LABEL_CLUSTER: "tiny", constants.LABEL_COMPONENT: constants.ROUTER}
-        assert any(e["reason"] == "ChildAdopted" and "Service/tiny-router" in e["message"] for e in srv.objects("events", "default"))
+        # Posted after the status write that reported it: waited for, not read at once.
+        h.wait_for("ChildAdopted", lambda: any(e["reason"] == "ChildAdopted" and "Service/tiny-router" in e["message"]
+                                               for e in srv.objects("events", "default")), timeout=5)
         assert h.condition(_tiny(srv), "Ready")["reason"] != "ChildNotOwned"
         # Now the PDCluster's: deleted with it.
         apiserver.call(srv.remove(h.PDC, "default", "tiny"))
