@@ -19,6 +19,9 @@ replayed. copy = `dst.copy_(src)` of the same number of bytes (contiguous), even
 from __future__ import annotations
 
 import argparse
+import statistics
+import time
+from collections.abc import Callable
 
 import torch
 
@@ -32,6 +35,18 @@ GiB = 1 << 30
 
 def _reps(nbytes: int) -> tuple[int, int]:
     return (50, 5) if nbytes < 256 << 20 else (10, 2) if nbytes < 4 << 30 else (5, 1)
+
+
+def _host_us(fn: Callable[[], object], reps: int = 100) -> float:
+    """Median host microseconds of a call (the GPU is synchronised after each, outside the timing)."""
+    times = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -48,6 +63,7 @@ def main() -> None:
     bufs = [buf]
     rows: list[list[str]] = []
     tuning: list[str] = []
+    host_us: list[str] = []
     for n in sizes:
         for what, layers in (("whole", None), ("per layer", [args.layer])):
             ranges = digest.sender_ranges(staging, 0, 1, n, layers)
@@ -67,6 +83,10 @@ def main() -> None:
             t_host = (float("nan") if args.no_host
                       else median_ms(lambda r=ranges: digest.of_ranges_on_host(bufs, r, "blake3"), dev,
                                      min(reps, 5), 1))
+            if n == sizes[0]:
+                host_us.append(f"{n // 1024}k {what}: prepare {_host_us(lambda r=ranges: blake3_gpu.prepare(bufs, r)):.0f}"
+                               f" us, launch {_host_us(lambda j=job: blake3_gpu.launch(j)):.0f} us (queued), of_ranges "
+                               f"{_host_us(lambda r=ranges: digest.of_ranges(bufs, r, 'blake3')):.0f} us (to the digest)")
             for timing, t in (("call", t_call), ("kernel", t_kernel)):
                 rows.append([f"{n // 1024}k", what, timing, f"{nbytes / 1e6:.1f}", f"{t_copy:.4f}", f"{t:.4f}",
                              f"{nbytes / GiB / (t / 1e3):,.0f}", f"{t_copy / t:.0%}",
@@ -101,7 +121,10 @@ def main() -> None:
         f"warps, {'each lane loading its own chunk' if blake3_gpu.ROW_LOADS else 'coalesced loads regrouped in shared memory'}; "
         f"parents {blake3_gpu.PARENT_FANIN} per program of {blake3_gpu.PARENT_WARPS} warp(s). Host path: 64 MB pinned copies on a side stream "
         "overlapping BLAKE3 on the host's threads (the `blake3` package). Both give the same digest, checked "
-        "at every size.", "Compiled: " + "; ".join(regs) + ".", *tuning])
+        "at every size.", "Compiled: " + "; ".join(regs) + ".",
+        "Host time of a call, medians (what `call` adds to `kernel` where the GPU waits): " + "; ".join(host_us)
+        + f"; direct launches: {all(k.direct for k in (blake3_gpu._fast, blake3_gpu._general, blake3_gpu._parent))}.",
+        *tuning])
     print(body)
     print(notes)
     record("digest-gpu", "Handoff digest on the GPU (`bench/digest/gpu.py`, H200)", body, device=dev, notes=notes)

@@ -36,6 +36,7 @@ launcher, not Triton's ~20 us per call Python path): a layer-wise node checks a 
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -254,11 +255,13 @@ def _block_words(rows, b, ok, C: tl.constexpr, ROW_LOADS: tl.constexpr):
 
 # Integer arguments are not specialised (on being 1 or a multiple of 16): each specialisation is another
 # compilation of a large kernel, tens of seconds, for no gain here.
-@triton.jit(do_not_specialize=["num_ranges", "nsteps", "num_chunks", "base_mod"])
-def _fast_kernel(base, starts, addrs, num_ranges, nsteps, num_chunks, base_mod, out,
+@triton.jit(do_not_specialize=["addrs_at", "num_ranges", "nsteps", "num_chunks", "base_mod"])
+def _fast_kernel(base, starts, addrs_at, num_ranges, nsteps, num_chunks, base_mod, out,
                  C: tl.constexpr, ROW_LOADS: tl.constexpr):
     """The CV of every whole chunk that lies inside one range at a 16-byte-aligned address; the other
-    lanes store nothing (their chunks are the general kernel's)."""
+    lanes store nothing (their chunks are the general kernel's). `starts` is the range table, the
+    addresses `addrs_at` entries in."""
+    addrs = starts + addrs_at
     chunk = tl.program_id(0).to(tl.int64) * C + tl.arange(0, C)
     pos = chunk * 1024
     r = _range_of(starts, num_ranges, nsteps, pos)
@@ -295,11 +298,13 @@ def _store_cvs(out, idx, mask, h0, h1, h2, h3, h4, h5, h6, h7):
     tl.store(o + 7, h7, mask=mask)
 
 
-@triton.jit(do_not_specialize=["count", "num_ranges", "nsteps", "total", "num_chunks"])
-def _general_kernel(base, starts, addrs, chunks, count, num_ranges, nsteps, total, num_chunks, out,
+@triton.jit(do_not_specialize=["addrs_at", "chunks_at", "count", "num_ranges", "nsteps", "total", "num_chunks"])
+def _general_kernel(base, starts, addrs_at, chunks_at, count, num_ranges, nsteps, total, num_chunks, out,
                     C: tl.constexpr):
-    """The CVs of the listed chunks (`count` of them), any length, ranges and alignment, byte by byte;
-    the only chunk of a message is the root."""
+    """The CVs of the listed chunks (`count` of them, `chunks_at` entries into the range table), any
+    length, ranges and alignment, byte by byte; the only chunk of a message is the root."""
+    addrs = starts + addrs_at
+    chunks = starts + chunks_at
     i = tl.program_id(0).to(tl.int64) * C + tl.arange(0, C)
     valid = i < count
     chunk = tl.load(chunks + i, mask=valid, other=0)
@@ -351,13 +356,14 @@ def _general_kernel(base, starts, addrs, chunks, count, num_ranges, nsteps, tota
     _store_cvs(out, chunk, valid, h0, h1, h2, h3, h4, h5, h6, h7)
 
 
-@triton.jit(do_not_specialize=["count"])
-def _parent_kernel(cvs, count, out, N: tl.constexpr, LOG2N: tl.constexpr):
-    """N nodes of a level -> their subtree's node, N // 2 ... levels up (pid-th of the next launch)."""
+@triton.jit(do_not_specialize=["in_at", "count", "out_at"])
+def _parent_kernel(ws, in_at, count, out_at, N: tl.constexpr, LOG2N: tl.constexpr):
+    """N nodes of a level (`count` CVs at word `in_at` of the workspace) -> their subtree's node, at
+    word `out_at` + 8 x the program's index."""
     pid = tl.program_id(0)
     first = pid.to(tl.int64) * N
     rows = first + tl.arange(0, N)
-    src = cvs.to(tl.pointer_type(tl.uint32), bitcast=True)
+    src = ws.to(tl.pointer_type(tl.uint32), bitcast=True) + in_at
     tile = tl.load(src + rows[:, None] * 8 + tl.arange(0, 8)[None, :], mask=(rows < count)[:, None], other=0)
     x = tl.reshape(tile, [N, 2, 2, 2])
     e, o = tl.split(x)
@@ -369,7 +375,7 @@ def _parent_kernel(cvs, count, out, N: tl.constexpr, LOG2N: tl.constexpr):
     h3, h7 = tl.split(oo)
     cnt = tl.minimum(count - first, N)
     g0, g1, g2, g3, g4, g5, g6, g7 = _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, count <= N, N, LOG2N)
-    _store8(out, pid, g0, g1, g2, g3, g4, g5, g6, g7)
+    _store8(ws.to(tl.pointer_type(tl.uint32), bitcast=True) + out_at, pid, g0, g1, g2, g3, g4, g5, g6, g7)
 
 
 _fast = Launcher(_fast_kernel)
@@ -443,47 +449,49 @@ def prepare(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, in
         if b.device != device or b.dtype != torch.uint8 or b.dim() != 1:
             raise ValueError("blake3_gpu takes 1-D uint8 tensors on one device")
     base = min((buffers[s] for s in used), key=lambda t: t.data_ptr())
+    where = {s: (buffers[s].data_ptr() - base.data_ptr(), buffers[s].numel()) for s in used}
     rel: list[tuple[int, int]] = []
     for shard, off, n in ranges:
-        buf = buffers[shard]
-        if off < 0 or n < 0 or off + n > buf.numel():
-            raise ValueError(f"range ({shard}, {off}, {n}) is outside its buffer of {buf.numel()} bytes")
-        rel.append((buf.data_ptr() + off - base.data_ptr(), n))
+        if n == 0:
+            continue
+        at, size = where[shard]
+        if off < 0 or n < 0 or off + n > size:
+            raise ValueError(f"range ({shard}, {off}, {n}) is outside its buffer of {size} bytes")
+        rel.append((at + off, n))
     base_mod = base.data_ptr() % _ALIGN
     p = plan(rel, base_mod)
-    # Each part of the table starts 16-byte aligned, as Triton assumes of the pointers it compiled for.
-    pad = [[0] * (len(part) % 2) for part in (p.starts, p.addrs)]
-    table = torch.tensor(p.starts + pad[0] + p.addrs + pad[1] + p.general, dtype=torch.int64)
+    pad = [0] * (len(p.starts) % 2)  # the addresses start 16-byte aligned
+    table = torch.tensor(p.starts + pad + p.addrs + p.general, dtype=torch.int64, pin_memory=device.type == "cuda")
     return Job(base, base_mod, table.to(device, non_blocking=True), p)
 
 
 def launch(job: Job) -> torch.Tensor:
-    """Queue the kernels on the current stream; returns the digest's 8 words (int32) on the device."""
+    """Queue the kernels on the current stream; returns the digest's 8 words (int32) on the device.
+    Few host operations a call (a layer-wise node makes one per layer): one table, one workspace for
+    every level's CVs, offsets into them passed as integers."""
     p, table = job.plan, job.table
     nranges = len(p.addrs)
     nsteps = nranges.bit_length()
-    a0 = nranges + 1 + (nranges + 1) % 2
-    g0 = a0 + nranges + nranges % 2
-    starts, addrs, chunks = table[:nranges + 1], table[a0:a0 + nranges], table[g0:]
-    device = table.device
-    cvs = torch.empty((p.num_chunks, 8), dtype=torch.int32, device=device)
-    with torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext():
+    addrs_at = len(p.starts) + len(p.starts) % 2
+    levels = [p.num_chunks]
+    while levels[-1] > 1:
+        levels.append(-(-levels[-1] // PARENT_FANIN))
+    ws = torch.empty(8 * sum(levels), dtype=torch.int32, device=table.device)
+    with torch.cuda.device(table.device) if table.device.type == "cuda" else contextlib.nullcontext():
         if len(p.general) < p.num_chunks:
             _fast((-(-p.num_chunks // PER_PROGRAM),),
-                  (job.base, starts, addrs, nranges, nsteps, p.num_chunks, job.base_mod, cvs),
+                  (job.base, table, addrs_at, nranges, nsteps, p.num_chunks, job.base_mod, ws),
                   (("C", PER_PROGRAM), ("ROW_LOADS", ROW_LOADS)), NUM_WARPS)
         if p.general:
             _general((-(-len(p.general) // GENERAL_LANES),),
-                     (job.base, starts, addrs, chunks, len(p.general), nranges, nsteps, p.total, p.num_chunks, cvs),
-                     (("C", GENERAL_LANES),), GENERAL_WARPS)
-        count = p.num_chunks
+                     (job.base, table, addrs_at, addrs_at + nranges, len(p.general), nranges, nsteps, p.total,
+                      p.num_chunks, ws), (("C", GENERAL_LANES),), GENERAL_WARPS)
+        at = 0
         fanin = (("N", PARENT_FANIN), ("LOG2N", PARENT_FANIN.bit_length() - 1))
-        while count > 1:
-            nxt = -(-count // PARENT_FANIN)
-            up = torch.empty((nxt, 8), dtype=torch.int32, device=device)
-            _parent((nxt,), (cvs, count, up), fanin, PARENT_WARPS)
-            cvs, count = up, nxt
-    return cvs[0]
+        for count, nxt in itertools.pairwise(levels):
+            _parent((nxt,), (ws, at, count, at + 8 * count), fanin, PARENT_WARPS)
+            at += 8 * count
+    return ws[at:at + 8]
 
 
 def digest(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> bytes:
