@@ -29,7 +29,7 @@ def main() -> None:
         elif cmd == "zeros":
             print("R", "yes" if not view.any() else "no", flush=True)
     sys.stdout.flush()
-    # NIXL/UCX teardown can crash at interpreter exit (reference/transfer-engines.md §3.5).
+    # NIXL/UCX teardown can crash at interpreter exit (UCX's ib modules beside the system's libefa).
     os._exit(0)
 
 

@@ -1,4 +1,14 @@
-"""Byte movers behind one interface (base.TransferEngine): Mooncake and NIXL."""
+"""Byte movers behind one interface (base.TransferEngine): Mooncake and NIXL.
+
+Each engine's settings are its own where its library allows it. NIXL's are given to our agent alone
+(transfer/nixl.py says how, and why UCX_MODULES is the exception). Mooncake's MC_TCP_SLICE_SIZE and
+MC_USE_IPV6 go to the process environment, where it does not set them already, and stay there:
+Mooncake has no per-engine parameter for them and reads them after create returns (the slice size
+once per process, at its first TCP transfer; MC_USE_IPV6 when it parses a peer's address), so they
+cannot be put back. Only Mooncake reads MC_* variables, and its slice size is one for the whole
+process anyway. MC_TRANSFER_TIMEOUT is read per engine, when it is made: MooncakeEngine sets it for
+that moment only.
+"""
 
 from __future__ import annotations
 
@@ -38,22 +48,21 @@ def transport_env(name: str, protocol: str, interface: str | None = None, host: 
 def create(name: str, *, host: str, protocol: str = "tcp", role: str = "peer",
            interface: str | None = None) -> TransferEngine:
     """A ready engine. `host` is the address peers reach us at (the data-plane address), `interface`
-    the network interface it is on when known; `role` names NIXL agents."""
+    the network interface it is on when known; `role` names NIXL agents. The process environment's
+    settings win over transport_env's."""
     if name not in ENGINES:
         raise TransferError(f"unknown transfer engine {name!r}; choose one of {', '.join(ENGINES)}")
-    # Before the engine's library initialises: UCX and Mooncake read their settings once.
-    for key, value in transport_env(name, protocol, interface, host).items():
-        os.environ.setdefault(key, value)
-    if name == "mooncake":
-        # The bound on one write that the decode node's slot quarantine relies on (decode/slots.py).
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", str(int(defaults.WRITE_BOUND_S)))
+    settings = transport_env(name, protocol, interface, host)
     if name == "mooncake":
         from tilert_serve.transfer.mooncake import MooncakeEngine
 
-        return MooncakeEngine(host, protocol)
+        for key, value in settings.items():
+            os.environ.setdefault(key, value)
+        # The bound on one write that the decode node's slot quarantine relies on (decode/slots.py).
+        return MooncakeEngine(host, protocol, transfer_timeout_s=defaults.WRITE_BOUND_S)
     from tilert_serve.transfer.nixl import NixlEngine
 
-    return NixlEngine(f"tilert-{role}-{uuid.uuid4().hex[:8]}")
+    return NixlEngine(f"tilert-{role}-{uuid.uuid4().hex[:8]}", ucx=settings)
 
 
 __all__ = ["ENGINES", "TransferEngine", "TransferError", "WriteOp", "create"]
