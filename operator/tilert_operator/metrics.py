@@ -56,7 +56,7 @@ class _ScrapeTime(Collector):
     def collect(self) -> Iterator[Metric]:
         # A PDCluster whose reconcile has not decided yet (reconcile.py's "unknown") is in no state.
         by_state = collections.Counter(self.metrics.states.values())
-        clusters = GaugeMetricFamily(_PDCLUSTERS, "PDClusters by state.", labels=["state"])
+        clusters = GaugeMetricFamily(_PDCLUSTERS, "PDClusters this operator reconciles, by state.", labels=["state"])
         for state in STATES.listed():
             clusters.add_metric([state], by_state.get(state, 0))
         yield clusters
