@@ -25,7 +25,6 @@ from tilert_serve.metric_defs import (
     Domain,
     Registry,
     Unbounded,
-    declare,
     declared,
     label_names,
 )
@@ -98,15 +97,11 @@ class _NoTransfer:
 
 def decode() -> Component:
     from tilert_serve.decode.metrics import NodeMetrics
-    from tilert_serve.decode.record import DATA_PLANE_FAILURES, UNAUTHENTICATED_REASONS, Recorder
-    from tilert_serve.metric_defs import values
+    from tilert_serve.decode.record import Recorder
     from tilert_serve.transfer import TransferEngine
 
     metrics = NodeMetrics(slots=1)
-    recorder = Recorder(cast("TransferEngine", _NoTransfer()), metrics, lambda: 0.0)
-    # record.py makes these two with prometheus_client directly; their label values are its sets.
-    declare(recorder._m_failures, {"reason": values(DATA_PLANE_FAILURES, other=False)})
-    declare(recorder._m_unauthenticated, {"reason": values(UNAUTHENTICATED_REASONS, other=False)})
+    Recorder(cast("TransferEngine", _NoTransfer()), metrics, lambda: 0.0)  # registers its metrics there
     return Component("Decode node (TileRT)", "tilert_decode_", "each TileRT decode node's HTTP port, `GET /metrics`",
                      entries(metrics.registry))
 

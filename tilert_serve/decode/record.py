@@ -28,8 +28,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from prometheus_client import Counter, Gauge
-
+from tilert_serve import metric_defs
 from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.decode.slots import Slot
 from tilert_serve.transfer import TransferEngine
@@ -175,16 +174,19 @@ class Recorder:
         self.record = HandoffRecord(engine=transfer.name, protocol=transport_protocol(transfer), clock=clock)
         self.metrics = metrics
         r = metrics.registry
-        self._m_last_ok = Gauge("tilert_decode_last_handoff_success_timestamp_seconds",
-                                "Wall time of the last handoff this node decoded from", registry=r)
-        self._m_bandwidth = Gauge("tilert_decode_last_handoff_bandwidth_bytes_per_second",
-                                  "Bytes per second of the last successful handoff (Accept to last Done)", registry=r)
-        self._m_failures = Counter("tilert_decode_handoff_failures", "Data-plane handoff failures by reason",
-                                   ["reason"], registry=r)
-        self._m_unauthenticated = Counter(
-            "tilert_decode_ctrl_unauthenticated", "Control connections that ended before authenticating, by how "
-            "(anyone reaching the port can cause these; they are not the data plane's failures)", ["reason"],
-            registry=r)
+        self._m_last_ok = metric_defs.gauge(r, "tilert_decode_last_handoff_success_timestamp_seconds",
+                                            "Unix time, in seconds, of the last handoff this node decoded from.")
+        self._m_bandwidth = metric_defs.gauge(
+            r, "tilert_decode_last_handoff_bandwidth_bytes_per_second",
+            "Bytes per second of the last successful handoff on the link (Accept to last Done, or the "
+            "senders' own write time).")
+        self._m_failures = metric_defs.counter(
+            r, "tilert_decode_handoff_failures_total", "Data-plane handoff failures, by reason.",
+            {"reason": metric_defs.values(DATA_PLANE_FAILURES, other=False)})
+        self._m_unauthenticated = metric_defs.counter(
+            r, "tilert_decode_ctrl_unauthenticated_total", "Control connections that ended before "
+            "authenticating, by how (anyone reaching the port can cause these; they are not the data "
+            "plane's failures).", {"reason": metric_defs.values(UNAUTHENTICATED_REASONS, other=False)})
 
     def ctrl_error(self, reason: str, message: str, *, authenticated: bool, peer_reason: str | None = None) -> None:
         """A control connection was refused or broke (ctrl.py). From an authenticated peer: counted,
