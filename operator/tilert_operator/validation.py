@@ -422,8 +422,237 @@ def rule_rendered(s: PDClusterSpec) -> Iterable[Problem]:
                 yield Problem(field, f"sets the environment variable {dup} of container {c.get('name')} twice; set it once")
 
 
+# ---- what runs as asked: accepted by every server, broken in the pods ---------------------------
+
+#: An image reference as the container runtime parses it (the distribution/reference grammar): a
+#: repository path in lowercase, an optional registry host before it, a tag and/or a digest after it.
+_PATH_COMPONENT = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_DOMAIN = r"(?:(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9])(?:\.(?:[a-zA-Z0-9]|[a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]))*|\[[a-fA-F0-9:]+\])(?::[0-9]+)?"
+IMAGE_REFERENCE = re.compile(
+    rf"(?:{_DOMAIN}/)?{_PATH_COMPONENT}(?:/{_PATH_COMPONENT})*(?::[\w][\w.-]{{0,127}})?"
+    r"(?:@[A-Za-z][A-Za-z0-9]*(?:[-_+.][A-Za-z][A-Za-z0-9]*)*:[0-9a-fA-F]{32,})?"
+)
+DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+#: A Secret's keys (and so the file names of its volume).
+SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
+#: A Multus network as the pod annotation names it: `[namespace/]name[@interface]`.
+NETWORK_NAME = re.compile(r"(?:([a-z0-9]([-a-z0-9]*[a-z0-9])?)/)?([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)(?:@[-._a-zA-Z0-9]{1,15})?")
+
+
+def rule_images(s: PDClusterSpec) -> Iterable[Problem]:
+    for component, pool in _pools(s):
+        image, field = pool.image, f"{POOL_FIELDS[component]}.image"
+        if image != image.strip():
+            yield Problem(field, f"{image!r} has leading or trailing whitespace, which the API server refuses; remove it")
+        elif len(image) > 4096 or not IMAGE_REFERENCE.fullmatch(image):
+            yield Problem(field, f"{image!r} is not an image reference the container runtime can pull (InvalidImageName): "
+                          "[registry[:port]/]path[:tag][@digest], the path in lowercase letters, digits and '.', '_' "
+                          f"or '-' separators; e.g. {image.lower()!r}")
+
+
+def rule_termination(s: PDClusterSpec) -> Iterable[Problem]:
+    """The kubelet SIGKILLs a pod gracePeriodSeconds after it starts stopping it, preStop hook
+    included: a sleep that leaves no time to drain cuts every stream at once."""
+    for component, pool in _pools(s):
+        t, field = pool.termination, f"{POOL_FIELDS[component]}.termination"
+        sleep, grace, floor = t.pre_stop_sleep_seconds, t.grace_period_seconds, t.pre_stop_sleep_seconds + specmod.EXIT_MARGIN_S
+        if sleep and floor >= grace:
+            when = "before SIGTERM even reaches it" if sleep >= grace else "as its drain starts"
+            yield Problem(f"{field}.preStopSleepSeconds", (
+                f"{sleep} s of preStop sleep and {specmod.EXIT_MARGIN_S} s to exit leave no time to drain within "
+                f"{field}.gracePeriodSeconds ({grace}): the kubelet kills the pod (SIGKILL) {when}; set gracePeriodSeconds "
+                f"above {floor} (e.g. {floor + 60}), or lower preStopSleepSeconds"))
+
+
+def rule_router_secret(s: PDClusterSpec) -> Iterable[Problem]:
+    secret = s.router.api_keys_secret
+    if secret is None:
+        return
+    if len(secret.name) > 253 or not DNS1123_SUBDOMAIN.fullmatch(secret.name):
+        yield Problem("spec.router.apiKeysSecret.name", (
+            f"{secret.name!r} cannot name a Secret (lowercase letters, digits, '-' and '.'), so the router's pods would "
+            "wait for it for ever; name the Secret that holds the keys"))
+    if len(secret.key) > 253 or not SECRET_KEY.fullmatch(secret.key):
+        yield Problem("spec.router.apiKeysSecret.key", (
+            f"{secret.key!r} cannot be a key of a Secret (letters, digits, '-', '_' and '.'), so the router would never "
+            "find its keys file; name the key that holds the keys (default keys)"))
+
+
+def rule_networks(s: PDClusterSpec) -> Iterable[Problem]:
+    for i, net in enumerate(s.transfer.rdma.networks):
+        m = NETWORK_NAME.fullmatch(net)
+        if m is None or len(m.group(3)) > 253:
+            yield Problem(f"spec.transfer.rdma.networks[{i}]", (
+                f"{net!r} cannot name a NetworkAttachmentDefinition ([namespace/]name: lowercase letters, digits, '-' and "
+                "'.'), so Multus could never attach it and the pods would not start; name an existing one"))
+
+
+def rule_weights_volume(s: PDClusterSpec) -> Iterable[Problem]:
+    volume = s.model.weights.volume
+    if volume == {}:
+        yield Problem("spec.model.weights.volume", (
+            "is empty: it names no volume source, and the pods would load the model from an empty directory; give "
+            "exactly one volume source, e.g. persistentVolumeClaim: {claimName: weights}"))
+    if volume and "name" in volume:
+        yield Problem("spec.model.weights.volume", (
+            f"names the volume ({volume['name']!r}); the operator names it model and mounts it by that name, so the "
+            "pods would mount a volume that does not exist: remove name (give the volume source alone)"))
+
+
+#: Fields of a workload the overrides must leave alone: they say which object is applied.
+IDENTITY = (("apiVersion",), ("kind",), ("metadata", "name"), ("metadata", "namespace"))
+
+
+def rule_overrides_identity(s: PDClusterSpec) -> Iterable[Problem]:
+    for component, pool in _pools(s):
+        for path in IDENTITY:
+            node: Any = pool.overrides
+            for key in path:
+                node = node.get(key, ...) if isinstance(node, dict) else ...
+            if node is not ...:
+                yield Problem(f"{POOL_FIELDS[component]}.overrides", (
+                    f"sets {'.'.join(path)}, which says which object the operator applies: it would create a second "
+                    "workload beside the one it manages (and never clean it up); remove it from the overrides"))
+
+
+def rule_root(s: PDClusterSpec) -> Iterable[Problem]:
+    """runAsNonRoot with user 0: the kubelet refuses to start the container (CreateContainerConfigError)."""
+    from tilert_operator import render
+
+    pools = dict(_pools(s))
+    seen: set[str] = set()
+    for obj in render.children(s, "x", "default"):
+        if obj["kind"] not in ("Deployment", "StatefulSet"):
+            continue
+        component = (obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT, "")
+        pool = pools.get(component)
+        pod = obj["spec"]["template"]["spec"]
+        pod_sc = pod.get("securityContext") or {}
+        for c in _containers(obj):
+            sc = c.get("securityContext") or {}
+            non_root = sc.get("runAsNonRoot", pod_sc.get("runAsNonRoot"))
+            user = sc.get("runAsUser", pod_sc.get("runAsUser"))
+            if pool is None or non_root is not True or user != 0:
+                continue
+            base = POOL_FIELDS[component]
+            if {"runAsNonRoot", "runAsUser"} & set(pool.security_context):
+                field = f"{base}.securityContext"
+            elif {"runAsNonRoot", "runAsUser"} & set(pool.pod_security_context):
+                field = f"{base}.podSecurityContext"
+            else:
+                field = f"{base}.overrides"
+            if field in seen:
+                continue
+            seen.add(field)
+            rendered_root = s.transfer.protocol == "rdma" and component != constants.ROUTER
+            if rendered_root and "runAsUser" not in {**pool.pod_security_context, **pool.security_context}:
+                why = ("over RDMA this pool runs as root (runAsUser 0: registering memory needs IPC_LOCK, which Kubernetes "
+                       "grants to root only) and runAsNonRoot: true makes the kubelet refuse to start it; remove runAsNonRoot, "
+                       f"or also set runAsUser to the image's non-root user ({constants.RUN_AS_USER}) where the runtime's "
+                       "memlock limit is unlimited")
+            else:
+                why = (f"runs container {c.get('name')} as root (runAsUser 0) under runAsNonRoot: true, so the kubelet "
+                       "refuses to start it; set runAsNonRoot: false beside runAsUser: 0, or a non-root runAsUser")
+            yield Problem(field, why)
+
+
+# ---- the children, as the API server would check them -----------------------------------------
+
+def _without_overrides(s: PDClusterSpec) -> PDClusterSpec:
+    return s.model_copy(update={
+        "prefill": s.prefill.model_copy(update={"overrides": {}}),
+        "decode": s.decode.model_copy(update={"tilert": s.decode.tilert.model_copy(update={"overrides": {}}),
+                                              "native": s.decode.native.model_copy(update={"overrides": {}})}),
+        "router": s.router.model_copy(update={"overrides": {}}),
+    })
+
+
+#: Where each part of a workload comes from in the pool's spec (first match wins).
+_WORKLOAD_SOURCES: tuple[tuple[str, str], ...] = (
+    (r"\.(init)?[cC]ontainers\[\d+\]\.image$", "image"),
+    (r"\.(init)?[cC]ontainers\[\d+\]\.resources", "resources"),
+    (r"\.(init)?[cC]ontainers\[\d+\]\.securityContext", "securityContext"),
+    (r"\.(init)?[cC]ontainers\[\d+\]\.lifecycle", "termination.preStopSleepSeconds"),
+    (r"template\.spec\.securityContext", "podSecurityContext"),
+    (r"terminationGracePeriodSeconds", "termination.gracePeriodSeconds"),
+    (r"\.nodeSelector", "nodeSelector"),
+    (r"\.tolerations", "tolerations"),
+    (r"\.topologySpreadConstraints", "topologySpread"),
+    (r"^spec\.(strategy|updateStrategy)", "rollout"),
+)
+#: The data-plane volumes and the spec field each comes from.
+_VOLUME_SOURCES = {"model": "spec.model.weights.volume", "shm": "spec.transfer.shmSize", "api-keys": "spec.router.apiKeysSecret"}
+
+
+def source_field(s: PDClusterSpec, obj: dict[str, Any], where: str) -> str:
+    """The PDCluster field that a field of a child (`where`, dotted) comes from, overrides aside."""
+    component = (obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT, "")
+    base = POOL_FIELDS.get(component, "spec")
+    kind = obj["kind"]
+    if kind in ("NetworkPolicy", "MultiNetworkPolicy"):
+        return "spec.networkPolicies.metricsFrom" if ".ingress" in where else "spec.networkPolicies"
+    if kind == "ConfigMap":
+        return "spec.router.policy"
+    if kind == "Service":
+        return "spec.router.service" if component == constants.ROUTER else base
+    if kind == "PodDisruptionBudget":
+        return f"{base}.disruptionBudget"
+    if kind not in ("Deployment", "StatefulSet"):
+        return base
+    volumes = re.match(r"spec\.template\.spec\.volumes\[(\d+)\]", where)
+    if volumes:
+        vols = obj["spec"]["template"]["spec"].get("volumes") or []
+        name = vols[int(volumes.group(1))].get("name") if int(volumes.group(1)) < len(vols) else None
+        return _VOLUME_SOURCES.get(str(name), base)
+    if ".volumeMounts" in where:
+        return "spec.model.weights.volume"
+    if ".env" in where:
+        return "spec.transfer.rdma.env"
+    if "annotations" in where:
+        return "spec.transfer.rdma.networks"
+    resource = re.search(r"\.resources\.(limits|requests)\.(.+)$", where)
+    if resource and resource.group(2) in s.transfer.rdma.resources:
+        return "spec.transfer.rdma.resources"
+    for pattern, sub in _WORKLOAD_SOURCES:
+        if re.search(pattern, where):
+            return f"{base}.{sub}"
+    return base
+
+
+def children_problems(s: PDClusterSpec, name: str) -> list[Problem]:
+    """What the API server would refuse in the rendered children, each named by the PDCluster field it
+    comes from: a finding the same render without overrides has too comes from a typed field, any
+    other from the pool's overrides."""
+    from tilert_operator import childcheck, render
+
+    cluster = name or "x"
+    rendered = render.children(s, cluster, "default")
+    found = [(obj, f) for obj in rendered for f in childcheck.findings(obj)]
+    if not found:
+        return []
+    plain = {(f.kind, f.name, f.path, f.message) for f in childcheck.all_findings(render.children(_without_overrides(s), cluster, "default"))}
+    out: list[Problem] = []
+    for obj, f in found:
+        if (f.kind, f.name, f.path, f.message) in plain:
+            field, fix = source_field(s, obj, f.where), ""
+        else:
+            component = (obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT, "")
+            field, fix = f"{POOL_FIELDS.get(component, 'spec')}.overrides", " (the overrides make it so: change them)"
+        problem = Problem(field, f"the API server would refuse {f.kind} {f.name}: {f.where}: {f.message}{fix}")
+        if problem not in out:
+            out.append(problem)
+    return out
+
+
 RULES: tuple[Callable[[PDClusterSpec], Iterable[Problem]], ...] = (
     rule_weights,
+    rule_weights_volume,
+    rule_images,
+    rule_termination,
+    rule_router_secret,
+    rule_networks,
+    rule_overrides_identity,
+    rule_root,
     rule_gpus,
     rule_engine_model,
     rule_kv_dtype,
@@ -467,4 +696,10 @@ def validate(raw_spec: dict[str, Any], name: str = "") -> tuple[PDClusterSpec | 
     except pydantic.ValidationError as e:
         return None, problems + explain(e)
     problems += check(parsed)
+    if not problems:
+        # Last: a spec that breaks a rule above would mostly repeat itself here in Kubernetes' terms.
+        try:
+            problems += children_problems(parsed, name)
+        except Exception as e:  # a spec the checks cannot follow: say so rather than crash the webhook
+            problems.append(Problem("spec", f"cannot be checked ({type(e).__name__}: {e}); check spec.*.overrides"))
     return (parsed, problems)

@@ -68,6 +68,12 @@ def _run_webhook(port: int, registry: kopf.OperatorRegistry, settings: kopf.Oper
         old = helpers.minimal()
         renamed = _post(port, _review(helpers.minimal(model={"name": "other"}), old=old))
         assert renamed["allowed"] is False and "spec.model.name: is immutable" in renamed["status"]["message"]
+        # A stored spec the rules now refuse: an update that leaves the spec alone (a label, a finalizer
+        # removed during a foreground delete) passes; one that changes it is judged.
+        stored = helpers.minimal(router={"termination": {"gracePeriodSeconds": 10, "preStopSleepSeconds": 30}})
+        assert _post(port, _review(stored, old=stored))["allowed"] is True
+        changed = _post(port, _review(helpers.deep_merge(stored, {"router": {"replicas": 2}}), old=stored))
+        assert changed["allowed"] is False and "spec.router.termination.preStopSleepSeconds" in changed["status"]["message"]
     assert runner.exception is None
 
 

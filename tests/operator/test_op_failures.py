@@ -20,7 +20,17 @@ from tilert_operator.kubeapi import ApiError, Client, Connection
 T = TypeVar("T")
 #: A label value the API server refuses (it must start and end with an alphanumeric character); the
 #: spec's own validation does not look inside overrides' labels, so only the server catches it.
-BAD_OVERRIDE = {"spec": {"template": {"metadata": {"labels": {"team": "-ml-"}}}}}
+#: A valid override that the cluster refuses anyway (as an admission policy of its own would): the
+#: operator checks what the API server itself checks, not a cluster's policies, so this reaches the apply.
+BAD_OVERRIDE = {"spec": {"template": {"metadata": {"labels": {"team": "ml"}}}}}
+DEPLOYMENTS = ("apps", "v1", "deployments")
+
+
+def _no_ml_team(obj: dict[str, Any], old: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
+    labels = ((obj.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels") or {}
+    if labels.get("team") == "ml":
+        return obj, ['spec.template.metadata.labels: Invalid value: "ml": a policy of this cluster admits no team ml here']
+    return obj, []
 
 
 def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
@@ -43,6 +53,7 @@ def events(apiserver: Any, uid: str, reason: str) -> list[dict[str, Any]]:
 
 def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_applied(apiserver: Any) -> None:
     srv = apiserver.server
+    srv.validators[DEPLOYMENTS] = _no_ml_team
     run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "f"))))
     uid = body(apiserver, "f")["metadata"]["uid"]
 
@@ -55,7 +66,7 @@ def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_a
     cond = h.condition(body(apiserver, "f"), "Reconciled")
     assert (cond["status"], cond["reason"]) == ("False", "ApplyRejected")
     assert cond["message"].startswith('Deployment/f-router: HTTP 422: Deployment.apps "f-router" is invalid: '
-                                      'spec.template.metadata.labels: Invalid value: "-ml-": a valid label must')
+                                      'spec.template.metadata.labels: Invalid value: "ml": a policy of this cluster')
     [event] = events(apiserver, uid, "ApplyRejected")
     assert event["type"] == "Warning" and event["message"].startswith("Deployment/f-router: HTTP 422")
     assert event["related"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "f-router", "namespace": "default"}
@@ -103,6 +114,7 @@ def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.usefixtures("fast_operator")
 def test_the_running_operator_reports_a_refused_child_and_clears_it(apiserver: Any) -> None:
     srv = apiserver.server
+    srv.validators[DEPLOYMENTS] = _no_ml_team
     with KopfRunner(h.ARGS, timeout=40):
         run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "k"))))
         h.wait_for("Reconciled=False", lambda: h.condition(srv.get("pdclusters", "default", "k"), "Reconciled").get("status") == "False")

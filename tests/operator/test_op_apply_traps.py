@@ -1,0 +1,267 @@
+"""Specs that the CRD's schema and CEL accept but that fail later: a child the API server refuses
+with 422 (found by rendering a valid spec with one field changed and checking the children against
+the Kubernetes schemas and the API server's own rules), or a pod that cannot run as asked (SIGKILL
+before any drain, a root user under runAsNonRoot, a Secret or network that cannot exist). Each is
+refused before it is stored by the webhook, and reported as SpecValid=False without it, naming the
+PDCluster's field and the fix."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import kopf
+import kubernetes_validate
+import pdc_crd_validator as crd_validator
+import pdc_harness as h
+import pdc_helpers as helpers
+import pytest
+
+from tilert_operator import admission, childcheck, reconcile, render, validation
+from tilert_operator import spec as specmod
+from tilert_operator.kubeapi import Client, Connection
+
+T = TypeVar("T")
+
+HOSTNAME = "kubernetes.io/hostname"
+RDMA = {"protocol": "rdma", "rdma": {"resources": {"rdma/ib": 1}}}
+
+
+def _pvc(volume: dict[str, Any]) -> dict[str, Any]:
+    return {"model": {"weights": {"tiny": False, "volume": volume}}}
+
+
+def _template(pod: dict[str, Any]) -> dict[str, Any]:
+    return {"overrides": {"spec": {"template": {"spec": pod}}}}
+
+
+#: (id, spec patch over helpers.minimal(), the PDCluster field named, a piece of the fix, how it broke).
+#: "422": the API server refuses a child; "schema": so does the Kubernetes schema (checked below);
+#: "run": every server accepts it and the pods cannot do what the spec asks.
+TRAPS: list[tuple[str, dict[str, Any], str, str, str]] = [
+    ("override-container-without-image", {"prefill": _template({"containers": [{"name": "vllm"}]})},
+     "spec.prefill.overrides", "set an image", "422"),
+    ("override-label-value-70", {"router": {"overrides": {"spec": {"template": {"metadata": {"labels": {"team": "x" * 70}}}}}}},
+     "spec.router.overrides", "at most 63", "422"),
+    ("volume-claim-without-name", _pvc({"persistentVolumeClaim": {}}), "spec.model.weights.volume", "claimName", "schema"),
+    ("volume-claim-name-empty", _pvc({"persistentVolumeClaim": {"claimName": ""}}), "spec.model.weights.volume", "claimName", "422"),
+    ("volume-without-source", _pvc({}), "spec.model.weights.volume", "one volume source", "422"),
+    ("volume-two-sources", _pvc({"emptyDir": {}, "hostPath": {"path": "/m"}}), "spec.model.weights.volume", "one volume source", "422"),
+    ("volume-renamed", _pvc({"name": "weights", "persistentVolumeClaim": {"claimName": "c"}}), "spec.model.weights.volume",
+     "remove name", "422"),
+    ("volume-host-path-empty", _pvc({"hostPath": {"path": ""}}), "spec.model.weights.volume", "hostPath.path", "422"),
+    ("override-surge-and-unavailable-0", {"router": {"overrides": {"spec": {"strategy": {"rollingUpdate": {"maxSurge": 0, "maxUnavailable": 0}}}}}},
+     "spec.router.overrides", "maxSurge", "422"),
+    ("override-recreate-keeps-rolling-update", {"prefill": {"overrides": {"spec": {"strategy": {"type": "Recreate"}}}}},
+     "spec.prefill.overrides", "rollingUpdate: null", "422"),
+    ("override-restart-policy", {"router": _template({"restartPolicy": "Never"})}, "spec.router.overrides", "Always", "422"),
+    ("override-renames-workload", {"prefill": {"overrides": {"metadata": {"name": "other"}}}}, "spec.prefill.overrides",
+     "metadata.name", "run"),
+    ("tilert-statefulset-max-unavailable-0", {"decode": {"tilert": {"rollout": {"maxUnavailable": 0}}}},
+     "spec.decode.tilert.rollout", "at least 1", "422"),
+    ("image-whitespace", {"prefill": {"image": "vllm/vllm-openai:v0.32.0 "}}, "spec.prefill.image", "whitespace", "422"),
+    ("image-uppercase", {"decode": {"tilert": {"image": "ghcr.io/TileRT/serve:0.1.0-cpu"}}}, "spec.decode.tilert.image",
+     "lowercase", "run"),
+    ("privileged-without-escalation", {"prefill": {"securityContext": {"privileged": True}}}, "spec.prefill.securityContext",
+     "privileged", "422"),
+    ("sys-admin-without-escalation", {"router": {"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}},
+     "spec.router.securityContext", "SYS_ADMIN", "422"),
+    ("security-context-wrong-type", {"prefill": {"securityContext": {"readOnlyRootFilesystem": "yes"}}},
+     "spec.prefill.securityContext", "boolean", "schema"),
+    ("security-context-unknown-field", {"router": {"securityContext": {"runAsRoot": True}}}, "spec.router.securityContext",
+     "runAsRoot", "schema"),
+    ("run-as-user-negative", {"prefill": {"podSecurityContext": {"runAsUser": -1}}}, "spec.prefill.podSecurityContext",
+     "0 to 2147483647", "422"),
+    ("seccomp-localhost-without-profile", {"router": {"podSecurityContext": {"seccompProfile": {"type": "Localhost"}}}},
+     "spec.router.podSecurityContext", "localhostProfile", "422"),
+    ("sysctl-name", {"prefill": {"podSecurityContext": {"sysctls": [{"name": "net ipv4", "value": "1"}]}}},
+     "spec.prefill.podSecurityContext", "sysctl", "422"),
+    ("fs-group-change-policy", {"router": {"podSecurityContext": {"fsGroupChangePolicy": "Sometimes"}}},
+     "spec.router.podSecurityContext", "OnRootMismatch", "422"),
+    ("resource-name-not-qualified", {"prefill": {"resources": {"limits": {"gpu": 1}}}}, "spec.prefill.resources", "gpu", "422"),
+    ("extended-resource-fraction", {"prefill": {"resources": {"requests": {"example.com/fpga": "500m"}, "limits": {"example.com/fpga": "500m"}}}},
+     "spec.prefill.resources", "whole number", "422"),
+    ("extended-resource-without-limit", {"prefill": {"resources": {"requests": {"example.com/fpga": 1}}}}, "spec.prefill.resources",
+     "limits", "422"),
+    ("hugepages-alone", {"prefill": {"resources": {"requests": {"hugepages-2Mi": "1Gi"}, "limits": {"hugepages-2Mi": "1Gi"}}}},
+     "spec.prefill.resources", "cpu or memory", "422"),
+    ("toleration-empty-key-equal", {"prefill": {"tolerations": [{"operator": "Equal", "value": "v"}]}}, "spec.prefill.tolerations",
+     "operator: Exists", "422"),
+    ("toleration-seconds-not-no-execute", {"prefill": {"tolerations": [{"key": "k", "operator": "Exists", "effect": "NoSchedule",
+                                                                         "tolerationSeconds": 30}]}},
+     "spec.prefill.tolerations", "NoExecute", "422"),
+    ("toleration-key", {"router": {"tolerations": [{"key": "gpu type", "operator": "Exists"}]}}, "spec.router.tolerations", "key", "422"),
+    ("toleration-value", {"decode": {"tilert": {"tolerations": [{"key": "k", "value": "a b"}]}}}, "spec.decode.tilert.tolerations",
+     "label value", "422"),
+    ("topology-key", {"prefill": {"topologySpread": {"topologyKeys": ["zone name"]}}}, "spec.prefill.topologySpread",
+     "label key", "422"),
+    ("topology-key-twice", {"router": {"topologySpread": {"topologyKeys": [HOSTNAME, HOSTNAME]}}}, "spec.router.topologySpread",
+     "once", "422"),
+    ("metrics-from-cidr", {"networkPolicies": {"metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0"}}]}}, "spec.networkPolicies.metricsFrom",
+     "CIDR", "422"),
+    ("metrics-from-ip-block-and-selector", {"networkPolicies": {"metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}, "namespaceSelector": {}}]}},
+     "spec.networkPolicies.metricsFrom", "ipBlock", "422"),
+    ("metrics-from-except-outside", {"networkPolicies": {"metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["192.168.0.0/16"]}}]}},
+     "spec.networkPolicies.metricsFrom", "within", "422"),
+    ("metrics-from-in-without-values", {"networkPolicies": {"metricsFrom": [{"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In"}]}}]}},
+     "spec.networkPolicies.metricsFrom", "values", "422"),
+    ("pre-stop-longer-than-grace", {"router": {"termination": {"gracePeriodSeconds": 10, "preStopSleepSeconds": 30}}},
+     "spec.router.termination.preStopSleepSeconds", "gracePeriodSeconds", "run"),
+    ("pre-stop-leaves-no-drain", {"prefill": {"termination": {"gracePeriodSeconds": 8, "preStopSleepSeconds": 5}}},
+     "spec.prefill.termination.preStopSleepSeconds", "gracePeriodSeconds", "run"),
+    ("rdma-pool-run-as-non-root", {"transfer": RDMA, "prefill": {"podSecurityContext": {"runAsNonRoot": True}}},
+     "spec.prefill.podSecurityContext", "runAsNonRoot", "run"),
+    ("root-user-under-default-non-root", {"router": {"podSecurityContext": {"runAsUser": 0}}}, "spec.router.podSecurityContext",
+     "runAsNonRoot", "run"),
+    ("container-root-user", {"prefill": {"securityContext": {"runAsUser": 0}}}, "spec.prefill.securityContext", "runAsNonRoot", "run"),
+    ("api-keys-secret-name", {"router": {"apiKeysSecret": {"name": "API_keys"}}}, "spec.router.apiKeysSecret.name", "lowercase", "run"),
+    ("api-keys-secret-key", {"router": {"apiKeysSecret": {"name": "keys", "key": "keys/v1"}}}, "spec.router.apiKeysSecret.key",
+     "letters, digits", "run"),
+    ("rdma-network-name", {"transfer": {"rdma": {"networks": ["RDMA_net"]}}}, "spec.transfer.rdma.networks[0]", "lowercase", "run"),
+]
+IDS = [t[0] for t in TRAPS]
+
+
+def test_the_list_is_long_and_each_case_is_its_own() -> None:
+    assert len(TRAPS) >= 25 and len(set(IDS)) == len(IDS)
+
+
+@pytest.mark.parametrize(("patch", "field", "fix", "how"), [t[1:] for t in TRAPS], ids=IDS)
+def test_the_crd_accepts_it_and_the_operator_refuses_it_naming_field_and_fix(patch: dict[str, Any], field: str, fix: str,
+                                                                              how: str) -> None:
+    spec = helpers.minimal(**patch)
+    _, errors = crd_validator.validate(helpers.cr(spec))
+    assert errors == [], "the CRD refuses it already: not a trap"
+    _, problems = validation.validate(spec, "t")
+    assert any(p.field == field and fix in p.message for p in problems), [str(p) for p in problems]
+
+
+@pytest.mark.parametrize("patch", [t[1] for t in TRAPS if t[4] == "schema"], ids=[t[0] for t in TRAPS if t[4] == "schema"])
+def test_the_schema_cases_are_refused_by_the_kubernetes_schema(patch: dict[str, Any]) -> None:
+    children = render.children(specmod.parse(helpers.minimal(**patch)), "t", "default")
+    refused = []
+    for obj in children:
+        if obj["kind"] in ("Deployment", "StatefulSet"):
+            try:
+                kubernetes_validate.validate(obj, helpers.K8S_VERSION, strict=True)
+            except kubernetes_validate.ValidationError:
+                refused.append(obj["metadata"]["name"])
+    assert refused
+
+
+@pytest.mark.parametrize(("patch", "field"), [t[1:3] for t in TRAPS], ids=IDS)
+def test_the_webhook_refuses_it_before_it_is_stored(patch: dict[str, Any], field: str) -> None:
+    with pytest.raises(kopf.AdmissionError) as refused:
+        admission.check(helpers.minimal(**patch), "t")
+    assert f"{field}: " in str(refused.value)
+
+
+def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
+    async def go() -> T:
+        async with Client(Connection(server=apiserver.url)) as api:
+            return await fn(api)
+
+    return asyncio.run(go())
+
+
+def test_without_the_webhook_each_is_spec_valid_false_and_nothing_is_applied(apiserver: Any) -> None:
+    srv = apiserver.server
+    for i, (case, patch, field, _fix, _how) in enumerate(TRAPS):
+        name = f"t{i}"
+        run(apiserver, lambda api, n=name, p=patch: api.create(h.pdc(helpers.cr(helpers.minimal(**p), n))))
+        out = run(apiserver, lambda api, n=name: reconcile.reconcile(api, srv.get("pdclusters", "default", n)))
+        assert out.state == "invalid" and not out.applied, case
+        cond = h.condition(srv.get("pdclusters", "default", name), "SpecValid")
+        assert cond["status"] == "False" and f"{field}: " in cond["message"], (case, cond)
+        assert srv.get("deployments", "default", f"{name}-prefill") is None, case
+
+
+def test_the_examples_and_their_children_pass_the_checks() -> None:
+    import yaml
+
+    for path in helpers.EXAMPLES:
+        doc = yaml.safe_load(path.read_text())
+        spec = specmod.parse(doc["spec"])
+        for obj in render.children(spec, doc["metadata"]["name"], "default"):
+            assert childcheck.findings(obj) == [], (path.stem, obj["kind"])
+
+
+# ---- the webhook: only spec changes are judged; deletion is never refused --------------------------
+
+STORED_BAD = helpers.minimal(prefill={"termination": {"gracePeriodSeconds": 8, "preStopSleepSeconds": 5}})
+
+
+def test_a_metadata_only_update_of_an_invalid_stored_spec_passes_and_a_spec_change_is_judged() -> None:
+    """A spec stored before the webhook (or before a stricter operator): its labels, annotations and
+    finalizers can still change (a foreground delete waits on finalizers removed by such updates)."""
+    admission.check(STORED_BAD, "t", old_spec=STORED_BAD)
+    with pytest.raises(kopf.AdmissionError) as refused:
+        admission.check(helpers.deep_merge(STORED_BAD, {"prefill": {"replicas": 2}}), "t", old_spec=STORED_BAD)
+    assert "spec.prefill.termination.preStopSleepSeconds: " in str(refused.value)
+    # The fix itself is a spec change, and it passes.
+    admission.check(helpers.minimal(), "t", old_spec=STORED_BAD)
+    asyncio.run(admission.review(STORED_BAD, "t", "default", STORED_BAD, api=_Refusing([])))  # type: ignore[arg-type]
+
+
+def test_the_chart_never_sends_a_deletion_to_the_webhook() -> None:
+    import yaml
+
+    text = (helpers.ROOT / "charts" / "tilert-pd" / "templates" / "webhook.yaml").read_text()
+    [rules] = [line for line in text.splitlines() if line.strip().startswith("operations:")]
+    assert yaml.safe_load(rules.strip())["operations"] == ["CREATE", "UPDATE"]
+
+
+# ---- the webhook's server-side dry run ------------------------------------------------------------
+
+class _Refusing:
+    """An API client whose server refuses the dry-run apply of the named children (as a cluster's
+    admission policy would), or answers `status` for all of them, or takes `delay` seconds."""
+
+    def __init__(self, refuse: list[str], *, status: int = 422, delay: float = 0.0) -> None:
+        self.refuse, self.status, self.delay = refuse, status, delay
+        self.calls: list[tuple[str, str, dict[str, str]]] = []
+
+    async def request(self, verb: str, method: str, path: str, *, body: Any = None, params: dict[str, str] | None = None,
+                      content_type: str = "application/json", **_: Any) -> tuple[int, dict[str, Any] | None]:
+        import json
+
+        from tilert_operator.kubeapi import ApiError
+
+        self.calls.append((method, path, dict(params or {})))
+        await asyncio.sleep(self.delay)
+        name = body["metadata"]["name"]
+        if self.status != 422:
+            raise ApiError(self.status, method, path, "forbidden")
+        if name in self.refuse:
+            status = {"kind": "Status", "status": "Failure", "reason": "Invalid", "code": 422,
+                      "message": f'Deployment.apps "{name}" is invalid: ...',
+                      "details": {"causes": [{"field": "spec.template.spec.containers[0].image",
+                                              "message": "Invalid value: \"i\": images from this registry are not admitted"}]}}
+            raise ApiError(422, method, path, json.dumps(status))
+        return 200, body
+
+
+def test_the_dry_run_reports_what_only_the_cluster_knows_on_the_field_it_comes_from() -> None:
+    api = _Refusing(["t-prefill"])
+    with pytest.raises(kopf.AdmissionError) as refused:
+        asyncio.run(admission.review(helpers.minimal(), "t", "default", api=api))  # type: ignore[arg-type]
+    message = str(refused.value)
+    assert message.startswith("spec.prefill.image: the API server refused Deployment t-prefill (dry run): "
+                              "spec.template.spec.containers[0].image: Invalid value"), message
+    # Every child was applied as a dry run, in the PDCluster's namespace, by the operator's field manager.
+    assert api.calls and all(p == {"fieldManager": "tilert-pd-operator", "force": "true", "dryRun": "All"} for _, _, p in api.calls)
+    assert all(m == "PATCH" and "/namespaces/default/" in path for m, path, _ in api.calls)
+    assert len(api.calls) == len(render.children(specmod.parse(helpers.minimal()), "t", "default"))
+
+
+def test_the_dry_run_judges_nothing_when_it_cannot_tell() -> None:
+    spec = helpers.minimal()
+    asyncio.run(admission.review(spec, "t", "default", api=_Refusing([], status=403)))  # type: ignore[arg-type]
+    asyncio.run(admission.review(spec, "t", "default", api=_Refusing(["t-prefill"], delay=1.0), budget_s=0.2))  # type: ignore[arg-type]
+    # Without a client (the option off, or no API), the offline checks alone.
+    asyncio.run(admission.review(spec, "t", "default", api=None))
+    # An unchanged spec is not dry-run at all.
+    api = _Refusing(["t-prefill"])
+    asyncio.run(admission.review(spec, "t", "default", spec, api=api))  # type: ignore[arg-type]
+    assert api.calls == []
