@@ -179,3 +179,21 @@ def test_examples_have_no_best_effort_pod(path: Any) -> None:
         for c in obj["spec"]["template"]["spec"]["containers"]:
             requests = (c.get("resources") or {}).get("requests") or {}
             assert {"cpu", "memory"} <= set(requests), f"{path.name}: {obj['metadata']['name']}/{c['name']}: {requests}"
+
+
+def test_every_container_meets_the_restricted_pod_security_standard() -> None:
+    """Init containers too (the tiny model's generator): the restricted profile checks every container
+    of the pod, so one without the securityContext makes the namespace refuse the pod."""
+    for spec in (helpers.minimal(**ALL_POOLS), helpers.example("tiny-cpu")["spec"]):
+        for name, w in _workloads(_render(spec)).items():
+            pod = w["spec"]["template"]["spec"]
+            assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+            containers = [*pod.get("initContainers", []), *pod["containers"]]
+            assert len(containers) > 1 or name == "t-router", name
+            for c in containers:
+                sc = c.get("securityContext") or {}
+                assert sc.get("allowPrivilegeEscalation") is False and sc.get("capabilities", {}).get("drop") == ["ALL"], (name, c["name"])
+    # The pool's own securityContext reaches the init container as it reaches the main one.
+    w = _workloads(_render(helpers.minimal(prefill={"securityContext": {"readOnlyRootFilesystem": True}})))["t-prefill"]
+    [init] = w["spec"]["template"]["spec"]["initContainers"]
+    assert init["securityContext"]["readOnlyRootFilesystem"] is True

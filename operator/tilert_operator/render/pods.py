@@ -215,15 +215,17 @@ class DataPlane:
             out.append({"name": "podinfo", "mountPath": posixpath.dirname(dataplane.NETWORK_STATUS_FILE), "readOnly": True})
         return out
 
-    def init_containers(self, image: str) -> list[Manifest]:
+    def init_containers(self, pool: ServingPool) -> list[Manifest]:
         if not self.spec.model.weights.tiny:
             return []
         cmd = tiny_model(self.spec, self.paths)
         return [{
             "name": "tiny-model",
-            "image": image,
+            "image": pool.image,
             "command": list(cmd.argv),
             "volumeMounts": [{"name": "model", "mountPath": constants.MODEL_MOUNT}],
+            # The restricted Pod Security Standard checks init containers too; it needs no capability.
+            "securityContext": hygiene.container_security_context(pool),
         }]  # fmt: skip
 
     def capabilities(self) -> list[str]:
@@ -298,7 +300,7 @@ class DataPlane:
             component=component,
             containers=[c],
             pool=pool,
-            init_containers=self.init_containers(pool.image),
+            init_containers=self.init_containers(pool),
             volumes=self.volumes(),
             annotations=self.pod_annotations(),
             extra=self.pod_fields(component),
