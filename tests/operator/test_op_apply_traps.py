@@ -265,3 +265,26 @@ def test_the_dry_run_judges_nothing_when_it_cannot_tell() -> None:
     api = _Refusing(["t-prefill"])
     asyncio.run(admission.review(spec, "t", "default", spec, api=api))  # type: ignore[arg-type]
     assert api.calls == []
+
+
+# ---- the chart: the operator's own servers on one port ----------------------------------------------
+
+CA = "LS0tLS1CRUdJTiBDRVJUSUZJQ0FURS0tLS0tCk1JSUIKLS0tLS1FTkQgQ0VSVElGSUNBVEUtLS0tLQo="
+SAME_PORT = [
+    ({"metrics": {"port": 8081}}, ["metrics.port", "health.port"]),
+    ({"health": {"port": 9443}, "webhook": {"enabled": True, "tls": {"caBundle": CA}}}, ["webhook.port", "health.port"]),
+    ({"metrics": {"port": 9443}, "webhook": {"enabled": True, "tls": {"caBundle": CA}}}, ["webhook.port", "metrics.port"]),
+]
+
+
+@pytest.mark.parametrize(("values", "fields"), SAME_PORT, ids=["metrics-health", "webhook-health", "webhook-metrics"])
+def test_the_chart_refuses_two_of_the_operators_servers_on_one_port(values: dict[str, Any], fields: list[str]) -> None:
+    """The second server would fail to bind and the operator's pod crash-loop."""
+    import helm_python as helm
+
+    with helm.Chart.load(helpers.ROOT / "charts" / "tilert-pd") as chart:
+        with pytest.raises(helm.HelmError) as refused:
+            chart.render(values, name="tpd", namespace="ops", is_install=True)
+        assert all(f in str(refused.value) for f in fields), str(refused.value)
+        # A disabled server takes no port.
+        chart.render({"metrics": {"enabled": False, "port": 8081}}, name="tpd", namespace="ops", is_install=True)
