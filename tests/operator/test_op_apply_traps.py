@@ -288,3 +288,50 @@ def test_the_chart_refuses_two_of_the_operators_servers_on_one_port(values: dict
         assert all(f in str(refused.value) for f in fields), str(refused.value)
         # A disabled server takes no port.
         chart.render({"metrics": {"enabled": False, "port": 8081}}, name="tpd", namespace="ops", is_install=True)
+
+
+async def _webhook_with_dry_run(spec: kopf.Spec, name: str, namespace: str | None, memo: kopf.Memo,
+                                old: kopf.Body | None = None, **_: Any) -> None:
+    """The handler as wiring.py registers it with the dry run on: the operator's API client from the
+    startup memo, the PDCluster's namespace."""
+    api = memo.get("api") if admission.dry_run_enabled() else None
+    await admission.review(dict(spec), name, namespace, dict(old.get("spec") or {}) if old else None, api=api)
+
+
+def test_kopf_hands_the_webhook_the_operators_client_and_the_namespace(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    import test_op_admission as webhook
+    from kopf.testing import KopfRunner
+
+    from tilert_operator import constants, wiring
+    from tilert_serve.local.runner import free_port
+
+    refusing = _Refusing(["t-router"])
+
+    async def startup(memo: kopf.Memo, **_: Any) -> None:
+        memo.api = refusing
+
+    port = free_port()
+    default = kopf.get_default_registry()
+    registry = kopf.OperatorRegistry()
+    kopf.on.login(registry=registry)(wiring.login)
+    kopf.on.startup(registry=registry)(startup)
+    kopf.on.validate(constants.GROUP, constants.VERSION, constants.PLURAL, id="validate-pdcluster", registry=registry)(_webhook_with_dry_run)
+    settings = kopf.OperatorSettings()
+    settings.admission.server = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
+    settings.admission.managed = None
+    try:
+        with KopfRunner(["run", "--all-namespaces", "--standalone"], registry=registry, settings=settings, timeout=20):
+            answer = h.wait_for("the webhook", lambda: _try(lambda: webhook._post(port, webhook._review(helpers.minimal()))))
+            assert answer["allowed"] is False and "spec.router.image: the API server refused Deployment t-router" in answer["status"]["message"]
+            assert {p for _, p, _ in refusing.calls} >= {"/apis/apps/v1/namespaces/default/deployments/t-router"}
+            monkeypatch.setenv(admission.DRY_RUN_ENV, "0")
+            assert webhook._post(port, webhook._review(helpers.minimal()))["allowed"] is True
+    finally:
+        kopf.set_default_registry(default)
+
+
+def _try(fn: Callable[[], T]) -> T | None:
+    try:
+        return fn()
+    except OSError:
+        return None
