@@ -4,7 +4,8 @@ package over the ranges' bytes concatenated in order (unkeyed), without copying 
 Why on the GPU: hashing a GPU state through host copies is bound by the device-to-host link (a whole
 GLM-5 state at 128k tokens took 166 ms on an H200, bench/RESULTS.md's digest-cuda section), the
 largest serial stage of a handoff; BLAKE3's compression is 32-bit adds, xors and rotations, which the
-GPU does at half the speed it copies the bytes (bench/digest/gpu.py).
+GPU does at 65-74% of the speed it copies the bytes (a whole GLM-5 state at 8k-128k tokens on an H200:
+bench/RESULTS.md's digest-gpu section).
 
 BLAKE3's tree, as used here: the message is cut into 1024-byte chunks; chunk i is 16 compressions of
 64-byte blocks chained through an 8-word chaining value (CV), with counter i, CHUNK_START on its first
