@@ -24,7 +24,8 @@ cp bench/RESULTS.md "$OUT/RESULTS.md"
 nvidia-smi -L
 echo "pytest start $(date -u +%FT%TZ)"
 timeout 300 "$PY" -m pytest -m gpu tests/layouts/test_convert_triton.py tests/pd_vllm/test_extract_triton.py \
-  tests/pd_vllm/test_layerwise_cuda.py tests/decode/test_settle_cuda.py tests/handoff/test_digest_gpu.py -v \
+  tests/pd_vllm/test_layerwise_cuda.py tests/decode/test_settle_cuda.py tests/decode/test_snapshot_cuda.py \
+  tests/handoff/test_digest_gpu.py -v \
   -p no:cacheprovider >"$OUT/pytest.log" 2>&1
 echo "pytest rc $? end $(date -u +%FT%TZ)"
 timeout 150 "$PY" -m bench.extract.run ${BENCH_TUNE:+--tune} >"$OUT/extract.log" 2>&1; echo "extract rc $?"
