@@ -28,6 +28,7 @@ NUM_TOKENS = 300
 
 def test_the_snapshot_is_what_is_checked_and_converted_on_a_gpu() -> None:
     layout = synthetic.layout_for("glm5-fp8")
+    digest.warm_up("cuda:0")  # as the node's start does: the kernels compiled before any handoff
     buffers = ReceiveBuffers(layout, max_seq_len=512, slots=2, shards=2, devices=["cuda:0", "cuda:0"])
     # What the senders wrote, laid out as the node's slot 1, and each rank's digest of it (on the host).
     host = [torch.zeros_like(v, device="cpu") for v in buffers.views(1)]

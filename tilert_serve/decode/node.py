@@ -195,6 +195,9 @@ class DecodeNode:
     async def start(self) -> None:
         """Load the engine, register the buffers, open the control port. /ready turns true after."""
         await asyncio.to_thread(self.engine.load)
+        if self.config.verify_digest:
+            for device in sorted(set(self.config.devices)):
+                await asyncio.to_thread(digest.warm_up, device)
         self.buffers.register(self.transfer)
         self._server = await asyncio.start_server(self.ctrl.handle, self.config.advertise_host,
                                                   self.config.ctrl_port, limit=ctrl.READ_LIMIT)

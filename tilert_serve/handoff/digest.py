@@ -79,6 +79,17 @@ def of_ranges(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, 
     return of_ranges_on_host(buffers, ranges, algorithm)
 
 
+def warm_up(device: torch.device | str) -> None:
+    """Compile the GPU digest's kernels for `device` now (a no-op off CUDA or without blake3): the
+    first call otherwise compiles them, tens of seconds inside a handoff whose ticket is ticking. A
+    message of whole, straddling and short chunks over two ranges takes every kernel the handoff uses."""
+    device = torch.device(device)
+    if device.type != "cuda" or "blake3" not in available():
+        return
+    buf = torch.zeros(300 << 10, dtype=torch.uint8, device=device)
+    of_ranges([buf], [(0, 0, 656 * 300), (0, 656 * 300, 8448 * 5 + 17)], "blake3")
+
+
 def _on_gpu(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> bool:
     """Every buffer a range reads is a 1-D uint8 tensor on one CUDA device, and Triton imports."""
     used = {shard for shard, _, n in ranges if n > 0}

@@ -307,6 +307,8 @@ class TileRTWorker:
         self.pool = StagingPool(staging, self.rank, self.config.staging_requests, device)
         self.gather = Gatherer(self.caches, staging, self.rank)
         self._mine = sorted(self.gather.layers)
+        if self.config.handoff_digest:
+            digest.warm_up(device)  # at load, not in the first handoff
         where = self._data_plane()
         assert where.address is not None
         self._mover = transfer.create(self.config.transfer, host=where.address,
