@@ -38,7 +38,8 @@ def _template(pod: dict[str, Any]) -> dict[str, Any]:
 
 #: (id, spec patch over helpers.minimal(), the PDCluster field named, a piece of the fix, how it broke).
 #: "422": the API server refuses a child; "schema": so does the Kubernetes schema (checked below);
-#: "run": every server accepts it and the pods cannot do what the spec asks.
+#: "run": every server accepts it and the pods cannot do what the spec asks; "cel": so do they, and the
+#: CRD's CEL refuses it too (without the webhook, kubectl apply is refused; with it, the webhook first).
 TRAPS: list[tuple[str, dict[str, Any], str, str, str]] = [
     ("override-container-without-image", {"prefill": _template({"containers": [{"name": "vllm"}]})},
      "spec.prefill.overrides", "set an image", "422"),
@@ -107,9 +108,9 @@ TRAPS: list[tuple[str, dict[str, Any], str, str, str]] = [
     ("metrics-from-in-without-values", {"networkPolicies": {"metricsFrom": [{"namespaceSelector": {"matchExpressions": [{"key": "team", "operator": "In"}]}}]}},
      "spec.networkPolicies.metricsFrom", "values", "422"),
     ("pre-stop-longer-than-grace", {"router": {"termination": {"gracePeriodSeconds": 10, "preStopSleepSeconds": 30}}},
-     "spec.router.termination.preStopSleepSeconds", "gracePeriodSeconds", "run"),
+     "spec.router.termination.preStopSleepSeconds", "gracePeriodSeconds", "cel"),
     ("pre-stop-leaves-no-drain", {"prefill": {"termination": {"gracePeriodSeconds": 8, "preStopSleepSeconds": 5}}},
-     "spec.prefill.termination.preStopSleepSeconds", "gracePeriodSeconds", "run"),
+     "spec.prefill.termination.preStopSleepSeconds", "gracePeriodSeconds", "cel"),
     ("rdma-pool-run-as-non-root", {"transfer": RDMA, "prefill": {"podSecurityContext": {"runAsNonRoot": True}}},
      "spec.prefill.podSecurityContext", "runAsNonRoot", "run"),
     ("root-user-under-default-non-root", {"router": {"podSecurityContext": {"runAsUser": 0}}}, "spec.router.podSecurityContext",
@@ -132,9 +133,20 @@ def test_the_crd_accepts_it_and_the_operator_refuses_it_naming_field_and_fix(pat
                                                                               how: str) -> None:
     spec = helpers.minimal(**patch)
     _, errors = crd_validator.validate(helpers.cr(spec))
-    assert errors == [], "the CRD refuses it already: not a trap"
+    if how == "cel":
+        assert any(field.rsplit(".", 1)[0] in e and fix in e for e in errors), errors
+    else:
+        assert errors == [], "the CRD refuses it already: not a trap"
     _, problems = validation.validate(spec, "t")
     assert any(p.field == field and fix in p.message for p in problems), [str(p) for p in problems]
+
+
+def test_the_crds_drain_rule_keeps_the_operators_exit_margin() -> None:
+    spec = crd_validator.load_schema()["properties"]["spec"]["properties"]
+    pools = [spec["prefill"], spec["decode"]["properties"]["tilert"], spec["decode"]["properties"]["native"], spec["router"]]
+    for pool in pools:
+        [rule] = pool["properties"]["termination"]["x-kubernetes-validations"]
+        assert f"self.preStopSleepSeconds + {specmod.EXIT_MARGIN_S} < self.gracePeriodSeconds" in rule["rule"]
 
 
 @pytest.mark.parametrize("patch", [t[1] for t in TRAPS if t[4] == "schema"], ids=[t[0] for t in TRAPS if t[4] == "schema"])
@@ -167,6 +179,8 @@ def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
 
 def test_without_the_webhook_each_is_spec_valid_false_and_nothing_is_applied(apiserver: Any) -> None:
     srv = apiserver.server
+    # Stored as an older CRD (without the drain rule) would have let them in.
+    srv.validators.pop(("pd.tilert.ai", "v1alpha1", "pdclusters"))
     for i, (case, patch, field, _fix, _how) in enumerate(TRAPS):
         name = f"t{i}"
         run(apiserver, lambda api, n=name, p=patch: api.create(h.pdc(helpers.cr(helpers.minimal(**p), n))))
