@@ -10,8 +10,10 @@ operator: the garbage collector removes the children.
 Drift: a child someone else deleted or edited (a NetworkPolicy removed, a Deployment scaled by hand)
 kicks its PDCluster within `drift_debounce_s`, not at the next resync. Events the operator caused
 itself do not: a write's echo carries the resourceVersion the write returned (kubeapi.Client.own),
-and a change of `status` alone (controllers reporting rollouts) leaves the child's fingerprint as it
-was. Drift kicks per PDCluster are at most one per `drift_min_interval_s`, so a controller that
+and a change of `status` alone leaves the child's fingerprint as it was. A Deployment's or
+StatefulSet's controller reporting its rollout (observedGeneration, replica counts, revisions) kicks a
+reconcile too, outside the drift limit: Ready and the ready counts follow those reports, and a pod's
+own event comes before its controller's. Drift kicks per PDCluster are at most one per `drift_min_interval_s`, so a controller that
 fights the operator over a field (an autoscaler on replicas) costs one reconcile a period, not a storm.
 """
 
@@ -23,6 +25,7 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from tilert_operator import constants, credentials, reconcile
 from tilert_operator.kubeapi import DELETED, Client, Obj
@@ -62,6 +65,8 @@ class _Worker:
     drift_timer: asyncio.TimerHandle | None = None
     #: When the last drift kick fired (monotonic seconds).
     drift_last: float = float("-inf")
+    #: A kick waiting for the debounce after workloads reported rollout progress.
+    report_timer: asyncio.TimerHandle | None = None
 
 
 class Controller:
@@ -73,6 +78,8 @@ class Controller:
         self._slots = asyncio.Semaphore(self.settings.concurrency)
         #: (kind, namespace, name) -> fingerprint of each child as the watch last showed it.
         self._children: dict[tuple[str, str, str], str] = {}
+        #: (kind, namespace, name) -> each workload's rollout status as the watch last showed it.
+        self._rollouts: dict[tuple[str, str, str], tuple[Any, ...] | None] = {}
         #: Drift kicks fired, and the child changes that caused them (for tests and logs).
         self.drift_kicks = 0
 
@@ -84,8 +91,9 @@ class Controller:
         if deleted:
             if worker is not None and worker.task is not None:
                 worker.task.cancel()
-            if worker is not None and worker.drift_timer is not None:
-                worker.drift_timer.cancel()
+            for timer in (worker.drift_timer, worker.report_timer) if worker is not None else ():
+                if timer is not None:
+                    timer.cancel()
             self._workers.pop(key, None)
             self.metrics.states.pop(key, None)
             return
@@ -120,13 +128,23 @@ class Controller:
         cluster: str = (meta.get("labels") or {}).get(constants.LABEL_CLUSTER) or ""
         if event_type == "DELETED":
             self._children.pop(ckey, None)
+            self._rollouts.pop(ckey, None)
             what = "deleted"
         else:
             fp = _fingerprint(body)
             before = self._children.get(ckey)
             self._children[ckey] = fp
-            if event_type is None or before == fp:
-                return  # the initial listing (the first reconcile compares everything), or status only
+            progress = _rollout(body) if kind in ("Deployment", "StatefulSet") else None
+            progressed = self._rollouts.get(ckey) != progress
+            self._rollouts[ckey] = progress
+            if event_type is None:
+                return  # the initial listing: the first reconcile compares everything
+            if before == fp:
+                # Status only: a workload controller reporting its rollout is worth a reconcile (Ready
+                # and the ready counts follow it), not a drift (nothing to repair: no rate limit).
+                if progressed and before is not None:
+                    self._report_kick((ns, cluster))
+                return
             what = "created" if before is None else "changed"
         worker = self._workers.get((ns, cluster)) if cluster else None
         if worker is None:
@@ -136,6 +154,19 @@ class Controller:
             loop = asyncio.get_running_loop()
             due = max(self.settings.drift_debounce_s, worker.drift_last + self.settings.drift_min_interval_s - time.monotonic())
             worker.drift_timer = loop.call_later(due, self._drift_fire, (ns, cluster), worker)
+
+    def _report_kick(self, key: Key) -> None:
+        """Kick a reconcile after the debounce: a controller's reports come in bursts (one per pod)."""
+        worker = self._workers.get(key)
+        if worker is None or worker.report_timer is not None:
+            return
+
+        def fire() -> None:
+            worker.report_timer = None
+            if self._workers.get(key) is worker:
+                worker.kick.set()
+
+        worker.report_timer = asyncio.get_running_loop().call_later(self.settings.drift_debounce_s, fire)
 
     def _drift_fire(self, key: Key, worker: _Worker) -> None:
         worker.drift_timer = None
@@ -154,8 +185,9 @@ class Controller:
 
     async def stop(self) -> None:
         for w in self._workers.values():
-            if w.drift_timer is not None:
-                w.drift_timer.cancel()
+            for timer in (w.drift_timer, w.report_timer):
+                if timer is not None:
+                    timer.cancel()
         tasks = [w.task for w in self._workers.values() if w.task is not None]
         for t in tasks:
             t.cancel()
@@ -203,6 +235,14 @@ def _fingerprint(body: Obj) -> str:
     kept = {k: v for k, v in body.items() if k not in ("status", "metadata")}
     kept["metadata"] = {k: meta.get(k) for k in ("labels", "annotations", "ownerReferences")}
     return hashlib.sha256(json.dumps(kept, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _rollout(body: Obj) -> tuple[Any, ...]:
+    """What a workload's controller reports of its rollout (what observe.rollout reads)."""
+    st = body.get("status") or {}
+    progressing = next((c.get("reason") for c in st.get("conditions") or [] if c.get("type") == "Progressing"), None)
+    return (*(st.get(k) for k in ("observedGeneration", "replicas", "updatedReplicas", "readyReplicas", "availableReplicas",
+                                  "currentRevision", "updateRevision")), progressing)
 
 
 def _rotation_request(meta: Obj) -> tuple[str | None, ...]:

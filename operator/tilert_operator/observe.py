@@ -20,12 +20,23 @@ from tilert_serve.router.config import TileRTNode
 
 @dataclass(frozen=True)
 class PoolState:
+    """A pool as its workload reports it: `ready` counts ready pods of the current template only
+    (old pods do not make a new generation look ready)."""
+
     ready: int
     desired: int
+    #: Ready pods of any template: what serves while a rollout is under way (None: as `ready`).
+    serving: int | None = None
+    #: What the current template's rollout still waits for; None when it is rolled out.
+    rolling: str | None = None
 
     @property
     def text(self) -> str:
         return f"{self.ready}/{self.desired}"
+
+    @property
+    def serves(self) -> int:
+        return self.ready if self.serving is None else self.serving
 
 
 def is_ready(pod: dict[str, Any]) -> bool:
@@ -56,14 +67,77 @@ def pods_of(pods: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
     return [p for p in pods if (p.get("metadata", {}).get("labels") or {}).get(constants.LABEL_COMPONENT) == component]
 
 
-def pool_states(spec: PDClusterSpec, pods: list[dict[str, Any]]) -> dict[str, PoolState]:
+#: The workload kind of each pool.
+WORKLOAD_KINDS = {constants.PREFILL: "Deployment", constants.TILERT: "StatefulSet", constants.NATIVE: "Deployment",
+                  constants.ROUTER: "Deployment"}
+
+
+def _count(status: dict[str, Any], key: str) -> int:
+    value = status.get(key)  # the API omits zero counts
+    return value if isinstance(value, int) else 0
+
+
+def rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[int, str | None]:
+    """From a Deployment's or StatefulSet's own status: how many ready pods are of its current
+    template, and what its rollout still waits for (None: rolled out).
+
+    Rolled out means its controller has seen the current generation (observedGeneration), `desired`
+    pods are of the current template (updatedReplicas) and no pod of an earlier one is left: for a
+    StatefulSet, currentRevision has become updateRevision, which its controller does only once every
+    pod is updated and ready; for a Deployment, no replicas beyond the updated ones, and every updated
+    one available unless its Progressing condition already says NewReplicaSetAvailable (the rollout
+    completed; a pod that failed since makes the pool degraded, not a rollout). Ready pods of the
+    current template are not counted by the API, so the old pods are assumed ready first (a lower
+    bound: never more than there are), and none is counted before the controller has seen the
+    generation."""
+    if workload is None:
+        return 0, None if desired == 0 else f"{kind} not created yet"
+    meta, st = workload.get("metadata") or {}, workload.get("status") or {}
+    name, generation, seen = meta.get("name"), int(meta.get("generation") or 0), _count(st, "observedGeneration")
+    total, updated = _count(st, "replicas"), _count(st, "updatedReplicas")
+    ready = _count(st, "readyReplicas" if kind == "StatefulSet" else "availableReplicas")
+    old = max(0, total - updated)
+    ready_new = max(0, min(updated, ready - old))
+    where = f"{kind} {name}"
+    if seen < generation:
+        # Its counts are of an earlier generation: none is known to be of the current template.
+        return 0, (f"{where}: its controller has not yet seen generation {generation} (it reports {seen}); "
+                           f"see kubectl describe {kind.lower()} {name}")
+    if updated < desired:
+        return ready_new, f"{where}: {updated} of {desired} pods are of the current template"
+    if kind == "StatefulSet":
+        if st.get("currentRevision") != st.get("updateRevision"):
+            return ready_new, (f"{where}: {ready_new} of {desired} pods of revision {st.get('updateRevision')} ready, "
+                               f"pods of {st.get('currentRevision')} left to replace")
+        return min(ready, desired), None
+    if old:
+        return ready_new, f"{where}: {ready_new} of {desired} updated pods available, {old} pod(s) of an earlier template left"
+    progressing = next((c.get("reason") for c in st.get("conditions") or [] if c.get("type") == "Progressing"), None)
+    if ready_new < desired and progressing != "NewReplicaSetAvailable":
+        return ready_new, f"{where}: {ready_new} of {desired} updated pods available"
+    return ready_new, None
+
+
+def pool_states(spec: PDClusterSpec, pods: list[dict[str, Any]],
+                workloads: dict[str, dict[str, Any] | None] | None = None) -> dict[str, PoolState]:
+    """Each pool's state. `workloads` (component -> its Deployment or StatefulSet as the API server
+    holds it, None when absent) makes ready counts and rollouts follow the workloads' own status;
+    without it, ready pods are counted by label."""
     desired = {
         constants.PREFILL: spec.prefill.replicas,
         constants.TILERT: spec.decode.tilert.replicas,
         constants.NATIVE: spec.decode.native.replicas,
         constants.ROUTER: spec.router.replicas,
     }
-    return {c: PoolState(sum(1 for p in pods_of(pods, c) if is_ready(p)), d) for c, d in desired.items()}
+    out = {}
+    for c, d in desired.items():
+        serving = sum(1 for p in pods_of(pods, c) if is_ready(p))
+        if workloads is None:
+            out[c] = PoolState(serving, d)
+            continue
+        ready, rolling = rollout(WORKLOAD_KINDS[c], workloads.get(c), d)
+        out[c] = PoolState(ready, d, serving, rolling)
+    return out
 
 
 def tilert_nodes(spec: PDClusterSpec, pods: list[dict[str, Any]]) -> tuple[list[TileRTNode], list[Unwired]]:

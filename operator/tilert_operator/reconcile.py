@@ -59,6 +59,8 @@ CHILD_NOT_OWNED = "ChildNotOwned"
 FORBIDDEN = "Forbidden"
 APPLY_REJECTED = "ApplyRejected"
 RECONCILE_ERROR = "ReconcileError"
+#: Ready's reason while the current generation could not be applied (Reconciled=False says why).
+NOT_APPLIED = "NotApplied"
 #: Reasons of a Failure, most pressing first: Reconciled takes the first that any failure has (each
 #: failure's own Event keeps its own reason).
 SEVERITY = (CHILD_NOT_OWNED, FORBIDDEN, APPLY_REJECTED, RECONCILE_ERROR)
@@ -403,7 +405,8 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
     spec, problems = validation.validate(body.get("spec") or {}, cluster)
     if spec is None or problems:
         out.state = "invalid"
-        await _write_status(api, body, status.build(generation=generation, conditions_=status.invalid(problems), old=body.get("status") or {}), out)
+        await _write_status(api, body, status.build(generation=generation, conditions_=status.invalid(problems),
+                                                    old=body.get("status") or {}, applied=False), out)
         return out
 
     now = time.time() if now is None else now
@@ -420,7 +423,7 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
     if not_owned:
         out.state = "not_ready"
         await _write_status(api, body, status.build(generation=generation, conditions_=status.secrets_not_owned(not_owned),
-                                                    old=body.get("status") or {}), out)
+                                                    old=body.get("status") or {}, applied=False), out)
         return out
     # Each phase change is a *Rotating condition's transition, so it gets its Event with the status write.
     rotation = await credentials.rotate(api, body, handoff, now=now, grace_s=rotation_grace_s)
@@ -434,22 +437,26 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
     selector = f"{constants.LABEL_CLUSTER}={cluster}"
     pods = await api.list("Pod", ns, selector)
     nodes, unwired = observe.tilert_nodes(spec, pods)
-    pools = observe.pool_states(spec, pods)
 
     desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes)}
     #: Per kind: 200, or the 403/404 an optional kind answered.
     served: dict[str, int] = {}
+    #: The workloads as the API server holds them after this reconcile's applies (Kind/name -> object).
+    live: dict[str, Obj] = {}
     for kind in CHILD_KINDS:
         listed = await _list_children(api, kind, ns, selector)
         served[kind] = listed if isinstance(listed, int) else 200
         if isinstance(listed, int):
             continue  # not served or not allowed: nothing to compare, apply or delete (status says so if wanted)
         actual = {_key(o | {"kind": kind}): o for o in listed if _owned_by(o, meta["uid"])}
+        live |= actual
         for key, want in desired.items():
             # List items carry no apiVersion/kind on a real API server: compare the rest.
             body_only = {k: v for k, v in want.items() if k not in ("apiVersion", "kind")}
             if want["kind"] == kind and not contains(actual.get(key), body_only):
-                await _apply_child(api, body, want, key, owned=key in actual, out=out)
+                written = await _apply_child(api, body, want, key, owned=key in actual, out=out)
+                if written is not None:
+                    live[key] = written
         for key, have in actual.items():
             if key not in desired:
                 try:
@@ -462,6 +469,10 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
     if out.failed:
         retry = (time.time() if now is None else now) + FAILED_RETRY_S
         out.requeue_at = retry if out.requeue_at is None else min(out.requeue_at, retry)
+
+    # Ready counts and rollouts from the workloads' own status (what the apply answered, when applied).
+    workloads = {c: live.get(f"{k}/{constants.child_name(cluster, c)}") for c, k in observe.WORKLOAD_KINDS.items()}
+    pools = observe.pool_states(spec, pods, workloads)
 
     rdma = spec.transfer.rdma
     wants_mnp = any(o["kind"] == "MultiNetworkPolicy" for o in desired.values())
@@ -484,11 +495,19 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
         conds = [c if c["type"] != "Ready" else {"type": "Ready", "status": "False", "reason": CHILD_NOT_OWNED,
                                                  "message": "an object with a child's name is not this PDCluster's (see ChildrenOwned)"}
                  for c in conds]
+    elif out.failed:
+        # This generation is not what runs: whatever the pods say, it is not Ready.
+        before = (body.get("status") or {}).get("observedGeneration")
+        running = f"generation {before} is what runs" if before is not None else "no generation of it was applied yet"
+        conds = [c if c["type"] != "Ready" else {"type": "Ready", "status": "False", "reason": NOT_APPLIED, "message": (
+            f"generation {generation} of the spec is not applied ({running}): see Reconciled for what the API server "
+            "refused and what to do")} for c in conds]
     ready = next(c for c in conds if c["type"] == "Ready")
     out.state = "ready" if ready["status"] == "True" else "not_ready"
     new = status.build(generation=generation, conditions_=conds, old=body.get("status") or {}, pools=pools, endpoints=nodes,
                        rotations={"handoffSecret": rotation.status(rotation_grace_s),
-                                  "nodeApiToken": token_rotation.status(rotation_grace_s)})
+                                  "nodeApiToken": token_rotation.status(rotation_grace_s)},
+                       applied=not out.failed)
     await _write_status(api, body, new, out)
     await _failure_events(api, body, applied, out, ns)
     for key in out.adopted:
@@ -500,8 +519,9 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
     return out
 
 
-async def _apply_child(api: Client, body: Obj, want: Obj, key: str, *, owned: bool, out: Outcome) -> None:
+async def _apply_child(api: Client, body: Obj, want: Obj, key: str, *, owned: bool, out: Outcome) -> Obj | None:
     """Apply one child; before its first apply, make sure the name is free, ours or marked for adoption.
+    Returns the child as the API server answered the apply; None when it was not applied.
 
     A failure is recorded in `out.failed` and the reconcile carries on with the other children."""
     meta = body["metadata"]
@@ -513,7 +533,7 @@ async def _apply_child(api: Client, body: Obj, want: Obj, key: str, *, owned: bo
             found = await api.get(kind, ns, name)
         except ApiError as e:
             out.failed.append(failure(key, e, verb="get", kind=kind, prefix="could not read it: "))
-            return
+            return None
         creating = found is None
         if found is not None and not _owned_by(found, meta["uid"]):
             if _earlier_owner(found, body):
@@ -521,21 +541,22 @@ async def _apply_child(api: Client, body: Obj, want: Obj, key: str, *, owned: bo
                     f"{kind} {ns}/{name} still belongs to an earlier PDCluster {ns}/{meta['name']}, which was deleted; the "
                     "garbage collector deletes it shortly and the operator then creates its own (if it stays, check "
                     "the garbage collector)"), CHILD_NOT_OWNED))
-                return
+                return None
             if not credentials.adoptable(found, body):
                 out.failed.append(Failure(key, credentials.not_owned_message(
                     found, body, kind, "applies nothing under its name; the PDCluster is not Ready until it is resolved",
                     " (the operator then rewrites it to the spec and the garbage collector deletes it with the PDCluster)"),
                     CHILD_NOT_OWNED))
-                return
+                return None
             adopting = True
     try:
-        await api.apply(want)
+        written = await api.apply(want)
     except ApiError as e:
         # Refused or not writable: report it and carry on with the other children.
         log.warning("[%s/%s] applying %s failed: %s", ns, meta["name"], key, e)
         out.failed.append(failure(key, e, verb="create" if creating else "patch", kind=kind))
-        return
+        return None
     out.applied.append(key)
     if adopting:
         out.adopted.append(key)
+    return written

@@ -1,9 +1,10 @@
 """The PDCluster status from observed facts, pure: conditions with reasons and actionable messages.
 
 The operator is the only writer of every condition. Ready means the stack serves disaggregated
-requests: a prefill and a router are ready and every configured decode pool can take requests (the
-TileRT pool through wired endpoints). Missing replicas beyond that make Ready=True with reason
-Degraded, and the pool's own condition False.
+requests as the current spec describes: a prefill and a router are ready, every configured decode
+pool can take requests (the TileRT pool through wired endpoints), and every workload has rolled out
+its current template (observe.rollout; until then Ready=False, RollingOut, while the old pods serve).
+Missing replicas beyond that make Ready=True with reason Degraded, and the pool's own condition False.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ POOL_CONDITIONS = {
 POOL_KEYS = {constants.PREFILL: "prefill", constants.TILERT: "tilert", constants.NATIVE: "native", constants.ROUTER: "router"}
 
 Condition = dict[str, Any]
+#: The reason of a pool condition, and of Ready, while a workload's current template is not rolled out.
+ROLLING_OUT = "RollingOut"
 
 
 def is_fault(cond: Condition) -> bool:
@@ -53,6 +56,10 @@ def _selector_hint(cluster: str, component: str) -> str:
 
 def pool_condition(cluster: str, component: str, state: PoolState) -> Condition:
     type_ = POOL_CONDITIONS[component]
+    if state.rolling is not None:
+        serving = f"; {state.serves} ready pod(s) serve meanwhile" if state.serves else ""
+        return _cond(type_, False, ROLLING_OUT, f"{state.text} {component} pods of the current template ready; rolling "
+                                                f"out: {state.rolling}{serving}")
     if state.desired == 0:
         return _cond(type_, True, "NoReplicas", f"{component} has 0 replicas in the spec")
     if state.ready >= state.desired:
@@ -307,19 +314,24 @@ def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRT
     out.append(handoff)
     out += list(security)
     missing = []
-    if pools[constants.PREFILL].ready == 0:
+    if pools[constants.PREFILL].serves == 0:
         missing.append("no prefill pod is ready")
-    if pools[constants.ROUTER].ready == 0:
+    if pools[constants.ROUTER].serves == 0:
         missing.append("no router pod is ready")
     if tilert.desired and not wired:
         missing.append("no TileRT node is wired")
     elif tilert.desired and not working:
         missing.append(f"no TileRT node has a working handoff ({handoff['reason']}, see HandoffReady)")
     native = pools[constants.NATIVE]
-    if native.desired and native.ready == 0:
+    if native.desired and native.serves == 0:
         missing.append("no native decode pod is ready")
+    rolling = [f"{POOL_KEYS[c]}: {s.rolling}" for c, s in pools.items() if s.rolling is not None]
     if missing:
         out.append(_cond("Ready", False, "NotServing", "; ".join(missing)))
+    elif rolling:
+        # Pods of an earlier template serve, but the spec as it is now has not happened yet.
+        out.append(_cond("Ready", False, ROLLING_OUT, "the current spec is not rolled out yet (pods of an earlier "
+                         "template serve meanwhile): " + "; ".join(rolling)))
     else:
         short = [f"{POOL_KEYS[c]} {s.text}" for c, s in pools.items() if s.ready < s.desired]
         if short:
@@ -368,11 +380,18 @@ def build(
     pools: dict[str, PoolState] | None = None,
     endpoints: Sequence[TileRTNode] = (),
     rotations: dict[str, dict[str, Any]] | None = None,
+    applied: bool = True,
 ) -> dict[str, Any]:
+    """`applied`: every child of this generation was accepted by the API server. Otherwise (a refused
+    apply, an invalid spec, a Secret that is someone else's) the generation is not observed: the
+    status keeps the last generation that was, and the conditions (stamped with this generation)
+    say why."""
+    observed = generation if applied else old.get("observedGeneration")
     status: dict[str, Any] = {
-        "observedGeneration": generation,
         "conditions": with_transition_times(conditions_, old.get("conditions") or [], generation),
     }
+    if observed is not None:
+        status = {"observedGeneration": observed} | status
     if pools is not None:
         status["pools"] = {POOL_KEYS[c]: {"ready": s.ready, "desired": s.desired} for c, s in pools.items()}
         status["replicas"] = {POOL_KEYS[c]: s.text for c, s in pools.items()}

@@ -36,7 +36,11 @@ Kubernetes CEL extension libraries, admission webhooks, SSA conflicts between ma
 the live object as a real one does: its fields set, the fields it applied before and dropped removed,
 everyone else's kept, keyed lists merged by key; managedFields are not shown; custom resources' applied
 top-level fields replace; metadata labels/annotations merge), strategic-merge list merging, controllers (no pod
-is ever created from a Deployment), 410 Gone, dryRun.
+is ever created from a Deployment: a test creates them, and each is stamped with the revision of the
+template it was made from), 410 Gone, dryRun.
+Played: the Deployment and StatefulSet controllers' status (observedGeneration, replica counts by
+revision, currentRevision/updateRevision, the Progressing reason) from the pods a test created, at
+every change of a workload or its pods; `workload_controllers` off holds it back.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import hashlib
 import json
 import time
 import uuid
@@ -88,6 +93,34 @@ class Fault:
     user_agent: str | None = "tilert-pd-operator"
     #: Answer late instead of failing (status is then ignored): a client-side timeout.
     delay: float = 0.0
+
+
+POD: Res = ("", "v1", "pods")
+WORKLOADS_BY_KIND: dict[str, Res] = {"Deployment": ("apps", "v1", "deployments"), "StatefulSet": ("apps", "v1", "statefulsets")}
+WORKLOADS = frozenset(WORKLOADS_BY_KIND.values())
+#: The label that names the template revision a pod was made from.
+REVISION_LABEL: dict[Res, str] = {WORKLOADS_BY_KIND["Deployment"]: "pod-template-hash",
+                                  WORKLOADS_BY_KIND["StatefulSet"]: "controller-revision-hash"}
+
+
+def revision(res: Res, workload: Obj) -> str:
+    """The current template's revision as its controller names it: a hash of the pod template (a
+    Deployment's pod-template-hash; a StatefulSet's ControllerRevision, `<name>-<hash>`)."""
+    template = (workload.get("spec") or {}).get("template") or {}
+    digest = hashlib.sha256(json.dumps(template, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{workload['metadata']['name']}-{digest}" if res == WORKLOADS_BY_KIND["StatefulSet"] else digest
+
+
+def _selects(workload: Obj, pod: Obj) -> bool:
+    want = (((workload.get("spec") or {}).get("selector") or {}).get("matchLabels")) or {}
+    labels = pod["metadata"].get("labels") or {}
+    return bool(want) and all(labels.get(k) == v for k, v in want.items())
+
+
+def _pod_ready(pod: Obj) -> bool:
+    status = pod.get("status") or {}
+    return bool(status.get("podIP")) and any(c.get("type") == "Ready" and c.get("status") == "True"
+                                             for c in status.get("conditions") or [])
 
 
 _kmock_parse_path = parsing.parse_path
@@ -168,6 +201,10 @@ class ApiServer(kmock.KubernetesEmulator):
         #: Per object, per field manager: the fields its last server-side apply set (what a real server
         #: keeps in managedFields), so an apply removes only what the same manager stops applying.
         self.managed: dict[Key, dict[str, Obj]] = {}
+        #: The Deployment and StatefulSet controllers' status writes (_play_controllers); off, a
+        #: workload's status stays as it was, as while kube-controller-manager has not caught up.
+        self.workload_controllers = True
+        self._playing = False
         #: Who sent the write being handled (under the writers' lock), for admission's own checks.
         self._user: User | None = None
 
@@ -253,6 +290,14 @@ class ApiServer(kmock.KubernetesEmulator):
         meta["generation"] = 1
 
     def _commit(self, res: Res, key: Key, obj: Obj, kind: str) -> Obj:
+        if res == POD:
+            self._stamp_revision(key, obj)
+        out = self._store(res, key, obj, kind)
+        if res == POD or res in WORKLOADS:
+            self._play_controllers(res, obj)
+        return out
+
+    def _store(self, res: Res, key: Key, obj: Obj, kind: str) -> Obj:
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
         self.store[key] = obj
@@ -272,6 +317,91 @@ class ApiServer(kmock.KubernetesEmulator):
         for fn in self.on_change:
             fn(res, kind, obj)
 
+    # ---- the workload controllers' part (Deployment and StatefulSet status) -----------------------
+
+    def _workloads_of(self, pod: Obj) -> list[tuple[Res, Key, Obj]]:
+        """The Deployments and StatefulSets a pod belongs to: its controller by ownerReference, else
+        those whose selector matches it (a ReplicaSet adopts matching orphans)."""
+        meta = pod["metadata"]
+        owners = {r.get("uid") for r in meta.get("ownerReferences") or [] if r.get("controller")}
+        out = []
+        for res in WORKLOADS:
+            for key, w in list(self.by_res[res].items()):
+                if key[1] != meta.get("namespace"):
+                    continue
+                if w["metadata"]["uid"] in owners or (not owners and _selects(w, pod)):
+                    out.append((res, key, w))
+        return out
+
+    def _stamp_revision(self, key: Key, pod: Obj) -> None:
+        """A pod carries the revision of the template it was made from (pod-template-hash for a
+        Deployment's, controller-revision-hash for a StatefulSet's). A new pod is made from the
+        current template; an update (the kubelet reporting status) keeps the pod's revision."""
+        labels = pod["metadata"].setdefault("labels", {})
+        old_labels = ((self.store.get(key) or {}).get("metadata") or {}).get("labels") or {}
+        for res, _, w in self._workloads_of(pod):
+            label = REVISION_LABEL[res]
+            if label in labels:
+                continue
+            labels[label] = old_labels[label] if label in old_labels else revision(res, w)
+
+    def _play_controllers(self, res: Res, obj: Obj) -> None:
+        """What the Deployment and StatefulSet controllers write to a workload's status after a change
+        of it or of its pods (kube-controller-manager's: observedGeneration, replica counts by revision,
+        a StatefulSet's currentRevision once every pod is updated and ready, a Deployment's Progressing
+        reason). `workload_controllers` False stands for a controller that has not caught up."""
+        if not self.workload_controllers or self._playing:
+            return
+        self._playing = True
+        try:
+            if res == POD:
+                targets = self._workloads_of(obj)
+            else:
+                key = (res, obj["metadata"].get("namespace"), obj["metadata"]["name"])
+                targets = [(res, key, self.store[key])] if key in self.store else []
+            for wres, wkey, w in targets:
+                status = self._workload_status(wres, w)
+                if status != w.get("status"):
+                    self._store(wres, wkey, copy.deepcopy(w) | {"status": status}, "MODIFIED")
+        finally:
+            self._playing = False
+
+    def play_controllers(self) -> None:
+        """Let the workload controllers catch up with every workload (after `workload_controllers` was off)."""
+        for res in WORKLOADS:
+            for _, w in list(self.by_res[res].items()):
+                self._play_controllers(res, w)
+
+    def _workload_status(self, res: Res, w: Obj) -> Obj:
+        ns = w["metadata"].get("namespace")
+        pods = [p for (_, pns, _), p in self.by_res[POD].items()
+                if pns == ns and not p["metadata"].get("deletionTimestamp") and any(t[1][2] == w["metadata"]["name"] and t[0] == res
+                                                                                    for t in self._workloads_of(p))]
+        want = int((w.get("spec") or {}).get("replicas", 1))
+        rev = revision(res, w)
+        updated = [p for p in pods if (p["metadata"].get("labels") or {}).get(REVISION_LABEL[res]) == rev]
+        ready = [p for p in pods if _pod_ready(p)]
+        old = w.get("status") or {}
+        complete = len(updated) == len(pods) == want and len(ready) == want
+        status: Obj = {"observedGeneration": w["metadata"].get("generation", 1), "replicas": len(pods),
+                       "updatedReplicas": len(updated), "readyReplicas": len(ready), "availableReplicas": len(ready)}
+        if res == WORKLOADS_BY_KIND["StatefulSet"]:
+            # completeRollingUpdate: the update revision becomes the current one once every pod is
+            # updated and ready; until then the current revision is the one the pods came from.
+            current = rev if complete or not old.get("currentRevision") else old["currentRevision"]
+            status |= {"currentRevision": current, "updateRevision": rev,
+                       "currentReplicas": sum(1 for p in pods if (p["metadata"].get("labels") or {}).get(REVISION_LABEL[res]) == current)}
+        else:
+            before = next((c.get("reason") for c in old.get("conditions") or [] if c.get("type") == "Progressing"), None)
+            steady = len(updated) == len(pods) == want
+            reason = "NewReplicaSetAvailable" if complete or (steady and before == "NewReplicaSetAvailable") else "ReplicaSetUpdated"
+            status |= {"unavailableReplicas": max(0, want - len(ready)),
+                       "conditions": [{"type": "Progressing", "status": "True", "reason": reason,
+                                       "message": f'ReplicaSet "{w["metadata"]["name"]}-{rev}" '
+                                                  + ("has successfully progressed." if reason == "NewReplicaSetAvailable" else "is progressing.")}]}
+        # The API omits zero counts (omitempty).
+        return {k: v for k, v in status.items() if v != 0}
+
     def _delete(self, key: Key) -> Obj:
         obj = self.store.get(key)
         if obj is None:
@@ -288,6 +418,8 @@ class ApiServer(kmock.KubernetesEmulator):
         self.rv += 1
         obj["metadata"]["resourceVersion"] = str(self.rv)
         self._emit(key[0], "DELETED", obj)
+        if key[0] == POD:
+            self._play_controllers(POD, obj)
         self._collect(obj["metadata"]["uid"])
         return copy.deepcopy(obj)
 

@@ -71,7 +71,10 @@ def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_a
     assert event["type"] == "Warning" and event["message"].startswith("Deployment/f-router: HTTP 422")
     assert event["related"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "f-router", "namespace": "default"}
 
-    # The same failure again: no new Event, no status write.
+    # The same failure again: no new Event, no status write (once the workload controllers' first
+    # reports, which the status follows, are in).
+    run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, "f")))
+    assert len(events(apiserver, uid, "ApplyRejected")) == 1
     again = run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, "f")))
     assert again.failed and not again.status_written and not again.events
     assert len(events(apiserver, uid, "ApplyRejected")) == 1

@@ -39,7 +39,10 @@ def _put_foreign(apiserver: Any, kind: str) -> dict[str, Any]:
     res, name, rest = FOREIGN[kind]
     obj = {"apiVersion": "/".join(p for p in res[:2] if p), "kind": kind,
            "metadata": {"name": name, "namespace": "default", "labels": dict(THEIR_LABELS)}} | rest
-    return apiserver.call(apiserver.server.put(res, obj))
+    apiserver.call(apiserver.server.put(res, obj))
+    # As its controller left it (a Deployment's and a StatefulSet's report their status at once).
+    out: dict[str, Any] = apiserver.server.get(res[2], "default", name)
+    return out
 
 
 def _tiny(srv: Any) -> dict[str, Any] | None:

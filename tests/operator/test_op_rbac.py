@@ -82,8 +82,18 @@ def test_the_charts_rbac_allows_exactly_what_the_operator_does(apiserver: Any, m
         sts = _wait(srv, "StatefulSet", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode"))
         for comp in (constants.PREFILL, constants.ROUTER, constants.NATIVE):
             apiserver.call(srv.put(h.POD, h.pod("tiny", comp, 0)))
-        apiserver.call(srv.put(h.POD, h.pod("tiny", constants.TILERT, 0, owner=sts)))
+        # Every replica: Ready waits for each workload to have rolled out (tiny-cpu has two TileRT nodes).
+        for i in range(sts["spec"]["replicas"]):
+            apiserver.call(srv.put(h.POD, h.pod("tiny", constants.TILERT, i, owner=sts)))
         _wait(srv, "Ready", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True")
+        # The prefill pod goes unready and back, twice: the second NotServing Event is the first one's count.
+        for _ in range(2):
+            apiserver.call(srv.put(h.POD, h.pod("tiny", constants.PREFILL, 0, ready=False)))
+            _wait(srv, "NotServing", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "NotServing")
+            apiserver.call(srv.put(h.POD, h.pod("tiny", constants.PREFILL, 0)))
+            _wait(srv, "Ready", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True")
+        h.wait_for("NotServing counted twice", lambda: any(e["reason"] == "NotServing" and e.get("count") == 2
+                                                           for e in srv.objects("events", "default")))
         assert _refusals(srv) == [], "the chart's RBAC refuses these calls of the operator"
         assert h.condition(srv.get("pdclusters", "default", "tiny"), "Reconciled")["status"] == "True"
         uid = srv.get("pdclusters", "default", "tiny")["metadata"]["uid"]

@@ -143,6 +143,8 @@ def create(apiserver: Any, doc: dict[str, Any]) -> None:
 async def _reconcile_twice(api: Client, apiserver: Any, name: str) -> tuple[reconcile.Outcome, reconcile.Outcome]:
     body = apiserver.server.get("pdclusters", "default", name)
     first = await reconcile.reconcile(api, body)
+    # The workload controllers report the generation they saw, and the status says so once.
+    await reconcile.reconcile(api, apiserver.server.get("pdclusters", "default", name))
     body = apiserver.server.get("pdclusters", "default", name)
     second = await reconcile.reconcile(api, body)
     return first, second

@@ -1,0 +1,211 @@
+"""Status says what has happened, not what was asked: Ready, the pools' ready counts and
+`observedGeneration` follow the children's own rollout state. The API test server plays the
+Deployment and StatefulSet controllers' status (pdc_apiserver.ApiServer._play_controllers): a spec
+change bumps a workload's generation, its pods keep the revision they were made from, and the counts
+of the new revision catch up only when the test rolls the pods (deletes them and makes new ones)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pdc_harness as h
+import pdc_helpers as helpers
+import pytest
+from kopf.testing import KopfRunner
+
+from tilert_operator import constants, observe, reconcile
+from tilert_operator.kubeapi import Client, Connection
+
+T = TypeVar("T")
+COMPONENTS = (constants.PREFILL, constants.TILERT, constants.NATIVE, constants.ROUTER)
+PDC_PATH = "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/{}"
+
+
+def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
+    async def go() -> T:
+        async with Client(Connection(server=apiserver.url)) as api:
+            return await fn(api)
+
+    return asyncio.run(go())
+
+
+def body(apiserver: Any, name: str) -> dict[str, Any]:
+    obj = apiserver.server.get("pdclusters", "default", name)
+    assert obj is not None
+    return obj
+
+
+def reconcile_once(apiserver: Any, name: str) -> reconcile.Outcome:
+    return run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, name)))
+
+
+def patch_spec(apiserver: Any, name: str, spec: dict[str, Any]) -> None:
+    run(apiserver, lambda api: api.request("patch", "PATCH", PDC_PATH.format(name), body={"spec": spec},
+                                           content_type="application/merge-patch+json"))
+
+
+def workload(srv: Any, cluster: str, component: str) -> dict[str, Any] | None:
+    plural = "statefulsets" if component == constants.TILERT else "deployments"
+    obj: dict[str, Any] | None = srv.get(plural, "default", constants.child_name(cluster, component))
+    return obj
+
+
+def roll(apiserver: Any, cluster: str, component: str, *, ready: bool = True) -> None:
+    """Play the workload's controller and kubelet: its pods are replaced by pods of the current template."""
+    srv = apiserver.server
+    owner = workload(srv, cluster, component)
+    if owner is None:
+        return
+    for p in srv.objects("pods", "default"):
+        if (p["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT) == component:
+            apiserver.call(srv.remove(h.POD, "default", p["metadata"]["name"]))
+    for i in range(int(owner["spec"].get("replicas", 1))):
+        apiserver.call(srv.put(h.POD, h.pod(cluster, component, i, ready=ready, owner=owner)))
+
+
+def ready(obj: dict[str, Any]) -> tuple[str, str]:
+    c = h.condition(obj, "Ready")
+    return c.get("status", ""), c.get("reason", "")
+
+
+def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver: Any) -> None:
+    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "ro"))))
+    reconcile_once(apiserver, "ro")
+    for comp in COMPONENTS:
+        roll(apiserver, "ro", comp)
+    reconcile_once(apiserver, "ro")
+    assert ready(body(apiserver, "ro")) == ("True", "Serving")
+
+    # A new template for the TileRT pool: its old pods still serve, but the generation is not done.
+    patch_spec(apiserver, "ro", {"decode": {"tilert": {"slots": 8}}})
+    out = reconcile_once(apiserver, "ro")
+    assert "StatefulSet/ro-tilert-decode" in out.applied
+    obj = body(apiserver, "ro")
+    assert ready(obj) == ("False", "RollingOut"), h.condition(obj, "Ready")
+    assert "ro-tilert-decode" in h.condition(obj, "Ready")["message"]
+    assert (h.condition(obj, "TileRTDecodeReady")["status"], h.condition(obj, "TileRTDecodeReady")["reason"]) == ("False", "RollingOut")
+    # The generation was applied: observed, while Ready says it is not rolled out.
+    assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
+    assert obj["status"]["pools"]["tilert"]["ready"] == 0, "old pods are not the new generation's"
+
+    # New pods, not ready yet: still rolling out.
+    roll(apiserver, "ro", constants.TILERT, ready=False)
+    reconcile_once(apiserver, "ro")
+    assert ready(body(apiserver, "ro"))[0] == "False"
+
+    # Every pod of the new template ready: done.
+    roll(apiserver, "ro", constants.TILERT)
+    reconcile_once(apiserver, "ro")
+    obj = body(apiserver, "ro")
+    assert ready(obj) == ("True", "Serving"), h.condition(obj, "Ready")
+    assert obj["status"]["pools"]["tilert"] == {"ready": 1, "desired": 1}
+
+
+def test_a_workload_whose_controller_has_not_seen_the_new_generation_is_rolling_out(apiserver: Any) -> None:
+    srv = apiserver.server
+    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "lag"))))
+    reconcile_once(apiserver, "lag")
+    for comp in COMPONENTS:
+        roll(apiserver, "lag", comp)
+    reconcile_once(apiserver, "lag")
+    assert ready(body(apiserver, "lag")) == ("True", "Serving")
+    srv.workload_controllers = False
+    patch_spec(apiserver, "lag", {"router": {"replicas": 2}})
+    reconcile_once(apiserver, "lag")
+    cond = h.condition(body(apiserver, "lag"), "Ready")
+    assert (cond["status"], cond["reason"]) == ("False", "RollingOut")
+    assert "has not yet seen generation 2" in cond["message"], cond["message"]
+    srv.workload_controllers = True
+    apiserver.sync(srv.play_controllers)
+    roll(apiserver, "lag", constants.ROUTER)
+    reconcile_once(apiserver, "lag")
+    assert ready(body(apiserver, "lag")) == ("True", "Serving")
+
+
+def test_a_refused_generation_keeps_the_last_observed_generation_and_is_not_ready(apiserver: Any) -> None:
+    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "rf"))))
+    reconcile_once(apiserver, "rf")
+    for comp in COMPONENTS:
+        roll(apiserver, "rf", comp)
+    reconcile_once(apiserver, "rf")
+    assert body(apiserver, "rf")["status"]["observedGeneration"] == 1
+
+    # The API server refuses the router's apply (as it would an invalid field the spec's checks miss).
+    apiserver.server.fail(422, times=1, verb="patch", resource="deployments")
+    patch_spec(apiserver, "rf", {"router": {"replicas": 2}})
+    out = reconcile_once(apiserver, "rf")
+    assert [f.key for f in out.failed] == ["Deployment/rf-router"]
+    obj = body(apiserver, "rf")
+    assert obj["metadata"]["generation"] == 2
+    assert obj["status"]["observedGeneration"] == 1, "generation 2 was refused: not observed"
+    cond = h.condition(obj, "Ready")
+    assert (cond["status"], cond["reason"]) == ("False", "NotApplied")
+    assert "generation 2" in cond["message"] and "Reconciled" in cond["message"]
+
+    # Accepted at the retry: applied and observed; Ready once the new replica is.
+    reconcile_once(apiserver, "rf")
+    obj = body(apiserver, "rf")
+    assert obj["status"]["observedGeneration"] == 2
+    assert ready(obj) == ("False", "RollingOut")
+    roll(apiserver, "rf", constants.ROUTER)
+    reconcile_once(apiserver, "rf")
+    assert ready(body(apiserver, "rf")) == ("True", "Serving")
+
+
+def test_rollout_state_is_read_from_the_workloads_status() -> None:
+    """A Deployment's old pods (replicas above updatedReplicas) and a StatefulSet's revisions."""
+    dep = {"kind": "Deployment", "metadata": {"name": "d", "generation": 3},
+           "status": {"observedGeneration": 3, "replicas": 3, "updatedReplicas": 2, "availableReplicas": 3}}
+    ready_new, rolling = observe.rollout("Deployment", dep, 2)
+    assert ready_new == 2 and rolling is not None and "1 pod(s) of an earlier template" in rolling
+    dep["status"] |= {"replicas": 2, "availableReplicas": 2}
+    assert observe.rollout("Deployment", dep, 2) == (2, None)
+    dep["metadata"]["generation"] = 4
+    assert observe.rollout("Deployment", dep, 2)[1] is not None
+    sts = {"kind": "StatefulSet", "metadata": {"name": "s", "generation": 1},
+           "status": {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 1,
+                      "currentRevision": "s-a", "updateRevision": "s-b"}}
+    assert observe.rollout("StatefulSet", sts, 2)[1] is not None
+    sts["status"]["currentRevision"] = "s-b"
+    # Rolled out; a pod that went unready since is a degraded pool, not a rollout.
+    assert observe.rollout("StatefulSet", sts, 2) == (1, None)
+
+
+def pod_lists(srv: Any) -> int:
+    """Reconciles so far: each lists the cluster's pods once."""
+    return sum(1 for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER) and c.resource == "pods" and c.verb == "list")
+
+
+@pytest.fixture()
+def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TILERT_PD_RESYNC_S", "300")
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", "0")
+    monkeypatch.setenv("TILERT_PD_WATCH_TIMEOUT_S", "10")
+
+
+@pytest.mark.usefixtures("fast_operator")
+def test_the_running_operator_follows_a_rollout_from_the_workloads_status(apiserver: Any) -> None:
+    """With the resync far away, the status follows the workload controllers' status writes."""
+    srv = apiserver.server
+    with KopfRunner(h.ARGS, timeout=60) as runner:
+        run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "live"))))
+        h.wait_for("children", lambda: srv.get("statefulsets", "default", "live-tilert-decode")
+                   and srv.get("deployments", "default", "live-router"))
+        for comp in COMPONENTS:
+            roll(apiserver, "live", comp)
+        h.wait_for("Serving", lambda: ready(body(apiserver, "live")) == ("True", "Serving"))
+        patch_spec(apiserver, "live", {"decode": {"tilert": {"slots": 8}}})
+        h.wait_for("RollingOut", lambda: ready(body(apiserver, "live")) == ("False", "RollingOut"))
+        # A real StatefulSet controller reports the new pods after the pods' own events: the operator
+        # must follow the workload's status writes, not only its pods.
+        srv.workload_controllers = False
+        listed = pod_lists(srv)
+        roll(apiserver, "live", constants.TILERT)
+        h.wait_for("a reconcile after the new pods", lambda: pod_lists(srv) > listed)
+        assert ready(body(apiserver, "live")) == ("False", "RollingOut")
+        srv.workload_controllers = True
+        apiserver.sync(srv.play_controllers)
+        h.wait_for("Serving again", lambda: ready(body(apiserver, "live")) == ("True", "Serving"))
+    assert runner.exception is None
