@@ -7,6 +7,10 @@ operator's children can reach it: names, labels, images, volumes, resources, sec
 tolerations, spread constraints, rollout strategies, NetworkPolicy peers. Objects that fail the schema
 are not checked further (the API server would not decode them either).
 
+A StatefulSet's pod template is checked as a pod's: the API server stores the StatefulSet without
+validating it (a long-standing TODO in its validation) and then refuses each pod the StatefulSet
+controller creates from it, which is worse than a refusal at apply.
+
 Not everything the API server checks is here (admission policies of the cluster, quotas, immutable
 fields of live objects): the webhook's server-side dry run covers those where it can reach the API.
 Each Finding says the child's field and the fix in Kubernetes' terms; validation.py names the
@@ -339,10 +343,10 @@ class _Checker:
             if sc.get("privileged"):
                 self.add((*at, "privileged"), "privileged: true needs allowPrivilegeEscalation: true (the rendered value "
                                               "is false): drop privileged, or set allowPrivilegeEscalation: true too")
-            added = {str(cap).upper().removeprefix("CAP_") for cap in (sc.get("capabilities") or {}).get("add") or []}
-            if "SYS_ADMIN" in added:
+            # Only this spelling: the API server compares the string (SYS_ADMIN passes, and runs).
+            if "CAP_SYS_ADMIN" in ((sc.get("capabilities") or {}).get("add") or []):
                 self.add((*at, "capabilities", "add"), "CAP_SYS_ADMIN needs allowPrivilegeEscalation: true (the rendered "
-                                                       "value is false): drop SYS_ADMIN, or set allowPrivilegeEscalation: true")
+                                                       "value is false): drop it, or set allowPrivilegeEscalation: true")
         if sc.get("procMount", "Default") not in ("Default", "Unmasked"):
             self.add((*at, "procMount"), f"{sc.get('procMount')!r}: use Default or Unmasked")
 

@@ -638,7 +638,13 @@ def children_problems(s: PDClusterSpec, name: str) -> list[Problem]:
         else:
             component = (obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT, "")
             field, fix = f"{POOL_FIELDS.get(component, 'spec')}.overrides", " (the overrides make it so: change them)"
-        problem = Problem(field, f"the API server would refuse {f.kind} {f.name}: {f.where}: {f.message}{fix}")
+        if f.kind == "StatefulSet" and f.where.startswith("spec.template.spec."):
+            # The API server does not validate a StatefulSet's pod template: the StatefulSet is stored and
+            # every pod its controller creates from it is refused.
+            what = f"every pod of StatefulSet {f.name} (the StatefulSet itself is accepted, its pods never start)"
+        else:
+            what = f"{f.kind} {f.name}"
+        problem = Problem(field, f"the API server would refuse {what}: {f.where}: {f.message}{fix}")
         if problem not in out:
             out.append(problem)
     return out

@@ -66,8 +66,8 @@ TRAPS: list[tuple[str, dict[str, Any], str, str, str]] = [
      "lowercase", "run"),
     ("privileged-without-escalation", {"prefill": {"securityContext": {"privileged": True}}}, "spec.prefill.securityContext",
      "privileged", "422"),
-    ("sys-admin-without-escalation", {"router": {"securityContext": {"capabilities": {"add": ["SYS_ADMIN"]}}}},
-     "spec.router.securityContext", "SYS_ADMIN", "422"),
+    ("sys-admin-without-escalation", {"router": {"securityContext": {"capabilities": {"add": ["CAP_SYS_ADMIN"]}}}},
+     "spec.router.securityContext", "CAP_SYS_ADMIN", "422"),
     ("security-context-wrong-type", {"prefill": {"securityContext": {"readOnlyRootFilesystem": "yes"}}},
      "spec.prefill.securityContext", "boolean", "schema"),
     ("security-context-unknown-field", {"router": {"securityContext": {"runAsRoot": True}}}, "spec.router.securityContext",
@@ -122,6 +122,40 @@ TRAPS: list[tuple[str, dict[str, Any], str, str, str]] = [
     ("rdma-network-name", {"transfer": {"rdma": {"networks": ["RDMA_net"]}}}, "spec.transfer.rdma.networks[0]", "lowercase", "run"),
 ]
 IDS = [t[0] for t in TRAPS]
+
+#: Near misses of the traps that real servers accept and that run: the checks must not refuse them.
+FINE: list[tuple[str, dict[str, Any]]] = [
+    ("sys-admin-spelled-without-cap", {"router": {"securityContext": {"capabilities": {"drop": ["ALL"], "add": ["SYS_ADMIN"]}}}}),
+    ("rdma-non-root-user-named", {"transfer": RDMA, "prefill": {"podSecurityContext": {"runAsNonRoot": True, "runAsUser": 1000}}}),
+    ("root-allowed-explicitly", {"router": {"podSecurityContext": {"runAsUser": 0, "runAsNonRoot": False}}}),
+    ("host-path-directory", _pvc({"hostPath": {"path": "/models", "type": "Directory"}})),
+    ("toleration-everything", {"prefill": {"tolerations": [{"operator": "Exists"}]}}),
+    ("toleration-no-execute-seconds", {"prefill": {"tolerations": [{"key": "k", "operator": "Exists", "effect": "NoExecute",
+                                                                     "tolerationSeconds": 30}]}}),
+    ("no-spread", {"router": {"topologySpread": {"topologyKeys": []}}}),
+    ("tilert-max-unavailable-2", {"decode": {"tilert": {"replicas": 4, "rollout": {"maxUnavailable": 2}}}}),
+    ("metrics-from-except-inside", {"networkPolicies": {"metricsFrom": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}]}}),
+    ("metrics-from-expression", {"networkPolicies": {"metricsFrom": [{"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": ["monitoring"]}]}}]}}),
+    ("image-registry-port-digest", {"prefill": {"image": "registry.local:5000/team/vllm@sha256:" + "a" * 64}}),
+    ("extended-resource-whole", {"prefill": {"resources": {"requests": {"example.com/fpga": 1}, "limits": {"example.com/fpga": "1"}}}}),
+    ("hugepages-with-memory", {"prefill": {"resources": {"requests": {"hugepages-2Mi": "1Gi", "memory": "2Gi"},
+                                                         "limits": {"hugepages-2Mi": "1Gi", "memory": "2Gi"}}}}),
+    ("drain-just-fits", {"router": {"termination": {"gracePeriodSeconds": 11, "preStopSleepSeconds": 5}}}),
+    ("no-pre-stop-short-grace", {"router": {"termination": {"gracePeriodSeconds": 1, "preStopSleepSeconds": 0}}}),
+    ("override-recreate-done-right", {"prefill": {"overrides": {"spec": {"strategy": {"type": "Recreate", "rollingUpdate": None}}}}}),
+    ("override-priority-class", {"prefill": _template({"priorityClassName": "high"})}),
+    ("api-keys-secret", {"router": {"apiKeysSecret": {"name": "router-keys", "key": "keys.txt"}}}),
+    ("network-in-namespace", {"transfer": {"rdma": {"networks": ["infra/rdma-net.v1"]}}}),
+]
+
+
+@pytest.mark.parametrize("patch", [f[1] for f in FINE], ids=[f[0] for f in FINE])
+def test_near_misses_that_real_servers_accept_pass_every_check(patch: dict[str, Any]) -> None:
+    spec = helpers.minimal(**patch)
+    assert crd_validator.validate(helpers.cr(spec))[1] == []
+    assert validation.validate(spec, "t")[1] == []
+    admission.check(spec, "t")
 
 
 def test_the_list_is_long_and_each_case_is_its_own() -> None:
