@@ -443,7 +443,8 @@ def rule_images(s: PDClusterSpec) -> Iterable[Problem]:
     for component, pool in _pools(s):
         image, field = pool.image, f"{POOL_FIELDS[component]}.image"
         if image != image.strip():
-            yield Problem(field, f"{image!r} has leading or trailing whitespace, which the API server refuses; remove it")
+            yield Problem(field, f"{image!r} has leading or trailing whitespace, which the API server refuses in a pod (so "
+                          "no pod would start); remove it")
         elif len(image) > 4096 or not IMAGE_REFERENCE.fullmatch(image):
             yield Problem(field, f"{image!r} is not an image reference the container runtime can pull (InvalidImageName): "
                           "[registry[:port]/]path[:tag][@digest], the path in lowercase letters, digits and '.', '_' "
@@ -642,6 +643,9 @@ def children_problems(s: PDClusterSpec, name: str) -> list[Problem]:
             # The API server does not validate a StatefulSet's pod template: the StatefulSet is stored and
             # every pod its controller creates from it is refused.
             what = f"every pod of StatefulSet {f.name} (the StatefulSet itself is accepted, its pods never start)"
+        elif f.where.startswith("spec.template.spec."):
+            # Some pod checks (an image's whitespace) apply to pods only: then the pods are the ones refused.
+            what = f"Deployment {f.name} or its pods (they would never start)"
         else:
             what = f"{f.kind} {f.name}"
         problem = Problem(field, f"the API server would refuse {what}: {f.where}: {f.message}{fix}")
