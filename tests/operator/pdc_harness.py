@@ -55,6 +55,23 @@ def pod(cluster: str, component: str, index: int, namespace: str = "default", *,
     }  # fmt: skip
 
 
+def roll(apiserver: Any, cluster: str, component: str, *, ready: bool = True, ips: tuple[str, ...] = ()) -> None:
+    """Play a pool's workload controller and kubelet finishing a rollout: its pods are replaced by as
+    many pods of the current template as the workload wants (the API test server stamps each new pod
+    with that template's revision; pdc_apiserver.ApiServer._play_controllers). `ips`: their pod IPs."""
+    srv = apiserver.server
+    plural = "statefulsets" if component == constants.TILERT else "deployments"
+    owner = srv.get(plural, "default", constants.child_name(cluster, component))
+    if owner is None:
+        return
+    for p in srv.objects("pods", "default"):
+        labels = p["metadata"].get("labels") or {}
+        if labels.get(constants.LABEL_CLUSTER) == cluster and labels.get(constants.LABEL_COMPONENT) == component:
+            apiserver.call(srv.remove(POD, "default", p["metadata"]["name"]))
+    for i in range(int(owner["spec"].get("replicas", 1))):
+        apiserver.call(srv.put(POD, pod(cluster, component, i, ready=ready, owner=owner, ip=ips[i] if i < len(ips) else None)))
+
+
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     for c in ((obj or {}).get("status") or {}).get("conditions") or []:
         if c["type"] == type_:

@@ -130,14 +130,8 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         h.wait_for("slots in router config", lambda: router_nodes(apiserver, "default", "tiny")[0]["slots"] == 8)
         # Not Ready until the new template is rolled out: play the controllers replacing the pods.
         h.wait_for("RollingOut", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "RollingOut")
-        for comp, ips in ((constants.PREFILL, (None, None)), (constants.TILERT, ("10.1.0.1", "10.1.0.2"))):
-            for p in srv.objects("pods", "default"):
-                if p["metadata"]["labels"].get(constants.LABEL_COMPONENT) == comp:
-                    apiserver.call(srv.remove(h.POD, "default", p["metadata"]["name"]))
-            plural = "statefulsets" if comp == constants.TILERT else "deployments"
-            owner = srv.get(plural, "default", f"tiny-{comp}")
-            for i, ip in enumerate(ips):
-                put_pod(apiserver, h.pod("tiny", comp, i, ip=ip, owner=owner))
+        h.roll(apiserver, "tiny", constants.PREFILL)
+        h.roll(apiserver, "tiny", constants.TILERT, ips=("10.1.0.1", "10.1.0.2"))
 
         # The handoff Secret is deleted -> a new token in a new Secret; no pod template changes (the
         # node and the sender re-read the mounted files; rotation is the outage-free way to change it).

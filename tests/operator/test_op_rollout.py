@@ -46,25 +46,6 @@ def patch_spec(apiserver: Any, name: str, spec: dict[str, Any]) -> None:
                                            content_type="application/merge-patch+json"))
 
 
-def workload(srv: Any, cluster: str, component: str) -> dict[str, Any] | None:
-    plural = "statefulsets" if component == constants.TILERT else "deployments"
-    obj: dict[str, Any] | None = srv.get(plural, "default", constants.child_name(cluster, component))
-    return obj
-
-
-def roll(apiserver: Any, cluster: str, component: str, *, ready: bool = True) -> None:
-    """Play the workload's controller and kubelet: its pods are replaced by pods of the current template."""
-    srv = apiserver.server
-    owner = workload(srv, cluster, component)
-    if owner is None:
-        return
-    for p in srv.objects("pods", "default"):
-        if (p["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT) == component:
-            apiserver.call(srv.remove(h.POD, "default", p["metadata"]["name"]))
-    for i in range(int(owner["spec"].get("replicas", 1))):
-        apiserver.call(srv.put(h.POD, h.pod(cluster, component, i, ready=ready, owner=owner)))
-
-
 def ready(obj: dict[str, Any]) -> tuple[str, str]:
     c = h.condition(obj, "Ready")
     return c.get("status", ""), c.get("reason", "")
@@ -74,7 +55,7 @@ def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver
     run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "ro"))))
     reconcile_once(apiserver, "ro")
     for comp in COMPONENTS:
-        roll(apiserver, "ro", comp)
+        h.roll(apiserver, "ro", comp)
     reconcile_once(apiserver, "ro")
     assert ready(body(apiserver, "ro")) == ("True", "Serving")
 
@@ -91,12 +72,12 @@ def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver
     assert obj["status"]["pools"]["tilert"]["ready"] == 0, "old pods are not the new generation's"
 
     # New pods, not ready yet: still rolling out.
-    roll(apiserver, "ro", constants.TILERT, ready=False)
+    h.roll(apiserver, "ro", constants.TILERT, ready=False)
     reconcile_once(apiserver, "ro")
     assert ready(body(apiserver, "ro"))[0] == "False"
 
     # Every pod of the new template ready: done.
-    roll(apiserver, "ro", constants.TILERT)
+    h.roll(apiserver, "ro", constants.TILERT)
     reconcile_once(apiserver, "ro")
     obj = body(apiserver, "ro")
     assert ready(obj) == ("True", "Serving"), h.condition(obj, "Ready")
@@ -108,7 +89,7 @@ def test_a_workload_whose_controller_has_not_seen_the_new_generation_is_rolling_
     run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "lag"))))
     reconcile_once(apiserver, "lag")
     for comp in COMPONENTS:
-        roll(apiserver, "lag", comp)
+        h.roll(apiserver, "lag", comp)
     reconcile_once(apiserver, "lag")
     assert ready(body(apiserver, "lag")) == ("True", "Serving")
     srv.workload_controllers = False
@@ -119,7 +100,7 @@ def test_a_workload_whose_controller_has_not_seen_the_new_generation_is_rolling_
     assert "has not yet seen generation 2" in cond["message"], cond["message"]
     srv.workload_controllers = True
     apiserver.sync(srv.play_controllers)
-    roll(apiserver, "lag", constants.ROUTER)
+    h.roll(apiserver, "lag", constants.ROUTER)
     reconcile_once(apiserver, "lag")
     assert ready(body(apiserver, "lag")) == ("True", "Serving")
 
@@ -128,7 +109,7 @@ def test_a_refused_generation_keeps_the_last_observed_generation_and_is_not_read
     run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "rf"))))
     reconcile_once(apiserver, "rf")
     for comp in COMPONENTS:
-        roll(apiserver, "rf", comp)
+        h.roll(apiserver, "rf", comp)
     reconcile_once(apiserver, "rf")
     assert body(apiserver, "rf")["status"]["observedGeneration"] == 1
 
@@ -149,9 +130,27 @@ def test_a_refused_generation_keeps_the_last_observed_generation_and_is_not_read
     obj = body(apiserver, "rf")
     assert obj["status"]["observedGeneration"] == 2
     assert ready(obj) == ("False", "RollingOut")
-    roll(apiserver, "rf", constants.ROUTER)
+    h.roll(apiserver, "rf", constants.ROUTER)
     reconcile_once(apiserver, "rf")
     assert ready(body(apiserver, "rf")) == ("True", "Serving")
+
+
+def test_an_invalid_generation_is_not_observed_either(apiserver: Any) -> None:
+    """The operator refuses it itself (SpecValid=False, nothing changed): the last generation applied
+    stays the observed one."""
+    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "inv"))))
+    reconcile_once(apiserver, "inv")
+    assert body(apiserver, "inv")["status"]["observedGeneration"] == 1
+    # As the API server would hand it over were the CRD's rules silent about it (the operator's own
+    # checks refuse 3 GPUs: vLLM's tensor parallelism needs a power of two).
+    invalid = body(apiserver, "inv")
+    invalid["spec"]["prefill"]["gpus"] = 3
+    invalid["metadata"]["generation"] = 2
+    out = run(apiserver, lambda api: reconcile.reconcile(api, invalid))
+    assert out.state == "invalid"
+    obj = body(apiserver, "inv")
+    assert h.condition(obj, "SpecValid")["status"] == "False"
+    assert obj["status"]["observedGeneration"] == 1
 
 
 def test_rollout_state_is_read_from_the_workloads_status() -> None:
@@ -164,6 +163,12 @@ def test_rollout_state_is_read_from_the_workloads_status() -> None:
     assert observe.rollout("Deployment", dep, 2) == (2, None)
     dep["metadata"]["generation"] = 4
     assert observe.rollout("Deployment", dep, 2)[1] is not None
+    # Rolled out once (Progressing says so): an updated pod that is unavailable since is no rollout.
+    dep["metadata"]["generation"] = 3
+    dep["status"] |= {"availableReplicas": 1}
+    assert observe.rollout("Deployment", dep, 2)[1] is not None
+    dep["status"]["conditions"] = [{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]
+    assert observe.rollout("Deployment", dep, 2) == (1, None)
     sts = {"kind": "StatefulSet", "metadata": {"name": "s", "generation": 1},
            "status": {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 1,
                       "currentRevision": "s-a", "updateRevision": "s-b"}}
@@ -194,7 +199,7 @@ def test_the_running_operator_follows_a_rollout_from_the_workloads_status(apiser
         h.wait_for("children", lambda: srv.get("statefulsets", "default", "live-tilert-decode")
                    and srv.get("deployments", "default", "live-router"))
         for comp in COMPONENTS:
-            roll(apiserver, "live", comp)
+            h.roll(apiserver, "live", comp)
         h.wait_for("Serving", lambda: ready(body(apiserver, "live")) == ("True", "Serving"))
         patch_spec(apiserver, "live", {"decode": {"tilert": {"slots": 8}}})
         h.wait_for("RollingOut", lambda: ready(body(apiserver, "live")) == ("False", "RollingOut"))
@@ -202,7 +207,7 @@ def test_the_running_operator_follows_a_rollout_from_the_workloads_status(apiser
         # must follow the workload's status writes, not only its pods.
         srv.workload_controllers = False
         listed = pod_lists(srv)
-        roll(apiserver, "live", constants.TILERT)
+        h.roll(apiserver, "live", constants.TILERT)
         h.wait_for("a reconcile after the new pods", lambda: pod_lists(srv) > listed)
         assert ready(body(apiserver, "live")) == ("False", "RollingOut")
         srv.workload_controllers = True
