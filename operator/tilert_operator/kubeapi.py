@@ -190,14 +190,26 @@ REFRESH_RETRY_S = 5.0
 OWN_WRITES = 4096
 #: How many Events the client remembers to aggregate repeats into (client-go's recorder keeps 4096).
 EVENT_CACHE = 4096
+#: Similar Events (one object, type and reason, any message) within this many seconds...
+EVENT_SIMILAR_WINDOW_S = 600.0
+#: ...beyond this many distinct messages become one Event, as client-go's EventAggregator does.
+EVENT_SIMILAR_MAX = 10
+#: The prefix client-go gives the message of such an Event.
+COMBINED = "(combined from similar events): "
+
+
+def similar_key(event: Obj) -> tuple[str, ...]:
+    """Events of one object with one type and reason (client-go's aggregate key: the message aside)."""
+    inv = event.get("involvedObject") or {}
+    return (str(event["metadata"].get("namespace")), str(inv.get("uid") or inv.get("name")), str(event.get("type")),
+            str(event.get("reason")))
 
 
 def event_key(event: Obj) -> tuple[str, ...]:
     """What makes two Events the same occurrence again (client-go's getEventKey): the object, the
     related object, type, reason and message."""
-    inv, rel = event.get("involvedObject") or {}, event.get("related") or {}
-    return (str(event["metadata"].get("namespace")), str(inv.get("uid") or inv.get("name")), str(rel.get("kind")),
-            str(rel.get("name")), str(event.get("type")), str(event.get("reason")), str(event.get("message")))
+    rel = event.get("related") or {}
+    return (*similar_key(event), str(rel.get("kind")), str(rel.get("name")), str(event.get("message")))
 
 
 class Client:
@@ -220,6 +232,8 @@ class Client:
         self._own: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         #: event_key -> (the Event's name, its count) of the Events this client posted.
         self._events: OrderedDict[tuple[str, ...], tuple[str, int]] = OrderedDict()
+        #: similar_key -> (when its window began, monotonic seconds; the messages seen in it).
+        self._similar: OrderedDict[tuple[str, ...], tuple[float, set[str]]] = OrderedDict()
 
     def own(self, kind: str, namespace: str, name: str) -> str | None:
         """The resourceVersion our last write of this object got (DELETED after our delete), if any."""
@@ -405,15 +419,18 @@ class Client:
         """Post an Event the way client-go's recorder does: the first occurrence is created, a repeat
         of the same one (event_key) bumps its `count` and `lastTimestamp` with a patch, so a condition
         that keeps coming back is one Event with a count, not one Event each time. An Event gone
-        meanwhile (they expire after an hour) is created again."""
-        key = event_key(event)
+        meanwhile (they expire after an hour) is created again. Beyond EVENT_SIMILAR_MAX distinct
+        messages of one object, type and reason within EVENT_SIMILAR_WINDOW_S, the rest are one Event
+        (message prefixed COMBINED, the latest message; its count grows): one reason of one object
+        cannot flood the namespace's Events."""
+        event, key = self._aggregate(event)
         known = self._events.pop(key, None)
         ns = event["metadata"]["namespace"]
         if known is not None:
             name, count = known
             status, out = await self.request(
                 "patch", "PATCH", object_path("Event", ns, name),
-                body={"count": count + 1, "lastTimestamp": event.get("lastTimestamp")},
+                body={"count": count + 1, "lastTimestamp": event.get("lastTimestamp"), "message": event.get("message")},
                 content_type="application/merge-patch+json", ok_statuses=frozenset({404}),
             )  # fmt: skip
             if status != 404 and out:
@@ -423,6 +440,23 @@ class Client:
         if out and (out.get("metadata") or {}).get("name"):
             self._remember_event(key, out["metadata"]["name"], int(out.get("count") or 1))
         return out
+
+    def _aggregate(self, event: Obj) -> tuple[Obj, tuple[str, ...]]:
+        """The Event to post and the key its repeats share."""
+        skey, now = similar_key(event), time.monotonic()
+        since, messages = self._similar.pop(skey, (now, set()))
+        if now - since > EVENT_SIMILAR_WINDOW_S:
+            since, messages = now, set()
+        messages.add(str(event.get("message")))
+        self._similar[skey] = (since, messages)
+        while len(self._similar) > EVENT_CACHE:
+            self._similar.popitem(last=False)
+        if len(messages) <= EVENT_SIMILAR_MAX:
+            return event, event_key(event)
+        # One Event for the rest: keyed without the message (and the related object), the latest one shown.
+        combined = {k: v for k, v in event.items() if k != "related"}
+        combined["message"] = (COMBINED + str(event.get("message")))[:1000]
+        return combined, (*skey, COMBINED)
 
     def _remember_event(self, key: tuple[str, ...], name: str, count: int) -> None:
         self._events[key] = (name, count)

@@ -152,3 +152,28 @@ def test_a_repeated_condition_is_one_event_with_a_count(apiserver: Any) -> None:
     assert failed[0]["lastTimestamp"] >= failed[0]["firstTimestamp"]
     recovered = [e for e in mine if e["reason"] == "Reconciled"]
     assert len(recovered) == 1 and recovered[0]["count"] == 3, recovered
+
+
+def test_many_messages_of_one_reason_become_one_combined_event(apiserver: Any) -> None:
+    """As client-go's EventAggregator: beyond ten distinct messages of one object and reason within ten
+    minutes, the rest are one Event whose message is the latest, prefixed, and whose count grows."""
+    srv = apiserver.server
+    create(apiserver, helpers.minimal(), "many")
+    uid = body(apiserver, "many")["metadata"]["uid"]
+
+    def event(i: int) -> dict[str, Any]:
+        return {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "many.", "namespace": "default"},
+                "involvedObject": {"apiVersion": constants.API_VERSION, "kind": constants.KIND, "name": "many",
+                                   "namespace": "default", "uid": uid},
+                "type": "Warning", "reason": "ApplyRejected", "message": f"Deployment/x: attempt {i}", "count": 1,
+                "firstTimestamp": "2026-01-01T00:00:00Z", "lastTimestamp": "2026-01-01T00:00:00Z"}
+
+    async def go(api: Client) -> None:
+        for i in range(15):
+            await api.event(event(i))
+
+    run(apiserver, go)
+    mine = [e for e in srv.objects("events", "default") if e["involvedObject"]["uid"] == uid and e["reason"] == "ApplyRejected"]
+    assert len(mine) == 11, [e["message"] for e in mine]
+    [combined] = [e for e in mine if e["message"].startswith("(combined from similar events): ")]
+    assert combined["count"] == 5 and combined["message"].endswith("attempt 14")
