@@ -47,7 +47,8 @@ TRAPS: list[tuple[str, dict[str, Any], str, str, str]] = [
      "spec.router.overrides", "at most 63", "422"),
     ("volume-claim-without-name", _pvc({"persistentVolumeClaim": {}}), "spec.model.weights.volume", "claimName", "schema"),
     ("volume-claim-name-empty", _pvc({"persistentVolumeClaim": {"claimName": ""}}), "spec.model.weights.volume", "claimName", "422"),
-    ("volume-without-source", _pvc({}), "spec.model.weights.volume", "one volume source", "422"),
+    # An empty source renders as an emptyDir: the pods start and find no model.
+    ("volume-without-source", _pvc({}), "spec.model.weights.volume", "one volume source", "run"),
     ("volume-two-sources", _pvc({"emptyDir": {}, "hostPath": {"path": "/m"}}), "spec.model.weights.volume", "one volume source", "422"),
     ("volume-renamed", _pvc({"name": "weights", "persistentVolumeClaim": {"claimName": "c"}}), "spec.model.weights.volume",
      "remove name", "422"),
