@@ -147,8 +147,12 @@ for _g, _v, _p in CHILD_RESOURCES if WATCH_CHILDREN else ():
     kopf.on.event(_g, _v, _p, labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY}, id=f"child-{_p}")(child_event)
 
 
-def validate(spec: kopf.Spec, name: str, old: kopf.Body | None = None, **_: Any) -> None:
-    admission.check(dict(spec), name, dict(old.get("spec") or {}) if old else None)
+async def validate(spec: kopf.Spec, name: str, namespace: str | None, memo: kopf.Memo, old: kopf.Body | None = None,
+                   **_: Any) -> None:
+    # With the operator's API client (startup) the webhook also dry-runs each child's apply
+    # (admission.py); TILERT_PD_WEBHOOK_DRY_RUN=0 leaves the offline checks alone.
+    api = memo.get("api") if admission.dry_run_enabled() else None
+    await admission.review(dict(spec), name, namespace, dict(old.get("spec") or {}) if old else None, api=api)
 
 
 # kopf refuses to start with admission handlers but no webhook server: register the handler only
