@@ -90,8 +90,10 @@ def rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[i
     current template are not counted by the API, so the old pods are assumed ready first (a lower
     bound: never more than there are), and none is counted before the controller has seen the
     generation."""
+    if desired == 0:
+        return 0, None  # nothing to roll out: the workload is gone, or going
     if workload is None:
-        return 0, None if desired == 0 else f"{kind} not created yet"
+        return 0, f"{kind} not created yet"
     meta, st = workload.get("metadata") or {}, workload.get("status") or {}
     name, generation, seen = meta.get("name"), int(meta.get("generation") or 0), _count(st, "observedGeneration")
     total, updated = _count(st, "replicas"), _count(st, "updatedReplicas")

@@ -21,6 +21,9 @@ failure of a reconcile (a list, a Secret) writes `Reconciled=False` (ReconcileEr
 controller backs off. A refusal by the operator's own role (403) is neither: reason Forbidden, and
 the message names the verb and the resource the role lacks and sends the reader to the chart's RBAC,
 not to the spec. The next reconcile that applies everything sets `Reconciled=True` again.
+Until then the generation is not observed: status.observedGeneration stays the last one applied, and
+Ready is False (NotApplied). An applied generation is Ready only once its workloads report it rolled
+out (observe.rollout reads their own status; the old pods do not count as the new generation's).
 Children are compared with what the server holds by meaning: quantities (`0.5` and `500m`) by value,
 keyed lists by the keys server-side apply merges them by (someone else's env var or port is no
 difference), an empty map as absent. An Event that repeats is one Event with a count (kubeapi.Client.event).
@@ -466,6 +469,7 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
                     out.failed.append(failure(key, e, verb="delete", kind=kind, prefix="could not delete it: "))
                     continue
                 out.deleted.append(key)
+                live.pop(key, None)
     if out.failed:
         retry = (time.time() if now is None else now) + FAILED_RETRY_S
         out.requeue_at = retry if out.requeue_at is None else min(out.requeue_at, retry)

@@ -176,6 +176,9 @@ def test_rollout_state_is_read_from_the_workloads_status() -> None:
     sts["status"]["currentRevision"] = "s-b"
     # Rolled out; a pod that went unready since is a degraded pool, not a rollout.
     assert observe.rollout("StatefulSet", sts, 2) == (1, None)
+    # A pool scaled to nothing has nothing to roll out, whatever its workload still reports.
+    dep["status"] |= {"replicas": 3}
+    assert observe.rollout("Deployment", dep, 0) == (0, None)
 
 
 def pod_lists(srv: Any) -> int:
