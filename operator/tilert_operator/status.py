@@ -42,8 +42,9 @@ ROLLING_OUT = "RollingOut"
 
 def is_fault(cond: Condition) -> bool:
     """Whether a condition says something is wrong (its Event is a Warning). A rotation condition
-    never does: False means no rotation is under way (none asked for, or the last one finished)."""
-    return cond["status"] != "True" and cond["type"] not in ROTATION_CONDITIONS.values()
+    never does: False means no rotation is under way (none asked for, or the last one finished); nor
+    does a rollout under way (a spec change doing what it was asked to)."""
+    return cond["status"] != "True" and cond["type"] not in ROTATION_CONDITIONS.values() and cond.get("reason") != ROLLING_OUT
 
 
 def _cond(type_: str, ok: bool, reason: str, message: str) -> Condition:

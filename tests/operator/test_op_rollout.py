@@ -70,6 +70,10 @@ def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver
     # The generation was applied: observed, while Ready says it is not rolled out.
     assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
     assert obj["status"]["pools"]["tilert"]["ready"] == 0, "old pods are not the new generation's"
+    # A rollout is what a spec change asks for: its Events are Normal.
+    rolling = [e for e in apiserver.server.objects("events", "default")
+               if e["involvedObject"]["name"] == "ro" and e["reason"] == "RollingOut"]
+    assert rolling and {e["type"] for e in rolling} == {"Normal"}, rolling
 
     # New pods, not ready yet: still rolling out.
     h.roll(apiserver, "ro", constants.TILERT, ready=False)
