@@ -105,8 +105,19 @@ def rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[i
         # Its counts are of an earlier generation: none is known to be of the current template.
         return 0, (f"{where}: its controller has not yet seen generation {generation} (it reports {seen}); "
                            f"see kubectl describe {kind.lower()} {name}")
-    if updated < desired:
-        return ready_new, f"{where}: {updated} of {desired} pods are of the current template"
+    # A StatefulSet's partition keeps the pods with lower ordinals on the earlier template by design
+    # (a canary): rolled out once the others are updated and every pod is ready (kubectl rollout status).
+    partition = 0
+    if kind == "StatefulSet":
+        rolling_update = (((workload.get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate")) or {}
+        raw = rolling_update.get("partition")
+        partition = min(desired, raw) if isinstance(raw, int) and raw > 0 else 0
+    if updated < desired - partition:
+        return ready_new, f"{where}: {updated} of {desired - partition} pods are of the current template"
+    if partition:
+        if ready < desired:
+            return ready_new, f"{where}: {ready} of {desired} pods ready (partition {partition}: pods below it keep their template)"
+        return min(ready, desired), None
     if kind == "StatefulSet":
         if st.get("currentRevision") != st.get("updateRevision"):
             return ready_new, (f"{where}: {ready_new} of {desired} pods of revision {st.get('updateRevision')} ready, "

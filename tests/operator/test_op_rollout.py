@@ -180,6 +180,13 @@ def test_rollout_state_is_read_from_the_workloads_status() -> None:
     sts["status"]["currentRevision"] = "s-b"
     # Rolled out; a pod that went unready since is a degraded pool, not a rollout.
     assert observe.rollout("StatefulSet", sts, 2) == (1, None)
+    # A partition keeps the pods below it on the earlier template on purpose: rolled out once the
+    # others are updated and all are ready.
+    sts["spec"] = {"updateStrategy": {"type": "RollingUpdate", "rollingUpdate": {"partition": 1}}}
+    sts["status"] |= {"updatedReplicas": 1, "readyReplicas": 2, "currentRevision": "s-a"}
+    assert observe.rollout("StatefulSet", sts, 2) == (2, None)
+    sts["status"] |= {"updatedReplicas": 0}
+    assert observe.rollout("StatefulSet", sts, 2)[1] is not None
     # A pool scaled to nothing has nothing to roll out, whatever its workload still reports.
     dep["status"] |= {"replicas": 3}
     assert observe.rollout("Deployment", dep, 0) == (0, None)
