@@ -78,6 +78,20 @@ def _count(status: dict[str, Any], key: str) -> int:
 
 
 def rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[int, str | None]:
+    """_rollout, with what to do about a rollout under way: where to watch it, and why it is stuck
+    when its controller says so (a Deployment past its progressDeadlineSeconds)."""
+    ready, waiting = _rollout(kind, workload, desired)
+    if waiting is None or workload is None:
+        return ready, waiting
+    name = (workload.get("metadata") or {}).get("name")
+    stuck = next((c for c in (workload.get("status") or {}).get("conditions") or []
+                  if c.get("type") == "Progressing" and c.get("status") == "False"), None)
+    if stuck is not None:
+        waiting += f"; stuck ({stuck.get('reason')}: {stuck.get('message')}): see kubectl describe {kind.lower()} {name}"
+    return ready, f"{waiting}; follow it with kubectl rollout status {kind.lower()}/{name}"
+
+
+def _rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[int, str | None]:
     """From a Deployment's or StatefulSet's own status: how many ready pods are of its current
     template, and what its rollout still waits for (None: rolled out).
 
@@ -103,8 +117,7 @@ def rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[i
     where = f"{kind} {name}"
     if seen < generation:
         # Its counts are of an earlier generation: none is known to be of the current template.
-        return 0, (f"{where}: its controller has not yet seen generation {generation} (it reports {seen}); "
-                           f"see kubectl describe {kind.lower()} {name}")
+        return 0, f"{where}: its controller has not yet seen generation {generation} (it reports {seen})"
     # A StatefulSet's partition keeps the pods with lower ordinals on the earlier template by design
     # (a canary): rolled out once the others are updated and every pod is ready (kubectl rollout status).
     partition = 0

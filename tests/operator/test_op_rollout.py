@@ -167,6 +167,14 @@ def test_rollout_state_is_read_from_the_workloads_status() -> None:
     assert observe.rollout("Deployment", dep, 2) == (2, None)
     dep["metadata"]["generation"] = 4
     assert observe.rollout("Deployment", dep, 2)[1] is not None
+    # Stuck, as its controller says: the message says so, with where to look.
+    dep["status"] |= {"observedGeneration": 4, "replicas": 3, "conditions": [
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+         "message": 'ReplicaSet "d-1" has timed out progressing.'}]}
+    rolling = observe.rollout("Deployment", dep, 2)[1] or ""
+    assert "ProgressDeadlineExceeded" in rolling and "kubectl rollout status deployment/d" in rolling, rolling
+    del dep["status"]["conditions"]
+    dep["status"]["replicas"] = 2
     # Rolled out once (Progressing says so): an updated pod that is unavailable since is no rollout.
     dep["metadata"]["generation"] = 3
     dep["status"] |= {"availableReplicas": 1}
