@@ -4,7 +4,10 @@ discovery, bundled built-in resources) plus the compatibility layer an operator 
 Added, each something a real kube-apiserver does:
 uid / resourceVersion / creationTimestamp / generation; generateName; 409 on duplicate create and on
 stale resourceVersion preconditions; 422 on a failed JSON-patch test; the status subresource kept
-apart from the main endpoint; server-side apply that creates a missing object; PUT; lists with
+apart from the main endpoint; server-side apply that creates a missing object and merges into a
+live one as a real one does (the applier's fields set, the fields it applied before and dropped
+removed, everyone else's kept, keyed lists such as env and ports merged by key, selectors atomic;
+custom resources' applied top-level fields replace; metadata labels/annotations merge); PUT; lists with
 kind/apiVersion and label/field selectors; watches as JSON lines with replay from a
 resourceVersion, selectors and timeoutSeconds, subscribed under the writers' lock (no lost events);
 background cascading deletion by ownerReferences; a CRD becomes a served resource with
@@ -18,7 +21,7 @@ would create and ready pods).
 Strictness of a real kube-apiserver for built-in kinds (pdc_k8s_semantics.py; `strict`, on by
 default): object names (DNS-1123 subdomain; DNS-1035 label for Services), label keys and values,
 env names, selectors that match their templates, NetworkPolicy peers, quantities parsed (400) and
-stored canonical (`0.5` -> `500m`), empty strings and lists not stored (omitempty), 422 Invalid with the Status details and causes a real server
+stored canonical (`0.5` -> `500m`), empty strings, lists and maps not stored (omitempty), 422 Invalid with the Status details and causes a real server
 returns; server-side apply's typed conversion against the kinds' OpenAPI schemas (kubernetes-
 validate's, v1.32): unknown fields and duplicate list keys answered 500 as a real server does; and,
 standing in for the StatefulSet controller this server does not run, StatefulSet names over 52
@@ -32,10 +35,8 @@ ownerReferences change, `update` on the owner's `finalizers` for blockOwnerDelet
 403 Status a real server answers, and every decision is logged (`checks`). See pdc_rbac.py.
 
 Not emulated (not proven by tests on this server): pruning,
-Kubernetes CEL extension libraries, admission webhooks, SSA conflicts between managers (an apply merges into
-the live object as a real one does: its fields set, the fields it applied before and dropped removed,
-everyone else's kept, keyed lists merged by key; managedFields are not shown; custom resources' applied
-top-level fields replace; metadata labels/annotations merge), strategic-merge list merging, controllers (no pod
+Kubernetes CEL extension libraries, admission webhooks, SSA conflicts between managers and the
+managedFields a real server shows, strategic-merge list merging, controllers (no pod
 is ever created from a Deployment: a test creates them, and each is stamped with the revision of the
 template it was made from), 410 Gone, dryRun.
 Played: the Deployment and StatefulSet controllers' status (observedGeneration, replica counts by
