@@ -11,7 +11,9 @@ TILERT_PD_DRIFT_DEBOUNCE_S (0.1) and TILERT_PD_DRIFT_MIN_INTERVAL_S (1; see cont
 TILERT_PD_WATCH_CHILDREN (1; 0 = repair drift at the resync only, as the benchmark's baseline does).
 
 Children are watched by the operator's managed-by label (filtered by the API server), so a child
-deleted or edited by someone else is repaired within seconds (controller.Controller.child_event).
+deleted or edited by someone else is repaired within seconds, and a workload controller's rollout
+report reaches Ready at once (controller.Controller.child_event); with TILERT_PD_WATCH_CHILDREN=0 a
+rollout's end is read at the next pod event or resync.
 """
 
 from __future__ import annotations
