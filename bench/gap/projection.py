@@ -70,7 +70,7 @@ class Assumptions:
     hbm_ratio: float = 8.0 / 4.8
     #: per NIC: ConnectX-7 400 Gb/s, one per GPU.
     nic_gbit: float = 400.0
-    #: RDMA WRITE goodput / line rate (vLLM's 1P1D NIXL peak on 8 ConnectX-7: 71 %; Mooncake: 47.5 % of 8x400G).
+    #: RDMA WRITE goodput / line rate (vLLM 1P1D over Mooncake on 8 ConnectX-7: 71 %; Mooncake: 47.5 % of 8x400G).
     nic_efficiency: float = 0.7
     #: control-channel round trip between prefill and decode hosts (TCP in one data centre), ms.
     rtt_ms: float = 0.05
@@ -80,7 +80,8 @@ class Assumptions:
     launch_floor_ms: float = 0.01
     #: prefill throughput of one 8xB200 instance on GLM-5, tokens/s (sets the forward's time per layer).
     prefill_tok_s: float = 30000.0
-    #: TileRT decode TPOT without MTP at (context tokens, ms), 8xB200 (reference/tilert-upstream.md §7).
+    #: TileRT decode TPOT without MTP at (context tokens, ms), 8xB200
+    #: (docs/reference/tilert-api.md, "Published decode speed").
     tpot_points: tuple[tuple[int, float], ...] = ((1024, 1000 / 301), (196608, 1000 / 169))
     #: the converted state's element size on the node (bf16).
     engine_itemsize: int = 2
@@ -94,11 +95,13 @@ class Assumptions:
 
 SOURCES = {
     "hbm_ratio": "NVIDIA datasheets, B200 8 TB/s vs H200 4.8 TB/s HBM3e",
-    "nic_gbit": "8x ConnectX-7 400 Gb/s, one per GPU (reference/transfer-engines.md §6.2)",
-    "nic_efficiency": "vLLM 1P1D NIXL peak 71 % of 8 ConnectX-7; Mooncake 47.5 % of 8x400G (reference/transfer-engines.md)",
+    "nic_gbit": "8x ConnectX-7 400 Gb/s, one per GPU (docs/reference/transfer-engines.md, Production RDMA)",
+    "nic_efficiency": ("vLLM 1P1D peak over Mooncake's connector 71 % of 8 ConnectX-7; Mooncake 47.5 % of 8x400G "
+                       "(docs/reference/transfer-engines.md, Production RDMA)"),
     "rtt_ms": "assumed intra-DC TCP round trip",
     "prefill_tok_s": "assumed; not measured here (no B200, no GLM-5 weights)",
-    "tpot_points": "TileRT v0.1.5 chart, GLM-5.1-FP8 on 8xB200, no MTP: 301 UTPS at 1K, 169 at 192K",
+    "tpot_points": ("TileRT v0.1.5 chart, GLM-5.1-FP8 on 8xB200, no MTP: 301 UTPS at 1K, 169 at 192K "
+                    "(docs/reference/tilert-api.md, Published decode speed)"),
     "launch_floor_ms": "assumed",
     "chunk_tokens": ("vLLM 0.32's default max_num_batched_tokens for its API server on GPUs of >= 160 GB (B200; "
                      "engine/arg_utils.py), one prompt alone in its steps"),

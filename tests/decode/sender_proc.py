@@ -139,7 +139,7 @@ def main() -> None:
         source = ChunkByChunk(staging, full, buf, [*map(int, chunks.split(",")), num_tokens])
     result = sender.send(host, int(port), req, layers=source)
     print("RESULT " + json.dumps(dataclasses.asdict(result)), flush=True)
-    os._exit(0)  # NIXL/UCX teardown can crash at exit (reference/transfer-engines.md §3.5)
+    os._exit(0)  # NIXL/UCX teardown can crash at exit (docs/reference/transfer-engines.md, "Exit-time crash")
 
 
 if __name__ == "__main__":

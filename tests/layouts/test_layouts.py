@@ -1,4 +1,4 @@
-"""Layout sizes, placement and conversions (reference/tilert-upstream.md §8-9 for the published sizes)."""
+"""Layout sizes, placement and conversions (docs/reference/kv-layouts.md, "Sizes", for the sizes)."""
 
 import itertools
 

@@ -88,7 +88,7 @@ def main() -> None:
     try:
         web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     finally:
-        os._exit(0)  # NIXL/UCX teardown can crash at exit (reference/transfer-engines.md §3.5)
+        os._exit(0)  # NIXL/UCX teardown can crash at exit (docs/reference/transfer-engines.md, "Exit-time crash")
 
 
 if __name__ == "__main__":

@@ -93,7 +93,8 @@ DEST = {"tilert_host": "127.0.0.1", "tilert_ctrl_port": 5556, "tilert_ticket": "
 
 
 def chunked_steps(claimed: FakeRequest, plain: FakeRequest) -> list[SchedulerOutput]:
-    """vLLM's chunks of a 164-token prompt: 9/63/63/29 tokens (reference/vllm-kv-connector.md)."""
+    """vLLM's chunks of a 164-token prompt: 9/63/63/29 tokens (docs/reference/vllm-connector.md,
+    "Chunked prefill")."""
     return [
         _output([_new(claimed, [3]), _new(plain, [7, 8])], _cached([], [], []), {"a": 9, "b": 30}),
         _output([], _cached(["a"], [([1, 4, 5, 6],)], [9]), {"a": 63}),

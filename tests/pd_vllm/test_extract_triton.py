@@ -158,8 +158,8 @@ def chunk_by_chunk_equals_whole(device: str, bounds: list[int], seed: int, by_la
     assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(whole, staged, strict=True)), bounds
 
 
-#: Chunk boundaries: vLLM's chunks of 9/63/63/29 tokens (reference/vllm-kv-connector.md), block-aligned
-#: chunks, and a chunk inside one page.
+#: Chunk boundaries: vLLM's chunks of 9/63/63/29 tokens (docs/reference/vllm-connector.md,
+#: "Chunked prefill"), block-aligned chunks, and a chunk inside one page.
 CHUNKINGS = [[0, 9, 72, 135, 164], [0, 64, 128, 200], [0, 3, 5, 70]]
 
 

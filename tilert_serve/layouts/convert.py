@@ -4,7 +4,8 @@ The wire holds vLLM's own cache bytes (see registry.py); engines take bf16/float
   - fp8_ds_mla rows -> latent kv = fp8 values x their per-128 fp32 block scale; RoPE part as is;
   - bf16 / float rows -> a view split into latent and RoPE parts;
   - indexer pages -> fp8 values x per-token fp32 scale, then Hadamard-rotated, because TileRT's
-    indexer keys are rotated and vLLM stores them unrotated (reference/tilert-upstream.md §5).
+    indexer keys are rotated and vLLM stores them unrotated (docs/reference/tilert-api.md,
+    "The engine's own cache").
 Everything here is a pure function of tensors; no I/O.
 """
 

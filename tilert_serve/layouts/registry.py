@@ -1,6 +1,6 @@
 """The supported layouts: GLM-5, DeepSeek-V3.2 and small DeepSeek-V3-style MLA models.
 
-Facts (reference/tilert-upstream.md §8-9): vLLM's FLASHMLA_SPARSE cache with fp8_ds_mla stores a
+Facts (docs/reference/kv-layouts.md): vLLM's FLASHMLA_SPARSE cache with fp8_ds_mla stores a
 656-byte row per token (512 fp8 latent values, 4 fp32 scales, 64 bf16 RoPE values); bf16 rows are
 576 bf16 = 1152 bytes. The DSA indexer key cache stores, per 64-token page, 64x128 fp8 values then
 64 fp32 scales = 8448 bytes. Every model here has one MTP draft layer after its main layers.

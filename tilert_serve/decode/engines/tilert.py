@@ -1,6 +1,6 @@
 """The real TileRT engine (tilert 0.1.6), Blackwell (sm_100) only.
 
-Written against the API documented in reference/tilert-upstream.md §4-6: `tilert.load_backend`,
+Written against the API described in docs/reference/tilert-api.md: `tilert.load_backend`,
 the GLM-5 / DeepSeek-V3.2 generators, `inject_cache` with bf16 (ki, kv, pe) per layer including the
 MTP layer, `set_cur_pos`, and the warm start (one step with the last prompt token at seq_len-1, which with MTP
 rebuilds the hidden state the drafter needs, then decoding from the token vLLM sampled). It cannot run on the machines
