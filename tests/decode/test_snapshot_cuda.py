@@ -44,15 +44,18 @@ def test_the_snapshot_is_what_is_checked_and_converted_on_a_gpu() -> None:
 
     def copy_then_tamper(slot: int, ranges) -> None:  # type: ignore[no-untyped-def]
         copy(slot, ranges)
-        for view in buffers.views(slot):
-            view.fill_(0x41)  # after the copy: must change nothing
+        views = buffers.views(slot)
+        for shard, off, n in ranges:  # the bytes just copied, before they are hashed: must change nothing
+            views[shard][off:off + n].fill_(0x41)
 
     buffers.snapshot = copy_then_tamper  # type: ignore[method-assign]
     layers = {rank: list(range(rank, layout.num_layers, 2)) for rank in range(2)}
     for rank in range(2):
         assert take(1, rank, 2, NUM_TOKENS, layers[rank], wrote[rank]) is None
     torch.cuda.synchronize()
-    assert all(v.eq(0x41).all() for v in buffers.views(1))  # the receive region was overwritten
+    # The receive region was overwritten where the senders wrote.
+    assert all(buffers.views(1)[shard][off:off + n].eq(0x41).all()
+               for rank in range(2) for shard, off, n in digest.receiver_ranges(buffers.placement, rank, 2, NUM_TOKENS))
 
     got = convert.to_injected_state(buffers.snapshot_views(1), buffers.placement, NUM_TOKENS, 11, torch.bfloat16)
     want = convert.to_injected_state([h.cuda() for h in host], buffers.placement, NUM_TOKENS, 11, torch.bfloat16)
