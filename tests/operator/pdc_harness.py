@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -13,6 +14,7 @@ import pdc_apiserver
 import pdc_rbac
 
 from tilert_operator import constants
+from tilert_operator.kubeapi import Client, Connection
 from tilert_serve import dataplane
 
 T = TypeVar("T")
@@ -30,6 +32,22 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 20.0, inter
             return last
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
+
+
+def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
+    """`fn` with the operator's own API client against the test server, from a synchronous test."""
+    async def go() -> T:
+        async with Client(Connection(server=apiserver.url)) as api:
+            return await fn(api)
+
+    return asyncio.run(go())
+
+
+def body(apiserver: Any, name: str) -> dict[str, Any]:
+    """The PDCluster `name` as the server holds it (it must exist)."""
+    obj = apiserver.server.get("pdclusters", "default", name)
+    assert obj is not None
+    return obj
 
 
 def pod(cluster: str, component: str, index: int, namespace: str = "default", *, ready: bool = True,

@@ -7,15 +7,13 @@ API server does not store empty maps), and a repeated condition (one Event, with
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pdc_harness as h
 import pdc_helpers as helpers
 
 from tilert_operator import constants, reconcile
-from tilert_operator.kubeapi import Client, Connection
+from tilert_operator.kubeapi import Client
 
 T = TypeVar("T")
 WRITES = ("create", "patch", "update", "delete")
@@ -27,27 +25,13 @@ def writes(srv: Any) -> list[Any]:
     return [c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb in WRITES]
 
 
-def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
-    async def go() -> T:
-        async with Client(Connection(server=apiserver.url)) as api:
-            return await fn(api)
-
-    return asyncio.run(go())
-
-
-def body(apiserver: Any, name: str) -> dict[str, Any]:
-    obj = apiserver.server.get("pdclusters", "default", name)
-    assert obj is not None
-    return obj
-
-
 async def reconciles(api: Client, apiserver: Any, name: str, times: int, *, now: float | None = None) -> list[reconcile.Outcome]:
     """`times` reconciles in a row, each on the PDCluster as the server holds it then."""
-    return [await reconcile.reconcile(api, body(apiserver, name), now=now) for _ in range(times)]
+    return [await reconcile.reconcile(api, h.body(apiserver, name), now=now) for _ in range(times)]
 
 
 def create(apiserver: Any, spec: dict[str, Any], name: str) -> None:
-    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(spec, name))))
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(spec, name))))
 
 
 def test_a_finished_rotation_leaves_no_next_phase_and_then_writes_nothing(apiserver: Any) -> None:
@@ -61,25 +45,25 @@ def test_a_finished_rotation_leaves_no_next_phase_and_then_writes_nothing(apiser
                           body={"metadata": {"annotations": {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "r1"}}},
                           content_type="application/merge-patch+json")
         for t in (1000.0, 1000.0 + grace, 1000.0 + 2 * grace):  # the three phases
-            await reconcile.reconcile(api, body(apiserver, "rot"), now=t, rotation_grace_s=grace)
-        state = body(apiserver, "rot")["status"]["handoffSecret"]
+            await reconcile.reconcile(api, h.body(apiserver, "rot"), now=t, rotation_grace_s=grace)
+        state = h.body(apiserver, "rot")["status"]["handoffSecret"]
         assert state["phase"] == "Idle" and "lastRotated" in state
         assert "nextPhaseAt" not in state, "the rotation is over: no next phase"
         before = len(writes(srv))
         for i in range(AT_REST):
-            await reconcile.reconcile(api, body(apiserver, "rot"), now=1000.0 + (3 + i) * grace, rotation_grace_s=grace)
+            await reconcile.reconcile(api, h.body(apiserver, "rot"), now=1000.0 + (3 + i) * grace, rotation_grace_s=grace)
         assert writes(srv)[before:] == []
 
-    run(apiserver, go)
+    h.run(apiserver, go)
     # A finished rotation is good news: its Event is Normal, not a Warning.
-    uid = body(apiserver, "rot")["metadata"]["uid"]
+    uid = h.body(apiserver, "rot")["metadata"]["uid"]
     [done] = [e for e in srv.objects("events", "default") if e["involvedObject"]["uid"] == uid and e["reason"] == "Rotated"]
     assert done["type"] == "Normal", done
 
 
 def _add_to_container(apiserver: Any, plural: str, name: str, field: str, item: dict[str, Any]) -> None:
     """Someone else adds an entry to a list of the first container (kubectl patch --type=json)."""
-    run(apiserver, lambda api: api.request(
+    h.run(apiserver, lambda api: api.request(
         "patch", "PATCH", f"/apis/apps/v1/namespaces/default/{plural}/{name}",
         body=[{"op": "add", "path": f"/spec/template/spec/containers/0/{field}/-", "value": item}],
         content_type="application/json-patch+json"))
@@ -90,11 +74,11 @@ def test_foreign_env_vars_and_ports_are_kept_and_cost_no_apply(apiserver: Any) -
     entry stays beside the operator's, and comparing the lists by position would apply forever."""
     srv = apiserver.server
     create(apiserver, helpers.minimal(), "fo")
-    run(apiserver, lambda api: reconciles(api, apiserver, "fo", 2))
+    h.run(apiserver, lambda api: reconciles(api, apiserver, "fo", 2))
     _add_to_container(apiserver, "deployments", "fo-prefill", "env", {"name": "FOREIGN", "value": "1"})
     _add_to_container(apiserver, "statefulsets", "fo-tilert-decode", "ports", {"name": "debug", "containerPort": 9999})
     before = len(writes(srv))
-    outs = run(apiserver, lambda api: reconciles(api, apiserver, "fo", AT_REST))
+    outs = h.run(apiserver, lambda api: reconciles(api, apiserver, "fo", AT_REST))
     assert [o.applied for o in outs] == [[]] * AT_REST
     assert writes(srv)[before:] == []
     env = srv.get("deployments", "default", "fo-prefill")["spec"]["template"]["spec"]["containers"][0]["env"]
@@ -105,12 +89,12 @@ def test_an_operator_field_changed_by_someone_is_still_put_back(apiserver: Any) 
     """Merge keys find the operator's own entries: one of them edited is a difference."""
     srv = apiserver.server
     create(apiserver, helpers.minimal(), "ed")
-    run(apiserver, lambda api: reconciles(api, apiserver, "ed", 2))
+    h.run(apiserver, lambda api: reconciles(api, apiserver, "ed", 2))
     dep = srv.get("deployments", "default", "ed-prefill")
     env = dep["spec"]["template"]["spec"]["containers"][0]["env"]
     env[0] = env[0] | {"value": "edited"}
     apiserver.call(srv.put(("apps", "v1", "deployments"), dep))
-    [first, *rest] = run(apiserver, lambda api: reconciles(api, apiserver, "ed", 3))
+    [first, *rest] = h.run(apiserver, lambda api: reconciles(api, apiserver, "ed", 3))
     assert first.applied == ["Deployment/ed-prefill"] and all(not o.applied for o in rest)
     assert srv.get("deployments", "default", "ed-prefill")["spec"]["template"]["spec"]["containers"][0]["env"][0]["value"] != "edited"
 
@@ -119,11 +103,11 @@ def test_an_empty_limits_map_costs_no_apply(apiserver: Any) -> None:
     """The API server does not store an empty map (`limits: {}` reads back absent)."""
     srv = apiserver.server
     create(apiserver, helpers.minimal(prefill={"resources": {"limits": {}, "requests": {"cpu": "1"}}}), "em")
-    run(apiserver, lambda api: reconciles(api, apiserver, "em", 2))
+    h.run(apiserver, lambda api: reconciles(api, apiserver, "em", 2))
     live = srv.get("deployments", "default", "em-prefill")["spec"]["template"]["spec"]["containers"][0]["resources"]
     assert "limits" not in live, live
     before = len(writes(srv))
-    outs = run(apiserver, lambda api: reconciles(api, apiserver, "em", AT_REST))
+    outs = h.run(apiserver, lambda api: reconciles(api, apiserver, "em", AT_REST))
     assert [o.applied for o in outs] == [[]] * AT_REST
     assert writes(srv)[before:] == []
 
@@ -135,17 +119,17 @@ def test_a_repeated_condition_is_one_event_with_a_count(apiserver: Any) -> None:
     create(apiserver, helpers.minimal(), "rep")
 
     async def go(api: Client) -> None:
-        await reconcile.reconcile(api, body(apiserver, "rep"))
+        await reconcile.reconcile(api, h.body(apiserver, "rep"))
         for _ in range(3):
             srv.fail(422, times=1, verb="list", resource="pods")
             try:
-                await reconcile.reconcile(api, body(apiserver, "rep"))
+                await reconcile.reconcile(api, h.body(apiserver, "rep"))
             except Exception:
                 pass
-            await reconcile.reconcile(api, body(apiserver, "rep"))
+            await reconcile.reconcile(api, h.body(apiserver, "rep"))
 
-    run(apiserver, go)
-    uid = body(apiserver, "rep")["metadata"]["uid"]
+    h.run(apiserver, go)
+    uid = h.body(apiserver, "rep")["metadata"]["uid"]
     mine = [e for e in srv.objects("events", "default") if e["involvedObject"]["uid"] == uid]
     failed = [e for e in mine if e["reason"] == "ReconcileError"]
     assert len(failed) == 1 and failed[0]["count"] == 3, failed
@@ -159,7 +143,7 @@ def test_many_messages_of_one_reason_become_one_combined_event(apiserver: Any) -
     minutes, the rest are one Event whose message is the latest, prefixed, and whose count grows."""
     srv = apiserver.server
     create(apiserver, helpers.minimal(), "many")
-    uid = body(apiserver, "many")["metadata"]["uid"]
+    uid = h.body(apiserver, "many")["metadata"]["uid"]
 
     def event(i: int) -> dict[str, Any]:
         return {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "many.", "namespace": "default"},
@@ -172,7 +156,7 @@ def test_many_messages_of_one_reason_become_one_combined_event(apiserver: Any) -
         for i in range(15):
             await api.event(event(i))
 
-    run(apiserver, go)
+    h.run(apiserver, go)
     mine = [e for e in srv.objects("events", "default") if e["involvedObject"]["uid"] == uid and e["reason"] == "ApplyRejected"]
     assert len(mine) == 11, [e["message"] for e in mine]
     [combined] = [e for e in mine if e["message"].startswith("(combined from similar events): ")]

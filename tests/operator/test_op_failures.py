@@ -4,9 +4,7 @@ the reconcile that failed; the next reconcile that applies everything clears it.
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pdc_harness as h
@@ -15,7 +13,7 @@ import pytest
 from kopf.testing import KopfRunner
 
 from tilert_operator import reconcile
-from tilert_operator.kubeapi import ApiError, Client, Connection
+from tilert_operator.kubeapi import ApiError
 
 T = TypeVar("T")
 #: A label value the API server refuses (it must start and end with an alphanumeric character); the
@@ -33,20 +31,6 @@ def _no_ml_team(obj: dict[str, Any], old: dict[str, Any] | None) -> tuple[dict[s
     return obj, []
 
 
-def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
-    async def go() -> T:
-        async with Client(Connection(server=apiserver.url)) as api:
-            return await fn(api)
-
-    return asyncio.run(go())
-
-
-def body(apiserver: Any, name: str) -> dict[str, Any]:
-    obj = apiserver.server.get("pdclusters", "default", name)
-    assert obj is not None
-    return obj
-
-
 def events(apiserver: Any, uid: str, reason: str) -> list[dict[str, Any]]:
     return [e for e in apiserver.server.objects("events", "default") if e["involvedObject"]["uid"] == uid and e["reason"] == reason]
 
@@ -54,16 +38,16 @@ def events(apiserver: Any, uid: str, reason: str) -> list[dict[str, Any]]:
 def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_applied(apiserver: Any) -> None:
     srv = apiserver.server
     srv.validators[DEPLOYMENTS] = _no_ml_team
-    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "f"))))
-    uid = body(apiserver, "f")["metadata"]["uid"]
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "f"))))
+    uid = h.body(apiserver, "f")["metadata"]["uid"]
 
-    out = run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, "f"), now=1000.0))
+    out = h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "f"), now=1000.0))
     assert [f.key for f in out.failed] == ["Deployment/f-router"]
     assert out.requeue_at == 1000.0 + reconcile.FAILED_RETRY_S
     # The other children were applied all the same.
     assert srv.get("deployments", "default", "f-prefill") and srv.get("statefulsets", "default", "f-tilert-decode")
     assert srv.get("deployments", "default", "f-router") is None
-    cond = h.condition(body(apiserver, "f"), "Reconciled")
+    cond = h.condition(h.body(apiserver, "f"), "Reconciled")
     assert (cond["status"], cond["reason"]) == ("False", "ApplyRejected")
     assert cond["message"].startswith('Deployment/f-router: HTTP 422: Deployment.apps "f-router" is invalid: '
                                       'spec.template.metadata.labels: Invalid value: "ml": a policy of this cluster')
@@ -73,38 +57,38 @@ def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_a
 
     # The same failure again: no new Event, no status write (once the workload controllers' first
     # reports, which the status follows, are in).
-    run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, "f")))
+    h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "f")))
     assert len(events(apiserver, uid, "ApplyRejected")) == 1
-    again = run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, "f")))
+    again = h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "f")))
     assert again.failed and not again.status_written and not again.events
     assert len(events(apiserver, uid, "ApplyRejected")) == 1
 
     # Fixed spec: applied, Reconciled=True, and a Normal Event says so.
-    run(apiserver, lambda api: api.request("patch", "PATCH", "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/f",
+    h.run(apiserver, lambda api: api.request("patch", "PATCH", "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/f",
                                            body={"spec": {"router": {"overrides": None}}},
                                            content_type="application/merge-patch+json"))
-    fixed = run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, "f")))
+    fixed = h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "f")))
     assert fixed.applied == ["Deployment/f-router"] and not fixed.failed and fixed.requeue_at is None
-    cond = h.condition(body(apiserver, "f"), "Reconciled")
+    cond = h.condition(h.body(apiserver, "f"), "Reconciled")
     assert (cond["status"], cond["reason"]) == ("True", "Applied")
     [ok] = events(apiserver, uid, "Reconciled")
     assert ok["type"] == "Normal"
 
 
 def test_a_failed_reconcile_is_reported_before_the_controller_backs_off(apiserver: Any) -> None:
-    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "g"))))
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "g"))))
     # Not a 403: that is the role's fault, reported as Forbidden (test_op_rbac.py).
     apiserver.server.fail(422, times=1, verb="list", resource="pods")
     with pytest.raises(ApiError):
-        run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, "g")))
-    obj = body(apiserver, "g")
+        h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "g")))
+    obj = h.body(apiserver, "g")
     cond = h.condition(obj, "Reconciled")
     assert (cond["status"], cond["reason"]) == ("False", "ReconcileError")
     assert "injected 422 for list pods" in cond["message"] and "fix the spec" not in cond["message"]
     assert events(apiserver, obj["metadata"]["uid"], "ReconcileError")
     # The next reconcile succeeds and clears it.
-    run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, "g")))
-    assert h.condition(body(apiserver, "g"), "Reconciled")["status"] == "True"
+    h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "g")))
+    assert h.condition(h.body(apiserver, "g"), "Reconciled")["status"] == "True"
 
 
 @pytest.fixture()
@@ -119,9 +103,9 @@ def test_the_running_operator_reports_a_refused_child_and_clears_it(apiserver: A
     srv = apiserver.server
     srv.validators[DEPLOYMENTS] = _no_ml_team
     with KopfRunner(h.ARGS, timeout=40):
-        run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "k"))))
+        h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "k"))))
         h.wait_for("Reconciled=False", lambda: h.condition(srv.get("pdclusters", "default", "k"), "Reconciled").get("status") == "False")
-        uid = body(apiserver, "k")["metadata"]["uid"]
+        uid = h.body(apiserver, "k")["metadata"]["uid"]
         # Reported by the reconcile that was refused: one apply of the router so far.
         refused = [c for c in srv.calls if c.verb == "patch" and c.resource == "deployments" and c.user_agent.startswith("tilert-pd")]
         assert refused

@@ -6,8 +6,6 @@ of the new revision catch up only when the test rolls the pods (deletes them and
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import pdc_harness as h
@@ -16,33 +14,18 @@ import pytest
 from kopf.testing import KopfRunner
 
 from tilert_operator import constants, observe, reconcile
-from tilert_operator.kubeapi import Client, Connection
 
 T = TypeVar("T")
 COMPONENTS = (constants.PREFILL, constants.TILERT, constants.NATIVE, constants.ROUTER)
 PDC_PATH = "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/{}"
 
 
-def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
-    async def go() -> T:
-        async with Client(Connection(server=apiserver.url)) as api:
-            return await fn(api)
-
-    return asyncio.run(go())
-
-
-def body(apiserver: Any, name: str) -> dict[str, Any]:
-    obj = apiserver.server.get("pdclusters", "default", name)
-    assert obj is not None
-    return obj
-
-
 def reconcile_once(apiserver: Any, name: str) -> reconcile.Outcome:
-    return run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, name)))
+    return h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, name)))
 
 
 def patch_spec(apiserver: Any, name: str, spec: dict[str, Any]) -> None:
-    run(apiserver, lambda api: api.request("patch", "PATCH", PDC_PATH.format(name), body={"spec": spec},
+    h.run(apiserver, lambda api: api.request("patch", "PATCH", PDC_PATH.format(name), body={"spec": spec},
                                            content_type="application/merge-patch+json"))
 
 
@@ -52,18 +35,18 @@ def ready(obj: dict[str, Any]) -> tuple[str, str]:
 
 
 def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver: Any) -> None:
-    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "ro"))))
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "ro"))))
     reconcile_once(apiserver, "ro")
     for comp in COMPONENTS:
         h.roll(apiserver, "ro", comp)
     reconcile_once(apiserver, "ro")
-    assert ready(body(apiserver, "ro")) == ("True", "Serving")
+    assert ready(h.body(apiserver, "ro")) == ("True", "Serving")
 
     # A new template for the TileRT pool: its old pods still serve, but the generation is not done.
     patch_spec(apiserver, "ro", {"decode": {"tilert": {"slots": 8}}})
     out = reconcile_once(apiserver, "ro")
     assert "StatefulSet/ro-tilert-decode" in out.applied
-    obj = body(apiserver, "ro")
+    obj = h.body(apiserver, "ro")
     assert ready(obj) == ("False", "RollingOut"), h.condition(obj, "Ready")
     assert "ro-tilert-decode" in h.condition(obj, "Ready")["message"]
     assert (h.condition(obj, "TileRTDecodeReady")["status"], h.condition(obj, "TileRTDecodeReady")["reason"]) == ("False", "RollingOut")
@@ -78,51 +61,51 @@ def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver
     # New pods, not ready yet: still rolling out.
     h.roll(apiserver, "ro", constants.TILERT, ready=False)
     reconcile_once(apiserver, "ro")
-    assert ready(body(apiserver, "ro"))[0] == "False"
+    assert ready(h.body(apiserver, "ro"))[0] == "False"
 
     # Every pod of the new template ready: done.
     h.roll(apiserver, "ro", constants.TILERT)
     reconcile_once(apiserver, "ro")
-    obj = body(apiserver, "ro")
+    obj = h.body(apiserver, "ro")
     assert ready(obj) == ("True", "Serving"), h.condition(obj, "Ready")
     assert obj["status"]["pools"]["tilert"] == {"ready": 1, "desired": 1}
 
 
 def test_a_workload_whose_controller_has_not_seen_the_new_generation_is_rolling_out(apiserver: Any) -> None:
     srv = apiserver.server
-    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "lag"))))
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "lag"))))
     reconcile_once(apiserver, "lag")
     for comp in COMPONENTS:
         h.roll(apiserver, "lag", comp)
     reconcile_once(apiserver, "lag")
-    assert ready(body(apiserver, "lag")) == ("True", "Serving")
+    assert ready(h.body(apiserver, "lag")) == ("True", "Serving")
     srv.workload_controllers = False
     patch_spec(apiserver, "lag", {"router": {"replicas": 2}})
     reconcile_once(apiserver, "lag")
-    cond = h.condition(body(apiserver, "lag"), "Ready")
+    cond = h.condition(h.body(apiserver, "lag"), "Ready")
     assert (cond["status"], cond["reason"]) == ("False", "RollingOut")
     assert "has not yet seen generation 2" in cond["message"], cond["message"]
     srv.workload_controllers = True
     apiserver.sync(srv.play_controllers)
     h.roll(apiserver, "lag", constants.ROUTER)
     reconcile_once(apiserver, "lag")
-    assert ready(body(apiserver, "lag")) == ("True", "Serving")
+    assert ready(h.body(apiserver, "lag")) == ("True", "Serving")
 
 
 def test_a_refused_generation_keeps_the_last_observed_generation_and_is_not_ready(apiserver: Any) -> None:
-    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "rf"))))
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "rf"))))
     reconcile_once(apiserver, "rf")
     for comp in COMPONENTS:
         h.roll(apiserver, "rf", comp)
     reconcile_once(apiserver, "rf")
-    assert body(apiserver, "rf")["status"]["observedGeneration"] == 1
+    assert h.body(apiserver, "rf")["status"]["observedGeneration"] == 1
 
     # The API server refuses the router's apply (as it would an invalid field the spec's checks miss).
     apiserver.server.fail(422, times=1, verb="patch", resource="deployments")
     patch_spec(apiserver, "rf", {"router": {"replicas": 2}})
     out = reconcile_once(apiserver, "rf")
     assert [f.key for f in out.failed] == ["Deployment/rf-router"]
-    obj = body(apiserver, "rf")
+    obj = h.body(apiserver, "rf")
     assert obj["metadata"]["generation"] == 2
     assert obj["status"]["observedGeneration"] == 1, "generation 2 was refused: not observed"
     cond = h.condition(obj, "Ready")
@@ -131,28 +114,28 @@ def test_a_refused_generation_keeps_the_last_observed_generation_and_is_not_read
 
     # Accepted at the retry: applied and observed; Ready once the new replica is.
     reconcile_once(apiserver, "rf")
-    obj = body(apiserver, "rf")
+    obj = h.body(apiserver, "rf")
     assert obj["status"]["observedGeneration"] == 2
     assert ready(obj) == ("False", "RollingOut")
     h.roll(apiserver, "rf", constants.ROUTER)
     reconcile_once(apiserver, "rf")
-    assert ready(body(apiserver, "rf")) == ("True", "Serving")
+    assert ready(h.body(apiserver, "rf")) == ("True", "Serving")
 
 
 def test_an_invalid_generation_is_not_observed_either(apiserver: Any) -> None:
     """The operator refuses it itself (SpecValid=False, nothing changed): the last generation applied
     stays the observed one."""
-    run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "inv"))))
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "inv"))))
     reconcile_once(apiserver, "inv")
-    assert body(apiserver, "inv")["status"]["observedGeneration"] == 1
+    assert h.body(apiserver, "inv")["status"]["observedGeneration"] == 1
     # As the API server would hand it over were the CRD's rules silent about it (the operator's own
     # checks refuse 3 GPUs: vLLM's tensor parallelism needs a power of two).
-    invalid = body(apiserver, "inv")
+    invalid = h.body(apiserver, "inv")
     invalid["spec"]["prefill"]["gpus"] = 3
     invalid["metadata"]["generation"] = 2
-    out = run(apiserver, lambda api: reconcile.reconcile(api, invalid))
+    out = h.run(apiserver, lambda api: reconcile.reconcile(api, invalid))
     assert out.state == "invalid"
-    obj = body(apiserver, "inv")
+    obj = h.body(apiserver, "inv")
     assert h.condition(obj, "SpecValid")["status"] == "False"
     assert obj["status"]["observedGeneration"] == 1
 
@@ -217,22 +200,22 @@ def test_the_running_operator_follows_a_rollout_from_the_workloads_status(apiser
     """With the resync far away, the status follows the workload controllers' status writes."""
     srv = apiserver.server
     with KopfRunner(h.ARGS, timeout=60) as runner:
-        run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "live"))))
+        h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "live"))))
         h.wait_for("children", lambda: srv.get("statefulsets", "default", "live-tilert-decode")
                    and srv.get("deployments", "default", "live-router"))
         for comp in COMPONENTS:
             h.roll(apiserver, "live", comp)
-        h.wait_for("Serving", lambda: ready(body(apiserver, "live")) == ("True", "Serving"))
+        h.wait_for("Serving", lambda: ready(h.body(apiserver, "live")) == ("True", "Serving"))
         patch_spec(apiserver, "live", {"decode": {"tilert": {"slots": 8}}})
-        h.wait_for("RollingOut", lambda: ready(body(apiserver, "live")) == ("False", "RollingOut"))
+        h.wait_for("RollingOut", lambda: ready(h.body(apiserver, "live")) == ("False", "RollingOut"))
         # A real StatefulSet controller reports the new pods after the pods' own events: the operator
         # must follow the workload's status writes, not only its pods.
         srv.workload_controllers = False
         listed = pod_lists(srv)
         h.roll(apiserver, "live", constants.TILERT)
         h.wait_for("a reconcile after the new pods", lambda: pod_lists(srv) > listed)
-        assert ready(body(apiserver, "live")) == ("False", "RollingOut")
+        assert ready(h.body(apiserver, "live")) == ("False", "RollingOut")
         srv.workload_controllers = True
         apiserver.sync(srv.play_controllers)
-        h.wait_for("Serving again", lambda: ready(body(apiserver, "live")) == ("True", "Serving"))
+        h.wait_for("Serving again", lambda: ready(h.body(apiserver, "live")) == ("True", "Serving"))
     assert runner.exception is None
