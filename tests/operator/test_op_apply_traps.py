@@ -8,7 +8,7 @@ PDCluster's field and the fix."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 import kopf
@@ -20,7 +20,6 @@ import pytest
 
 from tilert_operator import admission, childcheck, reconcile, render, validation
 from tilert_operator import spec as specmod
-from tilert_operator.kubeapi import Client, Connection
 
 T = TypeVar("T")
 
@@ -204,22 +203,14 @@ def test_the_webhook_refuses_it_before_it_is_stored(patch: dict[str, Any], field
     assert f"{field}: " in str(refused.value)
 
 
-def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
-    async def go() -> T:
-        async with Client(Connection(server=apiserver.url)) as api:
-            return await fn(api)
-
-    return asyncio.run(go())
-
-
 def test_without_the_webhook_each_is_spec_valid_false_and_nothing_is_applied(apiserver: Any) -> None:
     srv = apiserver.server
     # Stored as an older CRD (without the drain rule) would have let them in.
     srv.validators.pop(("pd.tilert.ai", "v1alpha1", "pdclusters"))
     for i, (case, patch, field, _fix, _how) in enumerate(TRAPS):
         name = f"t{i}"
-        run(apiserver, lambda api, n=name, p=patch: api.create(h.pdc(helpers.cr(helpers.minimal(**p), n))))
-        out = run(apiserver, lambda api, n=name: reconcile.reconcile(api, srv.get("pdclusters", "default", n)))
+        h.run(apiserver, lambda api, n=name, p=patch: api.create(h.pdc(helpers.cr(helpers.minimal(**p), n))))
+        out = h.run(apiserver, lambda api, n=name: reconcile.reconcile(api, srv.get("pdclusters", "default", n)))
         assert out.state == "invalid" and not out.applied, case
         cond = h.condition(srv.get("pdclusters", "default", name), "SpecValid")
         assert cond["status"] == "False" and f"{field}: " in cond["message"], (case, cond)

@@ -4,7 +4,6 @@ adopted only when marked for it, with the Secrets' mark."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import pdc_harness as h
@@ -13,7 +12,6 @@ import pytest
 from kopf.testing import KopfRunner
 
 from tilert_operator import constants, reconcile
-from tilert_operator.kubeapi import Client, Connection
 
 THEIR_LABELS = {"app": "their-app", "team": "search"}
 THEIR_POD = {"metadata": {"labels": THEIR_LABELS}, "spec": {"containers": [{"name": "app", "image": "their/app:1"}]}}
@@ -118,11 +116,7 @@ def test_a_child_of_an_earlier_pdcluster_of_the_same_name_is_waited_for_not_blam
     before = apiserver.call(srv.put(("", "v1", "configmaps"), obj))
     apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
 
-    async def once() -> reconcile.Outcome:
-        async with Client(Connection(server=apiserver.url)) as api:
-            return await reconcile.reconcile(api, _tiny(srv) or {})
-
-    out = asyncio.run(once())
+    out = h.run(apiserver, lambda api: reconcile.reconcile(api, _tiny(srv) or {}))
     [failed] = out.failed
     assert (failed.key, failed.reason) == ("ConfigMap/tiny-router", "ChildNotOwned")
     assert "an earlier PDCluster default/tiny" in failed.message and "garbage collector" in failed.message

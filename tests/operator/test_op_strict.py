@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import aiohttp
@@ -18,7 +17,7 @@ import yaml
 
 from tilert_operator import constants, reconcile, render, validation
 from tilert_operator import spec as specmod
-from tilert_operator.kubeapi import KINDS, Client, Connection
+from tilert_operator.kubeapi import KINDS, Client
 
 T = TypeVar("T")
 
@@ -45,15 +44,6 @@ def test_unparsable_quantities_are_refused_by_both(bad: str) -> None:
         sem.parse_quantity(bad)
     with pytest.raises(ValueError):
         validation.parse_quantity(bad)
-
-
-def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
-    """Run `fn` with the operator's API client against the test server (from this thread's own loop)."""
-    async def go() -> T:
-        async with Client(Connection(server=apiserver.url)) as api:
-            return await fn(api)
-
-    return asyncio.run(go())
 
 
 async def _apply(url: str, path: str, body: dict[str, Any]) -> tuple[int, dict[str, Any]]:
@@ -130,14 +120,14 @@ def test_every_child_the_operator_renders_passes_the_strict_server(apiserver: An
         async def go(api: Client, children: list[dict[str, Any]] = children) -> list[dict[str, Any]]:
             return [await api.apply(c | {"metadata": c["metadata"] | {"namespace": "default"}}) for c in children]
 
-        stored = run(apiserver, go)
+        stored = h.run(apiserver, go)
         for want, have in zip(children, stored, strict=True):
             assert reconcile.contains(have, want), (path.stem, want["kind"], want["metadata"]["name"])
 
 
 def create(apiserver: Any, doc: dict[str, Any]) -> None:
     """Create a PDCluster through the API (defaulted and validated like kubectl apply's)."""
-    run(apiserver, lambda api: api.create(h.pdc(doc)))
+    h.run(apiserver, lambda api: api.create(h.pdc(doc)))
 
 
 async def _reconcile_twice(api: Client, apiserver: Any, name: str) -> tuple[reconcile.Outcome, reconcile.Outcome]:
@@ -155,7 +145,7 @@ def test_non_canonical_quantities_in_the_spec_cause_no_writes_on_resync(apiserve
     resources = {"requests": {"cpu": "0.5", "memory": "1.5Gi"}, "limits": {"cpu": "1000m", "memory": "1.5Gi"}}
     spec = helpers.minimal(prefill={"resources": resources}, router={"resources": resources}, transfer={"shmSize": "1.5Gi"})
     create(apiserver, helpers.cr(spec, "q"))
-    first, second = run(apiserver, lambda api: _reconcile_twice(api, apiserver, "q"))
+    first, second = h.run(apiserver, lambda api: _reconcile_twice(api, apiserver, "q"))
     assert first.applied and not first.failed
     dep = srv.get("deployments", "default", "q-prefill")
     c = dep["spec"]["template"]["spec"]["containers"][0]
@@ -168,7 +158,7 @@ def test_non_canonical_quantities_in_the_spec_cause_no_writes_on_resync(apiserve
     # Comparing the strings instead (what the operator did before) rewrites them every resync: the
     # test catches that regression.
     monkeypatch.setattr(reconcile, "is_quantity", lambda path: False)
-    _, third = run(apiserver, lambda api: _reconcile_twice(api, apiserver, "q"))
+    _, third = h.run(apiserver, lambda api: _reconcile_twice(api, apiserver, "q"))
     assert f"Deployment/{constants.child_name('q', constants.PREFILL)}" in third.applied
 
 
@@ -176,7 +166,7 @@ def test_empty_values_the_server_omits_cause_no_writes_on_resync(apiserver: Any)
     """An env var with an empty value comes back without `value` (omitempty): still no write."""
     srv = apiserver.server
     create(apiserver, helpers.cr(helpers.minimal(transfer={"rdma": {"env": {"MC_EMPTY": ""}}}), "e"))
-    first, second = run(apiserver, lambda api: _reconcile_twice(api, apiserver, "e"))
+    first, second = h.run(apiserver, lambda api: _reconcile_twice(api, apiserver, "e"))
     assert first.applied and not first.failed
     env = srv.get("deployments", "default", "e-prefill")["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "MC_EMPTY"} in env
