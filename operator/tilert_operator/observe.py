@@ -162,7 +162,10 @@ def pool_states(spec: PDClusterSpec, pods: list[dict[str, Any]],
             out[c] = PoolState(serving, d)
             continue
         ready, rolling = rollout(WORKLOAD_KINDS[c], workloads.get(c), d)
-        out[c] = PoolState(ready, d, serving, rolling)
+        # Never more than the ready pods this reconcile saw: the workload's status and the pod list
+        # are read apart, and a status already counting a pod the list does not show yet would report
+        # the pool whole while its endpoints (from the pods) miss that pod.
+        out[c] = PoolState(min(ready, serving), d, serving, rolling)
     return out
 
 

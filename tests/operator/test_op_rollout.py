@@ -14,6 +14,7 @@ import pytest
 from kopf.testing import KopfRunner
 
 from tilert_operator import constants, observe, reconcile
+from tilert_operator import spec as specmod
 
 T = TypeVar("T")
 COMPONENTS = (constants.PREFILL, constants.TILERT, constants.NATIVE, constants.ROUTER)
@@ -181,6 +182,20 @@ def test_rollout_state_is_read_from_the_workloads_status() -> None:
     # A pool scaled to nothing has nothing to roll out, whatever its workload still reports.
     dep["status"] |= {"replicas": 3}
     assert observe.rollout("Deployment", dep, 0) == (0, None)
+
+
+def test_a_pool_counts_no_more_ready_pods_than_the_pod_list_shows() -> None:
+    """The StatefulSet's status already counts both TileRT pods while the reconcile's pod list still
+    shows one (they are read apart): the pool is not whole, so Ready cannot say Serving while the
+    router's endpoints (from the pods) miss a node."""
+    spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
+    sts = {"kind": "StatefulSet", "metadata": {"name": "tiny-tilert-decode", "generation": 1},
+           "status": {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2,
+                      "currentRevision": "r", "updateRevision": "r"}}
+    one = [h.pod("tiny", constants.TILERT, 0, ip="10.1.0.1")]
+    both = [*one, h.pod("tiny", constants.TILERT, 1, ip="10.1.0.2")]
+    assert observe.pool_states(spec, one, {constants.TILERT: sts})[constants.TILERT].ready == 1
+    assert observe.pool_states(spec, both, {constants.TILERT: sts})[constants.TILERT].ready == 2
 
 
 def pod_lists(srv: Any) -> int:
