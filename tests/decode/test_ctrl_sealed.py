@@ -31,6 +31,11 @@ def _handshake(port: int) -> tuple[socket.socket, framing.SyncChannel]:
     return sock, chan
 
 
+def _request(chan: framing.SyncChannel, request_id: str, ticket: str) -> None:
+    chan.send(messages.Request(request_id=request_id, ticket=ticket, num_tokens=NUM_TOKENS, last_prompt_token=1,
+                               layout_fingerprint=LAYOUT.fingerprint))
+
+
 async def test_an_unsealed_error_after_the_handshake_is_a_session_failure_at_the_node(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         _, adm = await n.admit("r")
@@ -38,8 +43,7 @@ async def test_an_unsealed_error_after_the_handshake_is_a_session_failure_at_the
         def inject() -> list[messages.Message]:
             sock, chan = _handshake(n.ctrl_port)
             with contextlib.closing(sock):
-                chan.send(messages.Request(request_id="r", ticket=adm["ticket"], num_tokens=NUM_TOKENS,
-                                           last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+                _request(chan, "r", adm["ticket"])
                 assert isinstance(chan.recv(), messages.Accept)
                 # What a relay can put on the wire: an Error without the session's tag.
                 sock.sendall(framing.encode(messages.Error(reason=RejectReason.BAD_REQUEST, message=INJECTED)))
@@ -83,8 +87,7 @@ async def test_a_handoff_that_fails_before_its_accept_went_out_leaves_no_quarant
         def request() -> list[messages.Message]:
             sock, chan = _handshake(n.ctrl_port)
             with contextlib.closing(sock):
-                chan.send(messages.Request(request_id="r", ticket=adm["ticket"], num_tokens=NUM_TOKENS,
-                                           last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+                _request(chan, "r", adm["ticket"])
                 got = []
                 with contextlib.suppress(ConnectionError, OSError):
                     got.append(chan.recv())
@@ -108,8 +111,7 @@ async def test_an_authenticated_senders_words_stay_out_of_the_record(secret_file
             def fail(how: str = how, ticket: str = adm["ticket"]) -> None:
                 sock, chan = _handshake(n.ctrl_port)
                 with contextlib.closing(sock):
-                    chan.send(messages.Request(request_id=how, ticket=ticket, num_tokens=NUM_TOKENS,
-                                               last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+                    _request(chan, how, ticket)
                     accept = chan.recv()
                     assert isinstance(accept, messages.Accept)
                     if how == "done":

@@ -35,12 +35,17 @@ def ready(obj: dict[str, Any]) -> tuple[str, str]:
     return c.get("status", ""), c.get("reason", "")
 
 
-def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver: Any) -> None:
-    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "ro"))))
-    reconcile_once(apiserver, "ro")
+def rolled_out(apiserver: Any, name: str) -> None:
+    """A minimal PDCluster created, reconciled, every pool's pods rolled to its template, reconciled."""
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), name))))
+    reconcile_once(apiserver, name)
     for comp in COMPONENTS:
-        h.roll(apiserver, "ro", comp)
-    reconcile_once(apiserver, "ro")
+        h.roll(apiserver, name, comp)
+    reconcile_once(apiserver, name)
+
+
+def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver: Any) -> None:
+    rolled_out(apiserver, "ro")
     assert ready(h.body(apiserver, "ro")) == ("True", "Serving")
 
     # A new template for the TileRT pool: its old pods still serve, but the generation is not done.
@@ -74,11 +79,7 @@ def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver
 
 def test_a_workload_whose_controller_has_not_seen_the_new_generation_is_rolling_out(apiserver: Any) -> None:
     srv = apiserver.server
-    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "lag"))))
-    reconcile_once(apiserver, "lag")
-    for comp in COMPONENTS:
-        h.roll(apiserver, "lag", comp)
-    reconcile_once(apiserver, "lag")
+    rolled_out(apiserver, "lag")
     assert ready(h.body(apiserver, "lag")) == ("True", "Serving")
     srv.workload_controllers = False
     patch_spec(apiserver, "lag", {"router": {"replicas": 2}})
@@ -94,11 +95,7 @@ def test_a_workload_whose_controller_has_not_seen_the_new_generation_is_rolling_
 
 
 def test_a_refused_generation_keeps_the_last_observed_generation_and_is_not_ready(apiserver: Any) -> None:
-    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "rf"))))
-    reconcile_once(apiserver, "rf")
-    for comp in COMPONENTS:
-        h.roll(apiserver, "rf", comp)
-    reconcile_once(apiserver, "rf")
+    rolled_out(apiserver, "rf")
     assert h.body(apiserver, "rf")["status"]["observedGeneration"] == 1
 
     # The API server refuses the router's apply (as it would an invalid field the spec's checks miss).
