@@ -17,6 +17,7 @@ test-fast: setup
 
 lint: setup
 	@$(VENV)/bin/ruff check tilert_serve operator tests bench
+	@$(VENV)/bin/ruff format --check tilert_serve operator tests bench scripts
 	@$(VENV)/bin/lint-imports
 	@$(VENV)/bin/mypy
 

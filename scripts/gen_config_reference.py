@@ -126,7 +126,9 @@ def rules_table(root: Schema) -> list[str]:
         for rule in s.get("x-kubernetes-validations") or []:
             where = field.lstrip(".") or "(the object)"
             transition = " (on update; `oldSelf` is the stored value)" if "oldSelf" in rule["rule"] else ""
-            lines.append(f"| `{where}` | {_code(rule['rule'])}{transition} | {_cell(rule.get('message', ''))} |")
+            lines.append(
+                f"| `{where}` | {_code(rule['rule'])}{transition} | {_cell(rule.get('message', ''))} |"
+            )
     return lines
 
 
@@ -153,7 +155,9 @@ def render(crd: dict[str, Any]) -> str:
             continue
         schema = version["schema"]["openAPIV3Schema"]
         props = schema["properties"]
-        title = f"## `{spec['group']}/{version['name']}`" + (" (storage version)" if version.get("storage") else "")
+        title = f"## `{spec['group']}/{version['name']}`" + (
+            " (storage version)" if version.get("storage") else ""
+        )
         out += ["", title, "", "### spec", ""]
         if props["spec"].get("description"):
             out += [_cell(props["spec"]["description"]), ""]
@@ -192,7 +196,10 @@ def render(crd: dict[str, Any]) -> str:
         if columns:
             out += ["", f"### Columns of `kubectl get {(short or [names['plural']])[0]}`", ""]
             out += ["| Column | Type | JSONPath | Description |", "|---|---|---|---|"]
-            out += [f"| {c['name']} | {c['type']} | {_code(c['jsonPath'])} | {_cell(c.get('description', ''))} |" for c in columns]
+            out += [
+                f"| {c['name']} | {c['type']} | {_code(c['jsonPath'])} | {_cell(c.get('description', ''))} |"
+                for c in columns
+            ]
     return "\n".join(out) + "\n"
 
 
@@ -203,7 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     text = render(yaml.safe_load(CRD.read_text()))
     if args.check:
         if not OUT.is_file() or OUT.read_text() != text:
-            print(f"{OUT.relative_to(ROOT)} is stale: run python scripts/gen_config_reference.py", file=sys.stderr)
+            print(
+                f"{OUT.relative_to(ROOT)} is stale: run python scripts/gen_config_reference.py",
+                file=sys.stderr,
+            )
             return 1
         return 0
     OUT.parent.mkdir(parents=True, exist_ok=True)

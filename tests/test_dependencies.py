@@ -42,8 +42,9 @@ def _declared(extra: str) -> set[str]:
 
 @pytest.fixture(scope="module")
 def graph() -> grimp.ImportGraph:
-    return grimp.build_graph("tilert_serve", "tilert_operator", include_external_packages=True,
-                             exclude_type_checking_imports=True)
+    return grimp.build_graph(
+        "tilert_serve", "tilert_operator", include_external_packages=True, exclude_type_checking_imports=True
+    )
 
 
 def _external_imports(graph: grimp.ImportGraph, roots: list[str]) -> set[str]:
@@ -55,7 +56,9 @@ def _external_imports(graph: grimp.ImportGraph, roots: list[str]) -> set[str]:
 
 
 @pytest.mark.parametrize("component", sorted(COMPONENTS))
-def test_every_import_of_a_component_is_declared_by_its_extra(graph: grimp.ImportGraph, component: str) -> None:
+def test_every_import_of_a_component_is_declared_by_its_extra(
+    graph: grimp.ImportGraph, component: str
+) -> None:
     extra, roots = COMPONENTS[component]
     dists = importlib.metadata.packages_distributions()
     declared = _declared(extra)
@@ -71,7 +74,9 @@ def test_every_import_of_a_component_is_declared_by_its_extra(graph: grimp.Impor
 def test_the_light_components_import_nothing_heavy(graph: grimp.ImportGraph, component: str) -> None:
     extra, roots = COMPONENTS[component]
     assert not _external_imports(graph, roots) & set(HEAVY)
-    assert not {_dist(r) for r in PROJECT["dependencies"] + PROJECT["optional-dependencies"][extra]} & set(HEAVY)
+    assert not {_dist(r) for r in PROJECT["dependencies"] + PROJECT["optional-dependencies"][extra]} & set(
+        HEAVY
+    )
 
 
 # Runs the commands with the heavy packages made unimportable, as on a machine that never installed them.
@@ -87,11 +92,15 @@ sys.exit(main({argv!r}))
 """
 
 
-@pytest.mark.parametrize("argv", [
-    ["operator", "--help"],
-    ["render", "-f", str(ROOT / "examples" / "tiny-cpu.yaml")],
-    ["router", "--help"],
-], ids=["operator", "render", "router"])
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["operator", "--help"],
+        ["render", "-f", str(ROOT / "examples" / "tiny-cpu.yaml")],
+        ["router", "--help"],
+    ],
+    ids=["operator", "render", "router"],
+)
 def test_operator_and_router_commands_run_without_torch(argv: list[str]) -> None:
     code = _BLOCKED_RUN.format(heavy=set(HEAVY), argv=argv)
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)

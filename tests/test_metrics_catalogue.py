@@ -21,16 +21,41 @@ CATALOGUE = metrics_catalogue.catalogue()
 ENTRIES = [(c, e) for c in CATALOGUE for e in c.entries]
 
 # Units that are not Prometheus base units, and ratios dressed up as units.
-_NOT_BASE_UNITS = ("_ms", "_milliseconds", "_us", "_microseconds", "_ns", "_nanoseconds", "_s", "_minutes",
-                   "_hours", "_days", "_kb", "_kilobytes", "_mb", "_megabytes", "_gb", "_gigabytes", "_bits",
-                   "_percent", "_percentage")
-_UNIT_WORDS = {"seconds since the Unix epoch": "time", "bytes per second": "bytes per second", "seconds": "second",
-               "bytes": "byte", "tokens": "token"}
+_NOT_BASE_UNITS = (
+    "_ms",
+    "_milliseconds",
+    "_us",
+    "_microseconds",
+    "_ns",
+    "_nanoseconds",
+    "_s",
+    "_minutes",
+    "_hours",
+    "_days",
+    "_kb",
+    "_kilobytes",
+    "_mb",
+    "_megabytes",
+    "_gb",
+    "_gigabytes",
+    "_bits",
+    "_percent",
+    "_percentage",
+)
+_UNIT_WORDS = {
+    "seconds since the Unix epoch": "time",
+    "bytes per second": "bytes per second",
+    "seconds": "second",
+    "bytes": "byte",
+    "tokens": "token",
+}
 _SNAKE = re.compile(r"^[a-z][a-z0-9]*(_[a-z0-9]+)*$")
+
 
 def test_doc_is_not_stale() -> None:
     assert DOC.read_text() == metrics_catalogue.render(CATALOGUE), (
-        "docs/metrics.md is stale: run .venv/bin/python -m tilert_serve.metrics_catalogue > docs/metrics.md")
+        "docs/metrics.md is stale: run .venv/bin/python -m tilert_serve.metrics_catalogue > docs/metrics.md"
+    )
 
 
 def test_every_component_exposes_metrics() -> None:
@@ -69,10 +94,7 @@ def _problems(prefix: str, e: metrics_catalogue.Entry) -> list[str]:
     return out
 
 
-@pytest.mark.parametrize(("prefix", "entry"), [
-    pytest.param(c.prefix, e, id=e.name)
-    for c, e in ENTRIES
-])
+@pytest.mark.parametrize(("prefix", "entry"), [pytest.param(c.prefix, e, id=e.name) for c, e in ENTRIES])
 def test_prometheus_conventions(prefix: str, entry: metrics_catalogue.Entry) -> None:
     assert _problems(prefix, entry) == []
 
@@ -120,7 +142,9 @@ def test_declared_labels_must_be_the_metrics_labels() -> None:
 
 def test_bounded_labels_count_what_is_outside_their_set_as_other() -> None:
     r = Registry()
-    m = Bounded(counter(r, "p_ends_total", "Ends.", {"why": values({"done", "failed"}), "node": Unbounded("n")}))
+    m = Bounded(
+        counter(r, "p_ends_total", "Ends.", {"why": values({"done", "failed"}), "node": Unbounded("n")})
+    )
     m.labels("done", "n1").inc()
     m.labels("a peer's words", "n1").inc()
     assert r.get_sample_value("p_ends_total", {"why": "done", "node": "n1"}) == 1

@@ -42,7 +42,11 @@ def test_a_missing_token_file_stops_the_router_with_its_path(tmp_path):
     path = tmp_path / "config.yaml"
     missing = tmp_path / "no-such-token"
     path.write_text(f"model: m\nprefill: []\ntilert_api_token_file: {missing}\n")
-    proc = subprocess.run([sys.executable, "-m", "tilert_serve.router.cli", "--config", str(path), "--port", "0"],
-                          capture_output=True, text=True, timeout=60)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tilert_serve.router.cli", "--config", str(path), "--port", "0"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert proc.returncode != 0
     assert f"router: cannot read the token file {missing}" in proc.stderr

@@ -49,10 +49,18 @@ def read_regular(path: str | Path, max_bytes: int = MAX_CREDENTIAL_FILE_BYTES) -
     try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
-            kind = "a directory" if stat.S_ISDIR(st.st_mode) else "a FIFO" if stat.S_ISFIFO(st.st_mode) else \
-                "a device or socket"
-            raise OSError(errno.EINVAL, f"not a regular file (it is {kind}); put the credential in a plain file "
-                                        "there", str(path))
+            kind = (
+                "a directory"
+                if stat.S_ISDIR(st.st_mode)
+                else "a FIFO"
+                if stat.S_ISFIFO(st.st_mode)
+                else "a device or socket"
+            )
+            raise OSError(
+                errno.EINVAL,
+                f"not a regular file (it is {kind}); put the credential in a plain file there",
+                str(path),
+            )
         chunks, size = [], 0
         while size <= max_bytes:
             chunk = os.read(fd, max_bytes + 1 - size)
@@ -61,8 +69,11 @@ def read_regular(path: str | Path, max_bytes: int = MAX_CREDENTIAL_FILE_BYTES) -
             chunks.append(chunk)
             size += len(chunk)
         if size > max_bytes:
-            raise OSError(errno.EFBIG, f"larger than {max_bytes} bytes, which no credential file is; check what "
-                                       "is mounted there", str(path))
+            raise OSError(
+                errno.EFBIG,
+                f"larger than {max_bytes} bytes, which no credential file is; check what is mounted there",
+                str(path),
+            )
         return b"".join(chunks)
     finally:
         os.close(fd)
@@ -94,8 +105,13 @@ def bearer_token(headers: Mapping[str, str]) -> str | None:
 class TokenFile:
     """The tokens of one file, re-read when it changes (see the module docstring)."""
 
-    def __init__(self, path: str | Path, *, check_interval_s: float = CHECK_INTERVAL_S,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        check_interval_s: float = CHECK_INTERVAL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.path = Path(path)
         self.check_interval_s = check_interval_s
         self._clock = clock
@@ -107,8 +123,10 @@ class TokenFile:
         try:
             self._load(self._stat())
         except OSError as exc:
-            raise TokenFileError(f"cannot read the token file {self.path}: {exc.strerror or exc}; point the flag at a "
-                                 "readable file of tokens, one a line") from exc
+            raise TokenFileError(
+                f"cannot read the token file {self.path}: {exc.strerror or exc}; point the flag at a "
+                "readable file of tokens, one a line"
+            ) from exc
         if not self._tokens:
             log.warning("token file %s holds no token: every request presenting one is refused", self.path)
 
@@ -134,8 +152,12 @@ class TokenFile:
                 log.info("token file %s reloaded: %d token(s)", self.path, len(self._tokens))
         except OSError as exc:
             if not self._failing:
-                log.error("token file %s cannot be read, keeping its last %d token(s): %s", self.path,
-                          len(self._tokens), exc.strerror or exc)
+                log.error(
+                    "token file %s cannot be read, keeping its last %d token(s): %s",
+                    self.path,
+                    len(self._tokens),
+                    exc.strerror or exc,
+                )
             self._failing = True
             return
         self._failing = False

@@ -15,7 +15,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("tilert_serve.tinymodel.cli", "write a tiny DeepSeek-V3-style checkpoint"),
     "decode-node": ("tilert_serve.decode.cli", "run a TileRT decode node"),
     "router": ("tilert_serve.router.cli", "run the OpenAI-compatible router"),
-    "render": ("tilert_operator.cli_render", "print the manifests a PDCluster renders to (like helm template)"),
+    "render": (
+        "tilert_operator.cli_render",
+        "print the manifests a PDCluster renders to (like helm template)",
+    ),
     "operator": ("tilert_operator.cli_operator", "run the PDCluster operator"),
     "local": ("tilert_serve.local.cli", "run a PDCluster's components as local processes"),
 }

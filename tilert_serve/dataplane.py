@@ -55,7 +55,9 @@ def parse_network_status(raw: str | None) -> list[dict[str, Any]]:
     return [e for e in entries if isinstance(e, dict)] if isinstance(entries, list) else []
 
 
-def choose(networks: Sequence[str], network_status: str | None, namespace: str, pod_ip: str | None) -> DataPlane:
+def choose(
+    networks: Sequence[str], network_status: str | None, namespace: str, pod_ip: str | None
+) -> DataPlane:
     """The data-plane address for a pod: see the module docstring."""
     if not networks:
         return DataPlane(pod_ip, None, "pod-ip", "" if pod_ip else "the pod has no IP yet")
@@ -69,10 +71,14 @@ def choose(networks: Sequence[str], network_status: str | None, namespace: str, 
                     return DataPlane(ips[0], str(iface) if iface else None, f"multus:{entry['name']}")
     names = ", ".join(networks)
     seen = ", ".join(str(e.get("name")) for e in entries) or "none"
-    return DataPlane(None, None, "missing",
-                     f"Multus reports no address on {names} (networks in {MULTUS_STATUS_ANNOTATION}: {seen}); "
-                     "check the NetworkAttachmentDefinition named in spec.transfer.rdma.networks exists in the "
-                     "pod's namespace and that Multus attached it (kubectl describe pod)")
+    return DataPlane(
+        None,
+        None,
+        "missing",
+        f"Multus reports no address on {names} (networks in {MULTUS_STATUS_ANNOTATION}: {seen}); "
+        "check the NetworkAttachmentDefinition named in spec.transfer.rdma.networks exists in the "
+        "pod's namespace and that Multus attached it (kubectl describe pod)",
+    )
 
 
 def is_ipv6(address: str) -> bool:
@@ -96,8 +102,9 @@ class DataPlaneMissing(Exception):
     """Multus never reported the data-plane network; the message says which and what to check."""
 
 
-def wait_for(networks: Sequence[str], status_file: str | Path, namespace: str, timeout_s: float,
-             sleep_s: float = 1.0) -> DataPlane:
+def wait_for(
+    networks: Sequence[str], status_file: str | Path, namespace: str, timeout_s: float, sleep_s: float = 1.0
+) -> DataPlane:
     """This pod's address on `networks`, read from its mounted network-status file. Multus may write
     the annotation after the container starts (the kubelet refreshes the file within about a minute),
     so wait for it, saying so every 10 s, and raise DataPlaneMissing with the reason if it never comes."""
@@ -106,19 +113,29 @@ def wait_for(networks: Sequence[str], status_file: str | Path, namespace: str, t
     while True:
         where = choose(networks, path.read_text() if path.exists() else None, namespace, None)
         if where.address is not None:
-            log.info("data plane on %s (%s, interface %s)", where.address, where.source, where.interface or "?")
+            log.info(
+                "data plane on %s (%s, interface %s)", where.address, where.source, where.interface or "?"
+            )
             return where
         now = time.monotonic()
         if now >= deadline:
-            raise DataPlaneMissing(f"no data-plane address after {timeout_s:.0f} s: {where.problem} (read from {path})")
+            raise DataPlaneMissing(
+                f"no data-plane address after {timeout_s:.0f} s: {where.problem} (read from {path})"
+            )
         if now >= next_note:
             log.info("waiting for Multus to report %s in %s", ", ".join(networks), path)
             next_note = now + 10
         time.sleep(sleep_s)
 
 
-def find(networks: Sequence[str], status_file: str | Path, namespace: str, fallback: str, timeout_s: float,
-         sleep_s: float = 1.0) -> DataPlane:
+def find(
+    networks: Sequence[str],
+    status_file: str | Path,
+    namespace: str,
+    fallback: str,
+    timeout_s: float,
+    sleep_s: float = 1.0,
+) -> DataPlane:
     """This pod's data-plane address, as both ends of the handoff take it: on `networks` (waiting for
     Multus, see wait_for) when any are named, else `fallback` (the pod IP or the configured host)."""
     if not networks:

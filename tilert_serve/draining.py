@@ -46,25 +46,39 @@ def _always_idle() -> bool:
 class Drain:
     """Tracks requests in flight and answers for the app while it drains (install `middleware`)."""
 
-    def __init__(self, timeout_s: float, *, refuse: Callable[[web.Request], bool] = _never,
-                 refuse_body: dict[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        timeout_s: float,
+        *,
+        refuse: Callable[[web.Request], bool] = _never,
+        refuse_body: dict[str, Any] | None = None,
+    ) -> None:
         self.timeout_s = timeout_s
         self.refuse = refuse
-        self.refuse_body = refuse_body or {"error": {"type": "draining", "message": "shutting down; retry elsewhere"}}
+        self.refuse_body = refuse_body or {
+            "error": {"type": "draining", "message": "shutting down; retry elsewhere"}
+        }
         self.draining = False
         self.inflight: set[asyncio.Task[Any]] = set()
         #: Set when the drain ended: "drained" or "timeout" (tests and logs).
         self.outcome: str | None = None
 
     @web.middleware
-    async def middleware(self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]) -> web.StreamResponse:
+    async def middleware(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
         if self.draining:
             if request.path == "/ready":
-                return web.json_response({"ready": False, "reason": "draining", "reasons": ["draining: shutting down"]},
-                                         status=503)
+                return web.json_response(
+                    {"ready": False, "reason": "draining", "reasons": ["draining: shutting down"]}, status=503
+                )
             if self.refuse(request):
-                return web.Response(status=503, text=json.dumps(self.refuse_body), content_type="application/json",
-                                    headers={"Retry-After": "1", "Connection": "close"})
+                return web.Response(
+                    status=503,
+                    text=json.dumps(self.refuse_body),
+                    content_type="application/json",
+                    headers={"Retry-After": "1", "Connection": "close"},
+                )
         task = asyncio.current_task()
         track = task is not None and request.path not in PROBES
         if track:
@@ -80,13 +94,18 @@ class Drain:
                 assert task is not None
                 self.inflight.discard(task)
 
-    async def run(self, runner: web.AppRunner, *, stop_listening: bool, idle: Callable[[], bool] = _always_idle) -> str:
+    async def run(
+        self, runner: web.AppRunner, *, stop_listening: bool, idle: Callable[[], bool] = _always_idle
+    ) -> str:
         """Drain (see the module's docstring); returns "drained" or "timeout". The caller then runs
         `runner.cleanup()`."""
         self.draining = True
         started = time.monotonic()
-        log.info("draining: readiness is false; waiting up to %.0f s for %d request(s) in flight", self.timeout_s,
-                 len(self.inflight))
+        log.info(
+            "draining: readiness is false; waiting up to %.0f s for %d request(s) in flight",
+            self.timeout_s,
+            len(self.inflight),
+        )
         if stop_listening:
             for site in list(runner.sites):
                 await site.stop()
@@ -100,13 +119,23 @@ class Drain:
         for task in left:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await asyncio.wait_for(asyncio.shield(task), timeout=5.0)
-        log.info("drain %s after %.1f s (%d request(s) cancelled)", self.outcome, time.monotonic() - started, len(left))
+        log.info(
+            "drain %s after %.1f s (%d request(s) cancelled)",
+            self.outcome,
+            time.monotonic() - started,
+            len(left),
+        )
         return self.outcome
 
 
-async def serve_until_signal(runner: web.AppRunner, drain: Drain, *, stop_listening: bool,
-                             idle: Callable[[], bool] = _always_idle,
-                             signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT)) -> str:
+async def serve_until_signal(
+    runner: web.AppRunner,
+    drain: Drain,
+    *,
+    stop_listening: bool,
+    idle: Callable[[], bool] = _always_idle,
+    signals: tuple[signal.Signals, ...] = (signal.SIGTERM, signal.SIGINT),
+) -> str:
     """Wait for SIGTERM or SIGINT, drain, clean the app up; returns the drain's outcome."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

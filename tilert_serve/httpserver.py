@@ -49,16 +49,24 @@ FD_RESERVE = 256
 
 def openai_error(status: int, message: str) -> dict[str, Any]:
     """The router's error shape (OpenAI's)."""
-    return {"error": {"message": message, "type": "invalid_request_error" if status < 500 else "internal_error",
-                      "param": None, "code": "malformed_http" if status == 400 else None}}
+    return {
+        "error": {
+            "message": message,
+            "type": "invalid_request_error" if status < 500 else "internal_error",
+            "param": None,
+            "code": "malformed_http" if status == 400 else None,
+        }
+    }
 
 
 #: A request body aiohttp could not decode (bad chunked encoding, a body cut short): what
 #: `request.read()` raises, after the headers were fine.
 BadBody = web_protocol.RequestPayloadError
 #: What to tell a client whose body was malformed (never the parser's message: it quotes the bytes).
-BAD_BODY = ("malformed HTTP request body (invalid chunked encoding, or fewer bytes than its Content-Length); "
-            "nothing was processed: send a well-formed body")
+BAD_BODY = (
+    "malformed HTTP request body (invalid chunked encoding, or fewer bytes than its Content-Length); "
+    "nothing was processed: send a well-formed body"
+)
 
 
 class Throttle:
@@ -76,8 +84,13 @@ class Throttle:
         self._since += 1
         now = time.monotonic()
         if now - self._last >= self.interval_s:
-            self.logger.log(level, "%s (%d time(s) since the last such line; at most one per %.0f s)", message,
-                            self._since, self.interval_s)
+            self.logger.log(
+                level,
+                "%s (%d time(s) since the last such line; at most one per %.0f s)",
+                message,
+                self._since,
+                self.interval_s,
+            )
             self._last = now
             self._since = 0
 
@@ -114,8 +127,11 @@ class _Handler(web_protocol.RequestHandler):
         queued = len(self._messages)
         super().data_received(data)
         request = self._current_request
-        if (request is None or len(self._messages) <= queued
-                or not isinstance(self._messages[-1][0], web_protocol._ErrInfo)):
+        if (
+            request is None
+            or len(self._messages) <= queued
+            or not isinstance(self._messages[-1][0], web_protocol._ErrInfo)
+        ):
             return
         # The parser refused the body of the request in progress (a bad chunk after good headers). aiohttp
         # queues the refusal behind that request, whose handler would wait for the rest of its body for
@@ -138,8 +154,13 @@ class _Handler(web_protocol.RequestHandler):
         # The keep-alive deadline moves with the last response: the smallest one is the oldest idle.
         return self._next_keepalive_close_time
 
-    def handle_error(self, request: BaseRequest, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
+    def handle_error(
+        self,
+        request: BaseRequest,
+        status: int = 500,
+        exc: BaseException | None = None,
+        message: str | None = None,
+    ) -> web.StreamResponse:
         if request.writer.output_size > 0:
             raise ConnectionError("response already started: the connection is dropped")
         manager = self._manager
@@ -150,15 +171,20 @@ class _Handler(web_protocol.RequestHandler):
             # The connection went while the handler ran (closed above, or by the client): nobody to tell.
             log.debug("request ended by its connection: %s", kind)
         elif status == 400:
-            text = (f"malformed HTTP request ({kind}); nothing was processed. Send HTTP/1.1 with one "
-                    "Content-Length or a valid chunked Transfer-Encoding, not both, and request and header "
-                    "lines under 8 KiB")
+            text = (
+                f"malformed HTTP request ({kind}); nothing was processed. Send HTTP/1.1 with one "
+                "Content-Length or a valid chunked Transfer-Encoding, not both, and request and header "
+                "lines under 8 KiB"
+            )
             manager.malformed.hit(logging.INFO, f"malformed HTTP request(s) refused with 400; last: {kind}")
         else:
             text = "internal server error"
-            manager.failed.hit(logging.ERROR, f"request failed outside the app's error handling: {kind}: {exc}")
-        resp = web.Response(status=status, text=json.dumps(manager.error_body(status, text)),
-                            content_type="application/json")
+            manager.failed.hit(
+                logging.ERROR, f"request failed outside the app's error handling: {kind}: {exc}"
+            )
+        resp = web.Response(
+            status=status, text=json.dumps(manager.error_body(status, text)), content_type="application/json"
+        )
         resp.force_close()
         return resp
 
@@ -166,21 +192,34 @@ class _Handler(web_protocol.RequestHandler):
 def _canned(status: str, body: dict[str, Any], extra: bytes = b"") -> bytes:
     """A whole HTTP response, for a connection answered outside any request handler."""
     raw = json.dumps(body).encode()
-    return (f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n".encode() + extra
-            + b"Connection: close\r\nContent-Length: " + str(len(raw)).encode() + b"\r\n\r\n" + raw)
+    return (
+        f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\n".encode()
+        + extra
+        + b"Connection: close\r\nContent-Length: "
+        + str(len(raw)).encode()
+        + b"\r\n\r\n"
+        + raw
+    )
 
 
 class _Server(web_server.Server):
-    def __init__(self, base: web_server.Server, *, max_connections: int, error_body: ErrorBody,
-                 kwargs: dict[str, Any]) -> None:
-        super().__init__(base.request_handler, request_factory=base.request_factory,
-                         handler_cancellation=base.handler_cancellation, **kwargs)
+    def __init__(
+        self, base: web_server.Server, *, max_connections: int, error_body: ErrorBody, kwargs: dict[str, Any]
+    ) -> None:
+        super().__init__(
+            base.request_handler,
+            request_factory=base.request_factory,
+            handler_cancellation=base.handler_cancellation,
+            **kwargs,
+        )
         self.max_connections = max_connections
         self.error_body = error_body
         #: What a connection past the cap gets when no idle connection can make room for it.
-        self.refusal = _canned("503 Service Unavailable",
-                               error_body(503, "too many connections to this server; retry shortly"),
-                               b"Retry-After: 1\r\n")
+        self.refusal = _canned(
+            "503 Service Unavailable",
+            error_body(503, "too many connections to this server; retry shortly"),
+            b"Retry-After: 1\r\n",
+        )
         self.bad_body = _canned("400 Bad Request", error_body(400, BAD_BODY))
         self.evicted = Throttle(log)
         self.refused = Throttle(log)
@@ -199,21 +238,28 @@ class _Server(web_server.Server):
         victims = [h for h in conns if h is not handler and isinstance(h, _Handler) and h.idle]
         if victims:
             min(victims, key=lambda h: h.idle_since).force_close()
-            self.evicted.hit(logging.WARNING, f"connection limit {self.max_connections} reached: idle "
-                                              "connection(s) closed to make room")
+            self.evicted.hit(
+                logging.WARNING,
+                f"connection limit {self.max_connections} reached: idle connection(s) closed to make room",
+            )
             return
         transport = handler.transport
         if transport is not None:
             transport.write(self.refusal)
         handler.force_close()
-        self.refused.hit(logging.WARNING, f"connection limit {self.max_connections} reached with every connection "
-                                          "busy: new connection(s) refused with 503")
+        self.refused.hit(
+            logging.WARNING,
+            f"connection limit {self.max_connections} reached with every connection "
+            "busy: new connection(s) refused with 503",
+        )
 
 
 class Runner(web.AppRunner):
     """An AppRunner whose server is `_Server` (the cap and the JSON parse errors)."""
 
-    def __init__(self, app: web.Application, *, max_connections: int, error_body: ErrorBody, **kwargs: Any) -> None:
+    def __init__(
+        self, app: web.Application, *, max_connections: int, error_body: ErrorBody, **kwargs: Any
+    ) -> None:
         super().__init__(app, **kwargs)
         self._max_connections = max_connections
         self._error_body = error_body
@@ -222,7 +268,9 @@ class Runner(web.AppRunner):
         base = await super()._make_server()
         kwargs = dict(base._kwargs)
         kwargs["loop"] = base._loop
-        return _Server(base, max_connections=self._max_connections, error_body=self._error_body, kwargs=kwargs)
+        return _Server(
+            base, max_connections=self._max_connections, error_body=self._error_body, kwargs=kwargs
+        )
 
     @property
     def connections(self) -> int:
@@ -234,15 +282,22 @@ class _AcceptErrors:
     """The loop's exception handler, with asyncio's accept() failures (EMFILE, ENFILE: one traceback per
     failed accept, each retried after a second per listening socket) throttled to one line per interval."""
 
-    def __init__(self, previous: Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object] | None) -> None:
+    def __init__(
+        self, previous: Callable[[asyncio.AbstractEventLoop, dict[str, Any]], object] | None
+    ) -> None:
         self.previous = previous
         self.throttle = Throttle(log)
 
     def __call__(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
-        if "accept" in str(context.get("message", "")) and isinstance(exc, OSError) and exc.errno in (
-                errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM):
-            self.throttle.hit(logging.ERROR, f"accept() failed: {exc.strerror}; new connections wait in the backlog")
+        if (
+            "accept" in str(context.get("message", ""))
+            and isinstance(exc, OSError)
+            and exc.errno in (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)
+        ):
+            self.throttle.hit(
+                logging.ERROR, f"accept() failed: {exc.strerror}; new connections wait in the backlog"
+            )
             return
         if self.previous is not None:
             self.previous(loop, context)
@@ -256,17 +311,31 @@ def throttle_accept_errors(loop: asyncio.AbstractEventLoop) -> None:
         loop.set_exception_handler(_AcceptErrors(current))
 
 
-async def start(app: web.Application, host: str, port: int, *, idle_s: float, error_body: ErrorBody = openai_error,
-                handler_cancellation: bool = False, max_connections: int | None = None,
-                backlog: int = 2048) -> Runner:
+async def start(
+    app: web.Application,
+    host: str,
+    port: int,
+    *,
+    idle_s: float,
+    error_body: ErrorBody = openai_error,
+    handler_cancellation: bool = False,
+    max_connections: int | None = None,
+    backlog: int = 2048,
+) -> Runner:
     """Serve `app` on host:port (0 = any free port); returns the runner (`runner.addresses` gives the
     port, `await runner.cleanup()` stops it). `idle_s` bounds idle and slow-header connections;
     `max_connections` defaults to `connection_cap` of the open-file limit, raised first to the hard one."""
     nofile = raise_nofile_limit()
     cap = max_connections if max_connections is not None else connection_cap(nofile)
     throttle_accept_errors(asyncio.get_running_loop())
-    runner = Runner(app, max_connections=cap, error_body=error_body, handler_cancellation=handler_cancellation,
-                    access_log=None, keepalive_timeout=idle_s)
+    runner = Runner(
+        app,
+        max_connections=cap,
+        error_body=error_body,
+        handler_cancellation=handler_cancellation,
+        access_log=None,
+        keepalive_timeout=idle_s,
+    )
     await runner.setup()
     await web.TCPSite(runner, host, port, backlog=backlog).start()
     return runner

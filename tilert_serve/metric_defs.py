@@ -120,20 +120,28 @@ def label_names(metric: object) -> tuple[str, ...]:
     return tuple(getattr(metric, "_labelnames", ()))
 
 
-def counter(registry: CollectorRegistry, name: str, documentation: str,
-            labels: Mapping[str, Domain] | None = None) -> Counter:
+def counter(
+    registry: CollectorRegistry, name: str, documentation: str, labels: Mapping[str, Domain] | None = None
+) -> Counter:
     return declare(Counter(name, documentation, list(labels or {}), registry=registry), labels or {})
 
 
-def gauge(registry: CollectorRegistry, name: str, documentation: str,
-          labels: Mapping[str, Domain] | None = None) -> Gauge:
+def gauge(
+    registry: CollectorRegistry, name: str, documentation: str, labels: Mapping[str, Domain] | None = None
+) -> Gauge:
     return declare(Gauge(name, documentation, list(labels or {}), registry=registry), labels or {})
 
 
-def histogram(registry: CollectorRegistry, name: str, documentation: str, buckets: Sequence[float],
-              labels: Mapping[str, Domain] | None = None) -> Histogram:
-    return declare(Histogram(name, documentation, list(labels or {}), buckets=buckets, registry=registry),
-                   labels or {})
+def histogram(
+    registry: CollectorRegistry,
+    name: str,
+    documentation: str,
+    buckets: Sequence[float],
+    labels: Mapping[str, Domain] | None = None,
+) -> Histogram:
+    return declare(
+        Histogram(name, documentation, list(labels or {}), buckets=buckets, registry=registry), labels or {}
+    )
 
 
 class Bounded:
@@ -154,8 +162,9 @@ class Bounded:
     def labels(self, *values: str) -> Any:
         child = self._children.get(values)
         if child is None:
-            bounded = tuple(d.bound(v) if isinstance(d, Values) else v
-                            for d, v in zip(self._domains, values, strict=True))
+            bounded = tuple(
+                d.bound(v) if isinstance(d, Values) else v for d, v in zip(self._domains, values, strict=True)
+            )
             child = self._children.get(bounded)
             if child is None:
                 child = self._children[bounded] = self.metric.labels(*bounded)

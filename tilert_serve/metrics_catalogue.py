@@ -81,8 +81,10 @@ def entries(registry: Registry) -> tuple[Entry, ...]:
             else:
                 domains = declared(collector) or {}
                 if tuple(domains) != label_names(collector):
-                    raise ValueError(f"{family.name}: labels {label_names(collector)} are not declared "
-                                     f"with their values (tilert_serve.metric_defs)")
+                    raise ValueError(
+                        f"{family.name}: labels {label_names(collector)} are not declared "
+                        f"with their values (tilert_serve.metric_defs)"
+                    )
             name = family.name + "_total" if family.type == "counter" else family.name
             out.append(Entry(name, family.type, family.documentation, tuple(domains.items())))
     return tuple(sorted(out, key=lambda e: e.name))
@@ -102,15 +104,24 @@ def decode() -> Component:
 
     metrics = NodeMetrics(slots=1)
     Recorder(cast("TransferEngine", _NoTransfer()), metrics, lambda: 0.0)  # registers its metrics there
-    return Component("Decode node (TileRT)", "tilert_decode_", "each TileRT decode node's HTTP port, `GET /metrics`",
-                     entries(metrics.registry))
+    return Component(
+        "Decode node (TileRT)",
+        "tilert_decode_",
+        "each TileRT decode node's HTTP port, `GET /metrics`",
+        entries(metrics.registry),
+    )
 
 
 def router() -> Component:
     from tilert_serve.router.metrics import Metrics
 
-    return Component("Router", "tilert_router_", "the router's HTTP port, `GET /metrics` (with API keys, only for a caller with a "
-                     "key unless the config says `metrics_public: true`)", entries(Metrics().registry))
+    return Component(
+        "Router",
+        "tilert_router_",
+        "the router's HTTP port, `GET /metrics` (with API keys, only for a caller with a "
+        "key unless the config says `metrics_public: true`)",
+        entries(Metrics().registry),
+    )
 
 
 def prefill() -> Component:
@@ -118,17 +129,27 @@ def prefill() -> Component:
 
     registry = Registry()
     # vLLM hands the connector its metric classes (its own, or Ray's wrappers); these register here.
-    metric_types: dict[Any, Any] = {cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)}
-    TileRTPromMetrics(SimpleNamespace(kv_transfer_config=None), metric_types, list(VLLM_LABELS),
-                      {0: ["model", "0"]})
-    return Component("Prefill (vLLM with TileRTConnector)", "vllm:tilert_", "each prefill's vLLM server, `GET /metrics`, beside "
-                     "vLLM's own `vllm:*` metrics (vLLM's names, hence the colon)", entries(registry))
+    metric_types: dict[Any, Any] = {
+        cls: functools.partial(cls, registry=registry) for cls in (Counter, Gauge, Histogram)
+    }
+    TileRTPromMetrics(
+        SimpleNamespace(kv_transfer_config=None), metric_types, list(VLLM_LABELS), {0: ["model", "0"]}
+    )
+    return Component(
+        "Prefill (vLLM with TileRTConnector)",
+        "vllm:tilert_",
+        "each prefill's vLLM server, `GET /metrics`, beside "
+        "vLLM's own `vllm:*` metrics (vLLM's names, hence the colon)",
+        entries(registry),
+    )
 
 
 def operator() -> Component:
     from tilert_operator.metrics import Metrics
 
-    return Component("Operator", "tilert_pd_", "the operator's metrics port, `GET /metrics`", entries(Metrics().registry))
+    return Component(
+        "Operator", "tilert_pd_", "the operator's metrics port, `GET /metrics`", entries(Metrics().registry)
+    )
 
 
 COMPONENTS: tuple[Callable[[], Component], ...] = (router, decode, prefill, operator)
@@ -177,11 +198,20 @@ def render(components: Iterable[Component]) -> str:
         "endpoint, a model): the deployment's size bounds them, not the code.",
     ]
     for component in components:
-        lines += ["", f"## {component.title}", "", f"Served on {component.where}; every name starts with {_code(component.prefix)}.", "",
-                  "| Name | Type | Labels | Unit | Meaning |", "| --- | --- | --- | --- | --- |"]
+        lines += [
+            "",
+            f"## {component.title}",
+            "",
+            f"Served on {component.where}; every name starts with {_code(component.prefix)}.",
+            "",
+            "| Name | Type | Labels | Unit | Meaning |",
+            "| --- | --- | --- | --- | --- |",
+        ]
         for e in component.entries:
             labels = "<br>".join(_label(n, d) for n, d in e.labels) or "none"
-            lines.append(f"| {_code(e.name)} | {e.type} | {_cell(labels)} | {e.unit or '—'} | {_cell(e.help)} |")
+            lines.append(
+                f"| {_code(e.name)} | {e.type} | {_cell(labels)} | {e.unit or '—'} | {_cell(e.help)} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -22,8 +22,9 @@ def field_path(loc: Sequence[int | str], *, root: str = "", spell: Callable[[str
     return path
 
 
-def problems(error: ValidationError, *, root: str = "", spell: Callable[[str], str] = str,
-             show_input: bool = False) -> list[tuple[str, str]]:
+def problems(
+    error: ValidationError, *, root: str = "", spell: Callable[[str], str] = str, show_input: bool = False
+) -> list[tuple[str, str]]:
     """One (path, message) per error. `show_input` adds the value given to a field (not for secrets or
     big bodies); never for a missing field or an error about the whole input, whose input is all of it."""
     out = []
@@ -39,5 +40,7 @@ def problems(error: ValidationError, *, root: str = "", spell: Callable[[str], s
 def summary(error: ValidationError, *, top: str = "", show_input: bool = False) -> str:
     """Every error on one line, `path: message; path: message`; `top` names the whole input, for an
     error that is about no one field."""
-    return "; ".join(f"{path or top}: {message}" if path or top else message
-                     for path, message in problems(error, show_input=show_input))
+    return "; ".join(
+        f"{path or top}: {message}" if path or top else message
+        for path, message in problems(error, show_input=show_input)
+    )

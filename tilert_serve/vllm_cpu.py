@@ -55,7 +55,12 @@ def compilation_config_arg() -> str:
 
 def serve_args() -> list[str]:
     """``vllm serve`` arguments for an MLA model on CPU (the MTP drafter's backend goes in its config)."""
-    return ["--compilation-config", compilation_config_arg(), "--attention-backend", VLLM_CPU_ATTENTION_BACKEND]
+    return [
+        "--compilation-config",
+        compilation_config_arg(),
+        "--attention-backend",
+        VLLM_CPU_ATTENTION_BACKEND,
+    ]
 
 
 def drafter_config() -> dict[str, Any]:
@@ -71,4 +76,7 @@ def serve_env(tensor_parallel_size: int = 1) -> dict[str, str]:
 
 def llm_kwargs() -> dict[str, Any]:
     """The same for ``vllm.LLM(...)``."""
-    return {"compilation_config": VLLM_CPU_COMPILATION_CONFIG, "attention_backend": VLLM_CPU_ATTENTION_BACKEND}
+    return {
+        "compilation_config": VLLM_CPU_COMPILATION_CONFIG,
+        "attention_backend": VLLM_CPU_ATTENTION_BACKEND,
+    }

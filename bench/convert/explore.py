@@ -62,12 +62,18 @@ def floors(dev: torch.device) -> None:
     for mb in (0.5, 1, 2, 4, 6.5, 9, 13, 18, 26, 52, 103, 144):
         n = int(mb * 1e6) // 64 * 64
         src, dst, k = rotating(n, dev)
-        t_torch = per_slice_graph(lambda i: dst[i * n:(i + 1) * n].copy_(src[i * n:(i + 1) * n]), k)
+        t_torch = per_slice_graph(lambda i: dst[i * n : (i + 1) * n].copy_(src[i * n : (i + 1) * n]), k)
         s32, d32, w = src.view(torch.int32), dst.view(torch.int32), n // 4
-        t_tri = per_slice_graph(lambda i: copy_kernel[(triton.cdiv(w, 2048),)](
-            s32[i * w:], d32[i * w:], w, BLOCK_W=2048, num_warps=4), k)
-        say(f"floor copy {mb} MB (read + write {2 * n / 1e6:.1f} MB, {k} slices): torch {t_torch * 1e3:.2f} us "
-            f"({2 * n / t_torch / 1e6:.0f} GB/s), triton {t_tri * 1e3:.2f} us ({2 * n / t_tri / 1e6:.0f} GB/s)")
+        t_tri = per_slice_graph(
+            lambda i: copy_kernel[(triton.cdiv(w, 2048),)](
+                s32[i * w :], d32[i * w :], w, BLOCK_W=2048, num_warps=4
+            ),
+            k,
+        )
+        say(
+            f"floor copy {mb} MB (read + write {2 * n / 1e6:.1f} MB, {k} slices): torch {t_torch * 1e3:.2f} us "
+            f"({2 * n / t_torch / 1e6:.0f} GB/s), triton {t_tri * 1e3:.2f} us ({2 * n / t_tri / 1e6:.0f} GB/s)"
+        )
         del src, dst
 
 
@@ -86,16 +92,34 @@ def mix(dev: torch.device, sizes: list[int], bw: float) -> None:
             hw = tot // 2 // 4
             half = torch.empty(reps * hw, dtype=torch.int32, device=dev)
             half2 = torch.empty_like(half)
-            t_mix = per_slice_graph(lambda i: mix_kernel[(tiles,)](src[i * words:], a[i * words:], b[i * tiles * extra:],
-                                                                    tiles, BLOCK_W=4096, EXTRA_W=extra, num_warps=8), reps)
-            t_copy = per_slice_graph(lambda i: half2[i * hw:(i + 1) * hw].copy_(half[i * hw:(i + 1) * hw]), reps)
+            t_mix = per_slice_graph(
+                lambda i: mix_kernel[(tiles,)](
+                    src[i * words :],
+                    a[i * words :],
+                    b[i * tiles * extra :],
+                    tiles,
+                    BLOCK_W=4096,
+                    EXTRA_W=extra,
+                    num_warps=8,
+                ),
+                reps,
+            )
+            t_copy = per_slice_graph(
+                lambda i: half2[i * hw : (i + 1) * hw].copy_(half[i * hw : (i + 1) * hw]), reps
+            )
             if what == "whole":
                 t_copy = min(t_copy, median_ms(lambda: half2.copy_(half), dev))
-            t_tcopy = per_slice_graph(lambda i: copy_kernel[(triton.cdiv(hw, 2048),)](
-                half[i * hw:], half2[i * hw:], hw, BLOCK_W=2048, num_warps=4), reps)
-            say(f"mix {n // 1024}k {what}: {tot / 1e6:.1f} MB moved; torch copy {t_copy * 1e3:.2f} us, triton copy "
+            t_tcopy = per_slice_graph(
+                lambda i: copy_kernel[(triton.cdiv(hw, 2048),)](
+                    half[i * hw :], half2[i * hw :], hw, BLOCK_W=2048, num_warps=4
+                ),
+                reps,
+            )
+            say(
+                f"mix {n // 1024}k {what}: {tot / 1e6:.1f} MB moved; torch copy {t_copy * 1e3:.2f} us, triton copy "
                 f"{t_tcopy * 1e3:.2f} us, read 1 : write 1.79 {t_mix * 1e3:.2f} us = {t_copy / t_mix:.0%} of the torch "
-                f"copy's speed, {t_tcopy / t_mix:.0%} of the triton copy's, {tot / t_mix / 1e6 / bw:.0%} of copy bandwidth")
+                f"copy's speed, {t_tcopy / t_mix:.0%} of the triton copy's, {tot / t_mix / 1e6 / bw:.0%} of copy bandwidth"
+            )
             del src, a, b, half, half2
 
 
@@ -108,43 +132,82 @@ def conversion(dev: torch.device, sizes: list[int], host: bool) -> None:
         lh = moved // 2 // L
         half = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
         half2 = torch.empty_like(half)
-        layer_copy = per_slice_graph(lambda i: half2[i * lh:(i + 1) * lh].copy_(half[i * lh:(i + 1) * lh]), L)
+        layer_copy = per_slice_graph(
+            lambda i: half2[i * lh : (i + 1) * lh].copy_(half[i * lh : (i + 1) * lh]), L
+        )
         del half, half2
         ref = convert_triton.to_injected_state([region], place, n, 0)
         tk = graph_ms(lambda: convert_triton.to_injected_state([region], place, n, 0))
-        say(f"convert {n // 1024}k: layer same-traffic copy {layer_copy * 1e3:.2f} us; whole default {tk:.4f} ms")
+        say(
+            f"convert {n // 1024}k: layer same-traffic copy {layer_copy * 1e3:.2f} us; whole default {tk:.4f} ms"
+        )
         # one_launch=False: a layer as two launches, its indexer pages in the pipelined loop (IDX_STAGES).
         for block_t, warps, pages, one_launch, order in (
-                (32, 8, 1, True, 0), (32, 8, 1, True, 1), (32, 8, 1, True, 2), (16, 4, 1, True, 1),
-                (16, 4, 1, True, 2), (32, 4, 1, True, 1), (32, 4, 1, True, 2), (64, 8, 1, True, 1),
-                (64, 8, 1, True, 2), (32, 8, 2, True, 1), (32, 8, 2, True, 2), (16, 8, 1, True, 2)):
+            (32, 8, 1, True, 0),
+            (32, 8, 1, True, 1),
+            (32, 8, 1, True, 2),
+            (16, 4, 1, True, 1),
+            (16, 4, 1, True, 2),
+            (32, 4, 1, True, 1),
+            (32, 4, 1, True, 2),
+            (64, 8, 1, True, 1),
+            (64, 8, 1, True, 2),
+            (32, 8, 2, True, 1),
+            (32, 8, 2, True, 2),
+            (16, 8, 1, True, 2),
+        ):
             convert_triton.ONE_LAUNCH = one_launch
             convert_triton.LAYER_ORDER = order
             for lid in (0, 40, 78):
-                one = convert_triton.to_layer_state([region], place, lid, n, block_t=block_t, num_warps=warps,
-                                                    pages=pages)
+                one = convert_triton.to_layer_state(
+                    [region], place, lid, n, block_t=block_t, num_warps=warps, pages=pages
+                )
                 w = ref.layers[lid]
                 assert one.ki is not None and w.ki is not None
-                if not (torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe) and torch.equal(one.ki, w.ki)):
-                    raise SystemExit(f"convert layer block_t={block_t} warps={warps} differs from the whole state")
-            t = per_slice_graph(lambda lid: convert_triton.to_layer_state([region], place, lid, n, block_t=block_t,
-                                                                          num_warps=warps, pages=pages), L)
-            say(f"convert {n // 1024}k layer block_t={block_t} warps={warps} pages={pages} one_launch={one_launch} "
+                if not (
+                    torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe) and torch.equal(one.ki, w.ki)
+                ):
+                    raise SystemExit(
+                        f"convert layer block_t={block_t} warps={warps} differs from the whole state"
+                    )
+            t = per_slice_graph(
+                lambda lid: convert_triton.to_layer_state(
+                    [region], place, lid, n, block_t=block_t, num_warps=warps, pages=pages
+                ),
+                L,
+            )
+            say(
+                f"convert {n // 1024}k layer block_t={block_t} warps={warps} pages={pages} one_launch={one_launch} "
                 f"order={order}: "
-                f"{t * 1e3:.2f} us ({layer_copy / t:.0%} of the same-traffic copy's speed)")
+                f"{t * 1e3:.2f} us ({layer_copy / t:.0%} of the same-traffic copy's speed)"
+            )
         convert_triton.ONE_LAUNCH = None
         convert_triton.LAYER_ORDER = None
         if host:
-            host_calls("convert", n, dev, lambda: [convert_triton.to_layer_state([region], place, lid, n)
-                                                   for lid in range(L)],
-                       lambda: convert_triton.to_injected_state([region], place, n, 0))
+            host_calls(
+                "convert",
+                n,
+                dev,
+                lambda: [convert_triton.to_layer_state([region], place, lid, n) for lid in range(L)],
+                lambda: convert_triton.to_injected_state([region], place, n, 0),
+            )
         del region, ref
         torch.cuda.empty_cache()
 
 
 @triton.jit
-def _bf16_indexer_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr,
-                         STAGES: tl.constexpr, EXACT: tl.constexpr):
+def _bf16_indexer_kernel(
+    src,
+    layer_off,
+    hadamard,
+    ki_out,
+    n,
+    layer0,
+    PAGE: tl.constexpr,
+    PAGES: tl.constexpr,
+    STAGES: tl.constexpr,
+    EXACT: tl.constexpr,
+):
     """The indexer kernel as it was before the fp8 product (commit f87d784): fp8 -> float32 x scale -> bf16
     in registers, stored to shared memory, times the orthonormal Hadamard matrix in bf16 (`hadamard`
     bf16 [128, 128]), a `tl.range` loop of STAGES stages over PAGES pages. EXACT: the fp8 values
@@ -176,15 +239,17 @@ def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
     fp8 variant bit for bit against convert_triton's whole state."""
     gen = torch.Generator(device=dev).manual_seed(0)
     had_bf16 = hadamard_matrix(128).to(device=dev, dtype=torch.bfloat16)
-    had_pm1 = (hadamard_matrix(128) * 128 ** 0.5).to(device=dev, dtype=torch.bfloat16)
+    had_pm1 = (hadamard_matrix(128) * 128**0.5).to(device=dev, dtype=torch.bfloat16)
     had_f8 = convert_triton._hadamard(128, dev)
     layout = layouts.get("glm5", "fp8_ds_mla")
     for n in sizes:
         place, region = received(n, gen, dev)
         idx_off = convert_triton._layer_offsets(place, "indexer", 0, dev)
         ref = convert_triton.to_injected_state([region], place, n, 0)
-        pages_of = [region[place.offset("indexer", lid)[1]:][:layout.plane("indexer").nbytes(n)].view(-1, 8448)
-                    for lid in (0, 40, 78)]
+        pages_of = [
+            region[place.offset("indexer", lid)[1] :][: layout.plane("indexer").nbytes(n)].view(-1, 8448)
+            for lid in (0, 40, 78)
+        ]
         want = [convert.indexer_pages_to_keys(p, n, torch.float32) for p in pages_of]
         ki = torch.empty(L, n, 128, dtype=torch.bfloat16, device=dev)
         moved = L * n * (132 + 256)
@@ -196,23 +261,50 @@ def indexer_variants(dev: torch.device, sizes: list[int]) -> None:
         say(f"indexer {n // 1024}k: same-traffic copy {t_copy * 1e3:.1f} us ({moved / 1e6:.0f} MB)")
         variants: list[tuple[str, Callable[[], object]]] = []
         for exact, had in ((False, had_bf16), (True, had_pm1)):
-            variants.append((f"bf16 exact={exact} stages=2 pages=4 warps=4", lambda h=had, e=exact: _bf16_indexer_kernel[
-                (-(-pg // 4), L)](region, idx_off, h, ki, n, 0, PAGE=8448, PAGES=4, STAGES=2, EXACT=e, num_warps=4)))
-        for stages, pages, warps in ((0, 4, 4), (2, 4, 4), (3, 1, 4), (3, 2, 4), (3, 3, 4), (3, 4, 4), (4, 2, 4),
-                                     (4, 3, 4), (4, 4, 4), (5, 4, 4), (3, 2, 8), (4, 4, 8)):
-            variants.append((f"fp8 stages={stages} pages={pages} warps={warps}", lambda s=stages, p=pages, w=warps:
-                             convert_triton._indexer_pages_kernel[(-(-pg // p), L)](
-                                 region, idx_off, had_f8, ki, n, 0, PAGE=8448, PAGES=p, STAGES=s, num_warps=w)))
+            variants.append(
+                (
+                    f"bf16 exact={exact} stages=2 pages=4 warps=4",
+                    lambda h=had, e=exact: _bf16_indexer_kernel[(-(-pg // 4), L)](
+                        region, idx_off, h, ki, n, 0, PAGE=8448, PAGES=4, STAGES=2, EXACT=e, num_warps=4
+                    ),
+                )
+            )
+        for stages, pages, warps in (
+            (0, 4, 4),
+            (2, 4, 4),
+            (3, 1, 4),
+            (3, 2, 4),
+            (3, 3, 4),
+            (3, 4, 4),
+            (4, 2, 4),
+            (4, 3, 4),
+            (4, 4, 4),
+            (5, 4, 4),
+            (3, 2, 8),
+            (4, 4, 8),
+        ):
+            variants.append(
+                (
+                    f"fp8 stages={stages} pages={pages} warps={warps}",
+                    lambda s=stages, p=pages, w=warps: convert_triton._indexer_pages_kernel[(-(-pg // p), L)](
+                        region, idx_off, had_f8, ki, n, 0, PAGE=8448, PAGES=p, STAGES=s, num_warps=w
+                    ),
+                )
+            )
         for what, fn in variants:
             try:
                 ki.fill_(float("nan"))
                 fn()
-                err = max(float((ki[lid].double() - w.double()).norm() / w.double().norm())
-                          for lid, w in zip((0, 40, 78), want, strict=True))
+                err = max(
+                    float((ki[lid].double() - w.double()).norm() / w.double().norm())
+                    for lid, w in zip((0, 40, 78), want, strict=True)
+                )
                 same = all(torch.equal(ki[lid], ref.layers[lid].ki) for lid in range(L))
                 t = graph_ms(fn)
-                say(f"indexer {n // 1024}k {what}: {t * 1e3:.1f} us ({t_copy / t:.0%} of its copy's speed), "
-                    f"error {err:.2e}, bits as convert_triton: {same}")
+                say(
+                    f"indexer {n // 1024}k {what}: {t * 1e3:.1f} us ({t_copy / t:.0%} of its copy's speed), "
+                    f"error {err:.2e}, bits as convert_triton: {same}"
+                )
             except Exception as exc:  # a variant that does not compile is a result too
                 say(f"indexer {n // 1024}k {what}: failed {type(exc).__name__}: {str(exc)[-160:]}")
         del region, ki, ref
@@ -250,12 +342,26 @@ def planes(dev: torch.device, sizes: list[int]) -> None:
         pe = torch.empty(L, n, 64, dtype=torch.bfloat16, device=dev)
         ki = torch.empty(L, n, 128, dtype=torch.bfloat16, device=dev)
         bt, pages = convert_triton.BLOCK_T, convert_triton._pages(-(-n // 64) * L)
-        t_mla = graph_ms(lambda: convert_triton._mla_rows_kernel[(-(-n // bt), L)](
-            region, mla_off, kv, pe, n, 0, ROW=656, BLOCK_T=bt, num_warps=convert_triton.NUM_WARPS))
+        t_mla = graph_ms(
+            lambda: convert_triton._mla_rows_kernel[(-(-n // bt), L)](
+                region, mla_off, kv, pe, n, 0, ROW=656, BLOCK_T=bt, num_warps=convert_triton.NUM_WARPS
+            )
+        )
         pg = -(-n // 64)
-        t_idx = graph_ms(lambda: convert_triton._indexer_pages_kernel[(-(-pg // pages), L)](
-            region, idx_off, had, ki, n, 0, PAGE=8448, PAGES=pages, STAGES=convert_triton.IDX_STAGES,
-            num_warps=convert_triton.IDX_WARPS))
+        t_idx = graph_ms(
+            lambda: convert_triton._indexer_pages_kernel[(-(-pg // pages), L)](
+                region,
+                idx_off,
+                had,
+                ki,
+                n,
+                0,
+                PAGE=8448,
+                PAGES=pages,
+                STAGES=convert_triton.IDX_STAGES,
+                num_warps=convert_triton.IDX_WARPS,
+            )
+        )
         for name, t, rd, wr in (("mla", t_mla, 656, 1152), ("indexer", t_idx, 132, 256)):
             moved = L * n * (rd + wr)
             half = torch.empty(moved // 2, dtype=torch.uint8, device=dev)
@@ -268,18 +374,26 @@ def planes(dev: torch.device, sizes: list[int]) -> None:
             src = torch.randint(0, 1 << 30, (words,), dtype=torch.int32, device=dev)
             a = torch.empty_like(src)
             b = torch.empty(tiles * extra, dtype=torch.int32, device=dev)
-            t_mix = graph_ms(lambda: mix_kernel[(tiles,)](src, a, b, tiles, BLOCK_W=4096, EXTRA_W=extra, num_warps=8))
+            t_mix = graph_ms(
+                lambda: mix_kernel[(tiles,)](src, a, b, tiles, BLOCK_W=4096, EXTRA_W=extra, num_warps=8)
+            )
             del src, a, b
-            say(f"planes {n // 1024}k {name}: kernel {t * 1e3:.1f} us for {moved / 1e6:.0f} MB, same-traffic copy "
+            say(
+                f"planes {n // 1024}k {name}: kernel {t * 1e3:.1f} us for {moved / 1e6:.0f} MB, same-traffic copy "
                 f"{t_copy * 1e3:.1f} us ({t_copy / t:.0%} of its speed); its read:write mix as a plain kernel "
-                f"{t_mix * 1e3:.1f} us ({t_copy / t_mix:.0%})")
-        say(f"planes {n // 1024}k both: {(t_mla + t_idx) * 1e3:.1f} us, whole state "
-            f"{graph_ms(lambda: convert_triton.to_injected_state([region], place, n, 0)) * 1e3:.1f} us")
+                f"{t_mix * 1e3:.1f} us ({t_copy / t_mix:.0%})"
+            )
+        say(
+            f"planes {n // 1024}k both: {(t_mla + t_idx) * 1e3:.1f} us, whole state "
+            f"{graph_ms(lambda: convert_triton.to_injected_state([region], place, n, 0)) * 1e3:.1f} us"
+        )
         del region, kv, pe, ki
         torch.cuda.empty_cache()
 
 
-def host_calls(what: str, n: int, dev: torch.device, layers: Callable[[], object], whole: Callable[[], object]) -> None:
+def host_calls(
+    what: str, n: int, dev: torch.device, layers: Callable[[], object], whole: Callable[[], object]
+) -> None:
     """Call time (events around the calls) per layer and whole, JITFunction's launch against the
     launcher's, interleaved three times (the host's timings wander); the best of each."""
     got: dict[bool, list[tuple[float, float, float]]] = {False: [], True: []}
@@ -297,9 +411,11 @@ def host_calls(what: str, n: int, dev: torch.device, layers: Callable[[], object
             got[direct].append((call, host, t_whole))
     convert_triton.DIRECT_LAUNCH = True
     for direct, rows in got.items():
-        say(f"{what} {n // 1024}k direct_launch={direct}: layer call {min(r[0] for r in rows) * 1e3:.2f} us "
+        say(
+            f"{what} {n // 1024}k direct_launch={direct}: layer call {min(r[0] for r in rows) * 1e3:.2f} us "
             f"(host {min(r[1] for r in rows) * 1e6:.1f} us; all {', '.join(f'{r[0] * 1e3:.1f}' for r in rows)}), "
-            f"whole call {min(r[2] for r in rows):.4f} ms")
+            f"whole call {min(r[2] for r in rows):.4f} ms"
+        )
 
 
 def extraction(dev: torch.device, sizes: list[int]) -> None:
@@ -319,29 +435,54 @@ def extraction(dev: torch.device, sizes: list[int]) -> None:
         lbytes = layout.layer_bytes(n)
         src = torch.randint(0, 256, (lbytes * L,), dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
-        layer_copy = per_slice_graph(lambda i: dst[i * lbytes:(i + 1) * lbytes].copy_(src[i * lbytes:(i + 1) * lbytes]), L)
+        layer_copy = per_slice_graph(
+            lambda i: dst[i * lbytes : (i + 1) * lbytes].copy_(src[i * lbytes : (i + 1) * lbytes]), L
+        )
         whole_copy = min(graph_ms(lambda: dst.copy_(src)), median_ms(lambda: dst.copy_(src), dev))
         del src, dst
-        say(f"extract {n // 1024}k: layer copy {layer_copy * 1e3:.2f} us ({lbytes / 1e6:.1f} MB), whole copy "
-            f"{whole_copy:.4f} ms")
+        say(
+            f"extract {n // 1024}k: layer copy {layer_copy * 1e3:.2f} us ({lbytes / 1e6:.1f} MB), whole copy "
+            f"{whole_copy:.4f} ms"
+        )
         for planes in (True,):
             extract_triton.PLANES_KERNEL = planes
-            for chunk, warps, split in ((1024, 4, 11), (1024, 2, 11), (1024, 8, 11), (2048, 4, 6), (2048, 8, 6),
-                                        (512, 2, 21), (512, 4, 21), (4096, 8, 3), (1024, 4, 6), (256, 2, 41)):
+            for chunk, warps, split in (
+                (1024, 4, 11),
+                (1024, 2, 11),
+                (1024, 8, 11),
+                (2048, 4, 6),
+                (2048, 8, 6),
+                (512, 2, 21),
+                (512, 4, 21),
+                (4096, 8, 3),
+                (1024, 4, 6),
+                (256, 2, 41),
+            ):
                 out.fill_(0)  # ref is zero outside the request's bytes
                 for lid in range(L):
                     kernel(dev_ids, n, out, layer=lid, chunk=chunk, num_warps=warps, split=split)
-                if not torch.equal(out[:staging.offset("indexer", L - 1)[1]], ref[:staging.offset("indexer", L - 1)[1]]):
+                if not torch.equal(
+                    out[: staging.offset("indexer", L - 1)[1]], ref[: staging.offset("indexer", L - 1)[1]]
+                ):
                     raise SystemExit(f"extract planes={planes} {chunk, warps, split} differs")
-                t = per_slice_graph(lambda lid: kernel(dev_ids, n, out, layer=lid, chunk=chunk, num_warps=warps,
-                                                       split=split), L)
-                say(f"extract {n // 1024}k planes={planes} chunk={chunk} warps={warps} split={split}: layer "
-                    f"{t * 1e3:.2f} us ({t / layer_copy:.2f}x copy)")
+                t = per_slice_graph(
+                    lambda lid: kernel(dev_ids, n, out, layer=lid, chunk=chunk, num_warps=warps, split=split),
+                    L,
+                )
+                say(
+                    f"extract {n // 1024}k planes={planes} chunk={chunk} warps={warps} split={split}: layer "
+                    f"{t * 1e3:.2f} us ({t / layer_copy:.2f}x copy)"
+                )
             tw = graph_ms(lambda: kernel(dev_ids, n, out))
             say(f"extract {n // 1024}k planes={planes} whole: {tw:.4f} ms ({tw / whole_copy:.3f}x copy)")
         extract_triton.PLANES_KERNEL = True
-        host_calls("extract", n, dev, lambda: [g(ids, n, [out], layer=lid) for lid in range(L)],
-                   lambda: g(ids, n, [out]))
+        host_calls(
+            "extract",
+            n,
+            dev,
+            lambda: [g(ids, n, [out], layer=lid) for lid in range(L)],
+            lambda: g(ids, n, [out]),
+        )
 
 
 def main() -> None:

@@ -80,54 +80,105 @@ def main() -> None:
             job = blake3_gpu.prepare(bufs, ranges)
             t_call = median_ms(lambda r=ranges: digest.of_ranges(bufs, r, "blake3"), dev, reps, warm)
             t_kernel = graph_ms(lambda j=job: blake3_gpu.launch(j), reps=reps, warmup=warm)
-            t_host = (float("nan") if args.no_host
-                      else median_ms(lambda r=ranges: digest.of_ranges_on_host(bufs, r, "blake3"), dev,
-                                     min(reps, 5), 1))
+            t_host = (
+                float("nan")
+                if args.no_host
+                else median_ms(
+                    lambda r=ranges: digest.of_ranges_on_host(bufs, r, "blake3"), dev, min(reps, 5), 1
+                )
+            )
             if n == sizes[0]:
-                host_us.append(f"{n // 1024}k {what}: prepare {_host_us(lambda r=ranges: blake3_gpu.prepare(bufs, r)):.0f}"
-                               f" us, launch {_host_us(lambda j=job: blake3_gpu.launch(j)):.0f} us (queued), of_ranges "
-                               f"{_host_us(lambda r=ranges: digest.of_ranges(bufs, r, 'blake3')):.0f} us (to the digest)")
+                host_us.append(
+                    f"{n // 1024}k {what}: prepare {_host_us(lambda r=ranges: blake3_gpu.prepare(bufs, r)):.0f}"
+                    f" us, launch {_host_us(lambda j=job: blake3_gpu.launch(j)):.0f} us (queued), of_ranges "
+                    f"{_host_us(lambda r=ranges: digest.of_ranges(bufs, r, 'blake3')):.0f} us (to the digest)"
+                )
             for timing, t in (("call", t_call), ("kernel", t_kernel)):
-                rows.append([f"{n // 1024}k", what, timing, f"{nbytes / 1e6:.1f}", f"{t_copy:.4f}", f"{t:.4f}",
-                             f"{nbytes / GiB / (t / 1e3):,.0f}", f"{t_copy / t:.0%}",
-                             f"{t_host:.3f}" if timing == "call" else "", f"{t_host / t:.1f}x" if timing == "call" else ""])
+                rows.append(
+                    [
+                        f"{n // 1024}k",
+                        what,
+                        timing,
+                        f"{nbytes / 1e6:.1f}",
+                        f"{t_copy:.4f}",
+                        f"{t:.4f}",
+                        f"{nbytes / GiB / (t / 1e3):,.0f}",
+                        f"{t_copy / t:.0%}",
+                        f"{t_host:.3f}" if timing == "call" else "",
+                        f"{t_host / t:.1f}x" if timing == "call" else "",
+                    ]
+                )
                 print(rows[-1], flush=True)
             # Tuning (each shape compiles both chunk kernels anew): the whole state at the middle size,
             # one layer at the smallest.
             if args.tune and (n, what) in ((sizes[len(sizes) // 2], "whole"), (sizes[0], "per layer")):
                 names = ("PER_PROGRAM", "NUM_WARPS", "ROW_LOADS", "PARENT_FANIN", "PARENT_WARPS")
                 base = tuple(getattr(blake3_gpu, k) for k in names)
-                for shape in ((128, 4, True, 256, 1), (128, 4, False, 256, 1), (256, 8, True, 256, 1),
-                              (128, 4, True, 512, 2)):
+                for shape in (
+                    (128, 4, True, 256, 1),
+                    (128, 4, False, 256, 1),
+                    (256, 8, True, 256, 1),
+                    (128, 4, True, 512, 2),
+                ):
                     for k, v in zip(names, shape, strict=True):
                         setattr(blake3_gpu, k, v)
                     j = blake3_gpu.prepare(bufs, ranges)
-                    ok = blake3_gpu.launch(j).cpu().numpy().astype("<i4").tobytes().hex() == host.split(":")[1]
+                    ok = (
+                        blake3_gpu.launch(j).cpu().numpy().astype("<i4").tobytes().hex() == host.split(":")[1]
+                    )
                     tk = graph_ms(lambda j=j: blake3_gpu.launch(j), reps=reps, warmup=warm)
-                    tuning.append(f"{n // 1024}k {what}: {dict(zip(names, shape, strict=True))}: kernel {tk:.4f} ms "
-                                  f"({t_copy / tk:.0%} of copy){'' if ok else ' WRONG DIGEST'}")
+                    tuning.append(
+                        f"{n // 1024}k {what}: {dict(zip(names, shape, strict=True))}: kernel {tk:.4f} ms "
+                        f"({t_copy / tk:.0%} of copy){'' if ok else ' WRONG DIGEST'}"
+                    )
                     print(tuning[-1], flush=True)
                 for k, v in zip(names, base, strict=True):
                     setattr(blake3_gpu, k, v)
     regs = []
-    for name, launcher in (("fast", blake3_gpu._fast), ("general", blake3_gpu._general), ("parent", blake3_gpu._parent)):
+    for name, launcher in (
+        ("fast", blake3_gpu._fast),
+        ("general", blake3_gpu._general),
+        ("parent", blake3_gpu._parent),
+    ):
         for key, k in launcher._compiled.items():
-            regs.append(f"{name} {dict(key[1])}, {key[2]} warps: {getattr(k, 'n_regs', '?')} registers, "
-                        f"{getattr(k, 'n_spills', '?')} spilled")
-    body = table(["tokens", "what", "timing", "MB", "copy ms", "GPU digest ms", "GiB/s", "of copy",
-                  "host path ms", "GPU / host"], rows)
-    notes = "\n".join([
-        f"GPU digest: {blake3_gpu.PER_PROGRAM} chunks of 1 KiB per program (one per lane), {blake3_gpu.NUM_WARPS} "
-        f"warps, {'each lane loading its own chunk' if blake3_gpu.ROW_LOADS else 'coalesced loads regrouped in shared memory'}; "
-        f"parents {blake3_gpu.PARENT_FANIN} per program of {blake3_gpu.PARENT_WARPS} warp(s). Host path: 64 MB pinned copies on a side stream "
-        "overlapping BLAKE3 on the host's threads (the `blake3` package). Both give the same digest, checked "
-        "at every size.", "Compiled: " + "; ".join(regs) + ".",
-        "Host time of a call, medians (what `call` adds to `kernel` where the GPU waits): " + "; ".join(host_us)
-        + f"; direct launches: {all(k.direct for k in (blake3_gpu._fast, blake3_gpu._general, blake3_gpu._parent))}.",
-        *tuning])
+            regs.append(
+                f"{name} {dict(key[1])}, {key[2]} warps: {getattr(k, 'n_regs', '?')} registers, "
+                f"{getattr(k, 'n_spills', '?')} spilled"
+            )
+    body = table(
+        [
+            "tokens",
+            "what",
+            "timing",
+            "MB",
+            "copy ms",
+            "GPU digest ms",
+            "GiB/s",
+            "of copy",
+            "host path ms",
+            "GPU / host",
+        ],
+        rows,
+    )
+    notes = "\n".join(
+        [
+            f"GPU digest: {blake3_gpu.PER_PROGRAM} chunks of 1 KiB per program (one per lane), {blake3_gpu.NUM_WARPS} "
+            f"warps, {'each lane loading its own chunk' if blake3_gpu.ROW_LOADS else 'coalesced loads regrouped in shared memory'}; "
+            f"parents {blake3_gpu.PARENT_FANIN} per program of {blake3_gpu.PARENT_WARPS} warp(s). Host path: 64 MB pinned copies on a side stream "
+            "overlapping BLAKE3 on the host's threads (the `blake3` package). Both give the same digest, checked "
+            "at every size.",
+            "Compiled: " + "; ".join(regs) + ".",
+            "Host time of a call, medians (what `call` adds to `kernel` where the GPU waits): "
+            + "; ".join(host_us)
+            + f"; direct launches: {all(k.direct for k in (blake3_gpu._fast, blake3_gpu._general, blake3_gpu._parent))}.",
+            *tuning,
+        ]
+    )
     print(body)
     print(notes)
-    record("digest-gpu", "Handoff digest on the GPU (`bench/digest/gpu.py`, H200)", body, device=dev, notes=notes)
+    record(
+        "digest-gpu", "Handoff digest on the GPU (`bench/digest/gpu.py`, H200)", body, device=dev, notes=notes
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ from tilert_serve.handoff import digest
 def _sizes() -> list[tuple[str, int]]:
     tiny = layouts.get("mla", "float32", num_layers=3)
     glm5 = layouts.get("glm5", "fp8_ds_mla")
-    return ([(f"tiny {n}", tiny.request_bytes(n)) for n in (128, 2048)]
-            + [(f"GLM-5 {n // 1024}k", glm5.request_bytes(n)) for n in (8192, 32768, 131072)])
+    return [(f"tiny {n}", tiny.request_bytes(n)) for n in (128, 2048)] + [
+        (f"GLM-5 {n // 1024}k", glm5.request_bytes(n)) for n in (8192, 32768, 131072)
+    ]
 
 
 def _reps(nbytes: int) -> tuple[int, int]:
@@ -73,16 +74,21 @@ def _measure(name: str, nbytes: int, dev: torch.device) -> tuple[list[str], list
         def to_host() -> None:
             for start in range(0, nbytes, chunk.numel()):
                 m = min(chunk.numel(), nbytes - start)
-                chunk[:m].copy_(src[start:start + m], non_blocking=True)
+                chunk[:m].copy_(src[start : start + m], non_blocking=True)
 
         cells["host copy (64 MB pinned chunks)"] = median_ms(to_host, dev, reps, warm)
         alg = digest.preferred()
         cells[f"host path, of_ranges_on_host ({alg}, pipelined)"] = median_ms(
-            lambda: digest.of_ranges_on_host([src], [(0, 0, nbytes)], alg), torch.device("cpu"), reps, warm)
+            lambda: digest.of_ranges_on_host([src], [(0, 0, nbytes)], alg), torch.device("cpu"), reps, warm
+        )
     cells["scrub (zero_)"] = median_ms(lambda: dst.zero_(), dev, reps, warm)
     header = ["state", "MB", "copy ms", *[f"{c} ms (x copy)" for c in cells]]
-    return header, [name, f"{nbytes / 1e6:.1f}", f"{base:.3f}",
-                    *[f"{ms:.3f} ({ms / base:.1f}x)" for ms in cells.values()]]
+    return header, [
+        name,
+        f"{nbytes / 1e6:.1f}",
+        f"{base:.3f}",
+        *[f"{ms:.3f} ({ms / base:.1f}x)" for ms in cells.values()],
+    ]
 
 
 def main() -> None:

@@ -49,22 +49,45 @@ def main() -> None:
     prompt = [(i * 37) % 500 + 2 for i in range(64)]
     rows, base = [], None
     for k in (0, 1):
-        engine = ReferenceEngine(ReferenceSettings(model_dir=args.model, device=args.device, dtype=args.dtype,
-                                                   max_seq_len=512, max_sequences=1, num_speculative_tokens=k))
+        engine = ReferenceEngine(
+            ReferenceSettings(
+                model_dir=args.model,
+                device=args.device,
+                dtype=args.dtype,
+                max_seq_len=512,
+                max_sequences=1,
+                num_speculative_tokens=k,
+            )
+        )
         engine.load()
         run(engine, prompt, 16, dev)  # warm-up
         results = [run(engine, prompt, args.tokens, dev) for _ in range(args.runs)]
         tpot = statistics.median(r[0] for r in results)
         base = base or tpot
-        rows.append(["off" if k == 0 else f"on ({k} draft)", f"{tpot:.2f}", f"{1e3 / tpot:.0f}",
-                     f"{results[0][1]:.2f}" if k else "-", f"{base / tpot:.2f}x"])
+        rows.append(
+            [
+                "off" if k == 0 else f"on ({k} draft)",
+                f"{tpot:.2f}",
+                f"{1e3 / tpot:.0f}",
+                f"{results[0][1]:.2f}" if k else "-",
+                f"{base / tpot:.2f}x",
+            ]
+        )
     body = table(["MTP", "TPOT ms", "tokens/s", "acceptance", "vs MTP off"], rows)
-    notes = (f"Tiny model ({args.dtype}), 64-token prompt, {args.tokens} greedy tokens, median of {args.runs} runs "
-             "after one warm-up; baseline MTP off.")
+    notes = (
+        f"Tiny model ({args.dtype}), 64-token prompt, {args.tokens} greedy tokens, median of {args.runs} runs "
+        "after one warm-up; baseline MTP off."
+    )
     print(body)
     print(notes)
-    record(f"engine-{dev.type}", f"Reference engine TPOT on {dev.type} (`bench/engine/run.py`)", body, device=dev,
-           notes=notes)
+    record(
+        f"engine-{dev.type}",
+        f"Reference engine TPOT on {dev.type} (`bench/engine/run.py`)",
+        body,
+        device=dev,
+        notes=notes,
+    )
+
 
 if __name__ == "__main__":
     main()

@@ -41,8 +41,10 @@ def glm5_caches(dev: torch.device, max_tokens: int) -> tuple[list[PagedCache], l
     for lid in range(layout.num_layers):
         mla = torch.randint(0, 256, (num_blocks, BLOCK, 656), dtype=torch.uint8, device=dev, generator=gen)
         idx = torch.randint(0, 256, (num_blocks, BLOCK, 132), dtype=torch.uint8, device=dev, generator=gen)
-        caches += [PagedCache(f"l{lid}.mla", lid, "mla", mla, BLOCK, 0),
-                   PagedCache(f"l{lid}.indexer", lid, "indexer", idx, BLOCK, 0)]
+        caches += [
+            PagedCache(f"l{lid}.mla", lid, "mla", mla, BLOCK, 0),
+            PagedCache(f"l{lid}.indexer", lid, "indexer", idx, BLOCK, 0),
+        ]
     return caches, layouts.Placement(layout, max_tokens=max_tokens)
 
 
@@ -79,15 +81,19 @@ def main() -> None:
         gather(caches, ids, n, staging, [ref])
         for by_layer in (False, True):
             out.fill_(0xA5)  # poison: every byte the request owns must be written
-            got = sum(fused(ids, n, [out], layer=lid) for lid in range(L)) if by_layer else fused(ids, n, [out])
+            got = (
+                sum(fused(ids, n, [out], layer=lid) for lid in range(L)) if by_layer else fused(ids, n, [out])
+            )
             assert got == nbytes, (got, nbytes)
             for lid in range(L):
                 for plane in layout.planes:
                     _, off = staging.offset(plane.name, lid)
                     k = plane.nbytes(n)
-                    if not torch.equal(out[off:off + k], ref[off:off + k]):
-                        raise SystemExit(f"fused gather (by layer: {by_layer}) differs at layer {lid} plane "
-                                         f"{plane.name} ({n} tokens)")
+                    if not torch.equal(out[off : off + k], ref[off : off + k]):
+                        raise SystemExit(
+                            f"fused gather (by layer: {by_layer}) differs at layer {lid} plane "
+                            f"{plane.name} ({n} tokens)"
+                        )
         src = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
         dst = torch.empty_like(src)
         dev_ids = torch.tensor([ids[0][:nblk]], dtype=torch.int32, device=dev)
@@ -100,7 +106,7 @@ def main() -> None:
             return [fused(i, k, [out], layer=lid) for lid in range(L)]
 
         def layer_copies(s: torch.Tensor = src, d: torch.Tensor = dst, b: int = lbytes) -> object:
-            return [d[i * b:(i + 1) * b].copy_(s[i * b:(i + 1) * b]) for i in range(L)]
+            return [d[i * b : (i + 1) * b].copy_(s[i * b : (i + 1) * b]) for i in range(L)]
 
         t = {
             "copy call": median_ms(lambda s=src, d=dst: d.copy_(s), dev),
@@ -110,48 +116,98 @@ def main() -> None:
             "layer copy call": median_ms(layer_copies, dev) / L,
             "layer copy kernel": graph_ms(layer_copies) / L,
             "layer call": call_ms(layers_call, dev) / L,
-            "layer kernel": graph_ms(lambda i=dev_ids, k=n: [kernel(i, k, out, layer=lid) for lid in range(L)]) / L,
+            "layer kernel": graph_ms(
+                lambda i=dev_ids, k=n: [kernel(i, k, out, layer=lid) for lid in range(L)]
+            )
+            / L,
             "index_select": median_ms(lambda i=ids, k=n: gather(caches, i, k, staging, [ref]), dev),
         }
         if dev.type == "cuda":
             w = lbytes // 4 // 4 * 4
             s32, d32 = src.view(torch.int32), dst.view(torch.int32)
-            t_tri = graph_ms(lambda s=s32, d=d32, k=w: [copy_kernel[(-(-k // 2048),)](
-                s[i * k:], d[i * k:], k, BLOCK_W=2048, num_warps=4) for i in range(L)]) / L
-            floors.append(f"{n // 1024}k: a Triton copy of a layer's bytes {t_tri * 1e3:.2f} us, the gather "
-                          f"{t['layer kernel'] * 1e3:.2f} us")
+            t_tri = (
+                graph_ms(
+                    lambda s=s32, d=d32, k=w: [
+                        copy_kernel[(-(-k // 2048),)](s[i * k :], d[i * k :], k, BLOCK_W=2048, num_warps=4)
+                        for i in range(L)
+                    ]
+                )
+                / L
+            )
+            floors.append(
+                f"{n // 1024}k: a Triton copy of a layer's bytes {t_tri * 1e3:.2f} us, the gather "
+                f"{t['layer kernel'] * 1e3:.2f} us"
+            )
         src = dst = None
         # A large copy captured in a graph runs on the copy engines, slower than torch's copy kernel:
         # the baseline is the faster of the two ways, for both timings.
         copy_ms = min(t["copy call"], t["copy kernel"])
         layer_copy_ms = min(t["layer copy call"], t["layer copy kernel"])
-        for what, c, keys in (("whole", copy_ms, ("call", "kernel")),
-                              ("per layer", layer_copy_ms, ("layer call", "layer kernel"))):
+        for what, c, keys in (
+            ("whole", copy_ms, ("call", "kernel")),
+            ("per layer", layer_copy_ms, ("layer call", "layer kernel")),
+        ):
             for mode, key in zip(("call", "kernel"), keys, strict=True):
-                rows.append([f"{n // 1024}k", what, mode, f"{(nbytes if what == 'whole' else lbytes) / 1e6:.1f}",
-                             f"{c:.4f}", f"{t[key]:.4f}", f"{t[key] / c:.2f}x"])
-        rows.append([f"{n // 1024}k", "whole", "index_select call", f"{nbytes / 1e6:.1f}", f"{copy_ms:.4f}",
-                     f"{t['index_select']:.4f}", f"{t['index_select'] / copy_ms:.2f}x"])
+                rows.append(
+                    [
+                        f"{n // 1024}k",
+                        what,
+                        mode,
+                        f"{(nbytes if what == 'whole' else lbytes) / 1e6:.1f}",
+                        f"{c:.4f}",
+                        f"{t[key]:.4f}",
+                        f"{t[key] / c:.2f}x",
+                    ]
+                )
+        rows.append(
+            [
+                f"{n // 1024}k",
+                "whole",
+                "index_select call",
+                f"{nbytes / 1e6:.1f}",
+                f"{copy_ms:.4f}",
+                f"{t['index_select']:.4f}",
+                f"{t['index_select'] / copy_ms:.2f}x",
+            ]
+        )
         if args.tune and dev.type == "cuda":
             for chunk, warps in ((512, 4), (1024, 4), (1024, 8), (2048, 8)):
-                tk = graph_ms(lambda i=dev_ids, k=n, c=chunk, w=warps: kernel(i, k, out, chunk=c, num_warps=w))
-                tuning.append(f"{n // 1024}k whole chunk={chunk} warps={warps}: kernel {tk:.4f} ms "
-                              f"({tk / copy_ms:.2f}x copy)")
+                tk = graph_ms(
+                    lambda i=dev_ids, k=n, c=chunk, w=warps: kernel(i, k, out, chunk=c, num_warps=w)
+                )
+                tuning.append(
+                    f"{n // 1024}k whole chunk={chunk} warps={warps}: kernel {tk:.4f} ms "
+                    f"({tk / copy_ms:.2f}x copy)"
+                )
             for chunk, warps, split in ((1024, 8, 1), (1024, 8, 4), (512, 4, 8), (1024, 4, 11), (2048, 8, 4)):
-                tk = graph_ms(lambda i=dev_ids, k=n, c=chunk, w=warps, sp=split: [
-                    kernel(i, k, out, layer=lid, chunk=c, num_warps=w, split=sp) for lid in range(L)]) / L
-                tuning.append(f"{n // 1024}k per layer chunk={chunk} warps={warps} split={split}: kernel {tk:.4f} ms "
-                              f"({tk / layer_copy_ms:.2f}x copy)")
+                tk = (
+                    graph_ms(
+                        lambda i=dev_ids, k=n, c=chunk, w=warps, sp=split: [
+                            kernel(i, k, out, layer=lid, chunk=c, num_warps=w, split=sp) for lid in range(L)
+                        ]
+                    )
+                    / L
+                )
+                tuning.append(
+                    f"{n // 1024}k per layer chunk={chunk} warps={warps} split={split}: kernel {tk:.4f} ms "
+                    f"({tk / layer_copy_ms:.2f}x copy)"
+                )
     body = table(["tokens", "what", "timing", "MB", "copy ms", "fused ms", "fused / copy"], rows)
-    notes = "\n".join([
-        f"Copy bandwidth {bw:,.0f} GB/s (read + write, 4 GiB). Fused: one launch over every layer and plane "
-        f"(chunk {extract_triton.CHUNK_WORDS} words, {extract_triton.NUM_WARPS} warps); per layer: ms per layer, "
-        f"over {L} one-layer calls (chunk {extract_triton.LAYER_CHUNK_WORDS} words, {extract_triton.LAYER_WARPS} "
-        f"warps, each block split over {extract_triton.LAYER_SPLIT} programs; the copy: {L} copies of one layer's "
-        "bytes). call = events around the Python "
-        "call (the best of three medians); kernel = CUDA graph replay; copy = the faster of its call and its graph replay (a large copy in a graph runs on the copy engines, slower). Every size checked byte for byte against index_select, whole and "
-        "layer by layer.", "Floors of a one-layer launch (CUDA graph, per launch, each copy of its own bytes): "
-        + "; ".join(floors) + ".", *tuning])
+    notes = "\n".join(
+        [
+            f"Copy bandwidth {bw:,.0f} GB/s (read + write, 4 GiB). Fused: one launch over every layer and plane "
+            f"(chunk {extract_triton.CHUNK_WORDS} words, {extract_triton.NUM_WARPS} warps); per layer: ms per layer, "
+            f"over {L} one-layer calls (chunk {extract_triton.LAYER_CHUNK_WORDS} words, {extract_triton.LAYER_WARPS} "
+            f"warps, each block split over {extract_triton.LAYER_SPLIT} programs; the copy: {L} copies of one layer's "
+            "bytes). call = events around the Python "
+            "call (the best of three medians); kernel = CUDA graph replay; copy = the faster of its call and its graph replay (a large copy in a graph runs on the copy engines, slower). Every size checked byte for byte against index_select, whole and "
+            "layer by layer.",
+            "Floors of a one-layer launch (CUDA graph, per launch, each copy of its own bytes): "
+            + "; ".join(floors)
+            + ".",
+            *tuning,
+        ]
+    )
     print(body)
     print(notes)
     record("extract", "Extraction into staging (`bench/extract/run.py`, H200)", body, device=dev, notes=notes)

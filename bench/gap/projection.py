@@ -96,22 +96,32 @@ class Assumptions:
 SOURCES = {
     "hbm_ratio": "NVIDIA datasheets, B200 8 TB/s vs H200 4.8 TB/s HBM3e",
     "nic_gbit": "8x ConnectX-7 400 Gb/s, one per GPU (docs/reference/transfer-engines.md, Production RDMA)",
-    "nic_efficiency": ("vLLM 1P1D peak over Mooncake's connector 71 % of 8 ConnectX-7; Mooncake 47.5 % of 8x400G "
-                       "(docs/reference/transfer-engines.md, Production RDMA)"),
+    "nic_efficiency": (
+        "vLLM 1P1D peak over Mooncake's connector 71 % of 8 ConnectX-7; Mooncake 47.5 % of 8x400G "
+        "(docs/reference/transfer-engines.md, Production RDMA)"
+    ),
     "rtt_ms": "assumed intra-DC TCP round trip",
     "prefill_tok_s": "assumed; not measured here (no B200, no GLM-5 weights)",
-    "tpot_points": ("TileRT v0.1.5 chart, GLM-5.1-FP8 on 8xB200, no MTP: 301 UTPS at 1K, 169 at 192K "
-                    "(docs/reference/tilert-api.md, Published decode speed)"),
+    "tpot_points": (
+        "TileRT v0.1.5 chart, GLM-5.1-FP8 on 8xB200, no MTP: 301 UTPS at 1K, 169 at 192K "
+        "(docs/reference/tilert-api.md, Published decode speed)"
+    ),
     "launch_floor_ms": "assumed",
-    "chunk_tokens": ("vLLM 0.32's default max_num_batched_tokens for its API server on GPUs of >= 160 GB (B200; "
-                     "engine/arg_utils.py), one prompt alone in its steps"),
-    "digest": ("the 8 ranks' digests each at the single-H200 rate, side by side: each on its own GPU with the GPU "
-               "digest (nothing shared); with the host path, optimistic (8 at once ask ~350 GB/s of host copies and "
-               "BLAKE3 of each host)"),
-    "int_ratio": ("assumed equal: B200 has 148 SMs to the H200's 132 at similar clocks, but its 32-bit integer rate "
-                  "per SM is not in the datasheets; the GPU digest is bound by it, not by HBM"),
+    "chunk_tokens": (
+        "vLLM 0.32's default max_num_batched_tokens for its API server on GPUs of >= 160 GB (B200; "
+        "engine/arg_utils.py), one prompt alone in its steps"
+    ),
+    "digest": (
+        "the 8 ranks' digests each at the single-H200 rate, side by side: each on its own GPU with the GPU "
+        "digest (nothing shared); with the host path, optimistic (8 at once ask ~350 GB/s of host copies and "
+        "BLAKE3 of each host)"
+    ),
+    "int_ratio": (
+        "assumed equal: B200 has 148 SMs to the H200's 132 at similar clocks, but its 32-bit integer rate "
+        "per SM is not in the datasheets; the GPU digest is bound by it, not by HBM"
+    ),
     "ranks": "TP=8 prefill, each rank sends its layers over its own NIC (layouts.senders_layers); the node's "
-             "receive buffer sharded the same way over its 8 GPUs",
+    "receive buffer sharded the same way over its 8 GPUs",
 }
 
 
@@ -138,6 +148,7 @@ class Measured:
 
 # -- sizes: the layout registry is the one source ----------------------------------------------------
 
+
 def glm5() -> Layout:
     return layouts.get("glm5", "fp8_ds_mla")
 
@@ -161,6 +172,7 @@ def busiest_rank_layers(layout: Layout, ranks: int) -> int:
 
 # -- scaling measured kernel times -------------------------------------------------------------------
 
+
 def ms_per_byte(points: dict[int, float], layout: Layout, nbytes: float, *, per_layer: bool = False) -> float:
     """ms per byte at `nbytes`, from the H200 points (tokens -> ms for the whole state, or for one layer
     with `per_layer`), interpolated in log(bytes), clamped to the measured range."""
@@ -179,7 +191,9 @@ def ms_per_byte(points: dict[int, float], layout: Layout, nbytes: float, *, per_
     raise AssertionError("unreachable")
 
 
-def kernel_ms(points: dict[int, float], layout: Layout, nbytes: float, speedup: float, floor_ms: float) -> float:
+def kernel_ms(
+    points: dict[int, float], layout: Layout, nbytes: float, speedup: float, floor_ms: float
+) -> float:
     """A kernel measured on the H200 (`points`) run over `nbytes` on a GPU `speedup` x faster."""
     if nbytes <= 0:
         return 0.0
@@ -203,6 +217,7 @@ def first_step_ms(tokens: int, a: Assumptions) -> float:
 
 
 # -- the two paths -----------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Serial:
@@ -270,8 +285,16 @@ def _rank_costs(layout: Layout, m: Measured, a: Assumptions, tokens: int, layers
 def serial(layout: Layout, m: Measured, a: Assumptions, tokens: int) -> Serial:
     c = _rank_costs(layout, m, a, tokens, busiest_rank_layers(layout, a.ranks))
     wire = (a.handshake_rtts + 1) * a.rtt_ms + c["wire"]
-    return Serial(tokens, state_bytes(layout, tokens) / 1e9, c["extract"], wire, c["digest"], c["convert"],
-                  c["inject"], first_step_ms(tokens, a))
+    return Serial(
+        tokens,
+        state_bytes(layout, tokens) / 1e9,
+        c["extract"],
+        wire,
+        c["digest"],
+        c["convert"],
+        c["inject"],
+        first_step_ms(tokens, a),
+    )
 
 
 def _pipeline(avail: list[float], e: float, w: float, c: float, wire_from: float) -> float:
@@ -285,8 +308,17 @@ def _pipeline(avail: list[float], e: float, w: float, c: float, wire_from: float
     return c_free
 
 
-def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_per_layer: bool = True,
-            step_tokens: int | None = None, moved_tokens: int | None = None, backlog_ms: float | None = None) -> Overlap:
+def overlap(
+    layout: Layout,
+    m: Measured,
+    a: Assumptions,
+    tokens: int,
+    *,
+    digest_per_layer: bool = True,
+    step_tokens: int | None = None,
+    moved_tokens: int | None = None,
+    backlog_ms: float | None = None,
+) -> Overlap:
     """Layer-wise overlap: the forward computes main layer i during [i*f, (i+1)*f], the MTP drafter one
     more layer's time after the last; the forward ends at F = (main + 1) * f. Each rank pipelines its
     layers (senders_layers) through extract, wire (after the handshake, started with the forward) and
@@ -311,8 +343,10 @@ def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_
     dig = whole["digest"] / 2 / n_busy if digest_per_layer else 0.0  # one side's copy and hash of one layer
     if digest_per_layer and a.digest and m.digest_layer:  # the one-layer hash call as measured, and the copy
         lb = layer_bytes(layout, tokens)
-        dig = (lb * ms_per_byte(m.digest_layer, layout, lb, per_layer=True) / a.int_ratio
-               + 2 * lb / (m.copy_gbs * a.hbm_ratio * 1e9) * 1e3)
+        dig = (
+            lb * ms_per_byte(m.digest_layer, layout, lb, per_layer=True) / a.int_ratio
+            + 2 * lb / (m.copy_gbs * a.hbm_ratio * 1e9) * 1e3
+        )
     e, c = part["extract"] / n_busy, whole["convert"] / n_busy
     if m.extract_layer:  # the per-layer call as measured (launch overhead and all), scaled like the rest
         lb = layer_bytes(layout, moved)
@@ -331,19 +365,32 @@ def overlap(layout: Layout, m: Measured, a: Assumptions, tokens: int, *, digest_
         return (lid + 1) * f if lid < main else end
 
     def finish(e: float, w: float, c: float) -> float:
-        return max(_pipeline([avail(lid) for lid in layouts.senders_layers(layout, r, a.ranks)], e, w, c, wire_from)
-                   for r in range(a.ranks))
+        return max(
+            _pipeline([avail(lid) for lid in layouts.senders_layers(layout, r, a.ranks)], e, w, c, wire_from)
+            for r in range(a.ranks)
+        )
 
     in_flight = max(0.0, finish(e, w, c) - end)
     # The same pipeline with the transfer infinitely fast except for the last main and the MTP layer
     # would still leave those two: the rest is backlog.
-    last = max(0.0, max(max(avail(lid), wire_from) for lid in range(main - 1, layout.num_layers)) - end) \
-        + max(e + w + c, 0.0)
+    last = max(
+        0.0, max(max(avail(lid), wire_from) for lid in range(main - 1, layout.num_layers)) - end
+    ) + max(e + w + c, 0.0)
     stage = max(e, w, c)
     break_even = a.ranks * step * 1e3 / (main * stage) if stage > 0 else math.inf
     backlog = max(0.0, in_flight - last) if stage > a.ranks * f or wire_from > end else 0.0
-    return Overlap(tokens, f, stage, break_even, in_flight, backlog, a.rtt_ms,
-                   0.0 if digest_per_layer else whole["digest"], whole["inject"], first_step_ms(tokens, a))
+    return Overlap(
+        tokens,
+        f,
+        stage,
+        break_even,
+        in_flight,
+        backlog,
+        a.rtt_ms,
+        0.0 if digest_per_layer else whole["digest"],
+        whole["inject"],
+        first_step_ms(tokens, a),
+    )
 
 
 @dataclass(frozen=True)
@@ -371,16 +418,31 @@ def chunked(layout: Layout, m: Measured, a: Assumptions, tokens: int) -> Chunked
     earlier = tokens - last
     n_busy = busiest_rank_layers(layout, a.ranks)
     carried = max(0.0, wire_ms(n_busy * layer_bytes(layout, earlier), a) - earlier / a.prefill_tok_s * 1e3)
-    return Chunked(tokens, steps, last, carried,
-                   overlap(layout, m, a, tokens, step_tokens=last),
-                   overlap(layout, m, a, tokens, step_tokens=last, moved_tokens=last,
-                           backlog_ms=carried if steps > 1 else None))
+    return Chunked(
+        tokens,
+        steps,
+        last,
+        carried,
+        overlap(layout, m, a, tokens, step_tokens=last),
+        overlap(
+            layout,
+            m,
+            a,
+            tokens,
+            step_tokens=last,
+            moved_tokens=last,
+            backlog_ms=carried if steps > 1 else None,
+        ),
+    )
 
 
 # -- measured numbers from RESULTS.md ----------------------------------------------------------------
 
+
 def _block(text: str, key: str) -> str:
-    found = re.search(rf"<!-- bench:{re.escape(key)} begin.*?-->(.*?)<!-- bench:{re.escape(key)} end -->", text, re.S)
+    found = re.search(
+        rf"<!-- bench:{re.escape(key)} begin.*?-->(.*?)<!-- bench:{re.escape(key)} end -->", text, re.S
+    )
     if not found:
         raise ValueError(f"bench/RESULTS.md has no generated section {key!r}; run its bench first")
     return found.group(1)
@@ -389,7 +451,9 @@ def _block(text: str, key: str) -> str:
 def _rows(block: str) -> list[dict[str, str]]:
     lines = [ln.strip() for ln in block.splitlines() if ln.strip().startswith("|")]
     header = [h.strip() for h in lines[0].strip("|").split("|")]
-    return [dict(zip(header, [c.strip() for c in ln.strip("|").split("|")], strict=False)) for ln in lines[2:]]
+    return [
+        dict(zip(header, [c.strip() for c in ln.strip("|").split("|")], strict=False)) for ln in lines[2:]
+    ]
 
 
 def _tokens(cell: str) -> int | None:
@@ -460,12 +524,21 @@ def measured_from_results(text: str) -> Measured:
     copies = [float(x.replace(",", "")) for x in re.findall(r"Copy bandwidth ([\d,.]+) GB/s", ex + cv)]
     if not copies:
         raise ValueError("no 'Copy bandwidth ... GB/s' line in the extract/convert sections")
-    return Measured(extract, convert, digest, sum(copies) / len(copies),
-                    {"extract": _meta(ex), "convert": _meta(cv), key: _meta(dg)},
-                    per_layer["extract"], per_layer["convert"], digest_layer, on)
+    return Measured(
+        extract,
+        convert,
+        digest,
+        sum(copies) / len(copies),
+        {"extract": _meta(ex), "convert": _meta(cv), key: _meta(dg)},
+        per_layer["extract"],
+        per_layer["convert"],
+        digest_layer,
+        on,
+    )
 
 
 # -- output -------------------------------------------------------------------------------------------
+
 
 def _k(n: int) -> str:
     return f"{n // 1024}k"
@@ -475,56 +548,146 @@ def report(m: Measured, a: Assumptions, lengths: tuple[int, ...] = LENGTHS) -> s
     layout = glm5()
     ser = [serial(layout, m, a, n) for n in lengths]
     ovl = [overlap(layout, m, a, n) for n in lengths]
-    t1 = table(["prompt", "state GB", "extract", "wire", "digest", "convert", "inject", "first step",
-                "gap ms (serial)"],
-               [[_k(s.tokens), f"{s.state_gb:.3f}", *[f"{x:.2f}" for x in (s.extract, s.wire, s.digest, s.convert,
-                                                                           s.inject, s.first_step, s.total)]]
-                for s in ser])
+    t1 = table(
+        [
+            "prompt",
+            "state GB",
+            "extract",
+            "wire",
+            "digest",
+            "convert",
+            "inject",
+            "first step",
+            "gap ms (serial)",
+        ],
+        [
+            [
+                _k(s.tokens),
+                f"{s.state_gb:.3f}",
+                *[
+                    f"{x:.2f}"
+                    for x in (s.extract, s.wire, s.digest, s.convert, s.inject, s.first_step, s.total)
+                ],
+            ]
+            for s in ser
+        ],
+    )
     end = [overlap(layout, m, a, n, digest_per_layer=False) for n in lengths]
-    t2 = table(["prompt", "forward ms / layer (assumed)", "slowest stage ms / layer", "break-even prefill tok/s",
-                "transfer-bound", "extract+wire+convert in flight after forward end", "of which backlog",
-                "done/ack", "inject", "first step", "gap ms (overlap)"],
-               [[_k(o.tokens), f"{o.forward_per_layer:.3f}", f"{o.stage_per_layer:.3f}",
-                 f"{o.break_even_tok_s:,.0f}", "yes" if o.transfer_bound else "no",
-                 *[f"{x:.2f}" for x in (o.in_flight, o.backlog, o.done_ack, o.inject, o.first_step, o.total)]]
-                for o in ovl])
-    t3 = table(["prompt", "serial ms", "overlap ms", "overlap / serial", "overlap, digest at end ms",
-                "serial in TileRT steps", "overlap in TileRT steps"],
-               [[_k(s.tokens), f"{s.total:.2f}", f"{o.total:.2f}", f"{o.total / s.total:.2f}x",
-                 f"{d.total:.2f}", f"{s.total / s.first_step:.1f}", f"{o.total / o.first_step:.1f}"]
-                for s, o, d in zip(ser, ovl, end, strict=True)])
+    t2 = table(
+        [
+            "prompt",
+            "forward ms / layer (assumed)",
+            "slowest stage ms / layer",
+            "break-even prefill tok/s",
+            "transfer-bound",
+            "extract+wire+convert in flight after forward end",
+            "of which backlog",
+            "done/ack",
+            "inject",
+            "first step",
+            "gap ms (overlap)",
+        ],
+        [
+            [
+                _k(o.tokens),
+                f"{o.forward_per_layer:.3f}",
+                f"{o.stage_per_layer:.3f}",
+                f"{o.break_even_tok_s:,.0f}",
+                "yes" if o.transfer_bound else "no",
+                *[f"{x:.2f}" for x in (o.in_flight, o.backlog, o.done_ack, o.inject, o.first_step, o.total)],
+            ]
+            for o in ovl
+        ],
+    )
+    t3 = table(
+        [
+            "prompt",
+            "serial ms",
+            "overlap ms",
+            "overlap / serial",
+            "overlap, digest at end ms",
+            "serial in TileRT steps",
+            "overlap in TileRT steps",
+        ],
+        [
+            [
+                _k(s.tokens),
+                f"{s.total:.2f}",
+                f"{o.total:.2f}",
+                f"{o.total / s.total:.2f}x",
+                f"{d.total:.2f}",
+                f"{s.total / s.first_step:.1f}",
+                f"{o.total / o.first_step:.1f}",
+            ]
+            for s, o, d in zip(ser, ovl, end, strict=True)
+        ],
+    )
     chk = [chunked(layout, m, a, n) for n in lengths if n > a.chunk_tokens]
-    t4 = table(["prompt", "steps", "last step tokens", "serial ms", "layer-wise, last step only ms",
-                "chunk-wise ms", "chunk-wise / last step only", "wire carried into the last step ms",
-                "chunk-wise in TileRT steps"],
-               [[_k(c.tokens), str(c.steps), f"{c.last_step_tokens:,}", f"{s.total:.2f}", f"{c.last_step.total:.2f}",
-                 f"{c.chunkwise.total:.2f}", f"{c.chunkwise.total / c.last_step.total:.2f}x", f"{c.carried_ms:.2f}",
-                 f"{c.chunkwise.total / c.chunkwise.first_step:.1f}"]
-                for c, s in zip(chk, [x for x in ser if x.tokens > a.chunk_tokens], strict=True)])
-    return ("Serial (today): stage ms on the busiest of 8 ranks, from the forward's end\n\n" + t1 +
-            "\n\nLayer-wise overlap: what is left after the forward's end\n\n" + t2 + "\n\nGap\n\n" + t3 +
-            f"\n\nChunked prefill ({a.chunk_tokens:,} tokens a step): the gap with the handoff layer-wise in "
-            "the last step only, and chunk-wise\n\n" + t4)
+    t4 = table(
+        [
+            "prompt",
+            "steps",
+            "last step tokens",
+            "serial ms",
+            "layer-wise, last step only ms",
+            "chunk-wise ms",
+            "chunk-wise / last step only",
+            "wire carried into the last step ms",
+            "chunk-wise in TileRT steps",
+        ],
+        [
+            [
+                _k(c.tokens),
+                str(c.steps),
+                f"{c.last_step_tokens:,}",
+                f"{s.total:.2f}",
+                f"{c.last_step.total:.2f}",
+                f"{c.chunkwise.total:.2f}",
+                f"{c.chunkwise.total / c.last_step.total:.2f}x",
+                f"{c.carried_ms:.2f}",
+                f"{c.chunkwise.total / c.chunkwise.first_step:.1f}",
+            ]
+            for c, s in zip(chk, [x for x in ser if x.tokens > a.chunk_tokens], strict=True)
+        ],
+    )
+    return (
+        "Serial (today): stage ms on the busiest of 8 ranks, from the forward's end\n\n"
+        + t1
+        + "\n\nLayer-wise overlap: what is left after the forward's end\n\n"
+        + t2
+        + "\n\nGap\n\n"
+        + t3
+        + f"\n\nChunked prefill ({a.chunk_tokens:,} tokens a step): the gap with the handoff layer-wise in "
+        "the last step only, and chunk-wise\n\n" + t4
+    )
 
 
 def notes(m: Measured, a: Assumptions) -> str:
     layout = glm5()
-    meas = (f"MEASURED on one H200 (parsed from bench/RESULTS.md at run time): extraction (fused, whole state, timed as a call; the fastest run where several) "
-            f"{_fmt(m.extract)} [extract: {m.provenance.get('extract')}]; conversion (fused) {_fmt(m.convert)} "
-            f"[convert: {m.provenance.get('convert')}]; per-layer calls: extraction "
-            f"{_fmt(m.extract_layer) if m.extract_layer else 'not measured (whole-state time split evenly)'}, "
-            f"conversion {_fmt(m.convert_layer) if m.convert_layer else 'not measured (whole-state time split evenly)'}"
-            " (ms per layer); " + (
-                f"digest on the GPU (blake3, in place; calls) {_fmt(m.digest)} whole state, "
-                f"{_fmt(m.digest_layer) if m.digest_layer else 'not measured (whole-state time split evenly)'} "
-                f"per layer [digest-gpu: {m.provenance.get('digest-gpu')}]" if m.digest_on == "gpu" else
-                f"digest, pinned host copies + blake3 {_fmt(m.digest)} [digest-cuda: {m.provenance.get('digest-cuda')}]")
-            + f"; copy bandwidth {m.copy_gbs:,.0f} GB/s (read + write).")
+    meas = (
+        f"MEASURED on one H200 (parsed from bench/RESULTS.md at run time): extraction (fused, whole state, timed as a call; the fastest run where several) "
+        f"{_fmt(m.extract)} [extract: {m.provenance.get('extract')}]; conversion (fused) {_fmt(m.convert)} "
+        f"[convert: {m.provenance.get('convert')}]; per-layer calls: extraction "
+        f"{_fmt(m.extract_layer) if m.extract_layer else 'not measured (whole-state time split evenly)'}, "
+        f"conversion {_fmt(m.convert_layer) if m.convert_layer else 'not measured (whole-state time split evenly)'}"
+        " (ms per layer); "
+        + (
+            f"digest on the GPU (blake3, in place; calls) {_fmt(m.digest)} whole state, "
+            f"{_fmt(m.digest_layer) if m.digest_layer else 'not measured (whole-state time split evenly)'} "
+            f"per layer [digest-gpu: {m.provenance.get('digest-gpu')}]"
+            if m.digest_on == "gpu"
+            else f"digest, pinned host copies + blake3 {_fmt(m.digest)} [digest-cuda: {m.provenance.get('digest-cuda')}]"
+        )
+        + f"; copy bandwidth {m.copy_gbs:,.0f} GB/s (read + write)."
+    )
     assumed = "ASSUMED: " + "; ".join(
-        f"{k} = {v}" + (f" ({SOURCES[k]})" if k in SOURCES else "") for k, v in asdict(a).items())
-    sizes = (f"Sizes from the layout registry: {layout.describe()}, {layout.num_layers} layers "
-             f"({layout.num_mtp_layers} MTP), {layer_bytes(layout, 8192) / 1e6:.2f} MB per layer at 8k; the busiest of "
-             f"{a.ranks} ranks holds {busiest_rank_layers(layout, a.ranks)} layers; one NIC moves {nic_gb_s(a):.1f} GB/s.")
+        f"{k} = {v}" + (f" ({SOURCES[k]})" if k in SOURCES else "") for k, v in asdict(a).items()
+    )
+    sizes = (
+        f"Sizes from the layout registry: {layout.describe()}, {layout.num_layers} layers "
+        f"({layout.num_mtp_layers} MTP), {layer_bytes(layout, 8192) / 1e6:.2f} MB per layer at 8k; the busiest of "
+        f"{a.ranks} ranks holds {busiest_rank_layers(layout, a.ranks)} layers; one NIC moves {nic_gb_s(a):.1f} GB/s."
+    )
     return "\n\n".join([meas, assumed, sizes, "Model: see the docstring of bench/gap/projection.py."])
 
 
@@ -544,15 +707,25 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--no-record", action="store_true")
     args = ap.parse_args(argv)
     m = measured_from_results(args.results.read_text())
-    a = Assumptions(prefill_tok_s=args.prefill_tok_s, nic_gbit=args.nic_gbit, nic_efficiency=args.nic_efficiency,
-                    rtt_ms=args.rtt_ms, digest=args.digest == "on", chunk_tokens=args.chunk_tokens)
+    a = Assumptions(
+        prefill_tok_s=args.prefill_tok_s,
+        nic_gbit=args.nic_gbit,
+        nic_efficiency=args.nic_efficiency,
+        rtt_ms=args.rtt_ms,
+        digest=args.digest == "on",
+        chunk_tokens=args.chunk_tokens,
+    )
     body, why = report(m, a), notes(m, a)
     print(body)
     print()
     print(why)
     if not args.no_record:
-        record("gap-glm5", "The handoff gap projected to GLM-5 on 8xB200 (`bench/gap/projection.py`)", body,
-               notes=why)
+        record(
+            "gap-glm5",
+            "The handoff gap projected to GLM-5 on 8xB200 (`bench/gap/projection.py`)",
+            body,
+            notes=why,
+        )
 
 
 if __name__ == "__main__":

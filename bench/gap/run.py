@@ -64,6 +64,7 @@ NOT_STAGES = {"tpot_ms", "mtp_acceptance"}
 
 # -- the stack ---------------------------------------------------------------------------------------
 
+
 def layerwise_known() -> bool:
     """Whether the connector's config accepts `tilert_layerwise` (it refuses unknown keys)."""
     from tilert_serve.pd_vllm.config import ConnectorConfig
@@ -81,7 +82,7 @@ def with_connector_key(argv: list[str], key: str, value: object) -> list[str]:
         raise ValueError("no TileRTConnector in the rendered --kv-transfer-config")
     for c in found:
         c.setdefault("kv_connector_extra_config", {})[key] = value
-    return [*argv[:i + 1], json.dumps(cfg, separators=(",", ":")), *argv[i + 2:]]
+    return [*argv[: i + 1], json.dumps(cfg, separators=(",", ":")), *argv[i + 2 :]]
 
 
 @dataclass
@@ -117,10 +118,20 @@ def stack(home: Path, configs: list[tuple[str, bool]]) -> Iterator[Stack]:
     state_dir.mkdir(parents=True)
     secret, token = runner.write_secrets(state_dir)
     model_dir = home / "tiny"
-    ports = planmod.Ports(router=runner.free_port(), prefill=[runner.free_port() for _ in configs], native=[],
-                          tilert=[(runner.free_port(), runner.free_port())])
-    p = planmod.plan(spec, ports=ports, model_dir=str(model_dir), secret_file=str(secret),
-                     router_config_file=str(state_dir / "router.yaml"), api_token_file=str(token))
+    ports = planmod.Ports(
+        router=runner.free_port(),
+        prefill=[runner.free_port() for _ in configs],
+        native=[],
+        tilert=[(runner.free_port(), runner.free_port())],
+    )
+    p = planmod.plan(
+        spec,
+        ports=ports,
+        model_dir=str(model_dir),
+        secret_file=str(secret),
+        router_config_file=str(state_dir / "router.yaml"),
+        api_token_file=str(token),
+    )
     if p.tiny_model is not None:
         subprocess.run(p.tiny_model, check=True, stdout=subprocess.DEVNULL)
     comps = []
@@ -143,13 +154,21 @@ def stack(home: Path, configs: list[tuple[str, bool]]) -> Iterator[Stack]:
         prefills = [c for c in comps if c.kind == constants.PREFILL]
         node = next(c for c in comps if c.kind == constants.TILERT)
         hf = json.loads((model_dir / "config.json").read_text())
-        yield Stack({cfg: c.url for (cfg, _), c in zip(configs, prefills, strict=True)}, node.url,
-                    token.read_text().strip(), spec.model.name, int(hf["vocab_size"]), spec.model.max_seq_len, known)
+        yield Stack(
+            {cfg: c.url for (cfg, _), c in zip(configs, prefills, strict=True)},
+            node.url,
+            token.read_text().strip(),
+            spec.model.name,
+            int(hf["vocab_size"]),
+            spec.model.max_seq_len,
+            known,
+        )
     finally:
         runner.stop(started)
 
 
 # -- HTTP, as the router speaks it (kept-alive connections) -------------------------------------------
+
 
 class Conn:
     def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
@@ -210,6 +229,7 @@ def counters(conn: Conn) -> dict[str, float]:
 
 # -- one request ---------------------------------------------------------------------------------------
 
+
 @dataclass
 class Sample:
     gap_ms: float
@@ -226,10 +246,19 @@ class Batch:
 
 def one(st: Stack, prefill: Conn, node: Conn, prompt: list[int], rid: str) -> Sample:
     adm = node.post("/v1/admit", {"request_id": rid, "prompt_tokens": None, "max_tokens": 1})
-    body = {"model": st.model, "prompt": prompt, "max_tokens": 1, "temperature": 0.0, "stream": False,
-            "ignore_eos": True,
-            "kv_transfer_params": {"tilert_host": adm["ctrl_host"], "tilert_ctrl_port": adm["ctrl_port"],
-                                   "tilert_ticket": adm["ticket"]}}
+    body = {
+        "model": st.model,
+        "prompt": prompt,
+        "max_tokens": 1,
+        "temperature": 0.0,
+        "stream": False,
+        "ignore_eos": True,
+        "kv_transfer_params": {
+            "tilert_host": adm["ctrl_host"],
+            "tilert_ctrl_port": adm["ctrl_port"],
+            "tilert_ticket": adm["ticket"],
+        },
+    }
     t0 = time.perf_counter()
     pj = prefill.post("/v1/completions", body)
     t_answer = time.perf_counter()
@@ -237,9 +266,15 @@ def one(st: Stack, prefill: Conn, node: Conn, prompt: list[int], rid: str) -> Sa
     if kvp.get("tilert_status") != "queued" or not isinstance(kvp.get("tilert_first_token"), int):
         node.post("/v1/cancel", {"ticket": adm["ticket"]})
         raise RuntimeError(f"the prefill did not queue the handoff: {kvp}")
-    gen = {"ticket": adm["ticket"], "request_id": rid, "first_token": kvp["tilert_first_token"], "max_tokens": 1,
-           "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": None}, "stop_token_ids": [],
-           "ignore_eos": True}
+    gen = {
+        "ticket": adm["ticket"],
+        "request_id": rid,
+        "first_token": kvp["tilert_first_token"],
+        "max_tokens": 1,
+        "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "seed": None},
+        "stop_token_ids": [],
+        "ignore_eos": True,
+    }
     events = node.stream("/v1/generate", gen)
     firsts = [t for t, ev in events if ev.get("token_ids")]
     done = [ev for _t, ev in events if ev.get("done")]
@@ -251,7 +286,9 @@ def one(st: Stack, prefill: Conn, node: Conn, prompt: list[int], rid: str) -> Sa
 
 def flush(st: Stack, prefill: Conn) -> None:
     """One engine step without a ticket: vLLM takes the connector's stats on a step."""
-    prefill.post("/v1/completions", {"model": st.model, "prompt": [11, 12, 13], "max_tokens": 1, "temperature": 0.0})
+    prefill.post(
+        "/v1/completions", {"model": st.model, "prompt": [11, 12, 13], "max_tokens": 1, "temperature": 0.0}
+    )
 
 
 def prefill_means(st: Stack, prefill: Conn, before: dict[str, float], n: int) -> dict[str, float]:
@@ -269,18 +306,24 @@ def prefill_means(st: Stack, prefill: Conn, before: dict[str, float], n: int) ->
     def d(k: str) -> float:
         return (after.get(k, 0.0) - before.get(k, 0.0)) / got
 
-    out = {"extract_ms": d("extract_seconds") * 1e3, "send_ms": d("handoff_seconds") * 1e3,
-           "bytes": d("handoff_bytes"), "handoffs": got}
+    out = {
+        "extract_ms": d("extract_seconds") * 1e3,
+        "send_ms": d("handoff_seconds") * 1e3,
+        "bytes": d("handoff_bytes"),
+        "handoffs": got,
+    }
     # Counters the connector adds later (per-layer sends, ack time, ...): per-request means too.
     known = {"extract_seconds", "handoff_seconds", "handoff_bytes"}
     for k in sorted(set(after) - known):
         if not k.startswith("handoffs"):
-            out["prefill " + (k.removesuffix("_seconds") + "_ms" if k.endswith("_seconds") else k)] = \
-                d(k) * (1e3 if k.endswith("_seconds") else 1)
+            out["prefill " + (k.removesuffix("_seconds") + "_ms" if k.endswith("_seconds") else k)] = d(k) * (
+                1e3 if k.endswith("_seconds") else 1
+            )
     return out
 
 
 # -- the run -------------------------------------------------------------------------------------------
+
 
 def pct(xs: list[float], q: float) -> float:
     """Nearest-rank percentile (q in 0..100)."""
@@ -288,7 +331,9 @@ def pct(xs: list[float], q: float) -> float:
     return s[min(len(s) - 1, max(0, math.ceil(q / 100 * len(s)) - 1))]
 
 
-def measure(st: Stack, lengths: list[int], rounds: int, configs: list[str], seed: int = 0) -> dict[tuple[int, str], Batch]:
+def measure(
+    st: Stack, lengths: list[int], rounds: int, configs: list[str], seed: int = 0
+) -> dict[tuple[int, str], Batch]:
     rng = random.Random(seed)
     token = {"Authorization": f"Bearer {st.node_token}"}
     node = Conn(st.node, token)
@@ -315,7 +360,9 @@ def measure(st: Stack, lengths: list[int], rounds: int, configs: list[str], seed
         for c in configs:
             out[(n, c)].prefill = prefill_means(st, pre[c], before[c], rounds)
         g = {c: statistics.median(s.gap_ms for s in out[(n, c)].samples) for c in configs}
-        print(f"  {n:>5} tokens: gap median " + ", ".join(f"{c} {v:.2f} ms" for c, v in g.items()), flush=True)
+        print(
+            f"  {n:>5} tokens: gap median " + ", ".join(f"{c} {v:.2f} ms" for c, v in g.items()), flush=True
+        )
     return out
 
 
@@ -346,47 +393,86 @@ def summarize(b: Batch, keys: list[str]) -> dict[str, float]:
     return out
 
 
-LABELS = {"wire_wait_ms": "wire (node: accept->done; layer-wise, the accept comes with the first layer)", "digest_ms": "digest check", "convert_ms": "conversion",
-          "inject_ms": "injection", "decode_ms": "first decode step"}
+LABELS = {
+    "wire_wait_ms": "wire (node: accept->done; layer-wise, the accept comes with the first layer)",
+    "digest_ms": "digest check",
+    "convert_ms": "conversion",
+    "inject_ms": "injection",
+    "decode_ms": "first decode step",
+}
 
 
 def tables(batches: dict[tuple[int, str], Batch], lengths: list[int], configs: list[str]) -> tuple[str, str]:
     keys, info = stage_keys(batches)
     info += sorted({k for b in batches.values() for k in b.prefill if k.startswith("prefill ")})
-    header = ["prompt tokens", "config", "n", "state KB", "gap ms median / p90", "forward end -> first decoded",
-              "extraction (prefill, mean)", "wire (prefill: handshake+writes+done/ack, mean)",
-              *[LABELS.get(k, k.removesuffix("_ms")) for k in keys], "after answer (wire tail + generate call)",
-              *info]
+    header = [
+        "prompt tokens",
+        "config",
+        "n",
+        "state KB",
+        "gap ms median / p90",
+        "forward end -> first decoded",
+        "extraction (prefill, mean)",
+        "wire (prefill: handshake+writes+done/ack, mean)",
+        *[LABELS.get(k, k.removesuffix("_ms")) for k in keys],
+        "after answer (wire tail + generate call)",
+        *info,
+    ]
     rows = []
     summ = {(n, c): summarize(batches[(n, c)], keys + info) for n in lengths for c in configs}
     for n in lengths:
         for c in configs:
             s = summ[(n, c)]
-            rows.append([str(n), c, str(len(batches[(n, c)].samples)), f"{s['bytes'] / 1e3:.0f}",
-                         f"{s['gap']:.2f} / {s['gap_p90']:.2f}", f"{s['critical']:.2f}", f"{s['extract_ms']:.2f}",
-                         f"{s['send_ms']:.2f}", *[f"{s[k]:.2f}" for k in keys], f"{s['after_answer']:.2f}",
-                         *[f"{s[k]:.3g}" for k in info]])
+            rows.append(
+                [
+                    str(n),
+                    c,
+                    str(len(batches[(n, c)].samples)),
+                    f"{s['bytes'] / 1e3:.0f}",
+                    f"{s['gap']:.2f} / {s['gap_p90']:.2f}",
+                    f"{s['critical']:.2f}",
+                    f"{s['extract_ms']:.2f}",
+                    f"{s['send_ms']:.2f}",
+                    *[f"{s[k]:.2f}" for k in keys],
+                    f"{s['after_answer']:.2f}",
+                    *[f"{s[k]:.3g}" for k in info],
+                ]
+            )
     main = table(header, rows)
     if len(configs) < 2:
         return main, ""
     a, b = configs[0], configs[1]
     rkeys = ["gap", "critical", "extract_ms", "send_ms", *keys, "after_answer"]
-    rheader = ["prompt tokens", "gap", "forward end -> first decoded", "extraction", "wire (prefill)",
-               *[LABELS.get(k, k.removesuffix("_ms")) for k in keys], "after answer"]
+    rheader = [
+        "prompt tokens",
+        "gap",
+        "forward end -> first decoded",
+        "extraction",
+        "wire (prefill)",
+        *[LABELS.get(k, k.removesuffix("_ms")) for k in keys],
+        "after answer",
+    ]
 
     def ratio(x: float, y: float) -> str:
         return f"{y / x:.2f}x" if x > 0 else "-"
 
-    ratios = table(rheader, [[str(n), *[ratio(summ[(n, a)][k], summ[(n, b)][k]) for k in rkeys]] for n in lengths])
+    ratios = table(
+        rheader, [[str(n), *[ratio(summ[(n, a)][k], summ[(n, b)][k]) for k in rkeys]] for n in lengths]
+    )
     return main, ratios
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--lengths", default="16,64,256,1024,max",
-                    help="prompt lengths; 'max' = the stack's max_seq_len - 2 (one prefill token, one decoded)")
+    ap.add_argument(
+        "--lengths",
+        default="16,64,256,1024,max",
+        help="prompt lengths; 'max' = the stack's max_seq_len - 2 (one prefill token, one decoded)",
+    )
     ap.add_argument("--rounds", type=int, default=6, help="requests per prompt length and configuration")
-    ap.add_argument("--configs", default="serial,layerwise", help="which prefills to start: serial, layerwise")
+    ap.add_argument(
+        "--configs", default="serial,layerwise", help="which prefills to start: serial, layerwise"
+    )
     ap.add_argument("--no-projection", action="store_true", help="skip the GLM-5 projection")
     ap.add_argument("--no-record", action="store_true", help="print only; leave RESULTS.md alone")
     args = ap.parse_args()
@@ -401,19 +487,26 @@ def main() -> None:
         batches = measure(st, lengths, args.rounds, names)
         load = os.getloadavg()[0]
     main_t, ratio_t = tables(batches, lengths, names)
-    how = (f"`{KEY}` set in each prefill's connector config (false / true)" if st.layerwise else
-           f"the connector does not know `{KEY}` yet (tilert_serve/pd_vllm/config.py): BOTH prefills run "
-           "today's serial path, so the two configurations measure the same thing and their ratio is noise")
-    notes = (f"Tiny CPU stack ({SPEC}, reshaped: {len(names)} prefill(s), 1 TileRT node on the reference engine, "
-             f"float32, Mooncake over TCP on loopback); {args.rounds} requests per length and configuration, the "
-             f"configurations alternating request by request; load average (1 min) {load0:.1f} at the start of the requests, {load:.1f} at the end. Layer-wise: {how}. "
-             "Gap = the node's first decoded token read by the client - the prefill's answer read (median / p90). "
-             "Node stages are medians of the done event's timings (decode_ms with max_tokens=1 = the first decode "
-             "step); extraction and the sender's wire time are per-request means of the prefill's "
-             "vllm:tilert_* counters. Extraction runs in the prefill's step, before its answer: forward end -> "
-             "first decoded = extraction + gap. After answer = gap - (digest + conversion + injection + first "
-             "step): the wire's tail past the answer plus the /v1/generate call.")
-    body = main_t + ("\n\nRatio layerwise / serial (medians; < 1 = overlap shortens it):\n\n" + ratio_t if ratio_t else "")
+    how = (
+        f"`{KEY}` set in each prefill's connector config (false / true)"
+        if st.layerwise
+        else f"the connector does not know `{KEY}` yet (tilert_serve/pd_vllm/config.py): BOTH prefills run "
+        "today's serial path, so the two configurations measure the same thing and their ratio is noise"
+    )
+    notes = (
+        f"Tiny CPU stack ({SPEC}, reshaped: {len(names)} prefill(s), 1 TileRT node on the reference engine, "
+        f"float32, Mooncake over TCP on loopback); {args.rounds} requests per length and configuration, the "
+        f"configurations alternating request by request; load average (1 min) {load0:.1f} at the start of the requests, {load:.1f} at the end. Layer-wise: {how}. "
+        "Gap = the node's first decoded token read by the client - the prefill's answer read (median / p90). "
+        "Node stages are medians of the done event's timings (decode_ms with max_tokens=1 = the first decode "
+        "step); extraction and the sender's wire time are per-request means of the prefill's "
+        "vllm:tilert_* counters. Extraction runs in the prefill's step, before its answer: forward end -> "
+        "first decoded = extraction + gap. After answer = gap - (digest + conversion + injection + first "
+        "step): the wire's tail past the answer plus the /v1/generate call."
+    )
+    body = main_t + (
+        "\n\nRatio layerwise / serial (medians; < 1 = overlap shortens it):\n\n" + ratio_t if ratio_t else ""
+    )
     print()
     print(body)
     print()

@@ -67,7 +67,9 @@ def build(names: list[str], *, no_cache: bool) -> dict[str, dict[str, Any]]:
     with tempfile.NamedTemporaryFile(suffix=".jsonl", delete=False) as f:
         summary = Path(f.name)
     env = os.environ | {"IMAGES_SUMMARY_JSON": str(summary), "IMAGES_NO_CACHE": "1" if no_cache else "0"}
-    print(f"== scripts/images.sh {' '.join(names)} ({'cold: --no-cache' if no_cache else 'cached'})", flush=True)
+    print(
+        f"== scripts/images.sh {' '.join(names)} ({'cold: --no-cache' if no_cache else 'cached'})", flush=True
+    )
     subprocess.run(["bash", str(ROOT / "scripts" / "images.sh"), *names], env=env, cwd=ROOT, check=True)
     rows = [json.loads(line) for line in summary.read_text().splitlines() if line.strip()]
     summary.unlink()
@@ -82,14 +84,24 @@ def image_id(tag: str) -> str | None:
 def offline_base_seconds() -> float:
     """Make the offline base anew under its own tag (docker/offline-base.sh makes it when missing), then
     put the tag back on the image the built images were made on, so the cached builds stay hits."""
-    tag = subprocess.run(["bash", str(ROOT / "docker" / "offline-base.sh")], capture_output=True, text=True, check=True,
-                         cwd=ROOT).stdout.strip()
+    tag = subprocess.run(
+        ["bash", str(ROOT / "docker" / "offline-base.sh")],
+        capture_output=True,
+        text=True,
+        check=True,
+        cwd=ROOT,
+    ).stdout.strip()
     old = image_id(tag)
     docker("tag", tag, tag + "-bench-keep")
     docker("rmi", tag)
     t0 = time.monotonic()
     try:
-        subprocess.run(["bash", str(ROOT / "docker" / "offline-base.sh")], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            ["bash", str(ROOT / "docker" / "offline-base.sh")],
+            check=True,
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+        )
         return time.monotonic() - t0
     finally:
         new = image_id(tag)
@@ -121,11 +133,14 @@ def wait_http(url: str, timeout: float, alive: Callable[[], bool]) -> float:
     raise RuntimeError(f"{url} did not answer within {timeout}s")
 
 
-def time_to_ready(image: str, command: list[str], url: str, docker_args: list[str], timeout: float = 120) -> float:
+def time_to_ready(
+    image: str, command: list[str], url: str, docker_args: list[str], timeout: float = 120
+) -> float:
     name = f"tilert-pd-bench-{uuid.uuid4().hex[:8]}"
     t0 = time.monotonic()
     docker("run", "-d", "--name", name, "--label", LABEL, "--network", "host", *docker_args, image, *command)
     try:
+
         def alive() -> bool:
             return docker("inspect", "-f", "{{.State.Running}}", name, check=False).stdout.strip() == "true"
 
@@ -159,12 +174,22 @@ def operator_ready(image: str, reps: int) -> float:
 
     pdc_harness.install_crd(st, crd)
     try:
+
         def once() -> float:
             port = free_port()
-            return time_to_ready(image, ["tilert-pd", "operator", "--liveness", f"http://127.0.0.1:{port}/healthz"],
-                                 f"http://127.0.0.1:{port}/healthz",
-                                 ["-v", f"{cfg}:/etc/kubeconfig:ro", "-e", "KUBECONFIG=/etc/kubeconfig",
-                                  "-e", "TILERT_PD_METRICS_PORT=0"])
+            return time_to_ready(
+                image,
+                ["tilert-pd", "operator", "--liveness", f"http://127.0.0.1:{port}/healthz"],
+                f"http://127.0.0.1:{port}/healthz",
+                [
+                    "-v",
+                    f"{cfg}:/etc/kubeconfig:ro",
+                    "-e",
+                    "KUBECONFIG=/etc/kubeconfig",
+                    "-e",
+                    "TILERT_PD_METRICS_PORT=0",
+                ],
+            )
 
         return med(once, reps)
     finally:
@@ -179,9 +204,21 @@ def router_ready(image: str, reps: int) -> float:
 
     def once() -> float:
         port = free_port()
-        return time_to_ready(image, ["router", "--config", "/etc/router.yaml", "--host", "127.0.0.1", "--port", str(port),
-                                     "--no-health-checks"], f"http://127.0.0.1:{port}/health",
-                             ["-v", f"{cfg}:/etc/router.yaml:ro"])
+        return time_to_ready(
+            image,
+            [
+                "router",
+                "--config",
+                "/etc/router.yaml",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(port),
+                "--no-health-checks",
+            ],
+            f"http://127.0.0.1:{port}/health",
+            ["-v", f"{cfg}:/etc/router.yaml:ro"],
+        )
 
     return med(once, reps)
 
@@ -196,14 +233,33 @@ def vllm_serve_ready(image: str) -> float:
     os.chmod(tmp, 0o755)
     port = free_port()
     env = [a for k, v in vllm_cpu.serve_env().items() for a in ("-e", f"{k}={v}")]
-    cmd = ["/models/tiny", "--served-model-name", "tiny", "--host", "127.0.0.1", "--port", str(port),
-           "--dtype", "float32", "--enforce-eager", "--max-model-len", "512", "--kv-cache-memory-bytes", str(256 << 20),
-           *vllm_cpu.serve_args()]
+    cmd = [
+        "/models/tiny",
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        "512",
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+        *vllm_cpu.serve_args(),
+    ]
     # ENTRYPOINT is `vllm serve`: the arguments are the model and vLLM's flags, as the operator renders them.
     # --shm-size: vLLM's engine core and worker talk through a shared-memory ring; Docker's default 64 MB
     # /dev/shm is too small for it ("check_shm_free_space" fails at start).
-    return time_to_ready(image, cmd, f"http://127.0.0.1:{port}/health",
-                         ["--shm-size", "1g", "-v", f"{model}:/models/tiny:ro", *env], timeout=600)
+    return time_to_ready(
+        image,
+        cmd,
+        f"http://127.0.0.1:{port}/health",
+        ["--shm-size", "1g", "-v", f"{model}:/models/tiny:ro", *env],
+        timeout=600,
+    )
 
 
 def main() -> None:
@@ -233,8 +289,10 @@ def main() -> None:
     ready = {
         "operator": ("`tilert-pd operator` /healthz", operator_ready(tags["operator"], args.reps)),
         "serve-cpu": ("`tilert-pd router` /health", router_ready(tags["serve-cpu"], args.reps)),
-        "vllm-prefill-cpu": ("`vllm --help` (shim, imports vLLM)",
-                             med(lambda: run_once(tags["vllm-prefill-cpu"], "--help", entrypoint="vllm"), args.reps)),
+        "vllm-prefill-cpu": (
+            "`vllm --help` (shim, imports vLLM)",
+            med(lambda: run_once(tags["vllm-prefill-cpu"], "--help", entrypoint="vllm"), args.reps),
+        ),
     }
     serve_s: float | None = None
     serve_error = ""
@@ -249,27 +307,67 @@ def main() -> None:
         w = warm[name]
         c = cold.get(name)
         what, secs = ready[name]
-        rows.append([f"`{tags[name]}`", f"{w['size_bytes'] / 1e6:,.0f} MB",
-                     f"{c['seconds']} s" if c else "-", f"{w['seconds']} s ({w['cached_steps']}/{w['steps']} steps cached)",
-                     f"{floor[name]:.2f} s", f"{what}: {secs:.2f} s"])
+        rows.append(
+            [
+                f"`{tags[name]}`",
+                f"{w['size_bytes'] / 1e6:,.0f} MB",
+                f"{c['seconds']} s" if c else "-",
+                f"{w['seconds']} s ({w['cached_steps']}/{w['steps']} steps cached)",
+                f"{floor[name]:.2f} s",
+                f"{what}: {secs:.2f} s",
+            ]
+        )
     if serve_error:
-        rows.append([f"`{tags['vllm-prefill-cpu']}`", "", "", "", "", f"`vllm serve` tiny model: failed ({serve_error})"])
+        rows.append(
+            [
+                f"`{tags['vllm-prefill-cpu']}`",
+                "",
+                "",
+                "",
+                "",
+                f"`vllm serve` tiny model: failed ({serve_error})",
+            ]
+        )
     if serve_s is not None:
-        rows.append([f"`{tags['vllm-prefill-cpu']}`", "", "", "", "",
-                     f"`vllm serve` tiny model (float32, no connector) /health: {serve_s:.1f} s"])
+        rows.append(
+            [
+                f"`{tags['vllm-prefill-cpu']}`",
+                "",
+                "",
+                "",
+                "",
+                f"`vllm serve` tiny model (float32, no connector) /health: {serve_s:.1f} s",
+            ]
+        )
     load = os.getloadavg()
     base = warm[names[0]]["base"]
-    notes = [f"Base: `{base}`" + (" (offline: debootstrap bookworm minbase + python3 3.11.2 + venv; "
-                                   f"made in {base_s:.0f} s)" if base_s is not None else "") + "."]
-    notes.append("Cold = `docker build --no-cache` on the present base, one image at a time: apt from the Debian mirror, pip from PyPI "
-                 "(torch's +cpu wheel from a wheelhouse the host's pip filled, served on 127.0.0.1), so network "
-                 "speed is part of it. Cached = the same builds again, nothing changed (the second of two runs). Time to ready is from "
-                 f"`docker run` to the first 200, median of {args.reps}. Load average at the end: "
-                 f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (other work shared the 2 cores).")
-    body = table(["image", "size", "build cold", "build cached", "`docker run ... true`", "time to ready"], rows)
+    notes = [
+        f"Base: `{base}`"
+        + (
+            f" (offline: debootstrap bookworm minbase + python3 3.11.2 + venv; made in {base_s:.0f} s)"
+            if base_s is not None
+            else ""
+        )
+        + "."
+    ]
+    notes.append(
+        "Cold = `docker build --no-cache` on the present base, one image at a time: apt from the Debian mirror, pip from PyPI "
+        "(torch's +cpu wheel from a wheelhouse the host's pip filled, served on 127.0.0.1), so network "
+        "speed is part of it. Cached = the same builds again, nothing changed (the second of two runs). Time to ready is from "
+        f"`docker run` to the first 200, median of {args.reps}. Load average at the end: "
+        f"{load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f} (other work shared the 2 cores)."
+    )
+    body = table(
+        ["image", "size", "build cold", "build cached", "`docker run ... true`", "time to ready"], rows
+    )
     print(body)
     record("images", "Images (`bench/images/run.py`, CPU box)", body, notes="\n".join(notes))
-    docker("rm", "-f", *docker("ps", "-aq", "--filter", f"label={LABEL}", check=False).stdout.split(), check=False)
+    docker(
+        "rm",
+        "-f",
+        *docker("ps", "-aq", "--filter", f"label={LABEL}", check=False).stdout.split(),
+        check=False,
+    )
 
 
 if __name__ == "__main__":

@@ -37,15 +37,22 @@ SPEC = "examples/tiny-cpu.yaml"
 
 def _start_plain(spec: PDClusterSpec, model_dir: Path, log: Path) -> tuple[subprocess.Popen[bytes], str]:
     port = runner.free_port()
-    pl = local_plan.plan(spec, ports=local_plan.Ports(router=0, prefill=[0], native=[port], tilert=[]),
-                         model_dir=str(model_dir), secret_file="unused", router_config_file="unused")
+    pl = local_plan.plan(
+        spec,
+        ports=local_plan.Ports(router=0, prefill=[0], native=[port], tilert=[]),
+        model_dir=str(model_dir),
+        secret_file="unused",
+        router_config_file="unused",
+    )
     native = next(c for c in pl.components if c.kind == constants.NATIVE)
     argv = list(native.argv)
     i = argv.index("--kv-transfer-config")
-    del argv[i:i + 2]
+    del argv[i : i + 2]
     env = {**os.environ, **native.env}
     env.pop(vllm_cpu.VLLM_CPU_RESERVED_CPU_ENV, None)
-    proc = subprocess.Popen(argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True)
+    proc = subprocess.Popen(
+        argv, env=env, stdout=log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True
+    )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 600
     while time.monotonic() < deadline:
@@ -81,30 +88,45 @@ def main() -> None:
     try:
         for variant in ("rendered", "vLLM's default reserve"):
             # The local plan renders through vllm_cpu.serve_env, so this is what pods would get.
-            vllm_cpu.serve_env = rendered_env if variant == "rendered" else (lambda tensor_parallel_size=1: {})
-            up = argparse.Namespace(action="up", filename=SPEC, router_port=runner.free_port(), timeout=900.0,
-                                    home=home)
+            vllm_cpu.serve_env = (
+                rendered_env if variant == "rendered" else (lambda tensor_parallel_size=1: {})
+            )
+            up = argparse.Namespace(
+                action="up", filename=SPEC, router_port=runner.free_port(), timeout=900.0, home=home
+            )
             if local_cli.run(up) != 0:
                 raise SystemExit(f"the stack did not start; logs under {home}")
             try:
                 meta, _ = runner.load((home / name).resolve())
                 if plain is None:
                     vllm_cpu.serve_env = rendered_env
-                    plain, plain_url = _start_plain(spec, local_cli._model_dir(home, name, spec),
-                                                    home / "plain-vllm.log")
+                    plain, plain_url = _start_plain(
+                        spec, local_cli._model_dir(home, name, spec), home / "plain-vllm.log"
+                    )
                     demo.complete(plain_url, spec.model.name, demo.PROMPTS[0], "plain", 4)  # warm-up
                 native_tpot, plain_tpot, texts_equal = [], [], True
                 for _ in range(args.rounds):
                     for prompt, chat in [*((p, False) for p in demo.PROMPTS), (demo.CHAT, True)]:
-                        n = demo.complete(str(meta["router"]), spec.model.name, prompt, "native", args.max_tokens, chat)
+                        n = demo.complete(
+                            str(meta["router"]), spec.model.name, prompt, "native", args.max_tokens, chat
+                        )
                         p = demo.complete(plain_url, spec.model.name, prompt, "plain", args.max_tokens, chat)
                         native_tpot.append(n["tpot_ms"])
                         plain_tpot.append(p["tpot_ms"])
                         texts_equal &= n["text"] == p["text"] and n["served_by"] == "native"
                 load = os.getloadavg()[0]
                 nat, pla = statistics.median(native_tpot), statistics.median(plain_tpot)
-                rows.append([variant, f"{nat:.1f}", f"{pla:.1f}", f"{nat / pla:.2f}x", str(len(native_tpot)),
-                             "yes" if texts_equal else "NO", f"{load:.1f}"])
+                rows.append(
+                    [
+                        variant,
+                        f"{nat:.1f}",
+                        f"{pla:.1f}",
+                        f"{nat / pla:.2f}x",
+                        str(len(native_tpot)),
+                        "yes" if texts_equal else "NO",
+                        f"{load:.1f}",
+                    ]
+                )
                 print(rows[-1], flush=True)
             finally:
                 local_cli.run(argparse.Namespace(action="down", home=home))
@@ -112,8 +134,18 @@ def main() -> None:
         vllm_cpu.serve_env = rendered_env
         if plain is not None:
             _stop(plain)
-    body = table(["native pool's core reserve", "native TPOT ms (median)", "vLLM alone TPOT ms (median)", "ratio",
-                  "requests", "same text", "load avg"], rows)
+    body = table(
+        [
+            "native pool's core reserve",
+            "native TPOT ms (median)",
+            "vLLM alone TPOT ms (median)",
+            "ratio",
+            "requests",
+            "same text",
+            "load avg",
+        ],
+        rows,
+    )
     print(body)
     record("native-cpu", "Native path on vLLM's CPU build (`bench/native_cpu/run.py`, CPU box)", body)
 

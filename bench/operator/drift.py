@@ -47,11 +47,22 @@ SECRET = ("", "v1", "secrets")
 
 def _reconciles(srv: Any) -> int:
     sel = f"pd.tilert.ai/cluster={NAME}"
-    return sum(1 for c in srv.calls if c.user_agent.startswith(UA) and c.resource == "pods" and c.verb == "list" and c.label_selector == sel)
+    return sum(
+        1
+        for c in srv.calls
+        if c.user_agent.startswith(UA)
+        and c.resource == "pods"
+        and c.verb == "list"
+        and c.label_selector == sel
+    )
 
 
 def _writes(srv: Any) -> int:
-    return sum(1 for c in srv.calls if c.user_agent.startswith(UA) and c.verb in ("create", "patch", "update", "delete"))
+    return sum(
+        1
+        for c in srv.calls
+        if c.user_agent.startswith(UA) and c.verb in ("create", "patch", "update", "delete")
+    )
 
 
 def _wait(what: str, fn: Callable[[], Any], timeout: float, interval: float = 0.005) -> float:
@@ -112,12 +123,23 @@ def run_case(watch: bool, resync: float, samples: int) -> dict[str, dict[str, li
         doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
         doc["metadata"] = {"name": NAME, "namespace": NS}
         st.call(srv.put(PDC, doc))
-        _wait("children", lambda: srv.get("networkpolicies", NS, f"{NAME}-tilert-decode") and srv.get("deployments", NS, f"{NAME}-router")
-              and srv.get("secrets", NS, f"{NAME}-handoff"), 60, 0.05)
+        _wait(
+            "children",
+            lambda: (
+                srv.get("networkpolicies", NS, f"{NAME}-tilert-decode")
+                and srv.get("deployments", NS, f"{NAME}-router")
+                and srv.get("secrets", NS, f"{NAME}-handoff")
+            ),
+            60,
+            0.05,
+        )
         time.sleep(3.0)  # first status writes and Events, kopf's watches started
         idle0 = (_reconciles(srv), _writes(srv))
         time.sleep(2.0)
-        out["idle"] = {"reconciles": [float(_reconciles(srv) - idle0[0])], "writes": [float(_writes(srv) - idle0[1])]}
+        out["idle"] = {
+            "reconciles": [float(_reconciles(srv) - idle0[0])],
+            "writes": [float(_writes(srv) - idle0[1])],
+        }
         for label, (fault, repaired) in _faults(st).items():
             rows: dict[str, list[float]] = {"latency_s": [], "reconciles": [], "writes": []}
             for _ in range(samples):
@@ -161,18 +183,40 @@ def main(argv: list[str] | None = None) -> int:
             continue
         w, b = watched[label], base[label]
         wl, bl = w["latency_s"], b["latency_s"]
-        cells.append([label, f"{_pct(wl, 0.5):.3f}", f"{_pct(wl, 0.9):.3f}", f"{max(wl):.3f}",
-                      f"{sum(w['reconciles']) / len(wl):.2f}", f"{sum(w['writes']) / len(wl):.2f}",
-                      f"{_pct(bl, 0.5):.2f} ({min(bl):.2f}-{max(bl):.2f})", f"{_pct(bl, 0.5) / _pct(wl, 0.5):.0f}x"])
-    body = table(["fault", "repair p50 (s)", "p90 (s)", "max (s)", "reconciles per repair", "operator writes per repair",
-                  "resync only, p50 (min-max) (s)", "ratio p50"], cells)
+        cells.append(
+            [
+                label,
+                f"{_pct(wl, 0.5):.3f}",
+                f"{_pct(wl, 0.9):.3f}",
+                f"{max(wl):.3f}",
+                f"{sum(w['reconciles']) / len(wl):.2f}",
+                f"{sum(w['writes']) / len(wl):.2f}",
+                f"{_pct(bl, 0.5):.2f} ({min(bl):.2f}-{max(bl):.2f})",
+                f"{_pct(bl, 0.5) / _pct(wl, 0.5):.0f}x",
+            ]
+        )
+    body = table(
+        [
+            "fault",
+            "repair p50 (s)",
+            "p90 (s)",
+            "max (s)",
+            "reconciles per repair",
+            "operator writes per repair",
+            "resync only, p50 (min-max) (s)",
+            "ratio p50",
+        ],
+        cells,
+    )
     idle = watched["idle"]
-    notes = (f"Watches on: {args.samples} repairs per fault; resync only (children's watches off, the operator before this "
-             f"change): {args.baseline_samples} per fault. Resync period {args.resync:g} s in both runs (the chart's default "
-             f"is 30 s: resync-only repair then takes 0-30 s). Idle 2 s after creation with watches on: "
-             f"{idle['reconciles'][0]:.0f} reconciles, {idle['writes'][0]:.0f} writes (the operator's own writes echo "
-             f"through the watches and cause nothing). Load average (1 min) at the end {os.getloadavg()[0]:.1f}; "
-             f"the box is shared.")
+    notes = (
+        f"Watches on: {args.samples} repairs per fault; resync only (children's watches off, the operator before this "
+        f"change): {args.baseline_samples} per fault. Resync period {args.resync:g} s in both runs (the chart's default "
+        f"is 30 s: resync-only repair then takes 0-30 s). Idle 2 s after creation with watches on: "
+        f"{idle['reconciles'][0]:.0f} reconciles, {idle['writes'][0]:.0f} writes (the operator's own writes echo "
+        f"through the watches and cause nothing). Load average (1 min) at the end {os.getloadavg()[0]:.1f}; "
+        f"the box is shared."
+    )
     print(body)
     print(notes)
     record("operator-drift", "Operator drift repair (`bench/operator/drift.py`, CPU box)", body, notes=notes)

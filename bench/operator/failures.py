@@ -68,10 +68,28 @@ def measure(n: int, resync: float, timeout: float) -> dict[str, list[float]]:
 
     srv.on_change.append(hook)
     port = free_port()
-    env = os.environ | {"KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(port),
-                        "TILERT_PD_METRICS_HOST": "127.0.0.1", "TILERT_PD_WATCH_TIMEOUT_S": "600"}
-    op = subprocess.Popen([str(ROOT / ".venv" / "bin" / "kopf"), "run", "-m", "tilert_operator.wiring", "--all-namespaces",
-                           "--standalone", "--quiet"], env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = os.environ | {
+        "KUBECONFIG": str(cfg),
+        "TILERT_PD_RESYNC_S": str(resync),
+        "TILERT_PD_METRICS_PORT": str(port),
+        "TILERT_PD_METRICS_HOST": "127.0.0.1",
+        "TILERT_PD_WATCH_TIMEOUT_S": "600",
+    }
+    op = subprocess.Popen(
+        [
+            str(ROOT / ".venv" / "bin" / "kopf"),
+            "run",
+            "-m",
+            "tilert_operator.wiring",
+            "--all-namespaces",
+            "--standalone",
+            "--quiet",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
         deadline = time.monotonic() + 30
         while True:
@@ -109,10 +127,19 @@ def measure(n: int, resync: float, timeout: float) -> dict[str, list[float]]:
                     raise RuntimeError(f"missing after {timeout}s: {[k for k in keys if k not in seen][:5]}")
                 time.sleep(0.05)
 
-        wait([("reconciled=False:1", b) for b in bad] + [("event", b) for b in bad] + [("status", g) for g in good])
+        wait(
+            [("reconciled=False:1", b) for b in bad]
+            + [("event", b) for b in bad]
+            + [("status", g) for g in good]
+        )
         refused = {}
         for c in srv.calls:  # the first apply of each bad PDCluster's router: refused (it never exists)
-            if c.verb == "patch" and c.resource == "deployments" and c.user_agent.startswith("tilert-pd") and c.name:
+            if (
+                c.verb == "patch"
+                and c.resource == "deployments"
+                and c.user_agent.startswith("tilert-pd")
+                and c.name
+            ):
                 refused.setdefault(c.name.removesuffix("-router"), c.at)
         fixed: dict[str, float] = {}
 
@@ -160,14 +187,25 @@ def main(argv: list[str] | None = None) -> int:
         ("Reconciled=False to the Warning Event", "condition_to_event"),
         ("spec fixed to Reconciled=True", "fix_to_cleared"),
     ]
-    cells = [[label, f"{_pct(r[key], 0.5) * 1000:.0f}", f"{_pct(r[key], 0.99) * 1000:.0f}",
-              f"{_pct(r[key], 0.5) / base50:.2f}x" if base50 else "-"] for label, key in rows]
+    cells = [
+        [
+            label,
+            f"{_pct(r[key], 0.5) * 1000:.0f}",
+            f"{_pct(r[key], 0.99) * 1000:.0f}",
+            f"{_pct(r[key], 0.5) / base50:.2f}x" if base50 else "-",
+        ]
+        for label, key in rows
+    ]
     body = table(["interval", "p50 (ms)", "p99 (ms)", "p50 / baseline p50"], cells)
     print(body)
-    record("operator-failures", "Operator: refused children made visible (`bench/operator/failures.py`, CPU box)", body,
-           notes=f"{args.n} PDClusters with a router the API test server refuses (422, a label value) and {args.n} good ones, "
-                 f"created at once; resync period {args.resync:g} s (nothing waits for it). The Event is posted after the status "
-                 f"write of the same reconcile. Load average (1 min) at the end {os.getloadavg()[0]:.1f}.")
+    record(
+        "operator-failures",
+        "Operator: refused children made visible (`bench/operator/failures.py`, CPU box)",
+        body,
+        notes=f"{args.n} PDClusters with a router the API test server refuses (422, a label value) and {args.n} good ones, "
+        f"created at once; resync period {args.resync:g} s (nothing waits for it). The Event is posted after the status "
+        f"write of the same reconcile. Load average (1 min) at the end {os.getloadavg()[0]:.1f}.",
+    )
     return 0
 
 

@@ -56,8 +56,11 @@ def _value(samples: list[Sample], name: str) -> float:
 
 def _quantile(samples: list[Sample], q: float) -> float:
     """histogram_quantile as Prometheus computes it: linear within the bucket."""
-    buckets = sorted((float(s.labels["le"]), s.value) for s in samples
-                     if s.name == "tilert_pd_reconcile_duration_seconds_bucket")
+    buckets = sorted(
+        (float(s.labels["le"]), s.value)
+        for s in samples
+        if s.name == "tilert_pd_reconcile_duration_seconds_bucket"
+    )
     total = buckets[-1][1]
     if not total:
         return 0.0
@@ -77,7 +80,9 @@ def _pct(values: list[float], q: float) -> float:
 
 
 def _rss_kib(pid: int) -> tuple[int, int]:
-    fields = dict(line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line)
+    fields = dict(
+        line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
+    )
     return int(fields["VmRSS"].split()[0]), int(fields["VmHWM"].split()[0])
 
 
@@ -110,7 +115,9 @@ def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
                 break
             except OSError:
                 if time.monotonic() > deadline or op.poll() is not None:
-                    raise RuntimeError(f"operator did not start: {op.stderr.read() if op.stderr else ''}") from None
+                    raise RuntimeError(
+                        f"operator did not start: {op.stderr.read() if op.stderr else ''}"
+                    ) from None
                 time.sleep(0.2)
         time.sleep(1.0)  # let kopf's watches start
         base = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
@@ -187,8 +194,14 @@ async def _time_to_children(srv: Any, docs: list[dict[str, Any]]) -> list[float]
         if res == PDC and ns is not None:
             first[(ns, name)] = t
         elif res[2] in CHILD_PLURALS and ns is not None:
-            cluster = next((d["metadata"]["name"] for d in docs if name.startswith(d["metadata"]["name"] + "-")
-                            and d["metadata"]["namespace"] == ns), None)
+            cluster = next(
+                (
+                    d["metadata"]["name"]
+                    for d in docs
+                    if name.startswith(d["metadata"]["name"] + "-") and d["metadata"]["namespace"] == ns
+                ),
+                None,
+            )
             if cluster:
                 last[(ns, cluster)] = max(last.get((ns, cluster), 0.0), t)
     return [last[k] - first[k] for k in first if k in last]
@@ -223,8 +236,12 @@ def main(argv: list[str] | None = None) -> int:
         cells.append([label, fmt.format(a), fmt.format(b), f"{b / a:.2f}x" if a else "-"])
     body = table(["metric", "1 PDCluster (baseline)", f"{args.n} PDClusters", "ratio"], cells)
     print(body)
-    record("operator", "Operator (`bench/operator/run.py`, CPU box)", body,
-           notes=f"Resync period {args.resync:g} s; load average (1 min) at the end {os.getloadavg()[0]:.1f}.")
+    record(
+        "operator",
+        "Operator (`bench/operator/run.py`, CPU box)",
+        body,
+        notes=f"Resync period {args.resync:g} s; load average (1 min) at the end {os.getloadavg()[0]:.1f}.",
+    )
     return 0 if big["writes_per_idle_resync"] == 0 else 1
 
 

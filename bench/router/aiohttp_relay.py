@@ -26,8 +26,9 @@ HTTP = web.AppKey("http", aiohttp.ClientSession)
 
 async def client_ctx(app: web.Application) -> AsyncIterator[None]:
     # limit=0: no cap on the pool, as the toy proxy's httpx.Limits(max_connections=None).
-    app[HTTP] = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
-                                      timeout=aiohttp.ClientTimeout(total=None))
+    app[HTTP] = aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=0), timeout=aiohttp.ClientTimeout(total=None)
+    )
     yield
     await app[HTTP].close()
 

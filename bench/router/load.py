@@ -78,12 +78,15 @@ async def one(http: aiohttp.ClientSession, t: Target, tokens: int, res: Result, 
 
 
 def session(limit: int) -> aiohttp.ClientSession:
-    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0),
-                                 timeout=aiohttp.ClientTimeout(total=120))
+    return aiohttp.ClientSession(
+        connector=aiohttp.TCPConnector(limit=limit, limit_per_host=0),
+        timeout=aiohttp.ClientTimeout(total=120),
+    )
 
 
-async def closed_loop(t: Target, concurrency: int, seconds: float, tokens: int,
-                      cpu: Callable[[], float] = lambda: 0.0) -> tuple[float, Result]:
+async def closed_loop(
+    t: Target, concurrency: int, seconds: float, tokens: int, cpu: Callable[[], float] = lambda: 0.0
+) -> tuple[float, Result]:
     """Each of `concurrency` workers sends its next request when the previous one ends.
 
     `cpu` reads the measured process's CPU clock; it is read at the same two instants as the wall

@@ -144,14 +144,32 @@ class Stage:
         self.procs: list[Proc] = []
         up = free_port()
         self.upstream = f"http://127.0.0.1:{up}"
-        self.procs.append(Proc(["bench.router.upstream", "--port", str(up), "--itl-ms", str(itl_ms)], OTHER_CORES,
-                               self.upstream + "/health"))
+        self.procs.append(
+            Proc(
+                ["bench.router.upstream", "--port", str(up), "--itl-ms", str(itl_ms)],
+                OTHER_CORES,
+                self.upstream + "/health",
+            )
+        )
         cfg = tmp / f"router-{up}.yaml"
         router_config(cfg, self.upstream)
         rp = free_port()
         self.router_url = f"http://127.0.0.1:{rp}"
-        self.router = Proc(["tilert_serve.router.cli", "--config", str(cfg), "--host", "127.0.0.1", "--port", str(rp),
-                            "--log-level", "WARNING"], ROUTER_CORE, self.router_url + "/health")
+        self.router = Proc(
+            [
+                "tilert_serve.router.cli",
+                "--config",
+                str(cfg),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(rp),
+                "--log-level",
+                "WARNING",
+            ],
+            ROUTER_CORE,
+            self.router_url + "/health",
+        )
         self.procs.append(self.router)
         self.relays: dict[str, tuple[str, int]] = {}
         for name, module in RELAYS.items():
@@ -163,8 +181,10 @@ class Stage:
 
     def targets(self) -> list[tuple[Target, int]]:
         pid = self.router.p.pid
-        out = [(Target("router native", self.router_url, {"x-pd-route": "native"}), pid),
-               (Target("router TileRT", self.router_url, {"x-pd-route": "tilert"}), pid)]
+        out = [
+            (Target("router native", self.router_url, {"x-pd-route": "native"}), pid),
+            (Target("router TileRT", self.router_url, {"x-pd-route": "tilert"}), pid),
+        ]
         out += [(Target(name, url), rpid) for name, (url, rpid) in self.relays.items()]
         return out
 
@@ -189,7 +209,10 @@ async def measure(a: argparse.Namespace, tmp: Path) -> list[tuple[str, str]]:
     # 1. Saturation: streamed 64-token requests (tokens coalesced), closed loop; best of N interleaved runs.
     st = Stage(tmp, 0)
     try:
-        print(f"saturation: closed loop, concurrency {conc}, {secs:.0f} s x {a.repeats}, {toks} tokens", flush=True)
+        print(
+            f"saturation: closed loop, concurrency {conc}, {secs:.0f} s x {a.repeats}, {toks} tokens",
+            flush=True,
+        )
         best: dict[str, tuple[float, float, float]] = {}
         for _ in range(a.repeats):
             for t, pid in st.targets():
@@ -198,13 +221,21 @@ async def measure(a: argparse.Namespace, tmp: Path) -> list[tuple[str, str]]:
                     best[t.name] = r
         for name, (rps, core, _eff) in best.items():
             rows.append((f"streamed req/s, {name} (core use)", f"{rps:,.0f} ({core:.2f})"))
-        rows.append(("req per CPU-second: " + " / ".join(best),
-                     " / ".join(f"{eff:,.0f}" for _rps, _core, eff in best.values())))
+        rows.append(
+            (
+                "req per CPU-second: " + " / ".join(best),
+                " / ".join(f"{eff:,.0f}" for _rps, _core, eff in best.values()),
+            )
+        )
         for base in RELAYS:
             for path in ("router native", "router TileRT"):
                 rows.append((f"ratio {path} / {base}: req/s; per CPU-second", both(best[path], best[base])))
-        rows.append(("ratio aiohttp relay / toy proxy: req/s; per CPU-second",
-                     both(best["aiohttp relay"], best["toy proxy"])))
+        rows.append(
+            (
+                "ratio aiohttp relay / toy proxy: req/s; per CPU-second",
+                both(best["aiohttp relay"], best["toy proxy"]),
+            )
+        )
     finally:
         st.stop()
 
@@ -216,8 +247,10 @@ async def measure(a: argparse.Namespace, tmp: Path) -> list[tuple[str, str]]:
         rate = max(best["router native"][0] / 2, 1.0)
         slice_s = a.slice_seconds
         rounds = max(int(secs * a.repeats / slice_s), 1)
-        print(f"TTFT: open loop at {rate:.0f} req/s (half of saturation), {rounds} rounds of {slice_s:.1f} s slices",
-              flush=True)
+        print(
+            f"TTFT: open loop at {rate:.0f} req/s (half of saturation), {rounds} rounds of {slice_s:.1f} s slices",
+            flush=True,
+        )
         targets = [(Target("direct", st.upstream, direct=True), st.procs[0].p.pid)]
         # A baseline whose capacity is below the rate would only measure its own queue.
         targets += [(t, pid) for t, pid in st.targets() if best[t.name][0] > rate * 1.2]
@@ -231,17 +264,26 @@ async def measure(a: argparse.Namespace, tmp: Path) -> list[tuple[str, str]]:
                 cores[t.name].append((cpu_seconds(pid) - c0) / (time.monotonic() - w0))
                 ttfts[t.name] += r.ttft
                 failed[t.name] += r.failed
-        d50, d99 = pct(ttfts["direct"], .5), pct(ttfts["direct"], .99)
+        d50, d99 = pct(ttfts["direct"], 0.5), pct(ttfts["direct"], 0.99)
         rows.append(("TTFT p50 / p99, direct (ms)", f"{ms(d50)} / {ms(d99)}"))
         for t, _pid in targets[1:]:
             x = ttfts[t.name]
             fail = f"; {failed[t.name]} failed" if failed[t.name] else ""
-            rows.append((f"added TTFT p50 / p99, {t.name} (ms)",
-                         f"{ms(pct(x, .5) - d50)} / {ms(pct(x, .99) - d99)} (TTFT {ms(pct(x, .5))} / "
-                         f"{ms(pct(x, .99))}; core use {statistics.median(cores[t.name]):.2f}{fail})"))
+            rows.append(
+                (
+                    f"added TTFT p50 / p99, {t.name} (ms)",
+                    f"{ms(pct(x, 0.5) - d50)} / {ms(pct(x, 0.99) - d99)} (TTFT {ms(pct(x, 0.5))} / "
+                    f"{ms(pct(x, 0.99))}; core use {statistics.median(cores[t.name]):.2f}{fail})",
+                )
+            )
         skipped = [t.name for t, _ in st.targets() if t.name not in ttfts]
         if skipped:
-            rows.append(("added TTFT, " + ", ".join(skipped), f"not measured: saturates below {rate * 1.2:,.0f} req/s"))
+            rows.append(
+                (
+                    "added TTFT, " + ", ".join(skipped),
+                    f"not measured: saturates below {rate * 1.2:,.0f} req/s",
+                )
+            )
     finally:
         st.stop()
 
@@ -255,12 +297,16 @@ async def measure(a: argparse.Namespace, tmp: Path) -> list[tuple[str, str]]:
         for _ in range(max(int(secs * a.repeats / a.slice_seconds), 1)):
             for t, _pid in targets:
                 lat[t.name] += (await open_loop(t, trate, a.slice_seconds, toks, per_token=True)).token_lat
-        d50, d99 = pct(lat["direct"], .5), pct(lat["direct"], .99)
+        d50, d99 = pct(lat["direct"], 0.5), pct(lat["direct"], 0.99)
         rows.append(("per-token latency p50 / p99, direct (ms)", f"{d50 * 1e3:.3f} / {d99 * 1e3:.3f}"))
         for t, _pid in targets[1:]:
             x = lat[t.name]
-            rows.append((f"added per-token latency p50 / p99, {t.name} (ms)",
-                         f"{(pct(x, .5) - d50) * 1e3:.3f} / {(pct(x, .99) - d99) * 1e3:.3f}"))
+            rows.append(
+                (
+                    f"added per-token latency p50 / p99, {t.name} (ms)",
+                    f"{(pct(x, 0.5) - d50) * 1e3:.3f} / {(pct(x, 0.99) - d99) * 1e3:.3f}",
+                )
+            )
     finally:
         st.stop()
 
@@ -270,8 +316,12 @@ async def measure(a: argparse.Namespace, tmp: Path) -> list[tuple[str, str]]:
         print(f"RSS: {a.streams} concurrent streams", flush=True)
         for t, pid in st.targets():
             base, peak, ok = await rss_at(t, pid, a.streams, 16)
-            rows.append((f"RSS idle -> peak at {a.streams:,} streams, {t.name} (MB)",
-                         f"{base:.0f} -> {peak:.0f} ({ok:,} of {a.streams:,} ok)"))
+            rows.append(
+                (
+                    f"RSS idle -> peak at {a.streams:,} streams, {t.name} (MB)",
+                    f"{base:.0f} -> {peak:.0f} ({ok:,} of {a.streams:,} ok)",
+                )
+            )
     finally:
         st.stop()
     return rows
@@ -290,9 +340,11 @@ async def main(a: argparse.Namespace) -> None:
     names = list(runs[0])
     header = ["measure", *(f"run {i + 1}" for i in range(a.runs))]
     body = table(header, [[k, *(r.get(k, "-") for r in runs)] for k in names])
-    note = (f"Router (or relay) pinned to core {sorted(ROUTER_CORE)}, load generator and upstreams on "
-            f"{sorted(OTHER_CORES)}; closed loop {a.concurrency} concurrent, {a.seconds:g} s x {a.repeats} "
-            f"interleaved, best kept; load average during each run (1 min): {'; '.join(loads)}.")
+    note = (
+        f"Router (or relay) pinned to core {sorted(ROUTER_CORE)}, load generator and upstreams on "
+        f"{sorted(OTHER_CORES)}; closed loop {a.concurrency} concurrent, {a.seconds:g} s x {a.repeats} "
+        f"interleaved, best kept; load average during each run (1 min): {'; '.join(loads)}."
+    )
     print()
     print(body)
     print(note)

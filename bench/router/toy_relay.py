@@ -30,8 +30,11 @@ UPSTREAM = {"url": ""}
 
 
 def pooled(base_url: str) -> httpx.AsyncClient:
-    return httpx.AsyncClient(base_url=base_url, timeout=None,
-                             limits=httpx.Limits(max_connections=None, max_keepalive_connections=None))
+    return httpx.AsyncClient(
+        base_url=base_url,
+        timeout=None,
+        limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+    )
 
 
 @asynccontextmanager

@@ -20,8 +20,15 @@ ITL_S = web.AppKey("itl_s", float)
 
 
 def _chunk(i: int, last: bool) -> bytes:
-    body = {"id": "cmpl-b", "object": "text_completion", "created": 1, "model": "tiny",
-            "choices": [{"index": 0, "text": f" {time.monotonic():.6f}", "finish_reason": "length" if last else None}]}
+    body = {
+        "id": "cmpl-b",
+        "object": "text_completion",
+        "created": 1,
+        "model": "tiny",
+        "choices": [
+            {"index": 0, "text": f" {time.monotonic():.6f}", "finish_reason": "length" if last else None}
+        ],
+    }
     return b"data: " + json.dumps(body, separators=(",", ":")).encode() + b"\n\n"
 
 
@@ -30,15 +37,27 @@ async def completions(request: web.Request) -> web.StreamResponse:
     n = int(body.get("max_tokens") or 16)
     if not body.get("stream"):
         kvp = body.get("kv_transfer_params") or {}
-        out_kvp = ({"tilert_first_token": 7, "tilert_num_tokens": 32, "tilert_status": "queued"}
-                   if "tilert_ticket" in kvp else {"remote_engine_id": "p", "remote_block_ids": [1, 2, 3]})
-        return web.json_response({
-            "id": "cmpl-p", "object": "text_completion", "created": 1, "model": "tiny",
-            "choices": [{"index": 0, "text": f" {time.monotonic():.6f}", "finish_reason": "length"}],
-            "usage": {"prompt_tokens": 32, "completion_tokens": 1, "total_tokens": 33,
-                      "prompt_tokens_details": {"cached_tokens": 16}},
-            "kv_transfer_params": out_kvp,
-        })
+        out_kvp = (
+            {"tilert_first_token": 7, "tilert_num_tokens": 32, "tilert_status": "queued"}
+            if "tilert_ticket" in kvp
+            else {"remote_engine_id": "p", "remote_block_ids": [1, 2, 3]}
+        )
+        return web.json_response(
+            {
+                "id": "cmpl-p",
+                "object": "text_completion",
+                "created": 1,
+                "model": "tiny",
+                "choices": [{"index": 0, "text": f" {time.monotonic():.6f}", "finish_reason": "length"}],
+                "usage": {
+                    "prompt_tokens": 32,
+                    "completion_tokens": 1,
+                    "total_tokens": 33,
+                    "prompt_tokens_details": {"cached_tokens": 16},
+                },
+                "kv_transfer_params": out_kvp,
+            }
+        )
     itl = request.app[ITL_S]
     resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
     await resp.prepare(request)
@@ -55,8 +74,15 @@ async def completions(request: web.Request) -> web.StreamResponse:
 
 async def admit(request: web.Request) -> web.Response:
     await request.read()
-    return web.json_response({"ticket": uuid.uuid4().hex, "slot": 0, "expires_in_s": 30.0,
-                              "ctrl_host": "127.0.0.1", "ctrl_port": 5556})
+    return web.json_response(
+        {
+            "ticket": uuid.uuid4().hex,
+            "slot": 0,
+            "expires_in_s": 30.0,
+            "ctrl_host": "127.0.0.1",
+            "ctrl_port": 5556,
+        }
+    )
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -67,9 +93,17 @@ async def generate(request: web.Request) -> web.StreamResponse:
     await resp.prepare(request)
 
     def ev(i: int) -> bytes:
-        return b'data: {"token_ids":[' + str(100 + i).encode() + b'],"text":" ' + f"{time.monotonic():.6f}".encode() + b'"}\n\n'
+        return (
+            b'data: {"token_ids":['
+            + str(100 + i).encode()
+            + b'],"text":" '
+            + f"{time.monotonic():.6f}".encode()
+            + b'"}\n\n'
+        )
 
-    done = b'data: {"done":true,"finish_reason":"length","num_tokens":' + str(n).encode() + b',"timings":{}}\n\n'
+    done = (
+        b'data: {"done":true,"finish_reason":"length","num_tokens":' + str(n).encode() + b',"timings":{}}\n\n'
+    )
     if itl:
         for i in range(n):
             await asyncio.sleep(itl)
@@ -90,14 +124,16 @@ async def ok(request: web.Request) -> web.Response:
 def make_app(itl_s: float) -> web.Application:
     app = web.Application()
     app[ITL_S] = itl_s
-    app.add_routes([
-        web.post("/v1/completions", completions),
-        web.post("/v1/admit", admit),
-        web.post("/v1/generate", generate),
-        web.post("/v1/cancel", ok),
-        web.get("/health", ok),
-        web.get("/ready", ok),
-    ])
+    app.add_routes(
+        [
+            web.post("/v1/completions", completions),
+            web.post("/v1/admit", admit),
+            web.post("/v1/generate", generate),
+            web.post("/v1/cancel", ok),
+            web.get("/health", ok),
+            web.get("/ready", ok),
+        ]
+    )
     return app
 
 
@@ -112,8 +148,9 @@ def main() -> None:
         uvloop.install()
     except ImportError:
         pass
-    web.run_app(make_app(a.itl_ms / 1000), host="127.0.0.1", port=a.port, access_log=None, print=None,
-                backlog=4096)
+    web.run_app(
+        make_app(a.itl_ms / 1000), host="127.0.0.1", port=a.port, access_log=None, print=None, backlog=4096
+    )
 
 
 if __name__ == "__main__":

@@ -24,22 +24,34 @@ import numpy as np
 from bench.common import record, table
 
 TARGET = Path(__file__).with_name("target.py")
-ENV = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "ERROR",
-       "GLOG_minloglevel": "2"}
+ENV = {
+    **os.environ,
+    "UCX_TLS": "tcp",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_MODULES": "^ib",
+    "MC_LOG_LEVEL": "ERROR",
+    "GLOG_minloglevel": "2",
+}
 MIB = 1 << 20
 
 
 class Target:
     def __init__(self, method: str, nbytes: int) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(TARGET), method, str(nbytes)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TARGET), method, str(nbytes)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=ENV,
+        )
         self.info = json.loads(self._line("READY "))
 
     def _line(self, prefix: str) -> str:
         assert self.proc.stdout
         for line in self.proc.stdout:
             if line.startswith(prefix):
-                return line[len(prefix):].strip()
+                return line[len(prefix) :].strip()
         raise RuntimeError(f"target exited with {self.proc.wait()}")
 
     def ask(self, cmd: str) -> str:
@@ -55,8 +67,9 @@ class Target:
         self.proc.wait(30)
 
 
-def _measure(name: str, target: Target, src: np.ndarray, sizes: list[int], reps: int,
-             write: Callable[[int], None]) -> dict[int, list[float]]:
+def _measure(
+    name: str, target: Target, src: np.ndarray, sizes: list[int], reps: int, write: Callable[[int], None]
+) -> dict[int, list[float]]:
     """GB/s of `write(n)` into the target's zeroed buffer, each write checked by md5 there."""
     out: dict[int, list[float]] = {}
     for n in sizes:
@@ -81,8 +94,14 @@ def bench_engine(method: str, src: np.ndarray, sizes: list[int], reps: int) -> d
     engine.register(src.ctypes.data, src.nbytes)
     peer = engine.connect(target.info["peer"])
     try:
-        return _measure(method, target, src, sizes, reps, lambda n: engine.write(
-            peer, [transfer.WriteOp(src.ctypes.data, target.info["addr"], n)]))
+        return _measure(
+            method,
+            target,
+            src,
+            sizes,
+            reps,
+            lambda n: engine.write(peer, [transfer.WriteOp(src.ctypes.data, target.info["addr"], n)]),
+        )
     finally:
         target.close()
 

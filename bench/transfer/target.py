@@ -51,9 +51,9 @@ def main() -> None:
     for line in sys.stdin:
         cmd, *args = line.split()
         if cmd == "md5":
-            print("R " + hashlib.md5(buf[:int(args[0])].tobytes()).hexdigest(), flush=True)
+            print("R " + hashlib.md5(buf[: int(args[0])].tobytes()).hexdigest(), flush=True)
         elif cmd == "zero":
-            buf[:int(args[0])] = 0
+            buf[: int(args[0])] = 0
             print("R ok", flush=True)
         elif cmd == "quit":
             break

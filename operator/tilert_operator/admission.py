@@ -59,8 +59,15 @@ def check(spec: dict[str, Any], name: str, old_spec: dict[str, Any] | None = Non
         raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
 
 
-async def review(spec: dict[str, Any], name: str, namespace: str | None, old_spec: dict[str, Any] | None = None, *,
-                 api: kubeapi.Client | None = None, budget_s: float = DRY_RUN_BUDGET_S) -> None:
+async def review(
+    spec: dict[str, Any],
+    name: str,
+    namespace: str | None,
+    old_spec: dict[str, Any] | None = None,
+    *,
+    api: kubeapi.Client | None = None,
+    budget_s: float = DRY_RUN_BUDGET_S,
+) -> None:
     """`check`, then, with an API client, the server-side dry run of every child."""
     check(spec, name, old_spec)
     if api is None or not namespace or (old_spec is not None and spec == old_spec):
@@ -70,8 +77,14 @@ async def review(spec: dict[str, Any], name: str, namespace: str | None, old_spe
         raise kopf.AdmissionError("; ".join(str(p) for p in problems), code=422)
 
 
-async def dry_run(api: kubeapi.Client, raw_spec: dict[str, Any], name: str, namespace: str, *,
-                  budget_s: float = DRY_RUN_BUDGET_S) -> list[validation.Problem]:
+async def dry_run(
+    api: kubeapi.Client,
+    raw_spec: dict[str, Any],
+    name: str,
+    namespace: str,
+    *,
+    budget_s: float = DRY_RUN_BUDGET_S,
+) -> list[validation.Problem]:
     """Server-side apply each child with dryRun=All: the API server's refusals, each named by the
     PDCluster field the child's field comes from. [] when it answers none within `budget_s`."""
     parsed = specmod.parse(raw_spec)
@@ -81,8 +94,14 @@ async def dry_run(api: kubeapi.Client, raw_spec: dict[str, Any], name: str, name
         meta = obj["metadata"]
         params = {"fieldManager": constants.FIELD_MANAGER, "force": "true", "dryRun": "All"}
         try:
-            await api.request("dry-run", "PATCH", kubeapi.object_path(obj["kind"], namespace, meta["name"]), body=obj,
-                              params=params, content_type="application/apply-patch+yaml")
+            await api.request(
+                "dry-run",
+                "PATCH",
+                kubeapi.object_path(obj["kind"], namespace, meta["name"]),
+                body=obj,
+                params=params,
+                content_type="application/apply-patch+yaml",
+            )
         except kubeapi.ApiError as e:
             if e.status in (400, 422):
                 return refusal(parsed, obj, e)
@@ -92,7 +111,12 @@ async def dry_run(api: kubeapi.Client, raw_spec: dict[str, Any], name: str, name
     try:
         answers = await asyncio.wait_for(asyncio.gather(*(one(c) for c in children)), budget_s)
     except TimeoutError:
-        log.warning("the dry run of %s/%s's children took over %.0f s; admitted on the offline checks", namespace, name, budget_s)
+        log.warning(
+            "the dry run of %s/%s's children took over %.0f s; admitted on the offline checks",
+            namespace,
+            name,
+            budget_s,
+        )
         return []
     out: list[validation.Problem] = []
     for problems in answers:
@@ -100,18 +124,33 @@ async def dry_run(api: kubeapi.Client, raw_spec: dict[str, Any], name: str, name
     return out
 
 
-def refusal(spec: specmod.PDClusterSpec, obj: dict[str, Any], error: kubeapi.ApiError) -> list[validation.Problem]:
+def refusal(
+    spec: specmod.PDClusterSpec, obj: dict[str, Any], error: kubeapi.ApiError
+) -> list[validation.Problem]:
     """The API server's refusal of a child as Problems: one per cause, on the field it comes from."""
     body = error.body or {}
-    causes = ((body.get("details") or {}).get("causes") or []) or [{"message": body.get("message") or str(error)}]
-    pool = validation.POOL_FIELDS.get((obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT, ""), "spec")
-    overrides = " (or the pool's overrides, which are applied over it)" if pool != "spec" and _overridden(spec, pool) else ""
+    causes = ((body.get("details") or {}).get("causes") or []) or [
+        {"message": body.get("message") or str(error)}
+    ]
+    pool = validation.POOL_FIELDS.get(
+        (obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT, ""), "spec"
+    )
+    overrides = (
+        " (or the pool's overrides, which are applied over it)"
+        if pool != "spec" and _overridden(spec, pool)
+        else ""
+    )
     out = []
     for cause in causes:
         where = str(cause.get("field") or "")
         field = validation.source_field(spec, obj, where) if where else pool
-        out.append(validation.Problem(field, f"the API server refused {obj['kind']} {obj['metadata']['name']} (dry run): "
-                                             f"{where + ': ' if where else ''}{cause.get('message')}; fix {field}{overrides}"))
+        out.append(
+            validation.Problem(
+                field,
+                f"the API server refused {obj['kind']} {obj['metadata']['name']} (dry run): "
+                f"{where + ': ' if where else ''}{cause.get('message')}; fix {field}{overrides}",
+            )
+        )
     return out
 
 
@@ -125,7 +164,10 @@ def _overridden(spec: specmod.PDClusterSpec, pool: str) -> bool:
 def immutability(spec: dict[str, Any], old_spec: dict[str, Any]) -> list[validation.Problem]:
     new, old = spec.get("model") or {}, old_spec.get("model") or {}
     return [
-        validation.Problem(f"spec.model.{key}", f"is immutable ({old.get(key)!r} -> {new.get(key)!r}); create a new PDCluster to serve another model")
+        validation.Problem(
+            f"spec.model.{key}",
+            f"is immutable ({old.get(key)!r} -> {new.get(key)!r}); create a new PDCluster to serve another model",
+        )
         for key in ("name", "tilertModel")
         if new.get(key) != old.get(key)
     ]
@@ -143,8 +185,15 @@ class CertReloader:
     certificate keeps serving until the files change again.
     """
 
-    def __init__(self, certfile: str, keyfile: str, password: str | None = None, *, check_interval_s: float = 2.0,
-                 template: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self,
+        certfile: str,
+        keyfile: str,
+        password: str | None = None,
+        *,
+        check_interval_s: float = 2.0,
+        template: ssl.SSLContext | None = None,
+    ) -> None:
         self.certfile, self.keyfile, self.password = certfile, keyfile, password
         self.check_interval_s = check_interval_s
         self._template = template
@@ -187,14 +236,21 @@ class CertReloader:
         except (OSError, ssl.SSLError, ValueError) as e:
             self._failed_sig = sig
             self.failures += 1
-            log.warning("webhook certificate %s / %s does not load (%s); still serving the previous one", self.certfile, self.keyfile, e)
+            log.warning(
+                "webhook certificate %s / %s does not load (%s); still serving the previous one",
+                self.certfile,
+                self.keyfile,
+                e,
+            )
             return self.context
         self.context, self._sig, self._failed_sig = ctx, sig, None
         self.reloads += 1
         log.info("webhook certificate reloaded from %s", self.certfile)
         return ctx
 
-    def sni_callback(self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, ctx: ssl.SSLContext) -> None:
+    def sni_callback(
+        self, conn: ssl.SSLObject | ssl.SSLSocket, server_name: str | None, ctx: ssl.SSLContext
+    ) -> None:
         latest = self.current()
         if latest is not ctx:
             conn.context = latest
@@ -216,7 +272,12 @@ class WebhookServer(kopf.WebhookServer):
     def _build_ssl(self) -> tuple[bytes | None, ssl.SSLContext | None]:
         cadata, context = super()._build_ssl()
         if context is not None and self.certfile is not None and self.pkeyfile is not None:
-            self.reloader = CertReloader(str(self.certfile), str(self.pkeyfile), self.password,
-                                         check_interval_s=self.check_interval_s, template=context)
+            self.reloader = CertReloader(
+                str(self.certfile),
+                str(self.pkeyfile),
+                self.password,
+                check_interval_s=self.check_interval_s,
+                template=context,
+            )
             context.sni_callback = self.reloader.sni_callback
         return cadata, context

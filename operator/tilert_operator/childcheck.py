@@ -123,7 +123,9 @@ _NOT_EXTENDED = ("kubernetes.io/", "requests.")
 VOLUME_SOURCES_MAX = 1
 INT32_MAX = 2**31 - 1
 RESTART_POLICIES = frozenset({"Always"})
-HOST_PATH_TYPES = frozenset({"", "DirectoryOrCreate", "Directory", "FileOrCreate", "File", "Socket", "CharDevice", "BlockDevice"})
+HOST_PATH_TYPES = frozenset(
+    {"", "DirectoryOrCreate", "Directory", "FileOrCreate", "File", "Socket", "CharDevice", "BlockDevice"}
+)
 SECCOMP_TYPES = frozenset({"RuntimeDefault", "Unconfined", "Localhost"})
 FS_GROUP_POLICIES = frozenset({"OnRootMismatch", "Always"})
 SELECTOR_OPERATORS = frozenset({"In", "NotIn", "Exists", "DoesNotExist"})
@@ -135,15 +137,19 @@ def qualified_name_problem(key: str) -> str | None:
     if slash and not (prefix and len(prefix) <= 253 and DNS1123_SUBDOMAIN.fullmatch(prefix)):
         return f"{key!r} is not a label key: its prefix before '/' must be a lowercase DNS subdomain"
     if not name or len(name) > 63 or not QUALIFIED_NAME.fullmatch(name):
-        return (f"{key!r} is not a label key: at most 63 letters, digits, '-', '_' or '.' (after an optional "
-                "DNS-subdomain prefix and '/'), starting and ending with a letter or digit")
+        return (
+            f"{key!r} is not a label key: at most 63 letters, digits, '-', '_' or '.' (after an optional "
+            "DNS-subdomain prefix and '/'), starting and ending with a letter or digit"
+        )
     return None
 
 
 def label_value_problem(value: Any) -> str | None:
     if not isinstance(value, str) or len(value) > 63 or (value and not QUALIFIED_NAME.fullmatch(value)):
-        return (f"{value!r} is not a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending "
-                "with a letter or digit (or empty)")
+        return (
+            f"{value!r} is not a label value: at most 63 letters, digits, '-', '_' or '.', starting and ending "
+            "with a letter or digit (or empty)"
+        )
     return None
 
 
@@ -208,11 +214,19 @@ class _Checker:
         containers += [("containers", i, c) for i, c in enumerate(pod.get("containers") or [])]
         cnames = [c.get("name") for _, _, c in containers]
         for group, i, c in containers:
-            self.container((*at, group, i), c, volumes=set(names), twice=cnames.count(c.get("name")) > 1,
-                           host_network=bool(pod.get("hostNetwork")))
+            self.container(
+                (*at, group, i),
+                c,
+                volumes=set(names),
+                twice=cnames.count(c.get("name")) > 1,
+                host_network=bool(pod.get("hostNetwork")),
+            )
         policy = pod.get("restartPolicy")
         if policy is not None and policy not in RESTART_POLICIES:
-            self.add((*at, "restartPolicy"), f"{policy!r}: a Deployment's or StatefulSet's pods restart Always; remove it")
+            self.add(
+                (*at, "restartPolicy"),
+                f"{policy!r}: a Deployment's or StatefulSet's pods restart Always; remove it",
+            )
         self.pod_security((*at, "securityContext"), pod.get("securityContext") or {})
         self.labels((*at, "nodeSelector"), pod.get("nodeSelector"))
         for i, tol in enumerate(pod.get("tolerations") or []):
@@ -226,7 +240,9 @@ class _Checker:
                 self.add((*here, "topologyKey"), problem.replace("not a label key", "not a node label key"))
             pair = (key, tsc.get("whenUnsatisfiable"))
             if pair in seen:
-                self.add((*here, "topologyKey"), f"{key!r} is constrained twice with {pair[1]}: list each key once")
+                self.add(
+                    (*here, "topologyKey"), f"{key!r} is constrained twice with {pair[1]}: list each key once"
+                )
             seen.add(pair)
             self.selector((*here, "labelSelector"), tsc.get("labelSelector"))
 
@@ -238,19 +254,32 @@ class _Checker:
             self.add((*at, "name"), f"volume {name!r} is defined twice: name each volume once")
         sources = sorted(k for k in v if k != "name")
         if len(sources) != VOLUME_SOURCES_MAX:
-            what = "no volume source" if not sources else f"{len(sources)} volume sources ({', '.join(sources)})"
-            self.add(at, f"has {what}: give exactly one volume source, e.g. persistentVolumeClaim: {{claimName: weights}}")
+            what = (
+                "no volume source" if not sources else f"{len(sources)} volume sources ({', '.join(sources)})"
+            )
+            self.add(
+                at,
+                f"has {what}: give exactly one volume source, e.g. persistentVolumeClaim: {{claimName: weights}}",
+            )
             return
         source = v[sources[0]] if isinstance(v[sources[0]], dict) else {}
-        required = {"persistentVolumeClaim": "claimName", "hostPath": "path", "nfs": "server", "csi": "driver",
-                    "image": "reference"}
+        required = {
+            "persistentVolumeClaim": "claimName",
+            "hostPath": "path",
+            "nfs": "server",
+            "csi": "driver",
+            "image": "reference",
+        }
         field = required.get(sources[0])
         if field and not str(source.get(field) or "").strip():
             self.add((*at, sources[0], field), f"{sources[0]}.{field} is empty: set it")
         if sources[0] == "nfs" and not source.get("path"):
             self.add((*at, "nfs", "path"), "nfs.path is empty: set it")
         if sources[0] == "hostPath" and source.get("type", "") not in HOST_PATH_TYPES:
-            self.add((*at, "hostPath", "type"), f"{source.get('type')!r}: use one of {', '.join(sorted(t for t in HOST_PATH_TYPES if t))}")
+            self.add(
+                (*at, "hostPath", "type"),
+                f"{source.get('type')!r}: use one of {', '.join(sorted(t for t in HOST_PATH_TYPES if t))}",
+            )
         if sources[0] == "secret" and not source.get("secretName"):
             self.add((*at, "secret", "secretName"), "secret.secretName is empty: name the Secret")
         if sources[0] == "configMap" and not source.get("name"):
@@ -270,20 +299,33 @@ class _Checker:
         port_names = [p.get("name") for p in c.get("ports") or [] if p.get("name")]
         for i, p in enumerate(c.get("ports") or []):
             pname = p.get("name")
-            if pname and (len(pname) > 15 or not IANA_SVC_NAME.fullmatch(pname) or not re.search("[a-z]", pname)):
-                self.add((*at, "ports", i, "name"), f"{pname!r} is not a port name (at most 15 lowercase letters, digits, '-')")
+            if pname and (
+                len(pname) > 15 or not IANA_SVC_NAME.fullmatch(pname) or not re.search("[a-z]", pname)
+            ):
+                self.add(
+                    (*at, "ports", i, "name"),
+                    f"{pname!r} is not a port name (at most 15 lowercase letters, digits, '-')",
+                )
             if pname and port_names.count(pname) > 1:
                 self.add((*at, "ports", i, "name"), f"port name {pname!r} is used twice: name each port once")
             if host_network and p.get("hostPort") not in (None, p.get("containerPort")):
-                self.add((*at, "ports", i, "hostPort"), "must equal containerPort under hostNetwork: remove it")
+                self.add(
+                    (*at, "ports", i, "hostPort"), "must equal containerPort under hostNetwork: remove it"
+                )
         mounts = [m.get("mountPath") for m in c.get("volumeMounts") or []]
         for i, m in enumerate(c.get("volumeMounts") or []):
             if m.get("name") not in volumes:
-                self.add((*at, "volumeMounts", i, "name"), f"mounts {m.get('name')!r}, which is no volume of the pod")
+                self.add(
+                    (*at, "volumeMounts", i, "name"),
+                    f"mounts {m.get('name')!r}, which is no volume of the pod",
+                )
             if not m.get("mountPath"):
                 self.add((*at, "volumeMounts", i, "mountPath"), "is empty: set a path")
             elif mounts.count(m.get("mountPath")) > 1:
-                self.add((*at, "volumeMounts", i, "mountPath"), f"{m.get('mountPath')!r} is mounted twice: mount one volume there")
+                self.add(
+                    (*at, "volumeMounts", i, "mountPath"),
+                    f"{m.get('mountPath')!r} is mounted twice: mount one volume there",
+                )
         self.resources((*at, "resources"), c.get("resources") or {})
         self.container_security((*at, "securityContext"), c.get("securityContext") or {})
 
@@ -292,14 +334,23 @@ class _Checker:
         for kind, section in (("requests", requests), ("limits", limits)):
             for rname, value in section.items():
                 here = (*at, kind, rname)
-                if "/" not in rname and rname not in STANDARD_RESOURCES and not rname.startswith("hugepages-"):
-                    self.add(here, f"{rname!r} is not a resource name: use cpu, memory, ephemeral-storage, hugepages-<size> "
-                                   "or a device plugin's domain/name (e.g. nvidia.com/gpu)")
+                if (
+                    "/" not in rname
+                    and rname not in STANDARD_RESOURCES
+                    and not rname.startswith("hugepages-")
+                ):
+                    self.add(
+                        here,
+                        f"{rname!r} is not a resource name: use cpu, memory, ephemeral-storage, hugepages-<size> "
+                        "or a device plugin's domain/name (e.g. nvidia.com/gpu)",
+                    )
                     continue
                 if "/" in rname:
                     prefix, _, short = rname.partition("/")
                     if not DNS1123_SUBDOMAIN.fullmatch(prefix) or not QUALIFIED_NAME.fullmatch(short):
-                        self.add(here, f"{rname!r} is not a resource name: a DNS-subdomain domain, '/', and a name")
+                        self.add(
+                            here, f"{rname!r} is not a resource name: a DNS-subdomain domain, '/', and a name"
+                        )
                         continue
                 if self._extended(rname) and not _whole(value):
                     self.add(here, f"{value!r}: {rname} is counted in whole devices; write a whole number")
@@ -307,9 +358,20 @@ class _Checker:
             if not (self._extended(rname) or rname.startswith("hugepages-")):
                 continue
             if rname not in limits:
-                self.add((*at, "requests", rname), f"{rname} cannot be overcommitted: set limits.{rname} too (equal to the request)")
-            elif _whole(value) and _whole(limits[rname]) and str(value) != str(limits[rname]) and self._extended(rname):
-                self.add((*at, "requests", rname), f"{rname} cannot be overcommitted: the request must equal the limit")
+                self.add(
+                    (*at, "requests", rname),
+                    f"{rname} cannot be overcommitted: set limits.{rname} too (equal to the request)",
+                )
+            elif (
+                _whole(value)
+                and _whole(limits[rname])
+                and str(value) != str(limits[rname])
+                and self._extended(rname)
+            ):
+                self.add(
+                    (*at, "requests", rname),
+                    f"{rname} cannot be overcommitted: the request must equal the limit",
+                )
         huge = [r for r in (*requests, *limits) if r.startswith("hugepages-")]
         if huge and not any(r in (*requests, *limits) for r in ("cpu", "memory")):
             self.add(at, f"{huge[0]} needs a cpu or memory request or limit beside it: set one")
@@ -330,9 +392,14 @@ class _Checker:
             return
         kind = profile.get("type")
         if kind not in SECCOMP_TYPES:
-            self.add((*at, "seccompProfile", "type"), f"{kind!r}: use RuntimeDefault, Localhost or Unconfined")
+            self.add(
+                (*at, "seccompProfile", "type"), f"{kind!r}: use RuntimeDefault, Localhost or Unconfined"
+            )
         elif kind == "Localhost" and not profile.get("localhostProfile"):
-            self.add((*at, "seccompProfile"), "type Localhost needs localhostProfile (the profile's path on the node): set it")
+            self.add(
+                (*at, "seccompProfile"),
+                "type Localhost needs localhostProfile (the profile's path on the node): set it",
+            )
         elif kind != "Localhost" and profile.get("localhostProfile"):
             self.add((*at, "seccompProfile", "localhostProfile"), "is only for type Localhost: remove it")
 
@@ -341,12 +408,18 @@ class _Checker:
         self._seccomp(at, sc)
         if sc.get("allowPrivilegeEscalation") is False:
             if sc.get("privileged"):
-                self.add((*at, "privileged"), "privileged: true needs allowPrivilegeEscalation: true (the rendered value "
-                                              "is false): drop privileged, or set allowPrivilegeEscalation: true too")
+                self.add(
+                    (*at, "privileged"),
+                    "privileged: true needs allowPrivilegeEscalation: true (the rendered value "
+                    "is false): drop privileged, or set allowPrivilegeEscalation: true too",
+                )
             # Only this spelling: the API server compares the string (SYS_ADMIN passes, and runs).
             if "CAP_SYS_ADMIN" in ((sc.get("capabilities") or {}).get("add") or []):
-                self.add((*at, "capabilities", "add"), "CAP_SYS_ADMIN needs allowPrivilegeEscalation: true (the rendered "
-                                                       "value is false): drop it, or set allowPrivilegeEscalation: true")
+                self.add(
+                    (*at, "capabilities", "add"),
+                    "CAP_SYS_ADMIN needs allowPrivilegeEscalation: true (the rendered "
+                    "value is false): drop it, or set allowPrivilegeEscalation: true",
+                )
         if sc.get("procMount", "Default") not in ("Default", "Unmasked"):
             self.add((*at, "procMount"), f"{sc.get('procMount')!r}: use Default or Unmasked")
 
@@ -354,7 +427,9 @@ class _Checker:
         self._ids(at, sc, ("runAsUser", "runAsGroup", "fsGroup"))
         for i, gid in enumerate(sc.get("supplementalGroups") or []):
             if isinstance(gid, int) and not 0 <= gid <= INT32_MAX:
-                self.add((*at, "supplementalGroups", i), f"{gid} is out of range: a group id is 0 to {INT32_MAX}")
+                self.add(
+                    (*at, "supplementalGroups", i), f"{gid} is out of range: a group id is 0 to {INT32_MAX}"
+                )
         self._seccomp(at, sc)
         policy = sc.get("fsGroupChangePolicy")
         if policy is not None and policy not in FS_GROUP_POLICIES:
@@ -362,7 +437,10 @@ class _Checker:
         names = [s.get("name") for s in sc.get("sysctls") or []]
         for i, name in enumerate(names):
             if not isinstance(name, str) or len(name) > 253 or not SYSCTL.fullmatch(name):
-                self.add((*at, "sysctls", i, "name"), f"{name!r} is not a sysctl name (e.g. net.ipv4.tcp_keepalive_time)")
+                self.add(
+                    (*at, "sysctls", i, "name"),
+                    f"{name!r} is not a sysctl name (e.g. net.ipv4.tcp_keepalive_time)",
+                )
             elif names.count(name) > 1:
                 self.add((*at, "sysctls", i, "name"), f"sysctl {name} is set twice: set it once")
 
@@ -373,14 +451,20 @@ class _Checker:
             if problem:
                 self.add((*at, "key"), problem.replace("label key", "taint key"))
         elif op != "Exists":
-            self.add((*at, "operator"), "a toleration with an empty key matches every taint only with operator: Exists; "
-                                        "set a key, or operator: Exists")
+            self.add(
+                (*at, "operator"),
+                "a toleration with an empty key matches every taint only with operator: Exists; "
+                "set a key, or operator: Exists",
+            )
         if op == "Equal":
             problem = label_value_problem(tol.get("value", ""))
             if problem:
                 self.add((*at, "value"), problem.replace("label value", "taint value (a label value)"))
         if tol.get("tolerationSeconds") is not None and tol.get("effect") != "NoExecute":
-            self.add((*at, "tolerationSeconds"), "applies to effect NoExecute only: set effect: NoExecute, or remove it")
+            self.add(
+                (*at, "tolerationSeconds"),
+                "applies to effect NoExecute only: set effect: NoExecute, or remove it",
+            )
 
     # -- workloads and the rest -------------------------------------------------------------------
 
@@ -404,29 +488,47 @@ class _Checker:
         if kind not in ("RollingUpdate", "Recreate"):
             self.add((*at, "type"), f"{kind!r}: use RollingUpdate or Recreate")
         elif kind == "Recreate" and rolling is not None:
-            self.add((*at, "rollingUpdate"), "must be absent with type Recreate: set rollingUpdate: null beside type: Recreate")
+            self.add(
+                (*at, "rollingUpdate"),
+                "must be absent with type Recreate: set rollingUpdate: null beside type: Recreate",
+            )
         elif kind == "RollingUpdate" and isinstance(rolling, dict):
-            surge, unavailable = _count(rolling.get("maxSurge", "25%")), _count(rolling.get("maxUnavailable", "25%"))
+            surge, unavailable = (
+                _count(rolling.get("maxSurge", "25%")),
+                _count(rolling.get("maxUnavailable", "25%")),
+            )
             for key in ("maxSurge", "maxUnavailable"):
                 value = rolling.get(key)
                 if value is not None and _count(value) is None:
-                    self.add((*at, "rollingUpdate", key), f"{value!r}: write a count (0 or more) or a percentage such as 25%")
+                    self.add(
+                        (*at, "rollingUpdate", key),
+                        f"{value!r}: write a count (0 or more) or a percentage such as 25%",
+                    )
             if surge == 0 and unavailable == 0:
-                self.add((*at, "rollingUpdate"), "maxSurge and maxUnavailable are both 0, so no pod could ever be replaced: "
-                                                 "set one of them above 0")
+                self.add(
+                    (*at, "rollingUpdate"),
+                    "maxSurge and maxUnavailable are both 0, so no pod could ever be replaced: "
+                    "set one of them above 0",
+                )
 
     def statefulset_strategy(self, at: Path, strategy: Obj) -> None:
         kind, rolling = strategy.get("type", "RollingUpdate"), strategy.get("rollingUpdate")
         if kind not in ("RollingUpdate", "OnDelete"):
             self.add((*at, "type"), f"{kind!r}: use RollingUpdate or OnDelete")
         elif kind == "OnDelete" and rolling is not None:
-            self.add((*at, "rollingUpdate"), "must be absent with type OnDelete: set rollingUpdate: null beside type: OnDelete")
+            self.add(
+                (*at, "rollingUpdate"),
+                "must be absent with type OnDelete: set rollingUpdate: null beside type: OnDelete",
+            )
         elif isinstance(rolling, dict):
             if isinstance(rolling.get("partition"), int) and rolling["partition"] < 0:
                 self.add((*at, "rollingUpdate", "partition"), "is negative: 0 or more")
             if "maxUnavailable" in rolling and (_count(rolling["maxUnavailable"]) or 0) < 1:
-                self.add((*at, "rollingUpdate", "maxUnavailable"), f"{rolling['maxUnavailable']!r}: a StatefulSet takes at "
-                                                                   "least 1 pod down at a time; set at least 1, or leave it unset")
+                self.add(
+                    (*at, "rollingUpdate", "maxUnavailable"),
+                    f"{rolling['maxUnavailable']!r}: a StatefulSet takes at "
+                    "least 1 pod down at a time; set at least 1, or leave it unset",
+                )
 
     def service(self, obj: Obj) -> None:
         spec = obj.get("spec") or {}
@@ -434,7 +536,10 @@ class _Checker:
         names = [p.get("name") for p in spec.get("ports") or []]
         for i, p in enumerate(spec.get("ports") or []):
             if len(names) > 1 and (not p.get("name") or names.count(p.get("name")) > 1):
-                self.add(("spec", "ports", i, "name"), "a Service with several ports names each once: set a unique name")
+                self.add(
+                    ("spec", "ports", i, "name"),
+                    "a Service with several ports names each once: set a unique name",
+                )
 
     def network_policy(self, obj: Obj) -> None:
         spec = obj.get("spec") or {}
@@ -445,9 +550,14 @@ class _Checker:
 
     def peer(self, at: Path, peer: Obj) -> None:
         block = peer.get("ipBlock")
-        if block is not None and (peer.get("podSelector") is not None or peer.get("namespaceSelector") is not None):
-            self.add(at, "ipBlock admits addresses, podSelector and namespaceSelector admit pods: one peer takes ipBlock "
-                         "alone; list them as two peers")
+        if block is not None and (
+            peer.get("podSelector") is not None or peer.get("namespaceSelector") is not None
+        ):
+            self.add(
+                at,
+                "ipBlock admits addresses, podSelector and namespaceSelector admit pods: one peer takes ipBlock "
+                "alone; list them as two peers",
+            )
         if peer.get("podSelector") is None and peer.get("namespaceSelector") is None and block is None:
             self.add(at, "names no peer: set podSelector, namespaceSelector or ipBlock")
         for key in ("podSelector", "namespaceSelector"):
@@ -458,7 +568,10 @@ class _Checker:
                 if "/" not in str(block.get("cidr")):
                     raise ValueError("no prefix length")
             except ValueError:
-                self.add((*at, "ipBlock", "cidr"), f"{block.get('cidr')!r} is not a CIDR: write an address and prefix, e.g. 10.0.0.0/8")
+                self.add(
+                    (*at, "ipBlock", "cidr"),
+                    f"{block.get('cidr')!r} is not a CIDR: write an address and prefix, e.g. 10.0.0.0/8",
+                )
                 return
             for k, ex in enumerate(block.get("except") or []):
                 try:
@@ -467,8 +580,10 @@ class _Checker:
                     self.add((*at, "ipBlock", "except", k), f"{ex!r} is not a CIDR")
                     continue
                 if sub.version != net.version or not sub.subnet_of(net) or sub == net:  # type: ignore[arg-type]
-                    self.add((*at, "ipBlock", "except", k), f"{ex} must lie strictly within cidr {block.get('cidr')}: "
-                                                            "remove it, or widen cidr")
+                    self.add(
+                        (*at, "ipBlock", "except", k),
+                        f"{ex} must lie strictly within cidr {block.get('cidr')}: remove it, or widen cidr",
+                    )
 
     def config_map(self, obj: Obj) -> None:
         size = 0
@@ -477,11 +592,16 @@ class _Checker:
             if len(key) > 253 or not CONFIG_KEY.fullmatch(key):
                 self.add(("data", key), f"{key!r} is not a ConfigMap key (letters, digits, '-', '_' and '.')")
         if size > 1024 * 1024:
-            self.add(("data",), f"holds {size} bytes; a ConfigMap holds at most 1 MiB: shorten the lists it is made of")
+            self.add(
+                ("data",),
+                f"holds {size} bytes; a ConfigMap holds at most 1 MiB: shorten the lists it is made of",
+            )
 
 
 def _whole(value: Any) -> bool:
-    return (isinstance(value, int) and not isinstance(value, bool)) or (isinstance(value, str) and value.isdigit())
+    return (isinstance(value, int) and not isinstance(value, bool)) or (
+        isinstance(value, str) and value.isdigit()
+    )
 
 
 def _count(value: Any) -> int | None:

@@ -12,10 +12,18 @@ import sys
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-n", "--namespace", action="append", default=[],
-                        help="watch only this namespace (repeatable); default: all namespaces")
-    parser.add_argument("--liveness", default="http://0.0.0.0:8081/healthz",
-                        help="liveness endpoint URL (default http://0.0.0.0:8081/healthz; '' = off)")
+    parser.add_argument(
+        "-n",
+        "--namespace",
+        action="append",
+        default=[],
+        help="watch only this namespace (repeatable); default: all namespaces",
+    )
+    parser.add_argument(
+        "--liveness",
+        default="http://0.0.0.0:8081/healthz",
+        help="liveness endpoint URL (default http://0.0.0.0:8081/healthz; '' = off)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
 
 

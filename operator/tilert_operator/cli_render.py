@@ -19,8 +19,12 @@ from tilert_operator import constants, render, validation
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--filename", required=True, help="PDCluster YAML file ('-' for stdin)")
-    parser.add_argument("-n", "--namespace", default=None, help="namespace (default: the object's, else 'default')")
-    parser.add_argument("--no-secret", action="store_true", help="leave out the generated Secrets (handoff, node API)")
+    parser.add_argument(
+        "-n", "--namespace", default=None, help="namespace (default: the object's, else 'default')"
+    )
+    parser.add_argument(
+        "--no-secret", action="store_true", help="leave out the generated Secrets (handoff, node API)"
+    )
 
 
 def _documents(path: str) -> list[dict[str, Any]]:
@@ -31,8 +35,10 @@ def _documents(path: str) -> list[dict[str, Any]]:
 def render_document(doc: dict[str, Any], namespace: str | None, *, with_secret: bool) -> list[dict[str, Any]]:
     """Render one PDCluster document; raises ValueError naming the field and the fix."""
     if doc.get("kind") != constants.KIND or doc.get("apiVersion") != constants.API_VERSION:
-        raise ValueError(f"expected kind {constants.KIND}, apiVersion {constants.API_VERSION}; got "
-                         f"{doc.get('kind')}, {doc.get('apiVersion')}")
+        raise ValueError(
+            f"expected kind {constants.KIND}, apiVersion {constants.API_VERSION}; got "
+            f"{doc.get('kind')}, {doc.get('apiVersion')}"
+        )
     meta = doc.get("metadata") or {}
     name = meta.get("name")
     if not name:
@@ -42,8 +48,9 @@ def render_document(doc: dict[str, Any], namespace: str | None, *, with_secret: 
     if problems or parsed is None:
         raise ValueError("\n".join(str(p) for p in problems))
     if with_secret:
-        return render.all_manifests(parsed, name, ns, secret_token=secrets.token_urlsafe(32),
-                                    node_api_token=secrets.token_urlsafe(32))
+        return render.all_manifests(
+            parsed, name, ns, secret_token=secrets.token_urlsafe(32), node_api_token=secrets.token_urlsafe(32)
+        )
     return render.children(parsed, name, ns)
 
 

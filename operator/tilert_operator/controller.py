@@ -106,9 +106,11 @@ class Controller:
             # Our own status writes come back as events too: only a spec change (generation) or a
             # deletion mark needs a reconcile now; the rest waits for the resync.
             before = worker.body["metadata"]
-            changed = (before.get("generation") != meta.get("generation")
-                       or before.get("deletionTimestamp") != meta.get("deletionTimestamp")
-                       or _rotation_request(before) != _rotation_request(meta))
+            changed = (
+                before.get("generation") != meta.get("generation")
+                or before.get("deletionTimestamp") != meta.get("deletionTimestamp")
+                or _rotation_request(before) != _rotation_request(meta)
+            )
             worker.body = body
             if not changed:
                 return
@@ -152,7 +154,10 @@ class Controller:
         worker.drift.append((kind, ns, name, meta.get("resourceVersion"), what))
         if worker.drift_timer is None:
             loop = asyncio.get_running_loop()
-            due = max(self.settings.drift_debounce_s, worker.drift_last + self.settings.drift_min_interval_s - time.monotonic())
+            due = max(
+                self.settings.drift_debounce_s,
+                worker.drift_last + self.settings.drift_min_interval_s - time.monotonic(),
+            )
             worker.drift_timer = loop.call_later(due, self._drift_fire, (ns, cluster), worker)
 
     def _report_kick(self, key: Key) -> None:
@@ -174,13 +179,21 @@ class Controller:
         if self._workers.get(key) is not worker:
             return
         # Our own writes come back through the watch too: their resourceVersion is the one our write got.
-        foreign = [(k, n, what) for k, ns, n, rv, what in pending
-                   if self.api.own(k, ns, n) != (DELETED if what == "deleted" else rv)]
+        foreign = [
+            (k, n, what)
+            for k, ns, n, rv, what in pending
+            if self.api.own(k, ns, n) != (DELETED if what == "deleted" else rv)
+        ]
         if not foreign:
             return
         worker.drift_last = time.monotonic()
         self.drift_kicks += 1
-        log.info("[%s/%s] drift: %s; reconciling", key[0], key[1], ", ".join(f"{k}/{n} {w}" for k, n, w in foreign[:5]))
+        log.info(
+            "[%s/%s] drift: %s; reconciling",
+            key[0],
+            key[1],
+            ", ".join(f"{k}/{n} {w}" for k, n, w in foreign[:5]),
+        )
         worker.kick.set()
 
     async def stop(self) -> None:
@@ -208,7 +221,9 @@ class Controller:
             async with self._slots:
                 started = time.perf_counter()
                 try:
-                    outcome = await reconcile.reconcile(self.api, worker.body, rotation_grace_s=s.rotation_grace_s)
+                    outcome = await reconcile.reconcile(
+                        self.api, worker.body, rotation_grace_s=s.rotation_grace_s
+                    )
                 except asyncio.CancelledError:
                     raise
                 except Exception as e:
@@ -224,7 +239,9 @@ class Controller:
             worker.requeue_at = outcome.requeue_at
             self.metrics.writes.inc(outcome.writes)
             self.metrics.states[key] = outcome.state
-            if outcome.written is not None and outcome.written.get("metadata", {}).get("uid") == worker.body["metadata"].get("uid"):
+            if outcome.written is not None and outcome.written.get("metadata", {}).get("uid") == worker.body[
+                "metadata"
+            ].get("uid"):
                 # Compare the next resync against what we wrote, not a body the watch has not caught up to.
                 worker.body = worker.body | {"status": outcome.written.get("status") or {}}
 
@@ -240,12 +257,30 @@ def _fingerprint(body: Obj) -> str:
 def _rollout(body: Obj) -> tuple[Any, ...]:
     """What a workload's controller reports of its rollout (what observe.rollout reads)."""
     st = body.get("status") or {}
-    progressing = next((c.get("reason") for c in st.get("conditions") or [] if c.get("type") == "Progressing"), None)
-    return (*(st.get(k) for k in ("observedGeneration", "replicas", "updatedReplicas", "readyReplicas", "availableReplicas",
-                                  "currentRevision", "updateRevision")), progressing)
+    progressing = next(
+        (c.get("reason") for c in st.get("conditions") or [] if c.get("type") == "Progressing"), None
+    )
+    return (
+        *(
+            st.get(k)
+            for k in (
+                "observedGeneration",
+                "replicas",
+                "updatedReplicas",
+                "readyReplicas",
+                "availableReplicas",
+                "currentRevision",
+                "updateRevision",
+            )
+        ),
+        progressing,
+    )
 
 
 def _rotation_request(meta: Obj) -> tuple[str | None, ...]:
     """A rotation request is an annotation: it changes no generation, yet it is worth a reconcile now."""
     ann = meta.get("annotations") or {}
-    return tuple(ann.get(k) for k in (constants.ROTATE_HANDOFF_SECRET_ANNOTATION, constants.ROTATE_NODE_API_TOKEN_ANNOTATION))
+    return tuple(
+        ann.get(k)
+        for k in (constants.ROTATE_HANDOFF_SECRET_ANNOTATION, constants.ROTATE_NODE_API_TOKEN_ANNOTATION)
+    )

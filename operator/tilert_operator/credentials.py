@@ -102,12 +102,19 @@ def adoptable(secret: Obj, body: Obj) -> bool:
     )
 
 
-def not_owned_message(obj: Obj, body: Obj, kind: str = "Secret", consequence: str = "deploys nothing that mounts it",
-                      adopting: str = "") -> str:
+def not_owned_message(
+    obj: Obj,
+    body: Obj,
+    kind: str = "Secret",
+    consequence: str = "deploys nothing that mounts it",
+    adopting: str = "",
+) -> str:
     """Why an object with a name the operator needs is left alone, and the two ways out. Secrets and
     children share it: one adoption mark for every kind."""
     meta, cluster = obj["metadata"], body["metadata"]["name"]
-    owners = ", ".join(f"{r.get('kind')}/{r.get('name')}" for r in meta.get("ownerReferences") or []) or "none"
+    owners = (
+        ", ".join(f"{r.get('kind')}/{r.get('name')}" for r in meta.get("ownerReferences") or []) or "none"
+    )
     return (
         f"{kind} {meta['namespace']}/{meta['name']} exists but is not this PDCluster's (owners: {owners}); "
         f"the operator leaves it untouched and {consequence}. Delete or rename it and the operator "
@@ -165,7 +172,12 @@ async def ensure(api: Client, body: Obj, make: Obj, required_keys: dict[str, str
         make["metadata"]["ownerReferences"] = [owner_reference(body)]
         existing = await api.create(make) or await api.get("Secret", ns, name)
         if existing is None:
-            raise ApiError(409, "POST", f"secrets/{name}", "create answered AlreadyExists but the Secret is absent; retrying")
+            raise ApiError(
+                409,
+                "POST",
+                f"secrets/{name}",
+                "create answered AlreadyExists but the Secret is absent; retrying",
+            )
         state.actions.append("created")
     if owned(existing, body):
         adopting = False
@@ -227,7 +239,10 @@ class _HandoffScheme(Scheme):
         new = next(iter(_lines(data.get(constants.HANDOFF_ACCEPT_KEY, ""))), None)
         if new is None:
             return None
-        return data | {constants.HANDOFF_SECRET_KEY: new, constants.HANDOFF_ACCEPT_KEY: data.get(constants.HANDOFF_SECRET_KEY, "")}
+        return data | {
+            constants.HANDOFF_SECRET_KEY: new,
+            constants.HANDOFF_ACCEPT_KEY: data.get(constants.HANDOFF_SECRET_KEY, ""),
+        }
 
     def drop_old(self, data: dict[str, str]) -> dict[str, str]:
         return data | {constants.HANDOFF_ACCEPT_KEY: ""}
@@ -251,10 +266,12 @@ class _TokenLinesScheme(Scheme):
         return data | {constants.NODE_API_TOKEN_KEY: "".join(f"{t}\n" for t in first)}
 
 
-HANDOFF: Final[Scheme] = _HandoffScheme("handoff secret", constants.ROTATE_HANDOFF_SECRET_ANNOTATION,
-                                        ACCEPTING, SIGNING)
-NODE_API: Final[Scheme] = _TokenLinesScheme("node API token", constants.ROTATE_NODE_API_TOKEN_ANNOTATION,
-                                            TOKEN_ACCEPTING, TOKEN_SENDING)
+HANDOFF: Final[Scheme] = _HandoffScheme(
+    "handoff secret", constants.ROTATE_HANDOFF_SECRET_ANNOTATION, ACCEPTING, SIGNING
+)
+NODE_API: Final[Scheme] = _TokenLinesScheme(
+    "node API token", constants.ROTATE_NODE_API_TOKEN_ANNOTATION, TOKEN_ACCEPTING, TOKEN_SENDING
+)
 
 
 @dataclass(frozen=True)
@@ -311,8 +328,15 @@ class Rotation:
         return out
 
 
-def step(data: dict[str, str], rot: Rotation, requested: str | None, now: float, grace_s: float,
-         token: str, scheme: Scheme = HANDOFF) -> tuple[dict[str, str], Rotation] | None:
+def step(
+    data: dict[str, str],
+    rot: Rotation,
+    requested: str | None,
+    now: float,
+    grace_s: float,
+    token: str,
+    scheme: Scheme = HANDOFF,
+) -> tuple[dict[str, str], Rotation] | None:
     """One step of a rotation, pure: the Secret's new data and state, or None when nothing is due.
 
     `data` holds the Secret's decoded keys; `requested` is the PDCluster's annotation; `token` is the
@@ -327,13 +351,16 @@ def step(data: dict[str, str], rot: Rotation, requested: str | None, now: float,
     if rot.phase == scheme.accepting:
         switched = scheme.switch(data)
         if switched is None:  # the new value was lost (someone edited the Secret): start over
-            return scheme.accept_new(data, token), Rotation(scheme.accepting, rot.request, now, rot.rotated_at)
+            return scheme.accept_new(data, token), Rotation(
+                scheme.accepting, rot.request, now, rot.rotated_at
+            )
         return switched, Rotation(scheme.switched, rot.request, now, rot.rotated_at)
     return scheme.drop_old(data), Rotation(IDLE, rot.request, now, now)
 
 
-async def rotate(api: Client, body: Obj, state: SecretState, *, now: float, grace_s: float,
-                 scheme: Scheme = HANDOFF) -> Rotation:
+async def rotate(
+    api: Client, body: Obj, state: SecretState, *, now: float, grace_s: float, scheme: Scheme = HANDOFF
+) -> Rotation:
     """Advance a Secret's rotation when a phase is due; returns the state it is in."""
     assert state.secret is not None
     secret = state.secret
@@ -353,7 +380,9 @@ async def ensure_handoff(api: Client, body: Obj) -> SecretState:
     meta = body["metadata"]
     make = network.handoff_secret(meta["name"], meta["namespace"], new_token())
     # An empty `secret` is refilled; a missing `accept` (a Secret made before rotation existed) is added.
-    return await ensure(api, body, make, {constants.HANDOFF_SECRET_KEY: new_token(), constants.HANDOFF_ACCEPT_KEY: ""})
+    return await ensure(
+        api, body, make, {constants.HANDOFF_SECRET_KEY: new_token(), constants.HANDOFF_ACCEPT_KEY: ""}
+    )
 
 
 async def ensure_node_api(api: Client, body: Obj) -> SecretState:

@@ -43,18 +43,29 @@ def node_token(secret: dict[str, Any] | None) -> str | None:
 async def _one(http: aiohttp.ClientSession, node: TileRTNode, token: str | None) -> NodeReport:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     try:
-        async with http.get(node.http_url + "/v1/status", headers=headers,
-                            timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)) as resp:
+        async with http.get(
+            node.http_url + "/v1/status", headers=headers, timeout=aiohttp.ClientTimeout(total=TIMEOUT_S)
+        ) as resp:
             if resp.status in (401, 403):
-                return NodeReport(node.name, error=f"GET /v1/status answered {resp.status}: the node does not take the "
-                                                   "cluster's node-API token", error_kind="not_authorized")
+                return NodeReport(
+                    node.name,
+                    error=f"GET /v1/status answered {resp.status}: the node does not take the "
+                    "cluster's node-API token",
+                    error_kind="not_authorized",
+                )
             if resp.status != 200:
-                return NodeReport(node.name, error=f"GET /v1/status answered {resp.status}", error_kind="unreachable")
+                return NodeReport(
+                    node.name, error=f"GET /v1/status answered {resp.status}", error_kind="unreachable"
+                )
             body = await resp.json(content_type=None)
     except TimeoutError:
-        return NodeReport(node.name, error=f"GET /v1/status timed out after {TIMEOUT_S:.0f} s", error_kind="timeout")
+        return NodeReport(
+            node.name, error=f"GET /v1/status timed out after {TIMEOUT_S:.0f} s", error_kind="timeout"
+        )
     except (aiohttp.ClientError, ValueError) as exc:
-        return NodeReport(node.name, error=f"GET /v1/status failed: {type(exc).__name__}", error_kind="unreachable")
+        return NodeReport(
+            node.name, error=f"GET /v1/status failed: {type(exc).__name__}", error_kind="unreachable"
+        )
     if not isinstance(body, dict):
         return NodeReport(node.name, error="GET /v1/status answered no object", error_kind="unreachable")
     return NodeReport.from_status(node.name, body)

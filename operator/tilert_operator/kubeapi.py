@@ -96,7 +96,11 @@ class Connection:
     expires_at: float | None = None
 
     def expiration(self) -> datetime.datetime | None:
-        return None if self.expires_at is None else datetime.datetime.fromtimestamp(self.expires_at, datetime.UTC)
+        return (
+            None
+            if self.expires_at is None
+            else datetime.datetime.fromtimestamp(self.expires_at, datetime.UTC)
+        )
 
 
 #: Marks a delete in Client.own (a DELETED event carries the last resourceVersion, not ours).
@@ -132,11 +136,20 @@ def load_connection() -> Connection:
         if isinstance(expiry, datetime.datetime):
             expires_at = (expiry if expiry.tzinfo else expiry.replace(tzinfo=datetime.UTC)).timestamp()
         user = loader._user  # the current context's user entry (a ConfigNode)
-        if user is not None and user.safe_get("tokenFile") and not user.safe_get("token") and "exec" not in user:
-            token_file = os.path.join(os.path.dirname(os.path.abspath(path.split(os.pathsep)[0])), user["tokenFile"])
+        if (
+            user is not None
+            and user.safe_get("tokenFile")
+            and not user.safe_get("token")
+            and "exec" not in user
+        ):
+            token_file = os.path.join(
+                os.path.dirname(os.path.abspath(path.split(os.pathsep)[0])), user["tokenFile"]
+            )
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
     parts = header.split(" ", 1) if header else []
-    scheme, token = (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    scheme, token = (
+        (None, None) if not parts else (None, parts[0]) if len(parts) == 1 else (parts[0], parts[1])
+    )
     return Connection(
         server=cfg.host.rstrip("/"),
         ca_path=cfg.ssl_ca_cert or None,
@@ -201,8 +214,12 @@ COMBINED = "(combined from similar events): "
 def similar_key(event: Obj) -> tuple[str, ...]:
     """Events of one object with one type and reason (client-go's aggregate key: the message aside)."""
     inv = event.get("involvedObject") or {}
-    return (str(event["metadata"].get("namespace")), str(inv.get("uid") or inv.get("name")), str(event.get("type")),
-            str(event.get("reason")))
+    return (
+        str(event["metadata"].get("namespace")),
+        str(inv.get("uid") or inv.get("name")),
+        str(event.get("type")),
+        str(event.get("reason")),
+    )
 
 
 def event_key(event: Obj) -> tuple[str, ...]:
@@ -213,8 +230,14 @@ def event_key(event: Obj) -> tuple[str, ...]:
 
 
 class Client:
-    def __init__(self, conn: Connection, *, retry: Retry = Retry(), user_agent: str = constants.FIELD_MANAGER,
-                 refresh: Callable[[], Connection] | None = None) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        *,
+        retry: Retry = Retry(),
+        user_agent: str = constants.FIELD_MANAGER,
+        refresh: Callable[[], Connection] | None = None,
+    ) -> None:
         """`refresh` reads the credentials again (wiring passes load_connection): called before a
         token with an expiry runs out and after a 401. Without it, only a token_file is re-read."""
         self.conn = conn
@@ -274,7 +297,9 @@ class Client:
 
     async def _credentials(self, *, force: bool = False) -> None:
         """Bring the credentials up to date: see the module docstring."""
-        if self._refresh is not None and (force or (self._expiring() and time.monotonic() >= self._refresh_after)):
+        if self._refresh is not None and (
+            force or (self._expiring() and time.monotonic() >= self._refresh_after)
+        ):
             seen = self.conn
             async with self._lock:
                 if self.conn is seen:  # nobody renewed them while we waited
@@ -309,13 +334,18 @@ class Client:
         self._issued_at = time.time()
         self._token_sig = _file_sig(new.token_file) if new.token_file else None
         self.reauths[why] += 1
-        log.info("API credentials re-read (%s)%s", why,
-                 f"; token valid until {new.expiration():%H:%M:%S}Z" if new.expires_at else "")
+        log.info(
+            "API credentials re-read (%s)%s",
+            why,
+            f"; token valid until {new.expiration():%H:%M:%S}Z" if new.expires_at else "",
+        )
         if _tls(old) != _tls(new) and self._session is not None:
             # A new client certificate (or server): new connections, and the old session closes once
             # requests already on it are done.
             stale, self._session = self._session, None
-            asyncio.get_running_loop().call_later(self.retry.timeout + 1, lambda: asyncio.ensure_future(stale.close()))
+            asyncio.get_running_loop().call_later(
+                self.retry.timeout + 1, lambda: asyncio.ensure_future(stale.close())
+            )
 
     def _session_get(self) -> aiohttp.ClientSession:
         if self._session is None:
@@ -375,24 +405,38 @@ class Client:
                         before = (auth, _tls(self.conn))
                         await self._credentials(force=True)
                         if (self._authorization(), _tls(self.conn)) != before:
-                            log.info("%s %s: HTTP 401; retrying with the credentials read again", method, path)
+                            log.info(
+                                "%s %s: HTTP 401; retrying with the credentials read again", method, path
+                            )
                             continue
                     if resp.status not in RETRYABLE:
                         raise ApiError(resp.status, method, path, text)
                     last = f"HTTP {resp.status}: {text[:200]}"
             except (TimeoutError, aiohttp.ClientConnectionError) as e:
                 last = f"{type(e).__name__}: {e}"
-            log.info("%s %s failed (%s); attempt %d/%d, retrying in %.1fs", method, path, last, attempt, self.retry.attempts, delay)
+            log.info(
+                "%s %s failed (%s); attempt %d/%d, retrying in %.1fs",
+                method,
+                path,
+                last,
+                attempt,
+                self.retry.attempts,
+                delay,
+            )
             await asyncio.sleep(delay)
             delay = min(delay * 2, self.retry.max_delay)
         raise ApiError(0, method, path, f"gave up after {self.retry.attempts} attempts; last: {last}")
 
     async def get(self, kind: str, namespace: str, name: str) -> Obj | None:
-        status, obj = await self.request("get", "GET", object_path(kind, namespace, name), ok_statuses=frozenset({404}))
+        status, obj = await self.request(
+            "get", "GET", object_path(kind, namespace, name), ok_statuses=frozenset({404})
+        )
         return None if status == 404 else obj
 
     async def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
-        _, obj = await self.request("list", "GET", object_path(kind, namespace), params={"labelSelector": label_selector})
+        _, obj = await self.request(
+            "list", "GET", object_path(kind, namespace), params={"labelSelector": label_selector}
+        )
         return list((obj or {}).get("items") or [])
 
     async def apply(self, obj: Obj) -> Obj:
@@ -401,18 +445,34 @@ class Client:
         meta = obj["metadata"]
         path = object_path(obj["kind"], meta["namespace"], meta["name"])
         params = {"fieldManager": constants.FIELD_MANAGER, "force": "true"}
-        _, out = await self.request("patch", "PATCH", path, body=obj, params=params, content_type="application/apply-patch+yaml")
-        self._wrote(obj["kind"], meta["namespace"], meta["name"], ((out or {}).get("metadata") or {}).get("resourceVersion"))
+        _, out = await self.request(
+            "patch", "PATCH", path, body=obj, params=params, content_type="application/apply-patch+yaml"
+        )
+        self._wrote(
+            obj["kind"],
+            meta["namespace"],
+            meta["name"],
+            ((out or {}).get("metadata") or {}).get("resourceVersion"),
+        )
         return out or {}
 
     async def create(self, obj: Obj) -> Obj | None:
         """Create; None when it already exists (409 AlreadyExists is an answer here, not a conflict)."""
         meta = obj["metadata"]
         status, out = await self.request(
-            "create", "POST", object_path(obj["kind"], meta["namespace"]), body=obj, ok_statuses=frozenset({409})
+            "create",
+            "POST",
+            object_path(obj["kind"], meta["namespace"]),
+            body=obj,
+            ok_statuses=frozenset({409}),
         )
         if status != 409 and out and meta.get("name"):
-            self._wrote(obj["kind"], meta["namespace"], meta["name"], (out.get("metadata") or {}).get("resourceVersion"))
+            self._wrote(
+                obj["kind"],
+                meta["namespace"],
+                meta["name"],
+                (out.get("metadata") or {}).get("resourceVersion"),
+            )
         return None if status == 409 else out
 
     async def event(self, event: Obj) -> Obj | None:

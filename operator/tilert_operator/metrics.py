@@ -28,15 +28,19 @@ _API_CALLS = "tilert_pd_api_calls"
 class Metrics:
     def __init__(self, api_calls: collections.Counter[str] | None = None) -> None:
         r = self.registry = Registry()
-        self.reconcile_duration = histogram(r, "tilert_pd_reconcile_duration_seconds",
-                                            "Seconds of one PDCluster reconcile.", BUCKETS)
-        self.reconcile_errors = counter(r, "tilert_pd_reconcile_errors_total",
-                                        "Reconciles that failed (each is retried with backoff).")
+        self.reconcile_duration = histogram(
+            r, "tilert_pd_reconcile_duration_seconds", "Seconds of one PDCluster reconcile.", BUCKETS
+        )
+        self.reconcile_errors = counter(
+            r, "tilert_pd_reconcile_errors_total", "Reconciles that failed (each is retried with backoff)."
+        )
         self.writes = counter(r, "tilert_pd_writes_total", "Kubernetes API writes made by reconciles.")
         #: (namespace, name) -> ready | not_ready | invalid; the controller keeps it, a scrape counts it.
         self.states: dict[tuple[str, str], str] = {}
         #: verb -> calls; the API client counts them (kubeapi.Client.calls), a scrape reads them.
-        self.api_calls: collections.Counter[str] = api_calls if api_calls is not None else collections.Counter()
+        self.api_calls: collections.Counter[str] = (
+            api_calls if api_calls is not None else collections.Counter()
+        )
         r.register(_ScrapeTime(self))
 
     def render(self) -> bytes:
@@ -56,15 +60,18 @@ class _ScrapeTime(Collector):
     def collect(self) -> Iterator[Metric]:
         # A PDCluster whose reconcile has not decided yet (reconcile.py's "unknown") is in no state.
         by_state = collections.Counter(self.metrics.states.values())
-        clusters = GaugeMetricFamily(_PDCLUSTERS, "PDClusters this operator reconciles, by state.", labels=["state"])
+        clusters = GaugeMetricFamily(
+            _PDCLUSTERS, "PDClusters this operator reconciles, by state.", labels=["state"]
+        )
         for state in STATES.listed():
             clusters.add_metric([state], by_state.get(state, 0))
         yield clusters
         by_verb = collections.Counter[str]()
         for verb, n in self.metrics.api_calls.items():
             by_verb[API_VERBS.bound(verb)] += n
-        calls = CounterMetricFamily(_API_CALLS, "Kubernetes API calls by verb (retries included).",
-                                    labels=["verb"])
+        calls = CounterMetricFamily(
+            _API_CALLS, "Kubernetes API calls by verb (retries included).", labels=["verb"]
+        )
         for verb, n in sorted(by_verb.items()):
             calls.add_metric([verb], n)
         yield calls

@@ -50,9 +50,12 @@ def is_ready(pod: dict[str, Any]) -> bool:
 
 def data_plane(pod: dict[str, Any], spec: PDClusterSpec) -> dataplane.DataPlane:
     meta = pod.get("metadata", {})
-    return dataplane.choose(spec.transfer.rdma.networks,
-                            (meta.get("annotations") or {}).get(dataplane.MULTUS_STATUS_ANNOTATION),
-                            meta.get("namespace", ""), pod.get("status", {}).get("podIP"))
+    return dataplane.choose(
+        spec.transfer.rdma.networks,
+        (meta.get("annotations") or {}).get(dataplane.MULTUS_STATUS_ANNOTATION),
+        meta.get("namespace", ""),
+        pod.get("status", {}).get("podIP"),
+    )
 
 
 @dataclass(frozen=True)
@@ -64,12 +67,20 @@ class Unwired:
 
 
 def pods_of(pods: list[dict[str, Any]], component: str) -> list[dict[str, Any]]:
-    return [p for p in pods if (p.get("metadata", {}).get("labels") or {}).get(constants.LABEL_COMPONENT) == component]
+    return [
+        p
+        for p in pods
+        if (p.get("metadata", {}).get("labels") or {}).get(constants.LABEL_COMPONENT) == component
+    ]
 
 
 #: The workload kind of each pool.
-WORKLOAD_KINDS = {constants.PREFILL: "Deployment", constants.TILERT: "StatefulSet", constants.NATIVE: "Deployment",
-                  constants.ROUTER: "Deployment"}
+WORKLOAD_KINDS = {
+    constants.PREFILL: "Deployment",
+    constants.TILERT: "StatefulSet",
+    constants.NATIVE: "Deployment",
+    constants.ROUTER: "Deployment",
+}
 
 
 def _count(status: dict[str, Any], key: str) -> int:
@@ -84,8 +95,14 @@ def rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[i
     if waiting is None or workload is None:
         return ready, waiting
     name = (workload.get("metadata") or {}).get("name")
-    stuck = next((c for c in (workload.get("status") or {}).get("conditions") or []
-                  if c.get("type") == "Progressing" and c.get("status") == "False"), None)
+    stuck = next(
+        (
+            c
+            for c in (workload.get("status") or {}).get("conditions") or []
+            if c.get("type") == "Progressing" and c.get("status") == "False"
+        ),
+        None,
+    )
     if stuck is not None:
         waiting += f"; stuck ({stuck.get('reason')}: {stuck.get('message')}): see kubectl describe {kind.lower()} {name}"
     return ready, f"{waiting}; follow it with kubectl rollout status {kind.lower()}/{name}"
@@ -109,7 +126,11 @@ def _rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[
     if workload is None:
         return 0, f"{kind} not created yet"
     meta, st = workload.get("metadata") or {}, workload.get("status") or {}
-    name, generation, seen = meta.get("name"), int(meta.get("generation") or 0), _count(st, "observedGeneration")
+    name, generation, seen = (
+        meta.get("name"),
+        int(meta.get("generation") or 0),
+        _count(st, "observedGeneration"),
+    )
     total, updated = _count(st, "replicas"), _count(st, "updatedReplicas")
     ready = _count(st, "readyReplicas" if kind == "StatefulSet" else "availableReplicas")
     old = max(0, total - updated)
@@ -122,30 +143,43 @@ def _rollout(kind: str, workload: dict[str, Any] | None, desired: int) -> tuple[
     # (a canary): rolled out once the others are updated and every pod is ready (kubectl rollout status).
     partition = 0
     if kind == "StatefulSet":
-        rolling_update = (((workload.get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate")) or {}
+        rolling_update = (
+            ((workload.get("spec") or {}).get("updateStrategy") or {}).get("rollingUpdate")
+        ) or {}
         raw = rolling_update.get("partition")
         partition = min(desired, raw) if isinstance(raw, int) and raw > 0 else 0
     if updated < desired - partition:
         return ready_new, f"{where}: {updated} of {desired - partition} pods are of the current template"
     if partition:
         if ready < desired:
-            return ready_new, f"{where}: {ready} of {desired} pods ready (partition {partition}: pods below it keep their template)"
+            return (
+                ready_new,
+                f"{where}: {ready} of {desired} pods ready (partition {partition}: pods below it keep their template)",
+            )
         return min(ready, desired), None
     if kind == "StatefulSet":
         if st.get("currentRevision") != st.get("updateRevision"):
-            return ready_new, (f"{where}: {ready_new} of {desired} pods of revision {st.get('updateRevision')} ready, "
-                               f"pods of {st.get('currentRevision')} left to replace")
+            return ready_new, (
+                f"{where}: {ready_new} of {desired} pods of revision {st.get('updateRevision')} ready, "
+                f"pods of {st.get('currentRevision')} left to replace"
+            )
         return min(ready, desired), None
     if old:
-        return ready_new, f"{where}: {ready_new} of {desired} updated pods available, {old} pod(s) of an earlier template left"
-    progressing = next((c.get("reason") for c in st.get("conditions") or [] if c.get("type") == "Progressing"), None)
+        return (
+            ready_new,
+            f"{where}: {ready_new} of {desired} updated pods available, {old} pod(s) of an earlier template left",
+        )
+    progressing = next(
+        (c.get("reason") for c in st.get("conditions") or [] if c.get("type") == "Progressing"), None
+    )
     if ready_new < desired and progressing != "NewReplicaSetAvailable":
         return ready_new, f"{where}: {ready_new} of {desired} updated pods available"
     return ready_new, None
 
 
-def pool_states(spec: PDClusterSpec, pods: list[dict[str, Any]],
-                workloads: dict[str, dict[str, Any] | None] | None = None) -> dict[str, PoolState]:
+def pool_states(
+    spec: PDClusterSpec, pods: list[dict[str, Any]], workloads: dict[str, dict[str, Any] | None] | None = None
+) -> dict[str, PoolState]:
     """Each pool's state. `workloads` (component -> its Deployment or StatefulSet as the API server
     holds it, None when absent) makes ready counts and rollouts follow the workloads' own status;
     without it, ready pods are counted by label."""
@@ -214,5 +248,11 @@ class NodeReport:
         busy = any(isinstance(s, dict) and s.get("state") not in (None, "free") for s in slots)
         handoff = body.get("handoff")
         if not isinstance(handoff, dict):
-            return cls(pod, None, busy, "the node's /v1/status has no handoff record (an older node image)", "old_node")
+            return cls(
+                pod,
+                None,
+                busy,
+                "the node's /v1/status has no handoff record (an older node image)",
+                "old_node",
+            )
         return cls(pod, handoff, busy)

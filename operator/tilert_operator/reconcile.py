@@ -47,11 +47,24 @@ from tilert_operator.kubeapi import ApiError, Client, Obj
 log = logging.getLogger(__name__)
 
 #: Kinds the operator applies as children (the Secrets are created apart, once).
-CHILD_KINDS = ("Deployment", "StatefulSet", "Service", "ConfigMap", "NetworkPolicy", "MultiNetworkPolicy",
-               "PodDisruptionBudget")
-API_VERSIONS = {"Deployment": "apps/v1", "StatefulSet": "apps/v1", "Service": "v1", "ConfigMap": "v1",
-                "PodDisruptionBudget": "policy/v1",
-                "NetworkPolicy": "networking.k8s.io/v1", "MultiNetworkPolicy": constants.MULTI_NETWORK_POLICY_API_VERSION}
+CHILD_KINDS = (
+    "Deployment",
+    "StatefulSet",
+    "Service",
+    "ConfigMap",
+    "NetworkPolicy",
+    "MultiNetworkPolicy",
+    "PodDisruptionBudget",
+)
+API_VERSIONS = {
+    "Deployment": "apps/v1",
+    "StatefulSet": "apps/v1",
+    "Service": "v1",
+    "ConfigMap": "v1",
+    "PodDisruptionBudget": "policy/v1",
+    "NetworkPolicy": "networking.k8s.io/v1",
+    "MultiNetworkPolicy": constants.MULTI_NETWORK_POLICY_API_VERSION,
+}
 #: Kinds served by an optional CRD: a 404 on listing them means "not installed", not a failure.
 OPTIONAL_KINDS = frozenset({"MultiNetworkPolicy"})
 #: Seconds until a reconcile that could not apply a child runs again (a spec change runs it sooner).
@@ -101,7 +114,13 @@ class Outcome:
 
     @property
     def writes(self) -> int:
-        return len(self.applied) + len(self.deleted) + int(self.status_written) + len(self.events) + len(self.secrets)
+        return (
+            len(self.applied)
+            + len(self.deleted)
+            + int(self.status_written)
+            + len(self.events)
+            + len(self.secrets)
+        )
 
 
 def adopt(obj: Obj, body: Obj) -> Obj:
@@ -120,8 +139,13 @@ def stamp(obj: Obj) -> Obj:
 #: server-side apply keeps someone else's entries beside ours, so the live list may hold more, in
 #: any order. Every other list is atomic: compared whole, in order.
 LIST_MAP_KEYS: dict[str, tuple[str, ...]] = {
-    "containers": ("name",), "initContainers": ("name",), "ephemeralContainers": ("name",), "env": ("name",),
-    "volumes": ("name",), "volumeMounts": ("mountPath",), "imagePullSecrets": ("name",),
+    "containers": ("name",),
+    "initContainers": ("name",),
+    "ephemeralContainers": ("name",),
+    "env": ("name",),
+    "volumes": ("name",),
+    "volumeMounts": ("mountPath",),
+    "imagePullSecrets": ("name",),
     "ports": ("containerPort", "protocol"),
 }
 
@@ -155,8 +179,9 @@ def contains(actual: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
     else added is no difference; an entry of ours that differs or is missing is.
     """
     if isinstance(desired, dict):
-        return isinstance(actual, dict) and all(contains(actual[k], v, (*path, k)) if k in actual else _omitted(v)
-                                                for k, v in desired.items())
+        return isinstance(actual, dict) and all(
+            contains(actual[k], v, (*path, k)) if k in actual else _omitted(v) for k, v in desired.items()
+        )
     if isinstance(desired, list):
         if not isinstance(actual, list):
             return False
@@ -165,7 +190,8 @@ def contains(actual: Any, desired: Any, path: tuple[str, ...] = ()) -> bool:
             live = {_item_key(keys, a): a for a in actual if isinstance(a, dict)}
             return all(contains(live.get(_item_key(keys, d)), d, (*path, "[]")) for d in desired)
         return len(actual) == len(desired) and all(
-            contains(a, d, (*path, "[]")) for a, d in zip(actual, desired, strict=True))
+            contains(a, d, (*path, "[]")) for a, d in zip(actual, desired, strict=True)
+        )
     if actual == desired or str(actual) == str(desired):
         return True
     if is_quantity(path):
@@ -183,9 +209,11 @@ def _omitted(value: Any) -> bool:
 
 def is_quantity(path: tuple[str, ...]) -> bool:
     """Whether a field of a built-in object (its path of keys, lists as "[]") holds a quantity."""
-    return ((len(path) >= 3 and path[-3] == "resources" and path[-2] in ("requests", "limits"))
-            or (len(path) >= 2 and path[-2] == "emptyDir" and path[-1] == "sizeLimit")
-            or (len(path) >= 2 and path[-2] == "overhead"))
+    return (
+        (len(path) >= 3 and path[-3] == "resources" and path[-2] in ("requests", "limits"))
+        or (len(path) >= 2 and path[-2] == "emptyDir" and path[-1] == "sizeLimit")
+        or (len(path) >= 2 and path[-2] == "overhead")
+    )
 
 
 def api_message(error: ApiError) -> str:
@@ -239,12 +267,23 @@ def forbidden(error: ApiError, *, verb: str | None = None, kind: str | None = No
     elif "on a resource you can't delete" in text:  # changing an object's ownerReferences
         verb = "delete"
     where = f' in API group "{group}"' if group else ""
-    lacks = f"{verb} on {resource or 'a resource'}{where}" if verb else f"a permission on {resource or 'a resource'}{where}"
+    lacks = (
+        f"{verb} on {resource or 'a resource'}{where}"
+        if verb
+        else f"a permission on {resource or 'a resource'}{where}"
+    )
     return f"forbidden: the operator's role lacks {lacks} ({RBAC_FIX}); the API server said: {text}"
 
 
-def failure(key: str, error: ApiError, *, verb: str | None = None, kind: str | None = None,
-            otherwise: str = APPLY_REJECTED, prefix: str = "") -> Failure:
+def failure(
+    key: str,
+    error: ApiError,
+    *,
+    verb: str | None = None,
+    kind: str | None = None,
+    otherwise: str = APPLY_REJECTED,
+    prefix: str = "",
+) -> Failure:
     """A failed call as a Failure: Forbidden when the role refused it, else `otherwise`."""
     lacking = forbidden(error, verb=verb, kind=kind)
     if lacking is not None:
@@ -255,9 +294,14 @@ def failure(key: str, error: ApiError, *, verb: str | None = None, kind: str | N
 def _earlier_owner(obj: Obj, body: Obj) -> bool:
     """Whether a PDCluster of this name but another uid (deleted, then created again) controls `obj`."""
     meta = body["metadata"]
-    return any(r.get("kind") == constants.KIND and r.get("apiVersion", "").startswith(f"{constants.GROUP}/")
-               and r.get("name") == meta["name"] and r.get("uid") != meta["uid"] and r.get("controller")
-               for r in obj.get("metadata", {}).get("ownerReferences") or [])
+    return any(
+        r.get("kind") == constants.KIND
+        and r.get("apiVersion", "").startswith(f"{constants.GROUP}/")
+        and r.get("name") == meta["name"]
+        and r.get("uid") != meta["uid"]
+        and r.get("controller")
+        for r in obj.get("metadata", {}).get("ownerReferences") or []
+    )
 
 
 def _owned_by(obj: Obj, uid: str) -> bool:
@@ -269,13 +313,28 @@ def _key(obj: Obj) -> str:
 
 
 async def _event(api: Client, body: Obj, cond: status.Condition, out: Outcome) -> None:
-    await _post_event(api, body, ok=not status.is_fault(cond), reason=cond["reason"],
-                      message=f"{cond['type']}={cond['status']}: {cond['message']}", out=out,
-                      tag=f"{cond['type']}={cond['status']}")
+    await _post_event(
+        api,
+        body,
+        ok=not status.is_fault(cond),
+        reason=cond["reason"],
+        message=f"{cond['type']}={cond['status']}: {cond['message']}",
+        out=out,
+        tag=f"{cond['type']}={cond['status']}",
+    )
 
 
-async def _post_event(api: Client, body: Obj, *, ok: bool, reason: str, message: str, out: Outcome, tag: str,
-                      related: Obj | None = None) -> None:
+async def _post_event(
+    api: Client,
+    body: Obj,
+    *,
+    ok: bool,
+    reason: str,
+    message: str,
+    out: Outcome,
+    tag: str,
+    related: Obj | None = None,
+) -> None:
     meta = body["metadata"]
     event = {
         "apiVersion": "v1",
@@ -306,7 +365,9 @@ async def _write_status(api: Client, body: Obj, new: dict[str, Any], out: Outcom
     meta = body["metadata"]
     # A merge patch keeps what it does not name: a key the status no longer has (a finished
     # rotation's nextPhaseAt) is removed explicitly, or every resync would find it and write again.
-    out.written = await api.patch_status(constants.KIND, meta["namespace"], meta["name"], status.merge_patch(old, new))
+    out.written = await api.patch_status(
+        constants.KIND, meta["namespace"], meta["name"], status.merge_patch(old, new)
+    )
     out.status_written = True
     for cond in status.transitions(new["conditions"], old.get("conditions") or []):
         if cond["type"] != RECONCILED:  # its Events name each child (_failure_events)
@@ -321,21 +382,41 @@ def reconciled(failed: list[Failure]) -> status.Condition:
     """Reconciled: whether every child the spec wants is what the API server holds. Only a refusal
     of what the spec rendered (ApplyRejected) sends the reader to the spec."""
     if not failed:
-        return {"type": RECONCILED, "status": "True", "reason": "Applied",
-                "message": "every child matches the spec"}
+        return {
+            "type": RECONCILED,
+            "status": "True",
+            "reason": "Applied",
+            "message": "every child matches the spec",
+        }
     reason = next(r for r in SEVERITY if any(f.reason == r for f in failed))
     listed = "; ".join(f"{f.key}: {f.message}" for f in failed)
-    spec_fix = "; fix the spec field that renders it" if any(f.reason == APPLY_REJECTED for f in failed) else ""
-    return {"type": RECONCILED, "status": "False", "reason": reason,
-            "message": f"{listed} (retried every {FAILED_RETRY_S:.0f}s and on every spec change{spec_fix}; see the Events)"}
+    spec_fix = (
+        "; fix the spec field that renders it" if any(f.reason == APPLY_REJECTED for f in failed) else ""
+    )
+    return {
+        "type": RECONCILED,
+        "status": "False",
+        "reason": reason,
+        "message": f"{listed} (retried every {FAILED_RETRY_S:.0f}s and on every spec change{spec_fix}; see the Events)",
+    }
 
 
 def children_owned(failed: list[Failure]) -> status.Condition:
     """ChildrenOwned: no object the stack needs is someone else's under the child's name."""
     foreign = [f for f in failed if f.reason == CHILD_NOT_OWNED]
     if not foreign:
-        return {"type": CHILDREN_OWNED, "status": "True", "reason": "Owned", "message": "every child is this PDCluster's"}
-    return {"type": CHILDREN_OWNED, "status": "False", "reason": CHILD_NOT_OWNED, "message": "; ".join(f.message for f in foreign)}
+        return {
+            "type": CHILDREN_OWNED,
+            "status": "True",
+            "reason": "Owned",
+            "message": "every child is this PDCluster's",
+        }
+    return {
+        "type": CHILDREN_OWNED,
+        "status": "False",
+        "reason": CHILD_NOT_OWNED,
+        "message": "; ".join(f.message for f in foreign),
+    }
 
 
 async def _failure_events(api: Client, body: Obj, cond: status.Condition, out: Outcome, ns: str) -> None:
@@ -343,16 +424,39 @@ async def _failure_events(api: Client, body: Obj, cond: status.Condition, out: O
     old = _old_condition(body, RECONCILED)
     if cond["status"] == "True":
         if old.get("status") == "False":
-            await _post_event(api, body, ok=True, reason="Reconciled", message=f"{RECONCILED}=True: {cond['message']}",
-                              out=out, tag=f"{RECONCILED}=True")
+            await _post_event(
+                api,
+                body,
+                ok=True,
+                reason="Reconciled",
+                message=f"{RECONCILED}=True: {cond['message']}",
+                out=out,
+                tag=f"{RECONCILED}=True",
+            )
         return
-    if (old.get("status"), old.get("reason"), old.get("message")) == (cond["status"], cond["reason"], cond["message"]):
+    if (old.get("status"), old.get("reason"), old.get("message")) == (
+        cond["status"],
+        cond["reason"],
+        cond["message"],
+    ):
         return
     for f in out.failed:
         kind, _, name = f.key.partition("/")
-        related = {"apiVersion": API_VERSIONS.get(kind, "v1"), "kind": kind, "name": name, "namespace": ns} if name else None
-        await _post_event(api, body, ok=False, reason=f.reason, message=f"{f.key}: {f.message}", out=out,
-                          tag=f"{f.reason} {f.key}", related=related)
+        related = (
+            {"apiVersion": API_VERSIONS.get(kind, "v1"), "kind": kind, "name": name, "namespace": ns}
+            if name
+            else None
+        )
+        await _post_event(
+            api,
+            body,
+            ok=False,
+            reason=f.reason,
+            message=f"{f.key}: {f.message}",
+            out=out,
+            tag=f"{f.reason} {f.key}",
+            related=related,
+        )
 
 
 async def _list_children(api: Client, kind: str, ns: str, selector: str) -> list[Obj] | int:
@@ -366,8 +470,9 @@ async def _list_children(api: Client, kind: str, ns: str, selector: str) -> list
         raise
 
 
-async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credentials.DEFAULT_GRACE_S,
-                    now: float | None = None) -> Outcome:
+async def reconcile(
+    api: Client, body: Obj, *, rotation_grace_s: float = credentials.DEFAULT_GRACE_S, now: float | None = None
+) -> Outcome:
     out = Outcome()
     try:
         return await _reconcile(api, body, out, rotation_grace_s=rotation_grace_s, now=now)
@@ -377,8 +482,12 @@ async def reconcile(api: Client, body: Obj, *, rotation_grace_s: float = credent
             if body["metadata"].get("uid") and not body["metadata"].get("deletionTimestamp"):
                 await _report_error(api, body, e, out)
         except Exception as report:  # the API server may be what failed: the log has both
-            log.warning("[%s/%s] could not report the failure (%s)", body["metadata"].get("namespace"),
-                        body["metadata"].get("name"), report)
+            log.warning(
+                "[%s/%s] could not report the failure (%s)",
+                body["metadata"].get("namespace"),
+                body["metadata"].get("name"),
+                report,
+            )
         raise
 
 
@@ -390,17 +499,34 @@ async def _report_error(api: Client, body: Obj, error: Exception, out: Outcome) 
     cond = reconciled([failed._replace(message=failed.message[:800])])
     old = body.get("status") or {}
     conds = [c for c in old.get("conditions") or [] if c.get("type") != RECONCILED]
-    conds = status.with_transition_times([*conds, cond], old.get("conditions") or [], body["metadata"].get("generation"))
+    conds = status.with_transition_times(
+        [*conds, cond], old.get("conditions") or [], body["metadata"].get("generation")
+    )
     meta = body["metadata"]
     before = _old_condition(body, RECONCILED)
-    if (before.get("status"), before.get("reason"), before.get("message")) == (cond["status"], cond["reason"], cond["message"]):
+    if (before.get("status"), before.get("reason"), before.get("message")) == (
+        cond["status"],
+        cond["reason"],
+        cond["message"],
+    ):
         return
-    out.written = await api.patch_status(constants.KIND, meta["namespace"], meta["name"], {"conditions": conds})
-    await _post_event(api, body, ok=False, reason=cond["reason"], message=f"reconcile failed: {failed.message}", out=out,
-                      tag=cond["reason"])
+    out.written = await api.patch_status(
+        constants.KIND, meta["namespace"], meta["name"], {"conditions": conds}
+    )
+    await _post_event(
+        api,
+        body,
+        ok=False,
+        reason=cond["reason"],
+        message=f"reconcile failed: {failed.message}",
+        out=out,
+        tag=cond["reason"],
+    )
 
 
-async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: float, now: float | None) -> Outcome:
+async def _reconcile(
+    api: Client, body: Obj, out: Outcome, *, rotation_grace_s: float, now: float | None
+) -> Outcome:
     meta = body["metadata"]
     cluster, ns, generation = meta["name"], meta["namespace"], meta.get("generation")
     if meta.get("deletionTimestamp"):
@@ -408,8 +534,17 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
     spec, problems = validation.validate(body.get("spec") or {}, cluster)
     if spec is None or problems:
         out.state = "invalid"
-        await _write_status(api, body, status.build(generation=generation, conditions_=status.invalid(problems),
-                                                    old=body.get("status") or {}, applied=False), out)
+        await _write_status(
+            api,
+            body,
+            status.build(
+                generation=generation,
+                conditions_=status.invalid(problems),
+                old=body.get("status") or {},
+                applied=False,
+            ),
+            out,
+        )
         return out
 
     now = time.time() if now is None else now
@@ -421,17 +556,34 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
         # Creation is the normal path; adopting or completing someone's Secret is worth an Event.
         for a in s.actions:
             if a != "created":
-                await _post_event(api, body, ok=True, reason="SecretAdopted" if a == "adopted" else "SecretCompleted",
-                                  message=f"Secret {s.name}: {a}", out=out, tag=f"{s.name}: {a}")
+                await _post_event(
+                    api,
+                    body,
+                    ok=True,
+                    reason="SecretAdopted" if a == "adopted" else "SecretCompleted",
+                    message=f"Secret {s.name}: {a}",
+                    out=out,
+                    tag=f"{s.name}: {a}",
+                )
     if not_owned:
         out.state = "not_ready"
-        await _write_status(api, body, status.build(generation=generation, conditions_=status.secrets_not_owned(not_owned),
-                                                    old=body.get("status") or {}, applied=False), out)
+        await _write_status(
+            api,
+            body,
+            status.build(
+                generation=generation,
+                conditions_=status.secrets_not_owned(not_owned),
+                old=body.get("status") or {},
+                applied=False,
+            ),
+            out,
+        )
         return out
     # Each phase change is a *Rotating condition's transition, so it gets its Event with the status write.
     rotation = await credentials.rotate(api, body, handoff, now=now, grace_s=rotation_grace_s)
-    token_rotation = await credentials.rotate(api, body, node_api, now=now, grace_s=rotation_grace_s,
-                                              scheme=credentials.NODE_API)
+    token_rotation = await credentials.rotate(
+        api, body, node_api, now=now, grace_s=rotation_grace_s, scheme=credentials.NODE_API
+    )
     for s in (handoff, node_api):
         out.secrets += [f"{s.name}: {a}" for a in s.actions if a.startswith("rotation")]
     due = [t for t in (rotation.due(rotation_grace_s), token_rotation.due(rotation_grace_s)) if t is not None]
@@ -466,7 +618,9 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
                     await api.delete(kind, ns, have["metadata"]["name"])
                 except ApiError as e:
                     log.warning("[%s/%s] deleting %s failed: %s", ns, cluster, key, e)
-                    out.failed.append(failure(key, e, verb="delete", kind=kind, prefix="could not delete it: "))
+                    out.failed.append(
+                        failure(key, e, verb="delete", kind=kind, prefix="could not delete it: ")
+                    )
                     continue
                 out.deleted.append(key)
                 live.pop(key, None)
@@ -475,7 +629,9 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
         out.requeue_at = retry if out.requeue_at is None else min(out.requeue_at, retry)
 
     # Ready counts and rollouts from the workloads' own status (what the apply answered, when applied).
-    workloads = {c: live.get(f"{k}/{constants.child_name(cluster, c)}") for c, k in observe.WORKLOAD_KINDS.items()}
+    workloads = {
+        c: live.get(f"{k}/{constants.child_name(cluster, c)}") for c, k in observe.WORKLOAD_KINDS.items()
+    }
     pools = observe.pool_states(spec, pods, workloads)
 
     rdma = spec.transfer.rdma
@@ -483,47 +639,96 @@ async def _reconcile(api: Client, body: Obj, out: Outcome, *, rotation_grace_s: 
     security = [
         status.rotation(cluster, credentials.HANDOFF, rotation.status(rotation_grace_s)),
         status.rotation(cluster, credentials.NODE_API, token_rotation.status(rotation_grace_s)),
-        status.data_plane(rdma.networks, rdma.host_network, spec.network_policies.enabled,
-                          served["MultiNetworkPolicy"] if wants_mnp else None),
+        status.data_plane(
+            rdma.networks,
+            rdma.host_network,
+            spec.network_policies.enabled,
+            served["MultiNetworkPolicy"] if wants_mnp else None,
+        ),
     ]
     applied = reconciled(out.failed)
     owned_cond = children_owned(out.failed)
     # HandoffReady (issue 11): each wired TileRT node's own record of the handoffs that reached it.
     reports = await handoff_check.poll(nodes, node_api.secret) if handoff_check.enabled() else None
-    conds = status.conditions(cluster, pools, nodes, unwired,
-                              [status.secrets_owned([handoff.name, node_api.name]), owned_cond, *security, applied],
-                              handoff=status.handoff_ready(spec.decode.tilert.replicas, nodes, reports),
-                              handoff_working=status.any_handoff_working(reports))
+    conds = status.conditions(
+        cluster,
+        pools,
+        nodes,
+        unwired,
+        [status.secrets_owned([handoff.name, node_api.name]), owned_cond, *security, applied],
+        handoff=status.handoff_ready(spec.decode.tilert.replicas, nodes, reports),
+        handoff_working=status.any_handoff_working(reports),
+    )
     if owned_cond["status"] == "False":
         # What serves under a child's name is not what this PDCluster describes: not Ready, whatever the pods say.
-        conds = [c if c["type"] != "Ready" else {"type": "Ready", "status": "False", "reason": CHILD_NOT_OWNED,
-                                                 "message": "an object with a child's name is not this PDCluster's (see ChildrenOwned)"}
-                 for c in conds]
+        conds = [
+            c
+            if c["type"] != "Ready"
+            else {
+                "type": "Ready",
+                "status": "False",
+                "reason": CHILD_NOT_OWNED,
+                "message": "an object with a child's name is not this PDCluster's (see ChildrenOwned)",
+            }
+            for c in conds
+        ]
     elif out.failed:
         # This generation is not what runs: whatever the pods say, it is not Ready.
         before = (body.get("status") or {}).get("observedGeneration")
-        running = f"generation {before} is what runs" if before is not None else "no generation of it was applied yet"
-        conds = [c if c["type"] != "Ready" else {"type": "Ready", "status": "False", "reason": NOT_APPLIED, "message": (
-            f"generation {generation} of the spec is not applied ({running}): see Reconciled for what the API server "
-            "refused and what to do")} for c in conds]
+        running = (
+            f"generation {before} is what runs"
+            if before is not None
+            else "no generation of it was applied yet"
+        )
+        conds = [
+            c
+            if c["type"] != "Ready"
+            else {
+                "type": "Ready",
+                "status": "False",
+                "reason": NOT_APPLIED,
+                "message": (
+                    f"generation {generation} of the spec is not applied ({running}): see Reconciled for what the API server "
+                    "refused and what to do"
+                ),
+            }
+            for c in conds
+        ]
     ready = next(c for c in conds if c["type"] == "Ready")
     out.state = "ready" if ready["status"] == "True" else "not_ready"
-    new = status.build(generation=generation, conditions_=conds, old=body.get("status") or {}, pools=pools, endpoints=nodes,
-                       rotations={"handoffSecret": rotation.status(rotation_grace_s),
-                                  "nodeApiToken": token_rotation.status(rotation_grace_s)},
-                       applied=not out.failed)
+    new = status.build(
+        generation=generation,
+        conditions_=conds,
+        old=body.get("status") or {},
+        pools=pools,
+        endpoints=nodes,
+        rotations={
+            "handoffSecret": rotation.status(rotation_grace_s),
+            "nodeApiToken": token_rotation.status(rotation_grace_s),
+        },
+        applied=not out.failed,
+    )
     await _write_status(api, body, new, out)
     await _failure_events(api, body, applied, out, ns)
     for key in out.adopted:
-        await _post_event(api, body, ok=True, reason="ChildAdopted", out=out, tag=f"adopted {key}",
-                          message=f"{key}: adopted (marked {constants.ADOPT_ANNOTATION}=true); it now follows the spec "
-                                  "and is deleted with the PDCluster")
+        await _post_event(
+            api,
+            body,
+            ok=True,
+            reason="ChildAdopted",
+            out=out,
+            tag=f"adopted {key}",
+            message=f"{key}: adopted (marked {constants.ADOPT_ANNOTATION}=true); it now follows the spec "
+            "and is deleted with the PDCluster",
+        )
     if out.applied or out.deleted:
         log.info("[%s/%s] applied %s, deleted %s", ns, cluster, out.applied, out.deleted)
     return out
 
 
-async def _apply_child(api: Client, body: Obj, want: Obj, key: str, *, owned: bool, out: Outcome) -> Obj | None:
+async def _apply_child(
+    api: Client, body: Obj, want: Obj, key: str, *, owned: bool, out: Outcome
+) -> Obj | None:
     """Apply one child; before its first apply, make sure the name is free, ours or marked for adoption.
     Returns the child as the API server answered the apply; None when it was not applied.
 
@@ -541,16 +746,32 @@ async def _apply_child(api: Client, body: Obj, want: Obj, key: str, *, owned: bo
         creating = found is None
         if found is not None and not _owned_by(found, meta["uid"]):
             if _earlier_owner(found, body):
-                out.failed.append(Failure(key, (
-                    f"{kind} {ns}/{name} still belongs to an earlier PDCluster {ns}/{meta['name']}, which was deleted; the "
-                    "garbage collector deletes it shortly and the operator then creates its own (if it stays, check "
-                    "the garbage collector)"), CHILD_NOT_OWNED))
+                out.failed.append(
+                    Failure(
+                        key,
+                        (
+                            f"{kind} {ns}/{name} still belongs to an earlier PDCluster {ns}/{meta['name']}, which was deleted; the "
+                            "garbage collector deletes it shortly and the operator then creates its own (if it stays, check "
+                            "the garbage collector)"
+                        ),
+                        CHILD_NOT_OWNED,
+                    )
+                )
                 return None
             if not credentials.adoptable(found, body):
-                out.failed.append(Failure(key, credentials.not_owned_message(
-                    found, body, kind, "applies nothing under its name; the PDCluster is not Ready until it is resolved",
-                    " (the operator then rewrites it to the spec and the garbage collector deletes it with the PDCluster)"),
-                    CHILD_NOT_OWNED))
+                out.failed.append(
+                    Failure(
+                        key,
+                        credentials.not_owned_message(
+                            found,
+                            body,
+                            kind,
+                            "applies nothing under its name; the PDCluster is not Ready until it is resolved",
+                            " (the operator then rewrites it to the spec and the garbage collector deletes it with the PDCluster)",
+                        ),
+                        CHILD_NOT_OWNED,
+                    )
+                )
                 return None
             adopting = True
     try:

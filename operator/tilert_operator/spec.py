@@ -36,9 +36,7 @@ DSA_MODELS: frozenset[str] = frozenset({"glm5", "deepseek_v3_2"})
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(
-        extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True
-    )
+    model_config = ConfigDict(extra="forbid", frozen=True, alias_generator=to_camel, populate_by_name=True)
 
 
 class Weights(_Section):
@@ -239,7 +237,10 @@ class ApiKeysSecret(_Section):
 
 #: The router's requests (no pod of the stack is BestEffort by default) and a memory limit; no CPU
 #: limit, whose throttling would show as latency on every stream.
-ROUTER_RESOURCES: dict[str, Any] = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}}
+ROUTER_RESOURCES: dict[str, Any] = {
+    "requests": {"cpu": "250m", "memory": "256Mi"},
+    "limits": {"memory": "1Gi"},
+}
 
 
 class Router(Pool):

@@ -19,11 +19,25 @@ from tilert_operator.observe import NodeReport, PoolState, Unwired
 from tilert_operator.validation import Problem
 from tilert_serve.router.config import TileRTNode
 
-CONDITION_TYPES = ("SpecValid", "PrefillReady", "TileRTDecodeReady", "NativeDecodeReady", "RouterReady", "EndpointsWired",
-                   "HandoffReady", "SecretsOwned", "HandoffSecretRotating", "NodeApiTokenRotating", "DataPlaneProtected", "Ready")
+CONDITION_TYPES = (
+    "SpecValid",
+    "PrefillReady",
+    "TileRTDecodeReady",
+    "NativeDecodeReady",
+    "RouterReady",
+    "EndpointsWired",
+    "HandoffReady",
+    "SecretsOwned",
+    "HandoffSecretRotating",
+    "NodeApiTokenRotating",
+    "DataPlaneProtected",
+    "Ready",
+)
 #: The condition that reports each rotation (credentials.Scheme.request_annotation -> type).
-ROTATION_CONDITIONS = {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "HandoffSecretRotating",
-                       constants.ROTATE_NODE_API_TOKEN_ANNOTATION: "NodeApiTokenRotating"}
+ROTATION_CONDITIONS = {
+    constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "HandoffSecretRotating",
+    constants.ROTATE_NODE_API_TOKEN_ANNOTATION: "NodeApiTokenRotating",
+}
 #: Conditions that say something is unsafe: False gets a Warning Event on a PDCluster's first status too.
 SECURITY_CONDITIONS = ("SecretsOwned", "DataPlaneProtected")
 POOL_CONDITIONS = {
@@ -33,7 +47,12 @@ POOL_CONDITIONS = {
     constants.ROUTER: "RouterReady",
 }
 #: Status keys of the pools (printer columns read status.replicas.<key>).
-POOL_KEYS = {constants.PREFILL: "prefill", constants.TILERT: "tilert", constants.NATIVE: "native", constants.ROUTER: "router"}
+POOL_KEYS = {
+    constants.PREFILL: "prefill",
+    constants.TILERT: "tilert",
+    constants.NATIVE: "native",
+    constants.ROUTER: "router",
+}
 
 Condition = dict[str, Any]
 #: The reason of a pool condition, and of Ready, while a workload's current template is not rolled out.
@@ -44,7 +63,11 @@ def is_fault(cond: Condition) -> bool:
     """Whether a condition says something is wrong (its Event is a Warning). A rotation condition
     never does: False means no rotation is under way (none asked for, or the last one finished); nor
     does a rollout under way (a spec change doing what it was asked to)."""
-    return cond["status"] != "True" and cond["type"] not in ROTATION_CONDITIONS.values() and cond.get("reason") != ROLLING_OUT
+    return (
+        cond["status"] != "True"
+        and cond["type"] not in ROTATION_CONDITIONS.values()
+        and cond.get("reason") != ROLLING_OUT
+    )
 
 
 def _cond(type_: str, ok: bool, reason: str, message: str) -> Condition:
@@ -59,13 +82,23 @@ def pool_condition(cluster: str, component: str, state: PoolState) -> Condition:
     type_ = POOL_CONDITIONS[component]
     if state.rolling is not None:
         serving = f"; {state.serves} ready pod(s) serve meanwhile" if state.serves else ""
-        return _cond(type_, False, ROLLING_OUT, f"{state.text} {component} pods of the current template ready; rolling "
-                                                f"out: {state.rolling}{serving}")
+        return _cond(
+            type_,
+            False,
+            ROLLING_OUT,
+            f"{state.text} {component} pods of the current template ready; rolling "
+            f"out: {state.rolling}{serving}",
+        )
     if state.desired == 0:
         return _cond(type_, True, "NoReplicas", f"{component} has 0 replicas in the spec")
     if state.ready >= state.desired:
         return _cond(type_, True, "AllReady", f"{state.text} {component} pods ready")
-    return _cond(type_, False, "PodsNotReady", f"{state.text} {component} pods ready; see {_selector_hint(cluster, component)}")
+    return _cond(
+        type_,
+        False,
+        "PodsNotReady",
+        f"{state.text} {component} pods ready; see {_selector_hint(cluster, component)}",
+    )
 
 
 def secrets_not_owned(problems: Sequence[str]) -> list[Condition]:
@@ -73,7 +106,12 @@ def secrets_not_owned(problems: Sequence[str]) -> list[Condition]:
     return [
         _cond("SpecValid", True, "Valid", "the spec passed all checks"),
         _cond("SecretsOwned", False, "SecretNotOwned", "; ".join(problems)),
-        _cond("Ready", False, "SecretNotOwned", "a Secret the pods would mount is not this PDCluster's (see SecretsOwned)"),
+        _cond(
+            "Ready",
+            False,
+            "SecretNotOwned",
+            "a Secret the pods would mount is not this PDCluster's (see SecretsOwned)",
+        ),
     ]
 
 
@@ -99,59 +137,102 @@ def rotation(cluster: str, scheme: RotationScheme, state: dict[str, Any]) -> Con
     (credentials.Rotation.status)."""
     type_ = ROTATION_CONDITIONS[scheme.request_annotation]
     phase, request, what = state.get("phase", "Idle"), state.get("request"), scheme.what
-    users, readers = ("senders", "nodes") if scheme.accepting == "AcceptingNewSecret" else ("the router", "the nodes")
+    users, readers = (
+        ("senders", "nodes") if scheme.accepting == "AcceptingNewSecret" else ("the router", "the nodes")
+    )
     how = f"to rotate: kubectl annotate pdc {cluster} {scheme.request_annotation}=$(date +%s) --overwrite"
     if phase == scheme.accepting:
-        return _cond(type_, True, phase,
-                     f"rotation {request!r}, phase 1 of 3: {readers} accept the new {what} beside the current one; "
-                     f"{users} switch to it at {state.get('nextPhaseAt')}")
+        return _cond(
+            type_,
+            True,
+            phase,
+            f"rotation {request!r}, phase 1 of 3: {readers} accept the new {what} beside the current one; "
+            f"{users} switch to it at {state.get('nextPhaseAt')}",
+        )
     if phase == scheme.switched:
-        return _cond(type_, True, phase,
-                     f"rotation {request!r}, phase 2 of 3: {users} use the new {what}; {readers} accept the old one "
-                     f"until {state.get('nextPhaseAt')}")
+        return _cond(
+            type_,
+            True,
+            phase,
+            f"rotation {request!r}, phase 2 of 3: {users} use the new {what}; {readers} accept the old one "
+            f"until {state.get('nextPhaseAt')}",
+        )
     if state.get("lastRotated"):
-        return _cond(type_, False, "Rotated",
-                     f"rotation {request!r} completed at {state['lastRotated']}; the old {what} is refused; {how}")
+        return _cond(
+            type_,
+            False,
+            "Rotated",
+            f"rotation {request!r} completed at {state['lastRotated']}; the old {what} is refused; {how}",
+        )
     return _cond(type_, False, "NotRequested", f"the {what} was never rotated; {how}")
 
 
-def data_plane(networks: Sequence[str], host_network: bool, policies_enabled: bool,
-               multi_network_policy: bool | int | None) -> Condition:
+def data_plane(
+    networks: Sequence[str],
+    host_network: bool,
+    policies_enabled: bool,
+    multi_network_policy: bool | int | None,
+) -> Condition:
     """DataPlaneProtected: whether a policy fences the handoff's data plane (ctrl port, transfer engines).
 
     `multi_network_policy`: how listing MultiNetworkPolicies went: True (or 200), False (or 404: not
     served), 403 (not allowed), None (not asked)."""
     t = "DataPlaneProtected"
     if not policies_enabled:
-        return _cond(t, False, "PoliciesDisabled",
-                     "spec.networkPolicies.enabled is false: anyone who reaches a decode pod can reach its ctrl port and "
-                     "its transfer engine's listeners (Mooncake listens on every interface, and neither engine "
-                     "authenticates); enable it, or fence the pods with your own policies")
+        return _cond(
+            t,
+            False,
+            "PoliciesDisabled",
+            "spec.networkPolicies.enabled is false: anyone who reaches a decode pod can reach its ctrl port and "
+            "its transfer engine's listeners (Mooncake listens on every interface, and neither engine "
+            "authenticates); enable it, or fence the pods with your own policies",
+        )
     if host_network:
-        return _cond(t, False, "HostNetworkUnprotected",
-                     "spec.transfer.rdma.hostNetwork: the data-plane pods share their nodes' network namespace, where no "
-                     "NetworkPolicy applies, and the transfer engines (which do not authenticate) listen on the nodes' "
-                     "interfaces: restrict the ctrl port and the engines' ports to the prefill nodes with host firewall "
-                     "rules or an isolated RDMA fabric, or use Multus networks (spec.transfer.rdma.networks) instead")
+        return _cond(
+            t,
+            False,
+            "HostNetworkUnprotected",
+            "spec.transfer.rdma.hostNetwork: the data-plane pods share their nodes' network namespace, where no "
+            "NetworkPolicy applies, and the transfer engines (which do not authenticate) listen on the nodes' "
+            "interfaces: restrict the ctrl port and the engines' ports to the prefill nodes with host firewall "
+            "rules or an isolated RDMA fabric, or use Multus networks (spec.transfer.rdma.networks) instead",
+        )
     if not networks:
-        return _cond(t, True, "NetworkPolicy", "the handoff crosses the pod network, where NetworkPolicies admit only the "
-                     "prefill pods to the decode pods' ctrl and transfer ports (enforced where the CNI plugin enforces "
-                     "NetworkPolicy)")
+        return _cond(
+            t,
+            True,
+            "NetworkPolicy",
+            "the handoff crosses the pod network, where NetworkPolicies admit only the "
+            "prefill pods to the decode pods' ctrl and transfer ports (enforced where the CNI plugin enforces "
+            "NetworkPolicy)",
+        )
     if multi_network_policy == 403:
-        return _cond(t, False, "MultiNetworkPolicyForbidden",
-                     f"the operator may not list {constants.MULTI_NETWORK_POLICY_API_VERSION} MultiNetworkPolicies, so "
-                     f"nothing it renders fences the data plane on {', '.join(networks)}: give its ClusterRole "
-                     "list, create, patch and delete on multi-networkpolicies (the chart's role has them)")
+        return _cond(
+            t,
+            False,
+            "MultiNetworkPolicyForbidden",
+            f"the operator may not list {constants.MULTI_NETWORK_POLICY_API_VERSION} MultiNetworkPolicies, so "
+            f"nothing it renders fences the data plane on {', '.join(networks)}: give its ClusterRole "
+            "list, create, patch and delete on multi-networkpolicies (the chart's role has them)",
+        )
     if multi_network_policy is False or multi_network_policy == 404:
-        return _cond(t, False, "MultiNetworkPolicyUnavailable",
-                     f"the API server does not serve {constants.MULTI_NETWORK_POLICY_API_VERSION} MultiNetworkPolicy, so "
-                     f"nothing fences the data plane on {', '.join(networks)} (the transfer engines do not authenticate): "
-                     "install the k8snetworkplumbingwg multi-networkpolicy CRD and an implementation "
-                     "(e.g. multi-networkpolicy-iptables); the operator applies the policies once it is served")
-    return _cond(t, True, "MultiNetworkPolicy",
-                 f"MultiNetworkPolicies on {', '.join(networks)} admit only the prefill pods to the decode pods (enforced "
-                 "where a MultiNetworkPolicy implementation runs; RDMA traffic that bypasses the kernel is beyond them); "
-                 "on the pod network NetworkPolicies admit only the router")
+        return _cond(
+            t,
+            False,
+            "MultiNetworkPolicyUnavailable",
+            f"the API server does not serve {constants.MULTI_NETWORK_POLICY_API_VERSION} MultiNetworkPolicy, so "
+            f"nothing fences the data plane on {', '.join(networks)} (the transfer engines do not authenticate): "
+            "install the k8snetworkplumbingwg multi-networkpolicy CRD and an implementation "
+            "(e.g. multi-networkpolicy-iptables); the operator applies the policies once it is served",
+        )
+    return _cond(
+        t,
+        True,
+        "MultiNetworkPolicy",
+        f"MultiNetworkPolicies on {', '.join(networks)} admit only the prefill pods to the decode pods (enforced "
+        "where a MultiNetworkPolicy implementation runs; RDMA traffic that bypasses the kernel is beyond them); "
+        "on the pod network NetworkPolicies admit only the router",
+    )
 
 
 #: A node's last successful handoff counts as recent this long (the router probes an idle node every
@@ -159,29 +240,35 @@ def data_plane(networks: Sequence[str], host_network: bool, policies_enabled: bo
 HANDOFF_MAX_AGE_S = 120.0
 #: The node's failure category (tilert_serve/decode/record.py DATA_PLANE_FAILURES) -> the condition's reason.
 HANDOFF_REASONS = {
-    "not_authenticated": "NotAuthenticated", "layout_mismatch": "LayoutMismatch", "version_mismatch": "VersionMismatch",
-    "timeout": "Timeout", "digest_mismatch": "DigestMismatch", "transfer_failed": "TransferFailed",
-    "disconnected": "TransferFailed", "bad_request": "ProtocolError", "decode_failed": "DecodeFailed",
+    "not_authenticated": "NotAuthenticated",
+    "layout_mismatch": "LayoutMismatch",
+    "version_mismatch": "VersionMismatch",
+    "timeout": "Timeout",
+    "digest_mismatch": "DigestMismatch",
+    "transfer_failed": "TransferFailed",
+    "disconnected": "TransferFailed",
+    "bad_request": "ProtocolError",
+    "decode_failed": "DecodeFailed",
     "internal": "NodeError",
 }
 _HANDOFF_HINTS = {
     # The node records it only for an authenticated connection (a wrong MAC is anyone's to send and is
     # counted apart): a frame failed its session check after the handshake.
     "NotAuthenticated": "a control connection failed its session check after the handshake: something between the "
-                        "prefill and the node alters or injects frames (or the prefill lost its session); check the "
-                        "network path",
+    "prefill and the node alters or injects frames (or the prefill lost its session); check the "
+    "network path",
     "SecretDiffers": "the prefill's handoff secret may differ from the node's: check the <cluster>-handoff Secret "
-                     "mounts (a rotation in progress accepts both)",
+    "mounts (a rotation in progress accepts both)",
     "LayoutMismatch": "the prefill and the node disagree on the model, KV-cache dtype or MTP layer",
     "VersionMismatch": "the prefill and the node run different tilert-pd versions; finish the rollout",
     "Timeout": "the state did not arrive in time: the node's ctrl port or the transfer engine is not reachable from the "
-               "prefill (NetworkPolicy, Multus network, RDMA devices)",
+    "prefill (NetworkPolicy, Multus network, RDMA devices)",
     "DigestMismatch": "the bytes that arrived differ from what the prefill wrote: the transfer is corrupting data",
     "TransferFailed": "the transfer engine's write failed or the sender vanished; see the prefill's log",
     "Unreachable": "the operator cannot read the node's /v1/status: check the pod and the NetworkPolicy",
     "NotAuthorized": "the node refuses the cluster's node-API token: check the <cluster>-node-api Secret mount",
     "NoHandoffYet": "no handoff reached the node yet: the router probes idle nodes every 30 s; check RouterReady and "
-                    "the router's log",
+    "the router's log",
     "HandoffStale": "no handoff reached the node recently although it is idle: check the router's probes",
 }
 
@@ -195,8 +282,11 @@ _SIGNAL_HINTS = {"failed_authentication": "SecretDiffers", "version_mismatches":
 def _signal_hints(counts: dict[str, Any], prefix: str = "") -> str:
     """The hints of the signals counted in `counts` (presence only: a count would rewrite the status
     on every resync)."""
-    hints = [_HANDOFF_HINTS[hint] for key, hint in _SIGNAL_HINTS.items()
-             if isinstance(counts.get(prefix + key), int) and counts[prefix + key] > 0]
+    hints = [
+        _HANDOFF_HINTS[hint]
+        for key, hint in _SIGNAL_HINTS.items()
+        if isinstance(counts.get(prefix + key), int) and counts[prefix + key] > 0
+    ]
     return f" ({'; '.join(hints)})" if hints else ""
 
 
@@ -205,7 +295,9 @@ def bandwidth_band(bytes_per_s: float) -> str:
     stays the same from one probe to the next (an idle resync writes nothing) yet tells RDMA from TCP."""
     if bytes_per_s < 1:
         return "under 1 B/s"
-    unit, size = next((u, s) for u, s in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3), ("B/s", 1.0)) if bytes_per_s >= s)
+    unit, size = next(
+        (u, s) for u, s in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3), ("B/s", 1.0)) if bytes_per_s >= s
+    )
     low = 2 ** math.floor(math.log2(bytes_per_s / size))
     return f"{low:g}-{2 * low:g} {unit}"
 
@@ -221,7 +313,9 @@ def _gbps(handoff: dict[str, Any]) -> str:
 def node_handoff(report: NodeReport, max_age_s: float = HANDOFF_MAX_AGE_S) -> tuple[str, str]:
     """(reason, message) for one node: HandoffOK or why not."""
     if report.handoff is None:
-        kind = {"not_authorized": "NotAuthorized", "old_node": "NoHandoffYet"}.get(report.error_kind or "", "Unreachable")
+        kind = {"not_authorized": "NotAuthorized", "old_node": "NoHandoffYet"}.get(
+            report.error_kind or "", "Unreachable"
+        )
         return kind, report.error or "no status"
     h = report.handoff
     ok, bad = h.get("last_success"), h.get("last_failure")
@@ -241,20 +335,29 @@ def node_handoff(report: NodeReport, max_age_s: float = HANDOFF_MAX_AGE_S) -> tu
         return "NoHandoffYet", f"no handoff has reached it{lately}"
     age = float(ok.get("age_s", 0))
     if age > max_age_s and not report.busy:
-        return "HandoffStale", f"no handoff for over {max_age_s:.0f} s while idle (the last: {_gbps(h)}){lately}"
+        return (
+            "HandoffStale",
+            f"no handoff for over {max_age_s:.0f} s while idle (the last: {_gbps(h)}){lately}",
+        )
     # No ages or exact figures: the message changes only when what it says does (no write per resync).
     return "HandoffOK", f"decoded from a handoff within {max_age_s:.0f} s, {_gbps(h)}"
 
 
-def handoff_ready(tilert_desired: int, wired: Sequence[TileRTNode], reports: Sequence[NodeReport] | None,
-                  max_age_s: float = HANDOFF_MAX_AGE_S) -> Condition:
+def handoff_ready(
+    tilert_desired: int,
+    wired: Sequence[TileRTNode],
+    reports: Sequence[NodeReport] | None,
+    max_age_s: float = HANDOFF_MAX_AGE_S,
+) -> Condition:
     """HandoffReady: a handoff from the prefill pool reached every wired TileRT node recently and the node
     decoded from it. `reports` None: not checked (TILERT_PD_HANDOFF_CHECK=0)."""
     t = "HandoffReady"
     if tilert_desired == 0:
         return _cond(t, True, "NoTileRTPool", "no TileRT pool")
     if reports is None:
-        return _cond(t, True, "NotChecked", "the operator does not check the data plane (TILERT_PD_HANDOFF_CHECK=0)")
+        return _cond(
+            t, True, "NotChecked", "the operator does not check the data plane (TILERT_PD_HANDOFF_CHECK=0)"
+        )
     if not wired:
         return _cond(t, False, "NoReadyNodes", "no TileRT node is wired (see EndpointsWired)")
     verdicts = [(r.pod, *node_handoff(r, max_age_s)) for r in reports]
@@ -263,14 +366,24 @@ def handoff_ready(tilert_desired: int, wired: Sequence[TileRTNode], reports: Seq
     if not bad:
         return _cond(t, True, "HandoffOK", "; ".join(good))
     # The worst reason names the condition: a failure the data plane reported before the absence of news.
-    order = [*dict.fromkeys(HANDOFF_REASONS.values()), "HandoffFailed", "NotAuthorized", "Unreachable", "HandoffStale",
-             "NoHandoffYet"]
+    order = [
+        *dict.fromkeys(HANDOFF_REASONS.values()),
+        "HandoffFailed",
+        "NotAuthorized",
+        "Unreachable",
+        "HandoffStale",
+        "NoHandoffYet",
+    ]
     reason = min((r for _, r, _ in bad), key=lambda r: order.index(r) if r in order else len(order))
     hint = _HANDOFF_HINTS.get(reason, "see the node's /metrics and log")
     text = "; ".join(f"{pod}: {r}: {msg}" for pod, r, msg in bad)
     working = f"; working: {'; '.join(good)}" if good else ""
-    return _cond(t, False, reason, f"{len(bad)} of {len(verdicts)} TileRT node(s) without a working handoff: {text}. "
-                                   f"{hint}{working}")
+    return _cond(
+        t,
+        False,
+        reason,
+        f"{len(bad)} of {len(verdicts)} TileRT node(s) without a working handoff: {text}. {hint}{working}",
+    )
 
 
 def any_handoff_working(reports: Sequence[NodeReport] | None, max_age_s: float = HANDOFF_MAX_AGE_S) -> bool:
@@ -285,9 +398,15 @@ def invalid(problems: Sequence[Problem]) -> list[Condition]:
     ]
 
 
-def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRTNode],
-               unwired: Sequence[Unwired] = (), security: Sequence[Condition] = (),
-               handoff: Condition | None = None, handoff_working: bool = True) -> list[Condition]:
+def conditions(
+    cluster: str,
+    pools: dict[str, PoolState],
+    wired: Sequence[TileRTNode],
+    unwired: Sequence[Unwired] = (),
+    security: Sequence[Condition] = (),
+    handoff: Condition | None = None,
+    handoff_working: bool = True,
+) -> list[Condition]:
     """`security`: SecretsOwned, HandoffSecretRotating and DataPlaneProtected, placed before Ready
     (none of them changes whether the stack serves). `handoff`: HandoffReady (handoff_ready); Ready
     needs a working handoff on at least one wired node (`handoff_working`, any_handoff_working), and is
@@ -296,18 +415,41 @@ def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRT
     out += [pool_condition(cluster, c, pools[c]) for c in POOL_CONDITIONS]
     tilert = pools[constants.TILERT]
     if tilert.desired == 0:
-        out.append(_cond("EndpointsWired", True, "NoTileRTPool", "no TileRT pool; the router sends everything to the native pool"))
+        out.append(
+            _cond(
+                "EndpointsWired",
+                True,
+                "NoTileRTPool",
+                "no TileRT pool; the router sends everything to the native pool",
+            )
+        )
     elif unwired:
         # Wiring such a node over the pod network would move the state over the wrong network (and,
         # with rdma, not at all): it stays out of the router until Multus reports its address.
         left_out = "; ".join(f"{u.pod}: {u.problem}" for u in unwired)
-        out.append(_cond("EndpointsWired", False, "DataPlaneAddressMissing",
-                         f"{len(unwired)} ready TileRT node(s) left out of the router ({len(wired)} wired): {left_out}"))
+        out.append(
+            _cond(
+                "EndpointsWired",
+                False,
+                "DataPlaneAddressMissing",
+                f"{len(unwired)} ready TileRT node(s) left out of the router ({len(wired)} wired): {left_out}",
+            )
+        )
     elif wired:
-        out.append(_cond("EndpointsWired", True, "Wired", f"{len(wired)} TileRT node(s) in the router's endpoint list"))
+        out.append(
+            _cond(
+                "EndpointsWired", True, "Wired", f"{len(wired)} TileRT node(s) in the router's endpoint list"
+            )
+        )
     else:
-        out.append(_cond("EndpointsWired", False, "NoReadyNodes",
-                         f"no TileRT node is ready to wire; see {_selector_hint(cluster, constants.TILERT)}"))
+        out.append(
+            _cond(
+                "EndpointsWired",
+                False,
+                "NoReadyNodes",
+                f"no TileRT node is ready to wire; see {_selector_hint(cluster, constants.TILERT)}",
+            )
+        )
     checked = handoff is not None
     if handoff is None:
         handoff = handoff_ready(tilert.desired, wired, None)
@@ -331,17 +473,40 @@ def conditions(cluster: str, pools: dict[str, PoolState], wired: Sequence[TileRT
         out.append(_cond("Ready", False, "NotServing", "; ".join(missing)))
     elif rolling:
         # Pods of an earlier template serve, but the spec as it is now has not happened yet.
-        out.append(_cond("Ready", False, ROLLING_OUT, "the current spec is not rolled out yet (pods of an earlier "
-                         "template serve meanwhile): " + "; ".join(rolling)))
+        out.append(
+            _cond(
+                "Ready",
+                False,
+                ROLLING_OUT,
+                "the current spec is not rolled out yet (pods of an earlier "
+                "template serve meanwhile): " + "; ".join(rolling),
+            )
+        )
     else:
         short = [f"{POOL_KEYS[c]} {s.text}" for c, s in pools.items() if s.ready < s.desired]
         if short:
-            out.append(_cond("Ready", True, "Degraded", "serving, below desired replicas: " + ", ".join(short)))
+            out.append(
+                _cond("Ready", True, "Degraded", "serving, below desired replicas: " + ", ".join(short))
+            )
         elif unwired:
-            out.append(_cond("Ready", True, "Degraded", f"serving; {len(unwired)} TileRT node(s) not wired (see EndpointsWired)"))
+            out.append(
+                _cond(
+                    "Ready",
+                    True,
+                    "Degraded",
+                    f"serving; {len(unwired)} TileRT node(s) not wired (see EndpointsWired)",
+                )
+            )
         elif checked and handoff["status"] != "True":
-            out.append(_cond("Ready", True, "Degraded", f"serving; some TileRT nodes have no working handoff ({handoff['reason']}, "
-                                                        "see HandoffReady)"))
+            out.append(
+                _cond(
+                    "Ready",
+                    True,
+                    "Degraded",
+                    f"serving; some TileRT nodes have no working handoff ({handoff['reason']}, "
+                    "see HandoffReady)",
+                )
+            )
         else:
             out.append(_cond("Ready", True, "Serving", "all pools ready and TileRT endpoints wired"))
     return out
@@ -351,7 +516,9 @@ def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
-def with_transition_times(new: list[Condition], old: list[Condition], generation: int | None) -> list[Condition]:
+def with_transition_times(
+    new: list[Condition], old: list[Condition], generation: int | None
+) -> list[Condition]:
     """Keep lastTransitionTime of conditions whose status did not change."""
     by_type = {c.get("type"): c for c in old}
     out = []
@@ -366,8 +533,12 @@ def transitions(new: list[Condition], old: list[Condition]) -> list[Condition]:
     """Conditions whose status or reason changed: each gets an Event. On the first status only Ready does
     (one Event per new PDCluster, not seven), plus SpecValid when the spec is invalid."""
     if not old:
-        return [c for c in new if c["type"] == "Ready"
-                or (c["type"] in ("SpecValid", *SECURITY_CONDITIONS) and c["status"] == "False")]
+        return [
+            c
+            for c in new
+            if c["type"] == "Ready"
+            or (c["type"] in ("SpecValid", *SECURITY_CONDITIONS) and c["status"] == "False")
+        ]
     # A reason change is a transition too (Ready: Degraded -> Serving), a message change is not.
     before = {c.get("type"): (c.get("status"), c.get("reason")) for c in old}
     return [c for c in new if before.get(c["type"]) != (c["status"], c["reason"])]
@@ -397,7 +568,8 @@ def build(
         status["pools"] = {POOL_KEYS[c]: {"ready": s.ready, "desired": s.desired} for c, s in pools.items()}
         status["replicas"] = {POOL_KEYS[c]: s.text for c, s in pools.items()}
         status["endpoints"] = [
-            {"name": n.name, "httpUrl": n.http_url, "ctrlHost": n.ctrl_host, "ctrlPort": n.ctrl_port} for n in endpoints
+            {"name": n.name, "httpUrl": n.http_url, "ctrlHost": n.ctrl_host, "ctrlPort": n.ctrl_port}
+            for n in endpoints
         ]
     status.update(rotations or {})
     return status
@@ -419,6 +591,7 @@ def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
 
 def same(new: dict[str, Any], old: dict[str, Any]) -> bool:
     """Whether writing `new` would change nothing a reader cares about (idle resyncs write nothing)."""
+
     def strip(s: dict[str, Any]) -> dict[str, Any]:
         conds = [{k: v for k, v in c.items() if k != "lastTransitionTime"} for c in s.get("conditions") or []]
         return {k: v for k, v in s.items() if k != "conditions"} | {"conditions": conds}

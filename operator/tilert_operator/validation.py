@@ -191,8 +191,12 @@ TOLERATION_EFFECTS = frozenset({"", "NoSchedule", "PreferNoSchedule", "NoExecute
 PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
 RESOURCE_FIELDS = frozenset({"requests", "limits", "claims"})
 #: Where each component's pool is configured in the spec.
-POOL_FIELDS = {constants.PREFILL: "spec.prefill", constants.TILERT: "spec.decode.tilert",
-               constants.NATIVE: "spec.decode.native", constants.ROUTER: "spec.router"}
+POOL_FIELDS = {
+    constants.PREFILL: "spec.prefill",
+    constants.TILERT: "spec.decode.tilert",
+    constants.NATIVE: "spec.decode.native",
+    constants.ROUTER: "spec.router",
+}
 #: vLLM flags the operator sets from the spec (what to set instead).
 RENDERED_FLAGS = {
     "--port": "the operator sets it: probes, Services and the router use the rendered port",
@@ -242,42 +246,65 @@ def check_name(name: str) -> list[Problem]:
     problems = []
     limit = max_name_length()
     if len(name) > limit:
-        problems.append(Problem("metadata.name", (
-            f"{len(name)} characters; at most {limit}: the TileRT StatefulSet is named {name[:8]}...-{constants.TILERT} and "
-            f"the StatefulSet controller labels its pods controller-revision-hash=<statefulset>-<hash>, which must fit 63 "
-            f"characters (a StatefulSet name of at most {STATEFULSET_NAME_MAX}); pick a shorter name")))
+        problems.append(
+            Problem(
+                "metadata.name",
+                (
+                    f"{len(name)} characters; at most {limit}: the TileRT StatefulSet is named {name[:8]}...-{constants.TILERT} and "
+                    f"the StatefulSet controller labels its pods controller-revision-hash=<statefulset>-<hash>, which must fit 63 "
+                    f"characters (a StatefulSet name of at most {STATEFULSET_NAME_MAX}); pick a shorter name"
+                ),
+            )
+        )
     if not DNS1035_LABEL.fullmatch(name):
-        problems.append(Problem("metadata.name", (
-            f"{name!r} cannot name the Services ({name}-prefill, ...): a Service name must start with a lowercase letter and "
-            "hold only lowercase letters, digits and '-', ending in a letter or digit; rename it (e.g. "
-            f"{'x' + re.sub('[^-a-z0-9]', '-', name.lower())!r})")))
+        problems.append(
+            Problem(
+                "metadata.name",
+                (
+                    f"{name!r} cannot name the Services ({name}-prefill, ...): a Service name must start with a lowercase letter and "
+                    "hold only lowercase letters, digits and '-', ending in a letter or digit; rename it (e.g. "
+                    f"{'x' + re.sub('[^-a-z0-9]', '-', name.lower())!r})"
+                ),
+            )
+        )
     return problems
 
 
 def _quantity_problems(field: str, resources: dict[str, Any]) -> Iterable[Problem]:
     for key in resources:
         if key not in RESOURCE_FIELDS:
-            yield Problem(f"{field}.{key}", f"unknown field; ResourceRequirements has {', '.join(sorted(RESOURCE_FIELDS))}")
+            yield Problem(
+                f"{field}.{key}",
+                f"unknown field; ResourceRequirements has {', '.join(sorted(RESOURCE_FIELDS))}",
+            )
     values: dict[str, dict[str, Fraction]] = {"requests": {}, "limits": {}}
     for kind in ("requests", "limits"):
         section = resources.get(kind) or {}
         if not isinstance(section, dict):
-            yield Problem(f"{field}.{kind}", "must be a map of resource name to quantity, e.g. {cpu: 500m, memory: 1Gi}")
+            yield Problem(
+                f"{field}.{kind}", "must be a map of resource name to quantity, e.g. {cpu: 500m, memory: 1Gi}"
+            )
             continue
         for name, raw in section.items():
             try:
                 value = parse_quantity(raw)
             except ValueError as e:
-                yield Problem(f"{field}.{kind}.{name}", f"{e}; write a quantity such as 500m, 2, 512Mi or 1.5Gi")
+                yield Problem(
+                    f"{field}.{kind}.{name}", f"{e}; write a quantity such as 500m, 2, 512Mi or 1.5Gi"
+                )
                 continue
             if value < 0:
-                yield Problem(f"{field}.{kind}.{name}", f"{raw!r} is negative; a request or limit must be 0 or more")
+                yield Problem(
+                    f"{field}.{kind}.{name}", f"{raw!r} is negative; a request or limit must be 0 or more"
+                )
             values[kind][name] = value
     for name, limit in values["limits"].items():
         request = values["requests"].get(name)
         if request is not None and request > limit:
-            yield Problem(f"{field}.requests.{name}", f"is above its limit ({resources['limits'][name]!r}); raise the limit "
-                          "or lower the request")
+            yield Problem(
+                f"{field}.requests.{name}",
+                f"is above its limit ({resources['limits'][name]!r}); raise the limit or lower the request",
+            )
 
 
 def rule_resources(s: PDClusterSpec) -> Iterable[Problem]:
@@ -291,20 +318,30 @@ def rule_resources(s: PDClusterSpec) -> Iterable[Problem]:
 
 
 def _pools(s: PDClusterSpec) -> list[tuple[str, Any]]:
-    return [(constants.PREFILL, s.prefill), (constants.TILERT, s.decode.tilert), (constants.NATIVE, s.decode.native),
-            (constants.ROUTER, s.router)]
+    return [
+        (constants.PREFILL, s.prefill),
+        (constants.TILERT, s.decode.tilert),
+        (constants.NATIVE, s.decode.native),
+        (constants.ROUTER, s.router),
+    ]
 
 
 def rule_env_names(s: PDClusterSpec) -> Iterable[Problem]:
     for name in s.transfer.rdma.env:
         if not ENV_NAME.fullmatch(name):
-            yield Problem(f"spec.transfer.rdma.env.{name}", "is not a valid environment variable name: letters, digits, "
-                          "'_', '-' and '.', not starting with a digit")
+            yield Problem(
+                f"spec.transfer.rdma.env.{name}",
+                "is not a valid environment variable name: letters, digits, "
+                "'_', '-' and '.', not starting with a digit",
+            )
     own = operator_env_names(s)
     for name in sorted(set(s.transfer.rdma.env) & own):
-        yield Problem(f"spec.transfer.rdma.env.{name}", f"{name} is set by the operator itself (the pods' own address "
-                      "and identity through the downward API, which the data plane depends on); remove it from "
-                      "spec.transfer.rdma.env")
+        yield Problem(
+            f"spec.transfer.rdma.env.{name}",
+            f"{name} is set by the operator itself (the pods' own address "
+            "and identity through the downward API, which the data plane depends on); remove it from "
+            "spec.transfer.rdma.env",
+        )
 
 
 def operator_env_names(s: PDClusterSpec) -> frozenset[str]:
@@ -321,28 +358,44 @@ def operator_env_names(s: PDClusterSpec) -> frozenset[str]:
 
 def _containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
     pod = ((obj.get("spec") or {}).get("template") or {}).get("spec") or {}
-    return [*(pod.get("initContainers") or []), *(pod.get("containers") or [])] if isinstance(pod, dict) else []
+    return (
+        [*(pod.get("initContainers") or []), *(pod.get("containers") or [])] if isinstance(pod, dict) else []
+    )
 
 
 def rule_extra_args(s: PDClusterSpec) -> Iterable[Problem]:
-    for field, args in (("spec.prefill.extraArgs", s.prefill.extra_args), ("spec.decode.native.extraArgs", s.decode.native.extra_args)):
+    for field, args in (
+        ("spec.prefill.extraArgs", s.prefill.extra_args),
+        ("spec.decode.native.extraArgs", s.decode.native.extra_args),
+    ):
         for i, arg in enumerate(args):
             flag = arg.split("=", 1)[0]
             if flag in RENDERED_FLAGS:
-                yield Problem(f"{field}[{i}]", f"{flag} is rendered by the operator ({RENDERED_FLAGS[flag]}); remove it")
+                yield Problem(
+                    f"{field}[{i}]", f"{flag} is rendered by the operator ({RENDERED_FLAGS[flag]}); remove it"
+                )
 
 
 def rule_policy(s: PDClusterSpec) -> Iterable[Problem]:
     p = s.router.policy
     if p.default == "tilert" and not s.decode.tilert.replicas:
-        yield Problem("spec.router.policy.default", "is tilert but spec.decode.tilert.replicas is 0, so every request "
-                      "without a header or alias would fail; set default: auto (or native), or give the TileRT pool replicas")
+        yield Problem(
+            "spec.router.policy.default",
+            "is tilert but spec.decode.tilert.replicas is 0, so every request "
+            "without a header or alias would fail; set default: auto (or native), or give the TileRT pool replicas",
+        )
     if p.default == "native" and not s.decode.native.replicas:
-        yield Problem("spec.router.policy.default", "is native but spec.decode.native.replicas is 0, so every request "
-                      "without a header or alias would fail; set default: auto (or tilert), or give the native pool replicas")
+        yield Problem(
+            "spec.router.policy.default",
+            "is native but spec.decode.native.replicas is 0, so every request "
+            "without a header or alias would fail; set default: auto (or tilert), or give the native pool replicas",
+        )
     for alias in sorted(set(p.tilert_aliases) & set(p.native_aliases)):
-        yield Problem("spec.router.policy.nativeAliases", f"{alias!r} is in tilertAliases too; a model name picks one "
-                      "path: remove it from one of the lists")
+        yield Problem(
+            "spec.router.policy.nativeAliases",
+            f"{alias!r} is in tilertAliases too; a model name picks one "
+            "path: remove it from one of the lists",
+        )
 
 
 def rule_tolerations(s: PDClusterSpec) -> Iterable[Problem]:
@@ -350,15 +403,25 @@ def rule_tolerations(s: PDClusterSpec) -> Iterable[Problem]:
         for i, tol in enumerate(pool.tolerations):
             field = f"{POOL_FIELDS[component]}.tolerations[{i}]"
             for key in sorted(set(tol) - TOLERATION_FIELDS):
-                yield Problem(f"{field}.{key}", f"unknown field; a toleration has {', '.join(sorted(TOLERATION_FIELDS))}")
+                yield Problem(
+                    f"{field}.{key}",
+                    f"unknown field; a toleration has {', '.join(sorted(TOLERATION_FIELDS))}",
+                )
             op = tol.get("operator", "Equal")
             if op not in ("Equal", "Exists"):
                 yield Problem(f"{field}.operator", f"{op!r}: use Equal or Exists")
             if op == "Exists" and tol.get("value"):
-                yield Problem(f"{field}.value", "must be empty with operator Exists; remove it or use operator: Equal")
+                yield Problem(
+                    f"{field}.value", "must be empty with operator Exists; remove it or use operator: Equal"
+                )
             if tol.get("effect", "") not in TOLERATION_EFFECTS:
-                yield Problem(f"{field}.effect", f"{tol.get('effect')!r}: use NoSchedule, PreferNoSchedule or NoExecute (or omit it)")
-            if "tolerationSeconds" in tol and (isinstance(tol["tolerationSeconds"], bool) or not isinstance(tol["tolerationSeconds"], int)):
+                yield Problem(
+                    f"{field}.effect",
+                    f"{tol.get('effect')!r}: use NoSchedule, PreferNoSchedule or NoExecute (or omit it)",
+                )
+            if "tolerationSeconds" in tol and (
+                isinstance(tol["tolerationSeconds"], bool) or not isinstance(tol["tolerationSeconds"], int)
+            ):
                 yield Problem(f"{field}.tolerationSeconds", "must be an integer number of seconds")
 
 
@@ -369,12 +432,22 @@ def label_problems(field: str, labels: Any) -> Iterable[Problem]:
         return
     for key, value in labels.items():
         prefix, _, name = str(key).rpartition("/")
-        if ("/" in str(key) and not (LABEL_PREFIX.fullmatch(prefix) and len(prefix) <= 253)) or not LABEL_NAME.fullmatch(name) or len(name) > 63:
-            yield Problem(f"{field}.{key}", "is not a valid label key: an optional DNS-subdomain prefix and '/', then at most 63 "
-                          "letters, digits, '-', '_' or '.', starting and ending with a letter or digit")
+        if (
+            ("/" in str(key) and not (LABEL_PREFIX.fullmatch(prefix) and len(prefix) <= 253))
+            or not LABEL_NAME.fullmatch(name)
+            or len(name) > 63
+        ):
+            yield Problem(
+                f"{field}.{key}",
+                "is not a valid label key: an optional DNS-subdomain prefix and '/', then at most 63 "
+                "letters, digits, '-', '_' or '.', starting and ending with a letter or digit",
+            )
         if not isinstance(value, str) or len(value) > 63 or (value and not LABEL_NAME.fullmatch(value)):
-            yield Problem(f"{field}.{key}", f"{value!r} is not a valid label value: at most 63 letters, digits, '-', '_' or "
-                          "'.', starting and ending with a letter or digit (or empty)")
+            yield Problem(
+                f"{field}.{key}",
+                f"{value!r} is not a valid label value: at most 63 letters, digits, '-', '_' or "
+                "'.', starting and ending with a letter or digit (or empty)",
+            )
 
 
 def rule_node_selectors(s: PDClusterSpec) -> Iterable[Problem]:
@@ -387,10 +460,15 @@ def rule_metrics_from(s: PDClusterSpec) -> Iterable[Problem]:
         field = f"spec.networkPolicies.metricsFrom[{i}]"
         unknown = sorted(set(peer) - PEER_FIELDS)
         for key in unknown:
-            yield Problem(f"{field}.{key}", f"unknown field; a NetworkPolicyPeer has {', '.join(sorted(PEER_FIELDS))}")
+            yield Problem(
+                f"{field}.{key}", f"unknown field; a NetworkPolicyPeer has {', '.join(sorted(PEER_FIELDS))}"
+            )
         if not any(peer.get(k) is not None for k in PEER_FIELDS):
-            yield Problem(field, "names no peer: set podSelector, namespaceSelector or ipBlock (podSelector: {} admits "
-                          "every pod of the namespace)")
+            yield Problem(
+                field,
+                "names no peer: set podSelector, namespaceSelector or ipBlock (podSelector: {} admits "
+                "every pod of the namespace)",
+            )
         for key in ("podSelector", "namespaceSelector"):
             selector = peer.get(key)
             if isinstance(selector, dict) and "matchLabels" in selector:
@@ -410,16 +488,27 @@ def rule_rendered(s: PDClusterSpec) -> Iterable[Problem]:
         selector = spec.get("selector")
         template: dict[str, Any] = spec["template"] if isinstance(spec.get("template"), dict) else {}
         labels = (template.get("metadata") or {}).get("labels") or {}
-        if not isinstance(selector, dict) or not (selector.get("matchLabels") or selector.get("matchExpressions")):
-            yield Problem(field, f"removes the {obj['kind']}'s spec.selector, which the API server requires (and which "
-                          "cannot change after creation); do not override spec.selector")
+        if not isinstance(selector, dict) or not (
+            selector.get("matchLabels") or selector.get("matchExpressions")
+        ):
+            yield Problem(
+                field,
+                f"removes the {obj['kind']}'s spec.selector, which the API server requires (and which "
+                "cannot change after creation); do not override spec.selector",
+            )
         elif any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
-            yield Problem(field, f"makes the {obj['kind']}'s pod labels miss its selector {selector.get('matchLabels')}; "
-                          "keep the operator's labels in spec.template.metadata.labels")
+            yield Problem(
+                field,
+                f"makes the {obj['kind']}'s pod labels miss its selector {selector.get('matchLabels')}; "
+                "keep the operator's labels in spec.template.metadata.labels",
+            )
         for c in _containers(obj):
             names = [str(e.get("name")) for e in c.get("env") or [] if isinstance(e, dict)]
             for dup in sorted({n for n in names if names.count(n) > 1 and n not in s.transfer.rdma.env}):
-                yield Problem(field, f"sets the environment variable {dup} of container {c.get('name')} twice; set it once")
+                yield Problem(
+                    field,
+                    f"sets the environment variable {dup} of container {c.get('name')} twice; set it once",
+                )
 
 
 # ---- what runs as asked: accepted by every server, broken in the pods ---------------------------
@@ -436,19 +525,27 @@ DNS1123_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0
 #: A Secret's keys (and so the file names of its volume).
 SECRET_KEY = re.compile(r"[-._a-zA-Z0-9]+")
 #: A Multus network as the pod annotation names it: `[namespace/]name[@interface]`.
-NETWORK_NAME = re.compile(r"(?:([a-z0-9]([-a-z0-9]*[a-z0-9])?)/)?([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)(?:@[-._a-zA-Z0-9]{1,15})?")
+NETWORK_NAME = re.compile(
+    r"(?:([a-z0-9]([-a-z0-9]*[a-z0-9])?)/)?([a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*)(?:@[-._a-zA-Z0-9]{1,15})?"
+)
 
 
 def rule_images(s: PDClusterSpec) -> Iterable[Problem]:
     for component, pool in _pools(s):
         image, field = pool.image, f"{POOL_FIELDS[component]}.image"
         if image != image.strip():
-            yield Problem(field, f"{image!r} has leading or trailing whitespace, which the API server refuses in a pod (so "
-                          "no pod would start); remove it")
+            yield Problem(
+                field,
+                f"{image!r} has leading or trailing whitespace, which the API server refuses in a pod (so "
+                "no pod would start); remove it",
+            )
         elif len(image) > 4096 or not IMAGE_REFERENCE.fullmatch(image):
-            yield Problem(field, f"{image!r} is not an image reference the container runtime can pull (InvalidImageName): "
-                          "[registry[:port]/]path[:tag][@digest], the path in lowercase letters, digits and '.', '_' "
-                          f"or '-' separators; e.g. {image.lower()!r}")
+            yield Problem(
+                field,
+                f"{image!r} is not an image reference the container runtime can pull (InvalidImageName): "
+                "[registry[:port]/]path[:tag][@digest], the path in lowercase letters, digits and '.', '_' "
+                f"or '-' separators; e.g. {image.lower()!r}",
+            )
 
 
 def rule_termination(s: PDClusterSpec) -> Iterable[Problem]:
@@ -456,13 +553,21 @@ def rule_termination(s: PDClusterSpec) -> Iterable[Problem]:
     included: a sleep that leaves no time to drain cuts every stream at once."""
     for component, pool in _pools(s):
         t, field = pool.termination, f"{POOL_FIELDS[component]}.termination"
-        sleep, grace, floor = t.pre_stop_sleep_seconds, t.grace_period_seconds, t.pre_stop_sleep_seconds + specmod.EXIT_MARGIN_S
+        sleep, grace, floor = (
+            t.pre_stop_sleep_seconds,
+            t.grace_period_seconds,
+            t.pre_stop_sleep_seconds + specmod.EXIT_MARGIN_S,
+        )
         if sleep and floor >= grace:
             when = "before SIGTERM even reaches it" if sleep >= grace else "as its drain starts"
-            yield Problem(f"{field}.preStopSleepSeconds", (
-                f"{sleep} s of preStop sleep and {specmod.EXIT_MARGIN_S} s to exit leave no time to drain within "
-                f"{field}.gracePeriodSeconds ({grace}): the kubelet kills the pod (SIGKILL) {when}; set gracePeriodSeconds "
-                f"above {floor} (e.g. {floor + 60}), or lower preStopSleepSeconds"))
+            yield Problem(
+                f"{field}.preStopSleepSeconds",
+                (
+                    f"{sleep} s of preStop sleep and {specmod.EXIT_MARGIN_S} s to exit leave no time to drain within "
+                    f"{field}.gracePeriodSeconds ({grace}): the kubelet kills the pod (SIGKILL) {when}; set gracePeriodSeconds "
+                    f"above {floor} (e.g. {floor + 60}), or lower preStopSleepSeconds"
+                ),
+            )
 
 
 def rule_router_secret(s: PDClusterSpec) -> Iterable[Problem]:
@@ -470,34 +575,54 @@ def rule_router_secret(s: PDClusterSpec) -> Iterable[Problem]:
     if secret is None:
         return
     if len(secret.name) > 253 or not DNS1123_SUBDOMAIN.fullmatch(secret.name):
-        yield Problem("spec.router.apiKeysSecret.name", (
-            f"{secret.name!r} cannot name a Secret (lowercase letters, digits, '-' and '.'), so the router's pods would "
-            "wait for it for ever; name the Secret that holds the keys"))
+        yield Problem(
+            "spec.router.apiKeysSecret.name",
+            (
+                f"{secret.name!r} cannot name a Secret (lowercase letters, digits, '-' and '.'), so the router's pods would "
+                "wait for it for ever; name the Secret that holds the keys"
+            ),
+        )
     if len(secret.key) > 253 or not SECRET_KEY.fullmatch(secret.key):
-        yield Problem("spec.router.apiKeysSecret.key", (
-            f"{secret.key!r} cannot be a key of a Secret (letters, digits, '-', '_' and '.'), so the router would never "
-            "find its keys file; name the key that holds the keys (default keys)"))
+        yield Problem(
+            "spec.router.apiKeysSecret.key",
+            (
+                f"{secret.key!r} cannot be a key of a Secret (letters, digits, '-', '_' and '.'), so the router would never "
+                "find its keys file; name the key that holds the keys (default keys)"
+            ),
+        )
 
 
 def rule_networks(s: PDClusterSpec) -> Iterable[Problem]:
     for i, net in enumerate(s.transfer.rdma.networks):
         m = NETWORK_NAME.fullmatch(net)
         if m is None or len(m.group(3)) > 253:
-            yield Problem(f"spec.transfer.rdma.networks[{i}]", (
-                f"{net!r} cannot name a NetworkAttachmentDefinition ([namespace/]name: lowercase letters, digits, '-' and "
-                "'.'), so Multus could never attach it and the pods would not start; name an existing one"))
+            yield Problem(
+                f"spec.transfer.rdma.networks[{i}]",
+                (
+                    f"{net!r} cannot name a NetworkAttachmentDefinition ([namespace/]name: lowercase letters, digits, '-' and "
+                    "'.'), so Multus could never attach it and the pods would not start; name an existing one"
+                ),
+            )
 
 
 def rule_weights_volume(s: PDClusterSpec) -> Iterable[Problem]:
     volume = s.model.weights.volume
     if volume == {}:
-        yield Problem("spec.model.weights.volume", (
-            "is empty: it names no volume source, and the pods would load the model from an empty directory; give "
-            "exactly one volume source, e.g. persistentVolumeClaim: {claimName: weights}"))
+        yield Problem(
+            "spec.model.weights.volume",
+            (
+                "is empty: it names no volume source, and the pods would load the model from an empty directory; give "
+                "exactly one volume source, e.g. persistentVolumeClaim: {claimName: weights}"
+            ),
+        )
     if volume and "name" in volume:
-        yield Problem("spec.model.weights.volume", (
-            f"names the volume ({volume['name']!r}); the operator names it model and mounts it by that name, so the "
-            "pods would mount a volume that does not exist: remove name (give the volume source alone)"))
+        yield Problem(
+            "spec.model.weights.volume",
+            (
+                f"names the volume ({volume['name']!r}); the operator names it model and mounts it by that name, so the "
+                "pods would mount a volume that does not exist: remove name (give the volume source alone)"
+            ),
+        )
 
 
 #: Fields of a workload the overrides must leave alone: they say which object is applied.
@@ -511,9 +636,13 @@ def rule_overrides_identity(s: PDClusterSpec) -> Iterable[Problem]:
             for key in path:
                 node = node.get(key, ...) if isinstance(node, dict) else ...
             if node is not ...:
-                yield Problem(f"{POOL_FIELDS[component]}.overrides", (
-                    f"sets {'.'.join(path)}, which says which object the operator applies: it would create a second "
-                    "workload beside the one it manages (and never clean it up); remove it from the overrides"))
+                yield Problem(
+                    f"{POOL_FIELDS[component]}.overrides",
+                    (
+                        f"sets {'.'.join(path)}, which says which object the operator applies: it would create a second "
+                        "workload beside the one it manages (and never clean it up); remove it from the overrides"
+                    ),
+                )
 
 
 def rule_root(s: PDClusterSpec) -> Iterable[Problem]:
@@ -547,25 +676,36 @@ def rule_root(s: PDClusterSpec) -> Iterable[Problem]:
             seen.add(field)
             rendered_root = s.transfer.protocol == "rdma" and component != constants.ROUTER
             if rendered_root and "runAsUser" not in {**pool.pod_security_context, **pool.security_context}:
-                why = ("over RDMA this pool runs as root (runAsUser 0: registering memory needs IPC_LOCK, which Kubernetes "
-                       "grants to root only) and runAsNonRoot: true makes the kubelet refuse to start it; remove runAsNonRoot, "
-                       f"or also set runAsUser to the image's non-root user ({constants.RUN_AS_USER}) where the runtime's "
-                       "memlock limit is unlimited")
+                why = (
+                    "over RDMA this pool runs as root (runAsUser 0: registering memory needs IPC_LOCK, which Kubernetes "
+                    "grants to root only) and runAsNonRoot: true makes the kubelet refuse to start it; remove runAsNonRoot, "
+                    f"or also set runAsUser to the image's non-root user ({constants.RUN_AS_USER}) where the runtime's "
+                    "memlock limit is unlimited"
+                )
             else:
-                why = (f"runs container {c.get('name')} as root (runAsUser 0) under runAsNonRoot: true, so the kubelet "
-                       "refuses to start it; set runAsNonRoot: false beside runAsUser: 0, or a non-root runAsUser")
+                why = (
+                    f"runs container {c.get('name')} as root (runAsUser 0) under runAsNonRoot: true, so the kubelet "
+                    "refuses to start it; set runAsNonRoot: false beside runAsUser: 0, or a non-root runAsUser"
+                )
             yield Problem(field, why)
 
 
 # ---- the children, as the API server would check them -----------------------------------------
 
+
 def _without_overrides(s: PDClusterSpec) -> PDClusterSpec:
-    return s.model_copy(update={
-        "prefill": s.prefill.model_copy(update={"overrides": {}}),
-        "decode": s.decode.model_copy(update={"tilert": s.decode.tilert.model_copy(update={"overrides": {}}),
-                                              "native": s.decode.native.model_copy(update={"overrides": {}})}),
-        "router": s.router.model_copy(update={"overrides": {}}),
-    })
+    return s.model_copy(
+        update={
+            "prefill": s.prefill.model_copy(update={"overrides": {}}),
+            "decode": s.decode.model_copy(
+                update={
+                    "tilert": s.decode.tilert.model_copy(update={"overrides": {}}),
+                    "native": s.decode.native.model_copy(update={"overrides": {}}),
+                }
+            ),
+            "router": s.router.model_copy(update={"overrides": {}}),
+        }
+    )
 
 
 #: Where each part of a workload comes from in the pool's spec (first match wins).
@@ -582,7 +722,11 @@ _WORKLOAD_SOURCES: tuple[tuple[str, str], ...] = (
     (r"^spec\.(strategy|updateStrategy)", "rollout"),
 )
 #: The data-plane volumes and the spec field each comes from.
-_VOLUME_SOURCES = {"model": "spec.model.weights.volume", "shm": "spec.transfer.shmSize", "api-keys": "spec.router.apiKeysSecret"}
+_VOLUME_SOURCES = {
+    "model": "spec.model.weights.volume",
+    "shm": "spec.transfer.shmSize",
+    "api-keys": "spec.router.apiKeysSecret",
+}
 
 
 def source_field(s: PDClusterSpec, obj: dict[str, Any], where: str) -> str:
@@ -631,14 +775,20 @@ def children_problems(s: PDClusterSpec, name: str) -> list[Problem]:
     found = [(obj, f) for obj in rendered for f in childcheck.findings(obj)]
     if not found:
         return []
-    plain = {(f.kind, f.name, f.path, f.message) for f in childcheck.all_findings(render.children(_without_overrides(s), cluster, "default"))}
+    plain = {
+        (f.kind, f.name, f.path, f.message)
+        for f in childcheck.all_findings(render.children(_without_overrides(s), cluster, "default"))
+    }
     out: list[Problem] = []
     for obj, f in found:
         if (f.kind, f.name, f.path, f.message) in plain:
             field, fix = source_field(s, obj, f.where), ""
         else:
             component = (obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT, "")
-            field, fix = f"{POOL_FIELDS.get(component, 'spec')}.overrides", " (the overrides make it so: change them)"
+            field, fix = (
+                f"{POOL_FIELDS.get(component, 'spec')}.overrides",
+                " (the overrides make it so: change them)",
+            )
         if f.kind == "StatefulSet" and f.where.startswith("spec.template.spec."):
             # The API server does not validate a StatefulSet's pod template: the StatefulSet is stored and
             # every pod its controller creates from it is refused.
@@ -688,14 +838,18 @@ def check(s: PDClusterSpec) -> list[Problem]:
         try:
             out += rule(s)
         except Exception as e:  # a spec the renderer cannot even render: say so rather than crash the webhook
-            out.append(Problem("spec", f"cannot be rendered ({type(e).__name__}: {e}); check spec.*.overrides"))
+            out.append(
+                Problem("spec", f"cannot be rendered ({type(e).__name__}: {e}); check spec.*.overrides")
+            )
     return out
 
 
 def explain(error: pydantic.ValidationError) -> list[Problem]:
     """pydantic's errors as Problems with the CRD's field spelling."""
-    return [Problem(path, message)
-            for path, message in pydantic_errors.problems(error, root="spec", spell=to_camel, show_input=True)]
+    return [
+        Problem(path, message)
+        for path, message in pydantic_errors.problems(error, root="spec", spell=to_camel, show_input=True)
+    ]
 
 
 def validate(raw_spec: dict[str, Any], name: str = "") -> tuple[PDClusterSpec | None, list[Problem]]:
@@ -711,5 +865,7 @@ def validate(raw_spec: dict[str, Any], name: str = "") -> tuple[PDClusterSpec | 
         try:
             problems += children_problems(parsed, name)
         except Exception as e:  # a spec the checks cannot follow: say so rather than crash the webhook
-            problems.append(Problem("spec", f"cannot be checked ({type(e).__name__}: {e}); check spec.*.overrides"))
+            problems.append(
+                Problem("spec", f"cannot be checked ({type(e).__name__}: {e}); check spec.*.overrides")
+            )
     return (parsed, problems)

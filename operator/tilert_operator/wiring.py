@@ -71,7 +71,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # Our own prefixes, so another kopf operator in the cluster never reads or writes our marks.
     settings.persistence.finalizer = f"{constants.GROUP}/finalizer"
     settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=constants.GROUP)
-    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=constants.GROUP, key="last-handled-configuration")
+    settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
+        prefix=constants.GROUP, key="last-handled-configuration"
+    )
     # Watch only our pods, filtered by the API server (a handler's labels= filters client-side, after
     # every pod in the cluster has crossed the wire).
     settings.watching.label_selectors["", "v1", "pods"] = MANAGED
@@ -89,8 +91,11 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         )  # fmt: skip
         settings.admission.managed = None  # the chart owns the ValidatingWebhookConfiguration
 
-    api = kubeapi.Client(kubeapi.load_connection(), retry=kubeapi.Retry(timeout=_env_float("TILERT_PD_API_TIMEOUT_S", 30.0)),
-                         refresh=kubeapi.load_connection)
+    api = kubeapi.Client(
+        kubeapi.load_connection(),
+        retry=kubeapi.Retry(timeout=_env_float("TILERT_PD_API_TIMEOUT_S", 30.0)),
+        refresh=kubeapi.load_connection,
+    )
     memo.api = api
     memo.controller = Controller(
         api,
@@ -103,7 +108,9 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
         ),
     )
     metrics_port = int(_env_float("TILERT_PD_METRICS_PORT", 8080))
-    memo.metrics_runner = await _serve_metrics(memo.controller.metrics, metrics_port) if metrics_port else None
+    memo.metrics_runner = (
+        await _serve_metrics(memo.controller.metrics, metrics_port) if metrics_port else None
+    )
 
 
 async def _serve_metrics(metrics: Metrics, port: int) -> web.AppRunner:
@@ -146,11 +153,14 @@ async def child_event(event: kopf.RawEvent, resource: kopf.Resource, memo: kopf.
 
 
 for _g, _v, _p in CHILD_RESOURCES if WATCH_CHILDREN else ():
-    kopf.on.event(_g, _v, _p, labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY}, id=f"child-{_p}")(child_event)
+    kopf.on.event(_g, _v, _p, labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY}, id=f"child-{_p}")(
+        child_event
+    )
 
 
-async def validate(spec: kopf.Spec, name: str, namespace: str | None, memo: kopf.Memo, old: kopf.Body | None = None,
-                   **_: Any) -> None:
+async def validate(
+    spec: kopf.Spec, name: str, namespace: str | None, memo: kopf.Memo, old: kopf.Body | None = None, **_: Any
+) -> None:
     # With the operator's API client (startup) the webhook also dry-runs each child's apply
     # (admission.py); TILERT_PD_WEBHOOK_DRY_RUN=0 leaves the offline checks alone.
     api = memo.get("api") if admission.dry_run_enabled() else None

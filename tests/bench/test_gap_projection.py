@@ -16,8 +16,12 @@ LAYOUT = pj.glm5()
 
 # Kernel times in the shape of the H200 runs (whole GLM-5 state, ms): not the real ones, any positive
 # numbers with a per-byte rate that improves with size will do.
-M = pj.Measured(extract={8192: 0.36, 32768: 1.2, 131072: 4.3}, convert={8192: 0.47, 32768: 1.6, 131072: 6.3},
-                digest={8192: 11.7, 32768: 45.2, 131072: 165.7}, copy_gbs=4200.0)
+M = pj.Measured(
+    extract={8192: 0.36, 32768: 1.2, 131072: 4.3},
+    convert={8192: 0.47, 32768: 1.6, 131072: 6.3},
+    digest={8192: 11.7, 32768: 45.2, 131072: 165.7},
+    copy_gbs=4200.0,
+)
 A = pj.Assumptions()
 
 RESULTS_LIKE = """
@@ -62,13 +66,16 @@ def test_sizes_come_from_the_layout_registry() -> None:
 
 
 @pytest.mark.parametrize("tokens", pj.LENGTHS)
-@pytest.mark.parametrize("assume", [
-    A,
-    dataclasses.replace(A, prefill_tok_s=1e12),       # the forward takes no time: nothing to hide behind
-    dataclasses.replace(A, prefill_tok_s=100.0),      # a very slow forward hides everything but the tail
-    dataclasses.replace(A, nic_gbit=1.0),             # transfer-bound
-    dataclasses.replace(A, digest=False, rtt_ms=5.0, launch_floor_ms=1.0),
-])
+@pytest.mark.parametrize(
+    "assume",
+    [
+        A,
+        dataclasses.replace(A, prefill_tok_s=1e12),  # the forward takes no time: nothing to hide behind
+        dataclasses.replace(A, prefill_tok_s=100.0),  # a very slow forward hides everything but the tail
+        dataclasses.replace(A, nic_gbit=1.0),  # transfer-bound
+        dataclasses.replace(A, digest=False, rtt_ms=5.0, launch_floor_ms=1.0),
+    ],
+)
 def test_overlap_never_makes_the_gap_longer_than_the_serial_sum(tokens: int, assume: pj.Assumptions) -> None:
     s = pj.serial(LAYOUT, M, assume, tokens)
     for per_layer in (True, False):
@@ -117,7 +124,10 @@ def test_transfer_bound_only_past_the_break_even_throughput() -> None:
 
 def test_digest_at_the_end_costs_at_least_the_pipelined_one() -> None:
     for n in pj.LENGTHS:
-        assert pj.overlap(LAYOUT, M, A, n, digest_per_layer=False).total >= pj.overlap(LAYOUT, M, A, n).total - 1e-9
+        assert (
+            pj.overlap(LAYOUT, M, A, n, digest_per_layer=False).total
+            >= pj.overlap(LAYOUT, M, A, n).total - 1e-9
+        )
     off = dataclasses.replace(A, digest=False)
     # Digests off, the stage keeps the two device copies (the prefill's into registered staging, the
     # node's into its snapshot) of the busiest rank's bytes, at the B200's copy bandwidth.
@@ -173,7 +183,7 @@ Machine: H200. Date: 2026-12-02 03:01 UTC. Commit: `1234567`.
 
 Copy bandwidth 4,300 GB/s (read + write, 4 GiB copy).
 <!-- bench:convert end -->
-""" + RESULTS_LIKE[RESULTS_LIKE.index("<!-- bench:digest-cuda begin"):]
+""" + RESULTS_LIKE[RESULTS_LIKE.index("<!-- bench:digest-cuda begin") :]
 
 
 def test_the_per_variant_tables_give_whole_and_per_layer_calls() -> None:
@@ -197,12 +207,17 @@ def test_measured_per_layer_calls_replace_the_even_split() -> None:
 
 
 @pytest.mark.parametrize("tokens", [16384, 32768, 131072])
-@pytest.mark.parametrize("assume", [
-    A,
-    dataclasses.replace(A, prefill_tok_s=1e7),   # a forward so fast the link cannot keep up with the chunks
-    dataclasses.replace(A, nic_gbit=1.0),        # transfer-bound
-    dataclasses.replace(A, chunk_tokens=4096),
-])
+@pytest.mark.parametrize(
+    "assume",
+    [
+        A,
+        dataclasses.replace(
+            A, prefill_tok_s=1e7
+        ),  # a forward so fast the link cannot keep up with the chunks
+        dataclasses.replace(A, nic_gbit=1.0),  # transfer-bound
+        dataclasses.replace(A, chunk_tokens=4096),
+    ],
+)
 def test_chunk_wise_never_makes_a_chunked_prompts_gap_longer(tokens: int, assume: pj.Assumptions) -> None:
     c = pj.chunked(LAYOUT, M, assume, tokens)
     assert c.steps == math.ceil(tokens / assume.chunk_tokens)
@@ -249,7 +264,9 @@ def test_the_gpu_digest_section_is_taken_over_the_host_path_and_scales_with_inte
     assert m.digest_on == "gpu" and m.digest == {8192: 0.5} and m.digest_layer == {8192: 0.06}
     assert "7654321" in m.provenance["digest-gpu"]
     faster = dataclasses.replace(A, int_ratio=2.0)
-    copies = pj.serial(LAYOUT, m, dataclasses.replace(A, digest=False), 8192).digest  # the stage's device copies
+    copies = pj.serial(
+        LAYOUT, m, dataclasses.replace(A, digest=False), 8192
+    ).digest  # the stage's device copies
     hashed = pj.serial(LAYOUT, m, A, 8192).digest - copies
     assert pj.serial(LAYOUT, m, faster, 8192).digest - copies == pytest.approx(hashed / 2)
     # The host path is bound by the host link: a faster GPU does not shorten it.
@@ -257,5 +274,7 @@ def test_the_gpu_digest_section_is_taken_over_the_host_path_and_scales_with_inte
     assert host.digest_on == "host" and not host.digest_layer
     assert pj.serial(LAYOUT, host, faster, 8192).digest == pj.serial(LAYOUT, host, A, 8192).digest
     # Per-layer digests take the measured one-layer call.
-    assert pj.overlap(LAYOUT, m, A, 8192).total != pj.overlap(LAYOUT, dataclasses.replace(m, digest_layer={}), A,
-                                                              8192).total
+    assert (
+        pj.overlap(LAYOUT, m, A, 8192).total
+        != pj.overlap(LAYOUT, dataclasses.replace(m, digest_layer={}), A, 8192).total
+    )

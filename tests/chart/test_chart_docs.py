@@ -16,7 +16,9 @@ REFERENCE = ROOT / "docs" / "configuration.md"
 
 
 def _generator() -> Any:
-    spec = importlib.util.spec_from_file_location("gen_config_reference", ROOT / "scripts" / "gen_config_reference.py")
+    spec = importlib.util.spec_from_file_location(
+        "gen_config_reference", ROOT / "scripts" / "gen_config_reference.py"
+    )
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -26,7 +28,9 @@ def _generator() -> Any:
 def test_configuration_reference_is_not_stale() -> None:
     gen = _generator()
     expected = gen.render(yaml.safe_load(CRD.read_text()))
-    assert REFERENCE.read_text() == expected, "docs/configuration.md is stale: run python scripts/gen_config_reference.py"
+    assert REFERENCE.read_text() == expected, (
+        "docs/configuration.md is stale: run python scripts/gen_config_reference.py"
+    )
     assert gen.main(["--check"]) == 0
 
 
@@ -57,7 +61,9 @@ def test_reference_lists_every_field_default_and_rule() -> None:
             if "default" in schema:
                 default = schema["default"]
                 shown = default if isinstance(default, str) else json.dumps(default)
-                assert f"`{shown}`" in row or (shown == "" and '`""`' in row), f"{path}: default {default!r} not shown"
+                assert f"`{shown}`" in row or (shown == "" and '`""`' in row), (
+                    f"{path}: default {default!r} not shown"
+                )
             if "enum" in schema:
                 assert all(f"`{v}`" in row for v in schema["enum"]), f"{path}: enum not shown"
     rules = [r for _, s in [("", root), *_fields(root, "")] for r in s.get("x-kubernetes-validations") or []]
@@ -75,7 +81,11 @@ def test_kind_cluster_config_is_the_one_the_docs_name() -> None:
     assert f"kind load docker-image --name {config['name']}" in (ROOT / "docker" / "README.md").read_text()
     # One kind config, outside examples/*.yaml (tests/operator reads every file there as a PDCluster).
     assert [p.name for p in (ROOT / "examples" / "kind").iterdir()] == ["cluster.yaml"]
-    assert not [p for p in (ROOT / "examples").glob("*.yaml") if yaml.safe_load(p.read_text()).get("kind") != "PDCluster"]
+    assert not [
+        p
+        for p in (ROOT / "examples").glob("*.yaml")
+        if yaml.safe_load(p.read_text()).get("kind") != "PDCluster"
+    ]
 
 
 def test_security_doc_names_what_the_code_has() -> None:
@@ -88,7 +98,9 @@ def test_security_doc_names_what_the_code_has() -> None:
 
     text = (ROOT / "docs" / "security.md").read_text()
     files = set(re.findall(r"`((?:tests|tilert_serve|operator|bench)/[\w/.-]+\.(?:py|md))`", text))
-    files |= {f"tilert_serve/{m}" for m in re.findall(r"`((?:decode|handoff|router|transfer)/\w+\.py)`", text)}
+    files |= {
+        f"tilert_serve/{m}" for m in re.findall(r"`((?:decode|handoff|router|transfer)/\w+\.py)`", text)
+    }
     assert files, "the doc names the code it describes"
     assert sorted(f for f in files if not (ROOT / f).exists()) == []
     tests_text = "\n".join(f.read_text() for f in (ROOT / "tests").rglob("test_*.py"))
@@ -96,16 +108,27 @@ def test_security_doc_names_what_the_code_has() -> None:
     assert named and sorted(t for t in named if f"def {t}(" not in tests_text) == []
     for path in (defaults.SECRET_PATH, defaults.NODE_API_TOKEN_PATH):
         assert path in text or path.rsplit("/", 1)[0] in text
-    for name in (constants.ROTATE_HANDOFF_SECRET_ANNOTATION, constants.ROTATE_NODE_API_TOKEN_ANNOTATION, constants.ADOPT_ANNOTATION,
-                 constants.MULTI_NETWORK_POLICY_API_VERSION,
-                 constants.MULTI_NETWORK_POLICY_FOR_ANNOTATION, "TILERT_PD_SECRET_ROTATION_GRACE_S",
-                 *credentials.HANDOFF.phases, *credentials.NODE_API.phases):
+    for name in (
+        constants.ROTATE_HANDOFF_SECRET_ANNOTATION,
+        constants.ROTATE_NODE_API_TOKEN_ANNOTATION,
+        constants.ADOPT_ANNOTATION,
+        constants.MULTI_NETWORK_POLICY_API_VERSION,
+        constants.MULTI_NETWORK_POLICY_FOR_ANNOTATION,
+        "TILERT_PD_SECRET_ROTATION_GRACE_S",
+        *credentials.HANDOFF.phases,
+        *credentials.NODE_API.phases,
+    ):
         assert name in text, name
     # Reasons come from status.py (observed state) or reconcile.py (what the API server answered).
-    source = "".join((ROOT / "operator" / "tilert_operator" / f).read_text() for f in ("status.py", "reconcile.py"))
+    source = "".join(
+        (ROOT / "operator" / "tilert_operator" / f).read_text() for f in ("status.py", "reconcile.py")
+    )
     for reason in re.findall(r"reason\s+`(\w+)`", text):
         assert f'"{reason}"' in source, f"{reason} is no reason the operator gives"
     for cond in ("SecretsOwned", "DataPlaneProtected", "HandoffSecretRotating", "NodeApiTokenRotating"):
         assert cond in status.CONDITION_TYPES and cond in text
-    assert "TILERT_PD_SECRET_ROTATION_GRACE_S" in (ROOT / "operator" / "tilert_operator" / "wiring.py").read_text()
+    assert (
+        "TILERT_PD_SECRET_ROTATION_GRACE_S"
+        in (ROOT / "operator" / "tilert_operator" / "wiring.py").read_text()
+    )
     assert str(int(credentials.DEFAULT_GRACE_S)) in text

@@ -68,7 +68,9 @@ def test_every_dockerfile_is_known_and_names_its_image() -> None:
     assert BUILT_HERE == {"operator.Dockerfile", "serve-cpu.Dockerfile", "vllm-prefill-cpu.Dockerfile"}
     for name, image in IMAGES.items():
         text = (DOCKER / name).read_text()
-        assert f"docker build -f docker/{name} -t {image} ." in text, f"{name}: build line for {image} missing"
+        assert f"docker build -f docker/{name} -t {image} ." in text, (
+            f"{name}: build line for {image} missing"
+        )
         assert image.split(":")[1].startswith(_project()["version"])
         assert image in (DOCKER / "README.md").read_text()
 
@@ -96,13 +98,17 @@ def test_dockerfile_structure(name: str) -> None:
             tokens = [t for t in shlex.split(rest) if not t.startswith("--")]
             assert "--from" not in rest, f"{name}: multi-stage COPY not expected"
             for src in tokens[:-1]:
-                assert glob.glob(str(ROOT / src)), f"{name}: COPY source {src} does not exist in the repository"
+                assert glob.glob(str(ROOT / src)), (
+                    f"{name}: COPY source {src} does not exist in the repository"
+                )
         elif kind in ("CMD", "ENTRYPOINT"):
             assert isinstance(json.loads(rest), list), f"{name}: {kind} must be an exec-form JSON list"
         elif kind == "RUN":
             # Every `-c "constraints.txt"` needs the file copied in first.
             if "-c constraints.txt" in rest:
-                assert any(k == "COPY" and "constraints.txt" in a for k, a in steps[: steps.index((kind, rest))]), name
+                assert any(
+                    k == "COPY" and "constraints.txt" in a for k, a in steps[: steps.index((kind, rest))]
+                ), name
             for var in re.findall(r"\$\{(\w+)\}", rest):
                 assert var in args, f"{name}: RUN uses ${{{var}}} without an ARG"
 
@@ -124,9 +130,10 @@ def test_import_checks_name_real_modules(name: str) -> None:
     for mod in ours:
         parts = mod.split(".")
         base = ROOT / "operator" if parts[0] == "tilert_operator" else ROOT
-        assert base.joinpath(*parts).with_suffix(".py").is_file() or (base.joinpath(*parts) / "__init__.py").is_file(), (
-            f"{name}: imports {mod}, which is not in the repository"
-        )
+        assert (
+            base.joinpath(*parts).with_suffix(".py").is_file()
+            or (base.joinpath(*parts) / "__init__.py").is_file()
+        ), f"{name}: imports {mod}, which is not in the repository"
 
 
 def test_prefill_images_import_the_connector_the_operator_configures() -> None:
@@ -142,20 +149,29 @@ def test_prefill_images_import_the_connector_the_operator_configures() -> None:
 def test_versions_agree_with_the_project() -> None:
     # Each image installs its components' extras from pyproject.toml: the versions have one source.
     extras = _project()["optional-dependencies"]
-    wanted = {"operator.Dockerfile": "operator", "serve-cpu.Dockerfile": "decode,router,tinymodel,transfer",
-              "vllm-prefill-cpu.Dockerfile": "connector,transfer,vllm", "serve-cuda.Dockerfile": "decode,router"}
+    wanted = {
+        "operator.Dockerfile": "operator",
+        "serve-cpu.Dockerfile": "decode,router,tinymodel,transfer",
+        "vllm-prefill-cpu.Dockerfile": "connector,transfer,vllm",
+        "serve-cuda.Dockerfile": "decode,router",
+    }
     for name, names in wanted.items():
         text = (DOCKER / name).read_text()
         assert f'".[{names}]"' in text, f"{name} should install .[{names}]"
         assert set(names.split(",")) <= set(extras)
     op = (DOCKER / "operator.Dockerfile").read_text()
-    assert not any(r in op for r in extras["operator"]), "operator.Dockerfile repeats the operator extra's pins"
+    assert not any(r in op for r in extras["operator"]), (
+        "operator.Dockerfile repeats the operator extra's pins"
+    )
     for name in ("serve-cpu.Dockerfile", "vllm-prefill-cpu.Dockerfile"):
         text = (DOCKER / name).read_text()
         assert "-c constraints.txt" in text and "ARG BASE=python:3.11." in text
         # torch==2.13.0+cpu is not on PyPI: PyTorch's CPU index by default, an argument images.sh can
         # empty (and serve a wheelhouse instead) where that index is unreachable.
-        assert "ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in text and "ARG PIP_FIND_LINKS" in text
+        assert (
+            "ARG PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu" in text
+            and "ARG PIP_FIND_LINKS" in text
+        )
     cuda = (DOCKER / "serve-cuda.Dockerfile").read_text()
     # TileRT's README: Python 3.12 (cp312-only wheels), torch==2.11.0+cu130, transformers 4.46.3.
     assert "python3.12" in cuda and "ubuntu24.04" in cuda
@@ -170,12 +186,18 @@ def test_operator_image_matches_the_chart() -> None:
     assert f"{values['image']['repository']}:{chart['appVersion']}" == IMAGES["operator.Dockerfile"]
     steps = _instructions(DOCKER / "operator.Dockerfile")
     (user,) = [a for k, a in steps if k == "USER"]
-    assert user.split(":") == [str(values["podSecurityContext"]["runAsUser"]), str(values["podSecurityContext"]["runAsGroup"])]
+    assert user.split(":") == [
+        str(values["podSecurityContext"]["runAsUser"]),
+        str(values["podSecurityContext"]["runAsGroup"]),
+    ]
     ports = {int(p) for k, a in steps if k == "EXPOSE" for p in a.split()}
     assert {values["health"]["port"], values["metrics"]["port"], values["webhook"]["port"]} <= ports
     (cmd,) = [json.loads(a) for k, a in steps if k == "CMD"]
-    container = "command: [\"tilert-pd\", \"operator\"]"
-    assert cmd == ["tilert-pd", "operator"] and container in (ROOT / "charts/tilert-pd/templates/deployment.yaml").read_text()
+    container = 'command: ["tilert-pd", "operator"]'
+    assert (
+        cmd == ["tilert-pd", "operator"]
+        and container in (ROOT / "charts/tilert-pd/templates/deployment.yaml").read_text()
+    )
 
 
 def _default_images() -> dict[str, str]:
@@ -202,11 +224,17 @@ def test_cpu_image_vllm_shim_maps_serve_to_the_api_server(tmp_path) -> None:
     fake.chmod(0o755)
     shim = DOCKER / "vllm-cpu-shim.sh"
     env = {"PATH": f"{tmp_path}:/usr/bin:/bin"}
-    out = subprocess.run(["sh", str(shim), "serve", "/models", "--port", "8100"], capture_output=True, text=True,
-                         env=env, check=True).stdout.split()
+    out = subprocess.run(
+        ["sh", str(shim), "serve", "/models", "--port", "8100"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    ).stdout.split()
     assert out == ["-m", "vllm.entrypoints.openai.api_server", "--model", "/models", "--port", "8100"]
-    out = subprocess.run(["sh", str(shim), "--version"], capture_output=True, text=True, env=env,
-                         check=True).stdout
+    out = subprocess.run(
+        ["sh", str(shim), "--version"], capture_output=True, text=True, env=env, check=True
+    ).stdout
     # Anything else: vLLM's CLI module, with importlib.metadata answering "vllm" (vllm-cpu's name
     # differs); tests/docker runs `vllm --help` through it in the built image.
     assert out.startswith("-c ") and out.split()[-1] == "--version"

@@ -35,45 +35,107 @@ CERT_MANAGER = "cert-manager.io/v1"
 MATRIX: dict[str, tuple[dict[str, Any], str]] = {
     "defaults": ({}, "tilert-system"),
     "webhook-own-tls": (
-        {"webhook": {"enabled": True, "failurePolicy": "Ignore", "tls": {"secretName": "my-webhook-tls", "caBundle": CA}}},
+        {
+            "webhook": {
+                "enabled": True,
+                "failurePolicy": "Ignore",
+                "tls": {"secretName": "my-webhook-tls", "caBundle": CA},
+            }
+        },
         "ops",
     ),
-    "webhook-cert-manager-selfsigned": ({"webhook": {"enabled": True, "certManager": {"enabled": True}}}, "tilert-system"),
+    "webhook-cert-manager-selfsigned": (
+        {"webhook": {"enabled": True, "certManager": {"enabled": True}}},
+        "tilert-system",
+    ),
     "webhook-cert-manager-clusterissuer": (
-        {"webhook": {"enabled": True, "port": 8443, "timeoutSeconds": 5,
-                     "certManager": {"enabled": True, "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"}}},
-         "operator": {"watchNamespaces": ["team-a", "team-b"]}},
+        {
+            "webhook": {
+                "enabled": True,
+                "port": 8443,
+                "timeoutSeconds": 5,
+                "certManager": {
+                    "enabled": True,
+                    "issuerRef": {"name": "corp-ca", "kind": "ClusterIssuer", "group": "cert-manager.io"},
+                },
+            },
+            "operator": {"watchNamespaces": ["team-a", "team-b"]},
+        },
         "platform",
     ),
     "resources-and-scheduling": (
-        {"resources": {"requests": {"cpu": "250m", "memory": "512Mi"}, "limits": {"cpu": 1, "memory": "2Gi"}},
-         "nodeSelector": {"kubernetes.io/os": "linux"},
-         "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "control", "effect": "NoSchedule"}],
-         "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
-             {"matchExpressions": [{"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}]}]}}},
-         "priorityClassName": "system-cluster-critical",
-         "podAnnotations": {"prometheus.io/scrape": "true"}, "podLabels": {"team": "ml"}},
+        {
+            "resources": {
+                "requests": {"cpu": "250m", "memory": "512Mi"},
+                "limits": {"cpu": 1, "memory": "2Gi"},
+            },
+            "nodeSelector": {"kubernetes.io/os": "linux"},
+            "tolerations": [
+                {"key": "dedicated", "operator": "Equal", "value": "control", "effect": "NoSchedule"}
+            ],
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {
+                                "matchExpressions": [
+                                    {"key": "kubernetes.io/arch", "operator": "In", "values": ["amd64"]}
+                                ]
+                            }
+                        ]
+                    }
+                }
+            },
+            "priorityClassName": "system-cluster-critical",
+            "podAnnotations": {"prometheus.io/scrape": "true"},
+            "podLabels": {"team": "ml"},
+        },
         "default",
     ),
     "image-overrides": (
-        {"image": {"repository": "registry.example.com:5000/mirror/tilert-pd-operator",
-                   "tag": "0.1.0@sha256:" + "a" * 64, "pullPolicy": "Always"},
-         "imagePullSecrets": [{"name": "regcred"}], "fullnameOverride": "pd-operator", "nameOverride": "pd"},
+        {
+            "image": {
+                "repository": "registry.example.com:5000/mirror/tilert-pd-operator",
+                "tag": "0.1.0@sha256:" + "a" * 64,
+                "pullPolicy": "Always",
+            },
+            "imagePullSecrets": [{"name": "regcred"}],
+            "fullnameOverride": "pd-operator",
+            "nameOverride": "pd",
+        },
         "ops",
     ),
     "namespaced-existing-sa-no-metrics": (
-        {"operator": {"watchNamespaces": ["serving"], "resyncSeconds": 10, "concurrency": 4, "apiTimeoutSeconds": 5, "secretRotationGraceSeconds": 90,
-                      "logLevel": "DEBUG", "extraEnv": [{"name": "TILERT_PD_WATCH_TIMEOUT_S", "value": "60"}]},
-         "serviceAccount": {"create": False, "name": "preexisting"}, "rbac": {"create": False},
-         "metrics": {"enabled": False}},
+        {
+            "operator": {
+                "watchNamespaces": ["serving"],
+                "resyncSeconds": 10,
+                "concurrency": 4,
+                "apiTimeoutSeconds": 5,
+                "secretRotationGraceSeconds": 90,
+                "logLevel": "DEBUG",
+                "extraEnv": [{"name": "TILERT_PD_WATCH_TIMEOUT_S", "value": "60"}],
+            },
+            "serviceAccount": {"create": False, "name": "preexisting"},
+            "rbac": {"create": False},
+            "metrics": {"enabled": False},
+        },
         "serving",
     ),
 }
 
 
-def _render(chart: Any, values: dict[str, Any], namespace: str, release: str = "tpd") -> tuple[list[dict[str, Any]], str]:
+def _render(
+    chart: Any, values: dict[str, Any], namespace: str, release: str = "tpd"
+) -> tuple[list[dict[str, Any]], str]:
     out = chart.render(values, name=release, namespace=namespace, is_install=True)
-    objs = [o for path, text in out.items() if not path.endswith("NOTES.txt") for o in yaml.safe_load_all(text) if o]
+    objs = [
+        o
+        for path, text in out.items()
+        if not path.endswith("NOTES.txt")
+        for o in yaml.safe_load_all(text)
+        if o
+    ]
     notes = next(text for path, text in out.items() if path.endswith("NOTES.txt"))
     return objs, notes
 
@@ -119,12 +181,18 @@ def test_render_matrix_passes_kubernetes_validate_strict(chart: Any, case: str) 
             try:
                 kubernetes_validate.validate(obj, version, strict=True)
             except kubernetes_validate.ValidationError as e:
-                raise AssertionError(f"{case}: {obj['kind']}/{obj['metadata']['name']} on {version}: {e}") from e
+                raise AssertionError(
+                    f"{case}: {obj['kind']}/{obj['metadata']['name']} on {version}: {e}"
+                ) from e
         if obj["kind"] in ("Role", "RoleBinding"):
             watched = values["operator"]["watchNamespaces"]
-            assert obj["metadata"]["namespace"] in watched, f"{case}: {obj['kind']} outside the watched namespaces"
+            assert obj["metadata"]["namespace"] in watched, (
+                f"{case}: {obj['kind']} outside the watched namespaces"
+            )
         elif obj["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingWebhookConfiguration"):
-            assert obj["metadata"]["namespace"] == namespace, f"{case}: {obj['kind']} not in the release namespace"
+            assert obj["metadata"]["namespace"] == namespace, (
+                f"{case}: {obj['kind']} not in the release namespace"
+            )
 
 
 @pytest.mark.parametrize("case", list(MATRIX))
@@ -145,7 +213,9 @@ def test_operator_deployment_contract(chart: Any, case: str) -> None:
     assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert c["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "healthz"}
     assert f"--liveness=http://0.0.0.0:{ports['healthz']}/healthz" in c["args"]
-    assert [a for a in c["args"] if a.startswith("--namespace=")] == [f"--namespace={n}" for n in merged["operator"]["watchNamespaces"]]
+    assert [a for a in c["args"] if a.startswith("--namespace=")] == [
+        f"--namespace={n}" for n in merged["operator"]["watchNamespaces"]
+    ]
     env = _env(c)
     op = merged["operator"]
     assert env["TILERT_PD_RESYNC_S"] == str(op["resyncSeconds"])
@@ -197,7 +267,9 @@ def test_every_env_var_the_chart_sets_is_read_by_the_operator(chart: Any) -> Non
     for case, (values, namespace) in MATRIX.items():
         objs, _ = _render(chart, values, namespace)
         (c,) = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
-        assert set(_env(c)) <= read, f"{case}: {set(_env(c)) - read} are not read by operator/tilert_operator/wiring.py"
+        assert set(_env(c)) <= read, (
+            f"{case}: {set(_env(c)) - read} are not read by operator/tilert_operator/wiring.py"
+        )
 
 
 @pytest.mark.parametrize("case", [c for c, (v, _) in MATRIX.items() if v.get("webhook", {}).get("enabled")])
@@ -242,14 +314,19 @@ def test_webhook_wiring(chart: Any, case: str) -> None:
         assert "caBundle" not in hook["clientConfig"]
         cert = next(o for o in objs if o["kind"] == "Certificate")
         assert cert["apiVersion"] == CERT_MANAGER
-        assert vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == f"{namespace}/{cert['metadata']['name']}"
+        assert (
+            vwc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"]
+            == f"{namespace}/{cert['metadata']['name']}"
+        )
         assert cert["spec"]["secretName"] == secret
         assert f"{svc['metadata']['name']}.{namespace}.svc" in cert["spec"]["dnsNames"]
         issuers = [o for o in objs if o["kind"] == "Issuer"]
         if merged["webhook"]["certManager"]["issuerRef"]:
             assert not issuers and cert["spec"]["issuerRef"] == merged["webhook"]["certManager"]["issuerRef"]
         else:
-            assert cert["spec"]["issuerRef"]["name"] == issuers[0]["metadata"]["name"] and issuers[0]["spec"] == {"selfSigned": {}}
+            assert cert["spec"]["issuerRef"]["name"] == issuers[0]["metadata"]["name"] and issuers[0][
+                "spec"
+            ] == {"selfSigned": {}}
     else:
         assert hook["clientConfig"]["caBundle"] == merged["webhook"]["tls"]["caBundle"]
         assert not [o for o in objs if o["apiVersion"] == CERT_MANAGER]
@@ -258,7 +335,9 @@ def test_webhook_wiring(chart: Any, case: str) -> None:
 
 def test_webhook_off_renders_no_admission_objects(chart: Any) -> None:
     objs, notes = _render(chart, {}, "tilert-system")
-    assert not [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration" or o["apiVersion"] == CERT_MANAGER]
+    assert not [
+        o for o in objs if o["kind"] == "ValidatingWebhookConfiguration" or o["apiVersion"] == CERT_MANAGER
+    ]
     (c,) = _one(objs, "Deployment")["spec"]["template"]["spec"]["containers"]
     assert not [k for k in _env(c) if k.startswith("TILERT_PD_WEBHOOK")]
     assert "webhook" not in notes
@@ -278,7 +357,9 @@ def test_cluster_role_is_exactly_rbac_yaml(chart: Any) -> None:
         objs, _ = _render(chart, values, namespace)
         roles = [o for o in objs if o["kind"] == "ClusterRole"]
         for role in roles:
-            assert role["rules"] == expected, f"{case}: ClusterRole differs from operator/tilert_operator/rbac.yaml"
+            assert role["rules"] == expected, (
+                f"{case}: ClusterRole differs from operator/tilert_operator/rbac.yaml"
+            )
         assert roles or values.get("rbac", {}).get("create") is False
         assert not [o for o in objs if o["kind"] in ("Role", "RoleBinding")]
 
@@ -301,7 +382,11 @@ def test_named_namespaces_get_roles_and_no_cluster_wide_secrets(chart: Any) -> N
         assert role["rules"] == [r for r in expected if r not in cluster["rules"]], ns
         assert cluster["rules"] == [r for r in expected if r not in role["rules"]], ns
         b = bindings[ns]
-        assert b["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": role["metadata"]["name"]}
+        assert b["roleRef"] == {
+            "apiGroup": "rbac.authorization.k8s.io",
+            "kind": "Role",
+            "name": role["metadata"]["name"],
+        }
         assert b["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "platform"}]
     crb = _one(objs, "ClusterRoleBinding")
     assert crb["roleRef"]["name"] == cluster["metadata"]["name"]
@@ -352,7 +437,10 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
     ({"webhook": {"enabled": True, "tls": {"caBundle": "not base64!"}}}, "/webhook/tls/caBundle"),
     ({"webhook": {"failurePolicy": "fail"}}, "/webhook/failurePolicy"),
     ({"webhook": {"timeoutSeconds": 60}}, "/webhook/timeoutSeconds"),
-    ({"webhook": {"certManager": {"issuerRef": {"name": "x", "kind": "Vault"}}}}, "/webhook/certManager/issuerRef/kind"),
+    (
+        {"webhook": {"certManager": {"issuerRef": {"name": "x", "kind": "Vault"}}}},
+        "/webhook/certManager/issuerRef/kind",
+    ),
     ({"serviceAccount": {"create": False}}, "/serviceAccount/name"),
     ({"resources": {"requests": {"memory": "lots"}}}, "/resources/requests/memory"),
     ({"resources": {"request": {"cpu": "1"}}}, "'request' not allowed"),
@@ -360,7 +448,9 @@ BAD_VALUES: list[tuple[dict[str, Any], str]] = [
 
 
 @pytest.mark.parametrize(("values", "where"), BAD_VALUES, ids=[w for _, w in BAD_VALUES])
-def test_bad_values_are_refused_by_the_schema_with_the_path(chart: Any, values: dict[str, Any], where: str) -> None:
+def test_bad_values_are_refused_by_the_schema_with_the_path(
+    chart: Any, values: dict[str, Any], where: str
+) -> None:
     with pytest.raises(helm.HelmValuesError) as schema_err:
         chart.validate_schema(values)
     assert where in str(schema_err.value)

@@ -26,7 +26,9 @@ import yaml
 from tilert_serve.local.runner import free_port
 
 
-async def test_webhook_serves_the_mounted_secret_to_the_rendered_client_config(chart: Any, tmp_path: Path) -> None:
+async def test_webhook_serves_the_mounted_secret_to_the_rendered_client_config(
+    chart: Any, tmp_path: Path
+) -> None:
     openssl = shutil.which("openssl")
     if openssl is None:
         pytest.skip("openssl is needed to make a test certificate")
@@ -41,7 +43,13 @@ async def test_webhook_serves_the_mounted_secret_to_the_rendered_client_config(c
     ca = base64.b64encode((tmp_path / "tls.crt").read_bytes()).decode()
     values = {"webhook": {"enabled": True, "port": port, "tls": {"caBundle": ca}}}
     out = chart.render(values, name="tpd", namespace=namespace, is_install=True)
-    objs = [o for path, text in out.items() if not path.endswith("NOTES.txt") for o in yaml.safe_load_all(text) if o]
+    objs = [
+        o
+        for path, text in out.items()
+        if not path.endswith("NOTES.txt")
+        for o in yaml.safe_load_all(text)
+        if o
+    ]
     (dep,) = [o for o in objs if o["kind"] == "Deployment"]
     (vwc,) = [o for o in objs if o["kind"] == "ValidatingWebhookConfiguration"]
     (container,) = dep["spec"]["template"]["spec"]["containers"]
@@ -53,15 +61,25 @@ async def test_webhook_serves_the_mounted_secret_to_the_rendered_client_config(c
     assert f"{client['service']['name']}.{client['service']['namespace']}.svc" == host
 
     # As operator/tilert_operator/wiring.py: WebhookServer(port=..., certfile=..., pkeyfile=...).
-    server = kopf.WebhookServer(port=int(env["TILERT_PD_WEBHOOK_PORT"]), certfile=env["TILERT_PD_WEBHOOK_CERT"], pkeyfile=env["TILERT_PD_WEBHOOK_KEY"])
+    server = kopf.WebhookServer(
+        port=int(env["TILERT_PD_WEBHOOK_PORT"]),
+        certfile=env["TILERT_PD_WEBHOOK_CERT"],
+        pkeyfile=env["TILERT_PD_WEBHOOK_KEY"],
+    )
     seen: list[str | None] = []
 
     async def fn(request: Any, *, webhook: str | None = None, **_: Any) -> Any:
         seen.append(webhook)
-        return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": {"uid": request["request"]["uid"], "allowed": True}}
+        return {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "response": {"uid": request["request"]["uid"], "allowed": True},
+        }
 
     ctx = ssl.create_default_context(cadata=base64.b64decode(client["caBundle"]).decode())
-    review = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u1"}}).encode()
+    review = json.dumps(
+        {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u1"}}
+    ).encode()
     serving = server(fn)
     try:
         await asyncio.wait_for(anext(serving), 30)
@@ -70,7 +88,8 @@ async def test_webhook_serves_the_mounted_secret_to_the_rendered_client_config(c
         )
         writer.write(
             f"POST {client['service']['path']} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(review)}\r\nConnection: close\r\n\r\n".encode() + review
+            f"Content-Length: {len(review)}\r\nConnection: close\r\n\r\n".encode()
+            + review
         )
         await writer.drain()
         raw = await asyncio.wait_for(reader.read(), 30)

@@ -20,7 +20,12 @@ from tilert_serve import dataplane, transfer
 from tilert_serve.decode import cli as node_cli
 
 POD_NET = {"name": "k8s-pod-network", "interface": "eth0", "ips": ["10.244.0.5"], "default": True}
-RDMA_NET = {"name": "serving/rdma-net", "interface": "net1", "ips": ["192.168.7.5", "fd00:7::5"], "default": False}
+RDMA_NET = {
+    "name": "serving/rdma-net",
+    "interface": "net1",
+    "ips": ["192.168.7.5", "fd00:7::5"],
+    "default": False,
+}
 
 
 def status(*entries: dict[str, object]) -> str:
@@ -29,7 +34,11 @@ def status(*entries: dict[str, object]) -> str:
 
 def test_the_named_network_wins_and_its_interface_is_known() -> None:
     where = dataplane.choose(["rdma-net"], status(POD_NET, RDMA_NET), "serving", "10.244.0.5")
-    assert (where.address, where.interface, where.source) == ("192.168.7.5", "net1", "multus:serving/rdma-net")
+    assert (where.address, where.interface, where.source) == (
+        "192.168.7.5",
+        "net1",
+        "multus:serving/rdma-net",
+    )
     # "namespace/name" in the spec matches too; a name in another namespace does not.
     assert dataplane.choose(["serving/rdma-net"], status(RDMA_NET), "other", None).address == "192.168.7.5"
     assert dataplane.choose(["rdma-net"], status(RDMA_NET), "other", None).address is None
@@ -46,9 +55,14 @@ def test_without_networks_the_pod_ip_is_the_data_plane() -> None:
     assert dataplane.choose([], status(RDMA_NET), "serving", "10.244.0.5").address == "10.244.0.5"
 
 
-@pytest.mark.parametrize(("address", "url"), [("10.0.0.1", "http://10.0.0.1:80"),
-                                              ("fd00:10:244::5", "http://[fd00:10:244::5]:80"),
-                                              ("node-0.svc", "http://node-0.svc:80")])
+@pytest.mark.parametrize(
+    ("address", "url"),
+    [
+        ("10.0.0.1", "http://10.0.0.1:80"),
+        ("fd00:10:244::5", "http://[fd00:10:244::5]:80"),
+        ("node-0.svc", "http://node-0.svc:80"),
+    ],
+)
 def test_urls_put_ipv6_in_brackets(address: str, url: str) -> None:
     assert dataplane.http_url(address, 80) == url
 
@@ -89,15 +103,21 @@ def test_a_tilert_pod_on_a_secondary_network_gets_its_network_status_file() -> N
     kv = json.loads(_arg(commands.prefill(spec, commands.Paths.pod(spec)).argv, "--kv-transfer-config"))
     tilert = kv["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]
     assert tilert["tilert_data_plane_networks"] == list(spec.transfer.rdma.networks)
-    for workload in (tilert_decode.statefulset(spec, "glm5", "serving"), prefill.deployment(spec, "glm5", "serving")):
+    for workload in (
+        tilert_decode.statefulset(spec, "glm5", "serving"),
+        prefill.deployment(spec, "glm5", "serving"),
+    ):
         pod = workload["spec"]["template"]["spec"]
         (vol,) = [v for v in pod["volumes"] if v["name"] == "podinfo"]
-        assert vol["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"] == \
-            f"metadata.annotations['{dataplane.MULTUS_STATUS_ANNOTATION}']"
+        assert (
+            vol["downwardAPI"]["items"][0]["fieldRef"]["fieldPath"]
+            == f"metadata.annotations['{dataplane.MULTUS_STATUS_ANNOTATION}']"
+        )
         c = pod["containers"][0]
         assert "POD_NAMESPACE" in {e["name"] for e in c["env"]}
         assert dataplane.NETWORK_STATUS_FILE.startswith(
-            next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "podinfo"))
+            next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "podinfo")
+        )
     tiny = specmod.parse(example("tiny-cpu")["spec"])
     assert "--data-plane-networks" not in commands.tilert_decode(tiny, commands.Paths.pod(tiny)).argv
 
@@ -107,11 +127,17 @@ def _arg(argv: list[str], flag: str) -> str:
 
 
 def _args(tmp_path: Path, networks: str, timeout: float) -> argparse.Namespace:
-    return argparse.Namespace(data_plane_networks=networks, network_status_file=str(tmp_path / "network-status"),
-                              network_status_timeout=timeout, advertise_host="10.244.0.5")
+    return argparse.Namespace(
+        data_plane_networks=networks,
+        network_status_file=str(tmp_path / "network-status"),
+        network_status_timeout=timeout,
+        advertise_host="10.244.0.5",
+    )
 
 
-def test_the_node_waits_for_multus_then_takes_its_address(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_node_waits_for_multus_then_takes_its_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("POD_NAMESPACE", "serving")
     (tmp_path / "network-status").write_text(status(POD_NET))  # Multus has not reported net1 yet
 
@@ -134,15 +160,21 @@ def test_the_node_gives_up_naming_the_network_and_never_uses_the_pod_ip(tmp_path
 
 
 def test_the_prefill_connector_runs_its_engine_on_its_own_multus_address(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from tilert_serve.pd_vllm.config import ConnectorConfig
     from tilert_serve.pd_vllm.worker import TileRTWorker
 
     (tmp_path / "network-status").write_text(status(POD_NET, RDMA_NET))
     monkeypatch.setenv("POD_NAMESPACE", "serving")
-    cfg = ConnectorConfig.from_extra_config({
-        "tilert_model": "mla", "tilert_max_seq_len": 64, "tilert_data_plane_networks": ["rdma-net"],
-        "tilert_network_status_file": str(tmp_path / "network-status")})
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "tilert_model": "mla",
+            "tilert_max_seq_len": 64,
+            "tilert_data_plane_networks": ["rdma-net"],
+            "tilert_network_status_file": str(tmp_path / "network-status"),
+        }
+    )
     worker = TileRTWorker.__new__(TileRTWorker)  # the method under test reads only the config
     worker.config = cfg
     where = worker._data_plane()

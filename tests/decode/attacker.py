@@ -27,8 +27,11 @@ class DataPlaneWriter:
     def write(self, peer_info: dict[str, Any], spans: list[tuple[int, int]]) -> None:
         """Junk over each (address, nbytes) of the peer's registered memory, in one batch."""
         peer = self.engine.connect(peer_info)
-        ops = [transfer.WriteOp(self.junk.data_ptr(), addr + start, min(self.junk.numel(), nbytes - start))
-               for addr, nbytes in spans for start in range(0, nbytes, self.junk.numel())]
+        ops = [
+            transfer.WriteOp(self.junk.data_ptr(), addr + start, min(self.junk.numel(), nbytes - start))
+            for addr, nbytes in spans
+            for start in range(0, nbytes, self.junk.numel())
+        ]
         self.engine.write(peer, ops)
         self.writes += 1
 

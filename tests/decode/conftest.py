@@ -44,10 +44,20 @@ class RecordingEngine:
         pass
 
     def start(self, state: InjectedState) -> _Seq:
-        self.started.append(state.__class__(
-            layers=[type(layer)(kv=layer.kv.clone(), pe=layer.pe.clone(),
-                                ki=None if layer.ki is None else layer.ki.clone()) for layer in state.layers],
-            seq_len=state.seq_len, last_prompt_token=state.last_prompt_token))
+        self.started.append(
+            state.__class__(
+                layers=[
+                    type(layer)(
+                        kv=layer.kv.clone(),
+                        pe=layer.pe.clone(),
+                        ki=None if layer.ki is None else layer.ki.clone(),
+                    )
+                    for layer in state.layers
+                ],
+                seq_len=state.seq_len,
+                last_prompt_token=state.last_prompt_token,
+            )
+        )
         return _Seq(self)
 
 
@@ -83,8 +93,9 @@ class RunningNode:
         async with self.session.post(f"{self.url}/v1/admit", json={"request_id": request_id, **extra}) as r:
             return r.status, await r.json()
 
-    async def generate(self, ticket: str, first_token: int = 100, max_tokens: int = 6,
-                       **extra: object) -> tuple[int, list[dict]]:
+    async def generate(
+        self, ticket: str, first_token: int = 100, max_tokens: int = 6, **extra: object
+    ) -> tuple[int, list[dict]]:
         body = {"ticket": ticket, "first_token": first_token, "max_tokens": max_tokens, **extra}
         async with self.session.post(f"{self.url}/v1/generate", json=body) as r:
             if r.status != 200:
@@ -93,14 +104,32 @@ class RunningNode:
             async for line in r.content:
                 if line.startswith(b"data: "):
                     import json
+
                     events.append(json.loads(line[6:]))
             return 200, events
 
-    async def send(self, case: str, num_tokens: int, seed: int, engine: str, ticket: str | None,
-                   *flags: str, request_id: str = "req-1", secret_file: Path | None = None) -> str:
+    async def send(
+        self,
+        case: str,
+        num_tokens: int,
+        seed: int,
+        engine: str,
+        ticket: str | None,
+        *flags: str,
+        request_id: str = "req-1",
+        secret_file: Path | None = None,
+    ) -> str:
         """Run a sender process; returns its RESULT/ACCEPTED line."""
-        args = [case, str(num_tokens), str(seed), engine, "127.0.0.1", str(self.ctrl_port),
-                str(secret_file or self.secret_file), request_id]
+        args = [
+            case,
+            str(num_tokens),
+            str(seed),
+            engine,
+            "127.0.0.1",
+            str(self.ctrl_port),
+            str(secret_file or self.secret_file),
+            request_id,
+        ]
         if ticket:
             args.append(ticket)
         rc, out = await reuse.zygote().run([*args, *flags], 60)
@@ -139,8 +168,9 @@ def converter_held(node: DecodeNode, index: int = 0) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def two_rank_staging(layout: layouts.Layout, num_tokens: int, seed: int,
-                     role: str) -> Iterator[tuple[layouts.Placement, list[torch.Tensor], transfer.TransferEngine]]:
+def two_rank_staging(
+    layout: layouts.Layout, num_tokens: int, seed: int, role: str
+) -> Iterator[tuple[layouts.Placement, list[torch.Tensor], transfer.TransferEngine]]:
     """A TP=2 prefill's staging: two shards of `layout` holding synthetic state of `seed`, registered
     with one Mooncake engine (closed at the end)."""
     from tests.decode import synthetic
@@ -165,21 +195,49 @@ def secret_file(tmp_path: Path) -> Path:
 
 
 @contextlib.asynccontextmanager
-async def running_node(layout: layouts.Layout, secret_file: Path, *, transfer_name: str = "mooncake",
-                       slots: int = 1, max_seq_len: int = 256, ticket_ttl_s: float = 30.0,
-                       handoff_timeout_s: float = 30.0, shards: int = 1, tokenizer: object = None,
-                       eos: frozenset[int] = frozenset(), quarantine_s: float = 30.0,
-                       verify_digest: bool = True, secret: object = SECRET) -> AsyncIterator[RunningNode]:
+async def running_node(
+    layout: layouts.Layout,
+    secret_file: Path,
+    *,
+    transfer_name: str = "mooncake",
+    slots: int = 1,
+    max_seq_len: int = 256,
+    ticket_ttl_s: float = 30.0,
+    handoff_timeout_s: float = 30.0,
+    shards: int = 1,
+    tokenizer: object = None,
+    eos: frozenset[int] = frozenset(),
+    quarantine_s: float = 30.0,
+    verify_digest: bool = True,
+    secret: object = SECRET,
+) -> AsyncIterator[RunningNode]:
     for key in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES"):
         os.environ.setdefault(key, SENDER_ENV[key])
     engine = RecordingEngine(layout, max_seq_len, slots)
-    config = NodeConfig(name="node-0", max_seq_len=max_seq_len, slots=slots, host="127.0.0.1", ctrl_port=0,
-                        http_port=0, shards=shards, devices=("cpu",) * shards, ticket_ttl_s=ticket_ttl_s,
-                        handoff_timeout_s=handoff_timeout_s, quarantine_s=quarantine_s,
-                        verify_digest=verify_digest)
+    config = NodeConfig(
+        name="node-0",
+        max_seq_len=max_seq_len,
+        slots=slots,
+        host="127.0.0.1",
+        ctrl_port=0,
+        http_port=0,
+        shards=shards,
+        devices=("cpu",) * shards,
+        ticket_ttl_s=ticket_ttl_s,
+        handoff_timeout_s=handoff_timeout_s,
+        quarantine_s=quarantine_s,
+        verify_digest=verify_digest,
+    )
     mover = node_transfer(transfer_name)
-    node = DecodeNode(config, layout=layout, engine=engine, transfer=mover, secret=secret, tokenizer=tokenizer,
-                      eos_token_ids=eos)
+    node = DecodeNode(
+        config,
+        layout=layout,
+        engine=engine,
+        transfer=mover,
+        secret=secret,
+        tokenizer=tokenizer,
+        eos_token_ids=eos,
+    )
     runner, url = await serve_node(make_app(node), node)
     async with aiohttp.ClientSession() as session:
         try:

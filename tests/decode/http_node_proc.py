@@ -23,8 +23,18 @@ LAYOUT = synthetic.layout_for("mla-f32")
 
 async def main(idle_s: float) -> None:
     engine = RecordingEngine(LAYOUT, 256, 1)
-    config = NodeConfig(name="node-0", max_seq_len=256, slots=1, host="127.0.0.1", ctrl_port=0, http_port=0,
-                        shards=1, devices=("cpu",), ticket_ttl_s=30.0, handoff_timeout_s=30.0)
+    config = NodeConfig(
+        name="node-0",
+        max_seq_len=256,
+        slots=1,
+        host="127.0.0.1",
+        ctrl_port=0,
+        http_port=0,
+        shards=1,
+        devices=("cpu",),
+        ticket_ttl_s=30.0,
+        handoff_timeout_s=30.0,
+    )
     mover = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="node")
     node = DecodeNode(config, layout=LAYOUT, engine=engine, transfer=mover, secret=SECRET)
     runner = await start_http(make_app(node), "127.0.0.1", 0, idle_s=idle_s)

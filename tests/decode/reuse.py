@@ -30,8 +30,13 @@ from pathlib import Path
 from tilert_serve import transfer
 
 HERE = Path(__file__).parent
-SENDER_ENV = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib",
-              "MC_LOG_LEVEL": "ERROR"}
+SENDER_ENV = {
+    **os.environ,
+    "UCX_TLS": "tcp",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_MODULES": "^ib",
+    "MC_LOG_LEVEL": "ERROR",
+}
 
 
 class _PooledMover:
@@ -80,8 +85,11 @@ def node_transfer(name: str = "mooncake") -> transfer.TransferEngine:
     (_PooledMover). Senders always get fresh engines."""
     if name != "mooncake":
         return transfer.create(name, host="127.0.0.1", protocol="tcp", role="node")
-    engine = _IDLE_MOONCAKE.pop() if _IDLE_MOONCAKE else transfer.create(name, host="127.0.0.1", protocol="tcp",
-                                                                         role="node")
+    engine = (
+        _IDLE_MOONCAKE.pop()
+        if _IDLE_MOONCAKE
+        else transfer.create(name, host="127.0.0.1", protocol="tcp", role="node")
+    )
     return _PooledMover(engine)  # type: ignore[return-value]
 
 
@@ -91,8 +99,14 @@ class _SenderZygote:
     imports here, most of a handoff test's time)."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "sender_zygote.py")], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, env=SENDER_ENV, text=True, bufsize=1)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "sender_zygote.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env=SENDER_ENV,
+            text=True,
+            bufsize=1,
+        )
         self.dir = Path(tempfile.mkdtemp(prefix="sender-zygote-"))
         self.ids = itertools.count()
         self.lock = threading.Lock()

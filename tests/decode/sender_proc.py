@@ -41,11 +41,20 @@ def die_after_accept(host: str, port: int, secret: bytes, req: HandoffRequest, f
     challenge = chan.recv()
     assert isinstance(challenge, messages.Challenge)
     nonce = auth.new_nonce()
-    chan.send(messages.Auth(mac=auth.sender_mac(secret, challenge.nonce, nonce), nonce=nonce, sender="doomed"))
+    chan.send(
+        messages.Auth(mac=auth.sender_mac(secret, challenge.nonce, nonce), nonce=nonce, sender="doomed")
+    )
     chan.session = Session.of_sender(secret, challenge.nonce, nonce)
     chan.recv()
-    chan.send(messages.Request(request_id=req.request_id, ticket=req.ticket, num_tokens=req.num_tokens,
-                               last_prompt_token=req.last_prompt_token, layout_fingerprint=fingerprint))
+    chan.send(
+        messages.Request(
+            request_id=req.request_id,
+            ticket=req.ticket,
+            num_tokens=req.num_tokens,
+            last_prompt_token=req.last_prompt_token,
+            layout_fingerprint=fingerprint,
+        )
+    )
     accept = chan.recv()
     print("ACCEPTED", type(accept).__name__, flush=True)
     os.kill(os.getpid(), signal.SIGKILL)
@@ -104,10 +113,12 @@ class ChunkByChunk:
         if end > self.landed:  # the chunk's forward: its tokens now in staging
             layout = self.staging.layout
             ranges = write_ranges(self.staging, self.staging, list(range(layout.num_layers)), end, start)
-            for r, plane in zip(ranges, itertools.cycle(layout.planes), strict=False):  # layer by layer, plane by plane
-                self.buf[r.src:r.src + r.nbytes] = self.full[r.src:r.src + r.nbytes]
+            for r, plane in zip(
+                ranges, itertools.cycle(layout.planes), strict=False
+            ):  # layer by layer, plane by plane
+                self.buf[r.src : r.src + r.nbytes] = self.full[r.src : r.src + r.nbytes]
                 if end < self.num_tokens and end % plane.unit_tokens:  # a page the next chunk completes
-                    self.buf[r.src + r.nbytes - plane.unit_bytes:r.src + r.nbytes] = 0x5A
+                    self.buf[r.src + r.nbytes - plane.unit_bytes : r.src + r.nbytes] = 0x5A
             self.landed = end
         return Staged(layers, start, None if end == self.num_tokens else end)
 
@@ -119,8 +130,13 @@ def main() -> None:
     layout = synthetic.layout_for(case)
     num_tokens = int(n)
     secret = auth.load_secret(secret_file)
-    req = HandoffRequest(request_id=request_id, num_tokens=num_tokens, last_prompt_token=11, ticket=ticket,
-                         prompt_token_ids=list(range(num_tokens)))
+    req = HandoffRequest(
+        request_id=request_id,
+        num_tokens=num_tokens,
+        last_prompt_token=11,
+        ticket=ticket,
+        prompt_token_ids=list(range(num_tokens)),
+    )
     if "--die-after-accept" in sys.argv:
         die_after_accept(host, int(port), secret, req, layout.fingerprint)
     staging = Placement(layout, max_tokens=num_tokens)
@@ -132,9 +148,18 @@ def main() -> None:
         buf.zero_()
     engine = transfer.create(engine_name, host="127.0.0.1", protocol="tcp", role="sender")
     engine.register(buf.data_ptr(), buf.numel())
-    sender = Sender(name="test-sender", secret=secret, engine=engine, staging=staging, staging_buffers=[buf],
-                    timeout_s=20, send_digest="--no-digest" not in sys.argv)
-    source: OneByOne | ChunkByChunk | None = OneByOne(layout.num_layers) if "--layerwise" in sys.argv else None
+    sender = Sender(
+        name="test-sender",
+        secret=secret,
+        engine=engine,
+        staging=staging,
+        staging_buffers=[buf],
+        timeout_s=20,
+        send_digest="--no-digest" not in sys.argv,
+    )
+    source: OneByOne | ChunkByChunk | None = (
+        OneByOne(layout.num_layers) if "--layerwise" in sys.argv else None
+    )
     if chunks is not None:
         source = ChunkByChunk(staging, full, buf, [*map(int, chunks.split(",")), num_tokens])
     result = sender.send(host, int(port), req, layers=source)

@@ -39,4 +39,4 @@ def fill(placement: layouts.Placement, buffers: list[torch.Tensor], num_tokens: 
     for lid in range(placement.layout.num_layers):
         for plane, data in layer_bytes(placement.layout, lid, num_tokens, seed).items():
             shard, off = placement.offset(plane, lid)
-            buffers[shard][off:off + data.numel()] = data
+            buffers[shard][off : off + data.numel()] = data

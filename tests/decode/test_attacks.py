@@ -45,13 +45,19 @@ def _sender(secret: bytes = SECRET) -> tuple[Sender, torch.Tensor]:
     synthetic.fill(staging, [buf], NUM_TOKENS, 5)
     mover = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="attack-sender")
     mover.register(buf.data_ptr(), buf.numel())
-    return Sender(name="victim", secret=secret, engine=mover, staging=staging, staging_buffers=[buf],
-                  timeout_s=10), buf
+    return Sender(
+        name="victim", secret=secret, engine=mover, staging=staging, staging_buffers=[buf], timeout_s=10
+    ), buf
 
 
 async def _send(sender: Sender, port: int, ticket: str | None, request_id: str = "victim") -> HandoffResult:
-    req = HandoffRequest(request_id=request_id, num_tokens=NUM_TOKENS, last_prompt_token=11, ticket=ticket,
-                         prompt_token_ids=list(range(NUM_TOKENS)))
+    req = HandoffRequest(
+        request_id=request_id,
+        num_tokens=NUM_TOKENS,
+        last_prompt_token=11,
+        ticket=ticket,
+        prompt_token_ids=list(range(NUM_TOKENS)),
+    )
     return await asyncio.to_thread(sender.send, "127.0.0.1", port, req)
 
 
@@ -63,7 +69,9 @@ def _keep(frame: bytes) -> bytes | None:
 
 
 @contextlib.asynccontextmanager
-async def relay(node_port: int, to_sender: Transform = _keep, to_node: Transform = _keep) -> AsyncIterator[int]:
+async def relay(
+    node_port: int, to_sender: Transform = _keep, to_node: Transform = _keep
+) -> AsyncIterator[int]:
     """A man in the middle without the secret: forwards whole frames, each through a transform
     (None drops it)."""
 
@@ -98,7 +106,7 @@ def _rewrite(kind: int, change: Callable[[dict], None]) -> Transform:
     def fn(frame: bytes) -> bytes:
         if frame[3] & 0x7F != kind:
             return frame
-        body, tag = frame[HEADER.size:-framing.TAG_SIZE], frame[-framing.TAG_SIZE:]
+        body, tag = frame[HEADER.size : -framing.TAG_SIZE], frame[-framing.TAG_SIZE :]
         data = json.loads(body)
         change(data)
         new = json.dumps(data, separators=(",", ":")).encode()
@@ -109,6 +117,7 @@ def _rewrite(kind: int, change: Callable[[dict], None]) -> Transform:
 
 async def test_relay_rewriting_hello_peer_is_caught_before_any_write(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
+
         def steal(hello: dict) -> None:
             hello["peer"]["session_id"] = "127.0.0.1:1"  # the relay's own transfer engine
 
@@ -122,6 +131,7 @@ async def test_relay_rewriting_hello_peer_is_caught_before_any_write(secret_file
 
 async def test_relay_rewriting_accept_regions_is_caught_before_any_write(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1, quarantine_s=0.3) as n:
+
         def redirect(accept: dict) -> None:
             accept["regions"][0]["addr"] += 4096
 
@@ -138,12 +148,26 @@ async def test_relay_rewriting_accept_regions_is_caught_before_any_write(secret_
 
 async def test_relay_sending_its_own_request_after_the_hello_is_refused(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
-        own = framing.encode(messages.Request(request_id="relay", num_tokens=NUM_TOKENS, last_prompt_token=1,
-                                              layout_fingerprint=LAYOUT.fingerprint))
+        own = framing.encode(
+            messages.Request(
+                request_id="relay",
+                num_tokens=NUM_TOKENS,
+                last_prompt_token=1,
+                layout_fingerprint=LAYOUT.fingerprint,
+            )
+        )
         # The relay cannot seal, so it sends its Request unsealed, or with the victim's tag.
-        for forge in (lambda frame: own,
-                      lambda frame: own[:3] + bytes([own[3] | 0x80]) + struct.pack(">I", len(own) - 8 + 32)
-                      + own[8:] + frame[-32:]):
+        for forge in (
+            lambda frame: own,
+            lambda frame: (
+                own[:3]
+                + bytes([own[3] | 0x80])
+                + struct.pack(">I", len(own) - 8 + 32)
+                + own[8:]
+                + frame[-32:]
+            ),
+        ):
+
             def swap(frame: bytes, forge: Transform = forge) -> bytes | None:
                 return forge(frame) if frame[3] & 0x7F == messages.Request.KIND else frame
 
@@ -176,21 +200,25 @@ async def test_write_over_a_ready_slot_is_refused_by_the_digest(secret_file):
 async def test_a_state_without_digest_is_refused_unless_digests_are_off(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         _, adm = await n.admit("a")
-        assert json.loads((await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--no-digest",
-                                        request_id="a"))[7:])["ok"]
+        assert json.loads(
+            (await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--no-digest", request_id="a"))[7:]
+        )["ok"]
         status, events = await n.generate(adm["ticket"])
         assert status == 502 and "sent no digest" in events[0]["error"]["message"]
     async with running_node(LAYOUT, secret_file, slots=1, verify_digest=False) as n:
         _, adm = await n.admit("a")
-        assert json.loads((await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--no-digest",
-                                        request_id="a"))[7:])["ok"]
+        assert json.loads(
+            (await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--no-digest", request_id="a"))[7:]
+        )["ok"]
         assert (await n.generate(adm["ticket"], max_tokens=2))[0] == 200
 
 
 async def test_a_freed_slot_reads_back_as_zeros(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         _, adm = await n.admit("victim")
-        assert json.loads((await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], request_id="victim"))[7:])["ok"]
+        assert json.loads(
+            (await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], request_id="victim"))[7:]
+        )["ok"]
         region = n.node.buffers.regions(0)[0]
         assert n.node.buffers.views(0)[0].any()  # the state is there until it is injected
         status, _ = await n.generate(adm["ticket"], max_tokens=2)
@@ -212,7 +240,9 @@ async def test_two_generates_on_one_ticket(secret_file):
         await asyncio.sleep(0.2)  # waiting for the state
         status, (body,) = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 409 and body["error"]["type"] == "already_generating"
-        assert json.loads((await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], request_id="a"))[7:])["ok"]
+        assert json.loads((await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], request_id="a"))[7:])[
+            "ok"
+        ]
         assert (await first)[0] == 200
 
 
@@ -227,26 +257,37 @@ def _exchange(port: int, payload: bytes) -> list[messages.Message]:
     out = []
     while data:
         length = HEADER.unpack(data[:8])[3]
-        out.append(framing.open_frame(data[:8], data[8:8 + length], None)[0])
-        data = data[8 + length:]
+        out.append(framing.open_frame(data[:8], data[8 : 8 + length], None)[0])
+        data = data[8 + length :]
     return out
 
 
-@pytest.mark.parametrize(("body", "why"), [
-    (b'{"mac": "\\ud800", "nonce": "' + b"a" * 64 + b'", "sender": "x"}', "lone surrogate"),
-    (b'{"mac": "' + b"z" * 64 + b'", "nonce": "' + b"a" * 64 + b'", "sender": "x"}', "mac: String should match"),
-    (b'{"mac": "' + b"a" * 64 + b'", "nonce": "' + b"a" * 64 + b'", "sender": "\\udc00"}', "lone surrogate"),
-    (b"[" * 100_000, "over the 4096-byte limit"),
-    (b"[" * 2000 + b"]" * 2000, "nests too deeply"),
-    (b'{"nonce": ' + b"1" * 5000 + b"}", "over the 4096-byte limit"),
-    (b'{"nonce": ' + b"1" * 3000 + b"}", "invalid Auth message"),
-    (b'{"mac": ["' + b"a" * 64 + b'"], "nonce": 5, "sender": null}', "invalid Auth message"),
-])
+@pytest.mark.parametrize(
+    ("body", "why"),
+    [
+        (b'{"mac": "\\ud800", "nonce": "' + b"a" * 64 + b'", "sender": "x"}', "lone surrogate"),
+        (
+            b'{"mac": "' + b"z" * 64 + b'", "nonce": "' + b"a" * 64 + b'", "sender": "x"}',
+            "mac: String should match",
+        ),
+        (
+            b'{"mac": "' + b"a" * 64 + b'", "nonce": "' + b"a" * 64 + b'", "sender": "\\udc00"}',
+            "lone surrogate",
+        ),
+        (b"[" * 100_000, "over the 4096-byte limit"),
+        (b"[" * 2000 + b"]" * 2000, "nests too deeply"),
+        (b'{"nonce": ' + b"1" * 5000 + b"}", "over the 4096-byte limit"),
+        (b'{"nonce": ' + b"1" * 3000 + b"}", "invalid Auth message"),
+        (b'{"mac": ["' + b"a" * 64 + b'"], "nonce": 5, "sender": null}', "invalid Auth message"),
+    ],
+)
 async def test_malformed_preauth_frames_get_a_reason(secret_file, body, why):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
         frame = HEADER.pack(b"TP", 2, messages.Auth.KIND, len(body)) + body
         (reply,) = await asyncio.to_thread(_exchange, n.ctrl_port, frame)
-        assert isinstance(reply, messages.Error) and reply.reason == "bad_request" and why in reply.message, reply
+        assert isinstance(reply, messages.Error) and reply.reason == "bad_request" and why in reply.message, (
+            reply
+        )
         assert b'reason="internal"' not in n.node.metrics.render()
 
 
@@ -267,7 +308,10 @@ async def test_another_protocol_version_gets_version_mismatch_in_its_own_version
         data = await asyncio.to_thread(exchange)
         assert data[:4] == b"TP\x01\x09"  # an Error, in version 1
         reply = json.loads(data[8:])
-        assert reply["reason"] == "version_mismatch" and "protocol version 1 is not supported" in reply["message"]
+        assert (
+            reply["reason"] == "version_mismatch"
+            and "protocol version 1 is not supported" in reply["message"]
+        )
 
 
 async def test_a_sender_told_another_version_says_so(secret_file):
@@ -293,6 +337,7 @@ async def test_a_sender_told_another_version_says_so(secret_file):
 async def test_unauthenticated_connections_are_capped_and_hold_little(secret_file, monkeypatch):
     monkeypatch.setattr(ctrl, "MAX_PREAUTH", 8)
     async with running_node(LAYOUT, secret_file, slots=1) as n:
+
         def crowd() -> tuple[list[socket.socket], list[messages.Message], list[messages.Message]]:
             held = []
             for i in range(8):  # idle after the challenge, each with a partial 4 KiB frame
@@ -313,7 +358,9 @@ async def test_unauthenticated_connections_are_capped_and_hold_little(secret_fil
             for s in held[:4]:
                 s.close()
             for _ in range(40):
-                with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as s:
+                with contextlib.closing(
+                    socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)
+                ) as s:
                     if not isinstance(framing.SyncChannel(s).recv(), messages.Challenge):
                         continue
                     s.sendall(HEADER.pack(b"TP", 2, messages.Auth.KIND, 4 << 20) + b"x" * 1000)
@@ -322,7 +369,9 @@ async def test_unauthenticated_connections_are_capped_and_hold_little(secret_fil
 
         held, over, big = await asyncio.to_thread(crowd)
         assert [type(m) for m in over] == [messages.Error] and over[0].reason == "busy"  # type: ignore[attr-defined]
-        assert big and all(isinstance(m, messages.Error) and "over the 4096-byte limit" in m.message for m in big)
+        assert big and all(
+            isinstance(m, messages.Error) and "over the 4096-byte limit" in m.message for m in big
+        )
         assert n.node.ctrl.preauth <= 8
         for s in held:
             s.close()
@@ -369,10 +418,21 @@ async def test_two_sender_ranks_each_digest_checked(secret_file):
                 # Tampered: the node's check (as the state lands) is held until after the write over it.
                 with converter_held(n.node) if tamper else contextlib.nullcontext():
                     for rank in range(2):
-                        sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging,
-                                        staging_buffers=bufs)
-                        req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11,
-                                             ticket=adm["ticket"], rank=rank, num_senders=2)
+                        sender = Sender(
+                            name=f"rank{rank}",
+                            secret=SECRET,
+                            engine=mover,
+                            staging=staging,
+                            staging_buffers=bufs,
+                        )
+                        req = HandoffRequest(
+                            request_id="tp",
+                            num_tokens=NUM_TOKENS,
+                            last_prompt_token=11,
+                            ticket=adm["ticket"],
+                            rank=rank,
+                            num_senders=2,
+                        )
                         assert (await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req)).ok
                     if tamper:
                         shard, off = n.node.buffers.placement.offset("mla", 1)  # layer 1: rank 1's
@@ -397,18 +457,30 @@ async def test_done_after_the_deadline_leaves_the_slot_quarantined(secret_file):
                 challenge = chan.recv()
                 assert isinstance(challenge, messages.Challenge)
                 nonce = auth.new_nonce()
-                chan.send(messages.Auth(mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce,
-                                        sender="slow"))
+                chan.send(
+                    messages.Auth(
+                        mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce, sender="slow"
+                    )
+                )
                 chan.session = framing.Session.of_sender(SECRET, challenge.nonce, nonce)
                 chan.recv()
-                chan.send(messages.Request(request_id="slow", ticket=adm["ticket"], num_tokens=NUM_TOKENS,
-                                           last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+                chan.send(
+                    messages.Request(
+                        request_id="slow",
+                        ticket=adm["ticket"],
+                        num_tokens=NUM_TOKENS,
+                        last_prompt_token=1,
+                        layout_fingerprint=LAYOUT.fingerprint,
+                    )
+                )
                 accept = chan.recv()
                 assert isinstance(accept, messages.Accept)
                 time.sleep(0.6)  # past the deadline
                 got = [chan.recv()]  # the node gave up on us
                 with contextlib.suppress(OSError):
-                    chan.send(messages.Done(request_id="slow", generation=accept.generation, ok=True, nbytes=1))
+                    chan.send(
+                        messages.Done(request_id="slow", generation=accept.generation, ok=True, nbytes=1)
+                    )
                 return got
 
         (reply,) = await asyncio.to_thread(slow_sender)

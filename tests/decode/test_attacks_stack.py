@@ -52,9 +52,15 @@ class StandinPrefill(FakePrefill):
         self.registered = torch.zeros_like(self.private)
         self.engine = transfer.create("mooncake", host="127.0.0.1", protocol="tcp", role="standin-prefill")
         self.engine.register(self.registered.data_ptr(), self.registered.numel())
-        self.sender = Sender(name="standin", secret=SECRET, engine=self.engine, staging=self.staging,
-                             staging_buffers=[self.private], staging_addrs=[self.registered.data_ptr()],
-                             timeout_s=20)
+        self.sender = Sender(
+            name="standin",
+            secret=SECRET,
+            engine=self.engine,
+            staging=self.staging,
+            staging_buffers=[self.private],
+            staging_addrs=[self.registered.data_ptr()],
+            timeout_s=20,
+        )
         self._kvp: dict[str, Any] = {}
         self.sent: list[bool] = []
 
@@ -69,8 +75,13 @@ class StandinPrefill(FakePrefill):
 
     def _send(self, host: str, port: int, ticket: str) -> None:
         self.registered.copy_(self.private)  # what the gather would publish for this request
-        req = HandoffRequest(request_id=f"r{len(self.sent)}", num_tokens=NUM_TOKENS, last_prompt_token=11,
-                             ticket=ticket, prompt_token_ids=list(range(NUM_TOKENS)))
+        req = HandoffRequest(
+            request_id=f"r{len(self.sent)}",
+            num_tokens=NUM_TOKENS,
+            last_prompt_token=11,
+            ticket=ticket,
+            prompt_token_ids=list(range(NUM_TOKENS)),
+        )
         layers = OneByOne(self.layout.num_layers) if self.layerwise else None
         self.sent.append(self.sender.send(host, port, req, layers=layers).ok)
 
@@ -78,8 +89,13 @@ class StandinPrefill(FakePrefill):
 def _same(n: RunningNode, case: str) -> bool:
     got = n.engine.started[-1]
     want = whole_state(case, NUM_TOKENS, SEED)
-    return all(torch.equal(a, b) for layer, ref in zip(got.layers, want, strict=True)
-               for a, b in zip((layer.kv, layer.pe) + ((layer.ki,) if layer.ki is not None else ()), ref, strict=True))
+    return all(
+        torch.equal(a, b)
+        for layer, ref in zip(got.layers, want, strict=True)
+        for a, b in zip(
+            (layer.kv, layer.pe) + ((layer.ki,) if layer.ki is not None else ()), ref, strict=True
+        )
+    )
 
 
 @pytest.fixture
@@ -99,33 +115,53 @@ def standins() -> Iterator[list[StandinPrefill]]:
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("case", list(synthetic.LAYOUT_CASES))
-async def test_no_tampered_state_is_decoded_through_the_router(case, layerwise, secret_file, standins, capsys):
+async def test_no_tampered_state_is_decoded_through_the_router(
+    case, layerwise, secret_file, standins, capsys
+):
     shards = 2 if case.startswith("glm5") else 1
-    async with running_node(synthetic.layout_for(case), secret_file, slots=1, max_seq_len=128,
-                            shards=shards) as n:
+    async with running_node(
+        synthetic.layout_for(case), secret_file, slots=1, max_seq_len=128, shards=shards
+    ) as n:
         prefill = StandinPrefill(case, layerwise)
         standins.append(prefill)
         await prefill.start()
         native = await FakeNative().start()
-        cfg = config.RouterConfig.model_validate({
-            "model": MODEL, "prefill": [prefill.url], "native": [native.url],
-            "tilert": [{"name": "t0", "http_url": n.url, "ctrl_host": "127.0.0.1", "slots": 1, "max_seq_len": 128}],
-            # Every request tries the node (a refused handoff would otherwise send the next ones
-            # straight to native for a while): this test is about what the node decodes.
-            "breaker": {"failures_to_open": 1000}})
+        cfg = config.RouterConfig.model_validate(
+            {
+                "model": MODEL,
+                "prefill": [prefill.url],
+                "native": [native.url],
+                "tilert": [
+                    {
+                        "name": "t0",
+                        "http_url": n.url,
+                        "ctrl_host": "127.0.0.1",
+                        "slots": 1,
+                        "max_seq_len": 128,
+                    }
+                ],
+                # Every request tries the node (a refused handoff would otherwise send the next ones
+                # straight to native for a while): this test is about what the node decodes.
+                "breaker": {"failures_to_open": 1000},
+            }
+        )
         runner = await start(make_app(cfg, health_checks=False), "127.0.0.1", 0)
-        client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="none",
-                                    max_retries=0, timeout=60)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="none", max_retries=0, timeout=60
+        )
         targets = [(n.node.transfer.peer_info(), r.addr, r.nbytes) for r in n.node.buffers.regions(0)]
-        targets.append((prefill.engine.peer_info(), prefill.registered.data_ptr(), prefill.registered.numel()))
+        targets.append(
+            (prefill.engine.peer_info(), prefill.registered.data_ptr(), prefill.registered.numel())
+        )
         ok = fell_back = refused = tampered = 0
         try:
             with Scribbler(targets) as attacker:
                 for _ in range(REQUESTS):
                     started = len(n.engine.started)
                     try:
-                        await client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
-                                                        extra_headers={"x-pd-route": "tilert"})
+                        await client.completions.create(
+                            model=MODEL, prompt="hi", max_tokens=2, extra_headers={"x-pd-route": "tilert"}
+                        )
                     except openai.APIStatusError as exc:
                         assert exc.status_code in (502, 503, 504), exc  # a clean refusal, not a crash
                         refused += 1
@@ -137,8 +173,9 @@ async def test_no_tampered_state_is_decoded_through_the_router(case, layerwise, 
                     tampered += not _same(n, case)
                 writes = attacker.writes
             # The attack is over: the node serves again, the state it decodes is the prefill's.
-            await client.completions.create(model=MODEL, prompt="hi", max_tokens=2,
-                                            extra_headers={"x-pd-route": "tilert"})
+            await client.completions.create(
+                model=MODEL, prompt="hi", max_tokens=2, extra_headers={"x-pd-route": "tilert"}
+            )
             assert _same(n, case)
         finally:
             await client.close()
@@ -146,9 +183,11 @@ async def test_no_tampered_state_is_decoded_through_the_router(case, layerwise, 
             await prefill.stop()
             await native.stop()
         with capsys.disabled():
-            print(f"\n  {case} {'layer-wise' if layerwise else 'whole'}: {REQUESTS} requests under "
-                  f"{writes} attacker writes: {ok} decoded by the node (200), {fell_back} refused by the node and "
-                  f"served by native, {refused} refused, {tampered} tampered")
+            print(
+                f"\n  {case} {'layer-wise' if layerwise else 'whole'}: {REQUESTS} requests under "
+                f"{writes} attacker writes: {ok} decoded by the node (200), {fell_back} refused by the node and "
+                f"served by native, {refused} refused, {tampered} tampered"
+            )
         assert tampered == 0
         assert writes > 0
         assert n.node.slots.free == 1

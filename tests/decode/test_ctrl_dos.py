@@ -90,10 +90,13 @@ class Crowd:
                 key.fileobj.close()  # type: ignore[union-attr]
 
 
-@pytest.mark.parametrize(("sources", "per_source"), [
-    pytest.param(["127.0.0.2"], 80, id="one-address"),
-    pytest.param([f"127.0.0.{i}" for i in range(2, 42)], 2, id="many-addresses"),
-])
+@pytest.mark.parametrize(
+    ("sources", "per_source"),
+    [
+        pytest.param(["127.0.0.2"], 80, id="one-address"),
+        pytest.param([f"127.0.0.{i}" for i in range(2, 42)], 2, id="many-addresses"),
+    ],
+)
 async def test_idle_connections_never_starve_the_prefill(secret_file, sources, per_source, caplog):
     caplog.set_level(logging.INFO, logger="tilert_serve.decode.ctrl")
     async with running_node(LAYOUT, secret_file, slots=1) as n:
@@ -120,17 +123,21 @@ async def test_idle_connections_never_starve_the_prefill(secret_file, sources, p
             crowd.stop.set()
             await asyncio.to_thread(thread.join, 10)
         ok = sum(r.ok for r in results)
-        print(f"\n{len(sources)} source(s) x {per_source}: attacker opened {crowd.opened} connections, the node "
-              f"closed {crowd.closed_by_node} ({crowd.connect_errors} connects failed); unauthenticated "
-              f"held at the end {held}; {ok}/{len(results)} handoffs ok in {time.monotonic() - t_start:.1f} s, "
-              f"each {min(took):.3f}/{statistics.median(took):.3f}/{max(took):.3f} s (min/median/max); node counted "
-              f"{getattr(n.node.handoff, 'unauthenticated', '-')}")
+        print(
+            f"\n{len(sources)} source(s) x {per_source}: attacker opened {crowd.opened} connections, the node "
+            f"closed {crowd.closed_by_node} ({crowd.connect_errors} connects failed); unauthenticated "
+            f"held at the end {held}; {ok}/{len(results)} handoffs ok in {time.monotonic() - t_start:.1f} s, "
+            f"each {min(took):.3f}/{statistics.median(took):.3f}/{max(took):.3f} s (min/median/max); node counted "
+            f"{getattr(n.node.handoff, 'unauthenticated', '-')}"
+        )
         assert all(r.ok for r in results), [r for r in results if not r.ok][:3]
         assert max(took) < HANDOFF_BOUND_S, took
         assert held <= ctrl.MAX_PREAUTH
         assert n.node.handoff.as_dict()["last_failure"] is None  # the noise is no data-plane failure
         # Thousands of endings, one summary line in the log (each is at debug).
-        lines = [r for r in caplog.records if r.name == "tilert_serve.decode.ctrl" and r.levelno >= logging.INFO]
+        lines = [
+            r for r in caplog.records if r.name == "tilert_serve.decode.ctrl" and r.levelno >= logging.INFO
+        ]
         assert len(lines) <= 2, [r.getMessage() for r in lines[:5]]
 
 
@@ -150,5 +157,9 @@ def test_gate_evicts_the_worst_sources_oldest_and_refuses_a_striking_source():
     assert legit is not None and victim is a[2]
     gate.release(legit, authenticated=True)
     assert "10.0.0.9" not in gate.strikes and gate.count == 3
-    assert ctrl.source_of(("2001:db8::1", 5, 0, 0)) == ctrl.source_of(("2001:db8::ffff", 6, 0, 0)) == "2001:db8::/64"
+    assert (
+        ctrl.source_of(("2001:db8::1", 5, 0, 0))
+        == ctrl.source_of(("2001:db8::ffff", 6, 0, 0))
+        == "2001:db8::/64"
+    )
     assert ctrl.source_of(("::ffff:10.1.2.3", 5, 0, 0)) == "10.1.2.3"

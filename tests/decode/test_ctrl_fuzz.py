@@ -65,13 +65,16 @@ class NodeThread:
         return 0.0
 
     def http(self, path: str, body: dict[str, Any]) -> tuple[int, list[Any]]:
-        req = urllib.request.Request(self.n.url + path, data=json.dumps(body).encode(),
-                                     headers={"content-type": "application/json"})
+        req = urllib.request.Request(
+            self.n.url + path, data=json.dumps(body).encode(), headers={"content-type": "application/json"}
+        )
         try:
             with urllib.request.urlopen(req, timeout=20) as r:
                 text = r.read().decode()
                 if r.headers.get("content-type", "").startswith("text/event-stream"):
-                    return r.status, [json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: ")]
+                    return r.status, [
+                        json.loads(ln[6:]) for ln in text.splitlines() if ln.startswith("data: ")
+                    ]
                 return r.status, [json.loads(text)]
         except urllib.error.HTTPError as exc:
             return exc.code, [json.loads(exc.read().decode())]
@@ -98,8 +101,15 @@ def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeThread]:
     holder: dict[str, NodeThread] = {}
 
     async def main() -> None:
-        async with running_node(LAYOUT, secret_file, slots=2, max_seq_len=MAX_SEQ_LEN, ticket_ttl_s=3,
-                                handoff_timeout_s=2, quarantine_s=0.2) as n:
+        async with running_node(
+            LAYOUT,
+            secret_file,
+            slots=2,
+            max_seq_len=MAX_SEQ_LEN,
+            ticket_ttl_s=3,
+            handoff_timeout_s=2,
+            quarantine_s=0.2,
+        ) as n:
             holder["node"] = NodeThread(n, asyncio.get_running_loop())
             started.set()
             while not stop.is_set():
@@ -127,8 +137,11 @@ class Conn:
 
     def authenticate(self) -> messages.Hello:
         nonce = auth.new_nonce()
-        self.chan.send(messages.Auth(mac=auth.sender_mac(SECRET, self.challenge.nonce, nonce), nonce=nonce,
-                                     sender="fuzz"))
+        self.chan.send(
+            messages.Auth(
+                mac=auth.sender_mac(SECRET, self.challenge.nonce, nonce), nonce=nonce, sender="fuzz"
+            )
+        )
         self.chan.session = framing.Session.of_sender(SECRET, self.challenge.nonce, nonce)
         self.mirror = framing.Session.of_node(SECRET, self.challenge.nonce, nonce)
         hello = self.chan.recv()
@@ -136,8 +149,15 @@ class Conn:
         return hello
 
     def request(self, ticket: str | None, num_tokens: int) -> messages.Accept:
-        self.chan.send(messages.Request(request_id="fuzz-req", ticket=ticket, num_tokens=num_tokens,
-                                        last_prompt_token=1, layout_fingerprint=LAYOUT.fingerprint))
+        self.chan.send(
+            messages.Request(
+                request_id="fuzz-req",
+                ticket=ticket,
+                num_tokens=num_tokens,
+                last_prompt_token=1,
+                layout_fingerprint=LAYOUT.fingerprint,
+            )
+        )
         accept = self.chan.recv()
         assert isinstance(accept, messages.Accept), accept
         return accept
@@ -165,10 +185,10 @@ def _replies(data: bytes, session: framing.Session | None) -> list[messages.Mess
     out = []
     while data:
         assert len(data) >= HEADER.size, data
-        header, (magic, _, _, length) = data[:HEADER.size], HEADER.unpack(data[:HEADER.size])
+        header, (magic, _, _, length) = data[: HEADER.size], HEADER.unpack(data[: HEADER.size])
         assert magic == b"TP" and len(data) >= HEADER.size + length, data
-        out.append(framing.open_frame(header, data[HEADER.size:HEADER.size + length], session)[0])
-        data = data[HEADER.size + length:]
+        out.append(framing.open_frame(header, data[HEADER.size : HEADER.size + length], session)[0])
+        data = data[HEADER.size + length :]
     return out
 
 
@@ -198,12 +218,36 @@ hex64 = st.text(alphabet="0123456789abcdef", min_size=64, max_size=64)
 texts = st.one_of(st.text(max_size=300), hex64, st.sampled_from(["\ud800", "a" * 5000, ""]))
 ints = st.one_of(st.integers(-5, 2**40), st.integers(2**63, 2**70), st.sampled_from([0, 1, MAX_SEQ_LEN]))
 scalars = st.one_of(ints, texts, st.booleans(), st.none(), st.floats(allow_nan=True))
-values = st.recursive(scalars, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(st.text(max_size=8), inner, max_size=4)),
-                      max_leaves=8)
-FIELDS = ["request_id", "ticket", "num_tokens", "last_prompt_token", "layout_fingerprint", "sender_rank",
-          "num_senders", "generation", "ok", "nbytes", "mac", "nonce", "sender", "digest", "writes_started",
-          "prompt_token_ids", "reason", "message", "status", "error", "layers"]
+values = st.recursive(
+    scalars,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=8), inner, max_size=4)
+    ),
+    max_leaves=8,
+)
+FIELDS = [
+    "request_id",
+    "ticket",
+    "num_tokens",
+    "last_prompt_token",
+    "layout_fingerprint",
+    "sender_rank",
+    "num_senders",
+    "generation",
+    "ok",
+    "nbytes",
+    "mac",
+    "nonce",
+    "sender",
+    "digest",
+    "writes_started",
+    "prompt_token_ids",
+    "reason",
+    "message",
+    "status",
+    "error",
+    "layers",
+]
 bodies = st.dictionaries(st.sampled_from(FIELDS), values, max_size=10)
 
 
@@ -214,16 +258,27 @@ def _raw(kind: int, body: bytes, version: int = 2) -> bytes:
 raw_frames = st.one_of(
     st.binary(max_size=64),
     st.builds(_raw, st.integers(0, 255), st.binary(max_size=64)),
-    st.builds(lambda v, k, n: HEADER.pack(b"TP", v, k, n), st.integers(0, 255), st.integers(0, 255),
-              st.integers(0, 2**32 - 1)),
+    st.builds(
+        lambda v, k, n: HEADER.pack(b"TP", v, k, n),
+        st.integers(0, 255),
+        st.integers(0, 255),
+        st.integers(0, 2**32 - 1),
+    ),
     st.builds(lambda k, d: _raw(k, json.dumps(d).encode()), st.sampled_from(sorted(messages.KINDS)), bodies),
     st.builds(lambda d: _raw(messages.Auth.KIND, json.dumps(d).encode(), 1), bodies),  # an older version
     st.just(_raw(messages.Auth.KIND, b"[" * 3000 + b"]" * 3000)),
     st.just(_raw(messages.Auth.KIND, b'{"mac": "\\ud800", "nonce": 1, "sender": "x"}')),
     st.just(_raw(messages.Auth.KIND, b'{"nonce": ' + b"7" * 4000 + b"}")),
 )
-auths = st.builds(lambda mac, nonce, sender, extra: _raw(messages.Auth.KIND, json.dumps(
-    {"mac": mac, "nonce": nonce, "sender": sender, **extra}).encode()), hex64, hex64, texts, bodies)
+auths = st.builds(
+    lambda mac, nonce, sender, extra: _raw(
+        messages.Auth.KIND, json.dumps({"mac": mac, "nonce": nonce, "sender": sender, **extra}).encode()
+    ),
+    hex64,
+    hex64,
+    texts,
+    bodies,
+)
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -241,11 +296,18 @@ def _sealed(session: framing.Session, kind: int, body: bytes) -> bytes:
 
 
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(frames=st.lists(st.one_of(
-    st.tuples(st.just("sealed"), st.sampled_from(sorted(messages.KINDS)), bodies),
-    st.tuples(st.just("sealed-bytes"), st.integers(0, 127), st.binary(max_size=64)),
-    st.tuples(st.just("raw"), raw_frames, st.none()),
-    st.tuples(st.just("altered"), st.sampled_from(sorted(messages.KINDS)), bodies)), min_size=1, max_size=3))
+@given(
+    frames=st.lists(
+        st.one_of(
+            st.tuples(st.just("sealed"), st.sampled_from(sorted(messages.KINDS)), bodies),
+            st.tuples(st.just("sealed-bytes"), st.integers(0, 127), st.binary(max_size=64)),
+            st.tuples(st.just("raw"), raw_frames, st.none()),
+            st.tuples(st.just("altered"), st.sampled_from(sorted(messages.KINDS)), bodies),
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
 def test_authenticated_frames_get_a_reason(node, frames):
     node.wait_free()
     conn = Conn(node.port)
@@ -269,11 +331,18 @@ def test_authenticated_frames_get_a_reason(node, frames):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(num_tokens=st.integers(1, MAX_SEQ_LEN), same_generation=st.booleans(), ok=st.booleans(),
-       nbytes=st.integers(0, 2**40), digest_kind=st.sampled_from(["zeros", "random", "none", "bad-alg"]),
-       writes_started=st.booleans(), extra=bodies.filter(lambda d: "\\ud800" not in json.dumps(d)))
-def test_requests_reach_accept_done_and_generation(node, num_tokens, same_generation, ok, nbytes, digest_kind,
-                                                   writes_started, extra):
+@given(
+    num_tokens=st.integers(1, MAX_SEQ_LEN),
+    same_generation=st.booleans(),
+    ok=st.booleans(),
+    nbytes=st.integers(0, 2**40),
+    digest_kind=st.sampled_from(["zeros", "random", "none", "bad-alg"]),
+    writes_started=st.booleans(),
+    extra=bodies.filter(lambda d: "\\ud800" not in json.dumps(d)),
+)
+def test_requests_reach_accept_done_and_generation(
+    node, num_tokens, same_generation, ok, nbytes, digest_kind, writes_started, extra
+):
     node.wait_free()
     status, (adm,) = node.http("/v1/admit", {"request_id": "fuzz-req"})
     assert status == 200, adm
@@ -282,11 +351,21 @@ def test_requests_reach_accept_done_and_generation(node, num_tokens, same_genera
     accept = conn.request(adm["ticket"], num_tokens)
     slot = node.n.node.slots.slots[accept.slot]
     ranges = digest.receiver_ranges(node.n.node.buffers.placement, 0, 1, num_tokens)
-    written = {"zeros": digest.of_ranges(node.n.node.buffers.views(accept.slot), ranges, "blake2b"),
-               "random": "blake2b:" + "0" * 64, "none": None, "bad-alg": "md5:00"}[digest_kind]
-    body = {**{k: v for k, v in extra.items() if k not in messages.Done.model_fields},
-            "request_id": "fuzz-req", "generation": accept.generation if same_generation else accept.generation + 1,
-            "ok": ok, "nbytes": nbytes, "digest": written, "writes_started": writes_started}
+    written = {
+        "zeros": digest.of_ranges(node.n.node.buffers.views(accept.slot), ranges, "blake2b"),
+        "random": "blake2b:" + "0" * 64,
+        "none": None,
+        "bad-alg": "md5:00",
+    }[digest_kind]
+    body = {
+        **{k: v for k, v in extra.items() if k not in messages.Done.model_fields},
+        "request_id": "fuzz-req",
+        "generation": accept.generation if same_generation else accept.generation + 1,
+        "ok": ok,
+        "nbytes": nbytes,
+        "digest": written,
+        "writes_started": writes_started,
+    }
     assert conn.chan.session is not None
     payload = _sealed(conn.chan.session, messages.Done.KIND, json.dumps(body).encode())
     replies = conn.finish(payload)
@@ -307,9 +386,19 @@ layer_lists = st.one_of(st.lists(st.integers(-2, LAYOUT.num_layers + 1), max_siz
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(num_tokens=st.integers(1, MAX_SEQ_LEN), frames=st.lists(st.tuples(
-    layer_lists, st.sampled_from([0, 0, 1]), st.sampled_from(["zeros", "random", "bad-alg", 7]),
-    st.sampled_from(["fuzz-req", "other"])), min_size=1, max_size=3))
+@given(
+    num_tokens=st.integers(1, MAX_SEQ_LEN),
+    frames=st.lists(
+        st.tuples(
+            layer_lists,
+            st.sampled_from([0, 0, 1]),
+            st.sampled_from(["zeros", "random", "bad-alg", 7]),
+            st.sampled_from(["fuzz-req", "other"]),
+        ),
+        min_size=1,
+        max_size=3,
+    ),
+)
 def test_layers_done_frames_are_validated(node, num_tokens, frames):
     node.wait_free()
     status, (adm,) = node.http("/v1/admit", {"request_id": "fuzz-req"})
@@ -322,25 +411,41 @@ def test_layers_done_frames_are_validated(node, num_tokens, frames):
     assert conn.chan.session is not None
     payload = b""
     for layers, generation_offset, digest_kind, request_id in frames:
-        valid = isinstance(layers, list) and all(isinstance(x, int) and 0 <= x < LAYOUT.num_layers for x in layers)
+        valid = isinstance(layers, list) and all(
+            isinstance(x, int) and 0 <= x < LAYOUT.num_layers for x in layers
+        )
         written: object = digest_kind
         if digest_kind == "zeros":
-            written = (digest.of_ranges(views, digest.receiver_ranges(place, 0, 1, num_tokens, layers), "blake2b")
-                       if valid and layers else "blake2b:" + "0" * 64)
+            written = (
+                digest.of_ranges(views, digest.receiver_ranges(place, 0, 1, num_tokens, layers), "blake2b")
+                if valid and layers
+                else "blake2b:" + "0" * 64
+            )
         elif digest_kind == "random":
             written = "blake2b:" + "0" * 64
         elif digest_kind == "bad-alg":
             written = "md5:00"
-        body = {"request_id": request_id, "generation": accept.generation + generation_offset, "layers": layers,
-                "nbytes": 0, "digest": written}
+        body = {
+            "request_id": request_id,
+            "generation": accept.generation + generation_offset,
+            "layers": layers,
+            "nbytes": 0,
+            "digest": written,
+        }
         payload += _sealed(conn.chan.session, messages.LayersDone.KIND, json.dumps(body).encode())
-    done = {"request_id": "fuzz-req", "generation": accept.generation, "ok": True, "nbytes": 0,
-            "digest": digest.of_ranges(views, digest.receiver_ranges(place, 0, 1, num_tokens), "blake2b")}
+    done = {
+        "request_id": "fuzz-req",
+        "generation": accept.generation,
+        "ok": True,
+        "nbytes": 0,
+        "digest": digest.of_ranges(views, digest.receiver_ranges(place, 0, 1, num_tokens), "blake2b"),
+    }
     payload += _sealed(conn.chan.session, messages.Done.KIND, json.dumps(done).encode())
     _assert_answered(conn.finish(payload), True)
     status, events = node.http("/v1/generate", {"ticket": adm["ticket"], "first_token": 5, "max_tokens": 2})
-    assert (status == 200 and events[-1]["done"]) or (status in (502, 504) and events[0]["error"]["message"]), \
-        (status, events)
+    assert (status == 200 and events[-1]["done"]) or (
+        status in (502, 504) and events[0]["error"]["message"]
+    ), (status, events)
     assert slot.state.value in ("free", "quarantined")
     node.check_alive()
 
@@ -357,8 +462,11 @@ def test_a_good_handoff_after_the_fuzzing(node):
     sender = Sender(name="good", secret=SECRET, engine=mover, staging=staging, staging_buffers=[buf])
     status, (adm,) = node.http("/v1/admit", {"request_id": "good"})
     assert status == 200
-    result = sender.send("127.0.0.1", node.port, HandoffRequest(request_id="good", num_tokens=16,
-                                                                last_prompt_token=1, ticket=adm["ticket"]))
+    result = sender.send(
+        "127.0.0.1",
+        node.port,
+        HandoffRequest(request_id="good", num_tokens=16, last_prompt_token=1, ticket=adm["ticket"]),
+    )
     assert result.ok, result
     status, events = node.http("/v1/generate", {"ticket": adm["ticket"], "first_token": 5, "max_tokens": 2})
     assert status == 200 and events[-1]["finish_reason"] == "length"

@@ -32,8 +32,15 @@ def _handshake(port: int) -> tuple[socket.socket, framing.SyncChannel]:
 
 
 def _request(chan: framing.SyncChannel, request_id: str, ticket: str) -> None:
-    chan.send(messages.Request(request_id=request_id, ticket=ticket, num_tokens=NUM_TOKENS, last_prompt_token=1,
-                               layout_fingerprint=LAYOUT.fingerprint))
+    chan.send(
+        messages.Request(
+            request_id=request_id,
+            ticket=ticket,
+            num_tokens=NUM_TOKENS,
+            last_prompt_token=1,
+            layout_fingerprint=LAYOUT.fingerprint,
+        )
+    )
 
 
 async def test_an_unsealed_error_after_the_handshake_is_a_session_failure_at_the_node(secret_file):
@@ -46,7 +53,9 @@ async def test_an_unsealed_error_after_the_handshake_is_a_session_failure_at_the
                 _request(chan, "r", adm["ticket"])
                 assert isinstance(chan.recv(), messages.Accept)
                 # What a relay can put on the wire: an Error without the session's tag.
-                sock.sendall(framing.encode(messages.Error(reason=RejectReason.BAD_REQUEST, message=INJECTED)))
+                sock.sendall(
+                    framing.encode(messages.Error(reason=RejectReason.BAD_REQUEST, message=INJECTED))
+                )
                 got = []
                 with contextlib.suppress(ConnectionError, OSError):
                     got.append(chan.recv())
@@ -62,6 +71,7 @@ async def test_an_unsealed_error_after_the_handshake_is_a_session_failure_at_the
 
 async def test_an_unsealed_error_after_the_hello_does_not_end_the_senders_handoff_in_its_words(secret_file):
     async with running_node(LAYOUT, secret_file, slots=1) as n:
+
         def swap_accept(frame: bytes) -> bytes:
             if frame[3] & 0x7F != messages.Accept.KIND:
                 return frame
@@ -78,6 +88,7 @@ async def test_a_handoff_that_fails_before_its_accept_went_out_leaves_no_quarant
     """Issue 22: the slot was taken for the sender, but the Accept (the regions) never went out: no
     write can land, so the failed slot is freed at once, not held for the quarantine's bound."""
     async with running_node(LAYOUT, secret_file, slots=1, quarantine_s=600) as n:
+
         def broken(index: int) -> list:
             raise RuntimeError("regions unavailable")
 
@@ -115,8 +126,16 @@ async def test_an_authenticated_senders_words_stay_out_of_the_record(secret_file
                     accept = chan.recv()
                     assert isinstance(accept, messages.Accept)
                     if how == "done":
-                        chan.send(messages.Done(request_id=how, generation=accept.generation, ok=False, nbytes=0,
-                                                error=INJECTED, writes_started=False))
+                        chan.send(
+                            messages.Done(
+                                request_id=how,
+                                generation=accept.generation,
+                                ok=False,
+                                nbytes=0,
+                                error=INJECTED,
+                                writes_started=False,
+                            )
+                        )
                         chan.recv()
                     else:
                         chan.send(messages.Error(reason=RejectReason.LAYOUT, message=INJECTED))

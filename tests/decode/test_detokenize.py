@@ -27,9 +27,17 @@ def vllm_deltas(tok, prompt: list[int], steps: list[list[int]]) -> list[str]:
     from vllm import SamplingParams
     from vllm.v1.engine import EngineCoreRequest
 
-    req = EngineCoreRequest(request_id="r", prompt_token_ids=prompt, mm_features=None,
-                            sampling_params=SamplingParams(max_tokens=64), pooling_params=None, arrival_time=0.0,
-                            lora_request=None, cache_salt=None, data_parallel_rank=None)
+    req = EngineCoreRequest(
+        request_id="r",
+        prompt_token_ids=prompt,
+        mm_features=None,
+        sampling_params=SamplingParams(max_tokens=64),
+        pooling_params=None,
+        arrival_time=0.0,
+        lora_request=None,
+        cache_salt=None,
+        data_parallel_rank=None,
+    )
     d = vllm_detok.IncrementalDetokenizer.from_new_request(tok, req)
     assert isinstance(d, vllm_detok.FastIncrementalDetokenizer)
     out = []
@@ -48,7 +56,11 @@ def byte_ids(tok, data: bytes) -> list[int]:
 
 def _byte_chars() -> list[str]:
     # GPT-2's byte-to-unicode table, which tokenizers' ByteLevel uses.
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -98,15 +110,17 @@ def test_a_prompt_ending_in_half_a_character_primes_with_the_whole_prompt(tok):
 
 
 @settings(max_examples=60, deadline=None)
-@given(prompt=st.lists(st.integers(2, 1023), min_size=1, max_size=50),
-       raw=st.binary(min_size=1, max_size=12),
-       steps=st.lists(st.integers(1, 2), min_size=12, max_size=12))
+@given(
+    prompt=st.lists(st.integers(2, 1023), min_size=1, max_size=50),
+    raw=st.binary(min_size=1, max_size=12),
+    steps=st.lists(st.integers(1, 2), min_size=12, max_size=12),
+)
 def test_any_ids_in_steps_of_one_or_two_stream_as_vllm(tok, prompt, raw, steps):
     ids = byte_ids(tok, raw) + tok.encode(" and pref stars")
     chunks, i = [ids[:1]], 1
     for n in steps:
         if i < len(ids):
-            chunks.append(ids[i:i + n])
+            chunks.append(ids[i : i + n])
             i += n
     check(tok, prompt, chunks)
 

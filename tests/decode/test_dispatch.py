@@ -58,8 +58,9 @@ async def test_generate_without_state_times_out_and_frees_the_slot(secret_file):
 async def test_sender_killed_mid_handoff_quarantines_then_frees_the_slot(secret_file):
     """Attack: reuse a slot while the vanished sender's one-sided write may still land. The slot is
     quarantined (not admitted to anyone) for quarantine_s, then scrubbed and reused."""
-    async with running_node(LAYOUT, secret_file, slots=1, ticket_ttl_s=10, handoff_timeout_s=0.5,
-                            quarantine_s=1.0) as n:
+    async with running_node(
+        LAYOUT, secret_file, slots=1, ticket_ttl_s=10, handoff_timeout_s=0.5, quarantine_s=1.0
+    ) as n:
         _, adm = await n.admit("doomed")
         line = await n.send(CASE, 20, 1, "mooncake", adm["ticket"], "--die-after-accept", request_id="doomed")
         assert line == "ACCEPTED Accept"
@@ -91,7 +92,9 @@ async def test_unticketed_sender_takes_a_free_slot_or_is_told_busy(secret_file):
         assert (busy["ok"], busy["reason"]) == (False, "busy")
 
 
-@pytest.mark.parametrize(("case", "tokens", "reason"), [("mla-bf16", 20, "layout_mismatch"), (CASE, 65, "too_long")])
+@pytest.mark.parametrize(
+    ("case", "tokens", "reason"), [("mla-bf16", 20, "layout_mismatch"), (CASE, 65, "too_long")]
+)
 async def test_a_refused_request_fails_its_ticket_at_once(secret_file, case, tokens, reason):
     # A prefill whose state this node can never take (another layout, more tokens than it holds): the
     # generate call hears why at once, not when the ticket expires.
@@ -141,11 +144,13 @@ async def test_cancel_stops_a_running_decode(secret_file):
 
 @pytest.mark.parametrize(
     ("extra", "eos", "tokens", "reason"),
-    [({"max_tokens": 5}, frozenset(), [101, 102, 103, 104, 105], "length"),
-     ({"max_tokens": 50, "stop_token_ids": [104]}, frozenset(), [101, 102, 103, 104], "stop"),
-     ({"max_tokens": 50}, frozenset({103}), [101, 102, 103], "stop"),
-     ({"max_tokens": 6, "ignore_eos": True}, frozenset({103}), [101, 102, 103, 104, 105, 106], "length"),
-     ({"max_tokens": 0}, frozenset(), [], "length")],
+    [
+        ({"max_tokens": 5}, frozenset(), [101, 102, 103, 104, 105], "length"),
+        ({"max_tokens": 50, "stop_token_ids": [104]}, frozenset(), [101, 102, 103, 104], "stop"),
+        ({"max_tokens": 50}, frozenset({103}), [101, 102, 103], "stop"),
+        ({"max_tokens": 6, "ignore_eos": True}, frozenset({103}), [101, 102, 103, 104, 105, 106], "length"),
+        ({"max_tokens": 0}, frozenset(), [], "length"),
+    ],
 )
 async def test_stop_rules(secret_file, extra, eos, tokens, reason):
     async with running_node(LAYOUT, secret_file, slots=1, eos=eos) as n:
@@ -156,18 +161,32 @@ async def test_stop_rules(secret_file, extra, eos, tokens, reason):
         assert [t for e in events[:-1] for t in e["token_ids"]] == tokens
         assert events[-1]["finish_reason"] == reason and events[-1]["num_tokens"] == len(tokens)
         timings = events[-1]["timings"]
-        assert set(timings) >= {"wire_wait_ms", "convert_ms", "inject_ms", "decode_ms", "tpot_ms", "mtp_acceptance"}
+        assert set(timings) >= {
+            "wire_wait_ms",
+            "convert_ms",
+            "inject_ms",
+            "decode_ms",
+            "tpot_ms",
+            "mtp_acceptance",
+        }
 
 
 @pytest.mark.parametrize(
     ("path", "body", "status", "kind"),
-    [("/v1/admit", b"{not json", 400, "invalid_json"),
-     ("/v1/admit", b'{"request_id": 5}', 400, "invalid_request"),
-     ("/v1/admit", b'{"request_id": "x", "prompt_tokens": 250, "max_tokens": 10}', 400, "too_long"),
-     ("/v1/generate", b'{"ticket": "t", "first_token": -1, "max_tokens": 1}', 400, "invalid_request"),
-     ("/v1/generate", b'{"ticket": "t", "first_token": 1, "max_tokens": 1, "colour": 1}', 400, "invalid_request"),
-     ("/v1/generate", b'{"ticket": "t", "first_token": 1, "max_tokens": 1}', 404, "unknown_ticket"),
-     ("/v1/cancel", b"{}", 400, "invalid_request")],
+    [
+        ("/v1/admit", b"{not json", 400, "invalid_json"),
+        ("/v1/admit", b'{"request_id": 5}', 400, "invalid_request"),
+        ("/v1/admit", b'{"request_id": "x", "prompt_tokens": 250, "max_tokens": 10}', 400, "too_long"),
+        ("/v1/generate", b'{"ticket": "t", "first_token": -1, "max_tokens": 1}', 400, "invalid_request"),
+        (
+            "/v1/generate",
+            b'{"ticket": "t", "first_token": 1, "max_tokens": 1, "colour": 1}',
+            400,
+            "invalid_request",
+        ),
+        ("/v1/generate", b'{"ticket": "t", "first_token": 1, "max_tokens": 1}', 404, "unknown_ticket"),
+        ("/v1/cancel", b"{}", 400, "invalid_request"),
+    ],
 )
 async def test_bad_http_requests_get_clear_errors(secret_file, path, body, status, kind):
     async with running_node(LAYOUT, secret_file, slots=1) as n:

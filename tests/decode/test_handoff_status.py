@@ -39,8 +39,15 @@ async def _status(n) -> dict:  # type: ignore[no-untyped-def]
 
 async def _handoff_and_decode(n, request_id: str, secret_file=None) -> tuple[str, int, list]:  # type: ignore[no-untyped-def]
     _, adm = await n.admit(request_id)
-    line = await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id=request_id,
-                        **({"secret_file": secret_file} if secret_file else {}))
+    line = await n.send(
+        CASE,
+        20,
+        1,
+        "mooncake",
+        adm["ticket"],
+        request_id=request_id,
+        **({"secret_file": secret_file} if secret_file else {}),
+    )
     status, events = await n.generate(adm["ticket"], max_tokens=1)
     return line, status, events
 
@@ -69,7 +76,9 @@ async def test_success_then_failures_with_their_reasons(secret_file, tmp_path):
         wrong.write_text("not-the-secret-0123456789")
         _, adm = await n.admit("bad-secret")
         waiting = asyncio.create_task(n.generate(adm["ticket"], max_tokens=1))
-        line = await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id="bad-secret", secret_file=wrong)
+        line = await n.send(
+            CASE, 20, 1, "mooncake", adm["ticket"], request_id="bad-secret", secret_file=wrong
+        )
         assert json.loads(line[7:])["reason"] == "not_authenticated"
         assert (await _status(n))["last_failure"] is None
         status, events = await waiting
@@ -150,8 +159,11 @@ async def test_unauthenticated_noise_flips_no_status(secret_file):
                 challenge = chan.recv()
                 assert isinstance(challenge, messages.Challenge)
                 nonce = auth.new_nonce()
-                chan.send(messages.Auth(mac=auth.sender_mac(b"w" * 32, challenge.nonce, nonce), nonce=nonce,
-                                        sender="x"))
+                chan.send(
+                    messages.Auth(
+                        mac=auth.sender_mac(b"w" * 32, challenge.nonce, nonce), nonce=nonce, sender="x"
+                    )
+                )
                 assert isinstance(chan.recv(), messages.Reject)
             with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as sock:
                 chan = framing.SyncChannel(sock)
@@ -161,8 +173,11 @@ async def test_unauthenticated_noise_flips_no_status(secret_file):
                     sock.recv(1)
             with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as sock:
                 framing.SyncChannel(sock).recv()
-                sock.sendall(framing.encode(messages.Auth(mac="a" * 64, nonce=auth.new_nonce(), sender="old"),
-                                            version=1))
+                sock.sendall(
+                    framing.encode(
+                        messages.Auth(mac="a" * 64, nonce=auth.new_nonce(), sender="old"), version=1
+                    )
+                )
                 with contextlib.suppress(OSError):
                     sock.recv(4096)
 
@@ -178,8 +193,12 @@ async def test_unauthenticated_noise_flips_no_status(secret_file):
 
         h = await counted()
         assert h["last_failure"] is None and h["failures"] == 0, h
-        assert h["unauthenticated"] == {"disconnected": 1, "not_authenticated": 1, "peer_error": 1,
-                                        "version_mismatch": 1}
+        assert h["unauthenticated"] == {
+            "disconnected": 1,
+            "not_authenticated": 1,
+            "peer_error": 1,
+            "version_mismatch": 1,
+        }
         assert (h["recent_failed_authentication"], h["recent_version_mismatches"]) == (1, 1)
         async with n.session.get(f"{n.url}/v1/status") as r:
             body = await r.json()

@@ -32,19 +32,42 @@ STANDIN = Path(__file__).resolve().parents[1] / "netns" / "prefill_standin.py"
 
 def _model(path: Path, main_layers: int, mtp_layers: int) -> Path:
     path.mkdir()
-    (path / "config.json").write_text(json.dumps({"kv_lora_rank": registry.KV_LORA_RANK,
-                                                  "qk_rope_head_dim": registry.ROPE_DIM,
-                                                  "num_hidden_layers": main_layers,
-                                                  "num_nextn_predict_layers": mtp_layers}))
+    (path / "config.json").write_text(
+        json.dumps(
+            {
+                "kv_lora_rank": registry.KV_LORA_RANK,
+                "qk_rope_head_dim": registry.ROPE_DIM,
+                "num_hidden_layers": main_layers,
+                "num_nextn_predict_layers": mtp_layers,
+            }
+        )
+    )
     return path
 
 
 async def _start_standin(port: int, model_dir: Path, secret: Path) -> asyncio.subprocess.Process:
     log = open(model_dir.parent / f"standin-{model_dir.name}-{secret.name}.log", "w")
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, str(STANDIN), "--host", "127.0.0.1", "--port", str(port), "--data-host", "127.0.0.1",
-        "--transfer", "mooncake", "--model-dir", str(model_dir), "--secret-file", str(secret), "--num-tokens", "16",
-        env=SENDER_ENV, stdout=log, stderr=asyncio.subprocess.STDOUT)
+        sys.executable,
+        str(STANDIN),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--data-host",
+        "127.0.0.1",
+        "--transfer",
+        "mooncake",
+        "--model-dir",
+        str(model_dir),
+        "--secret-file",
+        str(secret),
+        "--num-tokens",
+        "16",
+        env=SENDER_ENV,
+        stdout=log,
+        stderr=asyncio.subprocess.STDOUT,
+    )
     log.close()
     async with aiohttp.ClientSession() as http:
         for _ in range(600):
@@ -83,14 +106,20 @@ async def test_wrong_secret_fails_the_probe_and_the_node_says_why_then_both_reco
     async with running_node(LAYOUT, secret_file, slots=1, ticket_ttl_s=20, handoff_timeout_s=20) as n:
         standin = await _start_standin(port, model_dir, wrong)
         cfg = router_config.RouterConfig(
-            model="m", prefill=[f"http://127.0.0.1:{port}"],
-            tilert=[router_config.TileRTNode(name="node-0", http_url=n.url, ctrl_host="127.0.0.1",
-                                             ctrl_port=n.ctrl_port, slots=1)],
+            model="m",
+            prefill=[f"http://127.0.0.1:{port}"],
+            tilert=[
+                router_config.TileRTNode(
+                    name="node-0", http_url=n.url, ctrl_host="127.0.0.1", ctrl_port=n.ctrl_port, slots=1
+                )
+            ],
             health=router_config.HealthChecks(interval_s=0.2),
-            handoff_probe=router_config.HandoffProbe(interval_s=0.5, timeout_s=30))
+            handoff_probe=router_config.HandoffProbe(interval_s=0.5, timeout_s=30),
+        )
         runner = await start(make_app(cfg), "127.0.0.1", 0)
         router = f"http://127.0.0.1:{runner.addresses[0][1]}"
         try:
+
             async def node_handoff() -> dict:
                 async with n.session.get(f"{n.url}/v1/status") as r:
                     return (await r.json())["handoff"]
@@ -129,7 +158,10 @@ async def test_wrong_secret_fails_the_probe_and_the_node_says_why_then_both_reco
                 return h if ok and ok["age_s"] < bad["age_s"] else None
 
             h = await _until("a decoded handoff", recovered)
-            assert h["last_success"]["bytes"] > 0 and h["transport"] == {"engine": "mooncake", "protocol": "tcp"}
+            assert h["last_success"]["bytes"] > 0 and h["transport"] == {
+                "engine": "mooncake",
+                "protocol": "tcp",
+            }
 
             async def ready() -> bool:
                 async with n.session.get(f"{router}/ready") as r:

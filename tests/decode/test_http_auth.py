@@ -30,15 +30,31 @@ OLD_TOKEN = "node-api-token-old-fedcba987654"
 
 
 @contextlib.asynccontextmanager
-async def node_with_token(secret_file: Path, token_file: Path | None, *, slots: int = 1,
-                          check_interval_s: float = 0.2, token: str = TOKEN) -> AsyncIterator[RunningNode]:
+async def node_with_token(
+    secret_file: Path,
+    token_file: Path | None,
+    *,
+    slots: int = 1,
+    check_interval_s: float = 0.2,
+    token: str = TOKEN,
+) -> AsyncIterator[RunningNode]:
     """A node (recording engine, Mooncake over loopback) whose API takes `token_file`'s tokens; the
     returned RunningNode's session sends `token` (its admit/generate helpers are the router's calls)."""
     for key in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES"):
         os.environ.setdefault(key, SENDER_ENV[key])
     engine = RecordingEngine(LAYOUT, 256, slots)
-    config = NodeConfig(name="node-0", max_seq_len=256, slots=slots, host="127.0.0.1", ctrl_port=0, http_port=0,
-                        shards=1, devices=("cpu",), ticket_ttl_s=30.0, handoff_timeout_s=30.0)
+    config = NodeConfig(
+        name="node-0",
+        max_seq_len=256,
+        slots=slots,
+        host="127.0.0.1",
+        ctrl_port=0,
+        http_port=0,
+        shards=1,
+        devices=("cpu",),
+        ticket_ttl_s=30.0,
+        handoff_timeout_s=30.0,
+    )
     mover = node_transfer()
     node = DecodeNode(config, layout=LAYOUT, engine=engine, transfer=mover, secret=SECRET)
     tokens = TokenFile(token_file, check_interval_s=check_interval_s) if token_file is not None else None
@@ -57,11 +73,14 @@ def token_file(tmp_path: Path) -> Path:
     return path
 
 
-async def _call(method: str, url: str, body: object = None, token: str | None = None,
-                data: bytes | None = None) -> tuple[int, dict[str, str], bytes]:
+async def _call(
+    method: str, url: str, body: object = None, token: str | None = None, data: bytes | None = None
+) -> tuple[int, dict[str, str], bytes]:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    async with aiohttp.ClientSession() as s, s.request(method, url, json=body if data is None else None,
-                                                       data=data, headers=headers) as r:
+    async with (
+        aiohttp.ClientSession() as s,
+        s.request(method, url, json=body if data is None else None, data=data, headers=headers) as r,
+    ):
         return r.status, dict(r.headers), await r.read()
 
 
@@ -89,12 +108,14 @@ async def test_anonymous_status_cancel_and_generate_are_refused_and_nothing_leak
     async with node_with_token(secret_file, token_file) as n:
         status, adm = await n.admit("secret-request-id-42")
         assert status == 200
-        for method, path, body in [("GET", "/v1/status", None),
-                                   ("POST", "/v1/cancel", {"ticket": adm["ticket"]}),
-                                   ("POST", "/v1/cancel", {"request_id": "secret-request-id-42"}),
-                                   ("POST", "/v1/generate", {"ticket": adm["ticket"], "first_token": 1,
-                                                             "max_tokens": 1}),
-                                   ("POST", "/v1/anything", {}), ("DELETE", "/v1/admit", None)]:
+        for method, path, body in [
+            ("GET", "/v1/status", None),
+            ("POST", "/v1/cancel", {"ticket": adm["ticket"]}),
+            ("POST", "/v1/cancel", {"request_id": "secret-request-id-42"}),
+            ("POST", "/v1/generate", {"ticket": adm["ticket"], "first_token": 1, "max_tokens": 1}),
+            ("POST", "/v1/anything", {}),
+            ("DELETE", "/v1/admit", None),
+        ]:
             status, headers, raw = await _call(method, n.url + path, body)
             _assert_401(status, headers, raw)
             assert b"secret-request-id-42" not in raw and adm["ticket"].encode() not in raw
@@ -136,7 +157,8 @@ async def test_cancel_takes_only_the_ticket(secret_file, token_file):
 
 
 async def test_another_clients_stream_cannot_be_cancelled_and_a_cancelled_stream_ends_as_an_error(
-        secret_file, token_file):
+    secret_file, token_file
+):
     async with node_with_token(secret_file, token_file) as n:
         n.engine.step_delay_s = 0.05
         _, adm = await n.admit("long")
@@ -156,7 +178,9 @@ async def test_another_clients_stream_cannot_be_cancelled_and_a_cancelled_stream
             assert (await r.json()) == {"cancelled": True}
         status, events = await asyncio.wait_for(task, 5)
         assert status == 200
-        assert events[-1] == {"error": {"type": "cancelled", "message": "the request was cancelled by its ticket"}}
+        assert events[-1] == {
+            "error": {"type": "cancelled", "message": "the request was cancelled by its ticket"}
+        }
         assert not any(e.get("finish_reason") == "cancelled" for e in events)
         assert n.node.slots.free == 1
 
@@ -183,8 +207,9 @@ async def test_rotation_accepts_every_listed_token_and_a_removed_one_stops_worki
 
 async def test_aiohttps_own_refusals_have_the_json_error_shape(secret_file, token_file):
     async with node_with_token(secret_file, token_file) as n:
-        status, _, raw = await _call("POST", n.url + "/v1/admit", data=b'{"request_id": "' + b"x" * (2 << 20) + b'"}',
-                                     token=TOKEN)
+        status, _, raw = await _call(
+            "POST", n.url + "/v1/admit", data=b'{"request_id": "' + b"x" * (2 << 20) + b'"}', token=TOKEN
+        )
         assert status == 413 and json.loads(raw)["error"]["type"] == "request_too_large"
         status, _, raw = await _call("GET", n.url + "/nowhere")
         assert status == 404 and json.loads(raw)["error"]["type"] == "not_found"
@@ -192,8 +217,12 @@ async def test_aiohttps_own_refusals_have_the_json_error_shape(secret_file, toke
         assert status == 405 and json.loads(raw)["error"]["type"] == "method_not_allowed"
         assert headers["Allow"] == "POST"
         # Input that broke the JSON parser's own limits is a 400, not a 500.
-        for data in (b"[" * 100_000 + b"]" * 100_000, b'{"request_id": "a", "max_tokens": ' + b"9" * 5000 + b"}",
-                     b'{"request_id": "a", "max_tokens": NaN}', b"\xff\xfe"):
+        for data in (
+            b"[" * 100_000 + b"]" * 100_000,
+            b'{"request_id": "a", "max_tokens": ' + b"9" * 5000 + b"}",
+            b'{"request_id": "a", "max_tokens": NaN}',
+            b"\xff\xfe",
+        ):
             status, _, raw = await _call("POST", n.url + "/v1/admit", data=data, token=TOKEN)
             assert status == 400, (data[:40], raw)
             assert json.loads(raw)["error"]["type"] in ("invalid_json", "invalid_request")

@@ -47,8 +47,13 @@ def _limit() -> None:
 def node(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NodeProc]:
     log = tmp_path_factory.mktemp("http-dos") / "node.log"
     with log.open("wb") as err:
-        proc = subprocess.Popen([sys.executable, str(HERE / "http_node_proc.py"), str(IDLE_S)], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, preexec_fn=_limit)
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "http_node_proc.py"), str(IDLE_S)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            preexec_fn=_limit,
+        )
     assert proc.stdout is not None
     line = proc.stdout.readline().decode()
     assert line.startswith("PORT "), f"node did not start: {line!r}\n{log.read_text()[-3000:]}"
@@ -78,7 +83,9 @@ async def _raw(port: int, data: bytes | tuple[bytes, ...], timeout: float = 30.0
 
 
 async def _get(port: int, path: str, timeout: float = 30.0) -> tuple[int, bytes]:
-    answer = await _raw(port, f"GET {path} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n\r\n".encode(), timeout)
+    answer = await _raw(
+        port, f"GET {path} HTTP/1.1\r\nHost: n\r\nConnection: close\r\n\r\n".encode(), timeout
+    )
     head, _, body = answer.partition(b"\r\n\r\n")
     return int(head.split(b" ", 2)[1]), body
 
@@ -111,25 +118,47 @@ async def test_idle_and_slow_header_connections_are_closed(node: NodeProc) -> No
     dribbler.cancel()
     writer.close()
     slow_w.close()
-    print(f"\nidle connection closed after {idle_s:.2f} s, slow-header after {slow_s:.2f} s (bound {IDLE_S} s)")
+    print(
+        f"\nidle connection closed after {idle_s:.2f} s, slow-header after {slow_s:.2f} s (bound {IDLE_S} s)"
+    )
     assert idle_s < 20.0 and slow_s < 20.0
 
 
-@pytest.mark.parametrize("name, request_bytes", [
-    ("content-length and chunked", b"POST /v1/admit HTTP/1.1\r\nHost: n\r\nContent-Length: 4\r\n"
-                                   b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + MARKER),
-    ("bad chunk size", b"POST /v1/admit HTTP/1.1\r\nHost: n\r\nTransfer-Encoding: chunked\r\n\r\n"
-                       b"zz" + MARKER + b"\r\n{}\r\n0\r\n\r\n"),
-    ("bad chunk after the headers", (b"POST /v1/admit HTTP/1.1\r\nHost: n\r\nTransfer-Encoding: chunked\r\n\r\n"
-                                     b"2\r\n{\"\r\n", b"zz" + MARKER + b"\r\n\r\n")),
-    ("over-long request line", b"GET /" + MARKER + b"A" * 20000 + b" HTTP/1.1\r\nHost: n\r\n\r\n"),
-    ("over-long header", b"GET /health HTTP/1.1\r\nHost: n\r\nX-A: " + MARKER + b"B" * 20000 + b"\r\n\r\n"),
-    ("two content-lengths", b"POST /v1/admit HTTP/1.1\r\nHost: n\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n"
-                            + MARKER),
-    ("bad method", MARKER + b" / HTTP/1.1\r\nHost: n\r\n\r\n"),
-])
-async def test_malformed_requests_get_json_without_echo_or_traceback(node: NodeProc, name: str,
-                                                                     request_bytes: bytes | tuple[bytes, ...]) -> None:
+@pytest.mark.parametrize(
+    "name, request_bytes",
+    [
+        (
+            "content-length and chunked",
+            b"POST /v1/admit HTTP/1.1\r\nHost: n\r\nContent-Length: 4\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + MARKER,
+        ),
+        (
+            "bad chunk size",
+            b"POST /v1/admit HTTP/1.1\r\nHost: n\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"zz" + MARKER + b"\r\n{}\r\n0\r\n\r\n",
+        ),
+        (
+            "bad chunk after the headers",
+            (
+                b'POST /v1/admit HTTP/1.1\r\nHost: n\r\nTransfer-Encoding: chunked\r\n\r\n2\r\n{"\r\n',
+                b"zz" + MARKER + b"\r\n\r\n",
+            ),
+        ),
+        ("over-long request line", b"GET /" + MARKER + b"A" * 20000 + b" HTTP/1.1\r\nHost: n\r\n\r\n"),
+        (
+            "over-long header",
+            b"GET /health HTTP/1.1\r\nHost: n\r\nX-A: " + MARKER + b"B" * 20000 + b"\r\n\r\n",
+        ),
+        (
+            "two content-lengths",
+            b"POST /v1/admit HTTP/1.1\r\nHost: n\r\nContent-Length: 2\r\nContent-Length: 3\r\n\r\n" + MARKER,
+        ),
+        ("bad method", MARKER + b" / HTTP/1.1\r\nHost: n\r\n\r\n"),
+    ],
+)
+async def test_malformed_requests_get_json_without_echo_or_traceback(
+    node: NodeProc, name: str, request_bytes: bytes | tuple[bytes, ...]
+) -> None:
     before = len(node.log_text())
     answer = await _raw(node.port, request_bytes)
     head, _, body = answer.partition(b"\r\n\r\n")
@@ -169,7 +198,9 @@ async def test_connection_flood_past_the_fd_limit(node: NodeProc) -> None:
         for w in conns:
             w.close()
     grown = len(node.log_text().encode()) - before
-    print(f"\n{len(conns)} connections opened in {opened:.2f} s (node RLIMIT_NOFILE {FD_LIMIT}); /health {health} "
-          f"and /ready {ready} answered in {answered:.2f} s; the log grew {grown} bytes")
+    print(
+        f"\n{len(conns)} connections opened in {opened:.2f} s (node RLIMIT_NOFILE {FD_LIMIT}); /health {health} "
+        f"and /ready {ready} answered in {answered:.2f} s; the log grew {grown} bytes"
+    )
     assert health == 200 and ready == 200, body
     assert grown < 4096, node.log_text()[-3000:]

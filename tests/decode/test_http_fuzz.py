@@ -63,16 +63,39 @@ def node_in_thread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[i
     thread.join(10)
 
 
-_numbers = st.one_of(st.integers(-3, 300), st.integers(), st.floats(allow_nan=True, allow_infinity=True),
-                     st.sampled_from([2**63 - 1, 2**63, -(2**63) - 1]))
-_leaves = st.one_of(st.none(), st.booleans(), _numbers, st.text(max_size=10), st.just(TICKET), st.just(BIG),
-                    st.sampled_from(["\ud800", "x" * 300]))
-_json = st.recursive(_leaves, lambda inner: st.one_of(st.lists(inner, max_size=3),
-                                                       st.dictionaries(st.text(max_size=5), inner, max_size=3)),
-                     max_leaves=8)
+_numbers = st.one_of(
+    st.integers(-3, 300),
+    st.integers(),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([2**63 - 1, 2**63, -(2**63) - 1]),
+)
+_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    _numbers,
+    st.text(max_size=10),
+    st.just(TICKET),
+    st.just(BIG),
+    st.sampled_from(["\ud800", "x" * 300]),
+)
+_json = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
+    max_leaves=8,
+)
 _FIELDS = {
     "/v1/admit": ["request_id", "prompt_tokens", "max_tokens"],
-    "/v1/generate": ["ticket", "request_id", "first_token", "max_tokens", "sampling", "stop_token_ids", "ignore_eos"],
+    "/v1/generate": [
+        "ticket",
+        "request_id",
+        "first_token",
+        "max_tokens",
+        "sampling",
+        "stop_token_ids",
+        "ignore_eos",
+    ],
     "/v1/cancel": ["ticket", "request_id"],
 }
 _SAMPLING = st.fixed_dictionaries({}, optional={k: _json for k in ("temperature", "top_p", "top_k", "seed")})
@@ -80,9 +103,15 @@ _SAMPLING = st.fixed_dictionaries({}, optional={k: _json for k in ("temperature"
 
 @st.composite
 def _calls(draw: st.DrawFn) -> tuple[str, str, str | None, bytes, bool]:
-    path = draw(st.sampled_from([*_FIELDS, *_FIELDS, "/v1/status", "/health", "/ready", "/metrics", "/v1/x", "/"]))
-    method = draw(st.sampled_from(["GET" if path in ("/v1/status", "/health", "/ready", "/metrics") else "POST"] * 6
-                                  + ["GET", "POST", "DELETE"]))
+    path = draw(
+        st.sampled_from([*_FIELDS, *_FIELDS, "/v1/status", "/health", "/ready", "/metrics", "/v1/x", "/"])
+    )
+    method = draw(
+        st.sampled_from(
+            ["GET" if path in ("/v1/status", "/health", "/ready", "/metrics") else "POST"] * 6
+            + ["GET", "POST", "DELETE"]
+        )
+    )
     token = draw(st.sampled_from([TOKEN] * 6 + [None, "wrong", ""]))
     admit_first = draw(st.booleans())
     kind = draw(st.sampled_from(["valid"] * 4 + ["fields"] * 4 + ["json", "raw"]))
@@ -92,12 +121,20 @@ def _calls(draw: st.DrawFn) -> tuple[str, str, str | None, bytes, bool]:
         return method, path, token, json.dumps(draw(_json)).encode(), admit_first
     body: dict[str, Any] = {}
     if kind == "valid":
-        body = {"/v1/admit": {"request_id": draw(st.text(min_size=1, max_size=20)),
-                              "prompt_tokens": draw(st.integers(0, 300)), "max_tokens": draw(st.integers(0, 300))},
-                "/v1/generate": {"ticket": TICKET, "first_token": draw(st.integers(0, 50)),
-                                 "max_tokens": draw(st.integers(0, 8)),
-                                 "sampling": {"temperature": draw(st.floats(0, 2)), "seed": draw(st.integers())}},
-                "/v1/cancel": {"ticket": TICKET}}.get(path, {})
+        body = {
+            "/v1/admit": {
+                "request_id": draw(st.text(min_size=1, max_size=20)),
+                "prompt_tokens": draw(st.integers(0, 300)),
+                "max_tokens": draw(st.integers(0, 300)),
+            },
+            "/v1/generate": {
+                "ticket": TICKET,
+                "first_token": draw(st.integers(0, 50)),
+                "max_tokens": draw(st.integers(0, 8)),
+                "sampling": {"temperature": draw(st.floats(0, 2)), "seed": draw(st.integers())},
+            },
+            "/v1/cancel": {"ticket": TICKET},
+        }.get(path, {})
         if draw(st.booleans()) and body:  # one field made wrong
             body[draw(st.sampled_from(sorted(body)))] = draw(_json)
         return method, path, token, json.dumps(body).encode(), admit_first or path != "/v1/admit"
@@ -108,7 +145,9 @@ def _calls(draw: st.DrawFn) -> tuple[str, str, str | None, bytes, bool]:
     return method, path, token, json.dumps(body).encode(), admit_first
 
 
-def _http(port: int, method: str, path: str, token: str | None, body: bytes | None) -> tuple[int, dict[str, str], bytes]:
+def _http(
+    port: int, method: str, path: str, token: str | None, body: bytes | None
+) -> tuple[int, dict[str, str], bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
         headers = {"Content-Type": "application/json"}
@@ -121,8 +160,11 @@ def _http(port: int, method: str, path: str, token: str | None, body: bytes | No
         conn.close()
 
 
-@settings(max_examples=150, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(call=_calls())
 def test_every_call_is_answered_in_shape_and_the_node_survives(node_in_thread, call):
     port, n = node_in_thread

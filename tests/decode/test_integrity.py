@@ -29,10 +29,14 @@ MODES = {"whole": (), "layerwise": ("--layerwise",)}
 SEED = 9
 
 
-def _overwrite(writer: DataPlaneWriter, n: RunningNode, ranges: list[tuple[int, int, int]], slot: int = 0) -> None:
+def _overwrite(
+    writer: DataPlaneWriter, n: RunningNode, ranges: list[tuple[int, int, int]], slot: int = 0
+) -> None:
     """Junk over `ranges` ((shard, slot-relative offset, nbytes)) of the node's receive region."""
     regions = n.node.buffers.regions(slot)
-    writer.write(n.node.transfer.peer_info(), [(regions[shard].addr + off, nbytes) for shard, off, nbytes in ranges])
+    writer.write(
+        n.node.transfer.peer_info(), [(regions[shard].addr + off, nbytes) for shard, off, nbytes in ranges]
+    )
 
 
 def _everything(n: RunningNode, slot: int = 0) -> list[tuple[int, int, int]]:
@@ -52,7 +56,9 @@ def _node(case: str, secret_file):  # type: ignore[no-untyped-def]
 
 
 async def _send(n: RunningNode, case: str, mode: str, ticket: str) -> None:
-    result = json.loads((await n.send(case, NUM_TOKENS, SEED, "mooncake", ticket, *MODES[mode], request_id="v"))[7:])
+    result = json.loads(
+        (await n.send(case, NUM_TOKENS, SEED, "mooncake", ticket, *MODES[mode], request_id="v"))[7:]
+    )
     assert result["ok"], result
 
 
@@ -72,8 +78,9 @@ async def test_a_write_before_the_node_took_the_state_is_refused(case, mode, sec
 
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("case", CASES)
-async def test_a_write_between_the_copy_and_its_check_changes_nothing(case, mode, secret_file, attacker,
-                                                                      monkeypatch):
+async def test_a_write_between_the_copy_and_its_check_changes_nothing(
+    case, mode, secret_file, attacker, monkeypatch
+):
     async with _node(case, secret_file) as n:
         taken: list[list[tuple[int, int, int]]] = []
         copy = n.node.buffers.snapshot
@@ -102,7 +109,9 @@ async def test_a_write_after_the_check_changes_nothing(case, mode, secret_file, 
         _, adm = await n.admit("v")
         await _send(n, case, mode, adm["ticket"])
         # Checked and converted ahead of /generate: the state waits for injection.
-        await wait_for(lambda: (p := n.node._prepared[0]) is not None and p.final is not None and p.final.done())
+        await wait_for(
+            lambda: (p := n.node._prepared[0]) is not None and p.final is not None and p.final.done()
+        )
         _overwrite(attacker, n, _everything(n))
         assert n.node.buffers.views(0)[0][:16].eq(0x41).all()  # it did land
         status, events = await n.generate(adm["ticket"], max_tokens=2)

@@ -68,7 +68,9 @@ async def handed_over(case: str, secret_file, seed: int, flag: str):
     """A node of `case`'s layout (GLM-5's on two shards) and the result of one sender process's
     handoff of NUM_TOKENS tokens to it, with sender_proc's `flag`: (node, admission, result)."""
     shards = 2 if case.startswith("glm5") else 1
-    async with running_node(synthetic.layout_for(case), secret_file, slots=1, max_seq_len=128, shards=shards) as n:
+    async with running_node(
+        synthetic.layout_for(case), secret_file, slots=1, max_seq_len=128, shards=shards
+    ) as n:
         _, adm = await n.admit("r")
         line = await n.send(case, NUM_TOKENS, seed, "mooncake", adm["ticket"], flag, request_id="r")
         yield n, adm, json.loads(line[7:])
@@ -82,7 +84,9 @@ async def test_layerwise_state_is_the_whole_states(case, secret_file):
         assert result["layers_sent"] == layout.num_layers and result["layers_early"] == layout.num_layers - 1
         assert result["nbytes"] == layout.request_bytes(NUM_TOKENS)
         # Converted ahead of /generate, and counted: the whole engine state waits in the node's memory.
-        state_bytes = sum(t.numel() * t.element_size() for layer in whole_state(case, NUM_TOKENS, 5) for t in layer)
+        state_bytes = sum(
+            t.numel() * t.element_size() for layer in whole_state(case, NUM_TOKENS, 5) for t in layer
+        )
         await wait_for(lambda: converted_bytes(n) == state_bytes)
         status, events = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 200 and events[-1]["finish_reason"] == "length"
@@ -90,9 +94,18 @@ async def test_layerwise_state_is_the_whole_states(case, secret_file):
         timings = events[-1]["timings"]
         assert timings["layerwise"] == 1.0 and timings["layers_layerwise"] == layout.num_layers
         assert timings["layers_early"] == layout.num_layers - 1
-        assert set(timings) >= {"wire_wait_ms", "digest_ms", "convert_ms", "inject_ms", "decode_ms", "tpot_ms",
-                                "hidden_digest_ms", "hidden_convert_ms", "last_layer_to_ready_ms",
-                                "ready_to_generate_ms"}
+        assert set(timings) >= {
+            "wire_wait_ms",
+            "digest_ms",
+            "convert_ms",
+            "inject_ms",
+            "decode_ms",
+            "tpot_ms",
+            "hidden_digest_ms",
+            "hidden_convert_ms",
+            "last_layer_to_ready_ms",
+            "ready_to_generate_ms",
+        }
         assert_same_state(n, case, 5)
         assert b"tilert_decode_layers_received_total %d.0" % layout.num_layers in n.node.metrics.render()
         assert n.node.slots.free == 1 and not n.node.buffers.views(0)[0].any()
@@ -109,7 +122,9 @@ async def test_a_chunked_prefills_state_is_the_whole_states(case, secret_file):
         assert result["ok"], result
         assert result["layers_sent"] == layout.num_layers
         staging, every = Placement(layout, max_tokens=NUM_TOKENS), list(range(layout.num_layers))
-        early = [r.nbytes for lo, hi in ((0, 9), (9, 40)) for r in write_ranges(staging, staging, every, hi, lo)]
+        early = [
+            r.nbytes for lo, hi in ((0, 9), (9, 40)) for r in write_ranges(staging, staging, every, hi, lo)
+        ]
         assert result["chunk_bytes"] == sum(early)
         status, events = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 200 and events[-1]["finish_reason"] == "length"
@@ -123,8 +138,11 @@ async def test_a_node_without_layerwise_gets_the_whole_state(secret_file, monkey
         hello = n.node.hello
         monkeypatch.setattr(n.node, "hello", lambda mac: hello(mac).model_copy(update={"layerwise": False}))
         _, adm = await n.admit("old")
-        result = json.loads((await n.send(case, NUM_TOKENS, 2, "mooncake", adm["ticket"], "--layerwise",
-                                          request_id="old"))[7:])
+        result = json.loads(
+            (await n.send(case, NUM_TOKENS, 2, "mooncake", adm["ticket"], "--layerwise", request_id="old"))[
+                7:
+            ]
+        )
         assert result["ok"] and result["layers_sent"] == 0, result
         status, events = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 200 and events[-1]["timings"]["layerwise"] == 0.0
@@ -137,11 +155,16 @@ async def test_a_wrong_layer_digest_is_refused_before_injection(secret_file):
     async with running_node(layout, secret_file, slots=1) as n:
         _, adm = await n.admit("torn")
         with converter_held(n.node):  # the layer is checked after its bytes change
-            result = json.loads((await n.send(case, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--layerwise",
-                                              request_id="torn"))[7:])
+            result = json.loads(
+                (
+                    await n.send(
+                        case, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--layerwise", request_id="torn"
+                    )
+                )[7:]
+            )
             assert result["ok"], result
             shard, off = n.node.buffers.placement.offset("mla", 1)
-            n.node.buffers.views(0)[shard][off:off + 8] += 1
+            n.node.buffers.views(0)[shard][off : off + 8] += 1
         status, events = await n.generate(adm["ticket"])
         assert status == 502 and "layers [1]" in events[0]["error"]["message"]
         assert "digest differs" in events[0]["error"]["message"]
@@ -154,8 +177,16 @@ async def test_a_sender_dying_between_layers_fails_and_quarantines_the_slot(secr
     case = "mla-f32"
     async with running_node(synthetic.layout_for(case), secret_file, slots=1, quarantine_s=0.5) as n:
         _, adm = await n.admit("doomed")
-        line = await n.send(case, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--layerwise", "--die-after-layers=1",
-                            request_id="doomed")
+        line = await n.send(
+            case,
+            NUM_TOKENS,
+            1,
+            "mooncake",
+            adm["ticket"],
+            "--layerwise",
+            "--die-after-layers=1",
+            request_id="doomed",
+        )
         assert line.startswith("ACCEPTED and dying"), line
         status, events = await n.generate(adm["ticket"])
         assert status == 502 and "disconnected" in events[0]["error"]["message"]
@@ -166,16 +197,23 @@ async def test_a_sender_dying_between_layers_fails_and_quarantines_the_slot(secr
         assert not n.node.buffers.views(0)[0].any()
 
 
-@pytest.mark.parametrize(("flag", "why"), [("--give-up-after-layers=2", "gave up"),
-                                           ("--stall-after-layers=2", "staged no further layer")])
+@pytest.mark.parametrize(
+    ("flag", "why"),
+    [("--give-up-after-layers=2", "gave up"), ("--stall-after-layers=2", "staged no further layer")],
+)
 async def test_a_prefill_giving_up_between_layers_frees_the_slot_without_quarantine(secret_file, flag, why):
     # Given up, or stalled past the sender's wait for a batch (a step): the node hears at once, not
     # at its handoff deadline.
     case = "mla-f32"
     async with running_node(synthetic.layout_for(case), secret_file, slots=1) as n:
         _, adm = await n.admit("given-up")
-        result = json.loads((await n.send(case, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--layerwise", flag,
-                                          request_id="given-up"))[7:])
+        result = json.loads(
+            (
+                await n.send(
+                    case, NUM_TOKENS, 1, "mooncake", adm["ticket"], "--layerwise", flag, request_id="given-up"
+                )
+            )[7:]
+        )
         assert not result["ok"] and result["reason"] == "prefill_failed", result
         status, events = await n.generate(adm["ticket"])
         assert status == 502 and why in events[0]["error"]["message"]
@@ -188,11 +226,24 @@ async def test_cancel_between_layers_drops_what_was_converted(secret_file):
     layout = synthetic.layout_for(case)
     async with running_node(layout, secret_file, slots=1) as n:
         _, adm = await n.admit("cancelled")
-        args = [sys.executable, str(HERE / "sender_proc.py"), case, str(NUM_TOKENS), "1", "mooncake", "127.0.0.1",
-                str(n.ctrl_port), str(n.secret_file), "cancelled", adm["ticket"], "--layerwise",
-                "--hold-after-layers=2"]
-        proc = await asyncio.create_subprocess_exec(*args, stdin=asyncio.subprocess.PIPE,
-                                                    stdout=asyncio.subprocess.PIPE, env=SENDER_ENV)
+        args = [
+            sys.executable,
+            str(HERE / "sender_proc.py"),
+            case,
+            str(NUM_TOKENS),
+            "1",
+            "mooncake",
+            "127.0.0.1",
+            str(n.ctrl_port),
+            str(n.secret_file),
+            "cancelled",
+            adm["ticket"],
+            "--layerwise",
+            "--hold-after-layers=2",
+        ]
+        proc = await asyncio.create_subprocess_exec(
+            *args, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=SENDER_ENV
+        )
         assert proc.stdout is not None and proc.stdin is not None
         while (line := await asyncio.wait_for(proc.stdout.readline(), 60)) != b"HELD\n":
             assert line, "the sender ended before holding"
@@ -223,17 +274,29 @@ class RawSender:
         self.sock = socket.create_connection(("127.0.0.1", port), timeout=10)
         self.chan = framing.SyncChannel(self.sock)
 
-    def accept(self, layout_fingerprint: str, ticket: str, rank: int = 0, senders: int = 1) -> messages.Accept:
+    def accept(
+        self, layout_fingerprint: str, ticket: str, rank: int = 0, senders: int = 1
+    ) -> messages.Accept:
         challenge = self.chan.recv()
         assert isinstance(challenge, messages.Challenge)
         nonce = auth.new_nonce()
-        self.chan.send(messages.Auth(mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce, sender="raw"))
+        self.chan.send(
+            messages.Auth(mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce, sender="raw")
+        )
         self.chan.session = framing.Session.of_sender(SECRET, challenge.nonce, nonce)
         hello = self.chan.recv()
         assert isinstance(hello, messages.Hello) and hello.layerwise
-        self.chan.send(messages.Request(request_id="raw", ticket=ticket, num_tokens=NUM_TOKENS, last_prompt_token=1,
-                                        layout_fingerprint=layout_fingerprint, sender_rank=rank,
-                                        num_senders=senders))
+        self.chan.send(
+            messages.Request(
+                request_id="raw",
+                ticket=ticket,
+                num_tokens=NUM_TOKENS,
+                last_prompt_token=1,
+                layout_fingerprint=layout_fingerprint,
+                sender_rank=rank,
+                num_senders=senders,
+            )
+        )
         accept = self.chan.recv()
         assert isinstance(accept, messages.Accept), accept
         return accept
@@ -249,10 +312,16 @@ class RawSender:
             return replies
 
 
-def _layers(accept: messages.Accept, layers: list[int], *, generation: int | None = None,
-            request_id: str = "raw") -> messages.LayersDone:
-    return messages.LayersDone(request_id=request_id, layers=layers, nbytes=0, digest="blake2b:" + "0" * 64,
-                               generation=accept.generation if generation is None else generation)
+def _layers(
+    accept: messages.Accept, layers: list[int], *, generation: int | None = None, request_id: str = "raw"
+) -> messages.LayersDone:
+    return messages.LayersDone(
+        request_id=request_id,
+        layers=layers,
+        nbytes=0,
+        digest="blake2b:" + "0" * 64,
+        generation=accept.generation if generation is None else generation,
+    )
 
 
 VIOLATIONS = {
@@ -286,8 +355,13 @@ async def test_malformed_layers_done_is_a_protocol_error(name, secret_file):
         await wait_for(lambda: n.node.slots.free == 1)
         # The node goes on serving: a good layer-wise handoff after it.
         _, adm = await n.admit("good")
-        result = json.loads((await n.send("mla-f32", NUM_TOKENS, 3, "mooncake", adm["ticket"], "--layerwise",
-                                          request_id="good"))[7:])
+        result = json.loads(
+            (
+                await n.send(
+                    "mla-f32", NUM_TOKENS, 3, "mooncake", adm["ticket"], "--layerwise", request_id="good"
+                )
+            )[7:]
+        )
         assert result["ok"], result
         assert (await n.generate(adm["ticket"], max_tokens=2))[0] == 200
 
@@ -309,9 +383,16 @@ async def test_layers_done_digests_cover_what_the_sender_wrote(secret_file):
             place = n.node.buffers.placement
             first = digest.of_ranges(views, digest.receiver_ranges(place, 0, 1, NUM_TOKENS, [0]), "blake2b")
             rest = digest.of_ranges(views, digest.receiver_ranges(place, 0, 1, NUM_TOKENS, [1, 2]), "blake2b")
-            return raw.send_all([
-                messages.LayersDone(request_id="raw", generation=accept.generation, layers=[0], nbytes=1, digest=first),
-                messages.Done(request_id="raw", generation=accept.generation, ok=True, nbytes=2, digest=rest)])
+            return raw.send_all(
+                [
+                    messages.LayersDone(
+                        request_id="raw", generation=accept.generation, layers=[0], nbytes=1, digest=first
+                    ),
+                    messages.Done(
+                        request_id="raw", generation=accept.generation, ok=True, nbytes=2, digest=rest
+                    ),
+                ]
+            )
 
         replies = await asyncio.to_thread(drive)
         assert isinstance(replies[-1], messages.Ack) and replies[-1].status == "complete", replies
@@ -326,8 +407,20 @@ async def test_a_sender_without_digests_sends_the_whole_state(secret_file):
     case = "mla-f32"
     async with running_node(synthetic.layout_for(case), secret_file, slots=1, verify_digest=False) as n:
         _, adm = await n.admit("plain")
-        result = json.loads((await n.send(case, NUM_TOKENS, 6, "mooncake", adm["ticket"], "--layerwise",
-                                          "--no-digest", request_id="plain"))[7:])
+        result = json.loads(
+            (
+                await n.send(
+                    case,
+                    NUM_TOKENS,
+                    6,
+                    "mooncake",
+                    adm["ticket"],
+                    "--layerwise",
+                    "--no-digest",
+                    request_id="plain",
+                )
+            )[7:]
+        )
         assert result["ok"] and result["layers_sent"] == 0, result
         status, events = await n.generate(adm["ticket"], max_tokens=2)
         assert status == 200 and events[-1]["timings"]["layerwise"] == 0.0
@@ -354,13 +447,22 @@ async def test_two_sender_ranks_layer_by_layer(secret_file):
         async with running_node(layout, secret_file, slots=1, max_seq_len=128, shards=2) as n:
             _, adm = await n.admit("tp")
             for rank in range(2):
-                sender = Sender(name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging,
-                                staging_buffers=bufs)
-                req = HandoffRequest(request_id="tp", num_tokens=NUM_TOKENS, last_prompt_token=11,
-                                     ticket=adm["ticket"], rank=rank, num_senders=2)
+                sender = Sender(
+                    name=f"rank{rank}", secret=SECRET, engine=mover, staging=staging, staging_buffers=bufs
+                )
+                req = HandoffRequest(
+                    request_id="tp",
+                    num_tokens=NUM_TOKENS,
+                    last_prompt_token=11,
+                    ticket=adm["ticket"],
+                    rank=rank,
+                    num_senders=2,
+                )
                 source = AllAtOnce(layouts.senders_layers(layout, rank, 2))
                 result = await asyncio.to_thread(sender.send, "127.0.0.1", n.ctrl_port, req, None, source)
-                assert result.ok and result.layers_sent == len(layouts.senders_layers(layout, rank, 2)), result
+                assert result.ok and result.layers_sent == len(layouts.senders_layers(layout, rank, 2)), (
+                    result
+                )
             status, events = await n.generate(adm["ticket"], max_tokens=2)
             assert status == 200 and events[-1]["timings"]["layers_layerwise"] == layout.num_layers
             assert_same_state(n, case, 8)

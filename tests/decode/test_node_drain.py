@@ -30,16 +30,32 @@ LAYOUT = synthetic.layout_for(CASE)
 def _node(slots: int = 1, http_port: int = 0) -> DecodeNode:
     for key in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES"):
         os.environ.setdefault(key, SENDER_ENV[key])
-    config = NodeConfig(name="node-0", max_seq_len=256, slots=slots, host="127.0.0.1", ctrl_port=0,
-                        http_port=http_port, shards=1, devices=("cpu",), ticket_ttl_s=30.0, handoff_timeout_s=30.0,
-                        quarantine_s=30.0)
-    return DecodeNode(config, layout=LAYOUT, engine=RecordingEngine(LAYOUT, 256, slots),
-                      transfer=node_transfer(),
-                      secret=SECRET)
+    config = NodeConfig(
+        name="node-0",
+        max_seq_len=256,
+        slots=slots,
+        host="127.0.0.1",
+        ctrl_port=0,
+        http_port=http_port,
+        shards=1,
+        devices=("cpu",),
+        ticket_ttl_s=30.0,
+        handoff_timeout_s=30.0,
+        quarantine_s=30.0,
+    )
+    return DecodeNode(
+        config,
+        layout=LAYOUT,
+        engine=RecordingEngine(LAYOUT, 256, slots),
+        transfer=node_transfer(),
+        secret=SECRET,
+    )
 
 
 @contextlib.asynccontextmanager
-async def draining_node(secret_file: Path, timeout_s: float) -> AsyncIterator[tuple[RunningNode, draining.Drain, web.AppRunner]]:
+async def draining_node(
+    secret_file: Path, timeout_s: float
+) -> AsyncIterator[tuple[RunningNode, draining.Drain, web.AppRunner]]:
     node = _node()
     app = make_app(node)
     drain = cli.drain_for(node, timeout_s)
@@ -61,10 +77,14 @@ async def test_draining_refuses_admissions_and_finishes_the_admitted_request(sec
         async with n.session.get(f"{n.url}/ready") as r:
             assert r.status == 503 and (await r.json())["reason"] == "draining"
         status, body = await n.admit("after-sigterm")
-        assert status == 503 and body["error"]["type"] == "not_ready" and "draining" in body["error"]["message"]
+        assert (
+            status == 503 and body["error"]["type"] == "not_ready" and "draining" in body["error"]["message"]
+        )
         assert not run.done(), "an admitted ticket holds the drain"
         # The ticket admitted before the SIGTERM still gets its handoff and its whole stream.
-        result = json.loads((await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id="before-sigterm"))[7:])
+        result = json.loads(
+            (await n.send(CASE, 20, 1, "mooncake", adm["ticket"], request_id="before-sigterm"))[7:]
+        )
         assert result["ok"], result
         status, events = await n.generate(adm["ticket"], max_tokens=6)
         assert status == 200 and events[-1]["done"] and events[-1]["finish_reason"] == "length"
@@ -74,8 +94,12 @@ async def test_draining_refuses_admissions_and_finishes_the_admitted_request(sec
 async def test_a_ticket_never_used_ends_the_drain_at_its_timeout(secret_file: Path) -> None:
     async with draining_node(secret_file, timeout_s=0.5) as (n, drain, runner):
         assert (await n.admit("abandoned"))[0] == 200
-        assert await asyncio.wait_for(drain.run(runner, stop_listening=False, idle=lambda: cli.node_idle(n.node)),
-                                      5) == "timeout"
+        assert (
+            await asyncio.wait_for(
+                drain.run(runner, stop_listening=False, idle=lambda: cli.node_idle(n.node)), 5
+            )
+            == "timeout"
+        )
 
 
 async def test_sigterm_stops_an_idle_node_at_once() -> None:

@@ -35,9 +35,14 @@ async def test_a_request_its_own_parameters_break_is_not_the_nodes_failure(secre
         monkeypatch.setattr(n.engine, "start", start)
         for temperature, want in ((7.0, 400), (0.0, 200)):
             _, adm = await n.admit(f"t{temperature}")
-            assert json.loads((await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"],
-                                            request_id=f"t{temperature}"))[7:])["ok"]
-            status, events = await n.generate(adm["ticket"], max_tokens=2, sampling={"temperature": temperature})
+            assert json.loads(
+                (await n.send(CASE, NUM_TOKENS, 1, "mooncake", adm["ticket"], request_id=f"t{temperature}"))[
+                    7:
+                ]
+            )["ok"]
+            status, events = await n.generate(
+                adm["ticket"], max_tokens=2, sampling={"temperature": temperature}
+            )
             assert status == want, events
             if want == 400:
                 assert events[0]["error"]["type"] == "invalid_request"

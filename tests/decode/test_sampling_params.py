@@ -27,8 +27,9 @@ def _logits() -> torch.Tensor:
 
 @pytest.mark.parametrize("temperature", HOSTILE_TEMPERATURES)
 @pytest.mark.parametrize("top_p, top_k", [(1.0, 0), (1e-30, 0), (0.5, 3), (1.0, 10**9)])
-def test_probabilities_are_a_distribution_whatever_the_temperature(temperature: float, top_p: float,
-                                                                   top_k: int) -> None:
+def test_probabilities_are_a_distribution_whatever_the_temperature(
+    temperature: float, top_p: float, top_k: int
+) -> None:
     p = smp.probabilities(_logits(), Sampling(temperature=temperature, top_p=top_p, top_k=top_k))
     assert torch.isfinite(p).all(), p
     assert (p >= 0).all()
@@ -53,9 +54,11 @@ def test_a_tiny_temperature_samples_like_vllm_at_its_floor() -> None:
     assert torch.equal(tiny, floor)
 
 
-@pytest.mark.parametrize("given, taken", [(5e-39, 0.01), (1e-6, 0.01), (0.009, 0.01), (0.0, 0.0), (0.7, 0.7),
-                                          (1e30, 1e30)])
+@pytest.mark.parametrize(
+    "given, taken", [(5e-39, 0.01), (1e-6, 0.01), (0.009, 0.01), (0.0, 0.0), (0.7, 0.7), (1e30, 1e30)]
+)
 def test_the_node_takes_temperatures_as_vllm_does(given: float, taken: float) -> None:
-    body = GenerateBody.model_validate({"ticket": "t", "first_token": 1, "max_tokens": 2,
-                                        "sampling": {"temperature": given}})
+    body = GenerateBody.model_validate(
+        {"ticket": "t", "first_token": 1, "max_tokens": 2, "sampling": {"temperature": given}}
+    )
     assert body.sampling.temperature == taken

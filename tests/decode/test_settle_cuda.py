@@ -31,8 +31,10 @@ HOLD_CYCLES = 100_000_000
 def regions_of(place: layouts.Placement) -> list[torch.Tensor]:
     """Received bytes (random: only when the kernels run matters here, not what they compute)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    return [torch.randint(0, 256, (place.shard_nbytes(s),), dtype=torch.uint8, device="cuda", generator=gen)
-            for s in range(place.shards)]
+    return [
+        torch.randint(0, 256, (place.shard_nbytes(s),), dtype=torch.uint8, device="cuda", generator=gen)
+        for s in range(place.shards)
+    ]
 
 
 def test_settle_waits_for_the_conversion_queued_behind_the_stream() -> None:

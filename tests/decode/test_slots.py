@@ -31,14 +31,28 @@ class Table:
         self.clock = Clock()
         self.scrubbed: list[int] = []
         self.events: list[tuple[int, str]] = []
-        self.t = SlotTable(slots, ticket_ttl_s=5.0, handoff_timeout_s=1.0, quarantine_s=30.0, clock=self.clock,
-                           scrub=self.scrubbed.append, on_change=lambda s, e: self.events.append((s.index, e)))
+        self.t = SlotTable(
+            slots,
+            ticket_ttl_s=5.0,
+            handoff_timeout_s=1.0,
+            quarantine_s=30.0,
+            clock=self.clock,
+            scrub=self.scrubbed.append,
+            on_change=lambda s, e: self.events.append((s.index, e)),
+        )
 
     def receiving(self, request_id: str = "r", senders: int = 1) -> Slot:
         slot = self.t.admit(request_id)
         for rank in range(senders):
-            self.t.accept(ticket=slot.ticket, request_id=request_id, rank=rank, num_senders=senders, num_tokens=7,
-                          last_prompt_token=3, prompt_token_ids=list(range(7)))
+            self.t.accept(
+                ticket=slot.ticket,
+                request_id=request_id,
+                rank=rank,
+                num_senders=senders,
+                num_tokens=7,
+                last_prompt_token=3,
+                prompt_token_ids=list(range(7)),
+            )
             self.t.regions_given(slot, slot.generation, rank)
         return slot
 
@@ -57,8 +71,15 @@ def test_admit_accept_done_decode_release_is_the_happy_path():
     assert tb.t.expire() == []  # decoding has no deadline
     tb.t.release(slot)
     assert slot.state is SlotState.FREE and tb.scrubbed == [0]
-    assert [e for _, e in tb.events] == ["admitted", "accepted", "accepted", "rank_done", "complete", "decoding",
-                                          "released"]
+    assert [e for _, e in tb.events] == [
+        "admitted",
+        "accepted",
+        "accepted",
+        "rank_done",
+        "complete",
+        "decoding",
+        "released",
+    ]
     with pytest.raises(UnknownTicket):
         tb.t.by_ticket("x")
 
@@ -88,13 +109,27 @@ def test_duplicate_and_inconsistent_ranks_are_refused():
     tb = Table()
     slot = tb.receiving(senders=2)
     with pytest.raises(DuplicateSender, match="already writing"):
-        tb.t.accept(ticket=slot.ticket, request_id="r", rank=0, num_senders=2, num_tokens=7, last_prompt_token=3,
-                    prompt_token_ids=[])
+        tb.t.accept(
+            ticket=slot.ticket,
+            request_id="r",
+            rank=0,
+            num_senders=2,
+            num_tokens=7,
+            last_prompt_token=3,
+            prompt_token_ids=[],
+        )
     tb.t.done(slot, slot.generation, 0, ok=True, nbytes=1, error=None)
     tb.t.done(slot, slot.generation, 1, ok=True, nbytes=1, error=None)
     with pytest.raises(DuplicateSender, match="not waiting for state"):
-        tb.t.accept(ticket=slot.ticket, request_id="r", rank=2, num_senders=3, num_tokens=7, last_prompt_token=3,
-                    prompt_token_ids=[])
+        tb.t.accept(
+            ticket=slot.ticket,
+            request_id="r",
+            rank=2,
+            num_senders=3,
+            num_tokens=7,
+            last_prompt_token=3,
+            prompt_token_ids=[],
+        )
 
 
 def test_failed_write_fails_the_request_and_quarantines_the_slot_until_the_bound():
@@ -151,7 +186,12 @@ def test_expired_receiving_slot_with_a_writer_is_quarantined_not_reused():
     slot = tb.receiving()
     tb.clock.now += 2  # past the handoff timeout
     (late,) = tb.t.expire()
-    assert (late.state, late.request_id, late.num_tokens, late.in_flight) == (SlotState.RECEIVING, "r", 7, {0})
+    assert (late.state, late.request_id, late.num_tokens, late.in_flight) == (
+        SlotState.RECEIVING,
+        "r",
+        7,
+        {0},
+    )
     assert slot.state is SlotState.QUARANTINED
     # A Done of that generation arriving now (its connection still open) ends the quarantine.
     tb.t.done(slot, late.generation, 0, ok=True, nbytes=1, error=None)
@@ -194,8 +234,15 @@ def test_a_writer_lost_before_its_regions_were_given_frees_the_slot_at_once():
     connection ended before that leaves nothing in flight, so the slot is not quarantined."""
     tb = Table(1)
     slot = tb.t.admit("r")
-    tb.t.accept(ticket=slot.ticket, request_id="r", rank=0, num_senders=1, num_tokens=7, last_prompt_token=3,
-                prompt_token_ids=[])
+    tb.t.accept(
+        ticket=slot.ticket,
+        request_id="r",
+        rank=0,
+        num_senders=1,
+        num_tokens=7,
+        last_prompt_token=3,
+        prompt_token_ids=[],
+    )
     assert slot.state is SlotState.RECEIVING and slot.in_flight == set()
     tb.t.writer_lost(slot, slot.generation, 0, "protocol error before the Accept went out")
     tb.t.release(slot)
@@ -216,8 +263,12 @@ def test_a_quarantine_that_ends_with_its_writer_unconfirmed_is_reported(caplog: 
     slot = tb.receiving()
     tb.t.writer_lost(slot, slot.generation, 0, "disconnected")
     tb.t.release(slot)
-    assert tb.t.quarantine_status() == {"unconfirmed_reuses": 0, "quarantined": [
-        {"index": 0, "generation": slot.generation, "ranks_in_flight": [0], "ends_in_s": 30.0}]}
+    assert tb.t.quarantine_status() == {
+        "unconfirmed_reuses": 0,
+        "quarantined": [
+            {"index": 0, "generation": slot.generation, "ranks_in_flight": [0], "ends_in_s": 30.0}
+        ],
+    }
     tb.clock.now += 30
     with caplog.at_level("WARNING", logger="tilert_serve.decode.slots"):
         tb.t.expire()

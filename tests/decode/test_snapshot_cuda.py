@@ -20,7 +20,9 @@ from tilert_serve.layouts import Placement, convert
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the snapshot and its check run there"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA: the snapshot and its check run there"
+    ),
 ]
 
 NUM_TOKENS = 300
@@ -35,8 +37,10 @@ def test_the_snapshot_is_what_is_checked_and_converted_on_a_gpu() -> None:
     synthetic.fill(buffers.placement, host, NUM_TOKENS, 3)
     for view, data in zip(buffers.views(1), host, strict=True):
         view.copy_(data)
-    wrote = {rank: digest.of_ranges(host, digest.receiver_ranges(buffers.placement, rank, 2, NUM_TOKENS), "blake3")
-             for rank in range(2)}
+    wrote = {
+        rank: digest.of_ranges(host, digest.receiver_ranges(buffers.placement, rank, 2, NUM_TOKENS), "blake3")
+        for rank in range(2)
+    }
     node = SimpleNamespace(buffers=buffers, config=SimpleNamespace(verify_digest=True))
     take = DecodeNode._take.__get__(node)  # the node's own method, over these buffers
 
@@ -46,7 +50,7 @@ def test_the_snapshot_is_what_is_checked_and_converted_on_a_gpu() -> None:
         copy(slot, ranges)
         views = buffers.views(slot)
         for shard, off, n in ranges:  # the bytes just copied, before they are hashed: must change nothing
-            views[shard][off:off + n].fill_(0x41)
+            views[shard][off : off + n].fill_(0x41)
 
     buffers.snapshot = copy_then_tamper  # type: ignore[method-assign]
     layers = {rank: list(range(rank, layout.num_layers, 2)) for rank in range(2)}
@@ -54,11 +58,18 @@ def test_the_snapshot_is_what_is_checked_and_converted_on_a_gpu() -> None:
         assert take(1, rank, 2, NUM_TOKENS, layers[rank], wrote[rank]) is None
     torch.cuda.synchronize()
     # The receive region was overwritten where the senders wrote.
-    assert all(buffers.views(1)[shard][off:off + n].eq(0x41).all()
-               for rank in range(2) for shard, off, n in digest.receiver_ranges(buffers.placement, rank, 2, NUM_TOKENS))
+    assert all(
+        buffers.views(1)[shard][off : off + n].eq(0x41).all()
+        for rank in range(2)
+        for shard, off, n in digest.receiver_ranges(buffers.placement, rank, 2, NUM_TOKENS)
+    )
 
-    got = convert.to_injected_state(buffers.snapshot_views(1), buffers.placement, NUM_TOKENS, 11, torch.bfloat16)
-    want = convert.to_injected_state([h.cuda() for h in host], buffers.placement, NUM_TOKENS, 11, torch.bfloat16)
+    got = convert.to_injected_state(
+        buffers.snapshot_views(1), buffers.placement, NUM_TOKENS, 11, torch.bfloat16
+    )
+    want = convert.to_injected_state(
+        [h.cuda() for h in host], buffers.placement, NUM_TOKENS, 11, torch.bfloat16
+    )
     for a, b in zip(got.layers, want.layers, strict=True):
         assert torch.equal(a.kv, b.kv) and torch.equal(a.pe, b.pe)
         assert a.ki is not None and b.ki is not None and torch.equal(a.ki, b.ki)
@@ -78,4 +89,6 @@ def test_staging_placement_and_receive_placement_agree() -> None:
     synthetic.fill(staging, bufs, NUM_TOKENS, 5)
     for rank in range(2):
         ranges = digest.sender_ranges(staging, rank, 2, NUM_TOKENS)
-        assert digest.of_ranges([b.cuda() for b in bufs], ranges, "blake3") == digest.of_ranges(bufs, ranges, "blake3")
+        assert digest.of_ranges([b.cuda() for b in bufs], ranges, "blake3") == digest.of_ranges(
+            bufs, ranges, "blake3"
+        )

@@ -24,7 +24,9 @@ class _DecodeLayer:
         self.last: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor) -> None:
-        self.calls.append(("forward", tuple(tokens.shape), tokens.dtype, tokens.flatten().tolist(), self.gen.pos))
+        self.calls.append(
+            ("forward", tuple(tokens.shape), tokens.dtype, tokens.flatten().tolist(), self.gen.pos)
+        )
         self.last = tokens
         if not self.gen.with_mtp:
             self.gen.pos += 1
@@ -62,8 +64,16 @@ def fake_tilert(monkeypatch):
             calls.append(("from_pretrained",))
 
         def inject_cache(self, caches, start_pos=0, end_pos=None) -> None:
-            calls.append(("inject_cache", len(caches), start_pos, end_pos,
-                          {tuple(t.shape) for c in caches for t in c}, {t.dtype for c in caches for t in c}))
+            calls.append(
+                (
+                    "inject_cache",
+                    len(caches),
+                    start_pos,
+                    end_pos,
+                    {tuple(t.shape) for c in caches for t in c},
+                    {t.dtype for c in caches for t in c},
+                )
+            )
 
         def set_cur_pos(self, pos: int) -> None:
             calls.append(("set_cur_pos", pos))
@@ -83,8 +93,14 @@ def fake_tilert(monkeypatch):
 
 
 def _state(n: int = 10, layers: int = 79) -> InjectedState:
-    return InjectedState(layers=[LayerState(kv=torch.zeros(n, 512), pe=torch.zeros(n, 64), ki=torch.zeros(n, 128))
-                                 for _ in range(layers)], seq_len=n, last_prompt_token=7)
+    return InjectedState(
+        layers=[
+            LayerState(kv=torch.zeros(n, 512), pe=torch.zeros(n, 64), ki=torch.zeros(n, 128))
+            for _ in range(layers)
+        ],
+        seq_len=n,
+        last_prompt_token=7,
+    )
 
 
 def test_calls_order_and_shapes(fake_tilert):
@@ -119,8 +135,12 @@ def test_without_mtp_the_first_token_goes_after_the_prompt(fake_tilert):
     seq.close()
     forwards = [(c[4], c[1], c[2], c[3]) for c in fake_tilert if c[0] == "forward"]
     # The warm start recomputes position 9 with the prompt's own token (its prediction is dropped).
-    assert forwards == [(9, (1, 1), torch.int32, [7]), (10, (1, 1), torch.int32, [20]),
-                        (11, (1, 1), torch.int32, [21]), (12, (1, 1), torch.int32, [22])]
+    assert forwards == [
+        (9, (1, 1), torch.int32, [7]),
+        (10, (1, 1), torch.int32, [20]),
+        (11, (1, 1), torch.int32, [21]),
+        (12, (1, 1), torch.int32, [22]),
+    ]
     assert [t for s in steps for t in s.token_ids] == [21, 22, 23]
     assert all((s.drafted, s.accepted) == (0, 0) for s in steps)
 

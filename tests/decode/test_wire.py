@@ -21,7 +21,7 @@ def e4m3_to_f64(b: np.ndarray) -> np.ndarray:
     """fp8 e4m3fn bytes -> float64, from the format's definition (not torch)."""
     b = b.astype(np.int64)
     sign, exp, man = (b >> 7) & 1, (b >> 3) & 0xF, b & 7
-    val = np.where(exp == 0, man / 8 * 2.0 ** -6, (1 + man / 8) * 2.0 ** (exp - 7))
+    val = np.where(exp == 0, man / 8 * 2.0**-6, (1 + man / 8) * 2.0 ** (exp - 7))
     val = np.where((exp == 15) & (man == 7), np.nan, val)
     return np.where(sign == 1, -val, val)
 
@@ -40,7 +40,10 @@ def hadamard_f64(n: int) -> np.ndarray:
 def reference_layer(layout: layouts.Layout, planes: dict[str, torch.Tensor], n: int) -> dict[str, np.ndarray]:
     rows = planes["mla"].numpy().reshape(n, -1)
     if layout.kv_cache_dtype == "fp8_ds_mla":
-        kv = e4m3_to_f64(rows[:, :512]).reshape(n, 4, 128) * rows[:, 512:528].copy().view(np.float32)[..., None]
+        kv = (
+            e4m3_to_f64(rows[:, :512]).reshape(n, 4, 128)
+            * rows[:, 512:528].copy().view(np.float32)[..., None]
+        )
         out = {"kv": kv.reshape(n, 512), "pe": bf16_to_f64(rows[:, 528:656].copy())}
     elif layout.kv_cache_dtype == "bfloat16":
         vals = bf16_to_f64(rows.copy())
@@ -50,7 +53,9 @@ def reference_layer(layout: layouts.Layout, planes: dict[str, torch.Tensor], n: 
         out = {"kv": vals[:, :512], "pe": vals[:, 512:]}
     if "indexer" in planes:
         pages = planes["indexer"].numpy().reshape(-1, 8448)
-        keys = e4m3_to_f64(pages[:, :8192]).reshape(-1, 128) * pages[:, 8192:].copy().view(np.float32).reshape(-1, 1)
+        keys = e4m3_to_f64(pages[:, :8192]).reshape(-1, 128) * pages[:, 8192:].copy().view(
+            np.float32
+        ).reshape(-1, 1)
         out["ki"] = keys[:n] @ hadamard_f64(128)
     return out
 
@@ -60,13 +65,14 @@ def reference_layer(layout: layouts.Layout, planes: dict[str, torch.Tensor], n: 
 async def test_state_lands_exactly_and_converts(case, engine, secret_file):
     layout = synthetic.layout_for(case)
     shards = 2 if case.startswith("glm5") else 1  # sharded receive buffers, as on an 8-GPU node
-    async with running_node(layout, secret_file, transfer_name=engine, slots=2, max_seq_len=160,
-                            shards=shards) as n:
+    async with running_node(
+        layout, secret_file, transfer_name=engine, slots=2, max_seq_len=160, shards=shards
+    ) as n:
         # Occupy slot 0 so the state goes to slot 1: offsets inside the shared buffer are exercised.
         _, first = await n.admit("other")
         status, adm = await n.admit("req-1", prompt_tokens=NUM_TOKENS, max_tokens=6)
         assert status == 200 and adm["slot"] == 1
-        result = json.loads((await n.send(case, NUM_TOKENS, 7, engine, adm["ticket"]))[len("RESULT "):])
+        result = json.loads((await n.send(case, NUM_TOKENS, 7, engine, adm["ticket"]))[len("RESULT ") :])
         assert result["ok"], result
         assert result["nbytes"] == layout.request_bytes(NUM_TOKENS)
 
@@ -75,10 +81,12 @@ async def test_state_lands_exactly_and_converts(case, engine, secret_file):
         for lid in range(layout.num_layers):
             for plane, data in synthetic.layer_bytes(layout, lid, NUM_TOKENS, 7).items():
                 shard, off = place.offset(plane, lid)
-                got = views[shard][off:off + data.numel()]
+                got = views[shard][off : off + data.numel()]
                 assert torch.equal(got, data), f"layer {lid} plane {plane}: bytes differ"
                 end = off + layout.plane(plane).nbytes(160)
-                assert not views[shard][off + data.numel():end].any(), f"layer {lid} {plane}: bytes past the request"
+                assert not views[shard][off + data.numel() : end].any(), (
+                    f"layer {lid} {plane}: bytes past the request"
+                )
         assert not n.node.buffers.views(0)[0].any(), "slot 0 was written"
 
         status, events = await n.generate(adm["ticket"], first_token=100, max_tokens=4)
@@ -94,8 +102,13 @@ async def test_state_lands_exactly_and_converts(case, engine, secret_file):
             for name, ref in want.items():
                 tensor = getattr(got, name)
                 assert tensor is not None and tensor.shape == ref.shape
-                np.testing.assert_allclose(tensor.double().numpy(), ref, rtol=0, atol=2e-6 * np.abs(ref).max(),
-                                           err_msg=f"layer {lid} {name}")
+                np.testing.assert_allclose(
+                    tensor.double().numpy(),
+                    ref,
+                    rtol=0,
+                    atol=2e-6 * np.abs(ref).max(),
+                    err_msg=f"layer {lid} {name}",
+                )
             if not layout.index_head_dim:
                 assert got.ki is None
         _ = first

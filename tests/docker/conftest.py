@@ -62,8 +62,9 @@ def _engine_version() -> str | None:
     if shutil.which("docker") is None:
         return None
     try:
-        out = subprocess.run(["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True,
-                             text=True, timeout=20)
+        out = subprocess.run(
+            ["docker", "info", "--format", "{{.ServerVersion}}"], capture_output=True, text=True, timeout=20
+        )
     except subprocess.TimeoutExpired:
         return None
     return out.stdout.strip() if out.returncode == 0 and out.stdout.strip() else None
@@ -89,15 +90,24 @@ def docker_engine() -> str:
 @pytest.fixture(scope="session")
 def images(docker_engine: str) -> Images:
     tags = image_table()
-    result = Images(operator=tags["operator"], serve_cpu=tags["serve-cpu"], vllm_prefill_cpu=tags["vllm-prefill-cpu"])
+    result = Images(
+        operator=tags["operator"], serve_cpu=tags["serve-cpu"], vllm_prefill_cpu=tags["vllm-prefill-cpu"]
+    )
     present = all(docker("image", "inspect", t, check=False).returncode == 0 for t in result.all())
     if not (present and os.environ.get("TILERT_PD_IMAGES_REUSE") == "1"):
         start = time.monotonic()
-        proc = subprocess.run(["bash", str(ROOT / "scripts" / "images.sh")], cwd=ROOT, capture_output=True,
-                              text=True, timeout=BUILD_TIMEOUT_S)
+        proc = subprocess.run(
+            ["bash", str(ROOT / "scripts" / "images.sh")],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=BUILD_TIMEOUT_S,
+        )
         if proc.returncode != 0:
-            pytest.fail(f"scripts/images.sh failed after {time.monotonic() - start:.0f}s:\n"
-                        f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            pytest.fail(
+                f"scripts/images.sh failed after {time.monotonic() - start:.0f}s:\n"
+                f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
     for tag in result.all():
         docker("image", "inspect", tag)
     return result

@@ -41,7 +41,9 @@ def run_in(image: str, *command: str, entrypoint: str | None = None, timeout: fl
     if entrypoint is not None:
         args += ["--entrypoint", entrypoint]
     out = docker(*args, image, *command, timeout=timeout, check=False)
-    assert out.returncode == 0, f"{image} {command}: exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    assert out.returncode == 0, (
+        f"{image} {command}: exit {out.returncode}\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    )
     return out.stdout
 
 
@@ -57,16 +59,24 @@ def test_every_image_runs_as_the_pods_non_root_user(images: Images) -> None:
         assert docker("image", "inspect", "-f", "{{.Config.User}}", tag).stdout.strip() == f"{uid}:{uid}", tag
     for tag in (images.serve_cpu, images.vllm_prefill_cpu):
         # The uid has a name and a writable HOME: torch's and vLLM's caches need both.
-        out = run_in(tag, "-c", "import getpass, os, pathlib; p = pathlib.Path.home() / '.cache' / 'probe'; "
-                     "p.parent.mkdir(parents=True); p.write_text('x'); print(os.getuid(), getpass.getuser())",
-                     entrypoint="python")
+        out = run_in(
+            tag,
+            "-c",
+            "import getpass, os, pathlib; p = pathlib.Path.home() / '.cache' / 'probe'; "
+            "p.parent.mkdir(parents=True); p.write_text('x'); print(os.getuid(), getpass.getuser())",
+            entrypoint="python",
+        )
         assert out.split() == [str(uid), "tilert"], tag
 
 
 def test_operator_image_holds_no_torch_and_imports_the_operator(images: Images) -> None:
-    out = run_in(images.operator, "python", "-c",
-                 "import importlib.util as u, tilert_operator.wiring, tilert_operator.cli_operator; "
-                 "print([m for m in ('torch', 'transformers', 'vllm') if u.find_spec(m)])")
+    out = run_in(
+        images.operator,
+        "python",
+        "-c",
+        "import importlib.util as u, tilert_operator.wiring, tilert_operator.cli_operator; "
+        "print([m for m in ('torch', 'transformers', 'vllm') if u.find_spec(m)])",
+    )
     assert out.strip() == "[]"
     user = docker("image", "inspect", "-f", "{{.Config.User}}", images.operator).stdout.strip()
     assert user == "65532:65532"
@@ -74,9 +84,13 @@ def test_operator_image_holds_no_torch_and_imports_the_operator(images: Images) 
 
 
 def test_serve_cpu_image_holds_no_vllm_and_runs_the_decode_node(images: Images) -> None:
-    out = run_in(images.serve_cpu, "-c",
-                 "import importlib.util as u, torch, mooncake.engine, nixl, tilert_serve.decode.cli, tilert_serve.router.cli; "
-                 "print(torch.__version__, u.find_spec('vllm') is None)", entrypoint="python")
+    out = run_in(
+        images.serve_cpu,
+        "-c",
+        "import importlib.util as u, torch, mooncake.engine, nixl, tilert_serve.decode.cli, tilert_serve.router.cli; "
+        "print(torch.__version__, u.find_spec('vllm') is None)",
+        entrypoint="python",
+    )
     assert out.split() == ["2.13.0+cpu", "True"]
     assert "usage" in run_in(images.serve_cpu, "decode-node", "--help").lower()  # ENTRYPOINT tilert-pd
     assert "usage" in run_in(images.serve_cpu, "router", "--help").lower()
@@ -87,9 +101,11 @@ def test_vllm_prefill_cpu_image_loads_the_connector_and_vllm(images: Images) -> 
 
     # The connector in a spawned child, as vLLM's engine core and workers import it; the NIXL patch
     # (sitecustomize on PYTHONPATH) is the image's own.
-    code = ("import multiprocessing as mp, sitecustomize, vllm; "
-            f"p = mp.get_context('spawn').Process(target=__import__, args=({TILERT_CONNECTOR_MODULE!r},)); "
-            "p.start(); p.join(); print(p.exitcode, sitecustomize.__file__, vllm.__version__)")
+    code = (
+        "import multiprocessing as mp, sitecustomize, vllm; "
+        f"p = mp.get_context('spawn').Process(target=__import__, args=({TILERT_CONNECTOR_MODULE!r},)); "
+        "p.start(); p.join(); print(p.exitcode, sitecustomize.__file__, vllm.__version__)"
+    )
     out = run_in(images.vllm_prefill_cpu, "-c", code, entrypoint="python").split()
     assert out[0] == "0" and out[1] == "/opt/tilert-pd-site/sitecustomize.py", out
     assert out[2].startswith("0.32"), out
@@ -98,8 +114,14 @@ def test_vllm_prefill_cpu_image_loads_the_connector_and_vllm(images: Images) -> 
     assert "exec python -m vllm.entrypoints.openai.api_server" in shim
     help_text = run_in(images.vllm_prefill_cpu, "--help", entrypoint="vllm", timeout=600)
     assert "serve" in help_text
-    help_serve = run_in(images.vllm_prefill_cpu, "-m", "vllm.entrypoints.openai.api_server", "--help",
-                        entrypoint="python", timeout=600)
+    help_serve = run_in(
+        images.vllm_prefill_cpu,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--help",
+        entrypoint="python",
+        timeout=600,
+    )
     assert "--kv-transfer-config" in help_serve
 
 
@@ -117,8 +139,9 @@ class ServerThread:
         self.url = str(self._srv.url).rstrip("/")
         h.install_crd(self, yaml.safe_load((ROOT / "crds" / "pdcluster.yaml").read_text()))
         schema = pdc_crd_validator.load_schema()
-        self.server.validators[(constants.GROUP, constants.VERSION, constants.PLURAL)] = (
-            lambda obj, old: pdc_crd_validator.validate(obj, old, schema))
+        self.server.validators[(constants.GROUP, constants.VERSION, constants.PLURAL)] = lambda obj, old: (
+            pdc_crd_validator.validate(obj, old, schema)
+        )
 
     def call(self, coro: Coroutine[Any, Any, T], timeout: float = 10) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
@@ -155,8 +178,9 @@ def _try_http(url: str) -> str | None:
         return None
 
 
-def test_operator_image_reconciles_the_tiny_cluster(images: Images, containers: Containers, apiserver: ServerThread,
-                                                    tmp_path: Path) -> None:
+def test_operator_image_reconciles_the_tiny_cluster(
+    images: Images, containers: Containers, apiserver: ServerThread, tmp_path: Path
+) -> None:
     """The chart's container, here: `tilert-pd operator` as uid 65532 with a kubeconfig (the API test
     server on 127.0.0.1, reached through the host network), its liveness probe, and the children of
     examples/tiny-cpu.yaml created in the API server."""
@@ -165,23 +189,57 @@ def test_operator_image_reconciles_the_tiny_cluster(images: Images, containers: 
     cfg.write_text(pdc_apiserver.kubeconfig(apiserver.url))
     cfg.chmod(0o644)
     port = free_port()
-    name = containers.run(images.operator, "tilert-pd", "operator", "--liveness", f"http://127.0.0.1:{port}/healthz",
-                          docker_args=["--network", "host", "-v", f"{cfg}:/etc/tilert-pd-test/kubeconfig:ro",
-                                       "-e", "KUBECONFIG=/etc/tilert-pd-test/kubeconfig",
-                                       "-e", "TILERT_PD_RESYNC_S=1", "-e", "TILERT_PD_METRICS_PORT=0",
-                                       "-e", "TILERT_PD_WATCH_TIMEOUT_S=10"])
+    name = containers.run(
+        images.operator,
+        "tilert-pd",
+        "operator",
+        "--liveness",
+        f"http://127.0.0.1:{port}/healthz",
+        docker_args=[
+            "--network",
+            "host",
+            "-v",
+            f"{cfg}:/etc/tilert-pd-test/kubeconfig:ro",
+            "-e",
+            "KUBECONFIG=/etc/tilert-pd-test/kubeconfig",
+            "-e",
+            "TILERT_PD_RESYNC_S=1",
+            "-e",
+            "TILERT_PD_METRICS_PORT=0",
+            "-e",
+            "TILERT_PD_WATCH_TIMEOUT_S=10",
+        ],
+    )
     srv = apiserver.server
     try:
-        h.wait_for("the operator's /healthz", lambda: _try_http(f"http://127.0.0.1:{port}/healthz"), timeout=60, interval=0.25)
+        h.wait_for(
+            "the operator's /healthz",
+            lambda: _try_http(f"http://127.0.0.1:{port}/healthz"),
+            timeout=60,
+            interval=0.25,
+        )
         assert docker("exec", name, "id", "-u").stdout.strip() == "65532"
         doc = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
         apiserver.call(srv.put(h.PDC, h.pdc(doc)))
-        h.wait_for("the tiny cluster's children",
-                   lambda: srv.get("deployments", "default", "tiny-router") and srv.get("statefulsets", "default", "tiny-tilert-decode")
-                   and srv.get("deployments", "default", "tiny-prefill") and srv.get("configmaps", "default", "tiny-router"),
-                   timeout=60, interval=0.25)
-        h.wait_for("SpecValid", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True",
-                   timeout=30, interval=0.25)
+        h.wait_for(
+            "the tiny cluster's children",
+            lambda: (
+                srv.get("deployments", "default", "tiny-router")
+                and srv.get("statefulsets", "default", "tiny-tilert-decode")
+                and srv.get("deployments", "default", "tiny-prefill")
+                and srv.get("configmaps", "default", "tiny-router")
+            ),
+            timeout=60,
+            interval=0.25,
+        )
+        h.wait_for(
+            "SpecValid",
+            lambda: (
+                h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True"
+            ),
+            timeout=30,
+            interval=0.25,
+        )
         router = srv.get("deployments", "default", "tiny-router")
         (container,) = router["spec"]["template"]["spec"]["containers"]
         assert container["image"] == images.serve_cpu

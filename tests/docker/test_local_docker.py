@@ -48,8 +48,13 @@ class Stack:
 @pytest.fixture(scope="module")
 def stack(images: Images, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     home = tmp_path_factory.mktemp("docker-home")
-    up = subprocess.run([*LOCAL, "up", "-f", str(EXAMPLE), "--runtime", "docker", "--home", str(home),
-                         "--timeout", "900"], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+    up = subprocess.run(
+        [*LOCAL, "up", "-f", str(EXAMPLE), "--runtime", "docker", "--home", str(home), "--timeout", "900"],
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        cwd=ROOT,
+    )
     plain: Proc | None = None
     try:
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
@@ -61,20 +66,29 @@ def stack(images: Images, tmp_path_factory: pytest.TempPathFactory) -> Iterator[
         argv[argv.index("--served-model-name") + 1] = MODEL
         plain = Proc("plain", argv, home)
         plain.wait_ready(f"http://127.0.0.1:{port}/health", 600)
-        yield Stack(home, state,
-                    openai.OpenAI(base_url=f"{state['router']}/v1", api_key="none", max_retries=0, timeout=300),
-                    openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0),
-                    up.stdout)
+        yield Stack(
+            home,
+            state,
+            openai.OpenAI(base_url=f"{state['router']}/v1", api_key="none", max_retries=0, timeout=300),
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0),
+            up.stdout,
+        )
     finally:
         if plain is not None:
             plain.stop()
         subprocess.run([*LOCAL, "down", "--home", str(home)], capture_output=True, timeout=300, cwd=ROOT)
 
 
-def _complete(client: openai.OpenAI, prompt: str | list[int], max_tokens: int, stream: bool,
-              route: str | None = None) -> tuple[str, str | None]:
-    kw: dict[str, Any] = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0,
-                              extra_headers={"x-pd-route": route} if route else None)
+def _complete(
+    client: openai.OpenAI, prompt: str | list[int], max_tokens: int, stream: bool, route: str | None = None
+) -> tuple[str, str | None]:
+    kw: dict[str, Any] = dict(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        extra_headers={"x-pd-route": route} if route else None,
+    )
     if not stream:
         r = client.completions.create(**kw)
         return r.choices[0].text, r.choices[0].finish_reason
@@ -88,14 +102,24 @@ def _complete(client: openai.OpenAI, prompt: str | list[int], max_tokens: int, s
 
 def test_every_pod_runs_its_image_and_is_ready_by_its_own_probe(stack: Stack, images: Images) -> None:
     pods = {p["name"]: p for p in stack.state["pods"]}
-    assert set(pods) == {"tiny-prefill-0", "tiny-tilert-decode-0", "tiny-tilert-decode-1", "tiny-native-decode-0",
-                         "tiny-router-0"}
+    assert set(pods) == {
+        "tiny-prefill-0",
+        "tiny-tilert-decode-0",
+        "tiny-tilert-decode-1",
+        "tiny-native-decode-0",
+        "tiny-router-0",
+    }
     assert pods["tiny-router-0"]["image"] == images.serve_cpu
     assert pods["tiny-prefill-0"]["image"] == images.vllm_prefill_cpu
     # The decode nodes are ready by /ready (a loaded engine), not by the process being up.
     assert any(r["path"] == "/ready" for r in pods["tiny-tilert-decode-0"]["readiness"])
-    status = subprocess.run([*LOCAL, "status", "--json", "--home", str(stack.home)], capture_output=True, text=True,
-                            timeout=120, cwd=ROOT)
+    status = subprocess.run(
+        [*LOCAL, "status", "--json", "--home", str(stack.home)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     rows = json.loads(status.stdout)
     assert {r["name"] for r in rows} == set(pods) and all(r["ready"] for r in rows), rows
 
@@ -112,15 +136,20 @@ def test_both_routes_equal_vllm_alone(stack: Stack, route: str, stream: bool) ->
 def test_chat_on_the_tilert_route(stack: Stack) -> None:
     messages: Any = [{"role": "user", "content": "What is a token?"}]
     want = stack.plain.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0)
-    got = stack.router.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
-                                               extra_headers={"x-pd-route": "tilert"})
+    got = stack.router.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_headers={"x-pd-route": "tilert"}
+    )
     assert got.choices[0].message.content == want.choices[0].message.content
 
 
 def test_down_removes_every_container_and_network(images: Images, tmp_path: Path) -> None:
     # A run of its own (the router alone), so the module's stack is not disturbed. A router alone cannot
     # route, so its /ready never passes: the process being up (/health) is what this test needs.
-    manifests = [m for m in _manifests() if m["kind"] in ("ConfigMap", "Secret") or m["metadata"]["name"] == "tiny-router"]
+    manifests = [
+        m
+        for m in _manifests()
+        if m["kind"] in ("ConfigMap", "Secret") or m["metadata"]["name"] == "tiny-router"
+    ]
     router = next(m for m in manifests if m["kind"] == "Deployment")
     router["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] = "/health"
     docker_runtime.up(manifests, "tpd-down-test", tmp_path, 120, lambda _: None)
@@ -132,7 +161,11 @@ def test_down_removes_every_container_and_network(images: Images, tmp_path: Path
 
 
 def test_a_probe_that_never_succeeds_fails_up_with_its_reason(images: Images, tmp_path: Path) -> None:
-    manifests = [m for m in _manifests() if m["kind"] in ("ConfigMap", "Secret") or m["metadata"]["name"] == "tiny-router"]
+    manifests = [
+        m
+        for m in _manifests()
+        if m["kind"] in ("ConfigMap", "Secret") or m["metadata"]["name"] == "tiny-router"
+    ]
     router = next(m for m in manifests if m["kind"] == "Deployment")
     router["spec"]["template"]["spec"]["containers"][0]["readinessProbe"]["httpGet"]["path"] = "/no-such-path"
     with pytest.raises(docker_runtime.StartFailed) as err:
@@ -160,20 +193,42 @@ def test_secondary_network_carries_the_handoff(images: Images, tmp_path: Path) -
     spec_file.write_text(yaml.safe_dump(doc))
     home = tmp_path / "home"
     try:
-        up = subprocess.run([*LOCAL, "up", "-f", str(spec_file), "--runtime", "docker", "--home", str(home),
-                             "--timeout", "900"], capture_output=True, text=True, timeout=1200, cwd=ROOT)
+        up = subprocess.run(
+            [
+                *LOCAL,
+                "up",
+                "-f",
+                str(spec_file),
+                "--runtime",
+                "docker",
+                "--home",
+                str(home),
+                "--timeout",
+                "900",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=1200,
+            cwd=ROOT,
+        )
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
         assert "secondary networks tpd-mnet-rdma-a" in up.stdout
         state = json.loads((home / "mnet" / "state.json").read_text())
         node = next(p for p in state["pods"] if p["component"] == "tilert-decode")
-        status = json.loads((home / "mnet" / "pods" / node["name"] / "volumes" / "podinfo" / "network-status")
-                            .read_text())
+        status = json.loads(
+            (home / "mnet" / "pods" / node["name"] / "volumes" / "podinfo" / "network-status").read_text()
+        )
         rdma = next(e for e in status if e["name"] == "default/rdma-a")
         container = node["containers"][0]
         before = docker.received_bytes(container)
         client = openai.OpenAI(base_url=f"{state['router']}/v1", api_key="none", max_retries=0, timeout=300)
-        r = client.completions.with_raw_response.create(model=MODEL, prompt="Once upon a time " * 40, max_tokens=4,
-                                                         temperature=0, extra_headers={"x-pd-route": "tilert"})
+        r = client.completions.with_raw_response.create(
+            model=MODEL,
+            prompt="Once upon a time " * 40,
+            max_tokens=4,
+            temperature=0,
+            extra_headers={"x-pd-route": "tilert"},
+        )
         assert r.headers.get("x-pd-route") == "tilert"
         after = docker.received_bytes(container)
         on_rdma = after[rdma["interface"]] - before[rdma["interface"]]

@@ -93,35 +93,99 @@ class Native:
     procs: dict[str, Proc]
 
 
-def vllm_argv(model_dir: Path, port: int, kv_transfer_config: dict | None,
-              served_names: tuple[str, ...] = ("tiny",)) -> list[str]:
-    argv = [PY, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--served-model-name",
-            *served_names, "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
-            "--max-model-len", str(MAX_SEQ_LEN), "--gpu-memory-utilization", "0.3",
-            "--kv-cache-memory-bytes", str(256 << 20), "--speculative-config", MTP, *vllm_cpu.serve_args()]
+def vllm_argv(
+    model_dir: Path, port: int, kv_transfer_config: dict | None, served_names: tuple[str, ...] = ("tiny",)
+) -> list[str]:
+    argv = [
+        PY,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(model_dir),
+        "--served-model-name",
+        *served_names,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--dtype",
+        "float32",
+        "--enforce-eager",
+        "--max-model-len",
+        str(MAX_SEQ_LEN),
+        "--gpu-memory-utilization",
+        "0.3",
+        "--kv-cache-memory-bytes",
+        str(256 << 20),
+        "--speculative-config",
+        MTP,
+        *vllm_cpu.serve_args(),
+    ]
     if kv_transfer_config is not None:
         argv += ["--kv-transfer-config", json.dumps(kv_transfer_config)]
     return argv
 
 
 def prefill_kv_config(secret_file: Path) -> dict:
-    tilert = {"kv_connector": "TileRTConnector", "kv_connector_module_path": "tilert_serve.pd_vllm.prefill_connector",
-              "kv_role": "kv_producer",
-              "kv_connector_extra_config": {"tilert_model": "mla", "tilert_max_seq_len": MAX_SEQ_LEN,
-                                            "tilert_secret_path": str(secret_file), "tilert_local_host": "127.0.0.1",
-                                            "tilert_timeout_s": 5, "tilert_staging_requests": 2}}
+    tilert = {
+        "kv_connector": "TileRTConnector",
+        "kv_connector_module_path": "tilert_serve.pd_vllm.prefill_connector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {
+            "tilert_model": "mla",
+            "tilert_max_seq_len": MAX_SEQ_LEN,
+            "tilert_secret_path": str(secret_file),
+            "tilert_local_host": "127.0.0.1",
+            "tilert_timeout_s": 5,
+            "tilert_staging_requests": 2,
+        },
+    }
     native = {"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu"}
-    return {"kv_connector": "MultiConnector", "kv_role": "kv_producer",
-            "kv_connector_extra_config": {"connectors": [tilert, native]}}
+    return {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_producer",
+        "kv_connector_extra_config": {"connectors": [tilert, native]},
+    }
 
 
-def start_node(stack_dir: Path, model_dir: Path, secret_file: Path, name: str, slots: int = 4) -> tuple[Proc, str, int]:
+def start_node(
+    stack_dir: Path, model_dir: Path, secret_file: Path, name: str, slots: int = 4
+) -> tuple[Proc, str, int]:
     http, ctrl = free_port(), free_port()
-    proc = Proc(name, [PY, "-m", "tilert_serve.cli", "decode-node", "--model-dir", str(model_dir), "--tilert-model", "mla",
-                       "--engine", "reference", "--slots", str(slots), "--max-seq-len", str(MAX_SEQ_LEN),
-                       "--host", "127.0.0.1", "--advertise-host", "127.0.0.1", "--ctrl-port", str(ctrl),
-                       "--http-port", str(http), "--secret-file", str(secret_file), "--dtype", "float32",
-                       "--name", name], stack_dir)
+    proc = Proc(
+        name,
+        [
+            PY,
+            "-m",
+            "tilert_serve.cli",
+            "decode-node",
+            "--model-dir",
+            str(model_dir),
+            "--tilert-model",
+            "mla",
+            "--engine",
+            "reference",
+            "--slots",
+            str(slots),
+            "--max-seq-len",
+            str(MAX_SEQ_LEN),
+            "--host",
+            "127.0.0.1",
+            "--advertise-host",
+            "127.0.0.1",
+            "--ctrl-port",
+            str(ctrl),
+            "--http-port",
+            str(http),
+            "--secret-file",
+            str(secret_file),
+            "--dtype",
+            "float32",
+            "--name",
+            name,
+        ],
+        stack_dir,
+    )
     return proc, f"http://127.0.0.1:{http}", ctrl
 
 
@@ -148,7 +212,9 @@ class Plain:
 
     def __init__(self, model: Model) -> None:
         self.port = free_port()
-        self.proc = Proc("plain", vllm_argv(model.model_dir, self.port, None, ("tiny", EXAMPLE_MODEL)), model.root)
+        self.proc = Proc(
+            "plain", vllm_argv(model.model_dir, self.port, None, ("tiny", EXAMPLE_MODEL)), model.root
+        )
         _SHARED.append(self.proc)
         self._ready = False
 
@@ -183,15 +249,25 @@ def stack(request: pytest.FixtureRequest, e2e_model: Model, plain_vllm: Plain) -
         procs["node"] = node
         _SHARED.append(node)
         p_port = free_port()
-        procs["prefill"] = Proc("prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root,
-                                nixl_env())
+        procs["prefill"] = Proc(
+            "prefill", vllm_argv(model_dir, p_port, prefill_kv_config(secret_file)), root, nixl_env()
+        )
         _SHARED.append(procs["prefill"])
         if _wants_native(request.session):  # boots beside the prefill (native below)
             procs["decode"], decode_port = _start_native_decode(model_dir, root)
         node.wait_ready(f"{node_url}/ready", 120)
         procs["prefill"].wait_ready(f"http://127.0.0.1:{p_port}/health", 600)
-        yield Stack(model_dir, secret_file, f"http://127.0.0.1:{p_port}", plain_vllm.url, node_url,
-                    ctrl, procs, root, decode_port)
+        yield Stack(
+            model_dir,
+            secret_file,
+            f"http://127.0.0.1:{p_port}",
+            plain_vllm.url,
+            node_url,
+            ctrl,
+            procs,
+            root,
+            decode_port,
+        )
     finally:
         for p in procs.values():
             p.stop()
@@ -204,8 +280,11 @@ def nixl_env() -> dict[str, str]:
     """A vLLM with NixlConnector: its own NIXL side-channel port (vLLM's default, 5600, may be taken by
     another stack here), and a CPU pool's environment as the operator renders it (vllm_cpu.serve_env:
     a core left for the engine)."""
-    return {"VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1", "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
-            **vllm_cpu.serve_env()}
+    return {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port()),
+        **vllm_cpu.serve_env(),
+    }
 
 
 def _start_native_decode(model_dir: Path, root: Path) -> tuple[Proc, int]:
@@ -226,17 +305,39 @@ def native(stack: Stack) -> Iterator[Native]:
             stack.procs["decode"], stack.decode_port = _start_native_decode(stack.model_dir, stack.log_dir)
         d_port = stack.decode_port
         r_port = free_port()
-        cfg = {"model": "tiny", "prefill": [stack.prefill_url], "native": [f"http://127.0.0.1:{d_port}"],
-               "policy": {"default": "native"}, "native_connector": NATIVE_CONNECTOR}
+        cfg = {
+            "model": "tiny",
+            "prefill": [stack.prefill_url],
+            "native": [f"http://127.0.0.1:{d_port}"],
+            "policy": {"default": "native"},
+            "native_connector": NATIVE_CONNECTOR,
+        }
         (stack.log_dir / "router.yaml").write_text(yaml.safe_dump(cfg))
-        procs["router"] = Proc("router", [PY, "-m", "tilert_serve.router.cli", "--config",
-                                          str(stack.log_dir / "router.yaml"), "--host", "127.0.0.1",
-                                          "--port", str(r_port)], stack.log_dir)
+        procs["router"] = Proc(
+            "router",
+            [
+                PY,
+                "-m",
+                "tilert_serve.router.cli",
+                "--config",
+                str(stack.log_dir / "router.yaml"),
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(r_port),
+            ],
+            stack.log_dir,
+        )
         _SHARED.append(procs["router"])
         stack.procs["decode"].wait_ready(f"http://127.0.0.1:{d_port}/health", 600)
         procs["router"].wait_ready(f"http://127.0.0.1:{r_port}/health", 60)
-        yield Native(NATIVE_CONNECTOR, f"http://127.0.0.1:{r_port}", stack.prefill_url, f"http://127.0.0.1:{d_port}",
-                     {"prefill": stack.procs["prefill"], "decode": stack.procs["decode"], **procs})
+        yield Native(
+            NATIVE_CONNECTOR,
+            f"http://127.0.0.1:{r_port}",
+            stack.prefill_url,
+            f"http://127.0.0.1:{d_port}",
+            {"prefill": stack.procs["prefill"], "decode": stack.procs["decode"], **procs},
+        )
     finally:
         for p in procs.values():
             p.stop()

@@ -27,8 +27,13 @@ class Proc:
     def __init__(self, name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
         self.name, self.log = name, log_dir / f"{name}.log"
         self._fh = self.log.open("wb")
-        self.popen = subprocess.Popen(argv, stdout=self._fh, stderr=subprocess.STDOUT, start_new_session=True,
-                                      env={**os.environ, **TRANSFER_ENV, **(env or {})})
+        self.popen = subprocess.Popen(
+            argv,
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **TRANSFER_ENV, **(env or {})},
+        )
 
     def tail(self, n: int = 60) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -64,13 +69,17 @@ class Proc:
 
 
 def post_json(url: str, body: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
 
 def sse_events(url: str, body: dict, timeout: float = 120) -> list[dict]:
-    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return [json.loads(line[6:]) for line in r.read().decode().splitlines() if line.startswith("data: ")]
 
@@ -79,8 +88,12 @@ def metric(base_url: str, name: str, **labels: str) -> float:
     """Sum of a Prometheus metric's samples whose labels include `labels`."""
     with urllib.request.urlopen(f"{base_url}/metrics", timeout=10) as r:
         text = r.read().decode()
-    found = [s.value for family in text_string_to_metric_families(text) for s in family.samples
-             if s.name == name and labels.items() <= s.labels.items()]
+    found = [
+        s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+        if s.name == name and labels.items() <= s.labels.items()
+    ]
     if not found:
         raise KeyError(f"metric {name}{labels or ''} not exported by {base_url}")
     return sum(found)

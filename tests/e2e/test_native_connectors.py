@@ -36,14 +36,22 @@ def plain(plain_vllm: Plain) -> str:
 
 
 def _by_source(url: str) -> dict[str, float]:
-    return {s: metric(url, "vllm:prompt_tokens_by_source_total", source=s)
-            for s in ("local_compute", "local_cache_hit", "external_kv_transfer")}
+    return {
+        s: metric(url, "vllm:prompt_tokens_by_source_total", source=s)
+        for s in ("local_compute", "local_cache_hit", "external_kv_transfer")
+    }
 
 
 def test_native_path_hands_the_kv_over_and_equals_vllm(native: Native, plain: str) -> None:
     for prompt in PROMPTS:
-        body = {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS, "temperature": 0,
-                "return_token_ids": True, "ignore_eos": True}
+        body = {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+            "ignore_eos": True,
+        }
         expected = post_json(f"{plain}/v1/completions", body)["choices"][0]["token_ids"]
         before = _by_source(native.decode_url)
         out = post_json(f"{native.router_url}/v1/completions", body, timeout=300)

@@ -29,32 +29,51 @@ PROMPTS = [[rng.randrange(2, 512) for _ in range(n)] for n in LENGTHS]
 
 def baseline(stack: Stack, prompt: list[int]) -> list[int]:
     """vLLM's own greedy output, from a server without any connector."""
-    out = post_json(f"{stack.plain_url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": NEW_TOKENS,
-                                                          "temperature": 0, "return_token_ids": True})
+    out = post_json(
+        f"{stack.plain_url}/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": NEW_TOKENS,
+            "temperature": 0,
+            "return_token_ids": True,
+        },
+    )
     return out["choices"][0]["token_ids"]
 
 
-def prefill(stack: Stack, prompt: list[int], host: str, port: int, ticket: str | None,
-            layerwise: bool | None = None) -> dict:
+def prefill(
+    stack: Stack, prompt: list[int], host: str, port: int, ticket: str | None, layerwise: bool | None = None
+) -> dict:
     params = {"tilert_host": host, "tilert_ctrl_port": port, "tilert_ticket": ticket}
     if layerwise is not None:  # else the connector's tilert_layerwise (on by default)
         params["tilert_layerwise"] = layerwise
-    return post_json(f"{stack.prefill_url}/v1/completions", {"model": "tiny", "prompt": prompt, "max_tokens": 1,
-                                                             "temperature": 0, "kv_transfer_params": params})
+    return post_json(
+        f"{stack.prefill_url}/v1/completions",
+        {"model": "tiny", "prompt": prompt, "max_tokens": 1, "temperature": 0, "kv_transfer_params": params},
+    )
 
 
-def pd(stack: Stack, prompt: list[int], node_url: str | None = None, ctrl_port: int | None = None,
-       layerwise: bool | None = None) -> tuple[list[int], dict]:
+def pd(
+    stack: Stack,
+    prompt: list[int],
+    node_url: str | None = None,
+    ctrl_port: int | None = None,
+    layerwise: bool | None = None,
+) -> tuple[list[int], dict]:
     """The TileRT path as the router drives it: admit, prefill with the mark, stream the rest."""
     node_url, ctrl_port = node_url or stack.node_url, ctrl_port or stack.ctrl_port
-    adm = post_json(f"{node_url}/v1/admit", {"request_id": "e2e", "prompt_tokens": len(prompt),
-                                             "max_tokens": NEW_TOKENS})
+    adm = post_json(
+        f"{node_url}/v1/admit", {"request_id": "e2e", "prompt_tokens": len(prompt), "max_tokens": NEW_TOKENS}
+    )
     out = prefill(stack, prompt, "127.0.0.1", ctrl_port, adm["ticket"], layerwise)
     params = out["kv_transfer_params"]
     assert params["tilert_status"] == "queued" and params["tilert_num_tokens"] == len(prompt), params
     first = params["tilert_first_token"]
-    events = sse_events(f"{node_url}/v1/generate", {"ticket": adm["ticket"], "first_token": first,
-                                                    "max_tokens": NEW_TOKENS - 1})
+    events = sse_events(
+        f"{node_url}/v1/generate",
+        {"ticket": adm["ticket"], "first_token": first, "max_tokens": NEW_TOKENS - 1},
+    )
     assert events[-1]["done"], events[-1]
     return [first] + [t for e in events[:-1] for t in e["token_ids"]], events[-1]
 
@@ -72,16 +91,27 @@ def test_pd_output_equals_vllm_greedy_with_mtp_from_the_first_step(stack: Stack)
         drafted += done["mtp"]["drafted"]
         accepted += done["mtp"]["accepted"]
         timings = done["timings"]
-        assert set(timings) >= {"wire_wait_ms", "convert_ms", "inject_ms", "decode_ms", "tpot_ms", "layerwise",
-                                "layers_early", "hidden_convert_ms"}
+        assert set(timings) >= {
+            "wire_wait_ms",
+            "convert_ms",
+            "inject_ms",
+            "decode_ms",
+            "tpot_ms",
+            "layerwise",
+            "layers_early",
+            "hidden_convert_ms",
+        }
         # Every layer came one by one, the main layers during the forward (save_kv_layer), before the
         # MTP layer (after the drafter).
         assert timings["layerwise"] == 1.0 and timings["layers_layerwise"] == 3, timings
         assert timings["layers_early"] >= 1, timings
     assert drafted > 0 and accepted > 0, "MTP never accepted a draft"
     print(f"MTP acceptance over {len(PROMPTS)} requests: {accepted}/{drafted} = {accepted / drafted:.2f}")
-    _wait_for(lambda: metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="ok") >= len(PROMPTS),
-              "handoffs to be counted on vLLM's /metrics", extra_request=lambda: _flush(stack))
+    _wait_for(
+        lambda: metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="ok") >= len(PROMPTS),
+        "handoffs to be counted on vLLM's /metrics",
+        extra_request=lambda: _flush(stack),
+    )
 
 
 def test_pd_output_equals_vllm_greedy_with_layerwise_off(stack: Stack):
@@ -96,11 +126,19 @@ def test_unclaimed_requests_in_the_same_batches_are_untouched(stack: Stack):
     want = {i: baseline(stack, p) for i, p in enumerate(PROMPTS[:8])}
 
     def plain(i: int) -> list[int]:
-        out = post_json(f"{stack.prefill_url}/v1/completions", {"model": "tiny", "prompt": PROMPTS[i],
-                                                                "max_tokens": NEW_TOKENS, "temperature": 0,
-                                                                "return_token_ids": True})
-        assert "kv_transfer_params" not in out or not any(k.startswith("tilert_") for k in
-                                                           (out.get("kv_transfer_params") or {}))
+        out = post_json(
+            f"{stack.prefill_url}/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": PROMPTS[i],
+                "max_tokens": NEW_TOKENS,
+                "temperature": 0,
+                "return_token_ids": True,
+            },
+        )
+        assert "kv_transfer_params" not in out or not any(
+            k.startswith("tilert_") for k in (out.get("kv_transfer_params") or {})
+        )
         return out["choices"][0]["token_ids"]
 
     with ThreadPoolExecutor(8) as pool:
@@ -141,7 +179,9 @@ def test_failed_handoffs_leave_vllm_serving_and_free_its_blocks(stack: Stack, tm
     dying_port, stop = _dying_ctrl_server()
     closed_port = free_port()
     # A node that is killed between admission and handoff.
-    doomed, doomed_url, doomed_ctrl = start_node(tmp_path, stack.model_dir, stack.secret_file, "doomed-node", slots=1)
+    doomed, doomed_url, doomed_ctrl = start_node(
+        tmp_path, stack.model_dir, stack.secret_file, "doomed-node", slots=1
+    )
     doomed.wait_ready(f"{doomed_url}/ready", 120)
     adm = post_json(f"{doomed_url}/v1/admit", {"request_id": "doomed"})
     doomed.kill()
@@ -152,9 +192,18 @@ def test_failed_handoffs_leave_vllm_serving_and_free_its_blocks(stack: Stack, tm
         # vLLM goes on serving, through both paths, with correct output.
         assert pd(stack, PROMPTS[11])[0] == baseline(stack, PROMPTS[11])
         _wait_for(lambda: kv_usage(stack) == 0.0, "KV blocks to return")
-        _wait_for(lambda: sum(metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome=o)
-                              for o in ("unreachable", "protocol", "timeout") if _has(stack, o)) >= 3,
-                  "the three failures to be counted", extra_request=lambda: _flush(stack))
+        _wait_for(
+            lambda: (
+                sum(
+                    metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome=o)
+                    for o in ("unreachable", "protocol", "timeout")
+                    if _has(stack, o)
+                )
+                >= 3
+            ),
+            "the three failures to be counted",
+            extra_request=lambda: _flush(stack),
+        )
     finally:
         stop.set()
 
@@ -162,8 +211,11 @@ def test_failed_handoffs_leave_vllm_serving_and_free_its_blocks(stack: Stack, tm
 def test_a_thousand_failed_handoffs_leak_nothing(stack: Stack):
     port = free_port()
     before_rss = _group_rss_mb(stack.procs["prefill"].popen.pid)
-    before = metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="unreachable") \
-        if _has(stack, "unreachable") else 0.0
+    before = (
+        metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="unreachable")
+        if _has(stack, "unreachable")
+        else 0.0
+    )
 
     def one(i: int) -> None:
         prefill(stack, PROMPTS[i % 6], "127.0.0.1", port, None)
@@ -171,14 +223,20 @@ def test_a_thousand_failed_handoffs_leak_nothing(stack: Stack):
     with ThreadPoolExecutor(8) as pool:
         list(pool.map(one, range(1000)))
     assert pd(stack, PROMPTS[2])[0] == baseline(stack, PROMPTS[2])  # still serving; also flushes stats
-    _wait_for(lambda: metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="unreachable") - before
-              >= 1000, "1000 failures to be counted", extra_request=lambda: _flush(stack))
+    _wait_for(
+        lambda: (
+            metric(stack.prefill_url, "vllm:tilert_handoffs_total", outcome="unreachable") - before >= 1000
+        ),
+        "1000 failures to be counted",
+        extra_request=lambda: _flush(stack),
+    )
     _wait_for(lambda: kv_usage(stack) == 0.0, "KV blocks to return")
     growth = _group_rss_mb(stack.procs["prefill"].popen.pid) - before_rss
     assert growth < 100, f"prefill processes grew by {growth:.0f} MB over 1000 failed handoffs"
 
 
 # -- helpers -------------------------------------------------------------------------------------
+
 
 def _flush(stack: Stack) -> None:
     """One more engine step: connector stats reach vLLM's /metrics with the step after a handoff."""
@@ -224,5 +282,3 @@ def _group_rss_mb(pgid: int) -> float:
         except (ProcessLookupError, FileNotFoundError, PermissionError):
             continue
     return total / 1024
-
-

@@ -45,19 +45,32 @@ def clients(tmp_path_factory: pytest.TempPathFactory, plain_vllm: Plain) -> Iter
     home = tmp_path_factory.mktemp("stack-home")
     port = free_port()
     local = [PY, "-m", "tilert_serve.cli", "local"]
-    up = subprocess.run([*local, "up", "-f", str(EXAMPLE), "--home", str(home), "--router-port", str(port)],
-                        capture_output=True, text=True, timeout=900, cwd=ROOT)
+    up = subprocess.run(
+        [*local, "up", "-f", str(EXAMPLE), "--home", str(home), "--router-port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=ROOT,
+    )
     try:
         assert up.returncode == 0, up.stdout[-3000:] + up.stderr[-3000:]
-        yield Clients(openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0),
-                      openai.OpenAI(base_url=f"{plain_vllm.url}/v1", api_key="none", max_retries=0))
+        yield Clients(
+            openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0),
+            openai.OpenAI(base_url=f"{plain_vllm.url}/v1", api_key="none", max_retries=0),
+        )
     finally:
-        subprocess.run([*local, "down", "--home", str(home)], capture_output=True, timeout=120, cwd=ROOT,
-                       env={**os.environ})
+        subprocess.run(
+            [*local, "down", "--home", str(home)],
+            capture_output=True,
+            timeout=120,
+            cwd=ROOT,
+            env={**os.environ},
+        )
 
 
-def complete(client: openai.OpenAI, prompt: str | list[int], max_tokens: int, stream: bool,
-             route: str | None = None) -> tuple[str, str | None]:
+def complete(
+    client: openai.OpenAI, prompt: str | list[int], max_tokens: int, stream: bool, route: str | None = None
+) -> tuple[str, str | None]:
     headers = {"x-pd-route": route} if route else None
     kw = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, temperature=0, extra_headers=headers)
     if not stream:
@@ -114,6 +127,7 @@ def test_chat_through_each_route_equals_vllm(clients: Clients, route: str, strea
 
 def test_official_client_sees_which_route_served(clients: Clients) -> None:
     raw = clients.router.completions.with_raw_response.create(
-        model=MODEL, prompt="hello", max_tokens=2, temperature=0, extra_headers={"x-pd-route": "tilert"})
+        model=MODEL, prompt="hello", max_tokens=2, temperature=0, extra_headers={"x-pd-route": "tilert"}
+    )
     assert raw.headers.get("x-pd-route") == "tilert"
     assert raw.parse().usage is not None and raw.parse().usage.completion_tokens >= 1

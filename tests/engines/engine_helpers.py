@@ -46,16 +46,37 @@ def decode(
         seq.close()
 
 
-def run_vllm(model_dir: Path, work: Path, *, prompts: list[list[int]], max_tokens: int,
-             num_speculative_tokens: int, dump_prompts: list[list[int]]) -> dict[str, Any]:
+def run_vllm(
+    model_dir: Path,
+    work: Path,
+    *,
+    prompts: list[list[int]],
+    max_tokens: int,
+    num_speculative_tokens: int,
+    dump_prompts: list[list[int]],
+) -> dict[str, Any]:
     """vllm_run.py on `model_dir`: its result.json (greedy outputs, first tokens, MTP counters) with
     the cache rows of each dump prompt under "cache_rows"."""
     request = work / "request.json"
-    request.write_text(json.dumps({"prompts": prompts, "max_tokens": max_tokens,
-                                   "num_speculative_tokens": num_speculative_tokens, "dump_prompts": dump_prompts}))
+    request.write_text(
+        json.dumps(
+            {
+                "prompts": prompts,
+                "max_tokens": max_tokens,
+                "num_speculative_tokens": num_speculative_tokens,
+                "dump_prompts": dump_prompts,
+            }
+        )
+    )
     env = {**os.environ, "PYTHONPATH": f"{REPO}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), str(model_dir), str(request), str(work)],
-                          cwd=work, env=env, capture_output=True, text=True, timeout=240)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "vllm_run.py"), str(model_dir), str(request), str(work)],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert proc.returncode == 0, f"vLLM run failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
     result: dict[str, Any] = json.loads((work / "result.json").read_text())
     result["cache_rows"] = torch.load(work / "cache_rows.pt")
@@ -63,7 +84,9 @@ def run_vllm(model_dir: Path, work: Path, *, prompts: list[list[int]], max_token
     return result
 
 
-def assert_prefill_state_equals(engine: ReferenceEngine, prompt: list[int], rows: dict[str, torch.Tensor]) -> int:
+def assert_prefill_state_equals(
+    engine: ReferenceEngine, prompt: list[int], rows: dict[str, torch.Tensor]
+) -> int:
     """The engine's prefill state for `prompt` equals the cache rows vLLM wrote (kv_c || k_pe per
     layer, main layers and the MTP layer); returns the engine's first token."""
     state, first = engine.prefill(prompt)

@@ -29,8 +29,14 @@ def _prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def vllm_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     prompts = _prompts()
-    return run_vllm(tiny_model_dir, tmp_path_factory.mktemp("vllm"), prompts=prompts, max_tokens=MAX_TOKENS,
-                    num_speculative_tokens=1, dump_prompts=[prompts[i] for i in DUMPED])
+    return run_vllm(
+        tiny_model_dir,
+        tmp_path_factory.mktemp("vllm"),
+        prompts=prompts,
+        max_tokens=MAX_TOKENS,
+        num_speculative_tokens=1,
+        dump_prompts=[prompts[i] for i in DUMPED],
+    )
 
 
 @pytest.mark.slow

@@ -55,8 +55,9 @@ def test_v2_style_variant_matches_vllm(tmp_path: Path) -> None:
     _v2_style_model(model)
     rng = random.Random(3)
     prompts = [[rng.randrange(2, 512) for _ in range(n)] for n in LENGTHS]
-    result = run_vllm(model, tmp_path, prompts=prompts, max_tokens=16, num_speculative_tokens=1,
-                      dump_prompts=prompts[1:3])
+    result = run_vllm(
+        model, tmp_path, prompts=prompts, max_tokens=16, num_speculative_tokens=1, dump_prompts=prompts[1:3]
+    )
 
     engine = ReferenceEngine(
         ReferenceSettings(model_dir=str(model), max_seq_len=128, num_speculative_tokens=1)

@@ -38,7 +38,11 @@ def main(model_dir: str, request_path: str, out_dir: str) -> None:
     out = Path(out_dir)
     spec = None
     if req.get("num_speculative_tokens", 0) > 0:
-        spec = {"method": "mtp", "num_speculative_tokens": req["num_speculative_tokens"], **vllm_cpu.drafter_config()}
+        spec = {
+            "method": "mtp",
+            "num_speculative_tokens": req["num_speculative_tokens"],
+            **vllm_cpu.drafter_config(),
+        }
     t0 = time.monotonic()
     llm = LLM(
         model=model_dir,

@@ -23,7 +23,9 @@ blake3 = pytest.importorskip("blake3")
 
 def gpu(test: Callable[..., None]) -> Callable[..., None]:
     """The Triton kernels run only on a GPU; the host model and the plan beside them run everywhere."""
-    needs = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU")
+    needs = pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU"
+    )
     return pytest.mark.gpu(needs(test))  # type: ignore[no-any-return]
 
 
@@ -33,11 +35,29 @@ def want(data: bytes) -> str:
 
 # -- everywhere: the tree the kernels compute, and which programs the general kernel takes -------------
 
+
 @pytest.mark.parametrize("fanin", [2, 4, 8, 256])
 def test_the_kernels_tree_is_blake3s(fanin: int) -> None:
     rng = random.Random(fanin)
-    for n in (0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3072, 4097, 5 * 1024, 7 * 1024 + 3, 9 * 1024,
-              17 * 1024 - 1, 33 * 1024 + 100, 64 * 1024):
+    for n in (
+        0,
+        1,
+        63,
+        64,
+        65,
+        1023,
+        1024,
+        1025,
+        2048,
+        3072,
+        4097,
+        5 * 1024,
+        7 * 1024 + 3,
+        9 * 1024,
+        17 * 1024 - 1,
+        33 * 1024 + 100,
+        64 * 1024,
+    ):
         data = rng.randbytes(n)
         assert blake3_gpu.reference(data, fanin).hex() == want(data), (n, fanin)
 
@@ -51,8 +71,11 @@ def _chunks_the_fast_kernel_leaves(ranges: list[tuple[int, int]]) -> set[int]:
     num_chunks = max(1, -(-len(where) // 1024))
     out = set()
     for c in range(num_chunks):
-        chunk = where[c * 1024:(c + 1) * 1024]
-        if not (len(chunk) == 1024 and chunk[0][1] % 16 == 0 and chunk[0][0] == chunk[-1][0]) or num_chunks == 1:
+        chunk = where[c * 1024 : (c + 1) * 1024]
+        if (
+            not (len(chunk) == 1024 and chunk[0][1] % 16 == 0 and chunk[0][0] == chunk[-1][0])
+            or num_chunks == 1
+        ):
             out.add(c)
     return out
 
@@ -74,21 +97,47 @@ def test_the_plan_lists_every_chunk_the_fast_kernel_leaves(seed: int) -> None:
 
 def test_a_glm5_state_needs_the_general_kernel_only_where_rows_cut_chunks() -> None:
     place = layouts.Placement(layouts.get("glm5", "fp8_ds_mla"), max_tokens=4096)
-    for tokens, most in ((4096, 0), (64, 2 * place.layout.num_layers + 1), (777, 2 * place.layout.num_layers + 1)):
+    for tokens, most in (
+        (4096, 0),
+        (64, 2 * place.layout.num_layers + 1),
+        (777, 2 * place.layout.num_layers + 1),
+    ):
         ranges = digest.sender_ranges(place, 0, 1, tokens)
         assert len(blake3_gpu.plan([(off, n) for _, off, n in ranges]).general) <= most, tokens
 
 
 # -- on a GPU: bit for bit ------------------------------------------------------------------------------
 
+
 def _rand(n: int, gen: torch.Generator) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda", generator=gen)
 
 
 @gpu
-@pytest.mark.parametrize("n", [0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3072, 4097, 5 * 1024 + 7,
-                               128 * 1024, 128 * 1024 + 1, 129 * 1024, 1000 * 1024, 3 * 128 * 1024 - 5,
-                               (128 << 20) + 5, (1 << 30) + 4097])
+@pytest.mark.parametrize(
+    "n",
+    [
+        0,
+        1,
+        63,
+        64,
+        65,
+        1023,
+        1024,
+        1025,
+        2048,
+        3072,
+        4097,
+        5 * 1024 + 7,
+        128 * 1024,
+        128 * 1024 + 1,
+        129 * 1024,
+        1000 * 1024,
+        3 * 128 * 1024 - 5,
+        (128 << 20) + 5,
+        (1 << 30) + 4097,
+    ],
+)
 def test_one_range_equals_blake3(n: int) -> None:
     gen = torch.Generator(device="cuda").manual_seed(n)
     buf = _rand(n + 64, gen)
@@ -96,7 +145,7 @@ def test_one_range_equals_blake3(n: int) -> None:
         if off == 3 and n > 1 << 26:
             continue
         got = blake3_gpu.hexdigest([buf], [(0, off, n)])
-        assert got == want(buf[off:off + n].cpu().numpy().tobytes()), (n, off)
+        assert got == want(buf[off : off + n].cpu().numpy().tobytes()), (n, off)
 
 
 @gpu
@@ -115,7 +164,7 @@ def test_many_odd_ranges_over_two_shards_equal_blake3(seed: int) -> None:
         ranges.append((s, off, n))
         pos[s] = off + n if rng.random() < 0.8 else rng.randrange(shards[s].numel() // 2)
     host = [b.cpu() for b in shards]
-    data = b"".join(host[s][o:o + n].numpy().tobytes() for s, o, n in ranges)
+    data = b"".join(host[s][o : o + n].numpy().tobytes() for s, o, n in ranges)
     assert blake3_gpu.hexdigest(shards, ranges) == want(data)
     assert digest.of_ranges(shards, ranges, "blake3") == digest.of_ranges(host, ranges, "blake3")
 

@@ -19,12 +19,17 @@ from tilert_serve.handoff.errors import (
 )
 
 DONE = messages.Done(request_id="r1", generation=3, ok=True, nbytes=42)
-DONE_BODY = (b'{"request_id":"r1","generation":3,"ok":true,"nbytes":42,"error":null,"digest":null,'
-             b'"writes_started":true,"write_s":null}')
+DONE_BODY = (
+    b'{"request_id":"r1","generation":3,"ok":true,"nbytes":42,"error":null,"digest":null,'
+    b'"writes_started":true,"write_s":null}'
+)
 DONE_BYTES = b"TP\x02\x07\x00\x00\x00\x78" + DONE_BODY
 #: The same Done sealed as frame #0 with the key b"k" * 32: kind | 0x80, length + 32, HMAC-SHA256 tag.
-DONE_SEALED = (b"TP\x02\x87\x00\x00\x00\x98" + DONE_BODY
-               + bytes.fromhex("8a280ed5fa6fd9b99bc9e099502548c5997624262a7cfed101bc8ce8055704c2"))
+DONE_SEALED = (
+    b"TP\x02\x87\x00\x00\x00\x98"
+    + DONE_BODY
+    + bytes.fromhex("8a280ed5fa6fd9b99bc9e099502548c5997624262a7cfed101bc8ce8055704c2")
+)
 #: A Done as senders wrote it before Done.write_s (an optional field of the same version): still read.
 OLDER_DONE_BODY = b'{"request_id":"r1","generation":3,"ok":true,"nbytes":42,"error":null,"digest":null,"writes_started":true}'
 HEX64 = "ab" * 32
@@ -106,18 +111,40 @@ def test_every_kind_round_trips():
     samples = [
         messages.Challenge(nonce="a" * 64, node="n0"),
         messages.Auth(mac=HEX64, nonce="b" * 64, sender="prefill-0"),
-        messages.Hello(mac=HEX64, node="n0", layout=messages.LayoutInfo(model="glm5", kv_cache_dtype="fp8_ds_mla",
-                       version=1, num_layers=79, fingerprint="f"), max_seq_len=100, slots_total=1, slots_free=1,
-                       transfer="mooncake", peer={"session_id": "127.0.0.1:15000"}),
-        messages.Request(request_id="r", ticket="t", num_tokens=5, last_prompt_token=9, prompt_token_ids=[1, 2],
-                         layout_fingerprint="f"),
-        messages.Accept(request_id="r", slot=0, generation=1, regions=[messages.Region(shard=0, addr=1, nbytes=2)],
-                        max_tokens=100),
+        messages.Hello(
+            mac=HEX64,
+            node="n0",
+            layout=messages.LayoutInfo(
+                model="glm5", kv_cache_dtype="fp8_ds_mla", version=1, num_layers=79, fingerprint="f"
+            ),
+            max_seq_len=100,
+            slots_total=1,
+            slots_free=1,
+            transfer="mooncake",
+            peer={"session_id": "127.0.0.1:15000"},
+        ),
+        messages.Request(
+            request_id="r",
+            ticket="t",
+            num_tokens=5,
+            last_prompt_token=9,
+            prompt_token_ids=[1, 2],
+            layout_fingerprint="f",
+        ),
+        messages.Accept(
+            request_id="r",
+            slot=0,
+            generation=1,
+            regions=[messages.Region(shard=0, addr=1, nbytes=2)],
+            max_tokens=100,
+        ),
         messages.Reject(request_id="r", reason=RejectReason.BUSY, message="all 1 slots busy"),
         DONE,
         messages.Ack(request_id="r", status="complete"),
         messages.Error(reason=RejectReason.BAD_REQUEST, message="x"),
-        messages.LayersDone(request_id="r", generation=1, layers=[0, 2], nbytes=10, digest="blake3:" + "0" * 64),
+        messages.LayersDone(
+            request_id="r", generation=1, layers=[0, 2], nbytes=10, digest="blake3:" + "0" * 64
+        ),
     ]
     stream = b"".join(framing.encode(m) for m in samples)
     assert framing.Decoder().feed(stream) == samples
@@ -128,19 +155,25 @@ def test_decoder_is_incremental_byte_by_byte():
     dec = framing.Decoder()
     out = []
     for i in range(len(DONE_BYTES) * 2):
-        out += dec.feed((DONE_BYTES * 2)[i:i + 1])
+        out += dec.feed((DONE_BYTES * 2)[i : i + 1])
     assert out == [DONE, DONE]
 
 
 @pytest.mark.parametrize(
     ("data", "error", "match"),
-    [(b"XX\x02\x07\x00\x00\x00\x01{", FrameError, "bad magic"),
-     (b"TP\x01\x07\x00\x00\x00\x01{", VersionMismatch, "protocol version 1 is not supported"),
-     (b"TP\x02\x07\x7f\xff\xff\xff", FrameError, "over the 4194304-byte limit"),
-     (b"TP\x02\x63\x00\x00\x00\x02{}", MessageError, "unknown message kind 0x63"),
-     (b"TP\x02\x07\x00\x00\x00\x02[]", MessageError, "must be a JSON object"),
-     (b"TP\x02\x07\x00\x00\x00\x03{x}", MessageError, "not JSON"),
-     (b'TP\x02\x07\x00\x00\x00\x1c{"request_id":"r","ok":true}', MessageError, "generation: Field required")],
+    [
+        (b"XX\x02\x07\x00\x00\x00\x01{", FrameError, "bad magic"),
+        (b"TP\x01\x07\x00\x00\x00\x01{", VersionMismatch, "protocol version 1 is not supported"),
+        (b"TP\x02\x07\x7f\xff\xff\xff", FrameError, "over the 4194304-byte limit"),
+        (b"TP\x02\x63\x00\x00\x00\x02{}", MessageError, "unknown message kind 0x63"),
+        (b"TP\x02\x07\x00\x00\x00\x02[]", MessageError, "must be a JSON object"),
+        (b"TP\x02\x07\x00\x00\x00\x03{x}", MessageError, "not JSON"),
+        (
+            b'TP\x02\x07\x00\x00\x00\x1c{"request_id":"r","ok":true}',
+            MessageError,
+            "generation: Field required",
+        ),
+    ],
 )
 def test_bad_frames_name_the_problem(data, error, match):
     with pytest.raises(error, match=match):
@@ -160,13 +193,15 @@ def _frame(kind: int, body: bytes) -> bytes:
 
 @pytest.mark.parametrize(
     ("body", "match"),
-    [(b'{"mac": "\\ud800", "nonce": "x", "sender": "s"}', "lone surrogate"),
-     (b'{"sender": ["\\udfff"]}', "lone surrogate"),
-     (b"[" * 100_000 + b"]" * 100_000, "nests too deeply"),
-     (b'{"nonce": ' + b"9" * 5000 + b"}", "not JSON we take"),
-     (b'{"mac": 5, "nonce": null, "sender": {}}', "invalid Auth"),
-     (b'{"mac": "' + b"a" * 63 + b'", "nonce": "' + b"0" * 64 + b'", "sender": "s"}', "mac"),
-     (b"\xff\xfe", "not UTF-8")],
+    [
+        (b'{"mac": "\\ud800", "nonce": "x", "sender": "s"}', "lone surrogate"),
+        (b'{"sender": ["\\udfff"]}', "lone surrogate"),
+        (b"[" * 100_000 + b"]" * 100_000, "nests too deeply"),
+        (b'{"nonce": ' + b"9" * 5000 + b"}", "not JSON we take"),
+        (b'{"mac": 5, "nonce": null, "sender": {}}', "invalid Auth"),
+        (b'{"mac": "' + b"a" * 63 + b'", "nonce": "' + b"0" * 64 + b'", "sender": "s"}', "mac"),
+        (b"\xff\xfe", "not UTF-8"),
+    ],
 )
 def test_hostile_bodies_are_message_errors(body, match):
     with pytest.raises(MessageError, match=match):
@@ -174,8 +209,10 @@ def test_hostile_bodies_are_message_errors(body, match):
 
 
 def test_surrogate_pairs_are_text():
-    msg = framing.Decoder().feed(_frame(messages.Error.KIND, b'{"reason": "busy", "message": "\\ud83d\\ude00"}'))
-    assert msg[0].message == "\U0001F600"  # type: ignore[attr-defined]
+    msg = framing.Decoder().feed(
+        _frame(messages.Error.KIND, b'{"reason": "busy", "message": "\\ud83d\\ude00"}')
+    )
+    assert msg[0].message == "\U0001f600"  # type: ignore[attr-defined]
 
 
 def test_field_constraints_are_enforced():

@@ -15,7 +15,9 @@ from tilert_serve.layouts import convert
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU"),
+    pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU"
+    ),
 ]
 
 #: bf16 outputs of float32 math: the documented bound for bf16 results is 1e-3..1e-2 relative.
@@ -30,8 +32,10 @@ def received(place: layouts.Placement, n: int, seed: int, device: torch.device) 
     """One slot's regions filled as vLLM would send them; bytes past `n` tokens are random too, so a
     kernel that reads beyond the request shows in its output."""
     gen = torch.Generator().manual_seed(seed)
-    regions = [torch.randint(0, 256, (place.shard_nbytes(s),), dtype=torch.uint8, generator=gen)
-               for s in range(place.shards)]
+    regions = [
+        torch.randint(0, 256, (place.shard_nbytes(s),), dtype=torch.uint8, generator=gen)
+        for s in range(place.shards)
+    ]
     for lid in range(place.layout.num_layers):
         # A different scale per layer: a kernel that mixes layers up cannot match by accident.
         kv = torch.randn(n, 512, generator=gen) * (1 + lid % 5)
@@ -40,9 +44,9 @@ def received(place: layouts.Placement, n: int, seed: int, device: torch.device) 
         rows = convert.kv_pe_to_mla_rows(kv, pe, place.layout).flatten()
         pages = convert.keys_to_indexer_pages(keys).flatten()
         shard, off = place.offset("mla", lid)
-        regions[shard][off:off + rows.numel()] = rows
+        regions[shard][off : off + rows.numel()] = rows
         shard, off = place.offset("indexer", lid)
-        regions[shard][off:off + pages.numel()] = pages
+        regions[shard][off : off + pages.numel()] = pages
     return [r.to(device) for r in regions]
 
 
@@ -97,8 +101,9 @@ def test_wrong_inputs_are_refused() -> None:
         convert_triton.to_injected_state(regions[:1], place, 10, 0)
     bf16 = layouts.Placement(layouts.get("glm5", "bfloat16"), max_tokens=64)
     with pytest.raises(ValueError, match="handles fp8_ds_mla, not bfloat16"):
-        convert_triton.to_injected_state([torch.zeros(bf16.total_nbytes(), dtype=torch.uint8, device="cuda")],
-                                         bf16, 10, 0)
+        convert_triton.to_injected_state(
+            [torch.zeros(bf16.total_nbytes(), dtype=torch.uint8, device="cuda")], bf16, 10, 0
+        )
 
 
 @pytest.mark.parametrize(("n", "shards"), [(1, 1), (65, 1), (300, 3)])
@@ -112,7 +117,9 @@ def test_a_layer_converts_bit_for_bit_as_in_the_whole_state(n: int, shards: int)
         want = whole.layers[lid]
         assert one.kv.device == regions[place.shard_of(lid)].device
         assert one.ki is not None and want.ki is not None
-        assert torch.equal(one.kv, want.kv) and torch.equal(one.pe, want.pe) and torch.equal(one.ki, want.ki), lid
+        assert (
+            torch.equal(one.kv, want.kv) and torch.equal(one.pe, want.pe) and torch.equal(one.ki, want.ki)
+        ), lid
 
 
 def test_pages_per_program_and_launch_shape_leave_the_bits_alone() -> None:
@@ -147,7 +154,10 @@ def test_a_layers_tile_size_leaves_the_bits_alone(n: int) -> None:
             one = convert_triton.to_layer_state(regions, place, lid, n, block_t=block_t, num_warps=warps)
             w = whole.layers[lid]
             assert one.ki is not None and w.ki is not None
-            assert torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe) and torch.equal(one.ki, w.ki), (lid, block_t)
+            assert torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe) and torch.equal(one.ki, w.ki), (
+                lid,
+                block_t,
+            )
 
 
 def test_the_direct_launch_converts_what_tritons_own_launch_converts(monkeypatch) -> None:
@@ -178,7 +188,11 @@ def test_the_pipelined_indexer_loop_leaves_the_bits_alone(n: int, monkeypatch) -
     got = {}
     for stages in (0, 2):
         monkeypatch.setattr(convert_triton, "IDX_STAGES", stages)
-        got[stages] = [s.ki.cpu() for s in convert_triton.to_injected_state(regions, place, n, 0).layers if s.ki is not None]
+        got[stages] = [
+            s.ki.cpu()
+            for s in convert_triton.to_injected_state(regions, place, n, 0).layers
+            if s.ki is not None
+        ]
     assert len(got[0]) == place.layout.num_layers
     assert all(torch.equal(a, b) for a, b in zip(got[0], got[2], strict=True))
 
@@ -196,9 +210,11 @@ def test_a_layers_program_order_leaves_the_bits_alone(n: int, monkeypatch) -> No
         monkeypatch.setattr(convert_triton, "LAYER_ORDER", order)
         for block_t, warps, pages in ((32, 8, 1), (16, 4, 1), (64, 8, 2)):
             for lid in (0, 40, 78):
-                one = convert_triton.to_layer_state(regions, place, lid, n, block_t=block_t, num_warps=warps,
-                                                    pages=pages)
+                one = convert_triton.to_layer_state(
+                    regions, place, lid, n, block_t=block_t, num_warps=warps, pages=pages
+                )
                 w = whole.layers[lid]
                 assert one.ki is not None and w.ki is not None
-                assert (torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe)
-                        and torch.equal(one.ki, w.ki)), (order, block_t, pages, lid)
+                assert (
+                    torch.equal(one.kv, w.kv) and torch.equal(one.pe, w.pe) and torch.equal(one.ki, w.ki)
+                ), (order, block_t, pages, lid)

@@ -59,8 +59,12 @@ EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
 PROBE_INTERVAL_S = 2.0
 PROBE_RETRY_S = 1.0
 #: What each fault turns HandoffReady's reason into.
-EXPECTED = {"secret": "Timeout", "unreachable": "Unreachable", "layout": "LayoutMismatch",
-            "ctrl_blocked": "Timeout"}
+EXPECTED = {
+    "secret": "Timeout",
+    "unreachable": "Unreachable",
+    "layout": "LayoutMismatch",
+    "ctrl_blocked": "Timeout",
+}
 WRONG_KV_DTYPE = "bfloat16"
 #: The node's ticket TTL at a test's pace (the rendered default is 30 s), as the probe interval above: a
 #: probe whose state never comes (its sender failed to authenticate, so the node cannot tie the failure
@@ -90,7 +94,7 @@ def spec_doc() -> dict[str, Any]:
 
 def _set_arg(argv: list[str], flag: str, value: str) -> list[str]:
     i = argv.index(flag)
-    return [*argv[:i + 1], value, *argv[i + 2:]]
+    return [*argv[: i + 1], value, *argv[i + 2 :]]
 
 
 @dataclass
@@ -122,12 +126,22 @@ class Stack:
         pools = {c: observe.PoolState(1, 1) for c in (constants.PREFILL, constants.ROUTER)}
         pools[constants.TILERT] = observe.PoolState(1, 1)
         pools[constants.NATIVE] = observe.PoolState(0, 0)
-        conds = status.conditions(self.local.name, pools, self.local.plan.router_config.tilert, handoff=cond,
-                                  handoff_working=status.any_handoff_working(reports))
+        conds = status.conditions(
+            self.local.name,
+            pools,
+            self.local.plan.router_config.tilert,
+            handoff=cond,
+            handoff_working=status.any_handoff_working(reports),
+        )
         return next(c for c in conds if c["type"] == "Ready")
 
-    def until(self, what: str, pred: Callable[[dict[str, Any]], bool], timeout: float = 240.0,
-              interval: float = 0.25) -> tuple[dict[str, Any], float]:
+    def until(
+        self,
+        what: str,
+        pred: Callable[[dict[str, Any]], bool],
+        timeout: float = 240.0,
+        interval: float = 0.25,
+    ) -> tuple[dict[str, Any], float]:
         """Poll HandoffReady until `pred` holds; (the condition, seconds waited). Raises with the last
         condition and the logs' tails when `timeout` passes (a deadline for a hung stack, not a bound)."""
         t0 = time.monotonic()
@@ -143,7 +157,9 @@ class Stack:
         return self.until("True", lambda c: c["status"] == "True", timeout)
 
     def until_false(self, reason: str, timeout: float = 240.0) -> tuple[dict[str, Any], float]:
-        return self.until(f"False/{reason}", lambda c: c["status"] == "False" and c["reason"] == reason, timeout)
+        return self.until(
+            f"False/{reason}", lambda c: c["status"] == "False" and c["reason"] == reason, timeout
+        )
 
     def logs(self, lines: int = 25) -> str:
         return "\n".join(f"--- {p.name} ({p.log})\n{runner.tail(p.log, lines)}" for p in self.local.procs)
@@ -171,13 +187,34 @@ class Stack:
             c = replace(c, argv=_set_arg(c.argv, "--kv-cache-dtype", kv_cache_dtype))
         new = runner.start(c, self.local.state_dir)
         self.local.procs[self.local.procs.index(old)] = new
-        runner.save(self.local.state_dir, {"cluster": self.local.name, "router": self.local.router}, self.local.procs)
+        runner.save(
+            self.local.state_dir, {"cluster": self.local.name, "router": self.local.router}, self.local.procs
+        )
         runner.wait_ready([new], 120, lambda _msg: None)
 
     def _ctrl_rule(self, op: str) -> subprocess.CompletedProcess[bytes]:
-        return subprocess.run(["iptables", "-w", op, "INPUT", "-i", "lo", "-p", "tcp", "--dport", str(self.node.ctrl_port),
-                               "-m", "comment", "--comment", "tilert-pd-handoff-ready", "-j", "DROP"],
-                              capture_output=True, check=False)
+        return subprocess.run(
+            [
+                "iptables",
+                "-w",
+                op,
+                "INPUT",
+                "-i",
+                "lo",
+                "-p",
+                "tcp",
+                "--dport",
+                str(self.node.ctrl_port),
+                "-m",
+                "comment",
+                "--comment",
+                "tilert-pd-handoff-ready",
+                "-j",
+                "DROP",
+            ],
+            capture_output=True,
+            check=False,
+        )
 
     def block_ctrl(self) -> None:
         done = self._ctrl_rule("-I")
@@ -190,12 +227,20 @@ class Stack:
         self.blocked = False
 
     def inject(self, fault: str) -> None:
-        {"secret": self.rotate_node_secret, "unreachable": self.stop_node, "ctrl_blocked": self.block_ctrl,
-         "layout": lambda: self.restart_node(WRONG_KV_DTYPE)}[fault]()
+        {
+            "secret": self.rotate_node_secret,
+            "unreachable": self.stop_node,
+            "ctrl_blocked": self.block_ctrl,
+            "layout": lambda: self.restart_node(WRONG_KV_DTYPE),
+        }[fault]()
 
     def repair(self, fault: str) -> None:
-        {"secret": self.restore_node_secret, "unreachable": self.resume_node, "ctrl_blocked": self.unblock_ctrl,
-         "layout": self.restart_node}[fault]()
+        {
+            "secret": self.restore_node_secret,
+            "unreachable": self.resume_node,
+            "ctrl_blocked": self.unblock_ctrl,
+            "layout": self.restart_node,
+        }[fault]()
 
     def stop(self) -> None:
         if self.blocked:
@@ -209,8 +254,14 @@ class Stack:
         runner.stop(self.local.procs, grace_s=5.0)
 
 
-def start(home: Path, *, router_port: int | None = None, say: Callable[[str], None] = lambda _m: None,
-          timeout: float = 600.0, ticket_ttl_s: float | None = None) -> Stack:
+def start(
+    home: Path,
+    *,
+    router_port: int | None = None,
+    say: Callable[[str], None] = lambda _m: None,
+    timeout: float = 600.0,
+    ticket_ttl_s: float | None = None,
+) -> Stack:
     """The local stack as `tilert-pd local up` starts it (cli.launch), with the router's handoff probes
     at PROBE_INTERVAL_S and the node reading its own copy of the handoff secret; `ticket_ttl_s` sets the
     node's --ticket-ttl (else the rendered default)."""
@@ -224,8 +275,9 @@ def start(home: Path, *, router_port: int | None = None, say: Callable[[str], No
     node_secret = node_secret_dir / runner.HANDOFF_SECRET_FILE
 
     def adjust(p: planmod.Plan) -> planmod.Plan:
-        probes = p.router_config.handoff_probe.model_copy(update={"interval_s": PROBE_INTERVAL_S,
-                                                                  "retry_s": PROBE_RETRY_S})
+        probes = p.router_config.handoff_probe.model_copy(
+            update={"interval_s": PROBE_INTERVAL_S, "retry_s": PROBE_RETRY_S}
+        )
         comps = []
         for c in p.components:
             if c.kind == constants.TILERT:
@@ -235,9 +287,20 @@ def start(home: Path, *, router_port: int | None = None, say: Callable[[str], No
                 if ticket_ttl_s is not None:
                     c = replace(c, argv=[*c.argv, "--ticket-ttl", str(ticket_ttl_s)])
             comps.append(c)
-        return replace(p, components=comps, router_config=p.router_config.model_copy(update={"handoff_probe": probes}))
+        return replace(
+            p, components=comps, router_config=p.router_config.model_copy(update={"handoff_probe": probes})
+        )
 
-    local = local_cli.launch(name, spec, state_dir, file=str(EXAMPLE), router_port=router_port or runner.free_port(),
-                             timeout=timeout, say=say, adjust=adjust, warm_up=False)
+    local = local_cli.launch(
+        name,
+        spec,
+        state_dir,
+        file=str(EXAMPLE),
+        router_port=router_port or runner.free_port(),
+        timeout=timeout,
+        say=say,
+        adjust=adjust,
+        warm_up=False,
+    )
     node = next(c for c in local.plan.components if c.kind == constants.TILERT)
     return Stack(local, node_secret, node)

@@ -15,8 +15,10 @@ from tilert_operator import spec as specmod
 from tilert_serve.local import plan as planmod
 from tilert_serve.local import runner
 
-SPEC = {"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"},
-        "decode": {"tilert": {"engine": "reference", "gpus": 0, "replicas": 2}}}
+SPEC = {
+    "model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"},
+    "decode": {"tilert": {"engine": "reference", "gpus": 0, "replicas": 2}},
+}
 
 
 def _mode(path: Path) -> int:
@@ -36,7 +38,9 @@ def test_secret_files_are_owner_only_from_creation(tmp_path: Path, monkeypatch: 
 
         def spy_fsync(fd: int) -> None:
             # While the content is written, the file's mode is already 0600 and `path` is not there yet.
-            during_write.append((stat.S_IMODE(os.fstat(fd).st_mode), (tmp_path / runner.NODE_API_TOKEN_FILE).exists()))
+            during_write.append(
+                (stat.S_IMODE(os.fstat(fd).st_mode), (tmp_path / runner.NODE_API_TOKEN_FILE).exists())
+            )
             real_fsync(fd)
 
         monkeypatch.setattr(os, "open", spy_open)
@@ -52,7 +56,9 @@ def test_secret_files_are_owner_only_from_creation(tmp_path: Path, monkeypatch: 
     for p in (handoff, token):
         assert _mode(p) == 0o600 and len(p.read_text()) == 64
     assert handoff.read_text() != token.read_text()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([runner.HANDOFF_SECRET_FILE, runner.NODE_API_TOKEN_FILE])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [runner.HANDOFF_SECRET_FILE, runner.NODE_API_TOKEN_FILE]
+    )
 
 
 def test_a_new_secret_replaces_the_old_file_and_never_follows_a_link(tmp_path: Path) -> None:
@@ -70,7 +76,9 @@ def test_plan_passes_the_token_to_the_nodes_and_the_router(tmp_path: Path) -> No
     spec = specmod.parse(SPEC)
     ports = planmod.Ports(router=8000, prefill=[9001], native=[], tilert=[(9002, 9003), (9004, 9005)])
     token = str(tmp_path / runner.NODE_API_TOKEN_FILE)
-    p = planmod.plan(spec, ports=ports, model_dir="/m", secret_file="/s", router_config_file="/r", api_token_file=token)
+    p = planmod.plan(
+        spec, ports=ports, model_dir="/m", secret_file="/s", router_config_file="/r", api_token_file=token
+    )
     nodes = [c for c in p.components if c.kind == constants.TILERT]
     assert len(nodes) == 2
     for c in nodes:

@@ -14,8 +14,10 @@ import pytest
 
 from tests.local import handoff_stack as hs
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process identity is read from /proc")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process identity is read from /proc"),
+]
 
 
 @pytest.fixture(scope="module")

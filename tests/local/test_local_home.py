@@ -19,8 +19,14 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 
 
 def _up(home: Path) -> argparse.Namespace:
-    return argparse.Namespace(action="up", filename=str(EXAMPLE), router_port=runner.free_port(), timeout=1.0,
-                              home=home, runtime="process")
+    return argparse.Namespace(
+        action="up",
+        filename=str(EXAMPLE),
+        router_port=runner.free_port(),
+        timeout=1.0,
+        home=home,
+        runtime="process",
+    )
 
 
 @pytest.fixture
@@ -43,8 +49,9 @@ def _shared(path: Path, mode: int = 0o777) -> Path:
 
 
 @pytest.mark.parametrize("mode", [0o777, 0o775, 0o1777])
-def test_up_refuses_a_home_others_can_write(tmp_path: Path, launched: list[Path], mode: int,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_refuses_a_home_others_can_write(
+    tmp_path: Path, launched: list[Path], mode: int, capsys: pytest.CaptureFixture[str]
+) -> None:
     home = _shared(tmp_path / "home", mode)
     assert local_cli.run(_up(home)) == 1
     err = capsys.readouterr().err
@@ -52,8 +59,9 @@ def test_up_refuses_a_home_others_can_write(tmp_path: Path, launched: list[Path]
     assert str(home) in err and "writable by" in err and f"chmod go-w {home}" in err and "--home" in err, err
 
 
-def test_up_refuses_a_cluster_state_directory_others_can_write(tmp_path: Path, launched: list[Path],
-                                                               capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_refuses_a_cluster_state_directory_others_can_write(
+    tmp_path: Path, launched: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     _shared(home / "tiny")  # examples/tiny-cpu.yaml's cluster
@@ -62,8 +70,9 @@ def test_up_refuses_a_cluster_state_directory_others_can_write(tmp_path: Path, l
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="giving a directory to another user needs root")
-def test_up_refuses_a_home_owned_by_someone_else(tmp_path: Path, launched: list[Path],
-                                                 capsys: pytest.CaptureFixture[str]) -> None:
+def test_up_refuses_a_home_owned_by_someone_else(
+    tmp_path: Path, launched: list[Path], capsys: pytest.CaptureFixture[str]
+) -> None:
     home = tmp_path / "home"
     home.mkdir(mode=0o700)
     os.chown(home, 4242, 4242)
@@ -72,7 +81,9 @@ def test_up_refuses_a_home_owned_by_someone_else(tmp_path: Path, launched: list[
     assert launched == [] and "owned by uid 4242" in err and "chown" in err, err
 
 
-def test_launch_writes_no_secret_into_a_shared_directory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_launch_writes_no_secret_into_a_shared_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     written: list[Path] = []
     monkeypatch.setattr(runner, "write_secrets", lambda d: written.append(d) or (d / "s", d / "t"))
     state_dir = _shared(tmp_path / "home") / "c"

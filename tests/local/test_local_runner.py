@@ -16,7 +16,9 @@ import pytest
 from tilert_serve.local import runner
 from tilert_serve.local.plan import Component
 
-pytestmark = pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process identity is read from /proc")
+pytestmark = pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="process identity is read from /proc"
+)
 
 
 def _component(code: str) -> Component:
@@ -73,12 +75,16 @@ def test_a_reused_pid_is_left_alone(tmp_path: Path, started: list[runner.Running
     assert not runner.ours(dataclasses.replace(p, started=None))
 
 
-def test_a_group_that_outlives_its_leader_is_still_stopped(tmp_path: Path, started: list[runner.Running]) -> None:
+def test_a_group_that_outlives_its_leader_is_still_stopped(
+    tmp_path: Path, started: list[runner.Running]
+) -> None:
     # The leader starts a child in its process group and exits, as a crashed vLLM leaves its workers.
     child_pid_file = tmp_path / "child"
-    code = ("import subprocess, sys, pathlib; "
-            "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
-            f"pathlib.Path({str(child_pid_file)!r}).write_text(str(c.pid))")
+    code = (
+        "import subprocess, sys, pathlib; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        f"pathlib.Path({str(child_pid_file)!r}).write_text(str(c.pid))"
+    )
     p = runner.start(_component(code), tmp_path)
     started.append(p)
     _wait(lambda: child_pid_file.exists() and child_pid_file.read_text() != "" and not runner.alive(p.pid))

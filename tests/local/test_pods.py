@@ -39,8 +39,12 @@ def tiny() -> tuple[list[dict[str, Any]], dict[str, pods.Pod]]:
 
 def test_every_replica_is_a_pod_with_its_own_address(tiny: Any) -> None:
     manifests, by_name = tiny
-    expected = {f"{m['metadata']['name']}-{i}" for m in manifests if m["kind"] in ("Deployment", "StatefulSet")
-                for i in range(m["spec"]["replicas"])}
+    expected = {
+        f"{m['metadata']['name']}-{i}"
+        for m in manifests
+        if m["kind"] in ("Deployment", "StatefulSet")
+        for i in range(m["spec"]["replicas"])
+    }
     assert set(by_name) == expected
     assert "tiny-tilert-decode-1" in by_name
     assert len({p.ip for p in by_name.values()}) == len(by_name)
@@ -71,7 +75,9 @@ def test_command_env_and_downward_api(tiny: Any) -> None:
     manifests, by_name = tiny
     pod = by_name["tiny-tilert-decode-0"]
     (c,) = pod.containers
-    deploy = next(m for m in manifests if m["metadata"]["name"] == "tiny-tilert-decode" and m["kind"] == "StatefulSet")
+    deploy = next(
+        m for m in manifests if m["metadata"]["name"] == "tiny-tilert-decode" and m["kind"] == "StatefulSet"
+    )
     rendered = deploy["spec"]["template"]["spec"]["containers"][0]
     assert c.entrypoint == tuple(rendered["command"]) and c.args == ()
     assert c.env["POD_IP"] == pod.ip and c.env["POD_NAME"] == pod.name
@@ -104,7 +110,12 @@ def test_the_pods_run_as_the_non_root_user_with_their_fs_group(tiny: Any) -> Non
         for c in (*pod.init_containers, *pod.containers):
             assert c.user == f"{uid}:{uid}" and c.groups == (uid,), (pod.name, c.name)
     # Over RDMA the data plane runs as root (IPC_LOCK); the router stays non-root.
-    rdma = {p.name: p for p in pods.pods(_tiny(transfer={"protocol": "rdma", "rdma": {"resources": {"rdma/ib": 1}}}), _ips())}
+    rdma = {
+        p.name: p
+        for p in pods.pods(
+            _tiny(transfer={"protocol": "rdma", "rdma": {"resources": {"rdma/ib": 1}}}), _ips()
+        )
+    }
     assert rdma["tiny-tilert-decode-0"].containers[0].user == "0"
     assert rdma["tiny-router-0"].containers[0].user == f"{uid}:{uid}"
 
@@ -132,7 +143,9 @@ def test_what_cannot_be_played_is_refused_with_the_reason() -> None:
         pods.pods(manifests, _ips())
     manifests = _tiny()
     sts = next(m for m in manifests if m["kind"] == "StatefulSet")
-    sts["spec"]["template"]["spec"]["volumes"].append({"name": "data", "persistentVolumeClaim": {"claimName": "x"}})
+    sts["spec"]["template"]["spec"]["volumes"].append(
+        {"name": "data", "persistentVolumeClaim": {"claimName": "x"}}
+    )
     with pytest.raises(pods.Unsupported, match="persistentVolumeClaim"):
         pods.pods(manifests, _ips())
     manifests = [m for m in _tiny() if m["kind"] != "Secret"]
@@ -152,18 +165,43 @@ def test_multus_networks_give_a_network_status_the_node_reads() -> None:
 
 
 def test_create_args() -> None:
-    spec = docker.RunSpec(name="c", image="img:1", entrypoint=["tilert-pd", "router"], args=["--port", "8000"],
-                          env={"A": "b c"}, labels={"l": "v"}, binds=[("/h", "/etc/x", True)], network="n",
-                          ip="10.1.0.9", hostname="pod", aliases=["svc"], shm_size="512Mi", user="7:8",
-                          group_add=[9, 10])
+    spec = docker.RunSpec(
+        name="c",
+        image="img:1",
+        entrypoint=["tilert-pd", "router"],
+        args=["--port", "8000"],
+        env={"A": "b c"},
+        labels={"l": "v"},
+        binds=[("/h", "/etc/x", True)],
+        network="n",
+        ip="10.1.0.9",
+        hostname="pod",
+        aliases=["svc"],
+        shm_size="512Mi",
+        user="7:8",
+        group_add=[9, 10],
+    )
     a = docker.create_args(spec)
     assert a[a.index("--entrypoint") + 1] == "tilert-pd"
-    assert a[a.index("img:1"):] == ["img:1", "router", "--port", "8000"]
+    assert a[a.index("img:1") :] == ["img:1", "router", "--port", "8000"]
     assert "type=bind,source=/h,target=/etc/x,readonly" in a and "A=b c" in a
     assert a[a.index("--shm-size") + 1] == "512m" and a[a.index("--ip") + 1] == "10.1.0.9"
-    assert a[a.index("--user") + 1] == "7:8" and [a[i + 1] for i, x in enumerate(a) if x == "--group-add"] == ["9", "10"]
-    joined = docker.create_args(docker.RunSpec(name="d", image="img:1", entrypoint=None, args=None, env={},
-                                               labels={}, network_of="c", network="n", ip="10.1.0.9"))
+    assert a[a.index("--user") + 1] == "7:8" and [
+        a[i + 1] for i, x in enumerate(a) if x == "--group-add"
+    ] == ["9", "10"]
+    joined = docker.create_args(
+        docker.RunSpec(
+            name="d",
+            image="img:1",
+            entrypoint=None,
+            args=None,
+            env={},
+            labels={},
+            network_of="c",
+            network="n",
+            ip="10.1.0.9",
+        )
+    )
     assert joined[joined.index("--network") + 1] == "container:c" and "--ip" not in joined
 
 
@@ -181,8 +219,10 @@ def test_probes_run_like_the_kubelet() -> None:
     threading.Thread(target=server.serve_forever, daemon=True).start()
     port = server.server_address[1]
     try:
+
         def no_exec(argv: Any, timeout: float) -> int:
             return 0 if argv[0] == "true" else 1
+
         assert probes.run(pods.Probe("http", port=port, path="/ok"), "127.0.0.1", no_exec)[0]
         ok, detail = probes.run(pods.Probe("http", port=port, path="/nope"), "127.0.0.1", no_exec)
         assert not ok and "HTTP 404" in detail
@@ -196,8 +236,10 @@ def test_probes_run_like_the_kubelet() -> None:
 
 
 def test_tracker_thresholds() -> None:
-    t = probes.Tracker(pods.Probe("http", port=1, period_s=5, failure_threshold=2, success_threshold=2,
-                                  initial_delay_s=3), started=100.0)
+    t = probes.Tracker(
+        pods.Probe("http", port=1, period_s=5, failure_threshold=2, success_threshold=2, initial_delay_s=3),
+        started=100.0,
+    )
     assert not t.due(102.0) and t.due(103.0)
     t.record(True, "ok", 103.0)
     assert not t.passed and t.next_at == 108.0

@@ -70,7 +70,9 @@ def unavailable_reason() -> str | None:
     if res.returncode != 0:
         return f"kernel or sandbox refuses network namespaces (`ip netns add` said: {res.stderr.strip()})"
     try:
-        veth = ip("-n", probe, "link", "add", "vprobe0", "type", "veth", "peer", "name", "vprobe1", check=False)
+        veth = ip(
+            "-n", probe, "link", "add", "vprobe0", "type", "veth", "peer", "name", "vprobe1", check=False
+        )
         if veth.returncode != 0:
             return f"no veth support in the kernel: {veth.stderr.strip()}"
     finally:
@@ -98,8 +100,10 @@ class Pod:
     def counters(self) -> dict[str, dict[str, int]]:
         """{iface: {rx_bytes, tx_bytes}} read from /sys inside the namespace (ip netns exec remounts it)."""
         names = list(self.ifaces)
-        script = ";".join(f"cat /sys/class/net/{i}/statistics/rx_bytes /sys/class/net/{i}/statistics/tx_bytes"
-                          for i in names)
+        script = ";".join(
+            f"cat /sys/class/net/{i}/statistics/rx_bytes /sys/class/net/{i}/statistics/tx_bytes"
+            for i in names
+        )
         vals = [int(v) for v in exec_in(self.ns, "sh", "-c", script).stdout.split()]
         return {i: {"rx_bytes": vals[2 * k], "tx_bytes": vals[2 * k + 1]} for k, i in enumerate(names)}
 
@@ -199,8 +203,13 @@ class PodProcess:
         self.pod, self.name = pod, name
         self.log = log_dir / f"{name}.log"
         self._fh = self.log.open("wb")
-        self.popen = subprocess.Popen([IP, "netns", "exec", pod.ns, *argv], stdout=self._fh,
-                                      stderr=subprocess.STDOUT, env=env, preexec_fn=_die_with_parent)
+        self.popen = subprocess.Popen(
+            [IP, "netns", "exec", pod.ns, *argv],
+            stdout=self._fh,
+            stderr=subprocess.STDOUT,
+            env=env,
+            preexec_fn=_die_with_parent,
+        )
 
     def tail(self, n: int = 40) -> str:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
@@ -225,8 +234,14 @@ class PodProcess:
         self._fh.close()
 
 
-def http(pod: Pod, method: str, url: str, body: object = None, timeout: float = 60,
-         headers: dict[str, str] | None = None) -> tuple[int, str]:
+def http(
+    pod: Pod,
+    method: str,
+    url: str,
+    body: object = None,
+    timeout: float = 60,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, str]:
     """An HTTP request made from inside `pod` (the test process lives in the root namespace, which has
     no route into the bed). Returns (status, body text); status 0 when nothing answered."""
     code = (
@@ -242,7 +257,9 @@ def http(pod: Pod, method: str, url: str, body: object = None, timeout: float = 
         "except OSError as e:\n"
         " print(0);print(repr(e))\n"
     )
-    args = json.dumps({"method": method, "url": url, "body": body, "timeout": timeout, "headers": headers or {}})
+    args = json.dumps(
+        {"method": method, "url": url, "body": body, "timeout": timeout, "headers": headers or {}}
+    )
     out = exec_in(pod.ns, sys.executable, "-I", "-c", code, args, timeout=timeout + 15).stdout
     status, _, text = out.partition("\n")
     return int(status), text
@@ -258,5 +275,6 @@ def wait_http(pod: Pod, url: str, timeout: float, proc: PodProcess | None = None
         if status == 200:
             return
         time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready after {timeout} s ({last[:300]})"
-                       + (f":\n{proc.tail()}" if proc else ""))
+    raise RuntimeError(
+        f"{url} not ready after {timeout} s ({last[:300]})" + (f":\n{proc.tail()}" if proc else "")
+    )

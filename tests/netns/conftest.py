@@ -53,6 +53,7 @@ _POD_ENV_DROP = ("UCX_", "MC_", "NIXL_", "POD_", "VLLM_NIXL")
 
 # -- session: availability and leftovers ----------------------------------------------------------
 
+
 @pytest.fixture(scope="session")
 def netns_available() -> Iterator[None]:
     reason = bed.unavailable_reason()
@@ -86,6 +87,7 @@ def secret_file(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 # -- the spec, its rendered commands, the pod files ------------------------------------------------
 
+
 def spec_for(engine: str) -> PDClusterSpec:
     """examples/tiny-cpu.yaml with the handoff on `engine` over the Multus network RDMA_NET."""
     doc = yaml.safe_load((ROOT / "examples/tiny-cpu.yaml").read_text())
@@ -102,28 +104,55 @@ def network_status(pod: bed.Pod, secondary: bool = True, default_name: str = "k8
     """The `k8s.v1.cni.cncf.io/network-status` annotation as Multus writes it and a downwardAPI volume
     item mounts it: the annotation's value, a JSON list, nothing around it."""
     eth0 = pod.ifaces["eth0"]
-    entries: list[dict[str, object]] = [{"name": default_name, "interface": "eth0", "ips": list(eth0.ips),
-                                         "mac": eth0.mac, "default": True, "dns": {}}]
+    entries: list[dict[str, object]] = [
+        {
+            "name": default_name,
+            "interface": "eth0",
+            "ips": list(eth0.ips),
+            "mac": eth0.mac,
+            "default": True,
+            "dns": {},
+        }
+    ]
     if secondary and "net1" in pod.ifaces:
         net1 = pod.ifaces["net1"]
-        entries.append({"name": f"{K8S_NAMESPACE}/{RDMA_NET}", "interface": "net1", "ips": list(net1.ips),
-                        "mac": net1.mac, "dns": {}})
+        entries.append(
+            {
+                "name": f"{K8S_NAMESPACE}/{RDMA_NET}",
+                "interface": "net1",
+                "ips": list(net1.ips),
+                "mac": net1.mac,
+                "dns": {},
+            }
+        )
     return json.dumps(entries, indent=4)
 
 
 def pod_env(pod: bed.Pod, family: int, extra: dict[str, str]) -> dict[str, str]:
     """What a container gets: the rendered env and the downward-API fields, over a clean base."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(_POD_ENV_DROP)}
-    local = {k: v for k, v in local_plan.LOCAL_ENV.items() if k not in ("UCX_NET_DEVICES",
-                                                                       "VLLM_NIXL_SIDE_CHANNEL_HOST")}
-    return {**base, **local, **local_plan.SINGLE_THREAD, "PYTHONPATH": f"{ROOT}:{local['PYTHONPATH']}",
-            "POD_IP": pod.ip("eth0", family if family == 4 else 4), "POD_NAME": pod.name,
-            "POD_NAMESPACE": K8S_NAMESPACE, "MC_LOG_LEVEL": "WARNING", **extra}
+    local = {
+        k: v
+        for k, v in local_plan.LOCAL_ENV.items()
+        if k not in ("UCX_NET_DEVICES", "VLLM_NIXL_SIDE_CHANNEL_HOST")
+    }
+    return {
+        **base,
+        **local,
+        **local_plan.SINGLE_THREAD,
+        "PYTHONPATH": f"{ROOT}:{local['PYTHONPATH']}",
+        "POD_IP": pod.ip("eth0", family if family == 4 else 4),
+        "POD_NAME": pod.name,
+        "POD_NAMESPACE": K8S_NAMESPACE,
+        "MC_LOG_LEVEL": "WARNING",
+        **extra,
+    }
 
 
 def node_argv(spec: PDClusterSpec, model_dir: Path, secret: Path, status_file: Path) -> list[str]:
-    paths = commands.Paths(model_dir=str(model_dir), secret_file=str(secret), http_port=HTTP_PORT,
-                           ctrl_port=CTRL_PORT)
+    paths = commands.Paths(
+        model_dir=str(model_dir), secret_file=str(secret), http_port=HTTP_PORT, ctrl_port=CTRL_PORT
+    )
     argv = local_plan._local_argv(commands.tilert_decode(spec, paths).argv)
     # Until the operator renders them (issue 9 item 1), the flags the pod would get.
     if "--data-plane-networks" not in argv:
@@ -136,6 +165,7 @@ def node_argv(spec: PDClusterSpec, model_dir: Path, secret: Path, status_file: P
 
 
 # -- the cluster -----------------------------------------------------------------------------------
+
 
 @dataclass
 class Cluster:
@@ -167,8 +197,11 @@ class Cluster:
 
     @property
     def state_bytes(self) -> int:
-        return layouts.for_hf_config("mla", json.loads((self.model_dir / "config.json").read_text()),
-                                     self.spec.model.resolved_kv_cache_dtype).request_bytes(NUM_TOKENS)
+        return layouts.for_hf_config(
+            "mla",
+            json.loads((self.model_dir / "config.json").read_text()),
+            self.spec.model.resolved_kv_cache_dtype,
+        ).request_bytes(NUM_TOKENS)
 
     def logs(self) -> str:
         return "\n".join(f"--- {name} ---\n{p.tail()}" for name, p in self.procs.items())
@@ -192,14 +225,17 @@ def build_bed(tag: str, family: int) -> bed.Bed:
     return b
 
 
-def start_node(c: Cluster, secret: Path, status_json: str, extra_args: tuple[str, ...] = ()) -> bed.PodProcess:
+def start_node(
+    c: Cluster, secret: Path, status_json: str, extra_args: tuple[str, ...] = ()
+) -> bed.PodProcess:
     status_file = c.log_dir / "podinfo" / "network-status"
     status_file.parent.mkdir(parents=True, exist_ok=True)
     status_file.write_text(status_json)
     cmd = commands.tilert_decode(c.spec, commands.Paths(model_dir=str(c.model_dir)))
     env = pod_env(c.node, c.family, cmd.env)
-    proc = bed.PodProcess(c.node, "node0", [*node_argv(c.spec, c.model_dir, secret, status_file), *extra_args],
-                         env, c.log_dir)
+    proc = bed.PodProcess(
+        c.node, "node0", [*node_argv(c.spec, c.model_dir, secret, status_file), *extra_args], env, c.log_dir
+    )
     c.procs["node0"] = proc
     return proc
 
@@ -209,10 +245,24 @@ def start_prefill(c: Cluster, secret: Path) -> bed.PodProcess:
     # prefill side is pinned to net1 as an operator would pin it for a Multus interface.
     cmd = commands.prefill(c.spec, commands.Paths(model_dir=str(c.model_dir)))
     env = pod_env(c.prefill, c.family, {**cmd.env, "UCX_NET_DEVICES": "net1"})
-    argv = [sys.executable, str(HERE / "prefill_standin.py"), "--port", str(PREFILL_PORT),
-            "--data-host", c.rdma_ip(c.prefill), "--transfer", c.engine, "--model-dir", str(c.model_dir),
-            "--kv-cache-dtype", c.spec.model.resolved_kv_cache_dtype, "--secret-file", str(secret),
-            "--num-tokens", str(NUM_TOKENS)]
+    argv = [
+        sys.executable,
+        str(HERE / "prefill_standin.py"),
+        "--port",
+        str(PREFILL_PORT),
+        "--data-host",
+        c.rdma_ip(c.prefill),
+        "--transfer",
+        c.engine,
+        "--model-dir",
+        str(c.model_dir),
+        "--kv-cache-dtype",
+        c.spec.model.resolved_kv_cache_dtype,
+        "--secret-file",
+        str(secret),
+        "--num-tokens",
+        str(NUM_TOKENS),
+    ]
     proc = bed.PodProcess(c.prefill, "prefill", argv, env, c.log_dir)
     c.procs["prefill"] = proc
     return proc
@@ -220,19 +270,40 @@ def start_prefill(c: Cluster, secret: Path) -> bed.PodProcess:
 
 def start_router(c: Cluster, ctrl_host: str) -> bed.PodProcess:
     cfg_file = c.log_dir / "router.yaml"
-    node = router_config.TileRTNode(name="node0", http_url=c.node_url(""), ctrl_host=ctrl_host,
-                                    ctrl_port=CTRL_PORT, slots=c.spec.decode.tilert.slots,
-                                    max_seq_len=c.spec.model.max_seq_len)
-    cfg = router_render.config(c.spec, prefill_urls=[dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT)],
-                               tilert_nodes=[node], native_urls=[], api_keys_file=None)
+    node = router_config.TileRTNode(
+        name="node0",
+        http_url=c.node_url(""),
+        ctrl_host=ctrl_host,
+        ctrl_port=CTRL_PORT,
+        slots=c.spec.decode.tilert.slots,
+        max_seq_len=c.spec.model.max_seq_len,
+    )
+    cfg = router_render.config(
+        c.spec,
+        prefill_urls=[dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT)],
+        tilert_nodes=[node],
+        native_urls=[],
+        api_keys_file=None,
+    )
     # Handoff probes off: each test counts the handoffs and the bytes of its own request.
-    cfg = cfg.model_copy(update={"health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3),
-                                 "handoff_probe": router_config.HandoffProbe()})
+    cfg = cfg.model_copy(
+        update={
+            "health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3),
+            "handoff_probe": router_config.HandoffProbe(),
+        }
+    )
     cfg_file.write_text(router_config.dump(cfg))
-    cmd = commands.router(c.spec, commands.Paths(model_dir=str(c.model_dir), router_config=str(cfg_file),
-                                                 router_port=ROUTER_PORT))
-    proc = bed.PodProcess(c.router, "router", local_plan._local_argv(cmd.argv),
-                          pod_env(c.router, c.family, dict(cmd.env)), c.log_dir)
+    cmd = commands.router(
+        c.spec,
+        commands.Paths(model_dir=str(c.model_dir), router_config=str(cfg_file), router_port=ROUTER_PORT),
+    )
+    proc = bed.PodProcess(
+        c.router,
+        "router",
+        local_plan._local_argv(cmd.argv),
+        pod_env(c.router, c.family, dict(cmd.env)),
+        c.log_dir,
+    )
     c.procs["router"] = proc
     return proc
 
@@ -240,27 +311,42 @@ def start_router(c: Cluster, ctrl_host: str) -> bed.PodProcess:
 def wait_ready(c: Cluster, timeout: float = 120) -> None:
     try:
         bed.wait_http(c.router, c.node_url("/ready"), timeout, c.procs["node0"])
-        bed.wait_http(c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", timeout,
-                      c.procs["prefill"])
+        bed.wait_http(
+            c.router,
+            dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health",
+            timeout,
+            c.procs["prefill"],
+        )
         bed.wait_http(c.router, f"http://127.0.0.1:{ROUTER_PORT}/ready", timeout, c.procs["router"])
     except RuntimeError as exc:
         raise RuntimeError(f"{exc}\n{c.logs()}") from exc
 
 
-@pytest.fixture(scope="module", params=[("mooncake", 4), ("nixl", 4), ("mooncake", 6), ("nixl", 6)],
-                ids=["mooncake-ipv4", "nixl-ipv4", "mooncake-ipv6", "nixl-ipv6"])
-def cluster(request: pytest.FixtureRequest, netns_available: None, tiny_model: Path, secret_file: Path,
-            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+@pytest.fixture(
+    scope="module",
+    params=[("mooncake", 4), ("nixl", 4), ("mooncake", 6), ("nixl", 6)],
+    ids=["mooncake-ipv4", "nixl-ipv4", "mooncake-ipv6", "nixl-ipv6"],
+)
+def cluster(
+    request: pytest.FixtureRequest,
+    netns_available: None,
+    tiny_model: Path,
+    secret_file: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[Cluster]:
     engine, family = request.param
     tag = f"{engine[:2]}{family}"
     b = build_bed(tag, family)
-    c = Cluster(engine, family, b, spec_for(engine), tmp_path_factory.mktemp(f"netns-{tag}"), model_dir=tiny_model)
+    c = Cluster(
+        engine, family, b, spec_for(engine), tmp_path_factory.mktemp(f"netns-{tag}"), model_dir=tiny_model
+    )
     try:
         start_node(c, secret_file, network_status(c.node))
         start_prefill(c, secret_file)
         # The router's ctrl_host as the operator wires it (observe.py), from the same annotation.
-        where = dataplane.choose(c.spec.transfer.rdma.networks, network_status(c.node), K8S_NAMESPACE,
-                                 c.pod_ip(c.node))
+        where = dataplane.choose(
+            c.spec.transfer.rdma.networks, network_status(c.node), K8S_NAMESPACE, c.pod_ip(c.node)
+        )
         assert where.address == c.rdma_ip(c.node), where
         start_router(c, where.address)
         wait_ready(c)
@@ -276,11 +362,12 @@ def counters(c: Cluster) -> dict[str, dict[str, dict[str, int]]]:
 
 
 def deltas(before: dict, after: dict) -> dict[str, dict[str, dict[str, int]]]:
-    return {pod: {i: {k: after[pod][i][k] - v for k, v in kv.items()} for i, kv in ifs.items()}
-            for pod, ifs in before.items()}
+    return {
+        pod: {i: {k: after[pod][i][k] - v for k, v in kv.items()} for i, kv in ifs.items()}
+        for pod, ifs in before.items()
+    }
 
 
 def settle(seconds: float = 0.3) -> None:
     # Counters are read after the peer's last segment is acknowledged.
     time.sleep(seconds)
-

@@ -51,30 +51,59 @@ def main() -> None:
     synthetic.fill(staging, [buf], args.num_tokens, args.seed)
     engine = transfer.create(args.transfer, host=args.data_host, protocol="tcp", role="prefill-standin")
     engine.register(buf.data_ptr(), buf.numel())
-    sender = Sender(name="prefill-standin", secret=auth.load_secret(args.secret_file), engine=engine,
-                    staging=staging, staging_buffers=[buf], timeout_s=20)
+    sender = Sender(
+        name="prefill-standin",
+        secret=auth.load_secret(args.secret_file),
+        engine=engine,
+        staging=staging,
+        staging_buffers=[buf],
+        timeout_s=20,
+    )
     results: list[dict] = []
     lock = asyncio.Lock()
 
     async def completions(request: web.Request) -> web.Response:
         body = await request.json()
         kvp = body.get("kv_transfer_params") or {}
-        req = HandoffRequest(request_id=request.headers.get("X-Request-Id") or f"standin-{len(results)}",
-                             num_tokens=args.num_tokens, last_prompt_token=FIRST_TOKEN - 1,
-                             ticket=kvp.get("tilert_ticket"), prompt_token_ids=list(range(args.num_tokens)))
+        req = HandoffRequest(
+            request_id=request.headers.get("X-Request-Id") or f"standin-{len(results)}",
+            num_tokens=args.num_tokens,
+            last_prompt_token=FIRST_TOKEN - 1,
+            ticket=kvp.get("tilert_ticket"),
+            prompt_token_ids=list(range(args.num_tokens)),
+        )
         async with lock:
-            result = await asyncio.to_thread(sender.send, str(kvp["tilert_host"]), int(kvp["tilert_ctrl_port"]), req)
+            result = await asyncio.to_thread(
+                sender.send, str(kvp["tilert_host"]), int(kvp["tilert_ctrl_port"]), req
+            )
         info = {"host": kvp["tilert_host"], "port": kvp["tilert_ctrl_port"], **dataclasses.asdict(result)}
         results.append(info)
         print("HANDOFF " + json.dumps(info), flush=True)
-        out_kvp = ({"tilert_status": "queued", "tilert_first_token": FIRST_TOKEN, "tilert_num_tokens": args.num_tokens}
-                   if result.ok else {"tilert_status": "failed", "tilert_error": result.message})
-        return web.json_response({
-            "id": "cmpl-standin", "object": "text_completion", "model": body.get("model"),
-            "choices": [{"index": 0, "text": f"<{FIRST_TOKEN}>", "finish_reason": None, "logprobs": None}],
-            "usage": {"prompt_tokens": args.num_tokens, "completion_tokens": 1, "total_tokens": args.num_tokens + 1},
-            "kv_transfer_params": out_kvp,
-        })
+        out_kvp = (
+            {
+                "tilert_status": "queued",
+                "tilert_first_token": FIRST_TOKEN,
+                "tilert_num_tokens": args.num_tokens,
+            }
+            if result.ok
+            else {"tilert_status": "failed", "tilert_error": result.message}
+        )
+        return web.json_response(
+            {
+                "id": "cmpl-standin",
+                "object": "text_completion",
+                "model": body.get("model"),
+                "choices": [
+                    {"index": 0, "text": f"<{FIRST_TOKEN}>", "finish_reason": None, "logprobs": None}
+                ],
+                "usage": {
+                    "prompt_tokens": args.num_tokens,
+                    "completion_tokens": 1,
+                    "total_tokens": args.num_tokens + 1,
+                },
+                "kv_transfer_params": out_kvp,
+            }
+        )
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({})
@@ -83,12 +112,15 @@ def main() -> None:
         return web.json_response(results)
 
     app = web.Application()
-    app.add_routes([web.post("/v1/completions", completions), web.get("/health", health),
-                    web.get("/handoffs", handoffs)])
+    app.add_routes(
+        [web.post("/v1/completions", completions), web.get("/health", health), web.get("/handoffs", handoffs)]
+    )
     try:
         web.run_app(app, host=args.host, port=args.port, print=None, access_log=None)
     finally:
-        os._exit(0)  # NIXL/UCX teardown can crash at exit (docs/reference/transfer-engines.md, "Exit-time crash")
+        os._exit(
+            0
+        )  # NIXL/UCX teardown can crash at exit (docs/reference/transfer-engines.md, "Exit-time crash")
 
 
 if __name__ == "__main__":

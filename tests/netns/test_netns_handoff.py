@@ -31,7 +31,9 @@ _TEXTS: dict[str, str] = {}
 
 
 def _handoffs(c: Cluster) -> list[dict]:
-    status, body = bed.http(c.router, "GET", dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/handoffs")
+    status, body = bed.http(
+        c.router, "GET", dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/handoffs"
+    )
     assert status == 200, body
     return json.loads(body)
 
@@ -39,8 +41,11 @@ def _handoffs(c: Cluster) -> list[dict]:
 def _metric(c: Cluster, name: str) -> float:
     status, body = bed.http(c.router, "GET", c.node_url("/metrics"))
     assert status == 200, body
-    return sum(float(line.split()[-1]) for line in body.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
+    return sum(
+        float(line.split()[-1])
+        for line in body.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
 
 
 def test_handoff_crosses_the_rdma_network_only(cluster: Cluster) -> None:
@@ -52,9 +57,14 @@ def test_handoff_crosses_the_rdma_network_only(cluster: Cluster) -> None:
     assert status == 200 and json.loads(body)["ctrl"] == {"host": rdma_node, "port": CTRL_PORT}, body
 
     before = counters(c)
-    status, body = bed.http(c.router, "POST", f"http://127.0.0.1:{ROUTER_PORT}/v1/completions",
-                            {"model": c.spec.model.name, "prompt": "hello", "max_tokens": 8, "temperature": 0},
-                            headers={"x-pd-route": "tilert"}, timeout=90)
+    status, body = bed.http(
+        c.router,
+        "POST",
+        f"http://127.0.0.1:{ROUTER_PORT}/v1/completions",
+        {"model": c.spec.model.name, "prompt": "hello", "max_tokens": 8, "temperature": 0},
+        headers={"x-pd-route": "tilert"},
+        timeout=90,
+    )
     settle()
     after = counters(c)
     d = deltas(before, after)
@@ -70,10 +80,12 @@ def test_handoff_crosses_the_rdma_network_only(cluster: Cluster) -> None:
     assert _metric(c, "tilert_decode_handoff_bytes_total") == size
 
     node, prefill = d["node0"], d["prefill"]
-    print(f"\n{c.engine} IPv{c.family}: state {size} B; node net1 rx {node['net1']['rx_bytes']} "
-          f"tx {node['net1']['tx_bytes']}, node eth0 rx {node['eth0']['rx_bytes']} tx {node['eth0']['tx_bytes']}; "
-          f"prefill net1 tx {prefill['net1']['tx_bytes']}, prefill eth0 tx {prefill['eth0']['tx_bytes']}; "
-          f"router eth0 rx {d['router']['eth0']['rx_bytes']} tx {d['router']['eth0']['tx_bytes']}")
+    print(
+        f"\n{c.engine} IPv{c.family}: state {size} B; node net1 rx {node['net1']['rx_bytes']} "
+        f"tx {node['net1']['tx_bytes']}, node eth0 rx {node['eth0']['rx_bytes']} tx {node['eth0']['tx_bytes']}; "
+        f"prefill net1 tx {prefill['net1']['tx_bytes']}, prefill eth0 tx {prefill['eth0']['tx_bytes']}; "
+        f"router eth0 rx {d['router']['eth0']['rx_bytes']} tx {d['router']['eth0']['tx_bytes']}"
+    )
     assert node["net1"]["rx_bytes"] >= size
     assert prefill["net1"]["tx_bytes"] >= size
     # The pod network carries the HTTP control only (admit, prefill leg, generate stream, probes).
@@ -82,7 +94,9 @@ def test_handoff_crosses_the_rdma_network_only(cluster: Cluster) -> None:
 
     key = "text"
     if key in _TEXTS:
-        assert text == _TEXTS[key], f"{c.engine} IPv{c.family} decoded {text!r}, an earlier variant {_TEXTS[key]!r}"
+        assert text == _TEXTS[key], (
+            f"{c.engine} IPv{c.family} decoded {text!r}, an earlier variant {_TEXTS[key]!r}"
+        )
     _TEXTS[key] = text
 
 

@@ -44,39 +44,68 @@ STANDIN = Path(__file__).resolve().parent / "prefill_standin.py"
 
 
 def _start_router(c: Cluster, ctrl_host: str) -> None:
-    node = router_config.TileRTNode(name="node0", http_url=c.node_url(""), ctrl_host=ctrl_host, ctrl_port=CTRL_PORT,
-                                    slots=c.spec.decode.tilert.slots, max_seq_len=c.spec.model.max_seq_len)
-    cfg = router_render.config(c.spec, prefill_urls=[dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT)],
-                               tilert_nodes=[node], native_urls=[], api_keys_file=None)
+    node = router_config.TileRTNode(
+        name="node0",
+        http_url=c.node_url(""),
+        ctrl_host=ctrl_host,
+        ctrl_port=CTRL_PORT,
+        slots=c.spec.decode.tilert.slots,
+        max_seq_len=c.spec.model.max_seq_len,
+    )
+    cfg = router_render.config(
+        c.spec,
+        prefill_urls=[dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT)],
+        tilert_nodes=[node],
+        native_urls=[],
+        api_keys_file=None,
+    )
     assert cfg.handoff_probe.interval_s > 0, "the operator renders the router with handoff probes on"
-    cfg = cfg.model_copy(update={
-        "health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3),
-        "handoff_probe": cfg.handoff_probe.model_copy(update={"interval_s": 2.0, "retry_s": 1.0})})
+    cfg = cfg.model_copy(
+        update={
+            "health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3),
+            "handoff_probe": cfg.handoff_probe.model_copy(update={"interval_s": 2.0, "retry_s": 1.0}),
+        }
+    )
     cfg_file = c.log_dir / "router.yaml"
     cfg_file.write_text(router_config.dump(cfg))
-    cmd = commands.router(c.spec, commands.Paths(model_dir=str(c.model_dir), router_config=str(cfg_file),
-                                                 router_port=ROUTER_PORT))
-    c.procs["router"] = bed.PodProcess(c.router, "router", local_plan._local_argv(cmd.argv),
-                                       pod_env(c.router, c.family, dict(cmd.env)), c.log_dir)
+    cmd = commands.router(
+        c.spec,
+        commands.Paths(model_dir=str(c.model_dir), router_config=str(cfg_file), router_port=ROUTER_PORT),
+    )
+    c.procs["router"] = bed.PodProcess(
+        c.router,
+        "router",
+        local_plan._local_argv(cmd.argv),
+        pod_env(c.router, c.family, dict(cmd.env)),
+        c.log_dir,
+    )
 
 
 @pytest.fixture(scope="module")
-def probed(netns_available: None, tiny_model: Path, secret_file: Path,
-           tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Cluster, Path, Path]]:
+def probed(
+    netns_available: None, tiny_model: Path, secret_file: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[Cluster, Path, Path]]:
     b = build_bed("hr4", 4)
-    c = Cluster("mooncake", 4, b, spec_for("mooncake"), tmp_path_factory.mktemp("netns-hr4"), model_dir=tiny_model)
+    c = Cluster(
+        "mooncake", 4, b, spec_for("mooncake"), tmp_path_factory.mktemp("netns-hr4"), model_dir=tiny_model
+    )
     wrong = c.log_dir / "other-secret"
     wrong.write_text(secrets.token_hex(32))
     try:
         start_node(c, secret_file, network_status(c.node))
         start_prefill(c, wrong)
-        where = dataplane.choose(c.spec.transfer.rdma.networks, network_status(c.node), K8S_NAMESPACE,
-                                 c.pod_ip(c.node))
+        where = dataplane.choose(
+            c.spec.transfer.rdma.networks, network_status(c.node), K8S_NAMESPACE, c.pod_ip(c.node)
+        )
         _start_router(c, str(where.address))
         try:
             bed.wait_http(c.router, c.node_url("/ready"), 120, c.procs["node0"])
-            bed.wait_http(c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120,
-                          c.procs["prefill"])
+            bed.wait_http(
+                c.router,
+                dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health",
+                120,
+                c.procs["prefill"],
+            )
             bed.wait_http(c.router, f"http://127.0.0.1:{ROUTER_PORT}/health", 60, c.procs["router"])
         except RuntimeError as exc:
             raise RuntimeError(f"{exc}\n{c.logs()}") from exc
@@ -94,12 +123,29 @@ def _restart_prefill(c: Cluster, secret: Path, kv_cache_dtype: str | None = None
     if kv_cache_dtype is not None:
         c.procs["prefill"].stop()
         cmd = commands.prefill(c.spec, commands.Paths(model_dir=str(c.model_dir)))
-        argv = [sys.executable, str(STANDIN), "--port", str(PREFILL_PORT), "--data-host", c.rdma_ip(c.prefill),
-                "--transfer", c.engine, "--model-dir", str(c.model_dir), "--kv-cache-dtype", kv_cache_dtype,
-                "--secret-file", str(secret), "--num-tokens", "16"]
+        argv = [
+            sys.executable,
+            str(STANDIN),
+            "--port",
+            str(PREFILL_PORT),
+            "--data-host",
+            c.rdma_ip(c.prefill),
+            "--transfer",
+            c.engine,
+            "--model-dir",
+            str(c.model_dir),
+            "--kv-cache-dtype",
+            kv_cache_dtype,
+            "--secret-file",
+            str(secret),
+            "--num-tokens",
+            "16",
+        ]
         env = pod_env(c.prefill, c.family, {**cmd.env, "UCX_NET_DEVICES": "net1"})
         c.procs["prefill"] = bed.PodProcess(c.prefill, "prefill", argv, env, c.log_dir)
-    bed.wait_http(c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120, c.procs["prefill"])
+    bed.wait_http(
+        c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120, c.procs["prefill"]
+    )
 
 
 def _json(c: Cluster, url: str) -> tuple[int, Any]:
@@ -149,20 +195,28 @@ def test_a_secret_mismatch_fails_the_handoff_and_recovers(probed: tuple[Cluster,
 
     h = _until("a decoded handoff", recovered, c)
     assert h["last_success"]["bytes"] >= c.state_bytes  # the whole state, over net1
-    assert h["transport"] == {"engine": "mooncake", "protocol": "tcp"} and h["last_success"]["bandwidth_bytes_per_s"] > 0
-    _until("the router's readiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 200, c, 30)
+    assert (
+        h["transport"] == {"engine": "mooncake", "protocol": "tcp"}
+        and h["last_success"]["bandwidth_bytes_per_s"] > 0
+    )
+    _until(
+        "the router's readiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 200, c, 30
+    )
 
     def latest_failure(reason: str) -> Any:
         def check() -> dict[str, Any] | None:
             h = handoff()
             ok, bad = h["last_success"], h["last_failure"]
             return h if bad and bad["reason"] == reason and bad["age_s"] < ok["age_s"] else None
+
         return check
 
     _restart_prefill(c, good, kv_cache_dtype="bfloat16")
     h = _until("the node's layout_mismatch", latest_failure("layout_mismatch"), c)
     assert "layout" in h["last_failure"]["message"]
-    _until("the router's unreadiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 503, c, 30)
+    _until(
+        "the router's unreadiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 503, c, 30
+    )
 
     _restart_prefill(c, good)
     _until("a decoded handoff", recovered, c)
@@ -170,6 +224,7 @@ def test_a_secret_mismatch_fails_the_handoff_and_recovers(probed: tuple[Cluster,
     # reach it): the prefill's sender cannot connect; the router says why.
     bed.exec_in(c.node.ns, "ip", "link", "set", "net1", "down")
     try:
+
         def unreachable() -> Any:
             status, body = _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")
             why = " ".join((body or {}).get("degraded", []))
@@ -178,4 +233,6 @@ def test_a_secret_mismatch_fails_the_handoff_and_recovers(probed: tuple[Cluster,
         _until("the router's unreachable", unreachable, c)
     finally:
         bed.exec_in(c.node.ns, "ip", "link", "set", "net1", "up")
-    _until("the router's readiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 200, c, 90)
+    _until(
+        "the router's readiness", lambda: _json(c, f"http://127.0.0.1:{ROUTER_PORT}/ready")[0] == 200, c, 90
+    )

@@ -53,18 +53,28 @@ def test_node_without_its_rdma_network_exits_naming_it(orphan: Cluster, secret_f
     # The wait for Multus shortened (the node's own flag); the rest is the rendered command.
     node = start_node(c, secret_file, status, ("--network-status-timeout", str(STATUS_TIMEOUT_S)))
 
-    bed.wait_http(c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120,
-                  c.procs["prefill"])
+    bed.wait_http(
+        c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120, c.procs["prefill"]
+    )
     # A sender aimed at the pod IP (what a fallback would have advertised) finds nothing listening.
     deadline = time.monotonic() + STATUS_TIMEOUT_S + 90
     attempts: list[dict] = []
     while node.alive() and time.monotonic() < deadline:
         assert not [lst for lst in c.node.listeners() if lst[1] == CTRL_PORT], c.node.listeners()
         if not attempts:
-            code, body = bed.http(c.router, "POST", dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT)
-                                  + "/v1/completions", {"kv_transfer_params": {
-                                      "tilert_host": c.pod_ip(c.node), "tilert_ctrl_port": CTRL_PORT,
-                                      "tilert_ticket": "none"}}, timeout=60)
+            code, body = bed.http(
+                c.router,
+                "POST",
+                dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/v1/completions",
+                {
+                    "kv_transfer_params": {
+                        "tilert_host": c.pod_ip(c.node),
+                        "tilert_ctrl_port": CTRL_PORT,
+                        "tilert_ticket": "none",
+                    }
+                },
+                timeout=60,
+            )
             assert code == 200, body
             attempts.append(json.loads(body)["kv_transfer_params"])
         time.sleep(0.5)
@@ -76,7 +86,8 @@ def test_node_without_its_rdma_network_exits_naming_it(orphan: Cluster, secret_f
     assert "cannot reach" in attempts[0]["tilert_error"], attempts
 
     d = {i: {k: v - before[i][k] for k, v in kv.items()} for i, kv in c.node.counters().items()}
-    print(f"\nnode without {RDMA_NET}: exited rc {rc}; node eth0 rx {d['eth0']['rx_bytes']} tx "
-          f"{d['eth0']['tx_bytes']}, net1 rx {d['net1']['rx_bytes']}; sender: {attempts[0]['tilert_error'][:120]}")
+    print(
+        f"\nnode without {RDMA_NET}: exited rc {rc}; node eth0 rx {d['eth0']['rx_bytes']} tx "
+        f"{d['eth0']['tx_bytes']}, net1 rx {d['net1']['rx_bytes']}; sender: {attempts[0]['tilert_error'][:120]}"
+    )
     assert d["eth0"]["rx_bytes"] < 64 * 1024 and d["net1"]["rx_bytes"] < 64 * 1024, d
-

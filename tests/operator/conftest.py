@@ -64,7 +64,9 @@ def apiserver(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Serve
     st.kubeconfig = str(cfg)  # type: ignore[attr-defined]
     pdc_harness.install_crd(st, yaml.safe_load(CRD.read_text()))
     schema = pdc_crd_validator.load_schema()
-    st.server.validators[("pd.tilert.ai", "v1alpha1", "pdclusters")] = lambda obj, old: pdc_crd_validator.validate(obj, old, schema)
+    st.server.validators[("pd.tilert.ai", "v1alpha1", "pdclusters")] = lambda obj, old: (
+        pdc_crd_validator.validate(obj, old, schema)
+    )
     try:
         yield st
     finally:

@@ -97,11 +97,16 @@ class Fault:
 
 
 POD: Res = ("", "v1", "pods")
-WORKLOADS_BY_KIND: dict[str, Res] = {"Deployment": ("apps", "v1", "deployments"), "StatefulSet": ("apps", "v1", "statefulsets")}
+WORKLOADS_BY_KIND: dict[str, Res] = {
+    "Deployment": ("apps", "v1", "deployments"),
+    "StatefulSet": ("apps", "v1", "statefulsets"),
+}
 WORKLOADS = frozenset(WORKLOADS_BY_KIND.values())
 #: The label that names the template revision a pod was made from.
-REVISION_LABEL: dict[Res, str] = {WORKLOADS_BY_KIND["Deployment"]: "pod-template-hash",
-                                  WORKLOADS_BY_KIND["StatefulSet"]: "controller-revision-hash"}
+REVISION_LABEL: dict[Res, str] = {
+    WORKLOADS_BY_KIND["Deployment"]: "pod-template-hash",
+    WORKLOADS_BY_KIND["StatefulSet"]: "controller-revision-hash",
+}
 
 
 def revision(res: Res, workload: Obj) -> str:
@@ -120,8 +125,9 @@ def _selects(workload: Obj, pod: Obj) -> bool:
 
 def _pod_ready(pod: Obj) -> bool:
     status = pod.get("status") or {}
-    return bool(status.get("podIP")) and any(c.get("type") == "Ready" and c.get("status") == "True"
-                                             for c in status.get("conditions") or [])
+    return bool(status.get("podIP")) and any(
+        c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+    )
 
 
 _kmock_parse_path = parsing.parse_path
@@ -131,9 +137,17 @@ def _parse_path(path: str) -> Any:
     """kmock 0.8 reads `/api/v1/namespaces[/NAME]` as a namespace prefix with no resource (and fails
     on the list): Namespaces are the one resource whose plural is that prefix."""
     parts = path.strip("/").split("/")
-    if parts[:3] == ["api", "v1", "namespaces"] and (len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))):
-        return parsing.ParsedPath("", "v1", "namespaces", None, parts[3] if len(parts) > 3 else None,
-                                  parts[4] if len(parts) > 4 else None)
+    if parts[:3] == ["api", "v1", "namespaces"] and (
+        len(parts) <= 4 or (len(parts) == 5 and parts[4] in ("status", "finalize"))
+    ):
+        return parsing.ParsedPath(
+            "",
+            "v1",
+            "namespaces",
+            None,
+            parts[3] if len(parts) > 3 else None,
+            parts[4] if len(parts) > 4 else None,
+        )
     return _kmock_parse_path(path)
 
 
@@ -155,8 +169,15 @@ def _now() -> str:
 
 
 def _status(code: int, reason: str, message: str, details: Obj | None = None) -> Obj:
-    out = {"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": message, "reason": reason,
-           "code": code}
+    out = {
+        "kind": "Status",
+        "apiVersion": "v1",
+        "metadata": {},
+        "status": "Failure",
+        "message": message,
+        "reason": reason,
+        "code": code,
+    }
     if details:
         out["details"] = details
     return out
@@ -242,17 +263,31 @@ class ApiServer(kmock.KubernetesEmulator):
 
     # ---- test helpers ------------------------------------------------------------------------
 
-    def fail(self, status: int, times: int = 1, *, verb: str | None = None, resource: str | None = None, delay: float = 0.0) -> None:
+    def fail(
+        self,
+        status: int,
+        times: int = 1,
+        *,
+        verb: str | None = None,
+        resource: str | None = None,
+        delay: float = 0.0,
+    ) -> None:
         """The next `times` matching operator calls answer `status` (409 Conflict or 5xx), or, with
         a delay, answer normally but that late."""
         self.faults.append(Fault(status, times, verb, resource, delay=delay))
 
     def objects(self, plural: str, namespace: str | None = None) -> list[Obj]:
-        return _retry(lambda: [copy.deepcopy(o) for (res, ns, _), o in list(self.store.items())
-                               if res[2] == plural and (namespace is None or ns == namespace)])
+        return _retry(
+            lambda: [
+                copy.deepcopy(o)
+                for (res, ns, _), o in list(self.store.items())
+                if res[2] == plural and (namespace is None or ns == namespace)
+            ]
+        )
 
     def get(self, plural: str, namespace: str | None, name: str) -> Obj | None:
         """One object, read from a test's thread while the server's may be writing."""
+
         def find() -> Obj | None:
             for res in list(self.by_res):
                 if res[2] == plural:
@@ -275,7 +310,9 @@ class ApiServer(kmock.KubernetesEmulator):
             if old is None:
                 self._stamp_new(new)
                 return self._commit(res, key, new, "ADDED")
-            new["metadata"] = old["metadata"] | {k: v for k, v in new["metadata"].items() if k not in ("uid", "creationTimestamp")}
+            new["metadata"] = old["metadata"] | {
+                k: v for k, v in new["metadata"].items() if k not in ("uid", "creationTimestamp")
+            }
             return self._commit(res, key, new, "MODIFIED")
 
     async def remove(self, res: Res, namespace: str | None, name: str) -> None:
@@ -375,31 +412,63 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _workload_status(self, res: Res, w: Obj) -> Obj:
         ns = w["metadata"].get("namespace")
-        pods = [p for (_, pns, _), p in self.by_res[POD].items()
-                if pns == ns and not p["metadata"].get("deletionTimestamp") and any(t[1][2] == w["metadata"]["name"] and t[0] == res
-                                                                                    for t in self._workloads_of(p))]
+        pods = [
+            p
+            for (_, pns, _), p in self.by_res[POD].items()
+            if pns == ns
+            and not p["metadata"].get("deletionTimestamp")
+            and any(t[1][2] == w["metadata"]["name"] and t[0] == res for t in self._workloads_of(p))
+        ]
         want = int((w.get("spec") or {}).get("replicas", 1))
         rev = revision(res, w)
         updated = [p for p in pods if (p["metadata"].get("labels") or {}).get(REVISION_LABEL[res]) == rev]
         ready = [p for p in pods if _pod_ready(p)]
         old = w.get("status") or {}
         complete = len(updated) == len(pods) == want and len(ready) == want
-        status: Obj = {"observedGeneration": w["metadata"].get("generation", 1), "replicas": len(pods),
-                       "updatedReplicas": len(updated), "readyReplicas": len(ready), "availableReplicas": len(ready)}
+        status: Obj = {
+            "observedGeneration": w["metadata"].get("generation", 1),
+            "replicas": len(pods),
+            "updatedReplicas": len(updated),
+            "readyReplicas": len(ready),
+            "availableReplicas": len(ready),
+        }
         if res == WORKLOADS_BY_KIND["StatefulSet"]:
             # completeRollingUpdate: the update revision becomes the current one once every pod is
             # updated and ready; until then the current revision is the one the pods came from.
             current = rev if complete or not old.get("currentRevision") else old["currentRevision"]
-            status |= {"currentRevision": current, "updateRevision": rev,
-                       "currentReplicas": sum(1 for p in pods if (p["metadata"].get("labels") or {}).get(REVISION_LABEL[res]) == current)}
+            status |= {
+                "currentRevision": current,
+                "updateRevision": rev,
+                "currentReplicas": sum(
+                    1 for p in pods if (p["metadata"].get("labels") or {}).get(REVISION_LABEL[res]) == current
+                ),
+            }
         else:
-            before = next((c.get("reason") for c in old.get("conditions") or [] if c.get("type") == "Progressing"), None)
+            before = next(
+                (c.get("reason") for c in old.get("conditions") or [] if c.get("type") == "Progressing"), None
+            )
             steady = len(updated) == len(pods) == want
-            reason = "NewReplicaSetAvailable" if complete or (steady and before == "NewReplicaSetAvailable") else "ReplicaSetUpdated"
-            status |= {"unavailableReplicas": max(0, want - len(ready)),
-                       "conditions": [{"type": "Progressing", "status": "True", "reason": reason,
-                                       "message": f'ReplicaSet "{w["metadata"]["name"]}-{rev}" '
-                                                  + ("has successfully progressed." if reason == "NewReplicaSetAvailable" else "is progressing.")}]}
+            reason = (
+                "NewReplicaSetAvailable"
+                if complete or (steady and before == "NewReplicaSetAvailable")
+                else "ReplicaSetUpdated"
+            )
+            status |= {
+                "unavailableReplicas": max(0, want - len(ready)),
+                "conditions": [
+                    {
+                        "type": "Progressing",
+                        "status": "True",
+                        "reason": reason,
+                        "message": f'ReplicaSet "{w["metadata"]["name"]}-{rev}" '
+                        + (
+                            "has successfully progressed."
+                            if reason == "NewReplicaSetAvailable"
+                            else "is progressing."
+                        ),
+                    }
+                ],
+            }
         # The API omits zero counts (omitempty).
         return {k: v for k, v in status.items() if v != 0}
 
@@ -440,7 +509,10 @@ class ApiServer(kmock.KubernetesEmulator):
             causes = sem.canonicalise(kind, obj) + sem.builtin_causes(kind, obj)
             if causes:
                 raise sem.InvalidError(kind, res[0], name, causes)
-            obj = {k: (sem.drop_empty(v) if k not in ("metadata", "data", "stringData", "binaryData") else v) for k, v in obj.items()}
+            obj = {
+                k: (sem.drop_empty(v) if k not in ("metadata", "data", "stringData", "binaryData") else v)
+                for k, v in obj.items()
+            }
         elif self.strict:
             causes = [sem.Cause("metadata.name", "Invalid", m, name) for m in sem.dns1123_subdomain(name)]
             if causes:
@@ -451,15 +523,27 @@ class ApiServer(kmock.KubernetesEmulator):
         defaulted, errors = validator(obj, old)
         if errors:
             error = sem.ApiError(422, "Invalid", f'{kind}.{res[0]} "{name}" is invalid: ' + "; ".join(errors))
-            error.details = {"name": name, "group": res[0], "kind": kind, "causes": [
-                {"reason": "FieldValueInvalid", "message": e.partition(": ")[2], "field": e.partition(": ")[0].lstrip(".")} for e in errors]}
+            error.details = {
+                "name": name,
+                "group": res[0],
+                "kind": kind,
+                "causes": [
+                    {
+                        "reason": "FieldValueInvalid",
+                        "message": e.partition(": ")[2],
+                        "field": e.partition(": ")[0].lstrip("."),
+                    }
+                    for e in errors
+                ],
+            }
             raise error
         return dict(defaulted)
 
     def _changed(self, old: Obj, new: Obj) -> bool:
-        strip = lambda o: {k: v for k, v in o.items() if k != "metadata"} | {  # noqa: E731
-            "metadata": {k: v for k, v in o["metadata"].items() if k != "resourceVersion"}
-        }
+        def strip(o: Obj) -> Obj:
+            meta = {k: v for k, v in o["metadata"].items() if k != "resourceVersion"}
+            return {k: v for k, v in o.items() if k != "metadata"} | {"metadata": meta}
+
         return bool(strip(old) != strip(new))
 
     def _update(self, res: Res, key: Key, old: Obj, new: Obj, *, subresource: str | None) -> Obj:
@@ -469,7 +553,10 @@ class ApiServer(kmock.KubernetesEmulator):
                 new["metadata"][k] = old["metadata"][k]
             else:
                 new["metadata"].pop(k, None)
-        new["metadata"]["name"], new["metadata"]["namespace"] = old["metadata"]["name"], old["metadata"].get("namespace")
+        new["metadata"]["name"], new["metadata"]["namespace"] = (
+            old["metadata"]["name"],
+            old["metadata"].get("namespace"),
+        )
         if key[1] is None:
             new["metadata"].pop("namespace", None)
         if self.has_status(res):
@@ -501,15 +588,35 @@ class ApiServer(kmock.KubernetesEmulator):
             if request.name:
                 return "get"
             return "watch" if request.params.get("watch") in ("true", "1") else "list"
-        return {"POST": "create", "PATCH": "patch", "PUT": "update", "DELETE": "delete" if request.name else "deletecollection"}.get(method, method.lower())
+        return {
+            "POST": "create",
+            "PATCH": "patch",
+            "PUT": "update",
+            "DELETE": "delete" if request.name else "deletecollection",
+        }.get(method, method.lower())
 
     def _record(self, request: rendering.Request, res: Res, verb: str) -> float:
         """Log the call; apply an injected fault. Returns a delay to wait before answering."""
         plural = res[2] + (f"/{request.subresource}" if request.subresource else "")
         ua = request.headers.get("User-Agent", "")
-        self.calls.append(Call(verb, res[0], plural, request.namespace, ua, request.params.get("labelSelector"), name=request.name))
+        self.calls.append(
+            Call(
+                verb,
+                res[0],
+                plural,
+                request.namespace,
+                ua,
+                request.params.get("labelSelector"),
+                name=request.name,
+            )
+        )
         for f in self.faults:
-            if f.times > 0 and (f.verb in (None, verb)) and (f.resource in (None, plural)) and ua.startswith(f.user_agent or ""):
+            if (
+                f.times > 0
+                and (f.verb in (None, verb))
+                and (f.resource in (None, plural))
+                and ua.startswith(f.user_agent or "")
+            ):
                 f.times -= 1
                 if f.delay:
                     return f.delay
@@ -541,7 +648,9 @@ class ApiServer(kmock.KubernetesEmulator):
                     self._user = None
             return aiohttp.web.json_response(obj, status=code)
         except sem.ApiError as e:
-            return aiohttp.web.json_response(_status(e.code, e.reason, e.message, getattr(e, "details", None)), status=e.code)
+            return aiohttp.web.json_response(
+                _status(e.code, e.reason, e.message, getattr(e, "details", None)), status=e.code
+            )
 
     # ---- authorization -------------------------------------------------------------------------
 
@@ -593,33 +702,57 @@ class ApiServer(kmock.KubernetesEmulator):
         if old is not None:
             a = Attributes("delete", res[0], res[2], "", ns, name)
             if not self._allowed(self._user, a):
-                raise self._forbidden(a, target + "cannot set an ownerRef on a resource you can't delete: , <nil>")
+                raise self._forbidden(
+                    a, target + "cannot set an ownerRef on a resource you can't delete: , <nil>"
+                )
         was_blocking = {r.get("uid") for r in old_refs if r.get("blockOwnerDeletion")}
         blocking = [r for r in refs if r.get("blockOwnerDeletion") and r.get("uid") not in was_blocking]
-        if not blocking or self._allowed(self._user, Attributes("update", "*", "*", "finalizers", ns), probe=True):
+        if not blocking or self._allowed(
+            self._user, Attributes("update", "*", "*", "finalizers", ns), probe=True
+        ):
             return
         for ref in blocking:
             group = ref.get("apiVersion", "").rpartition("/")[0]
             plural = self._plural(ref.get("apiVersion", ""), ref.get("kind", ""))
             if plural is None:
-                raise self._forbidden(Attributes("update", group, "", "finalizers", ns, name), target + (
-                    f"cannot set blockOwnerDeletion in this case because cannot find RESTMapping for APIVersion "
-                    f"{ref.get('apiVersion')} Kind {ref.get('kind')}"))
+                raise self._forbidden(
+                    Attributes("update", group, "", "finalizers", ns, name),
+                    target
+                    + (
+                        f"cannot set blockOwnerDeletion in this case because cannot find RESTMapping for APIVersion "
+                        f"{ref.get('apiVersion')} Kind {ref.get('kind')}"
+                    ),
+                )
             a = Attributes("update", group, plural, "finalizers", ns, ref.get("name") or "")
             if not self._allowed(self._user, a):
-                raise self._forbidden(Attributes("update", res[0], res[2], "", ns, name), target + (
-                    "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on: , <nil>"))
+                raise self._forbidden(
+                    Attributes("update", res[0], res[2], "", ns, name),
+                    target
+                    + (
+                        "cannot set blockOwnerDeletion if an ownerReference refers to a resource you can't set finalizers on: , <nil>"
+                    ),
+                )
 
     def _plural(self, api_version: str, kind: str) -> str | None:
         group, _, version = api_version.rpartition("/")
         for r in self.resources:
-            if (r.group or "", r.version) == (group, version) and self.resources[r].kind == kind and "/" not in (r.plural or "/"):
+            if (
+                (r.group or "", r.version) == (group, version)
+                and self.resources[r].kind == kind
+                and "/" not in (r.plural or "/")
+            ):
                 return str(r.plural)
         return None
 
     def _body(self, request: rendering.Request) -> Any:
-        if (request.data is not None and not isinstance(request.data, (str, bytes)) and hasattr(request.data, "keys")) or isinstance(request.data, list):
-            return copy.deepcopy(request.data) if isinstance(request.data, (dict, list)) else dict(request.data)
+        if (
+            request.data is not None
+            and not isinstance(request.data, (str, bytes))
+            and hasattr(request.data, "keys")
+        ) or isinstance(request.data, list):
+            return (
+                copy.deepcopy(request.data) if isinstance(request.data, (dict, list)) else dict(request.data)
+            )
         try:
             return yaml.safe_load(request.text) if request.text else None
         except yaml.YAMLError as e:
@@ -632,10 +765,13 @@ class ApiServer(kmock.KubernetesEmulator):
             if obj is None:
                 raise sem.ApiError(404, "NotFound", f'{res[2]} "{request.name}" not found')
             return aiohttp.web.json_response(obj)
-        items = [copy.deepcopy(o) for (_, ns, _), o in self.by_res[res].items()
-                 if (request.namespace is None or ns == request.namespace)
-                 and sem.label_match(request.params.get("labelSelector"), o["metadata"].get("labels") or {})
-                 and sem.field_match(request.params.get("fieldSelector"), o)]
+        items = [
+            copy.deepcopy(o)
+            for (_, ns, _), o in self.by_res[res].items()
+            if (request.namespace is None or ns == request.namespace)
+            and sem.label_match(request.params.get("labelSelector"), o["metadata"].get("labels") or {})
+            and sem.field_match(request.params.get("fieldSelector"), o)
+        ]
         items.sort(key=lambda o: (o["metadata"].get("namespace") or "", o["metadata"]["name"]))
         if "as=Table" in request.headers.get("Accept", ""):
             return aiohttp.web.json_response(self._table(res, items))
@@ -648,10 +784,22 @@ class ApiServer(kmock.KubernetesEmulator):
 
     def _table(self, res: Res, items: list[Obj]) -> Obj:
         crd = self.crds.get(res)
-        cols = (crd["spec"]["versions"][0].get("additionalPrinterColumns") or []) if crd else [
-            {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+        cols = (
+            (crd["spec"]["versions"][0].get("additionalPrinterColumns") or [])
+            if crd
+            else [{"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"}]
+        )
         defs = [{"name": "Name", "type": "string", "format": "name", "description": "", "priority": 0}]
-        defs += [{"name": c["name"], "type": c["type"], "format": "", "description": c.get("description", ""), "priority": 0} for c in cols]
+        defs += [
+            {
+                "name": c["name"],
+                "type": c["type"],
+                "format": "",
+                "description": c.get("description", ""),
+                "priority": 0,
+            }
+            for c in cols
+        ]
 
         def cell(item: Obj, col: Obj) -> Any:
             value = sem.jsonpath(item, col["jsonPath"])
@@ -661,9 +809,24 @@ class ApiServer(kmock.KubernetesEmulator):
                 return f"{secs}s" if secs < 120 else f"{secs // 60}m"
             return "" if value is None else value
 
-        rows = [{"cells": [i["metadata"]["name"], *[cell(i, c) for c in cols]],
-                 "object": {"kind": "PartialObjectMetadata", "apiVersion": "meta.k8s.io/v1", "metadata": i["metadata"]}} for i in items]
-        return {"kind": "Table", "apiVersion": "meta.k8s.io/v1", "metadata": {"resourceVersion": str(self.rv)}, "columnDefinitions": defs, "rows": rows}
+        rows = [
+            {
+                "cells": [i["metadata"]["name"], *[cell(i, c) for c in cols]],
+                "object": {
+                    "kind": "PartialObjectMetadata",
+                    "apiVersion": "meta.k8s.io/v1",
+                    "metadata": i["metadata"],
+                },
+            }
+            for i in items
+        ]
+        return {
+            "kind": "Table",
+            "apiVersion": "meta.k8s.io/v1",
+            "metadata": {"resourceVersion": str(self.rv)},
+            "columnDefinitions": defs,
+            "rows": rows,
+        }
 
     def _write(self, request: rendering.Request, res: Res, verb: str) -> tuple[Obj, int]:
         ns, name, sub = request.namespace, request.name, request.subresource
@@ -725,11 +888,18 @@ class ApiServer(kmock.KubernetesEmulator):
                     if k != "metadata":
                         new[k] = copy.deepcopy(v)
             else:  # built-in kinds: merged as server-side apply merges (keyed lists by key)
-                content = {k: v for k, v in body.items() if k not in ("metadata", "apiVersion", "kind", "status")}
+                content = {
+                    k: v for k, v in body.items() if k not in ("metadata", "apiVersion", "kind", "status")
+                }
                 previous = self.managed.get(key, {}).get(manager)
-                merged = sem.apply_merge({k: v for k, v in old.items() if k not in ("metadata", "apiVersion", "kind", "status")},
-                                         content, previous)
-                new = {k: v for k, v in old.items() if k in ("metadata", "apiVersion", "kind", "status")} | merged
+                merged = sem.apply_merge(
+                    {k: v for k, v in old.items() if k not in ("metadata", "apiVersion", "kind", "status")},
+                    content,
+                    previous,
+                )
+                new = {
+                    k: v for k, v in old.items() if k in ("metadata", "apiVersion", "kind", "status")
+                } | merged
                 new = copy.deepcopy(new)
             for k, v in (body.get("metadata") or {}).items():
                 if k in ("labels", "annotations") and isinstance(v, dict):
@@ -743,7 +913,11 @@ class ApiServer(kmock.KubernetesEmulator):
             raise sem.ApiError(404, "NotFound", f'{res[2]} "{name}" not found')
         want_rv = (body or {}).get("metadata", {}).get("resourceVersion") if isinstance(body, dict) else None
         if want_rv and want_rv != old["metadata"]["resourceVersion"]:
-            raise sem.ApiError(409, "Conflict", "the object has been modified; please apply your changes to the latest version and try again")
+            raise sem.ApiError(
+                409,
+                "Conflict",
+                "the object has been modified; please apply your changes to the latest version and try again",
+            )
         if verb == "update":
             return self._update(res, key, old, copy.deepcopy(body), subresource=sub), 200
         if ctype == "application/json-patch+json":
@@ -755,7 +929,10 @@ class ApiServer(kmock.KubernetesEmulator):
     def _remember_apply(self, key: Key, manager: str, body: Obj) -> None:
         """The fields a manager applied: what its next apply may remove (managedFields, in short)."""
         self.managed.setdefault(key, {})[manager] = {
-            k: copy.deepcopy(v) for k, v in body.items() if k not in ("metadata", "apiVersion", "kind", "status")}
+            k: copy.deepcopy(v)
+            for k, v in body.items()
+            if k not in ("metadata", "apiVersion", "kind", "status")
+        }
 
     def _typed(self, res: Res, body: Obj, ns: str | None, name: str) -> None:
         """Server-side apply's conversion of the applied object to its kind's schema (built-in kinds)."""
@@ -776,9 +953,13 @@ class ApiServer(kmock.KubernetesEmulator):
                 verbs={"get", "list", "watch", "create", "update", "patch", "delete"},
             )  # fmt: skip
             self.crds[res] = crd
-        crd["status"] = {"acceptedNames": names, "conditions": [
-            {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts"},
-            {"type": "Established", "status": "True", "reason": "InitialNamesAccepted"}]}
+        crd["status"] = {
+            "acceptedNames": names,
+            "conditions": [
+                {"type": "NamesAccepted", "status": "True", "reason": "NoConflicts"},
+                {"type": "Established", "status": "True", "reason": "InitialNamesAccepted"},
+            ],
+        }
 
     async def _watch(self, request: rendering.Request, res: Res) -> aiohttp.web.StreamResponse:
         raw = request._raw_request
@@ -797,8 +978,11 @@ class ApiServer(kmock.KubernetesEmulator):
 
         def wanted(event: Obj) -> bool:
             o = event["object"]
-            return (request.namespace is None or o["metadata"].get("namespace") == request.namespace) and sem.label_match(
-                labels, o["metadata"].get("labels") or {}) and sem.field_match(fields, o)
+            return (
+                (request.namespace is None or o["metadata"].get("namespace") == request.namespace)
+                and sem.label_match(labels, o["metadata"].get("labels") or {})
+                and sem.field_match(fields, o)
+            )
 
         resp = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         try:

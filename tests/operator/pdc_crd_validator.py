@@ -84,7 +84,9 @@ def _cel_errors(schema: Schema, value: Any, old: Any, path: str) -> list[str]:
     return errors
 
 
-def validate(obj: dict[str, Any], old: dict[str, Any] | None = None, schema: Schema | None = None) -> tuple[dict[str, Any], list[str]]:
+def validate(
+    obj: dict[str, Any], old: dict[str, Any] | None = None, schema: Schema | None = None
+) -> tuple[dict[str, Any], list[str]]:
     """(the defaulted object, error messages); no errors = the API server would accept it."""
     schema = schema or load_schema()
     obj = apply_defaults(schema, copy.deepcopy(obj))

@@ -36,6 +36,7 @@ def wait_for(what: str, fn: Callable[[], T | None], timeout: float = 20.0, inter
 
 def run(apiserver: Any, fn: Callable[[Client], Awaitable[T]]) -> T:
     """`fn` with the operator's own API client against the test server, from a synchronous test."""
+
     async def go() -> T:
         async with Client(Connection(server=apiserver.url)) as api:
             return await fn(api)
@@ -50,8 +51,18 @@ def body(apiserver: Any, name: str) -> dict[str, Any]:
     return obj
 
 
-def pod(cluster: str, component: str, index: int, namespace: str = "default", *, ready: bool = True,
-        ip: str | None = None, rdma_net: str | None = None, rdma_ip: str | None = None, owner: dict[str, Any] | None = None) -> dict[str, Any]:
+def pod(
+    cluster: str,
+    component: str,
+    index: int,
+    namespace: str = "default",
+    *,
+    ready: bool = True,
+    ip: str | None = None,
+    rdma_net: str | None = None,
+    rdma_ip: str | None = None,
+    owner: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """A pod as a workload controller and the kubelet would make it."""
     name = f"{cluster}-{component}-{index}"
     meta: dict[str, Any] = {
@@ -60,11 +71,21 @@ def pod(cluster: str, component: str, index: int, namespace: str = "default", *,
                    constants.LABEL_MANAGED_BY: constants.MANAGED_BY},
     }  # fmt: skip
     if owner:
-        meta["ownerReferences"] = [{"apiVersion": owner["apiVersion"], "kind": owner["kind"], "name": owner["metadata"]["name"],
-                                    "uid": owner["metadata"]["uid"], "controller": True}]
+        meta["ownerReferences"] = [
+            {
+                "apiVersion": owner["apiVersion"],
+                "kind": owner["kind"],
+                "name": owner["metadata"]["name"],
+                "uid": owner["metadata"]["uid"],
+                "controller": True,
+            }
+        ]
     if rdma_net:
-        meta["annotations"] = {dataplane.MULTUS_STATUS_ANNOTATION: json.dumps(
-            [{"name": "cbr0", "ips": [ip]}, {"name": rdma_net, "interface": "net1", "ips": [rdma_ip]}])}
+        meta["annotations"] = {
+            dataplane.MULTUS_STATUS_ANNOTATION: json.dumps(
+                [{"name": "cbr0", "ips": [ip]}, {"name": rdma_net, "interface": "net1", "ips": [rdma_ip]}]
+            )
+        }
     return {
         "apiVersion": "v1", "kind": "Pod", "metadata": meta,
         "spec": {"containers": [{"name": "c", "image": "i"}]},
@@ -73,7 +94,9 @@ def pod(cluster: str, component: str, index: int, namespace: str = "default", *,
     }  # fmt: skip
 
 
-def roll(apiserver: Any, cluster: str, component: str, *, ready: bool = True, ips: tuple[str, ...] = ()) -> None:
+def roll(
+    apiserver: Any, cluster: str, component: str, *, ready: bool = True, ips: tuple[str, ...] = ()
+) -> None:
     """Play a pool's workload controller and kubelet finishing a rollout: its pods are replaced by as
     many pods of the current template as the workload wants (the API test server stamps each new pod
     with that template's revision; pdc_apiserver.ApiServer._play_controllers). `ips`: their pod IPs."""
@@ -84,10 +107,17 @@ def roll(apiserver: Any, cluster: str, component: str, *, ready: bool = True, ip
         return
     for p in srv.objects("pods", "default"):
         labels = p["metadata"].get("labels") or {}
-        if labels.get(constants.LABEL_CLUSTER) == cluster and labels.get(constants.LABEL_COMPONENT) == component:
+        if (
+            labels.get(constants.LABEL_CLUSTER) == cluster
+            and labels.get(constants.LABEL_COMPONENT) == component
+        ):
             apiserver.call(srv.remove(POD, "default", p["metadata"]["name"]))
     for i in range(int(owner["spec"].get("replicas", 1))):
-        apiserver.call(srv.put(POD, pod(cluster, component, i, ready=ready, owner=owner, ip=ips[i] if i < len(ips) else None)))
+        apiserver.call(
+            srv.put(
+                POD, pod(cluster, component, i, ready=ready, owner=owner, ip=ips[i] if i < len(ips) else None)
+            )
+        )
 
 
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
@@ -144,7 +174,9 @@ class ChartInstall:
     granted: set[tuple[str, str, str]]
 
 
-def install_chart_rbac(apiserver: Any, values: dict[str, Any], *, without: tuple[str, str, str] | None = None) -> ChartInstall:
+def install_chart_rbac(
+    apiserver: Any, values: dict[str, Any], *, without: tuple[str, str, str] | None = None
+) -> ChartInstall:
     """Render the chart (the real Helm engine), make the API test server enforce its roles and bindings
     for the operator's ServiceAccount (the kubeconfig's token) with OwnerReferencesPermissionEnforcement
     on; `without` (group, resource, verb) takes that verb out of every rendered rule, as an older or
@@ -163,10 +195,20 @@ def install_chart_rbac(apiserver: Any, values: dict[str, Any], *, without: tuple
     release = next(o for o in objects if o["kind"] == "Deployment")["metadata"]["namespace"]
     for ns in {"default", release, *namespaces}:  # a real cluster has them; kopf looks them up
         if srv.get("namespaces", None, ns) is None:
-            apiserver.call(srv.put(("", "v1", "namespaces"), {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}}))
+            apiserver.call(
+                srv.put(
+                    ("", "v1", "namespaces"),
+                    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}},
+                )
+            )
     srv.rbac = pdc_rbac.Rbac(enforced)
     srv.users[pdc_apiserver.TOKEN] = user
     srv.owner_references_permission_enforcement = True
     scope = [f"--namespace={n}" for n in namespaces] or ["--all-namespaces"]
-    return ChartInstall(objects, user, namespaces, ["run", "-m", "tilert_operator.wiring", *scope, "--standalone", "--verbose"],
-                        pdc_rbac.Rbac(objects).granted(user, namespaces))
+    return ChartInstall(
+        objects,
+        user,
+        namespaces,
+        ["run", "-m", "tilert_operator.wiring", *scope, "--standalone", "--verbose"],
+        pdc_rbac.Rbac(objects).granted(user, namespaces),
+    )

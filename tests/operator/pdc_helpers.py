@@ -39,7 +39,12 @@ def deep_merge(base: dict[str, Any], patch: dict[str, Any]) -> dict[str, Any]:
 
 
 def cr(spec: dict[str, Any], name: str = "t") -> dict[str, Any]:
-    return {"apiVersion": "pd.tilert.ai/v1alpha1", "kind": "PDCluster", "metadata": {"name": name}, "spec": spec}
+    return {
+        "apiVersion": "pd.tilert.ai/v1alpha1",
+        "kind": "PDCluster",
+        "metadata": {"name": name},
+        "spec": spec,
+    }
 
 
 def sample(text: str, name: str, **labels: str) -> float | None:

@@ -145,16 +145,28 @@ class Cause:
 
     @property
     def reason(self) -> str:
-        return {"Invalid": "FieldValueInvalid", "Required": "FieldValueRequired", "NotFound": "FieldValueNotFound",
-                "NotSupported": "FieldValueNotSupported", "Duplicate": "FieldValueDuplicate",
-                "TooLong": "FieldValueTooLong", "Forbidden": "FieldValueForbidden"}[self.kind]
+        return {
+            "Invalid": "FieldValueInvalid",
+            "Required": "FieldValueRequired",
+            "NotFound": "FieldValueNotFound",
+            "NotSupported": "FieldValueNotSupported",
+            "Duplicate": "FieldValueDuplicate",
+            "TooLong": "FieldValueTooLong",
+            "Forbidden": "FieldValueForbidden",
+        }[self.kind]
 
     @property
     def message(self) -> str:
         """field.Error.ErrorBody(): `Invalid value: "x": detail`, `Required value: detail`, ..."""
-        head = {"Invalid": "Invalid value", "Required": "Required value", "NotFound": "Not found",
-                "NotSupported": "Unsupported value", "Duplicate": "Duplicate value", "TooLong": "Too long",
-                "Forbidden": "Forbidden"}[self.kind]
+        head = {
+            "Invalid": "Invalid value",
+            "Required": "Required value",
+            "NotFound": "Not found",
+            "NotSupported": "Unsupported value",
+            "Duplicate": "Duplicate value",
+            "TooLong": "Too long",
+            "Forbidden": "Forbidden",
+        }[self.kind]
         if self.kind in ("Invalid", "NotFound", "NotSupported", "Duplicate"):
             head += f": {go_value(self.value)}"
         return f"{head}: {self.detail}" if self.detail else head
@@ -170,7 +182,11 @@ def go_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, dict):
-        return "map[string]string{" + ", ".join(f"{json.dumps(k)}:{json.dumps(str(x))}" for k, x in sorted(v.items())) + "}"
+        return (
+            "map[string]string{"
+            + ", ".join(f"{json.dumps(k)}:{json.dumps(str(x))}" for k, x in sorted(v.items()))
+            + "}"
+        )
     return str(v)
 
 
@@ -182,8 +198,12 @@ class InvalidError(ApiError):
         errs = [str(c) for c in causes]
         text = errs[0] if len(errs) == 1 else "[" + ", ".join(errs) + "]"
         super().__init__(422, "Invalid", f'{qualified} "{name}" is invalid: {text}')
-        self.details = {"name": name, "group": group, "kind": kind,
-                        "causes": [{"reason": c.reason, "message": c.message, "field": c.field} for c in causes]}
+        self.details = {
+            "name": name,
+            "group": group,
+            "kind": kind,
+            "causes": [{"reason": c.reason, "message": c.message, "field": c.field} for c in causes],
+        }
         if not group:
             del self.details["group"]
 
@@ -212,8 +232,10 @@ def dns1123_label(v: str) -> list[str]:
     if len(v) > 63:
         out.append("must be no more than 63 characters")
     if not _full(DNS1123_LABEL, v):
-        out.append("a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
-                   f"end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '{DNS1123_LABEL}')")
+        out.append(
+            "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
+            f"end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '{DNS1123_LABEL}')"
+        )
     return out
 
 
@@ -222,8 +244,10 @@ def dns1123_subdomain(v: str) -> list[str]:
     if len(v) > 253:
         out.append("must be no more than 253 characters")
     if not _full(DNS1123_SUBDOMAIN, v):
-        out.append("a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
-                   f"start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '{DNS1123_SUBDOMAIN}')")
+        out.append(
+            "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
+            f"start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '{DNS1123_SUBDOMAIN}')"
+        )
     return out
 
 
@@ -232,8 +256,10 @@ def dns1035_label(v: str) -> list[str]:
     if len(v) > 63:
         out.append("must be no more than 63 characters")
     if not _full(DNS1035_LABEL, v):
-        out.append("a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
-                   f"character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for validation is '{DNS1035_LABEL}')")
+        out.append(
+            "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
+            f"character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for validation is '{DNS1035_LABEL}')"
+        )
     return out
 
 
@@ -242,9 +268,11 @@ def label_value(v: str) -> list[str]:
     if len(v) > 63:
         out.append("must be no more than 63 characters")
     if not _full(LABEL_VALUE, v):
-        out.append("a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must "
-                   "start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for "
-                   f"validation is '{LABEL_VALUE}')")
+        out.append(
+            "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must "
+            "start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for "
+            f"validation is '{LABEL_VALUE}')"
+        )
     return out
 
 
@@ -261,17 +289,21 @@ def qualified_name(v: str) -> list[str]:
     elif len(name) > 63:
         out.append("name part must be no more than 63 characters")
     if name and not _full(QUALIFIED_NAME, name):
-        out.append("name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an "
-                   "alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is "
-                   f"'{QUALIFIED_NAME}')")
+        out.append(
+            "name part must consist of alphanumeric characters, '-', '_' or '.', and must start and end with an "
+            "alphanumeric character (e.g. 'MyName',  or 'my.name',  or '123-abc', regex used for validation is "
+            f"'{QUALIFIED_NAME}')"
+        )
     return out
 
 
 def env_var_name(v: str) -> list[str]:
     if _full(ENV_VAR_NAME, v):
         return []
-    return ["a valid environment variable name must consist of alphabetic characters, digits, '_', '-', or '.', and must not "
-            f"start with a digit (e.g. 'my.env-name',  or 'MY_ENV.NAME',  or 'MyEnvName1', regex used for validation is '{ENV_VAR_NAME}')"]
+    return [
+        "a valid environment variable name must consist of alphabetic characters, digits, '_', '-', or '.', and must not "
+        f"start with a digit (e.g. 'my.env-name',  or 'MY_ENV.NAME',  or 'MyEnvName1', regex used for validation is '{ENV_VAR_NAME}')"
+    ]
 
 
 # ---- quantities (k8s.io/apimachinery/pkg/api/resource) -------------------------------------------
@@ -386,22 +418,41 @@ def canonicalise(kind: str, obj: Obj) -> list[Cause]:
     """Store quantities as the API server does (canonical strings), in place. A quantity that does not
     parse fails decoding (400, raised); a negative one is a cause for the 422."""
     causes: list[Cause] = []
-    holders: list[tuple[dict[str, Any], str, str]] = [(m, k, f"{p}[{k}]") for p, m in _quantity_maps(obj) for k in list(m)]
+    holders: list[tuple[dict[str, Any], str, str]] = [
+        (m, k, f"{p}[{k}]") for p, m in _quantity_maps(obj) for k in list(m)
+    ]
     holders += [(node, "sizeLimit", p) for node, p in _size_limits(obj)]
     for holder, key, path in holders:
         try:
             value, _ = parse_quantity(holder[key])
         except QuantityError as e:
-            raise ApiError(400, "BadRequest", f'{kind} in version "v1" cannot be handled as a {kind}: {e}') from e
+            raise ApiError(
+                400, "BadRequest", f'{kind} in version "v1" cannot be handled as a {kind}: {e}'
+            ) from e
         if value < 0:
-            causes.append(Cause(path, "Invalid", "must be greater than or equal to 0", canonical_quantity(holder[key])))
+            causes.append(
+                Cause(path, "Invalid", "must be greater than or equal to 0", canonical_quantity(holder[key]))
+            )
         holder[key] = canonical_quantity(holder[key])
     return causes
 
 
 #: Map-typed fields: their entries are data, kept even when empty ("" label values, "" ConfigMap values).
-_MAP_FIELDS = frozenset({"labels", "annotations", "data", "stringData", "binaryData", "nodeSelector", "matchLabels", "selector",
-                         "limits", "requests", "overhead"})
+_MAP_FIELDS = frozenset(
+    {
+        "labels",
+        "annotations",
+        "data",
+        "stringData",
+        "binaryData",
+        "nodeSelector",
+        "matchLabels",
+        "selector",
+        "limits",
+        "requests",
+        "overhead",
+    }
+)
 
 
 def drop_empty(node: Any) -> Any:
@@ -435,10 +486,16 @@ def _meta_causes(kind: str, obj: Obj) -> list[Cause]:
         # Not refused by a real API server: its StatefulSet controller then fails to create every
         # pod (their controller-revision-hash label would exceed 63 characters). This server plays
         # no controllers, so it refuses here, where the test can see it.
-        causes.append(Cause("metadata.name", "Invalid",
-                            f"must be no more than {STATEFULSET_NAME_MAX} characters (test server: the StatefulSet controller "
-                            "labels each pod controller-revision-hash=<name>-<10-character hash>, and a label value "
-                            "holds 63; a real API server accepts the StatefulSet and no pod is ever created)", name))
+        causes.append(
+            Cause(
+                "metadata.name",
+                "Invalid",
+                f"must be no more than {STATEFULSET_NAME_MAX} characters (test server: the StatefulSet controller "
+                "labels each pod controller-revision-hash=<name>-<10-character hash>, and a label value "
+                "holds 63; a real API server accepts the StatefulSet and no pod is ever created)",
+                name,
+            )
+        )
     causes += _label_causes(meta.get("labels"), "metadata.labels")
     for key in meta.get("annotations") or {}:
         causes += [Cause("metadata.annotations", "Invalid", m, key) for m in qualified_name(key)]
@@ -458,7 +515,10 @@ def _selector_causes(sel: Any, path: str) -> list[Cause]:
         return []
     causes = _label_causes(sel.get("matchLabels"), f"{path}.matchLabels")
     for i, expr in enumerate(sel.get("matchExpressions") or []):
-        causes += [Cause(f"{path}.matchExpressions[{i}].key", "Invalid", m, expr.get("key", "")) for m in qualified_name(expr.get("key", ""))]
+        causes += [
+            Cause(f"{path}.matchExpressions[{i}].key", "Invalid", m, expr.get("key", ""))
+            for m in qualified_name(expr.get("key", ""))
+        ]
     return causes
 
 
@@ -476,30 +536,64 @@ def _pod_spec_causes(spec: Any, path: str) -> list[Cause]:
     for group in ("initContainers", "containers"):
         for i, c in enumerate(spec.get(group) or []):
             cpath = f"{path}.{group}[{i}]"
-            causes += [Cause(f"{cpath}.name", "Invalid", m, c.get("name", "")) for m in dns1123_label(c.get("name", ""))]
+            causes += [
+                Cause(f"{cpath}.name", "Invalid", m, c.get("name", ""))
+                for m in dns1123_label(c.get("name", ""))
+            ]
             if not c.get("image"):
                 causes.append(Cause(f"{cpath}.image", "Required", ""))
             for j, env in enumerate(c.get("env") or []):
-                causes += [Cause(f"{cpath}.env[{j}].name", "Invalid", m, env.get("name", "")) for m in env_var_name(env.get("name", ""))]
+                causes += [
+                    Cause(f"{cpath}.env[{j}].name", "Invalid", m, env.get("name", ""))
+                    for m in env_var_name(env.get("name", ""))
+                ]
             for j, mount in enumerate(c.get("volumeMounts") or []):
                 if mount.get("name") not in volumes:
                     causes.append(Cause(f"{cpath}.volumeMounts[{j}].name", "NotFound", "", mount.get("name")))
             for j, port in enumerate(c.get("ports") or []):
                 n = port.get("name")
                 if n is not None and not (len(n) <= 15 and _full(IANA_SVC_NAME, n) and re.search("[a-z]", n)):
-                    causes.append(Cause(f"{cpath}.ports[{j}].name", "Invalid", "must be no more than 15 characters and contain "
-                                        "only lowercase letters, digits and '-', with at least one letter", n))
+                    causes.append(
+                        Cause(
+                            f"{cpath}.ports[{j}].name",
+                            "Invalid",
+                            "must be no more than 15 characters and contain "
+                            "only lowercase letters, digits and '-', with at least one letter",
+                            n,
+                        )
+                    )
             res = c.get("resources") or {}
             for rname, limit in (res.get("limits") or {}).items():
                 req = (res.get("requests") or {}).get(rname)
                 if req is not None and parse_quantity(req)[0] > parse_quantity(limit)[0]:
-                    causes.append(Cause(f"{cpath}.resources.requests", "Invalid", f"must be less than or equal to {rname} limit of {limit}", req))
+                    causes.append(
+                        Cause(
+                            f"{cpath}.resources.requests",
+                            "Invalid",
+                            f"must be less than or equal to {rname} limit of {limit}",
+                            req,
+                        )
+                    )
     causes += _label_causes(spec.get("nodeSelector"), f"{path}.nodeSelector")
     for i, tol in enumerate(spec.get("tolerations") or []):
         if tol.get("operator") == "Exists" and tol.get("value"):
-            causes.append(Cause(f"{path}.tolerations[{i}].operator", "Invalid", "value must be empty when `operator` is 'Exists'", tol.get("value")))
+            causes.append(
+                Cause(
+                    f"{path}.tolerations[{i}].operator",
+                    "Invalid",
+                    "value must be empty when `operator` is 'Exists'",
+                    tol.get("value"),
+                )
+            )
         if tol.get("operator") not in (None, "", "Exists", "Equal"):
-            causes.append(Cause(f"{path}.tolerations[{i}].operator", "NotSupported", 'supported values: "Equal", "Exists"', tol.get("operator")))
+            causes.append(
+                Cause(
+                    f"{path}.tolerations[{i}].operator",
+                    "NotSupported",
+                    'supported values: "Equal", "Exists"',
+                    tol.get("operator"),
+                )
+            )
     return causes
 
 
@@ -516,10 +610,19 @@ def _workload_causes(obj: Obj) -> list[Cause]:
     else:
         causes += _selector_causes(sel, "spec.selector")
         if any(tlabels.get(k) != v for k, v in (sel.get("matchLabels") or {}).items()):
-            causes.append(Cause("spec.template.metadata.labels", "Invalid", "`selector` does not match template `labels`", tlabels))
+            causes.append(
+                Cause(
+                    "spec.template.metadata.labels",
+                    "Invalid",
+                    "`selector` does not match template `labels`",
+                    tlabels,
+                )
+            )
     causes += _label_causes(tlabels, "spec.template.metadata.labels")
     if (spec.get("replicas") or 0) < 0:
-        causes.append(Cause("spec.replicas", "Invalid", "must be greater than or equal to 0", spec.get("replicas")))
+        causes.append(
+            Cause("spec.replicas", "Invalid", "must be greater than or equal to 0", spec.get("replicas"))
+        )
     causes += _pod_spec_causes(template.get("spec"), "spec.template.spec")
     return causes
 
@@ -532,7 +635,14 @@ def _service_causes(obj: Obj) -> list[Cause]:
         if len(ports) > 1 and not port.get("name"):
             causes.append(Cause(f"spec.ports[{i}].name", "Required", ""))
         if not 1 <= int(port.get("port") or 0) <= 65535:
-            causes.append(Cause(f"spec.ports[{i}].port", "Invalid", "must be between 1 and 65535, inclusive", port.get("port")))
+            causes.append(
+                Cause(
+                    f"spec.ports[{i}].port",
+                    "Invalid",
+                    "must be between 1 and 65535, inclusive",
+                    port.get("port"),
+                )
+            )
     return causes
 
 
@@ -555,15 +665,25 @@ def _data_key_causes(obj: Obj) -> list[Cause]:
     for section in ("data", "binaryData", "stringData"):
         for key in obj.get(section) or {}:
             if not _full(CONFIG_MAP_KEY, key) or len(key) > 253:
-                causes.append(Cause(f"{section}[{key}]", "Invalid",
-                                    f"a valid config key must consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  "
-                                    f"or 'KEY_NAME',  or 'key-name', regex used for validation is '{CONFIG_MAP_KEY}')", key))
+                causes.append(
+                    Cause(
+                        f"{section}[{key}]",
+                        "Invalid",
+                        f"a valid config key must consist of alphanumeric characters, '-', '_' or '.' (e.g. 'key.name',  "
+                        f"or 'KEY_NAME',  or 'key-name', regex used for validation is '{CONFIG_MAP_KEY}')",
+                        key,
+                    )
+                )
     return causes
 
 
 KIND_RULES = {
-    "Deployment": _workload_causes, "StatefulSet": _workload_causes, "Service": _service_causes,
-    "NetworkPolicy": _network_policy_causes, "ConfigMap": _data_key_causes, "Secret": _data_key_causes,
+    "Deployment": _workload_causes,
+    "StatefulSet": _workload_causes,
+    "Service": _service_causes,
+    "NetworkPolicy": _network_policy_causes,
+    "ConfigMap": _data_key_causes,
+    "Secret": _data_key_causes,
     "Pod": lambda o: _pod_spec_causes(o.get("spec"), "spec"),
 }
 
@@ -589,7 +709,9 @@ def _schema_validator(kind: str, api_version: str, strict: bool) -> Any:
         group_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
         schema_dir = f"v{_SCHEMA_VERSION}-local" + ("-strict" if strict else "")
         try:
-            schema = kv.schema_contents(f"kubernetes-json-schema/{schema_dir}/{kind.lower()}-{group_version}.json", _SCHEMA_VERSION)
+            schema = kv.schema_contents(
+                f"kubernetes-json-schema/{schema_dir}/{kind.lower()}-{group_version}.json", _SCHEMA_VERSION
+            )
         except FileNotFoundError:
             _VALIDATORS[key] = None
             return None
@@ -633,8 +755,12 @@ def decode_error(kind: str, api_version: str, obj: Obj) -> ApiError | None:
     if err is None:
         return None
     version = api_version.rsplit("/", 1)[-1]
-    return ApiError(400, "BadRequest", f'{kind} in version "{version}" cannot be handled as a {kind}: '
-                    f"{_schema_path(err.absolute_path).lstrip('.')}: {err.message}")
+    return ApiError(
+        400,
+        "BadRequest",
+        f'{kind} in version "{version}" cannot be handled as a {kind}: '
+        f"{_schema_path(err.absolute_path).lstrip('.')}: {err.message}",
+    )
 
 
 def _schema_path(parts: Any) -> str:
@@ -644,7 +770,9 @@ def _schema_path(parts: Any) -> str:
     return out
 
 
-def typed_patch_error(kind: str, api_version: str, namespace: str | None, name: str, body: Obj) -> ApiError | None:
+def typed_patch_error(
+    kind: str, api_version: str, namespace: str | None, name: str, body: Obj
+) -> ApiError | None:
     """Server-side apply converts the applied object to its kind's schema first: an unknown field, a
     wrong type, or two entries with one key in a keyed list (env by name, containers by name, ports
     by containerPort) fails there, before validation, as a plain error, which the API server answers
@@ -657,14 +785,18 @@ def typed_patch_error(kind: str, api_version: str, namespace: str | None, name: 
             path = _schema_path(err.absolute_path)
             if err.validator == "additionalProperties":
                 extra = re.findall(r"'([^']+)' was unexpected", err.message) or ["?"]
-                return ApiError(500, "InternalError", f"{where}: {path}.{extra[0]}: field not declared in schema")
+                return ApiError(
+                    500, "InternalError", f"{where}: {path}.{extra[0]}: field not declared in schema"
+                )
             return ApiError(500, "InternalError", f"{where}: {path}: {err.message}")
     for path, items, keys in _keyed_lists(body):
         seen: set[tuple[Any, ...]] = set()
         for item in items:
             k = tuple(item.get(x) for x in keys) if isinstance(item, dict) else (item,)
             if k in seen:
-                label = ",".join(f'{x}="{v}"' if isinstance(v, str) else f"{x}={v}" for x, v in zip(keys, k, strict=True))
+                label = ",".join(
+                    f'{x}="{v}"' if isinstance(v, str) else f"{x}={v}" for x, v in zip(keys, k, strict=True)
+                )
                 return ApiError(500, "InternalError", f"{where}: {path}: duplicate entries for key [{label}]")
             seen.add(k)
     return None
@@ -672,8 +804,14 @@ def typed_patch_error(kind: str, api_version: str, namespace: str | None, name: 
 
 def _keyed_lists(obj: Any, path: str = "") -> list[tuple[str, list[Any], tuple[str, ...]]]:
     """Lists the built-in schemas declare as maps (x-kubernetes-list-type: map) that our children use."""
-    keys = {"containers": ("name",), "initContainers": ("name",), "env": ("name",), "volumes": ("name",),
-            "volumeMounts": ("mountPath",), "ports": ("containerPort", "protocol")}
+    keys = {
+        "containers": ("name",),
+        "initContainers": ("name",),
+        "env": ("name",),
+        "volumes": ("name",),
+        "volumeMounts": ("mountPath",),
+        "ports": ("containerPort", "protocol"),
+    }
     out: list[tuple[str, list[Any], tuple[str, ...]]] = []
     if isinstance(obj, dict):
         for k, v in obj.items():
@@ -682,7 +820,14 @@ def _keyed_lists(obj: Any, path: str = "") -> list[tuple[str, list[Any], tuple[s
                 kk = keys[k]
                 if k == "ports" and v and isinstance(v[0], dict) and "containerPort" not in v[0]:
                     kk = ("port", "protocol")  # a Service's ports
-                norm = [({**i, "protocol": i.get("protocol", "TCP")} if k == "ports" and isinstance(i, dict) else i) for i in v]
+                norm = [
+                    (
+                        {**i, "protocol": i.get("protocol", "TCP")}
+                        if k == "ports" and isinstance(i, dict)
+                        else i
+                    )
+                    for i in v
+                ]
                 out.append((p, norm, kk))
             out += _keyed_lists(v, p)
     elif isinstance(obj, list):
@@ -696,8 +841,13 @@ def _keyed_lists(obj: Any, path: str = "") -> list[tuple[str, list[Any], tuple[s
 #: Lists the built-in schemas merge by key (x-kubernetes-list-type: map) and their keys; every other
 #: list is atomic (the applier's list replaces the live one).
 LIST_MAP_KEYS: dict[str, tuple[str, ...]] = {
-    "containers": ("name",), "initContainers": ("name",), "ephemeralContainers": ("name",), "env": ("name",),
-    "volumes": ("name",), "volumeMounts": ("mountPath",), "imagePullSecrets": ("name",),
+    "containers": ("name",),
+    "initContainers": ("name",),
+    "ephemeralContainers": ("name",),
+    "env": ("name",),
+    "volumes": ("name",),
+    "volumeMounts": ("mountPath",),
+    "imagePullSecrets": ("name",),
     "ports": ("containerPort", "protocol"),
 }
 
@@ -745,7 +895,13 @@ def apply_merge(live: Any, applied: Any, previous: Any, path: tuple[str, ...] = 
         live_by = {_item_key(keys, i): i for i in live_items}
         prev_by = {_item_key(keys, i): i for i in prev_items}
         mine = [_item_key(keys, i) for i in applied]
-        out_list = [apply_merge(live_by.get(k), i, prev_by.get(k), (*path, "[]")) for k, i in zip(mine, applied, strict=True)]
-        return out_list + [copy.deepcopy(i) for i in live_items
-                           if _item_key(keys, i) not in mine and _item_key(keys, i) not in prev_by]
+        out_list = [
+            apply_merge(live_by.get(k), i, prev_by.get(k), (*path, "[]"))
+            for k, i in zip(mine, applied, strict=True)
+        ]
+        return out_list + [
+            copy.deepcopy(i)
+            for i in live_items
+            if _item_key(keys, i) not in mine and _item_key(keys, i) not in prev_by
+        ]
     return copy.deepcopy(applied)

@@ -38,8 +38,10 @@ class User:
 
 
 def service_account(namespace: str, name: str) -> User:
-    return User(f"system:serviceaccount:{namespace}:{name}",
-                ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"))
+    return User(
+        f"system:serviceaccount:{namespace}:{name}",
+        ("system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"),
+    )
 
 
 @dataclass(frozen=True)
@@ -77,9 +79,17 @@ def _resource_matches(rule: Obj, a: Attributes) -> bool:
 
 
 def rule_allows(rule: Obj, a: Attributes) -> bool:
-    groups, verbs, names = rule.get("apiGroups") or [], rule.get("verbs") or [], rule.get("resourceNames") or []
-    return ((a.group in groups or "*" in groups) and (a.verb in verbs or "*" in verbs) and _resource_matches(rule, a)
-            and (not names or a.name in names))
+    groups, verbs, names = (
+        rule.get("apiGroups") or [],
+        rule.get("verbs") or [],
+        rule.get("resourceNames") or [],
+    )
+    return (
+        (a.group in groups or "*" in groups)
+        and (a.verb in verbs or "*" in verbs)
+        and _resource_matches(rule, a)
+        and (not names or a.name in names)
+    )
 
 
 class Rbac:
@@ -87,16 +97,23 @@ class Rbac:
 
     def __init__(self, objects: list[Obj]) -> None:
         self.cluster_roles = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ClusterRole"}
-        self.roles = {(o["metadata"]["namespace"], o["metadata"]["name"]): o for o in objects if o["kind"] == "Role"}
+        self.roles = {
+            (o["metadata"]["namespace"], o["metadata"]["name"]): o for o in objects if o["kind"] == "Role"
+        }
         self.cluster_bindings = [o for o in objects if o["kind"] == "ClusterRoleBinding"]
         self.bindings = [o for o in objects if o["kind"] == "RoleBinding"]
 
     @staticmethod
     def _binds(binding: Obj, user: User) -> bool:
         for s in binding.get("subjects") or []:
-            if s["kind"] == "ServiceAccount" and user.name == f"system:serviceaccount:{s.get('namespace')}:{s['name']}":
+            if (
+                s["kind"] == "ServiceAccount"
+                and user.name == f"system:serviceaccount:{s.get('namespace')}:{s['name']}"
+            ):
                 return True
-            if (s["kind"] == "User" and s["name"] == user.name) or (s["kind"] == "Group" and s["name"] in user.groups):
+            if (s["kind"] == "User" and s["name"] == user.name) or (
+                s["kind"] == "Group" and s["name"] in user.groups
+            ):
                 return True
         return False
 
@@ -111,7 +128,11 @@ class Rbac:
             if namespace is None or ns != namespace or not self._binds(b, user):
                 continue
             ref = b["roleRef"]
-            role = self.cluster_roles.get(ref["name"]) if ref["kind"] == "ClusterRole" else self.roles.get((ns, ref["name"]))
+            role = (
+                self.cluster_roles.get(ref["name"])
+                if ref["kind"] == "ClusterRole"
+                else self.roles.get((ns, ref["name"]))
+            )
             out += (role or {}).get("rules") or []
         return out
 
@@ -121,7 +142,9 @@ class Rbac:
     def granted(self, user: User, namespaces: list[str]) -> set[tuple[str, str, str]]:
         """(group, resource, verb) of every rule that applies to `user` somewhere, for coverage."""
         rules = self.rules(user, None) + [r for ns in namespaces for r in self.rules(user, ns)]
-        return {(g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]}
+        return {
+            (g, res, v) for r in rules for g in r["apiGroups"] for res in r["resources"] for v in r["verbs"]
+        }
 
 
 def forbidden_message(user: User, a: Attributes) -> str:
@@ -129,7 +152,6 @@ def forbidden_message(user: User, a: Attributes) -> str:
     where = f'in the namespace "{a.namespace}"' if a.namespace else "at the cluster scope"
     target = qualified(a.group, a.resource) + (f' "{a.name}"' if a.name else "")
     return f'{target} is forbidden: User "{user.name}" cannot {a.verb} resource "{a.combined}" in API group "{a.group}" {where}'
-
 
 
 def qualified(group: str, resource: str) -> str:
@@ -143,13 +165,21 @@ def render_chart(values: Obj, namespace: str = "tilert-system", release: str = "
 
     with helm.Chart.load(CHART_DIR) as chart:
         out = chart.render(values, name=release, namespace=namespace, is_install=True)
-    return [o for path, text in out.items() if not path.endswith("NOTES.txt") for o in yaml.safe_load_all(text) if o]
+    return [
+        o
+        for path, text in out.items()
+        if not path.endswith("NOTES.txt")
+        for o in yaml.safe_load_all(text)
+        if o
+    ]
 
 
 def operator_identity(objects: list[Obj]) -> User:
     """The ServiceAccount the chart's Deployment runs the operator as."""
     dep = next(o for o in objects if o["kind"] == "Deployment")
-    return service_account(dep["metadata"]["namespace"], dep["spec"]["template"]["spec"]["serviceAccountName"])
+    return service_account(
+        dep["metadata"]["namespace"], dep["spec"]["template"]["spec"]["serviceAccountName"]
+    )
 
 
 def operator_namespaces(objects: list[Obj]) -> list[str]:

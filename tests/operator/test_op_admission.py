@@ -30,8 +30,11 @@ def _review(spec: dict[str, Any], old: dict[str, Any] | None = None, name: str =
 
 
 def _post(port: int, review: dict[str, Any]) -> dict[str, Any]:
-    req = urllib.request.Request(f"http://127.0.0.1:{port}/validate-pdcluster", data=json.dumps(review).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/validate-pdcluster",
+        data=json.dumps(review).encode(),
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(req, timeout=5) as resp:
         return dict(json.loads(resp.read())["response"])
 
@@ -41,7 +44,9 @@ def test_webhook_admits_good_and_rejects_bad_specs(apiserver: Any) -> None:
     default = kopf.get_default_registry()  # kopf's CLI makes the runner's registry the default
     registry = kopf.OperatorRegistry()
     kopf.on.login(registry=registry)(wiring.login)
-    kopf.on.validate(constants.GROUP, constants.VERSION, constants.PLURAL, id="validate-pdcluster", registry=registry)(wiring.validate)
+    kopf.on.validate(
+        constants.GROUP, constants.VERSION, constants.PLURAL, id="validate-pdcluster", registry=registry
+    )(wiring.validate)
     settings = kopf.OperatorSettings()
     settings.admission.server = kopf.WebhookServer(addr="127.0.0.1", port=port, insecure=True)
     settings.admission.managed = None
@@ -52,7 +57,9 @@ def test_webhook_admits_good_and_rejects_bad_specs(apiserver: Any) -> None:
 
 
 def _run_webhook(port: int, registry: kopf.OperatorRegistry, settings: kopf.OperatorSettings) -> None:
-    with KopfRunner(["run", "--all-namespaces", "--standalone"], registry=registry, settings=settings, timeout=20) as runner:
+    with KopfRunner(
+        ["run", "--all-namespaces", "--standalone"], registry=registry, settings=settings, timeout=20
+    ) as runner:
         deadline = time.monotonic() + 15
         while True:
             try:
@@ -64,22 +71,32 @@ def _run_webhook(port: int, registry: kopf.OperatorRegistry, settings: kopf.Oper
         assert ok["allowed"] is True
         bad = _post(port, _review(helpers.minimal(prefill={"gpus": 4, "tensorParallelSize": 8})))
         assert bad["allowed"] is False
-        assert "spec.prefill.gpus" in bad["status"]["message"] and "tensorParallelSize: 4" in bad["status"]["message"]
+        assert (
+            "spec.prefill.gpus" in bad["status"]["message"]
+            and "tensorParallelSize: 4" in bad["status"]["message"]
+        )
         old = helpers.minimal()
         renamed = _post(port, _review(helpers.minimal(model={"name": "other"}), old=old))
         assert renamed["allowed"] is False and "spec.model.name: is immutable" in renamed["status"]["message"]
         # A stored spec the rules now refuse: an update that leaves the spec alone (a label, a finalizer
         # removed during a foreground delete) passes; one that changes it is judged.
-        stored = helpers.minimal(router={"termination": {"gracePeriodSeconds": 10, "preStopSleepSeconds": 30}})
+        stored = helpers.minimal(
+            router={"termination": {"gracePeriodSeconds": 10, "preStopSleepSeconds": 30}}
+        )
         assert _post(port, _review(stored, old=stored))["allowed"] is True
         changed = _post(port, _review(helpers.deep_merge(stored, {"router": {"replicas": 2}}), old=stored))
-        assert changed["allowed"] is False and "spec.router.termination.preStopSleepSeconds" in changed["status"]["message"]
+        assert (
+            changed["allowed"] is False
+            and "spec.router.termination.preStopSleepSeconds" in changed["status"]["message"]
+        )
     assert runner.exception is None
 
 
 def test_admission_check_lists_every_problem() -> None:
     try:
-        admission.check(helpers.minimal(prefill={"mtp": {"enabled": False}}, decode={"tilert": {"httpPort": 5556}}), "t")
+        admission.check(
+            helpers.minimal(prefill={"mtp": {"enabled": False}}, decode={"tilert": {"httpPort": 5556}}), "t"
+        )
     except kopf.AdmissionError as e:
         assert "spec.prefill.mtp.enabled" in str(e) and "spec.decode.tilert.httpPort" in str(e)
     else:

@@ -35,7 +35,11 @@ def test_decode_node_parses_the_rendered_command(example: str) -> None:
     args = _parse(cli, cmd.argv[2:])
     spec = specmod.parse(helpers.example(example)["spec"])
     assert (args.engine, args.slots, args.ctrl_port, args.http_port) == (
-        spec.decode.tilert.engine, spec.decode.tilert.slots, spec.decode.tilert.ctrl_port, spec.decode.tilert.http_port)
+        spec.decode.tilert.engine,
+        spec.decode.tilert.slots,
+        spec.decode.tilert.ctrl_port,
+        spec.decode.tilert.http_port,
+    )
 
 
 @pytest.mark.parametrize("example", EXAMPLES)
@@ -71,14 +75,17 @@ def test_vllm_serve_parses_the_rendered_commands() -> None:
             if gpus == 0:
                 expected["attention_backend"] = vllm_cpu.VLLM_CPU_ATTENTION_BACKEND
                 assert args.attention_backend == vllm_cpu.VLLM_CPU_ATTENTION_BACKEND
-                assert args.compilation_config.custom_ops == vllm_cpu.VLLM_CPU_COMPILATION_CONFIG["custom_ops"]
+                assert (
+                    args.compilation_config.custom_ops == vllm_cpu.VLLM_CPU_COMPILATION_CONFIG["custom_ops"]
+                )
             else:
                 assert args.attention_backend is None
             assert args.speculative_config == expected
 
 
-def _vllm_omp_binding(env: dict[str, str], monkeypatch: pytest.MonkeyPatch, *, connector: bool,
-                      cpus: int = 2) -> tuple[list[int], list[int]]:
+def _vllm_omp_binding(
+    env: dict[str, str], monkeypatch: pytest.MonkeyPatch, *, connector: bool, cpus: int = 2
+) -> tuple[list[int], list[int]]:
     """(the CPUs vLLM's CPU build pins its worker's OpenMP threads to, those it leaves to the rest),
     as its executor computes them for one rank on a box of `cpus` single-thread cores."""
     from types import SimpleNamespace
@@ -96,8 +103,11 @@ def _vllm_omp_binding(env: dict[str, str], monkeypatch: pytest.MonkeyPatch, *, c
     monkeypatch.setattr(omp.cr_utils, "get_allowed_cpu_list", lambda: box)
     monkeypatch.setattr(omp.cr_utils, "get_visible_memory_node", lambda: [0])
     config = SimpleNamespace(
-        parallel_config=SimpleNamespace(local_world_size=1, data_parallel_rank_local=None, _api_process_count=1),
-        kv_transfer_config=object() if connector else None)
+        parallel_config=SimpleNamespace(
+            local_world_size=1, data_parallel_rank_local=None, _api_process_count=1
+        ),
+        kv_transfer_config=object() if connector else None,
+    )
     manager = omp.OMPProcessManager(config)
     return manager.cpu_lists[0], manager.reserved_cpu_list
 
@@ -114,7 +124,9 @@ def test_cpu_vllm_pools_reserve_vllms_cores_for_no_connector(example: str) -> No
 
 
 @pytest.mark.slow
-def test_cpu_vllm_with_a_connector_keeps_a_core_beside_its_openmp_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cpu_vllm_with_a_connector_keeps_a_core_beside_its_openmp_threads(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The native path's ~0.5 s per decode step on a 2-core box (vllm_cpu.py): with a connector, vLLM
     reserves two cores, finds only two, reserves none and spins an OpenMP thread on each."""
     # The premise, in vLLM's own code: a connector alone costs the engine core its reserved core.
@@ -124,5 +136,7 @@ def test_cpu_vllm_with_a_connector_keeps_a_core_beside_its_openmp_threads(monkey
     for comp in (constants.PREFILL, constants.NATIVE):
         assert _vllm_omp_binding(cmds[comp].env, monkeypatch, connector=True) == ([0], [1]), comp
         # Larger boxes keep vLLM's own split less that one extra core.
-        assert _vllm_omp_binding(cmds[comp].env, monkeypatch, connector=True, cpus=8) == ([0, 1, 2, 3, 4, 5, 6],
-                                                                                          [7]), comp
+        assert _vllm_omp_binding(cmds[comp].env, monkeypatch, connector=True, cpus=8) == (
+            [0, 1, 2, 3, 4, 5, 6],
+            [7],
+        ), comp

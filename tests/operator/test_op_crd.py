@@ -23,7 +23,11 @@ def test_crd_is_a_valid_small_crd() -> None:
     assert len(text) < 40_000, "keep the CRD small: no embedded PodTemplate"
     names = crd["spec"]["names"]
     assert (crd["spec"]["group"], names["kind"], names["plural"], names["shortNames"]) == (
-        constants.GROUP, constants.KIND, constants.PLURAL, ["pdc"])
+        constants.GROUP,
+        constants.KIND,
+        constants.PLURAL,
+        ["pdc"],
+    )
     version = crd["spec"]["versions"][0]
     assert version["name"] == constants.VERSION and version["subresources"] == {"status": {}}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
@@ -53,7 +57,10 @@ def test_every_spec_field_is_documented_with_its_default() -> None:
 
 def test_crd_defaults_equal_the_spec_model() -> None:
     """Default the same minimal object through the CRD and through pydantic: they must agree."""
-    raw = {"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "router": {"apiKeysSecret": {"name": "k"}}}
+    raw = {
+        "model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"},
+        "router": {"apiKeysSecret": {"name": "k"}},
+    }
     defaulted, errors = crd_validator.validate(helpers.cr(raw))
     assert not errors
     model = specmod.parse(raw).model_dump(by_alias=True, exclude_none=True)
@@ -76,18 +83,50 @@ def test_examples_pass_schema_and_cel(path: Any) -> None:
 
 
 BAD = [
-    ({"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "llama"}}, "spec.model.tilertModel: 'llama' is not one of"),
-    ({"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "prefill": {"replicas": 0}}, "spec.prefill.replicas: 0 is less than the minimum"),
-    ({"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "prefil": {}}, "'prefil' was unexpected"),
-    ({"model": {"name": "m", "weights": {}, "tilertModel": "mla"}}, "set exactly one of spec.model.weights.volume"),
-    ({"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "transfer": {"protocol": "rdma"}},
-     "spec.transfer.protocol=rdma needs spec.transfer.rdma.resources"),
-    ({"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "decode": {"tilert": {"replicas": 0}}},
-     "spec.decode needs at least one decode replica"),
-    ({"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "decode": {"tilert": {"ctrlPort": 5557}}},
-     "ctrlPort and httpPort must differ"),
-    ({"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "transfer": {"shmSize": "lots"}},
-     "spec.transfer.shmSize: 'lots' does not match"),
+    (
+        {"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "llama"}},
+        "spec.model.tilertModel: 'llama' is not one of",
+    ),
+    (
+        {"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "prefill": {"replicas": 0}},
+        "spec.prefill.replicas: 0 is less than the minimum",
+    ),
+    (
+        {"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}, "prefil": {}},
+        "'prefil' was unexpected",
+    ),
+    (
+        {"model": {"name": "m", "weights": {}, "tilertModel": "mla"}},
+        "set exactly one of spec.model.weights.volume",
+    ),
+    (
+        {
+            "model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"},
+            "transfer": {"protocol": "rdma"},
+        },
+        "spec.transfer.protocol=rdma needs spec.transfer.rdma.resources",
+    ),
+    (
+        {
+            "model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"},
+            "decode": {"tilert": {"replicas": 0}},
+        },
+        "spec.decode needs at least one decode replica",
+    ),
+    (
+        {
+            "model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"},
+            "decode": {"tilert": {"ctrlPort": 5557}},
+        },
+        "ctrlPort and httpPort must differ",
+    ),
+    (
+        {
+            "model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"},
+            "transfer": {"shmSize": "lots"},
+        },
+        "spec.transfer.shmSize: 'lots' does not match",
+    ),
 ]
 
 
@@ -104,7 +143,11 @@ def test_long_name_rejected() -> None:
 
 def test_model_identity_is_immutable() -> None:
     old = helpers.cr(helpers.minimal())
-    new = helpers.cr(helpers.minimal(model={"tilertModel": "glm5"}, decode={"tilert": {"replicas": 0}, "native": {"replicas": 1}}))
+    new = helpers.cr(
+        helpers.minimal(
+            model={"tilertModel": "glm5"}, decode={"tilert": {"replicas": 0}, "native": {"replicas": 1}}
+        )
+    )
     _, errors = crd_validator.validate(new, old=old)
     assert any("spec.model.name and spec.model.tilertModel are immutable" in e for e in errors), errors
     _, errors = crd_validator.validate(helpers.cr(helpers.minimal(prefill={"replicas": 3})), old=old)

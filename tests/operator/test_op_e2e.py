@@ -33,13 +33,23 @@ def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def kubectl(apiserver: Any, *args: str, stdin: str | None = None) -> str:
-    out = subprocess.run(["kubectl", "--kubeconfig", apiserver.kubeconfig, *args], input=stdin, capture_output=True, text=True, timeout=30)
+    out = subprocess.run(
+        ["kubectl", "--kubeconfig", apiserver.kubeconfig, *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert out.returncode == 0, out.stderr
     return out.stdout
 
 
 def operator_writes(apiserver: Any) -> list[Any]:
-    return [c for c in apiserver.server.calls if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb in WRITES]
+    return [
+        c
+        for c in apiserver.server.calls
+        if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb in WRITES
+    ]
 
 
 def put_pod(apiserver: Any, obj: dict[str, Any]) -> None:
@@ -66,29 +76,61 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         uid = body["metadata"]["uid"]
 
         # kopf watches only the operator's pods, filtered by the server.
-        pod_watches = h.wait_for("pod watch", lambda: [
-            c for c in srv.calls if c.resource == "pods" and c.verb in ("list", "watch") and c.user_agent.startswith("kopf/")])
-        assert all(c.label_selector == f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}" for c in pod_watches)
+        pod_watches = h.wait_for(
+            "pod watch",
+            lambda: [
+                c
+                for c in srv.calls
+                if c.resource == "pods" and c.verb in ("list", "watch") and c.user_agent.startswith("kopf/")
+            ],
+        )
+        assert all(
+            c.label_selector == f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}" for c in pod_watches
+        )
 
         # Children appear, owned by the PDCluster, with the rendered commands.
         dep = h.wait_for("prefill Deployment", lambda: srv.get("deployments", "default", "tiny-prefill"))
         assert dep["metadata"]["ownerReferences"][0]["uid"] == uid
-        assert dep["spec"]["template"]["spec"]["containers"][0]["command"] == commands.commands(spec)[constants.PREFILL].argv
-        sts = h.wait_for("TileRT StatefulSet", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode"))
-        assert sts["spec"]["template"]["spec"]["containers"][0]["command"] == commands.commands(spec)[constants.TILERT].argv
-        for plural, name in [("services", "tiny-tilert-decode"), ("deployments", "tiny-native-decode"), ("configmaps", "tiny-router"),
-                             ("deployments", "tiny-router"), ("services", "tiny-router"), ("secrets", "tiny-handoff"),
-                             ("networkpolicies", "tiny-tilert-decode"), ("poddisruptionbudgets", "tiny-tilert-decode")]:
+        assert (
+            dep["spec"]["template"]["spec"]["containers"][0]["command"]
+            == commands.commands(spec)[constants.PREFILL].argv
+        )
+        sts = h.wait_for(
+            "TileRT StatefulSet", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode")
+        )
+        assert (
+            sts["spec"]["template"]["spec"]["containers"][0]["command"]
+            == commands.commands(spec)[constants.TILERT].argv
+        )
+        for plural, name in [
+            ("services", "tiny-tilert-decode"),
+            ("deployments", "tiny-native-decode"),
+            ("configmaps", "tiny-router"),
+            ("deployments", "tiny-router"),
+            ("services", "tiny-router"),
+            ("secrets", "tiny-handoff"),
+            ("networkpolicies", "tiny-tilert-decode"),
+            ("poddisruptionbudgets", "tiny-tilert-decode"),
+        ]:
             h.wait_for(f"{plural}/{name}", lambda p=plural, n=name: srv.get(p, "default", n))
-        body = h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready") and srv.get("pdclusters", "default", "tiny"))
+        body = h.wait_for(
+            "status",
+            lambda: (
+                h.condition(srv.get("pdclusters", "default", "tiny"), "Ready")
+                and srv.get("pdclusters", "default", "tiny")
+            ),
+        )
         assert h.condition(body, "SpecValid")["status"] == "True"
         assert h.condition(body, "Ready")["reason"] == "NotServing"
 
         # Mark pods ready -> Ready, with the TileRT endpoints wired into the router's ConfigMap.
         for comp in (constants.PREFILL, constants.ROUTER, constants.NATIVE):
-            put_pod(apiserver, h.pod("tiny", comp, 0, owner=srv.get("deployments", "default", f"tiny-{comp}")))
+            put_pod(
+                apiserver, h.pod("tiny", comp, 0, owner=srv.get("deployments", "default", f"tiny-{comp}"))
+            )
         put_pod(apiserver, h.pod("tiny", constants.TILERT, 0, ip="10.1.0.1", owner=sts))
         put_pod(apiserver, h.pod("tiny", constants.TILERT, 1, ip="10.1.0.2", owner=sts))
+
         # A reconcile between the two TileRT pods' updates reports Ready=True, Degraded (one of two
         # nodes serving) on the way: wait for the state after both.
         def serving() -> dict[str, Any] | None:
@@ -98,18 +140,39 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
         body = h.wait_for("Ready, Serving", serving)
         assert h.condition(body, "EndpointsWired")["status"] == "True"
-        assert body["status"]["replicas"] == {"prefill": "1/1", "tilert": "2/2", "native": "1/1", "router": "1/1"}
+        assert body["status"]["replicas"] == {
+            "prefill": "1/1",
+            "tilert": "2/2",
+            "native": "1/1",
+            "router": "1/1",
+        }
         assert [e["ctrlHost"] for e in body["status"]["endpoints"]] == ["10.1.0.1", "10.1.0.2"]
         nodes = router_nodes(apiserver, "default", "tiny")
-        assert nodes is not None and [n["http_url"] for n in nodes] == ["http://10.1.0.1:5557", "http://10.1.0.2:5557"]
+        assert nodes is not None and [n["http_url"] for n in nodes] == [
+            "http://10.1.0.1:5557",
+            "http://10.1.0.2:5557",
+        ]
         # The Event follows the status write that reported the transition.
-        h.wait_for("Serving event", lambda: any(e["reason"] == "Serving" and e["involvedObject"]["uid"] == uid
-                                                 for e in srv.objects("events", "default")), timeout=5)
+        h.wait_for(
+            "Serving event",
+            lambda: any(
+                e["reason"] == "Serving" and e["involvedObject"]["uid"] == uid
+                for e in srv.objects("events", "default")
+            ),
+            timeout=5,
+        )
 
         # A node goes unready -> it leaves the endpoint list within seconds; Ready stays, Degraded.
         put_pod(apiserver, h.pod("tiny", constants.TILERT, 1, ip="10.1.0.2", ready=False, owner=sts))
-        h.wait_for("endpoint removal", lambda: router_nodes(apiserver, "default", "tiny") == [nodes[0]], timeout=5)
-        h.wait_for("Degraded", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "Degraded")
+        h.wait_for(
+            "endpoint removal", lambda: router_nodes(apiserver, "default", "tiny") == [nodes[0]], timeout=5
+        )
+        h.wait_for(
+            "Degraded",
+            lambda: (
+                h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "Degraded"
+            ),
+        )
 
         # `kubectl get pdc` shows the printer columns.
         table = kubectl(apiserver, "get", "pdc")
@@ -118,29 +181,83 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         assert row.split()[:6] == ["tiny", "True", "1/1", "1/2", "1/1", "1/1"]
 
         # The test server applies the CRD's schema and CEL rules, like a real API server would.
-        refused = subprocess.run(["kubectl", "--kubeconfig", apiserver.kubeconfig, "patch", "pdc", "tiny", "--type=merge", "-p",
-                                  '{"spec":{"decode":{"tilert":{"replicas":0},"native":{"replicas":0}}}}'], capture_output=True, text=True, timeout=30)
+        refused = subprocess.run(
+            [
+                "kubectl",
+                "--kubeconfig",
+                apiserver.kubeconfig,
+                "patch",
+                "pdc",
+                "tiny",
+                "--type=merge",
+                "-p",
+                '{"spec":{"decode":{"tilert":{"replicas":0},"native":{"replicas":0}}}}',
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert refused.returncode != 0 and "at least one decode replica" in refused.stderr, refused.stderr
 
         # Edit the spec -> children change.
-        kubectl(apiserver, "patch", "pdc", "tiny", "--type=merge", "-p", json.dumps({"spec": {"prefill": {"replicas": 2}, "decode": {"tilert": {"slots": 8}}}}))
-        h.wait_for("prefill scaled", lambda: srv.get("deployments", "default", "tiny-prefill")["spec"]["replicas"] == 2)
-        h.wait_for("slots in args", lambda: "8" == (lambda a: a[a.index("--slots") + 1])(
-            srv.get("statefulsets", "default", "tiny-tilert-decode")["spec"]["template"]["spec"]["containers"][0]["command"]))
-        h.wait_for("slots in router config", lambda: router_nodes(apiserver, "default", "tiny")[0]["slots"] == 8)
+        kubectl(
+            apiserver,
+            "patch",
+            "pdc",
+            "tiny",
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"prefill": {"replicas": 2}, "decode": {"tilert": {"slots": 8}}}}),
+        )
+        h.wait_for(
+            "prefill scaled",
+            lambda: srv.get("deployments", "default", "tiny-prefill")["spec"]["replicas"] == 2,
+        )
+        h.wait_for(
+            "slots in args",
+            lambda: (
+                "8"
+                == (lambda a: a[a.index("--slots") + 1])(
+                    srv.get("statefulsets", "default", "tiny-tilert-decode")["spec"]["template"]["spec"][
+                        "containers"
+                    ][0]["command"]
+                )
+            ),
+        )
+        h.wait_for(
+            "slots in router config", lambda: router_nodes(apiserver, "default", "tiny")[0]["slots"] == 8
+        )
         # Not Ready until the new template is rolled out: play the controllers replacing the pods.
-        h.wait_for("RollingOut", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "RollingOut")
+        h.wait_for(
+            "RollingOut",
+            lambda: (
+                h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "RollingOut"
+            ),
+        )
         h.roll(apiserver, "tiny", constants.PREFILL)
         h.roll(apiserver, "tiny", constants.TILERT, ips=("10.1.0.1", "10.1.0.2"))
 
         # The handoff Secret is deleted -> a new token in a new Secret; no pod template changes (the
         # node and the sender re-read the mounted files; rotation is the outage-free way to change it).
-        templates = {n: srv.get(p, "default", n)["spec"]["template"] for p, n in [("deployments", "tiny-prefill"), ("statefulsets", "tiny-tilert-decode")]}
+        templates = {
+            n: srv.get(p, "default", n)["spec"]["template"]
+            for p, n in [("deployments", "tiny-prefill"), ("statefulsets", "tiny-tilert-decode")]
+        }
         old_uid = srv.get("secrets", "default", "tiny-handoff")["metadata"]["uid"]
         kubectl(apiserver, "delete", "secrets", "tiny-handoff")
-        h.wait_for("new handoff Secret", lambda: (srv.get("secrets", "default", "tiny-handoff") or {}).get("metadata", {}).get("uid") not in (None, old_uid), timeout=5)
+        h.wait_for(
+            "new handoff Secret",
+            lambda: (
+                (srv.get("secrets", "default", "tiny-handoff") or {}).get("metadata", {}).get("uid")
+                not in (None, old_uid)
+            ),
+            timeout=5,
+        )
         time.sleep(1.5)
-        assert {n: srv.get(p, "default", n)["spec"]["template"] for p, n in [("deployments", "tiny-prefill"), ("statefulsets", "tiny-tilert-decode")]} == templates
+        assert {
+            n: srv.get(p, "default", n)["spec"]["template"]
+            for p, n in [("deployments", "tiny-prefill"), ("statefulsets", "tiny-tilert-decode")]
+        } == templates
 
         # `kubectl wait` works against the status conditions.
         kubectl(apiserver, "wait", "--for=condition=Ready", "pdc/tiny", "--timeout=10s")
@@ -148,8 +265,14 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         # Delete a child -> it returns; hand-edit a child -> it is put back.
         kubectl(apiserver, "delete", "configmaps", "tiny-router")
         h.wait_for("ConfigMap back", lambda: srv.get("configmaps", "default", "tiny-router"), timeout=5)
-        kubectl(apiserver, "patch", "deployments", "tiny-router", "--type=merge", "-p", '{"spec":{"replicas":5}}')
-        h.wait_for("replicas restored", lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 1, timeout=5)
+        kubectl(
+            apiserver, "patch", "deployments", "tiny-router", "--type=merge", "-p", '{"spec":{"replicas":5}}'
+        )
+        h.wait_for(
+            "replicas restored",
+            lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 1,
+            timeout=5,
+        )
 
         # Idle resyncs write nothing.
         time.sleep(1.5)
@@ -157,8 +280,21 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         reads_before = len([c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER)])
         time.sleep(3.5)
         assert operator_writes(apiserver)[before:] == []
-        assert len([c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER)]) > reads_before, "resyncs did run"
-        snapshot = {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies", "events")}
+        assert (
+            len([c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER)]) > reads_before
+        ), "resyncs did run"
+        snapshot = {
+            p: sorted(o["metadata"]["name"] for o in srv.objects(p))
+            for p in (
+                "deployments",
+                "statefulsets",
+                "services",
+                "configmaps",
+                "secrets",
+                "networkpolicies",
+                "events",
+            )
+        }
     assert runner.exception is None
 
     # Restart the operator: nothing duplicated, nothing rewritten, no new Events.
@@ -167,10 +303,30 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TILERT_PD_METRICS_PORT", str(metrics_port))
     monkeypatch.setenv("TILERT_PD_METRICS_HOST", "127.0.0.1")
     with KopfRunner([*h.ARGS, f"--liveness=http://127.0.0.1:{live_port}/healthz"], timeout=30) as runner:
-        h.wait_for("resumed resyncs", lambda: sum(1 for c in srv.calls[-50:] if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb == "list") >= 12)
+        h.wait_for(
+            "resumed resyncs",
+            lambda: (
+                sum(
+                    1
+                    for c in srv.calls[-50:]
+                    if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb == "list"
+                )
+                >= 12
+            ),
+        )
         # The last 50 calls may still be the first operator's: wait for this one's first reconcile.
-        h.wait_for("first reconcile after the restart", lambda: helpers.sample(
-            _try_http(f"http://127.0.0.1:{metrics_port}/metrics") or "", "tilert_pd_pdclusters", state="ready") == 1, timeout=20)
+        h.wait_for(
+            "first reconcile after the restart",
+            lambda: (
+                helpers.sample(
+                    _try_http(f"http://127.0.0.1:{metrics_port}/metrics") or "",
+                    "tilert_pd_pdclusters",
+                    state="ready",
+                )
+                == 1
+            ),
+            timeout=20,
+        )
         time.sleep(1.5)
         assert operator_writes(apiserver)[before:] == []
         assert {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in snapshot} == snapshot
@@ -184,16 +340,44 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         srv.fail(409, times=2, verb="patch")
         srv.fail(500, times=3, verb="list", resource="pods")
         srv.fail(500, times=1, verb="delete")
-        kubectl(apiserver, "patch", "pdc", "tiny", "--type=merge", "-p", json.dumps({"spec": {"decode": {"native": {"replicas": 0}}, "router": {"replicas": 2}}}))
-        h.wait_for("native pool removed", lambda: srv.get("deployments", "default", "tiny-native-decode") is None, timeout=15)
-        h.wait_for("router scaled", lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 2, timeout=15)
+        kubectl(
+            apiserver,
+            "patch",
+            "pdc",
+            "tiny",
+            "--type=merge",
+            "-p",
+            json.dumps({"spec": {"decode": {"native": {"replicas": 0}}, "router": {"replicas": 2}}}),
+        )
+        h.wait_for(
+            "native pool removed",
+            lambda: srv.get("deployments", "default", "tiny-native-decode") is None,
+            timeout=15,
+        )
+        h.wait_for(
+            "router scaled",
+            lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 2,
+            timeout=15,
+        )
         assert all(f.times == 0 for f in srv.faults), "every injected fault was hit"
-        h.wait_for("generation observed", lambda: (lambda b: b["status"].get("observedGeneration") == b["metadata"]["generation"])(
-            srv.get("pdclusters", "default", "tiny")))
+        h.wait_for(
+            "generation observed",
+            lambda: (lambda b: b["status"].get("observedGeneration") == b["metadata"]["generation"])(
+                srv.get("pdclusters", "default", "tiny")
+            ),
+        )
 
         # Delete the PDCluster: every child goes (garbage collection by ownerReferences).
         kubectl(apiserver, "delete", "pdc", "tiny")
-        kinds = ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies", "pods")
+        kinds = (
+            "deployments",
+            "statefulsets",
+            "services",
+            "configmaps",
+            "secrets",
+            "networkpolicies",
+            "pods",
+        )
         h.wait_for("all gone", lambda: not any(srv.objects(p, "default") for p in kinds) or None, timeout=5)
         assert srv.get("pdclusters", "default", "tiny") is None
     assert runner.exception is None
@@ -207,20 +391,45 @@ def test_api_timeouts_are_retried(apiserver: Any, monkeypatch: pytest.MonkeyPatc
     srv.fail(0, times=1, verb="patch", resource="deployments", delay=1.5)
     with KopfRunner(h.ARGS, timeout=30) as runner:
         apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
-        h.wait_for("children", lambda: srv.get("deployments", "default", "tiny-router") and srv.get("statefulsets", "default", "tiny-tilert-decode"))
-        h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True")
+        h.wait_for(
+            "children",
+            lambda: (
+                srv.get("deployments", "default", "tiny-router")
+                and srv.get("statefulsets", "default", "tiny-tilert-decode")
+            ),
+        )
+        h.wait_for(
+            "status",
+            lambda: (
+                h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True"
+            ),
+        )
         assert all(f.times == 0 for f in srv.faults)
     assert runner.exception is None
-    assert "failed (TimeoutError" in runner.output or "failed (ServerTimeoutError" in runner.output, "the timeouts were hit and retried"
+    assert "failed (TimeoutError" in runner.output or "failed (ServerTimeoutError" in runner.output, (
+        "the timeouts were hit and retried"
+    )
 
 
 def test_operator_subcommand_starts_and_reports_liveness(apiserver: Any) -> None:
     """`tilert-pd operator` (what the chart runs) logs in, serves its liveness probe and stops on SIGTERM."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "tilert_operator.cli_operator", "--liveness", f"http://127.0.0.1:{port}/healthz"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tilert_operator.cli_operator",
+            "--liveness",
+            f"http://127.0.0.1:{port}/healthz",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
-        h.wait_for("liveness", lambda: _try_http(f"http://127.0.0.1:{port}/healthz"), timeout=30, interval=0.25)
+        h.wait_for(
+            "liveness", lambda: _try_http(f"http://127.0.0.1:{port}/healthz"), timeout=30, interval=0.25
+        )
     finally:
         proc.terminate()
         out = proc.communicate(timeout=30)[0]

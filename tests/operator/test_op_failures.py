@@ -27,33 +27,53 @@ DEPLOYMENTS = ("apps", "v1", "deployments")
 def _no_ml_team(obj: dict[str, Any], old: dict[str, Any] | None) -> tuple[dict[str, Any], list[str]]:
     labels = ((obj.get("spec") or {}).get("template") or {}).get("metadata", {}).get("labels") or {}
     if labels.get("team") == "ml":
-        return obj, ['spec.template.metadata.labels: Invalid value: "ml": a policy of this cluster admits no team ml here']
+        return obj, [
+            'spec.template.metadata.labels: Invalid value: "ml": a policy of this cluster admits no team ml here'
+        ]
     return obj, []
 
 
 def events(apiserver: Any, uid: str, reason: str) -> list[dict[str, Any]]:
-    return [e for e in apiserver.server.objects("events", "default") if e["involvedObject"]["uid"] == uid and e["reason"] == reason]
+    return [
+        e
+        for e in apiserver.server.objects("events", "default")
+        if e["involvedObject"]["uid"] == uid and e["reason"] == reason
+    ]
 
 
-def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_applied(apiserver: Any) -> None:
+def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_applied(
+    apiserver: Any,
+) -> None:
     srv = apiserver.server
     srv.validators[DEPLOYMENTS] = _no_ml_team
-    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "f"))))
+    h.run(
+        apiserver,
+        lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "f"))),
+    )
     uid = h.body(apiserver, "f")["metadata"]["uid"]
 
     out = h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "f"), now=1000.0))
     assert [f.key for f in out.failed] == ["Deployment/f-router"]
     assert out.requeue_at == 1000.0 + reconcile.FAILED_RETRY_S
     # The other children were applied all the same.
-    assert srv.get("deployments", "default", "f-prefill") and srv.get("statefulsets", "default", "f-tilert-decode")
+    assert srv.get("deployments", "default", "f-prefill") and srv.get(
+        "statefulsets", "default", "f-tilert-decode"
+    )
     assert srv.get("deployments", "default", "f-router") is None
     cond = h.condition(h.body(apiserver, "f"), "Reconciled")
     assert (cond["status"], cond["reason"]) == ("False", "ApplyRejected")
-    assert cond["message"].startswith('Deployment/f-router: HTTP 422: Deployment.apps "f-router" is invalid: '
-                                      'spec.template.metadata.labels: Invalid value: "ml": a policy of this cluster')
+    assert cond["message"].startswith(
+        'Deployment/f-router: HTTP 422: Deployment.apps "f-router" is invalid: '
+        'spec.template.metadata.labels: Invalid value: "ml": a policy of this cluster'
+    )
     [event] = events(apiserver, uid, "ApplyRejected")
     assert event["type"] == "Warning" and event["message"].startswith("Deployment/f-router: HTTP 422")
-    assert event["related"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "f-router", "namespace": "default"}
+    assert event["related"] == {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "name": "f-router",
+        "namespace": "default",
+    }
 
     # The same failure again: no new Event, no status write (once the workload controllers' first
     # reports, which the status follows, are in).
@@ -64,9 +84,16 @@ def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_a
     assert len(events(apiserver, uid, "ApplyRejected")) == 1
 
     # Fixed spec: applied, Reconciled=True, and a Normal Event says so.
-    h.run(apiserver, lambda api: api.request("patch", "PATCH", "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/f",
-                                           body={"spec": {"router": {"overrides": None}}},
-                                           content_type="application/merge-patch+json"))
+    h.run(
+        apiserver,
+        lambda api: api.request(
+            "patch",
+            "PATCH",
+            "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/f",
+            body={"spec": {"router": {"overrides": None}}},
+            content_type="application/merge-patch+json",
+        ),
+    )
     fixed = h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "f")))
     assert fixed.applied == ["Deployment/f-router"] and not fixed.failed and fixed.requeue_at is None
     cond = h.condition(h.body(apiserver, "f"), "Reconciled")
@@ -103,27 +130,67 @@ def test_the_running_operator_reports_a_refused_child_and_clears_it(apiserver: A
     srv = apiserver.server
     srv.validators[DEPLOYMENTS] = _no_ml_team
     with KopfRunner(h.ARGS, timeout=40):
-        h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "k"))))
-        h.wait_for("Reconciled=False", lambda: h.condition(srv.get("pdclusters", "default", "k"), "Reconciled").get("status") == "False")
+        h.run(
+            apiserver,
+            lambda api: api.create(
+                h.pdc(helpers.cr(helpers.minimal(router={"overrides": BAD_OVERRIDE}), "k"))
+            ),
+        )
+        h.wait_for(
+            "Reconciled=False",
+            lambda: h.condition(srv.get("pdclusters", "default", "k"), "Reconciled").get("status") == "False",
+        )
         uid = h.body(apiserver, "k")["metadata"]["uid"]
         # Reported by the reconcile that was refused: one apply of the router so far.
-        refused = [c for c in srv.calls if c.verb == "patch" and c.resource == "deployments" and c.user_agent.startswith("tilert-pd")]
+        refused = [
+            c
+            for c in srv.calls
+            if c.verb == "patch" and c.resource == "deployments" and c.user_agent.startswith("tilert-pd")
+        ]
         assert refused
         h.wait_for("the Warning Event", lambda: events(apiserver, uid, "ApplyRejected"))
-        out = subprocess.run(["kubectl", "--kubeconfig", apiserver.kubeconfig, "patch", "pdc", "k", "--type=merge", "-p",
-                              '{"spec":{"router":{"overrides":null}}}'], capture_output=True, text=True, timeout=30)
+        out = subprocess.run(
+            [
+                "kubectl",
+                "--kubeconfig",
+                apiserver.kubeconfig,
+                "patch",
+                "pdc",
+                "k",
+                "--type=merge",
+                "-p",
+                '{"spec":{"router":{"overrides":null}}}',
+            ],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert out.returncode == 0, out.stderr
-        h.wait_for("Reconciled=True", lambda: h.condition(srv.get("pdclusters", "default", "k"), "Reconciled").get("status") == "True")
+        h.wait_for(
+            "Reconciled=True",
+            lambda: h.condition(srv.get("pdclusters", "default", "k"), "Reconciled").get("status") == "True",
+        )
         assert srv.get("deployments", "default", "k-router") is not None
 
 
 def test_the_api_servers_message_is_taken_from_the_status_even_after_retries_or_cut() -> None:
-    status = ('{"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": '
-              '"failed to create typed patch object (d/x; apps/v1, Kind=Deployment): .spec.template.spec.tolerations[0].foo: '
-              'field not declared in schema", "reason": "InternalError", "code": 500}')
-    gave_up = ApiError(0, "PATCH", "/apis/apps/v1/namespaces/d/deployments/x", f"gave up after 6 attempts; last: HTTP 500: {status}")
-    assert reconcile.api_message(gave_up) == ("HTTP 500: failed to create typed patch object (d/x; apps/v1, Kind=Deployment): "
-                                              ".spec.template.spec.tolerations[0].foo: field not declared in schema")
+    status = (
+        '{"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure", "message": '
+        '"failed to create typed patch object (d/x; apps/v1, Kind=Deployment): .spec.template.spec.tolerations[0].foo: '
+        'field not declared in schema", "reason": "InternalError", "code": 500}'
+    )
+    gave_up = ApiError(
+        0,
+        "PATCH",
+        "/apis/apps/v1/namespaces/d/deployments/x",
+        f"gave up after 6 attempts; last: HTTP 500: {status}",
+    )
+    assert reconcile.api_message(gave_up) == (
+        "HTTP 500: failed to create typed patch object (d/x; apps/v1, Kind=Deployment): "
+        ".spec.template.spec.tolerations[0].foo: field not declared in schema"
+    )
     cut = ApiError(422, "PATCH", "/p", status.replace("500", "422")[:150])
-    assert reconcile.api_message(cut).startswith("HTTP 422: failed to create") and reconcile.api_message(cut).endswith("...")
+    assert reconcile.api_message(cut).startswith("HTTP 422: failed to create") and reconcile.api_message(
+        cut
+    ).endswith("...")
     assert reconcile.api_message(ApiError(403, "GET", "/p", "forbidden")) == "GET /p: HTTP 403: forbidden"

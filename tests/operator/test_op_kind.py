@@ -19,7 +19,10 @@ from kopf.testing import KopfRunner
 
 pytestmark = [
     pytest.mark.kind,
-    pytest.mark.skipif(os.environ.get("TILERT_PD_KIND") != "1", reason="needs a kind cluster: TILERT_PD_KIND=1 and KUBECONFIG"),
+    pytest.mark.skipif(
+        os.environ.get("TILERT_PD_KIND") != "1",
+        reason="needs a kind cluster: TILERT_PD_KIND=1 and KUBECONFIG",
+    ),
 ]
 CRD = Path(__file__).resolve().parents[2] / "crds" / "pdcluster.yaml"
 
@@ -42,23 +45,66 @@ def test_kind_lifecycle(monkeypatch: pytest.MonkeyPatch) -> None:
     kubectl("create", "namespace", ns)
     try:
         # Real CEL: a bad spec is refused by the API server itself.
-        bad = helpers.cr(helpers.minimal(decode={"tilert": {"replicas": 0}}), name="bad") | {"metadata": {"name": "bad", "namespace": ns}}
+        bad = helpers.cr(helpers.minimal(decode={"tilert": {"replicas": 0}}), name="bad") | {
+            "metadata": {"name": "bad", "namespace": ns}
+        }
         refused = kubectl("apply", "-f", "-", stdin=yaml.safe_dump(bad), check=False)
         assert refused.returncode != 0 and "at least one decode replica" in refused.stderr
         with KopfRunner(h.ARGS, timeout=60) as runner:
             doc = h.pdc(helpers.example("tiny-cpu"), ns)
             kubectl("apply", "-f", "-", stdin=yaml.safe_dump(doc))
-            for kind, name in [("deployment", "tiny-prefill"), ("statefulset", "tiny-tilert-decode"), ("configmap", "tiny-router"), ("secret", "tiny-handoff"), ("secret", "tiny-node-api")]:
-                h.wait_for(f"{kind}/{name}", lambda k=kind, n=name: kubectl("get", "-n", ns, k, n, check=False).returncode == 0, timeout=60, interval=1)
-            status = h.wait_for("status", lambda: json.loads(kubectl("get", "-n", ns, "pdc", "tiny", "-o", "json").stdout).get("status"), timeout=60, interval=1)
+            for kind, name in [
+                ("deployment", "tiny-prefill"),
+                ("statefulset", "tiny-tilert-decode"),
+                ("configmap", "tiny-router"),
+                ("secret", "tiny-handoff"),
+                ("secret", "tiny-node-api"),
+            ]:
+                h.wait_for(
+                    f"{kind}/{name}",
+                    lambda k=kind, n=name: kubectl("get", "-n", ns, k, n, check=False).returncode == 0,
+                    timeout=60,
+                    interval=1,
+                )
+            status = h.wait_for(
+                "status",
+                lambda: json.loads(kubectl("get", "-n", ns, "pdc", "tiny", "-o", "json").stdout).get(
+                    "status"
+                ),
+                timeout=60,
+                interval=1,
+            )
             assert any(c["type"] == "SpecValid" and c["status"] == "True" for c in status["conditions"])
             # Real SSA on a Secret the operator created by POST: a rotation's first phase applies.
             kubectl("annotate", "-n", ns, "pdc", "tiny", "pd.tilert.ai/rotate-handoff-secret=kind-1")
-            h.wait_for("rotation phase 1", lambda: json.loads(kubectl("get", "-n", ns, "pdc", "tiny", "-o", "json").stdout)
-                       .get("status", {}).get("handoffSecret", {}).get("phase") == "AcceptingNewSecret", timeout=60, interval=1)
-            assert kubectl("get", "-n", ns, "pdc").stdout.split()[:7] == ["NAME", "READY", "PREFILL", "TILERT", "NATIVE", "ROUTER", "AGE"]
+            h.wait_for(
+                "rotation phase 1",
+                lambda: (
+                    json.loads(kubectl("get", "-n", ns, "pdc", "tiny", "-o", "json").stdout)
+                    .get("status", {})
+                    .get("handoffSecret", {})
+                    .get("phase")
+                    == "AcceptingNewSecret"
+                ),
+                timeout=60,
+                interval=1,
+            )
+            assert kubectl("get", "-n", ns, "pdc").stdout.split()[:7] == [
+                "NAME",
+                "READY",
+                "PREFILL",
+                "TILERT",
+                "NATIVE",
+                "ROUTER",
+                "AGE",
+            ]
             kubectl("delete", "-n", ns, "pdc", "tiny", "--wait=true")
-            h.wait_for("GC", lambda: kubectl("get", "-n", ns, "deployment", "tiny-prefill", check=False).returncode != 0, timeout=60, interval=1)
+            h.wait_for(
+                "GC",
+                lambda: kubectl("get", "-n", ns, "deployment", "tiny-prefill", check=False).returncode != 0,
+                timeout=60,
+                interval=1,
+            )
             time.sleep(1)
         assert runner.exception is None
     finally:

@@ -75,8 +75,9 @@ def rotate(secret_dir: Path, token: str) -> None:
         (secret_dir / "token").symlink_to("..data/token")
 
 
-async def test_in_cluster_token_is_re_read_when_the_kubelet_rotates_it(token_server: Any, tmp_path: Path,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_in_cluster_token_is_re_read_when_the_kubelet_rotates_it(
+    token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kubernetes.config import incluster_config
 
     sa = tmp_path / "serviceaccount"
@@ -88,11 +89,17 @@ async def test_in_cluster_token_is_re_read_when_the_kubelet_rotates_it(token_ser
     monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "127.0.0.1")
     monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "6443")
     conn = kubeapi.load_connection()
-    assert (conn.token, conn.token_file, conn.server) == ("token-1", str(sa / "token"), "https://127.0.0.1:6443")
+    assert (conn.token, conn.token_file, conn.server) == (
+        "token-1",
+        str(sa / "token"),
+        "https://127.0.0.1:6443",
+    )
 
     valid = ["token-1"]
     srv = token_server(lambda: valid[0])
-    async with kubeapi.Client(kubeapi.Connection(server=token_server.url, token=conn.token, token_file=conn.token_file)) as api:
+    async with kubeapi.Client(
+        kubeapi.Connection(server=token_server.url, token=conn.token, token_file=conn.token_file)
+    ) as api:
         assert await api.list("Pod", "default", "a=b") == []
         # The kubelet writes a new token and the old one stops working: the next call uses the new one.
         rotate(sa, "token-2")
@@ -108,7 +115,9 @@ async def test_a_401_re_reads_the_token_and_retries_once(token_server: Any, tmp_
     srv = token_server(lambda: "fresh")
     # The client holds a token the file no longer has, and the file looks unchanged to it (the same
     # stat as when it started): only the 401 tells it.
-    async with kubeapi.Client(kubeapi.Connection(server=token_server.url, token="stale", token_file=str(path))) as api:
+    async with kubeapi.Client(
+        kubeapi.Connection(server=token_server.url, token="stale", token_file=str(path))
+    ) as api:
         assert await api.list("Pod", "default", "a=b") == []
     assert srv.seen == [("stale", 401), ("fresh", 200)]
 
@@ -117,14 +126,16 @@ async def test_a_401_that_re_reading_cannot_fix_fails_at_once(token_server: Any,
     path = tmp_path / "token"
     path.write_text("revoked")
     srv = token_server(lambda: "something-else")
-    async with kubeapi.Client(kubeapi.Connection(server=token_server.url, token="revoked", token_file=str(path))) as api:
+    async with kubeapi.Client(
+        kubeapi.Connection(server=token_server.url, token="revoked", token_file=str(path))
+    ) as api:
         with pytest.raises(kubeapi.ApiError) as e:
             await api.list("Pod", "default", "a=b")
     assert e.value.status == 401
     assert srv.seen == [("revoked", 401)], "no blind retry with the same credentials"
 
 
-PLUGIN = '''
+PLUGIN = """
 import datetime, json, os, sys
 state = sys.argv[1]
 s = json.load(open(state)) if os.path.exists(state) else {"n": 0}
@@ -135,7 +146,7 @@ json.dump(s, open(state + ".tmp", "w")); os.replace(state + ".tmp", state)
 exp = datetime.datetime.fromtimestamp(s["expires"], datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 print(json.dumps({"apiVersion": "client.authentication.k8s.io/v1", "kind": "ExecCredential",
                   "status": {"token": s["token"], "expirationTimestamp": exp}}))
-'''
+"""
 
 
 def exec_kubeconfig(tmp_path: Path, server: str, lifetime_s: float) -> tuple[Path, Path]:
@@ -154,7 +165,9 @@ def exec_kubeconfig(tmp_path: Path, server: str, lifetime_s: float) -> tuple[Pat
     return path, state
 
 
-async def test_exec_plugin_token_is_renewed_before_it_expires(token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_exec_plugin_token_is_renewed_before_it_expires(
+    token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     cfg, state = exec_kubeconfig(tmp_path, token_server.url, lifetime_s=3.0)
     monkeypatch.setenv("KUBECONFIG", str(cfg))
 
@@ -173,7 +186,9 @@ async def test_exec_plugin_token_is_renewed_before_it_expires(token_server: Any,
             await asyncio.sleep(0.2)
         renewed = api.reauths["before expiry"]
         assert renewed >= 2, api.reauths
-        assert all(code == 200 for _, code in srv.seen), "renewed before expiry: the server never saw an expired token"
+        assert all(code == 200 for _, code in srv.seen), (
+            "renewed before expiry: the server never saw an expired token"
+        )
         assert json.loads(state.read_text())["n"] == 1 + renewed
 
         # The server revokes the token early: the 401 runs the plugin again and the call succeeds.
@@ -197,7 +212,9 @@ def test_kopf_login_carries_the_expiry(tmp_path: Path, monkeypatch: pytest.Monke
     assert 590 < (info.expiration - datetime.datetime.now(datetime.UTC)).total_seconds() <= 600
 
 
-async def test_kubeconfig_token_file_is_followed(token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_kubeconfig_token_file_is_followed(
+    token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A kubeconfig user with `tokenFile` (relative to the kubeconfig) is read like the service account's."""
     (tmp_path / "tok").write_text("file-1")
     cfg = {
@@ -220,7 +237,9 @@ async def test_kubeconfig_token_file_is_followed(token_server: Any, tmp_path: Pa
     assert srv.seen == [("file-1", 200), ("file-2-longer", 200)]
 
 
-async def test_a_failing_exec_plugin_keeps_the_current_token(token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_failing_exec_plugin_keeps_the_current_token(
+    token_server: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The plugin fails while the token is about to expire: calls go on with the current token, the
     plugin is retried a few seconds later, not on every call."""
     cfg, _ = exec_kubeconfig(tmp_path, token_server.url, lifetime_s=1.0)

@@ -45,15 +45,26 @@ def _bump(body: dict[str, Any]) -> dict[str, Any]:
 
 
 def _marked_for_adoption(kind: str, name: str, cluster: str, extra: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": kind,
-            "metadata": {"name": name, "namespace": "default",
-                         "labels": {constants.LABEL_CLUSTER: cluster, constants.LABEL_MANAGED_BY: constants.MANAGED_BY},
-                         "annotations": {constants.ADOPT_ANNOTATION: "true"}}} | extra
+    return {
+        "apiVersion": "v1",
+        "kind": kind,
+        "metadata": {
+            "name": name,
+            "namespace": "default",
+            "labels": {constants.LABEL_CLUSTER: cluster, constants.LABEL_MANAGED_BY: constants.MANAGED_BY},
+            "annotations": {constants.ADOPT_ANNOTATION: "true"},
+        },
+    } | extra
 
 
 def _refusals(srv: Any) -> list[str]:
-    return sorted({f"{c.attrs.verb} {pdc_rbac.qualified(c.attrs.group, c.attrs.combined)} in {c.attrs.namespace or 'the cluster scope'}"
-                   for c in srv.checks if not c.allowed and not c.probe})
+    return sorted(
+        {
+            f"{c.attrs.verb} {pdc_rbac.qualified(c.attrs.group, c.attrs.combined)} in {c.attrs.namespace or 'the cluster scope'}"
+            for c in srv.checks
+            if not c.allowed and not c.probe
+        }
+    )
 
 
 def _no_refusal_logged(log: str) -> bool:
@@ -74,9 +85,23 @@ def test_the_charts_rbac_allows_exactly_what_the_operator_does(apiserver: Any, m
     srv = apiserver.server
     chart = h.install_chart_rbac(apiserver, MODES[mode])
     # Someone else's Secret and ConfigMap, marked for adoption: taking them changes their ownerReferences.
-    apiserver.call(srv.put(("", "v1", "secrets"), _marked_for_adoption(
-        "Secret", "tiny-handoff", "tiny", {"type": "Opaque", "data": {"secret": base64.b64encode(b"s").decode()}})))
-    apiserver.call(srv.put(("", "v1", "configmaps"), _marked_for_adoption("ConfigMap", "tiny-router", "tiny", {"data": {"k": "v"}})))
+    apiserver.call(
+        srv.put(
+            ("", "v1", "secrets"),
+            _marked_for_adoption(
+                "Secret",
+                "tiny-handoff",
+                "tiny",
+                {"type": "Opaque", "data": {"secret": base64.b64encode(b"s").decode()}},
+            ),
+        )
+    )
+    apiserver.call(
+        srv.put(
+            ("", "v1", "configmaps"),
+            _marked_for_adoption("ConfigMap", "tiny-router", "tiny", {"data": {"k": "v"}}),
+        )
+    )
     with KopfRunner(chart.kopf_args, timeout=60) as runner:
         apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
         sts = _wait(srv, "StatefulSet", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode"))
@@ -85,20 +110,43 @@ def test_the_charts_rbac_allows_exactly_what_the_operator_does(apiserver: Any, m
         # Every replica: Ready waits for each workload to have rolled out (tiny-cpu has two TileRT nodes).
         for i in range(sts["spec"]["replicas"]):
             apiserver.call(srv.put(h.POD, h.pod("tiny", constants.TILERT, i, owner=sts)))
-        _wait(srv, "Ready", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True")
+        _wait(
+            srv,
+            "Ready",
+            lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True",
+        )
         # The prefill pod goes unready and back, twice: the second NotServing Event is the first one's count.
         for _ in range(2):
             apiserver.call(srv.put(h.POD, h.pod("tiny", constants.PREFILL, 0, ready=False)))
-            _wait(srv, "NotServing", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "NotServing")
+            _wait(
+                srv,
+                "NotServing",
+                lambda: (
+                    h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason")
+                    == "NotServing"
+                ),
+            )
             apiserver.call(srv.put(h.POD, h.pod("tiny", constants.PREFILL, 0)))
-            _wait(srv, "Ready", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True")
-        h.wait_for("NotServing counted twice", lambda: any(e["reason"] == "NotServing" and e.get("count") == 2
-                                                           for e in srv.objects("events", "default")))
+            _wait(
+                srv,
+                "Ready",
+                lambda: (
+                    h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("status") == "True"
+                ),
+            )
+        h.wait_for(
+            "NotServing counted twice",
+            lambda: any(
+                e["reason"] == "NotServing" and e.get("count") == 2 for e in srv.objects("events", "default")
+            ),
+        )
         assert _refusals(srv) == [], "the chart's RBAC refuses these calls of the operator"
         assert h.condition(srv.get("pdclusters", "default", "tiny"), "Reconciled")["status"] == "True"
         uid = srv.get("pdclusters", "default", "tiny")["metadata"]["uid"]
         for plural, name in (("secrets", "tiny-handoff"), ("configmaps", "tiny-router")):
-            assert [r["uid"] for r in srv.get(plural, "default", name)["metadata"]["ownerReferences"]] == [uid]
+            assert [r["uid"] for r in srv.get(plural, "default", name)["metadata"]["ownerReferences"]] == [
+                uid
+            ]
         body = srv.get("pdclusters", "default", "tiny")
         body["spec"]["decode"]["native"]["replicas"] = 0
         body["spec"]["networkPolicies"] = {"enabled": False}
@@ -108,8 +156,13 @@ def test_the_charts_rbac_allows_exactly_what_the_operator_does(apiserver: Any, m
         body = srv.get("pdclusters", "default", "tiny")
         body["spec"]["decode"] = {"tilert": {"replicas": 0}, "native": {"replicas": 1}}
         apiserver.call(srv.put(h.PDC, _bump(body)))
-        h.wait_for("TileRT pool removed", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode") is None)
-        h.wait_for("its PodDisruptionBudget removed", lambda: srv.get("poddisruptionbudgets", "default", "tiny-tilert-decode") is None)
+        h.wait_for(
+            "TileRT pool removed", lambda: srv.get("statefulsets", "default", "tiny-tilert-decode") is None
+        )
+        h.wait_for(
+            "its PodDisruptionBudget removed",
+            lambda: srv.get("poddisruptionbudgets", "default", "tiny-tilert-decode") is None,
+        )
         apiserver.call(srv.remove(("", "v1", "configmaps"), "default", "tiny-router"))
         h.wait_for("ConfigMap back", lambda: srv.get("configmaps", "default", "tiny-router"))
         # Rotate the handoff secret (patches it) and run a stack on Multus networks with the
@@ -117,32 +170,59 @@ def test_the_charts_rbac_allows_exactly_what_the_operator_does(apiserver: Any, m
         rotating = srv.get("pdclusters", "default", "tiny")
         rotating["metadata"]["annotations"] = {constants.ROTATE_HANDOFF_SECRET_ANNOTATION: "1"}
         apiserver.call(srv.put(h.PDC, rotating))
-        h.wait_for("rotated", lambda: (srv.get("pdclusters", "default", "tiny")["status"].get("handoffSecret") or {}).get("lastRotated"))
+        h.wait_for(
+            "rotated",
+            lambda: (srv.get("pdclusters", "default", "tiny")["status"].get("handoffSecret") or {}).get(
+                "lastRotated"
+            ),
+        )
         h.install_crd(apiserver, h.MULTI_NETWORK_POLICY_CRD)
-        apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}}), name="nets"))))
+        apiserver.call(
+            srv.put(
+                h.PDC,
+                h.pdc(
+                    helpers.cr(helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}}), name="nets")
+                ),
+            )
+        )
         h.wait_for("MultiNetworkPolicies", lambda: srv.objects("multi-networkpolicies", "default"))
         nets = srv.get("pdclusters", "default", "nets")
         nets["spec"]["transfer"]["rdma"] = {}
         apiserver.call(srv.put(h.PDC, _bump(nets)))
-        h.wait_for("MultiNetworkPolicies removed", lambda: not srv.objects("multi-networkpolicies", "default"))
+        h.wait_for(
+            "MultiNetworkPolicies removed", lambda: not srv.objects("multi-networkpolicies", "default")
+        )
         bad = h.pdc(helpers.cr(helpers.minimal(prefill={"gpus": 3}), name="bad"))
         apiserver.call(srv.put(h.PDC, bad))
-        h.wait_for("SpecValid=False", lambda: h.condition(srv.get("pdclusters", "default", "bad"), "SpecValid").get("status") == "False")
+        h.wait_for(
+            "SpecValid=False",
+            lambda: (
+                h.condition(srv.get("pdclusters", "default", "bad"), "SpecValid").get("status") == "False"
+            ),
+        )
         apiserver.call(srv.remove(h.PDC, "default", "tiny"))
-        assert not [d for d in srv.objects("deployments", "default") if d["metadata"]["name"].startswith("tiny-")]
+        assert not [
+            d for d in srv.objects("deployments", "default") if d["metadata"]["name"].startswith("tiny-")
+        ]
         checked = len(srv.checks)
         h.wait_for("a resync after the deletion", lambda: len(srv.checks) > checked + 5)
     assert runner.exception is None
 
     assert _refusals(srv) == [], "the chart's RBAC refuses these calls of the operator"
     assert _no_refusal_logged(runner.output)
-    used = {(c.attrs.group, c.attrs.combined, c.attrs.verb) for c in srv.checks if c.allowed and c.user == chart.user}
+    used = {
+        (c.attrs.group, c.attrs.combined, c.attrs.verb)
+        for c in srv.checks
+        if c.allowed and c.user == chart.user
+    }
     unused = chart.granted - used
     assert sorted(unused) == [], "the chart's RBAC grants calls the operator never makes"
 
 
 @pytest.mark.parametrize("mode", list(MODES))
-def test_the_chart_installed_operator_reconciles_every_example_without_a_403(apiserver: Any, mode: str) -> None:
+def test_the_chart_installed_operator_reconciles_every_example_without_a_403(
+    apiserver: Any, mode: str
+) -> None:
     srv = apiserver.server
     chart = h.install_chart_rbac(apiserver, MODES[mode])
     h.install_crd(apiserver, h.MULTI_NETWORK_POLICY_CRD)
@@ -152,8 +232,13 @@ def test_the_chart_installed_operator_reconciles_every_example_without_a_403(api
             apiserver.call(srv.put(h.PDC, doc))
         for doc in docs:
             ns, name = doc["metadata"]["namespace"], doc["metadata"]["name"]
-            _wait(srv, f"{ns}/{name} Reconciled=True",
-                       lambda ns=ns, name=name: h.condition(srv.get("pdclusters", ns, name), "Reconciled").get("status") == "True")
+            _wait(
+                srv,
+                f"{ns}/{name} Reconciled=True",
+                lambda ns=ns, name=name: (
+                    h.condition(srv.get("pdclusters", ns, name), "Reconciled").get("status") == "True"
+                ),
+            )
             assert srv.get("configmaps", ns, f"{name}-router")
     assert runner.exception is None
     assert _refusals(srv) == []
@@ -167,8 +252,12 @@ def test_a_role_without_a_rule_is_reported_as_forbidden_not_as_a_spec_error(apis
     chart = h.install_chart_rbac(apiserver, {}, without=("policy", "poddisruptionbudgets", "create"))
     with KopfRunner(chart.kopf_args, timeout=40) as runner:
         apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
-        body = h.wait_for("Reconciled=False", lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
-            srv.get("pdclusters", "default", "tiny")))
+        body = h.wait_for(
+            "Reconciled=False",
+            lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
+                srv.get("pdclusters", "default", "tiny")
+            ),
+        )
         cond = h.condition(body, "Reconciled")
         assert cond["reason"] == "Forbidden", cond
         assert "PodDisruptionBudget/tiny-prefill" in cond["message"]
@@ -176,13 +265,25 @@ def test_a_role_without_a_rule_is_reported_as_forbidden_not_as_a_spec_error(apis
         assert "fix the chart's RBAC or install the chart's current version" in cond["message"]
         assert "fix the spec" not in cond["message"]
         assert h.condition(body, "Ready")["status"] == "False"
-        events = h.wait_for("Forbidden Events", lambda: [e for e in srv.objects("events", "default") if e["reason"] == "Forbidden"])
-        assert all(e["type"] == "Warning" and "lacks create on poddisruptionbudgets" in e["message"] for e in events)
+        events = h.wait_for(
+            "Forbidden Events",
+            lambda: [e for e in srv.objects("events", "default") if e["reason"] == "Forbidden"],
+        )
+        assert all(
+            e["type"] == "Warning" and "lacks create on poddisruptionbudgets" in e["message"] for e in events
+        )
         # The rest of the stack is still applied.
-        assert srv.get("statefulsets", "default", "tiny-tilert-decode") and srv.get("services", "default", "tiny-router")
+        assert srv.get("statefulsets", "default", "tiny-tilert-decode") and srv.get(
+            "services", "default", "tiny-router"
+        )
         # The role fixed (the chart's current version installed): Reconciled=True without a restart.
         srv.rbac = pdc_rbac.Rbac(chart.objects)
-        h.wait_for("Reconciled=True", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "Reconciled").get("status") == "True")
+        h.wait_for(
+            "Reconciled=True",
+            lambda: (
+                h.condition(srv.get("pdclusters", "default", "tiny"), "Reconciled").get("status") == "True"
+            ),
+        )
     assert runner.exception is None
 
 
@@ -191,18 +292,27 @@ def test_a_403_outside_the_children_is_reported_as_forbidden(apiserver: Any) -> 
     chart = h.install_chart_rbac(apiserver, {}, without=("", "secrets", "create"))
     with KopfRunner(chart.kopf_args, timeout=40) as runner:
         apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
-        body = h.wait_for("Reconciled=False", lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
-            srv.get("pdclusters", "default", "tiny")))
+        body = h.wait_for(
+            "Reconciled=False",
+            lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
+                srv.get("pdclusters", "default", "tiny")
+            ),
+        )
         cond = h.condition(body, "Reconciled")
         assert cond["reason"] == "Forbidden", cond
-        assert "the operator's role lacks create on secrets" in cond["message"] and "fix the chart's RBAC" in cond["message"]
+        assert (
+            "the operator's role lacks create on secrets" in cond["message"]
+            and "fix the chart's RBAC" in cond["message"]
+        )
         assert "fix the spec" not in cond["message"]
     assert runner.exception is None
 
 
 def _client_call(apiserver: Any, fn: Any) -> Any:
     async def go() -> Any:
-        async with Client(Connection(server=apiserver.url, token=pdc_apiserver.TOKEN), retry=Retry(attempts=1)) as api:
+        async with Client(
+            Connection(server=apiserver.url, token=pdc_apiserver.TOKEN), retry=Retry(attempts=1)
+        ) as api:
             return await fn(api)
 
     return asyncio.run(go())
@@ -212,7 +322,11 @@ def _refused(apiserver: Any, fn: Any) -> ApiError:
     with pytest.raises(ApiError) as caught:
         _client_call(apiserver, fn)
     assert caught.value.status == 403 and caught.value.body is not None
-    assert (caught.value.body["kind"], caught.value.body["reason"], caught.value.body["code"]) == ("Status", "Forbidden", 403)
+    assert (caught.value.body["kind"], caught.value.body["reason"], caught.value.body["code"]) == (
+        "Status",
+        "Forbidden",
+        403,
+    )
     return caught.value
 
 
@@ -220,20 +334,35 @@ def test_the_test_server_authorizes_like_a_real_api_server(apiserver: Any) -> No
     """The checks test_op_rbac relies on, one by one, with the answers a real API server gives."""
     srv = apiserver.server
     user = pdc_rbac.service_account("ops", "op")
-    role = {"kind": "ClusterRole", "metadata": {"name": "r"}, "rules": [
-        {"apiGroups": [constants.GROUP], "resources": [constants.PLURAL], "verbs": ["list"]},
-        {"apiGroups": [""], "resources": ["services"], "verbs": ["patch"]}]}
-    binding = {"kind": "ClusterRoleBinding", "metadata": {"name": "r"}, "roleRef": {"kind": "ClusterRole", "name": "r"},
-               "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}]}
+    role = {
+        "kind": "ClusterRole",
+        "metadata": {"name": "r"},
+        "rules": [
+            {"apiGroups": [constants.GROUP], "resources": [constants.PLURAL], "verbs": ["list"]},
+            {"apiGroups": [""], "resources": ["services"], "verbs": ["patch"]},
+        ],
+    }
+    binding = {
+        "kind": "ClusterRoleBinding",
+        "metadata": {"name": "r"},
+        "roleRef": {"kind": "ClusterRole", "name": "r"},
+        "subjects": [{"kind": "ServiceAccount", "name": "op", "namespace": "ops"}],
+    }
     srv.rbac, srv.users[pdc_apiserver.TOKEN] = pdc_rbac.Rbac([role, binding]), user
     pdc = apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(helpers.minimal(), name="o"))))
-    service = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "namespace": "default"},
-               "spec": {"ports": [{"port": 80}]}}
+    service = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "s", "namespace": "default"},
+        "spec": {"ports": [{"port": 80}]},
+    }
 
     # The filter: verb, resource and user named. A subresource is its own resource.
     e = _refused(apiserver, lambda api: api.patch_status(constants.KIND, "default", "o", {"conditions": []}))
-    assert e.body and e.body["message"] == (f'pdclusters.pd.tilert.ai "o" is forbidden: User "{user.name}" cannot patch resource '
-                                           '"pdclusters/status" in API group "pd.tilert.ai" in the namespace "default"')
+    assert e.body and e.body["message"] == (
+        f'pdclusters.pd.tilert.ai "o" is forbidden: User "{user.name}" cannot patch resource '
+        '"pdclusters/status" in API group "pd.tilert.ai" in the namespace "default"'
+    )
     assert e.body["details"] == {"name": "o", "group": constants.GROUP, "kind": "pdclusters"}
     # An apply that creates needs create as well as patch; the refusal gives no reason.
     e = _refused(apiserver, lambda api: api.apply(copy.deepcopy(service)))
@@ -246,20 +375,39 @@ def test_the_test_server_authorizes_like_a_real_api_server(apiserver: Any) -> No
     owned["metadata"]["ownerReferences"] = [credentials.owner_reference(pdc)]
     srv.owner_references_permission_enforcement = True
     e = _refused(apiserver, lambda api: api.apply(copy.deepcopy(owned)))
-    assert e.body and e.body["message"] == 'services "s" is forbidden: cannot set an ownerRef on a resource you can\'t delete: , <nil>'
+    assert (
+        e.body
+        and e.body["message"]
+        == 'services "s" is forbidden: cannot set an ownerRef on a resource you can\'t delete: , <nil>'
+    )
     role["rules"][1]["verbs"].append("delete")
     e = _refused(apiserver, lambda api: api.apply(copy.deepcopy(owned)))
-    assert e.body and e.body["message"] == ('services "s" is forbidden: cannot set blockOwnerDeletion if an ownerReference refers to '
-                                           "a resource you can't set finalizers on: , <nil>")
+    assert e.body and e.body["message"] == (
+        'services "s" is forbidden: cannot set blockOwnerDeletion if an ownerReference refers to '
+        "a resource you can't set finalizers on: , <nil>"
+    )
     assert [c.attrs for c in srv.checks if not c.allowed][-1] == pdc_rbac.Attributes(
-        "update", constants.GROUP, constants.PLURAL, "finalizers", "default", "o")
-    role["rules"].append({"apiGroups": [constants.GROUP], "resources": [f"{constants.PLURAL}/finalizers"], "verbs": ["update"]})
+        "update", constants.GROUP, constants.PLURAL, "finalizers", "default", "o"
+    )
+    role["rules"].append(
+        {"apiGroups": [constants.GROUP], "resources": [f"{constants.PLURAL}/finalizers"], "verbs": ["update"]}
+    )
     _client_call(apiserver, lambda api: api.apply(copy.deepcopy(owned)))
     srv.owner_references_permission_enforcement = False
     # A Role binds only in its namespace.
-    srv.rbac = pdc_rbac.Rbac([role | {"kind": "Role", "metadata": {"name": "r", "namespace": "other"}},
-                              binding | {"kind": "RoleBinding", "metadata": {"name": "r", "namespace": "other"},
-                                         "roleRef": {"kind": "Role", "name": "r"}}])
+    srv.rbac = pdc_rbac.Rbac(
+        [
+            role | {"kind": "Role", "metadata": {"name": "r", "namespace": "other"}},
+            binding
+            | {
+                "kind": "RoleBinding",
+                "metadata": {"name": "r", "namespace": "other"},
+                "roleRef": {"kind": "Role", "name": "r"},
+            },
+        ]
+    )
     e = _refused(apiserver, lambda api: api.list(constants.KIND, "default", ""))
-    assert e.body and e.body["message"].startswith(f'pdclusters.pd.tilert.ai is forbidden: User "{user.name}" cannot list')
+    assert e.body and e.body["message"].startswith(
+        f'pdclusters.pd.tilert.ai is forbidden: User "{user.name}" cannot list'
+    )
     assert _client_call(apiserver, lambda api: api.list(constants.KIND, "other", "")) == []

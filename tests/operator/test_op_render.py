@@ -43,8 +43,11 @@ def test_examples_render_valid_manifests(path: Any) -> None:
     _strict(objs)
     ns = doc["metadata"].get("namespace", "default")
     assert all(o["metadata"]["namespace"] == ns for o in objs)
-    assert render.all_manifests(specmod.parse(doc["spec"]), "x", "y", secret_token="a") == render.all_manifests(
-        specmod.parse(doc["spec"]), "x", "y", secret_token="a"), "rendering must be deterministic"
+    assert render.all_manifests(
+        specmod.parse(doc["spec"]), "x", "y", secret_token="a"
+    ) == render.all_manifests(specmod.parse(doc["spec"]), "x", "y", secret_token="a"), (
+        "rendering must be deterministic"
+    )
 
 
 MATRIX = list(itertools.product(
@@ -55,13 +58,19 @@ MATRIX = list(itertools.product(
 
 
 @pytest.mark.parametrize(("engine", "protocol", "host_net", "pools", "weights"), MATRIX)
-def test_matrix_renders_valid_manifests(engine: str, protocol: str, host_net: bool, pools: tuple[int, int], weights: str) -> None:
+def test_matrix_renders_valid_manifests(
+    engine: str, protocol: str, host_net: bool, pools: tuple[int, int], weights: str
+) -> None:
     rdma: dict[str, Any] = {"hostNetwork": host_net}
     if protocol == "rdma":
         rdma["resources"] = {"rdma/ib": 1}
         if not host_net:
             rdma["networks"] = ["rdma-net"]
-    w = {"tiny": True} if weights == "tiny" else {"tiny": False, "volume": {"persistentVolumeClaim": {"claimName": "c"}}}
+    w = (
+        {"tiny": True}
+        if weights == "tiny"
+        else {"tiny": False, "volume": {"persistentVolumeClaim": {"claimName": "c"}}}
+    )
     spec = helpers.minimal(
         model={"weights": w},
         transfer={"engine": engine, "protocol": protocol, "rdma": rdma},
@@ -132,10 +141,20 @@ def test_decode_node_and_router_commands() -> None:
     cmds = commands.commands(spec)
     argv = cmds[constants.TILERT].argv
     assert argv[:2] == ["tilert-pd", "decode-node"]
-    expect = {"--tilert-model": "mla", "--engine": "reference", "--slots": "4", "--ctrl-port": str(defaults.DECODE_CTRL_PORT),
-              "--http-port": str(defaults.DECODE_HTTP_PORT), "--transfer": "mooncake", "--protocol": "tcp",
-              "--secret-file": defaults.SECRET_PATH, "--max-seq-len": "2048", "--kv-cache-dtype": "float32", "--host": "0.0.0.0",
-              "--num-speculative-tokens": "1"}
+    expect = {
+        "--tilert-model": "mla",
+        "--engine": "reference",
+        "--slots": "4",
+        "--ctrl-port": str(defaults.DECODE_CTRL_PORT),
+        "--http-port": str(defaults.DECODE_HTTP_PORT),
+        "--transfer": "mooncake",
+        "--protocol": "tcp",
+        "--secret-file": defaults.SECRET_PATH,
+        "--max-seq-len": "2048",
+        "--kv-cache-dtype": "float32",
+        "--host": "0.0.0.0",
+        "--num-speculative-tokens": "1",
+    }
     assert {f: _arg(argv, f) for f in expect} == expect
     assert "--device" not in argv, "a CPU node keeps decode-node's cpu default"
     # vLLM has no float32 cache dtype: its cache follows a float32 model instead.
@@ -143,14 +162,30 @@ def test_decode_node_and_router_commands() -> None:
     assert (_arg(prefill, "--kv-cache-dtype"), _arg(prefill, "--dtype")) == ("auto", "float32")
     glm = commands.commands(specmod.parse(helpers.example("glm5-b200-rdma")["spec"]))[constants.TILERT].argv
     assert (_arg(glm, "--device"), _arg(glm, "--shards")) == ("cuda:0", "8")
-    no_mtp = commands.commands(specmod.parse(helpers.minimal(decode={"tilert": {"mtp": False}})))[constants.TILERT].argv
+    no_mtp = commands.commands(specmod.parse(helpers.minimal(decode={"tilert": {"mtp": False}})))[
+        constants.TILERT
+    ].argv
     assert _arg(no_mtp, "--num-speculative-tokens") == "0"
-    assert cmds[constants.ROUTER].argv == ["tilert-pd", "router", "--config", "/etc/tilert-pd/router/config.yaml",
-                                           "--host", "0.0.0.0", "--port", str(defaults.ROUTER_PORT),
-                                           "--drain-timeout", "110"]
+    assert cmds[constants.ROUTER].argv == [
+        "tilert-pd",
+        "router",
+        "--config",
+        "/etc/tilert-pd/router/config.yaml",
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(defaults.ROUTER_PORT),
+        "--drain-timeout",
+        "110",
+    ]
     native = cmds[constants.NATIVE].argv
-    assert json.loads(_arg(native, "--kv-transfer-config")) == {"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}
-    local = commands.commands(spec, commands.Paths(model_dir="/tmp/m", secret_file="/tmp/s", host="127.0.0.1"))
+    assert json.loads(_arg(native, "--kv-transfer-config")) == {
+        "kv_connector": "NixlConnector",
+        "kv_role": "kv_consumer",
+    }
+    local = commands.commands(
+        spec, commands.Paths(model_dir="/tmp/m", secret_file="/tmp/s", host="127.0.0.1")
+    )
     assert _arg(local[constants.TILERT].argv, "--secret-file") == "/tmp/s"
     # A local run gives each process its own ports; everything else is what the pods run.
     node1 = commands.tilert_decode(spec, commands.Paths(model_dir="/tmp/m", ctrl_port=6001, http_port=6002))
@@ -161,7 +196,9 @@ def test_decode_node_and_router_commands() -> None:
 
 def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:
     spec = specmod.parse(helpers.example("glm5-b200-rdma")["spec"])
-    node = router_config.TileRTNode(name="glm5-tilert-decode-0", http_url="http://10.0.0.5:5557", ctrl_host="192.168.1.5")
+    node = router_config.TileRTNode(
+        name="glm5-tilert-decode-0", http_url="http://10.0.0.5:5557", ctrl_host="192.168.1.5"
+    )
     cm = render.router.configmap(spec, "glm5", "serving", [node])
     (tmp_path / "config.yaml").write_text(cm["data"]["config.yaml"])
     cfg = router_config.load(tmp_path / "config.yaml")
@@ -174,7 +211,11 @@ def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:
     d = cfg.tilert_discovery
     assert d is not None and d.service == "glm5-tilert-decode.serving.svc"
     assert (d.http_port, d.ctrl_port, d.slots, d.max_seq_len) == (
-        spec.decode.tilert.http_port, spec.decode.tilert.ctrl_port, spec.decode.tilert.slots, spec.model.max_seq_len)
+        spec.decode.tilert.http_port,
+        spec.decode.tilert.ctrl_port,
+        spec.decode.tilert.slots,
+        spec.model.max_seq_len,
+    )
 
 
 def test_secret_and_multus_wiring() -> None:
@@ -194,13 +235,31 @@ def test_secret_and_multus_wiring() -> None:
 def test_network_policies_fence_the_ports() -> None:
     objs = _render(helpers.example("tiny-cpu")["spec"], "tiny")
     pol = _by(objs, "NetworkPolicy", "tiny-tilert-decode")["spec"]["ingress"]
-    assert pol[0] == {"from": [{"podSelector": {"matchLabels": {constants.LABEL_CLUSTER: "tiny", constants.LABEL_COMPONENT: constants.PREFILL}}}]}
+    assert pol[0] == {
+        "from": [
+            {
+                "podSelector": {
+                    "matchLabels": {
+                        constants.LABEL_CLUSTER: "tiny",
+                        constants.LABEL_COMPONENT: constants.PREFILL,
+                    }
+                }
+            }
+        ]
+    }
     assert pol[1]["ports"] == [{"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}]
     assert pol[1]["from"][0]["podSelector"]["matchLabels"][constants.LABEL_COMPONENT] == constants.ROUTER
 
 
 def test_overrides_are_a_merge_patch() -> None:
-    spec = helpers.minimal(prefill={"overrides": {"spec": {"template": {"spec": {"priorityClassName": "high"}}}, "metadata": {"annotations": {"a": "b"}}}})
+    spec = helpers.minimal(
+        prefill={
+            "overrides": {
+                "spec": {"template": {"spec": {"priorityClassName": "high"}}},
+                "metadata": {"annotations": {"a": "b"}},
+            }
+        }
+    )
     dep = _by(_render(spec), "Deployment", "t-prefill")
     assert dep["spec"]["template"]["spec"]["priorityClassName"] == "high"
     assert dep["metadata"]["annotations"] == {"a": "b"}
@@ -220,18 +279,24 @@ def test_cli_render_prints_yaml_and_rejects_bad_files(tmp_path: Any, capsys: Any
 def test_tilert_pd_render_subcommand(capsys: Any) -> None:
     from tilert_serve import cli
 
-    assert cli.main(["render", "-f", str(helpers.ROOT / "examples" / "deepseek-v32.yaml"), "--no-secret"]) == 0
+    assert (
+        cli.main(["render", "-f", str(helpers.ROOT / "examples" / "deepseek-v32.yaml"), "--no-secret"]) == 0
+    )
     kinds = [d["kind"] for d in yaml.safe_load_all(capsys.readouterr().out)]
     assert "Secret" not in kinds and kinds.count("StatefulSet") == 1
 
 
 def test_metrics_scrapers_reach_http_ports_only() -> None:
     prom = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
-    objs = _render(helpers.minimal(networkPolicies={"metricsFrom": [prom]}, decode={"native": {"replicas": 1}}))
+    objs = _render(
+        helpers.minimal(networkPolicies={"metricsFrom": [prom]}, decode={"native": {"replicas": 1}})
+    )
     _strict(objs)
     tilert = _by(objs, "NetworkPolicy", "t-tilert-decode")["spec"]["ingress"]
     assert prom not in tilert[0]["from"], "never on the ctrl or transfer ports"
-    assert prom in tilert[1]["from"] and tilert[1]["ports"] == [{"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}]
+    assert prom in tilert[1]["from"] and tilert[1]["ports"] == [
+        {"protocol": "TCP", "port": defaults.DECODE_HTTP_PORT}
+    ]
     for name in ("t-prefill", "t-native-decode"):
         assert prom in _by(objs, "NetworkPolicy", name)["spec"]["ingress"][0]["from"]
 
@@ -242,9 +307,13 @@ def test_scaling_the_native_pool_never_changes_the_prefill_pods() -> None:
     doc = helpers.example("tiny-cpu")["spec"]
     templates = []
     for replicas in (0, 1, 3):
-        spec = specmod.parse(doc | {"decode": doc["decode"] | {"native": doc["decode"]["native"] | {"replicas": replicas}}})
+        spec = specmod.parse(
+            doc | {"decode": doc["decode"] | {"native": doc["decode"]["native"] | {"replicas": replicas}}}
+        )
         templates.append(prefill.deployment(spec, "tiny", "default")["spec"]["template"])
     assert templates[0] == templates[1] == templates[2]
     kv = json.loads(_arg(templates[0]["spec"]["containers"][0]["command"], "--kv-transfer-config"))
-    assert [c["kv_connector"] for c in kv["kv_connector_extra_config"]["connectors"]] == ["TileRTConnector",
-                                                                                        "NixlConnector"]
+    assert [c["kv_connector"] for c in kv["kv_connector_extra_config"]["connectors"]] == [
+        "TileRTConnector",
+        "NixlConnector",
+    ]

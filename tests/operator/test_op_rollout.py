@@ -26,8 +26,16 @@ def reconcile_once(apiserver: Any, name: str) -> reconcile.Outcome:
 
 
 def patch_spec(apiserver: Any, name: str, spec: dict[str, Any]) -> None:
-    h.run(apiserver, lambda api: api.request("patch", "PATCH", PDC_PATH.format(name), body={"spec": spec},
-                                           content_type="application/merge-patch+json"))
+    h.run(
+        apiserver,
+        lambda api: api.request(
+            "patch",
+            "PATCH",
+            PDC_PATH.format(name),
+            body={"spec": spec},
+            content_type="application/merge-patch+json",
+        ),
+    )
 
 
 def ready(obj: dict[str, Any]) -> tuple[str, str]:
@@ -55,13 +63,19 @@ def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver
     obj = h.body(apiserver, "ro")
     assert ready(obj) == ("False", "RollingOut"), h.condition(obj, "Ready")
     assert "ro-tilert-decode" in h.condition(obj, "Ready")["message"]
-    assert (h.condition(obj, "TileRTDecodeReady")["status"], h.condition(obj, "TileRTDecodeReady")["reason"]) == ("False", "RollingOut")
+    assert (
+        h.condition(obj, "TileRTDecodeReady")["status"],
+        h.condition(obj, "TileRTDecodeReady")["reason"],
+    ) == ("False", "RollingOut")
     # The generation was applied: observed, while Ready says it is not rolled out.
     assert obj["status"]["observedGeneration"] == obj["metadata"]["generation"]
     assert obj["status"]["pools"]["tilert"]["ready"] == 0, "old pods are not the new generation's"
     # A rollout is what a spec change asks for: its Events are Normal.
-    rolling = [e for e in apiserver.server.objects("events", "default")
-               if e["involvedObject"]["name"] == "ro" and e["reason"] == "RollingOut"]
+    rolling = [
+        e
+        for e in apiserver.server.objects("events", "default")
+        if e["involvedObject"]["name"] == "ro" and e["reason"] == "RollingOut"
+    ]
     assert rolling and {e["type"] for e in rolling} == {"Normal"}, rolling
 
     # New pods, not ready yet: still rolling out.
@@ -140,8 +154,11 @@ def test_an_invalid_generation_is_not_observed_either(apiserver: Any) -> None:
 
 def test_rollout_state_is_read_from_the_workloads_status() -> None:
     """A Deployment's old pods (replicas above updatedReplicas) and a StatefulSet's revisions."""
-    dep = {"kind": "Deployment", "metadata": {"name": "d", "generation": 3},
-           "status": {"observedGeneration": 3, "replicas": 3, "updatedReplicas": 2, "availableReplicas": 3}}
+    dep = {
+        "kind": "Deployment",
+        "metadata": {"name": "d", "generation": 3},
+        "status": {"observedGeneration": 3, "replicas": 3, "updatedReplicas": 2, "availableReplicas": 3},
+    }
     ready_new, rolling = observe.rollout("Deployment", dep, 2)
     assert ready_new == 2 and rolling is not None and "1 pod(s) of an earlier template" in rolling
     dep["status"] |= {"replicas": 2, "availableReplicas": 2}
@@ -149,9 +166,18 @@ def test_rollout_state_is_read_from_the_workloads_status() -> None:
     dep["metadata"]["generation"] = 4
     assert observe.rollout("Deployment", dep, 2)[1] is not None
     # Stuck, as its controller says: the message says so, with where to look.
-    dep["status"] |= {"observedGeneration": 4, "replicas": 3, "conditions": [
-        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
-         "message": 'ReplicaSet "d-1" has timed out progressing.'}]}
+    dep["status"] |= {
+        "observedGeneration": 4,
+        "replicas": 3,
+        "conditions": [
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": 'ReplicaSet "d-1" has timed out progressing.',
+            }
+        ],
+    }
     rolling = observe.rollout("Deployment", dep, 2)[1] or ""
     assert "ProgressDeadlineExceeded" in rolling and "kubectl rollout status deployment/d" in rolling, rolling
     del dep["status"]["conditions"]
@@ -160,11 +186,22 @@ def test_rollout_state_is_read_from_the_workloads_status() -> None:
     dep["metadata"]["generation"] = 3
     dep["status"] |= {"availableReplicas": 1}
     assert observe.rollout("Deployment", dep, 2)[1] is not None
-    dep["status"]["conditions"] = [{"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}]
+    dep["status"]["conditions"] = [
+        {"type": "Progressing", "status": "True", "reason": "NewReplicaSetAvailable"}
+    ]
     assert observe.rollout("Deployment", dep, 2) == (1, None)
-    sts = {"kind": "StatefulSet", "metadata": {"name": "s", "generation": 1},
-           "status": {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 1,
-                      "currentRevision": "s-a", "updateRevision": "s-b"}}
+    sts = {
+        "kind": "StatefulSet",
+        "metadata": {"name": "s", "generation": 1},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": 2,
+            "updatedReplicas": 2,
+            "readyReplicas": 1,
+            "currentRevision": "s-a",
+            "updateRevision": "s-b",
+        },
+    }
     assert observe.rollout("StatefulSet", sts, 2)[1] is not None
     sts["status"]["currentRevision"] = "s-b"
     # Rolled out; a pod that went unready since is a degraded pool, not a rollout.
@@ -186,9 +223,18 @@ def test_a_pool_counts_no_more_ready_pods_than_the_pod_list_shows() -> None:
     shows one (they are read apart): the pool is not whole, so Ready cannot say Serving while the
     router's endpoints (from the pods) miss a node."""
     spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
-    sts = {"kind": "StatefulSet", "metadata": {"name": "tiny-tilert-decode", "generation": 1},
-           "status": {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2,
-                      "currentRevision": "r", "updateRevision": "r"}}
+    sts = {
+        "kind": "StatefulSet",
+        "metadata": {"name": "tiny-tilert-decode", "generation": 1},
+        "status": {
+            "observedGeneration": 1,
+            "replicas": 2,
+            "updatedReplicas": 2,
+            "readyReplicas": 2,
+            "currentRevision": "r",
+            "updateRevision": "r",
+        },
+    }
     one = [h.pod("tiny", constants.TILERT, 0, ip="10.1.0.1")]
     both = [*one, h.pod("tiny", constants.TILERT, 1, ip="10.1.0.2")]
     assert observe.pool_states(spec, one, {constants.TILERT: sts})[constants.TILERT].ready == 1
@@ -197,7 +243,11 @@ def test_a_pool_counts_no_more_ready_pods_than_the_pod_list_shows() -> None:
 
 def pod_lists(srv: Any) -> int:
     """Reconciles so far: each lists the cluster's pods once."""
-    return sum(1 for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER) and c.resource == "pods" and c.verb == "list")
+    return sum(
+        1
+        for c in srv.calls
+        if c.user_agent.startswith(constants.FIELD_MANAGER) and c.resource == "pods" and c.verb == "list"
+    )
 
 
 @pytest.fixture()
@@ -213,8 +263,13 @@ def test_the_running_operator_follows_a_rollout_from_the_workloads_status(apiser
     srv = apiserver.server
     with KopfRunner(h.ARGS, timeout=60) as runner:
         h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "live"))))
-        h.wait_for("children", lambda: srv.get("statefulsets", "default", "live-tilert-decode")
-                   and srv.get("deployments", "default", "live-router"))
+        h.wait_for(
+            "children",
+            lambda: (
+                srv.get("statefulsets", "default", "live-tilert-decode")
+                and srv.get("deployments", "default", "live-router")
+            ),
+        )
         for comp in COMPONENTS:
             h.roll(apiserver, "live", comp)
         h.wait_for("Serving", lambda: ready(h.body(apiserver, "live")) == ("True", "Serving"))

@@ -15,7 +15,15 @@ from tilert_operator.metrics import Metrics
 def test_the_ctrl_address_is_the_multus_rdma_address_and_a_node_without_one_is_not_wired() -> None:
     spec = specmod.parse(helpers.example("glm5-b200-rdma")["spec"])
     pods = [
-        h.pod("glm5", constants.TILERT, 0, "serving", ip="10.0.0.1", rdma_net="serving/rdma-net", rdma_ip="192.168.0.1"),
+        h.pod(
+            "glm5",
+            constants.TILERT,
+            0,
+            "serving",
+            ip="10.0.0.1",
+            rdma_net="serving/rdma-net",
+            rdma_ip="192.168.0.1",
+        ),
         h.pod("glm5", constants.TILERT, 1, "serving", ip="10.0.0.2"),
         h.pod("glm5", constants.TILERT, 2, "serving", ip="10.0.0.3", ready=False),
     ]
@@ -26,8 +34,12 @@ def test_the_ctrl_address_is_the_multus_rdma_address_and_a_node_without_one_is_n
     # Not wired over the pod network: reported, with the network it lacks and what to check.
     assert [u.pod for u in unwired] == ["glm5-tilert-decode-1"]
     assert "rdma-net" in unwired[0].problem and "NetworkAttachmentDefinition" in unwired[0].problem
-    pools = {constants.PREFILL: observe.PoolState(1, 1), constants.TILERT: observe.PoolState(2, 3),
-             constants.NATIVE: observe.PoolState(1, 1), constants.ROUTER: observe.PoolState(1, 1)}
+    pools = {
+        constants.PREFILL: observe.PoolState(1, 1),
+        constants.TILERT: observe.PoolState(2, 3),
+        constants.NATIVE: observe.PoolState(1, 1),
+        constants.ROUTER: observe.PoolState(1, 1),
+    }
     conds = {c["type"]: c for c in status.conditions("glm5", pools, nodes, unwired)}
     assert conds["EndpointsWired"]["status"] == "False"
     assert conds["EndpointsWired"]["reason"] == "DataPlaneAddressMissing"
@@ -46,10 +58,18 @@ def test_without_secondary_networks_the_pod_ip_is_the_data_plane_and_ipv6_urls_h
 
 
 def test_conditions_say_what_is_missing() -> None:
-    pools = {constants.PREFILL: observe.PoolState(0, 1), constants.TILERT: observe.PoolState(0, 2),
-             constants.NATIVE: observe.PoolState(0, 0), constants.ROUTER: observe.PoolState(1, 1)}
-    security = [status.secrets_owned(["c-handoff", "c-node-api"]), status.rotation("c", credentials.HANDOFF, {"phase": "Idle"}),
-                status.rotation("c", credentials.NODE_API, {"phase": "Idle"}), status.data_plane([], False, True, None)]
+    pools = {
+        constants.PREFILL: observe.PoolState(0, 1),
+        constants.TILERT: observe.PoolState(0, 2),
+        constants.NATIVE: observe.PoolState(0, 0),
+        constants.ROUTER: observe.PoolState(1, 1),
+    }
+    security = [
+        status.secrets_owned(["c-handoff", "c-node-api"]),
+        status.rotation("c", credentials.HANDOFF, {"phase": "Idle"}),
+        status.rotation("c", credentials.NODE_API, {"phase": "Idle"}),
+        status.data_plane([], False, True, None),
+    ]
     conds = {c["type"]: c for c in status.conditions("c", pools, [], security=security)}
     assert set(conds) == set(status.CONDITION_TYPES)
     assert conds["Ready"]["status"] == "False" and "no prefill pod is ready" in conds["Ready"]["message"]
@@ -69,9 +89,32 @@ def test_status_comparison_ignores_transition_times() -> None:
 
 
 def test_contains_tolerates_server_defaults_and_canonical_quantities() -> None:
-    want = {"spec": {"replicas": 1, "template": {"spec": {"containers": [{"name": "a", "resources": {"limits": {"nvidia.com/gpu": 8}}}]}}}}
-    have = {"spec": {"replicas": 1, "revisionHistoryLimit": 10, "template": {"spec": {"dnsPolicy": "ClusterFirst", "containers": [
-        {"name": "a", "imagePullPolicy": "Always", "resources": {"limits": {"nvidia.com/gpu": "8"}}}]}}}}
+    want = {
+        "spec": {
+            "replicas": 1,
+            "template": {
+                "spec": {"containers": [{"name": "a", "resources": {"limits": {"nvidia.com/gpu": 8}}}]}
+            },
+        }
+    }
+    have = {
+        "spec": {
+            "replicas": 1,
+            "revisionHistoryLimit": 10,
+            "template": {
+                "spec": {
+                    "dnsPolicy": "ClusterFirst",
+                    "containers": [
+                        {
+                            "name": "a",
+                            "imagePullPolicy": "Always",
+                            "resources": {"limits": {"nvidia.com/gpu": "8"}},
+                        }
+                    ],
+                }
+            },
+        }
+    }
     assert reconcile.contains(have, want)
     assert not reconcile.contains({"spec": {"replicas": 2}}, {"spec": {"replicas": 1}})
 
@@ -101,4 +144,6 @@ def test_applied_hash_changes_when_a_field_is_removed() -> None:
     without = reconcile.stamp({"metadata": {"name": "a"}, "spec": {"x": 1}})
     key = constants.APPLIED_HASH_ANNOTATION
     assert with_field["metadata"]["annotations"][key] != without["metadata"]["annotations"][key]
-    assert not reconcile.contains(with_field, without), "the live object (old hash) no longer contains the new intent"
+    assert not reconcile.contains(with_field, without), (
+        "the live object (old hash) no longer contains the new intent"
+    )

@@ -32,7 +32,14 @@ def slow_resync(monkeypatch: pytest.MonkeyPatch) -> None:
 def reconciles(srv: Any, cluster: str = "tiny") -> int:
     """Each reconcile lists the cluster's pods exactly once."""
     sel = f"{constants.LABEL_CLUSTER}={cluster}"
-    return sum(1 for c in srv.calls if c.user_agent.startswith(UA) and c.resource == "pods" and c.verb == "list" and c.label_selector == sel)
+    return sum(
+        1
+        for c in srv.calls
+        if c.user_agent.startswith(UA)
+        and c.resource == "pods"
+        and c.verb == "list"
+        and c.label_selector == sel
+    )
 
 
 def settle(srv: Any, quiet_s: float = 1.5, timeout: float = 20.0) -> int:
@@ -55,70 +62,152 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
     doc = h.pdc(helpers.example("tiny-cpu"))
     with KopfRunner(h.ARGS, timeout=60) as runner:
         apiserver.call(srv.put(h.PDC, doc))
-        h.wait_for("children", lambda: srv.get("networkpolicies", "default", "tiny-tilert-decode") and srv.get("deployments", "default", "tiny-router"))
-        h.wait_for("status", lambda: h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True")
+        h.wait_for(
+            "children",
+            lambda: (
+                srv.get("networkpolicies", "default", "tiny-tilert-decode")
+                and srv.get("deployments", "default", "tiny-router")
+            ),
+        )
+        h.wait_for(
+            "status",
+            lambda: (
+                h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True"
+            ),
+        )
         # The children's watches are filtered by the API server with the operator's label.
         for plural in ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies"):
-            watches = h.wait_for(f"{plural} watch", lambda p=plural: [
-                c for c in srv.calls if c.resource == p and c.verb == "watch" and c.user_agent.startswith("kopf/")])
-            assert {c.label_selector for c in watches} == {f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"}
+            watches = h.wait_for(
+                f"{plural} watch",
+                lambda p=plural: [
+                    c
+                    for c in srv.calls
+                    if c.resource == p and c.verb == "watch" and c.user_agent.startswith("kopf/")
+                ],
+            )
+            assert {c.label_selector for c in watches} == {
+                f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
+            }
         # Creating the children echoed back through those watches: no reconcile storm followed.
         base = settle(srv)
 
         # A deleted NetworkPolicy is back long before the resync, after one reconcile.
         kubectl(apiserver, "delete", "networkpolicies", "tiny-tilert-decode")
-        h.wait_for("NetworkPolicy back", lambda: srv.get("networkpolicies", "default", "tiny-tilert-decode"), timeout=10)
+        h.wait_for(
+            "NetworkPolicy back",
+            lambda: srv.get("networkpolicies", "default", "tiny-tilert-decode"),
+            timeout=10,
+        )
         after_np = settle(srv)
         assert 1 <= after_np - base <= 2, (base, after_np)
 
         # A Deployment scaled by hand is scaled back.
-        kubectl(apiserver, "patch", "deployments", "tiny-router", "--type=merge", "-p", '{"spec":{"replicas":5}}')
-        h.wait_for("replicas restored", lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 1, timeout=10)
+        kubectl(
+            apiserver, "patch", "deployments", "tiny-router", "--type=merge", "-p", '{"spec":{"replicas":5}}'
+        )
+        h.wait_for(
+            "replicas restored",
+            lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 1,
+            timeout=10,
+        )
         after_scale = settle(srv)
         # The repair, and the Deployment controller's report that it saw the new generation (Ready
         # follows the workloads' rollouts); a report that came with the edit may cost one more.
         assert 1 <= after_scale - after_np <= 3, (after_np, after_scale)
 
         # A controller reporting a rollout's progress is no drift: a reconcile reads it, writes nothing.
-        writes = len([c for c in srv.calls if c.user_agent.startswith(UA) and c.verb in ("create", "patch", "update", "delete")
-                      and c.resource not in ("pdclusters/status", "events")])
+        writes = len(
+            [
+                c
+                for c in srv.calls
+                if c.user_agent.startswith(UA)
+                and c.verb in ("create", "patch", "update", "delete")
+                and c.resource not in ("pdclusters/status", "events")
+            ]
+        )
         srv.workload_controllers = False
         dep = srv.get("deployments", "default", "tiny-prefill")
-        dep["status"] = {"replicas": 1, "readyReplicas": 1, "observedGeneration": dep["metadata"]["generation"]}
+        dep["status"] = {
+            "replicas": 1,
+            "readyReplicas": 1,
+            "observedGeneration": dep["metadata"]["generation"],
+        }
         apiserver.call(srv.put(("apps", "v1", "deployments"), dep))
         h.wait_for("the report read", lambda: reconciles(srv) > after_scale, timeout=10)
         after_scale = settle(srv)
         srv.workload_controllers = True
-        assert len([c for c in srv.calls if c.user_agent.startswith(UA) and c.verb in ("create", "patch", "update", "delete")
-                    and c.resource not in ("pdclusters/status", "events")]) == writes
+        assert (
+            len(
+                [
+                    c
+                    for c in srv.calls
+                    if c.user_agent.startswith(UA)
+                    and c.verb in ("create", "patch", "update", "delete")
+                    and c.resource not in ("pdclusters/status", "events")
+                ]
+            )
+            == writes
+        )
 
         # A deleted handoff Secret is recreated at once.
         old_uid = srv.get("secrets", "default", "tiny-handoff")["metadata"]["uid"]
         kubectl(apiserver, "delete", "secrets", "tiny-handoff")
-        h.wait_for("new handoff Secret", lambda: (srv.get("secrets", "default", "tiny-handoff") or {}).get("metadata", {}).get("uid") not in (None, old_uid), timeout=10)
+        h.wait_for(
+            "new handoff Secret",
+            lambda: (
+                (srv.get("secrets", "default", "tiny-handoff") or {}).get("metadata", {}).get("uid")
+                not in (None, old_uid)
+            ),
+            timeout=10,
+        )
 
         # MultiNetworkPolicies are watched once their CRD is served.
-        apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}}), name="nets"))))
+        apiserver.call(
+            srv.put(
+                h.PDC,
+                h.pdc(
+                    helpers.cr(helpers.minimal(transfer={"rdma": {"networks": ["rdma-net"]}}), name="nets")
+                ),
+            )
+        )
         mnp = h.wait_for("MultiNetworkPolicies", lambda: srv.objects("multi-networkpolicies", "default"))
         name = mnp[0]["metadata"]["name"]
         settle(srv)
         apiserver.call(srv.remove(("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies"), "default", name))
-        h.wait_for("MultiNetworkPolicy back", lambda: srv.get("multi-networkpolicies", "default", name), timeout=10)
+        h.wait_for(
+            "MultiNetworkPolicy back", lambda: srv.get("multi-networkpolicies", "default", name), timeout=10
+        )
 
         # A burst of edits to one cluster's children is one (or two) reconciles, not one per edit.
         before = settle(srv)
         for plural in ("networkpolicies", "services", "configmaps"):
             for o in srv.objects(plural, "default"):
                 if o["metadata"]["labels"].get(constants.LABEL_CLUSTER) == "tiny":
-                    apiserver.call(srv.remove(("networking.k8s.io", "v1", "networkpolicies") if plural == "networkpolicies" else ("", "v1", plural),
-                                              "default", o["metadata"]["name"]))
-        h.wait_for("all back", lambda: srv.get("configmaps", "default", "tiny-router") and srv.get("services", "default", "tiny-router")
-                   and srv.get("networkpolicies", "default", "tiny-tilert-decode"), timeout=10)
+                    apiserver.call(
+                        srv.remove(
+                            ("networking.k8s.io", "v1", "networkpolicies")
+                            if plural == "networkpolicies"
+                            else ("", "v1", plural),
+                            "default",
+                            o["metadata"]["name"],
+                        )
+                    )
+        h.wait_for(
+            "all back",
+            lambda: (
+                srv.get("configmaps", "default", "tiny-router")
+                and srv.get("services", "default", "tiny-router")
+                and srv.get("networkpolicies", "default", "tiny-tilert-decode")
+            ),
+            timeout=10,
+        )
         assert 1 <= settle(srv) - before <= 2
     assert runner.exception is None
 
 
-async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The controller alone, its reconcile counted: what reaches a reconcile and what does not."""
     import asyncio
     import collections
@@ -150,8 +239,14 @@ async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(mo
     # wait past the window in which it would have happened. The rate limit is long enough that a
     # loaded machine's scheduling delays cannot make an allowed kick look like a limited one.
     interval = 2.0
-    ctl = controller.Controller(api, controller.Settings(resync_s=300, drift_debounce_s=0.05,  # type: ignore[arg-type]
-                                                         drift_min_interval_s=interval))
+    ctl = controller.Controller(
+        api,
+        controller.Settings(
+            resync_s=300,
+            drift_debounce_s=0.05,  # type: ignore[arg-type]
+            drift_min_interval_s=interval,
+        ),
+    )
 
     async def until(n: int, timeout: float = 30.0) -> None:
         deadline = time.monotonic() + timeout
@@ -163,8 +258,16 @@ async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(mo
     await until(1)  # the first reconcile
 
     def dep(replicas: int, rv: str, ready: int = 0) -> dict[str, Any]:
-        return {"metadata": {"namespace": "ns", "name": "c-router", "resourceVersion": rv, "labels": {constants.LABEL_CLUSTER: "c"}},
-                "spec": {"replicas": replicas}, "status": {"readyReplicas": ready}}
+        return {
+            "metadata": {
+                "namespace": "ns",
+                "name": "c-router",
+                "resourceVersion": rv,
+                "labels": {constants.LABEL_CLUSTER: "c"},
+            },
+            "spec": {"replicas": replicas},
+            "status": {"readyReplicas": ready},
+        }
 
     ctl.child_event("Deployment", None, dep(1, "1"))  # the initial listing
     api.written[("Deployment", "ns", "c-router")] = "2"
@@ -195,8 +298,18 @@ async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(mo
     ctl.child_event("Deployment", "DELETED", other)
     await asyncio.sleep(max(0.0, runs[3] + interval - time.monotonic()) + 0.5)
     assert len(runs) == 4
-    ctl.child_event("NetworkPolicy", "DELETED", {"metadata": {"namespace": "ns", "name": "c-np", "resourceVersion": "42",
-                                                              "labels": {constants.LABEL_CLUSTER: "c"}}})
+    ctl.child_event(
+        "NetworkPolicy",
+        "DELETED",
+        {
+            "metadata": {
+                "namespace": "ns",
+                "name": "c-np",
+                "resourceVersion": "42",
+                "labels": {constants.LABEL_CLUSTER: "c"},
+            }
+        },
+    )
     await until(5)
     assert ctl.drift_kicks == 3
     await ctl.stop()

@@ -37,8 +37,14 @@ def make_cert(cn: str) -> tuple[bytes, bytes, bytes]:
             .add_extension(x509.SubjectAlternativeName([x509.DNSName(HOST)]), critical=False)
             .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
             .sign(key, hashes.SHA256()))  # fmt: skip
-    key_pem = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
-    return cert.public_bytes(serialization.Encoding.PEM), key_pem, cert.public_bytes(serialization.Encoding.DER)
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return (
+        cert.public_bytes(serialization.Encoding.PEM),
+        key_pem,
+        cert.public_bytes(serialization.Encoding.DER),
+    )
 
 
 def mount(secret_dir: Path, cert: bytes, key: bytes) -> None:
@@ -60,7 +66,9 @@ async def served_cert(port: int, *, sni: bool = True) -> bytes:
     ctx = ssl.create_default_context()
     ctx.check_hostname = False
     ctx.verify_mode = ssl.CERT_NONE
-    _, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname=HOST if sni else None), 10)
+    _, writer = await asyncio.wait_for(
+        asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname=HOST if sni else None), 10
+    )
     der = writer.get_extra_info("ssl_object").getpeercert(binary_form=True)
     writer.close()
     return bytes(der)
@@ -69,8 +77,12 @@ async def served_cert(port: int, *, sni: bool = True) -> bytes:
 async def review(port: int, cert_pem: bytes) -> dict[str, Any]:
     """An AdmissionReview over HTTPS from a client that trusts only cert_pem and checks HOST."""
     ctx = ssl.create_default_context(cadata=cert_pem.decode())
-    body = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u1"}}).encode()
-    reader, writer = await asyncio.wait_for(asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname=HOST), 10)
+    body = json.dumps(
+        {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u1"}}
+    ).encode()
+    reader, writer = await asyncio.wait_for(
+        asyncio.open_connection("127.0.0.1", port, ssl=ctx, server_hostname=HOST), 10
+    )
     writer.write(f"POST /validate-pdcluster HTTP/1.1\r\nHost: {HOST}\r\nContent-Type: application/json\r\n"
                  f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n".encode() + body)  # fmt: skip
     await writer.drain()
@@ -91,13 +103,19 @@ async def test_new_connections_get_the_renewed_certificate_without_a_restart(tmp
                                      check_interval_s=0.0)  # fmt: skip
 
     async def fn(request: Any, **_: Any) -> Any:
-        return {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "response": {"uid": request["request"]["uid"], "allowed": True}}
+        return {
+            "apiVersion": "admission.k8s.io/v1",
+            "kind": "AdmissionReview",
+            "response": {"uid": request["request"]["uid"], "allowed": True},
+        }
 
     serving = server(fn)
     try:
         await asyncio.wait_for(anext(serving), 30)
         assert await served_cert(port) == first[2]
-        old_conn = await asyncio.open_connection("127.0.0.1", port, ssl=ssl._create_unverified_context(), server_hostname=HOST)
+        old_conn = await asyncio.open_connection(
+            "127.0.0.1", port, ssl=ssl._create_unverified_context(), server_hostname=HOST
+        )
 
         # Renewed: the next connection gets the new certificate, and a client trusting only the new
         # one (what cert-manager's CA injector gives the API server) is answered.
@@ -136,7 +154,9 @@ async def test_checks_are_rate_limited(tmp_path: Path) -> None:
     assert r.current() is not ctx and r.reloads == 1
 
 
-async def test_the_operator_serves_its_webhook_with_the_reloading_server(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_the_operator_serves_its_webhook_with_the_reloading_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """What the chart's env makes wiring.startup build: this server, with the check interval from the env."""
     import kopf
     import pdc_apiserver

@@ -23,14 +23,31 @@ BASE = {"tilert_model": "mla", "tilert_max_seq_len": 256, "tilert_local_host": "
 
 @pytest.mark.parametrize(
     ("extra", "message"),
-    [({"tilert_max_seq_len": 256}, r"tilert_model: Field required \(state layout family"),
-     ({**BASE, "tilert_modle": "mla"}, r"unknown TileRTConnector keys \['tilert_modle'\]; known keys: \['tilert_data_plane_networks', 'tilert_handoff_digest', 'tilert_layerwise', 'tilert_local_host'"),
-     ({**BASE, "tilert_host": "10.0.0.1"}, "destination is per request"),
-     ({**BASE, "tilert_max_seq_len": "many"}, r"tilert_max_seq_len: Input should be a valid integer.*\(got 'many'\)"),
-     ({**BASE, "tilert_transfer": "rdma"}, r"tilert_transfer: use one of \('mooncake', 'nixl'\) \(got 'rdma'\)"),
-     ({**BASE, "tilert_model": "llama"}, r"tilert_model: use one of .* \(got 'llama'\)"),
-     ({**BASE, "tilert_protocol": "udp"}, r"tilert_protocol: Input should be 'tcp' or 'rdma' \(got 'udp'\)"),
-     ({**BASE, "tilert_staging_requests": 0}, r"tilert_staging_requests: Input should be greater than or equal to 1")],
+    [
+        ({"tilert_max_seq_len": 256}, r"tilert_model: Field required \(state layout family"),
+        (
+            {**BASE, "tilert_modle": "mla"},
+            r"unknown TileRTConnector keys \['tilert_modle'\]; known keys: \['tilert_data_plane_networks', 'tilert_handoff_digest', 'tilert_layerwise', 'tilert_local_host'",
+        ),
+        ({**BASE, "tilert_host": "10.0.0.1"}, "destination is per request"),
+        (
+            {**BASE, "tilert_max_seq_len": "many"},
+            r"tilert_max_seq_len: Input should be a valid integer.*\(got 'many'\)",
+        ),
+        (
+            {**BASE, "tilert_transfer": "rdma"},
+            r"tilert_transfer: use one of \('mooncake', 'nixl'\) \(got 'rdma'\)",
+        ),
+        ({**BASE, "tilert_model": "llama"}, r"tilert_model: use one of .* \(got 'llama'\)"),
+        (
+            {**BASE, "tilert_protocol": "udp"},
+            r"tilert_protocol: Input should be 'tcp' or 'rdma' \(got 'udp'\)",
+        ),
+        (
+            {**BASE, "tilert_staging_requests": 0},
+            r"tilert_staging_requests: Input should be greater than or equal to 1",
+        ),
+    ],
 )
 def test_bad_config_names_the_key(extra, message):
     with pytest.raises(ConfigError, match=message):
@@ -39,19 +56,28 @@ def test_bad_config_names_the_key(extra, message):
 
 def test_config_defaults():
     cfg = ConnectorConfig.from_extra_config(BASE)
-    assert (cfg.transfer, cfg.protocol, cfg.staging_requests, cfg.local_host) == ("mooncake", "tcp", 2, "127.0.0.1")
+    assert (cfg.transfer, cfg.protocol, cfg.staging_requests, cfg.local_host) == (
+        "mooncake",
+        "tcp",
+        2,
+        "127.0.0.1",
+    )
 
 
 def test_claim_filter_and_destination_parsing():
     assert Destination.claims({"tilert_host": "h"})
     assert not Destination.claims({"do_remote_decode": True})
     assert not Destination.claims(None)
-    assert Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 5556, "tilert_ticket": "t"}) == \
-        Destination("h", 5556, "t")
+    assert Destination.parse(
+        {"tilert_host": "h", "tilert_ctrl_port": 5556, "tilert_ticket": "t"}
+    ) == Destination("h", 5556, "t")
     with pytest.raises(ValueError, match="tilert_ctrl_port must be a port number"):
         Destination.parse({"tilert_host": "h", "tilert_ctrl_port": "5556"})
     # A request may choose the layer-wise handoff or not (else the connector's tilert_layerwise).
-    assert Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_layerwise": False}).layerwise is False
+    assert (
+        Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_layerwise": False}).layerwise
+        is False
+    )
     assert Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 1}).layerwise is None
     with pytest.raises(ValueError, match="tilert_layerwise must be true or false"):
         Destination.parse({"tilert_host": "h", "tilert_ctrl_port": 1, "tilert_layerwise": "no"})
@@ -71,22 +97,44 @@ class FakeRequest:
 
 
 def _new(req: FakeRequest, blocks: list[int], computed: int = 0) -> NewRequestData:
-    return NewRequestData(req_id=req.request_id, prompt_token_ids=req.prompt_token_ids, mm_features=[],
-                          sampling_params=None, pooling_params=None, block_ids=(blocks,), num_computed_tokens=computed,
-                          lora_request=None)
+    return NewRequestData(
+        req_id=req.request_id,
+        prompt_token_ids=req.prompt_token_ids,
+        mm_features=[],
+        sampling_params=None,
+        pooling_params=None,
+        block_ids=(blocks,),
+        num_computed_tokens=computed,
+        lora_request=None,
+    )
 
 
-def _output(new: list[NewRequestData], cached: CachedRequestData, scheduled: dict[str, int]) -> SchedulerOutput:
-    return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cached, num_scheduled_tokens=scheduled,
-                           total_num_scheduled_tokens=sum(scheduled.values()), scheduled_spec_decode_tokens={},
-                           scheduled_encoder_inputs={}, num_common_prefix_blocks=[], finished_req_ids=set(),
-                           free_encoder_mm_hashes=[])
+def _output(
+    new: list[NewRequestData], cached: CachedRequestData, scheduled: dict[str, int]
+) -> SchedulerOutput:
+    return SchedulerOutput(
+        scheduled_new_reqs=new,
+        scheduled_cached_reqs=cached,
+        num_scheduled_tokens=scheduled,
+        total_num_scheduled_tokens=sum(scheduled.values()),
+        scheduled_spec_decode_tokens={},
+        scheduled_encoder_inputs={},
+        num_common_prefix_blocks=[],
+        finished_req_ids=set(),
+        free_encoder_mm_hashes=[],
+    )
 
 
 def _cached(req_ids: list[str], new_blocks: list, computed: list[int], resumed: set[str] | None = None):
-    return CachedRequestData(req_ids=req_ids, resumed_req_ids=resumed or set(), new_token_ids=[[] for _ in req_ids],
-                             all_token_ids={}, new_block_ids=new_blocks, num_computed_tokens=computed,
-                             num_output_tokens=[0 for _ in req_ids])
+    return CachedRequestData(
+        req_ids=req_ids,
+        resumed_req_ids=resumed or set(),
+        new_token_ids=[[] for _ in req_ids],
+        all_token_ids={},
+        new_block_ids=new_blocks,
+        num_computed_tokens=computed,
+        num_output_tokens=[0 for _ in req_ids],
+    )
 
 
 DEST = {"tilert_host": "127.0.0.1", "tilert_ctrl_port": 5556, "tilert_ticket": "tk"}
@@ -122,8 +170,10 @@ def test_chunked_prefill_sends_each_chunk_and_completes_once_with_every_block():
     assert job.block_ids == ([3, 1, 4, 5, 6, 9, 10, 11, 12, 13],)
     assert (job.num_tokens, job.last_prompt_token, job.dest.ticket) == (164, 263, "tk")
     claimed.output_token_ids = [42]
-    assert sched.request_finished(claimed) == (True, {"tilert_num_tokens": 164, "tilert_first_token": 42,
-                                                      "tilert_status": "queued"})
+    assert sched.request_finished(claimed) == (
+        True,
+        {"tilert_num_tokens": 164, "tilert_first_token": 42, "tilert_status": "queued"},
+    )
     assert sched.request_finished(plain) == (False, None)
     assert sched.tracked == 0
     # Blocks stay held (and the engine keeps stepping) until a worker reports the copy done.
@@ -153,8 +203,10 @@ def test_resumed_request_replaces_its_block_table():
 
 @pytest.mark.parametrize(
     ("params", "tokens", "error"),
-    [({"tilert_host": "h"}, 10, "bad kv_transfer_params: tilert_ctrl_port"),
-     (DEST, 300, "exceeds tilert_max_seq_len 256")],
+    [
+        ({"tilert_host": "h"}, 10, "bad kv_transfer_params: tilert_ctrl_port"),
+        (DEST, 300, "exceeds tilert_max_seq_len 256"),
+    ],
 )
 def test_requests_that_cannot_go_are_reported_not_sent(params, tokens, error):
     sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
@@ -179,7 +231,8 @@ def test_connector_lines_reach_vllms_handler():
     finally:
         vllm_logger.removeHandler(handler)
     assert [r.getMessage() for r in seen] == [
-        "request too-long will not be handed to TileRT: prompt of 300 tokens exceeds tilert_max_seq_len 256"]
+        "request too-long will not be handed to TileRT: prompt of 300 tokens exceeds tilert_max_seq_len 256"
+    ]
 
 
 def test_aborted_before_its_prefill_completes():
@@ -203,7 +256,7 @@ def test_gather_takes_exactly_the_requests_rows():
     assert gather(paged, (blocks,), n, staging, region) == layout.request_bytes(n)
     for lid in range(3):
         _, off = staging.offset("mla", lid)
-        got = region[0][off:off + n * 576 * 4].view(torch.float32).view(n, 576)
+        got = region[0][off : off + n * 576 * 4].view(torch.float32).view(n, 576)
         flat = caches[f"model.layers.{lid}.self_attn.attn"].view(-1, 576)
         want = torch.stack([flat[blocks[t // bs] * bs + t % bs] for t in range(n)])
         assert torch.equal(got, want)
@@ -213,9 +266,13 @@ def test_classify_rejects_a_cache_the_layout_does_not_describe():
     with pytest.raises(ValueError, match="bytes per block"):
         classify({"model.layers.0.attn": torch.zeros(4, 1, 16, 512)}, "mla", {}, {0: 16}, num_hidden_layers=1)
     with pytest.raises(ValueError, match=r"not 0\.\.1"):
-        classify({f"model.layers.{i}.attn": torch.zeros(4, 1, 16, 576) for i in (0, 2)}, "mla", {}, {0: 16}, 2)
+        classify(
+            {f"model.layers.{i}.attn": torch.zeros(4, 1, 16, 576) for i in (0, 2)}, "mla", {}, {0: 16}, 2
+        )
     fp8 = {f"model.layers.{i}.self_attn.attn": torch.zeros(4, 64, 656, dtype=torch.uint8) for i in range(79)}
-    fp8 |= {f"model.layers.{i}.self_attn.indexer.k_cache": torch.zeros(4, 64, 132, dtype=torch.uint8)
-            for i in range(79)}
+    fp8 |= {
+        f"model.layers.{i}.self_attn.indexer.k_cache": torch.zeros(4, 64, 132, dtype=torch.uint8)
+        for i in range(79)
+    }
     layout, paged = classify(fp8, "glm5", {}, {0: 64}, num_hidden_layers=78)
     assert layout.kv_cache_dtype == "fp8_ds_mla" and len(paged) == 158

@@ -22,15 +22,19 @@ from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, gather
 
 def gpu(test: Callable[..., None]) -> Callable[..., None]:
     """The Triton kernels run only on a GPU; the per-layer CPU test beside them runs everywhere."""
-    needs = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU")
+    needs = pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA: the Triton kernels run only on a GPU"
+    )
     return pytest.mark.gpu(needs(test))  # type: ignore[no-any-return]
+
 
 BLOCK = 64  # fp8_ds_mla indexer pages cover 64 tokens, so vLLM runs the prefill with 64-token blocks
 POISON = 0xA5
 
 
-def caches_for(layout: layouts.Layout, layers: list[int], num_blocks: int, seed: int,
-               device: str = "cuda") -> list[PagedCache]:
+def caches_for(
+    layout: layouts.Layout, layers: list[int], num_blocks: int, seed: int, device: str = "cuda"
+) -> list[PagedCache]:
     gen = torch.Generator().manual_seed(seed)
     out = []
     for lid in layers:
@@ -52,12 +56,17 @@ def owned(place: layouts.Placement, layers: list[int], n: int) -> list[tuple[int
     return out
 
 
-def check(place: layouts.Placement, caches: list[PagedCache], shard: int, n: int, num_blocks: int, seed: int) -> None:
+def check(
+    place: layouts.Placement, caches: list[PagedCache], shard: int, n: int, num_blocks: int, seed: int
+) -> None:
     ids = (random.Random(seed).sample(range(num_blocks), (n + BLOCK - 1) // BLOCK),)
     cpu = [PagedCache(c.name, c.layer, c.plane, c.tensor.cpu(), c.block_size, c.group) for c in caches]
     want = [torch.zeros(place.shard_nbytes(s), dtype=torch.uint8) for s in range(place.shards)]
     expected_bytes = gather(cpu, ids, n, place, want)
-    got = [torch.full((place.shard_nbytes(s),), POISON, dtype=torch.uint8, device="cuda") for s in range(place.shards)]
+    got = [
+        torch.full((place.shard_nbytes(s),), POISON, dtype=torch.uint8, device="cuda")
+        for s in range(place.shards)
+    ]
     fused = Gatherer(caches, place, shard)
     assert fused._fused is not None, "on CUDA the Gatherer must take the Triton kernels"
     assert fused(ids, n, got) == expected_bytes
@@ -65,11 +74,15 @@ def check(place: layouts.Placement, caches: list[PagedCache], shard: int, n: int
     back = [g.cpu() for g in got]
     untouched = [torch.ones(place.shard_nbytes(s), dtype=torch.bool) for s in range(place.shards)]
     for s, start, end in owned(place, sorted({c.layer for c in caches}), n):
-        assert torch.equal(back[s][start:end], want[s][start:end]), f"shard {s} bytes {start}..{end} differ ({n} tokens)"
+        assert torch.equal(back[s][start:end], want[s][start:end]), (
+            f"shard {s} bytes {start}..{end} differ ({n} tokens)"
+        )
         untouched[s][start:end] = False
     for s in range(place.shards):
         stray = (back[s][untouched[s]] != POISON).nonzero()
-        assert stray.numel() == 0, f"shard {s}: {stray.numel()} bytes written outside the request ({n} tokens)"
+        assert stray.numel() == 0, (
+            f"shard {s}: {stray.numel()} bytes written outside the request ({n} tokens)"
+        )
 
 
 @gpu
@@ -109,7 +122,9 @@ def per_layer_equals_whole(device: str, shards: int, shard: int, n: int, seed: i
     ids = (random.Random(seed).sample(range(12), (n + BLOCK - 1) // BLOCK),)
     g = Gatherer(caches, place, shard)
     assert g.layers == frozenset(mine)
-    whole = [torch.full((place.shard_nbytes(s),), POISON, dtype=torch.uint8, device=device) for s in range(shards)]
+    whole = [
+        torch.full((place.shard_nbytes(s),), POISON, dtype=torch.uint8, device=device) for s in range(shards)
+    ]
     parts = [w.clone() for w in whole]
     total = g(ids, n, whole)
     by_layer = [g(ids, n, parts, layer=lid) for lid in range(layout.num_layers)]
@@ -189,8 +204,9 @@ def test_gathering_layer_by_layer_equals_the_whole_request_on_cuda(shards: int, 
 
 @gpu
 @pytest.mark.parametrize(("shards", "shard", "n"), [(1, 0, 1), (2, 1, 65), (3, 2, 500)])
-def test_the_general_kernel_writes_what_the_planes_kernel_writes(shards: int, shard: int, n: int,
-                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_general_kernel_writes_what_the_planes_kernel_writes(
+    shards: int, shard: int, n: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Every layout here takes _gather_planes_kernel; _gather_kernel (the segment table's geometry)
     # stays for any other: both must gather the same bytes, whole and layer by layer.
     from tilert_serve.pd_vllm import extract_triton
@@ -224,4 +240,6 @@ def test_the_direct_launch_writes_what_tritons_own_launch_writes(monkeypatch: py
         assert torch.equal(out[True][0], out[False][0]) and torch.equal(out[True][1], out[False][1]), n
     assert g._fused is not None and g._fused._planes is not None, "GLM-5 takes the planes kernel"
     launcher = extract_triton._GATHER_PLANES
-    assert launcher.direct and launcher._compiled, "the launcher refused the call: Triton's own path ran instead"
+    assert launcher.direct and launcher._compiled, (
+        "the launcher refused the call: Triton's own path ran instead"
+    )

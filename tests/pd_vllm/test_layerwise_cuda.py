@@ -75,13 +75,23 @@ def _stand_in_vllm() -> None:
             pass
 
     base = "vllm.distributed.kv_transfer.kv_connector.v1"
-    for name in ("vllm", "vllm.distributed", "vllm.distributed.kv_transfer", "vllm.distributed.kv_transfer.kv_connector",
-                 base):
+    for name in (
+        "vllm",
+        "vllm.distributed",
+        "vllm.distributed.kv_transfer",
+        "vllm.distributed.kv_transfer.kv_connector",
+        base,
+    ):
         module(name)
     module("vllm.logger", _VllmLogger=logging.Logger, init_logger=logging.getLogger)
     module(f"{base}.base", KVConnectorMetadata=type("KVConnectorMetadata", (), {}))
-    module(f"{base}.metrics", KVConnectorStats=KVConnectorStats, KVConnectorPromMetrics=KVConnectorPromMetrics,
-           PromMetric=object, PromMetricT=object)
+    module(
+        f"{base}.metrics",
+        KVConnectorStats=KVConnectorStats,
+        KVConnectorPromMetrics=KVConnectorPromMetrics,
+        PromMetric=object,
+        PromMetricT=object,
+    )
 
 
 def glm5_caches(device: str, seed: int) -> tuple[layouts.Layout, list[torch.Tensor], list[torch.Tensor]]:
@@ -101,18 +111,27 @@ def glm5_caches(device: str, seed: int) -> tuple[layouts.Layout, list[torch.Tens
     return layout, mla, idx
 
 
-def reference_staging(layout: layouts.Layout, mla: list[torch.Tensor], idx: list[torch.Tensor], ids: list[int],
-                      staging: layouts.Placement) -> torch.Tensor:
+def reference_staging(
+    layout: layouts.Layout,
+    mla: list[torch.Tensor],
+    idx: list[torch.Tensor],
+    ids: list[int],
+    staging: layouts.Placement,
+) -> torch.Tensor:
     """What staging must hold: the CPU path's index_select gather of the same caches."""
-    caches = [PagedCache(f"l{i}.{p}", i, p, t.cpu(), BLOCK, 0) for i in range(layout.num_layers)
-              for p, t in (("mla", mla[i]), ("indexer", idx[i]))]
+    caches = [
+        PagedCache(f"l{i}.{p}", i, p, t.cpu(), BLOCK, 0)
+        for i in range(layout.num_layers)
+        for p, t in (("mla", mla[i]), ("indexer", idx[i]))
+    ]
     out = torch.zeros(staging.total_nbytes(), dtype=torch.uint8)
     gather(caches, (ids,), NUM_TOKENS, staging, [out])
     return out
 
 
-def layer_digest(buffers: list[torch.Tensor], staging: layouts.Placement, layers: list[int],
-                 tokens: int = NUM_TOKENS) -> str:
+def layer_digest(
+    buffers: list[torch.Tensor], staging: layouts.Placement, layers: list[int], tokens: int = NUM_TOKENS
+) -> str:
     return digest.of_ranges(buffers, digest.sender_ranges(staging, 0, 1, tokens, layers), ALGO)
 
 
@@ -128,10 +147,14 @@ def forward_writes(cache: torch.Tensor, truth: torch.Tensor, ids: list[int], upt
 
 
 @pytest.mark.parametrize("ends", [(NUM_TOKENS,), (300, 700, NUM_TOKENS)], ids=["one step", "three chunks"])
-def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_references(tmp_path, monkeypatch, ends):
+def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_references(
+    tmp_path, monkeypatch, ends
+):
     # "three chunks": a chunked prefill, every step's tokens staged as its layers finish (300 and 700
     # end inside a block, so its rows and the indexer page are staged again with the next chunk).
-    pytest.importorskip("pydantic", reason="the connector's config needs pydantic (bench/gpu.sh carries its wheels)")
+    pytest.importorskip(
+        "pydantic", reason="the connector's config needs pydantic (bench/gpu.sh carries its wheels)"
+    )
     _stand_in_vllm()
     from tilert_serve import transfer
     from tilert_serve.handoff.sender import HandoffResult, Sender
@@ -160,9 +183,13 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
             pass
 
     monkeypatch.setattr(transfer, "create", lambda *a, **k: NoMover())
-    seen: list[tuple[list[int], int | None, str, str]] = []  # (layers, upto, digest of GPU staging, of its host copy)
+    seen: list[
+        tuple[list[int], int | None, str, str]
+    ] = []  # (layers, upto, digest of GPU staging, of its host copy)
 
-    def send(self: Sender, host: str, port: int, req: Any, error: str | None = None, layers: Any = None) -> Any:
+    def send(
+        self: Sender, host: str, port: int, req: Any, error: str | None = None, layers: Any = None
+    ) -> Any:
         assert layers is not None, "a layer-wise job must be sent layer-wise"
         assert w.pool is not None
         buffers = [w.pool.buffer]  # one staging region: the pool's whole buffer
@@ -177,9 +204,16 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
     monkeypatch.setattr(Sender, "send", send)
     secret = tmp_path / "secret"
     secret.write_text("0123456789abcdef0123456789abcdef")
-    cfg = ConnectorConfig.from_extra_config({"tilert_model": "glm5", "tilert_max_seq_len": 1024,
-                                             "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
-                                             "tilert_staging_requests": 2, "tilert_timeout_s": 30.0})
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "tilert_model": "glm5",
+            "tilert_max_seq_len": 1024,
+            "tilert_local_host": "127.0.0.1",
+            "tilert_secret_path": str(secret),
+            "tilert_staging_requests": 2,
+            "tilert_timeout_s": 30.0,
+        }
+    )
     w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: BLOCK}, num_hidden_layers=main)
     w.register(kv_caches)
     try:
@@ -187,8 +221,14 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
         staging = w.pool.placement
         ids = random.Random(3).sample(range(NUM_BLOCKS), -(-NUM_TOKENS // BLOCK))
         want = reference_staging(layout, truth_mla, truth_idx, ids, staging)
-        job = SendJob(req_id="a", dest=Destination("127.0.0.1", 9, None), num_tokens=NUM_TOKENS, last_prompt_token=5,
-                      prompt_token_ids=list(range(NUM_TOKENS)), block_ids=(ids,))
+        job = SendJob(
+            req_id="a",
+            dest=Destination("127.0.0.1", 9, None),
+            num_tokens=NUM_TOKENS,
+            last_prompt_token=5,
+            prompt_token_ids=list(range(NUM_TOKENS)),
+            block_ids=(ids,),
+        )
         for upto in ends:
             step = job if upto == NUM_TOKENS else replace(job, upto=upto)
             w.begin([step])
@@ -196,9 +236,16 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
                 # The forward writes layer lid's caches on the GPU (behind a sleep: the host runs ahead),
                 # then reports the layer; the MTP layer is written by the drafter, before wait_for_save.
                 torch.cuda._sleep(2_000_000)
-                forward_writes(kv_caches[f"model.layers.{lid}.self_attn.attn"], truth_mla[lid], ids, upto, False)
-                forward_writes(kv_caches[f"model.layers.{lid}.self_attn.indexer.k_cache"], truth_idx[lid], ids, upto,
-                               True)
+                forward_writes(
+                    kv_caches[f"model.layers.{lid}.self_attn.attn"], truth_mla[lid], ids, upto, False
+                )
+                forward_writes(
+                    kv_caches[f"model.layers.{lid}.self_attn.indexer.k_cache"],
+                    truth_idx[lid],
+                    ids,
+                    upto,
+                    True,
+                )
                 if lid < main:
                     w.layer_saved(f"model.layers.{lid}.self_attn.attn")
             w.step([step])
@@ -211,7 +258,9 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
         for batch, upto, on_gpu, on_host in seen:
             # A complete layer: every chunk's tokens, a page split by a chunk staged again, whole.
             tokens = NUM_TOKENS if upto is None else upto // BLOCK * BLOCK
-            assert on_gpu == on_host == layer_digest([want], staging, batch, tokens), f"layer {batch}, {upto}: differs"
+            assert on_gpu == on_host == layer_digest([want], staging, batch, tokens), (
+                f"layer {batch}, {upto}: differs"
+            )
         assert w.finished({"a"}) == {"a"}
         assert not w.pool.buffer.any()  # scrubbed once sent
     finally:
@@ -221,8 +270,11 @@ def test_worker_stages_layer_by_layer_on_cuda_and_each_layers_digest_is_the_refe
 def test_gpu_staging_lands_and_converts_layer_by_layer_on_a_converter_thread():
     layout, mla, idx = glm5_caches("cuda", seed=2)
     staging = layouts.Placement(layout, max_tokens=1024)
-    caches = [PagedCache(f"l{i}.{p}", i, p, t, BLOCK, 0) for i in range(layout.num_layers)
-              for p, t in (("mla", mla[i]), ("indexer", idx[i]))]
+    caches = [
+        PagedCache(f"l{i}.{p}", i, p, t, BLOCK, 0)
+        for i in range(layout.num_layers)
+        for p, t in (("mla", mla[i]), ("indexer", idx[i]))
+    ]
     g = Gatherer(caches, staging, 0)
     assert g._fused is not None, "on CUDA the Gatherer must take the Triton kernels"
     ids = random.Random(4).sample(range(NUM_BLOCKS), -(-NUM_TOKENS // BLOCK))
@@ -240,7 +292,7 @@ def test_gpu_staging_lands_and_converts_layer_by_layer_on_a_converter_thread():
             d = layer_digest([region], staging, [lid])
             with torch.cuda.stream(nic):
                 for _, off, n in digest.sender_ranges(staging, 0, 1, NUM_TOKENS, [lid]):
-                    received[off:off + n].copy_(region[off:off + n])
+                    received[off : off + n].copy_(region[off : off + n])
             nic.synchronize()  # the write completed before its LayersDone goes out
             landed.put((lid, d))
         landed.put(None)
@@ -276,7 +328,9 @@ def test_gpu_staging_lands_and_converts_layer_by_layer_on_a_converter_thread():
     for lid in range(layout.num_layers):
         got, ref = converted[lid], whole.layers[lid]
         assert got.kv.is_cuda and got.kv.dtype == torch.bfloat16
-        assert torch.equal(got.kv, ref.kv) and torch.equal(got.pe, ref.pe) and torch.equal(got.ki, ref.ki), lid
+        assert torch.equal(got.kv, ref.kv) and torch.equal(got.pe, ref.pe) and torch.equal(got.ki, ref.ki), (
+            lid
+        )
     # The converted state is what the CPU path makes of the reference bytes.
     cpu = convert.to_injected_state([want], staging, NUM_TOKENS, 5, torch.float32)
     for lid in (0, 40, layout.num_layers - 1):

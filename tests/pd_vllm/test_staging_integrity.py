@@ -32,12 +32,21 @@ def secret_file(tmp_path):
 
 
 def _worker(secret_file, layerwise: bool) -> TileRTWorker:
-    cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
-                                             "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret_file),
-                                             "tilert_layerwise": layerwise, "tilert_timeout_s": 10.0})
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "tilert_model": "mla",
+            "tilert_max_seq_len": 64,
+            "tilert_local_host": "127.0.0.1",
+            "tilert_secret_path": str(secret_file),
+            "tilert_layerwise": layerwise,
+            "tilert_timeout_s": 10.0,
+        }
+    )
     w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
     g = torch.Generator().manual_seed(3)
-    w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576, generator=g) for i in range(3)})
+    w.register(
+        {f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576, generator=g) for i in range(3)}
+    )
     return w
 
 
@@ -74,16 +83,22 @@ def _expected_state(w: TileRTWorker, job: SendJob) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("layerwise", [False, True], ids=["whole", "layerwise"])
 @pytest.mark.parametrize("attacked", [False, True], ids=["clean", "attacked"])
-async def test_a_write_into_staging_after_the_gather_is_refused_by_the_node(secret_file, attacker, layerwise,
-                                                                            attacked, monkeypatch):
+async def test_a_write_into_staging_after_the_gather_is_refused_by_the_node(
+    secret_file, attacker, layerwise, attacked, monkeypatch
+):
     w = _worker(secret_file, layerwise)
     try:
         assert w.layout is not None and w.pool is not None
         async with running_node(w.layout, secret_file, slots=1, max_seq_len=64) as n:
             _, adm = await n.admit("v")
-            job = SendJob(req_id="v", dest=Destination("127.0.0.1", n.ctrl_port, adm["ticket"]),
-                          num_tokens=NUM_TOKENS, last_prompt_token=3, prompt_token_ids=list(range(NUM_TOKENS)),
-                          block_ids=([1, 2],))
+            job = SendJob(
+                req_id="v",
+                dest=Destination("127.0.0.1", n.ctrl_port, adm["ticket"]),
+                num_tokens=NUM_TOKENS,
+                last_prompt_token=3,
+                prompt_token_ids=list(range(NUM_TOKENS)),
+                block_ids=([1, 2],),
+            )
             publish = w.pool.publish
             published: list[list[int]] = []
 
@@ -125,9 +140,14 @@ async def test_a_write_into_staging_before_the_send_is_refused_by_the_node(secre
                     return real(host, port, req, error=error, layers=layers)
 
                 sender.send = send  # type: ignore[method-assign]
-            job = SendJob(req_id="v", dest=Destination("127.0.0.1", n.ctrl_port, adm["ticket"]),
-                          num_tokens=NUM_TOKENS, last_prompt_token=3, prompt_token_ids=list(range(NUM_TOKENS)),
-                          block_ids=([1, 2],))
+            job = SendJob(
+                req_id="v",
+                dest=Destination("127.0.0.1", n.ctrl_port, adm["ticket"]),
+                num_tokens=NUM_TOKENS,
+                last_prompt_token=3,
+                prompt_token_ids=list(range(NUM_TOKENS)),
+                block_ids=([1, 2],),
+            )
             _run_job(w, job, layerwise=False)
             status, events = await n.generate(adm["ticket"], max_tokens=2)
             assert status == 502 and "digest differs" in events[0]["error"]["message"], events

@@ -21,9 +21,16 @@ def _worker(tmp_path, timeout_s: float, staging: int = 1) -> TileRTWorker:
     """A rank of a 2-layer MLA model with MTP (3 caches) and `staging` staging regions."""
     secret = tmp_path / "secret"
     secret.write_text("0123456789abcdef0123456789abcdef")
-    cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
-                                             "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
-                                             "tilert_staging_requests": staging, "tilert_timeout_s": timeout_s})
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "tilert_model": "mla",
+            "tilert_max_seq_len": 64,
+            "tilert_local_host": "127.0.0.1",
+            "tilert_secret_path": str(secret),
+            "tilert_staging_requests": staging,
+            "tilert_timeout_s": timeout_s,
+        }
+    )
     assert cfg.layerwise  # the default
     w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
     w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
@@ -45,8 +52,14 @@ def stand_in(worker: TileRTWorker, send):
 
 
 def job(req_id: str, port: int) -> SendJob:
-    return SendJob(req_id=req_id, dest=Destination("127.0.0.1", port, None), num_tokens=20, last_prompt_token=3,
-                   prompt_token_ids=list(range(20)), block_ids=([1, 2],))
+    return SendJob(
+        req_id=req_id,
+        dest=Destination("127.0.0.1", port, None),
+        num_tokens=20,
+        last_prompt_token=3,
+        prompt_token_ids=list(range(20)),
+        block_ids=([1, 2],),
+    )
 
 
 def _until(cond, timeout=10.0):
@@ -267,9 +280,15 @@ def test_a_job_without_free_staging_waits_for_the_whole_state_path(layerwise_wor
 def test_layerwise_off_gathers_everything_at_wait_for_save(tmp_path):
     secret = tmp_path / "secret"
     secret.write_text("0123456789abcdef0123456789abcdef")
-    cfg = ConnectorConfig.from_extra_config({"tilert_model": "mla", "tilert_max_seq_len": 64,
-                                             "tilert_local_host": "127.0.0.1", "tilert_secret_path": str(secret),
-                                             "tilert_layerwise": False})
+    cfg = ConnectorConfig.from_extra_config(
+        {
+            "tilert_model": "mla",
+            "tilert_max_seq_len": 64,
+            "tilert_local_host": "127.0.0.1",
+            "tilert_secret_path": str(secret),
+            "tilert_layerwise": False,
+        }
+    )
     w = TileRTWorker(cfg, rank=0, world_size=1, group_of={}, block_size_of={0: 16}, num_hidden_layers=2)
     w.register({f"model.layers.{i}.self_attn.attn": torch.randn(8, 1, 16, 576) for i in range(3)})
     rec = stand_in(w, FeedRecorder(w))
@@ -289,7 +308,9 @@ def test_layerwise_off_gathers_everything_at_wait_for_save(tmp_path):
 
 def chunk(j: SendJob, upto: int, blocks: list[int], first: bool) -> SendJob:
     """`j`'s job in a step of its chunked prefill before the last: `upto` tokens computed by its end."""
-    return dataclasses.replace(j, upto=upto, block_ids=(blocks,), prompt_token_ids=j.prompt_token_ids if first else [])
+    return dataclasses.replace(
+        j, upto=upto, block_ids=(blocks,), prompt_token_ids=j.prompt_token_ids if first else []
+    )
 
 
 def forward(w: TileRTWorker, jobs: list[SendJob]) -> None:
@@ -320,8 +341,8 @@ def test_a_chunked_prompt_is_sent_chunk_by_chunk_and_completed_in_its_last_step(
     row = w.layout.plane("mla").unit_bytes
     for lid in range(3):
         _, off = w.pool.placement.offset("mla", lid)
-        assert torch.equal(staged[off:off + 7 * row], whole[off:off + 7 * row])
-        assert not staged[off + 7 * row:off + 20 * row].any()  # not computed yet, so not staged
+        assert torch.equal(staged[off : off + 7 * row], whole[off : off + 7 * row])
+        assert not staged[off + 7 * row : off + 20 * row].any()  # not computed yet, so not staged
     forward(w, [chunk(a, 7, [3], first=False)])  # preempted and resumed: recomputes what is staged already
     forward(w, [a])  # the last step: the rest of every layer, which the node now hears of
     _until(lambda: w.pool.free == 2)

@@ -44,8 +44,13 @@ class Stack:
         return self.natives[0]
 
     def client(self, **kw: Any) -> openai.AsyncOpenAI:
-        c = openai.AsyncOpenAI(base_url=self.router_url + "/v1", api_key=kw.pop("api_key", "none"),
-                               max_retries=0, timeout=kw.pop("timeout", 20.0), **kw)
+        c = openai.AsyncOpenAI(
+            base_url=self.router_url + "/v1",
+            api_key=kw.pop("api_key", "none"),
+            max_retries=0,
+            timeout=kw.pop("timeout", 20.0),
+            **kw,
+        )
         self.clients.append(c)
         return c
 
@@ -70,9 +75,12 @@ async def make_stack() -> AsyncIterator[StackFactory]:
     ) -> Stack:
         """`context`: one context length for every server, as the operator renders it (vLLM's
         --max-model-len, the nodes' --max-seq-len and max_seq_len in the router's config)."""
-        nodes = [await FakeNode(f"t{i}", slots=s, token=node_token,
-                                **({"max_seq_len": context} if context else {})).start()
-                 for i, s in enumerate(node_slots)]
+        nodes = [
+            await FakeNode(
+                f"t{i}", slots=s, token=node_token, **({"max_seq_len": context} if context else {})
+            ).start()
+            for i, s in enumerate(node_slots)
+        ]
         prefills = [await FakePrefill(nodes).start() for _ in range(n_prefill)]
         natives = [await FakeNative().start() for _ in range(n_native)]
         for v in [*prefills, *natives]:
@@ -80,8 +88,16 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         raw: dict[str, Any] = {
             "model": MODEL,
             "prefill": [p.url for p in prefills],
-            "tilert": [{"name": n.name, "http_url": n.url, "ctrl_host": "127.0.0.1", "slots": n.slots,
-                        "max_seq_len": context} for n in nodes],
+            "tilert": [
+                {
+                    "name": n.name,
+                    "http_url": n.url,
+                    "ctrl_host": "127.0.0.1",
+                    "slots": n.slots,
+                    "max_seq_len": context,
+                }
+                for n in nodes
+            ],
             "native": [n.url for n in natives],
         }
         for key, value in overrides.items():

@@ -28,16 +28,23 @@ def vllm_error(message: str, param: str) -> dict[str, Any]:
     return {"error": {"message": message, "type": "BadRequestError", "param": param, "code": 400}}
 
 
-def vllm_max_tokens_check(body: dict[str, Any], max_model_len: int | None, chat: bool = True) -> dict[str, Any] | None:
+def vllm_max_tokens_check(
+    body: dict[str, Any], max_model_len: int | None, chat: bool = True
+) -> dict[str, Any] | None:
     """vLLM 0.32 refuses a max_tokens past the context length up front, whatever the prompt; a prompt
     + max_tokens past it is not refused but clamped (get_max_tokens). Completions have no
     max_completion_tokens (vLLM ignores the field there)."""
-    param = "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    param = (
+        "max_completion_tokens" if chat and body.get("max_completion_tokens") is not None else "max_tokens"
+    )
     mt = body.get(param)
     if max_model_len is None or mt is None or mt <= max_model_len:
         return None
-    return vllm_error(f"{param}={mt} cannot be greater than max_model_len={max_model_len}. Please request fewer "
-                      f"output tokens. (parameter={param}, value={mt})", param)
+    return vllm_error(
+        f"{param}={mt} cannot be greater than max_model_len={max_model_len}. Please request fewer "
+        f"output tokens. (parameter={param}, value={mt})",
+        param,
+    )
 
 
 async def _start(app: web.Application) -> tuple[web.AppRunner, str]:
@@ -90,7 +97,9 @@ class Ticket:
 class FakeNode(Fake):
     """A TileRT decode node: /v1/admit, /v1/generate, /v1/cancel, /health, /ready, /metrics."""
 
-    def __init__(self, name: str = "t0", slots: int = 1, max_seq_len: int = 4096, token: str | None = None) -> None:
+    def __init__(
+        self, name: str = "t0", slots: int = 1, max_seq_len: int = 4096, token: str | None = None
+    ) -> None:
         self.name = name
         #: The node-API token /v1/* require (None: an open node), as the real node's api_auth does.
         self.token = token
@@ -134,20 +143,25 @@ class FakeNode(Fake):
         if request.path.startswith("/v1/"):
             self.auth_seen.append(request.headers.get("Authorization"))
             if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
-                return web.json_response({"error": {"type": "unauthorized", "message": "token"}}, status=401,
-                                         headers={"WWW-Authenticate": 'Bearer realm="tilert-decode-node"'})
+                return web.json_response(
+                    {"error": {"type": "unauthorized", "message": "token"}},
+                    status=401,
+                    headers={"WWW-Authenticate": 'Bearer realm="tilert-decode-node"'},
+                )
         return await handler(request)
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._auth])
-        app.add_routes([
-            web.post("/v1/admit", self.admit),
-            web.post("/v1/generate", self.generate),
-            web.post("/v1/cancel", self.cancel),
-            web.get("/health", self.health),
-            web.get("/ready", self.readyz),
-            web.get("/metrics", self.health),
-        ])
+        app.add_routes(
+            [
+                web.post("/v1/admit", self.admit),
+                web.post("/v1/generate", self.generate),
+                web.post("/v1/cancel", self.cancel),
+                web.get("/health", self.health),
+                web.get("/ready", self.readyz),
+                web.get("/metrics", self.health),
+            ]
+        )
         return app
 
     def handoff(self, ticket: str, num_tokens: int = 0) -> bool:
@@ -164,30 +178,45 @@ class FakeNode(Fake):
         mt = body.get("max_tokens") or 0
         pt = body.get("prompt_tokens") or 0
         if mt + pt > self.max_seq_len:
-            return web.json_response({"error": {"type": "too_long", "message": f"{pt}+{mt} > {self.max_seq_len}"}},
-                                     status=400)
+            return web.json_response(
+                {"error": {"type": "too_long", "message": f"{pt}+{mt} > {self.max_seq_len}"}}, status=400
+            )
         if self.active >= self.slots:
             self.rejected_full += 1
-            return web.json_response({"error": {"type": "node_full", "message": "no free slot"}}, status=429,
-                                     headers={"Retry-After": "1"})
+            return web.json_response(
+                {"error": {"type": "node_full", "message": "no free slot"}},
+                status=429,
+                headers={"Retry-After": "1"},
+            )
         tid = uuid.uuid4().hex
         self.tickets[tid] = Ticket(tid, body["request_id"], time.monotonic())
         self.max_active = max(self.max_active, self.active)
-        return web.json_response({"ticket": tid, "slot": self.active - 1, "expires_in_s": 30.0,
-                                  "ctrl_host": "127.0.0.1", "ctrl_port": 5556})
+        return web.json_response(
+            {
+                "ticket": tid,
+                "slot": self.active - 1,
+                "expires_in_s": 30.0,
+                "ctrl_host": "127.0.0.1",
+                "ctrl_port": 5556,
+            }
+        )
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.generates.append(body)
         t = self.tickets.get(body.get("ticket"))
         if t is None:
-            return web.json_response({"error": {"type": "unknown_ticket", "message": "no such ticket"}}, status=404)
+            return web.json_response(
+                {"error": {"type": "unknown_ticket", "message": "no such ticket"}}, status=404
+            )
         if t.generating:
             return web.json_response({"error": {"type": "already_generating", "message": "busy"}}, status=409)
         if self.generate_status is not None:
             self.tickets.pop(t.id, None)
-            return web.json_response({"error": {"type": "handoff_failed", "message": "scripted failure"}},
-                                     status=self.generate_status)
+            return web.json_response(
+                {"error": {"type": "handoff_failed", "message": "scripted failure"}},
+                status=self.generate_status,
+            )
         t.generating = True
         try:
             await asyncio.wait_for(t.handed_off.wait(), self.handoff_timeout_s)
@@ -217,7 +246,9 @@ class FakeNode(Fake):
                 if t.id not in self.tickets:  # cancelled meanwhile
                     return resp
                 tok = 100 + sent
-                await resp.write(b"data: " + json.dumps({"token_ids": [tok], "text": WORDS[sent]}).encode() + b"\n\n")
+                await resp.write(
+                    b"data: " + json.dumps({"token_ids": [tok], "text": WORDS[sent]}).encode() + b"\n\n"
+                )
                 sent += 1
                 self.tokens_sent += 1
                 if self.stop_after is not None and sent >= self.stop_after:
@@ -232,9 +263,19 @@ class FakeNode(Fake):
                 return resp
             if self.end_with == "cancelled_done":
                 finish = "cancelled"
-            done = {"done": True, "finish_reason": finish, "num_tokens": sent,
-                    "timings": {"wire_wait_ms": 0.1, "convert_ms": 0.1, "inject_ms": 0.1, "decode_ms": 1.0,
-                                "tpot_ms": 1.0, "mtp_acceptance": 0.9}}
+            done = {
+                "done": True,
+                "finish_reason": finish,
+                "num_tokens": sent,
+                "timings": {
+                    "wire_wait_ms": 0.1,
+                    "convert_ms": 0.1,
+                    "inject_ms": 0.1,
+                    "decode_ms": 1.0,
+                    "tpot_ms": 1.0,
+                    "mtp_acceptance": 0.9,
+                },
+            }
             await resp.write(b"data: " + json.dumps(done).encode() + b"\n\n")
             await resp.write_eof()
         finally:
@@ -264,11 +305,13 @@ class FakeVLLM(Fake):
 
     def app(self) -> web.Application:
         app = web.Application()
-        app.add_routes([
-            web.post("/v1/completions", self.complete),
-            web.post("/v1/chat/completions", self.complete),
-            web.get("/health", self.health),
-        ])
+        app.add_routes(
+            [
+                web.post("/v1/completions", self.complete),
+                web.post("/v1/chat/completions", self.complete),
+                web.get("/health", self.health),
+            ]
+        )
         return app
 
     async def health(self, request: web.Request) -> web.Response:
@@ -307,14 +350,21 @@ class FakePrefill(FakeVLLM):
         self.bodies.append(body)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
         if self.fail_status is not None and (self.fail_count == 0 or len(self.bodies) <= self.fail_count):
-            return web.json_response({"error": {"message": "scripted prefill failure", "type": "internal"}},
-                                     status=self.fail_status)
+            return web.json_response(
+                {"error": {"message": "scripted prefill failure", "type": "internal"}},
+                status=self.fail_status,
+            )
         if self.max_model_len is not None and self.prompt_tokens > self.max_model_len:
-            return web.json_response(vllm_error(
-                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
-                f"contains {self.prompt_tokens} input tokens, which exceeds this limit even without any output "
-                f"tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
-                f"value={self.prompt_tokens})", "input_tokens"), status=400)
+            return web.json_response(
+                vllm_error(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                    f"contains {self.prompt_tokens} input tokens, which exceeds this limit even without any output "
+                    f"tokens. Please reduce the length of the input prompt. (parameter=input_tokens, "
+                    f"value={self.prompt_tokens})",
+                    "input_tokens",
+                ),
+                status=400,
+            )
         try:
             if self.stall_s:
                 await asyncio.sleep(self.stall_s)
@@ -327,8 +377,12 @@ class FakePrefill(FakeVLLM):
         if "tilert_ticket" in kvp_in:
             self.handoffs_seen += 1
             status = "failed" if self.handoffs_seen <= self.fail_handoffs else self.tilert_status
-            kvp_out = {"tilert_first_token": self.first_token, "tilert_num_tokens": self.prompt_tokens,
-                       "tilert_status": status, "tilert_error": None}
+            kvp_out = {
+                "tilert_first_token": self.first_token,
+                "tilert_num_tokens": self.prompt_tokens,
+                "tilert_status": status,
+                "tilert_error": None,
+            }
             if status == "queued" and self.finish_reason != "stop":
                 for n in self.nodes:
                     n.handoff(kvp_in["tilert_ticket"], self.prompt_tokens)
@@ -336,18 +390,32 @@ class FakePrefill(FakeVLLM):
                 kvp_out["tilert_error"] = "scripted handoff failure" if status != "queued" else None
         else:
             kvp_out = self.kv_params
-        usage: dict[str, Any] = {"prompt_tokens": self.prompt_tokens, "completion_tokens": 1,
-                                 "total_tokens": self.prompt_tokens + 1}
+        usage: dict[str, Any] = {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": 1,
+            "total_tokens": self.prompt_tokens + 1,
+        }
         if self.cached_tokens is not None:
             usage["prompt_tokens_details"] = {"cached_tokens": self.cached_tokens}
         if chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": self.first_text},
-                      "finish_reason": self.finish_reason}
+            choice = {
+                "index": 0,
+                "message": {"role": "assistant", "content": self.first_text},
+                "finish_reason": self.finish_reason,
+            }
         else:
             choice = {"index": 0, "text": self.first_text, "finish_reason": self.finish_reason}
-        return web.json_response({"id": "x", "object": "chat.completion" if chat else "text_completion",
-                                  "created": 1, "model": body["model"], "choices": [choice], "usage": usage,
-                                  "kv_transfer_params": kvp_out})
+        return web.json_response(
+            {
+                "id": "x",
+                "object": "chat.completion" if chat else "text_completion",
+                "created": 1,
+                "model": body["model"],
+                "choices": [choice],
+                "usage": usage,
+                "kv_transfer_params": kvp_out,
+            }
+        )
 
 
 class FakeNative(FakeVLLM):
@@ -380,8 +448,9 @@ class FakeNative(FakeVLLM):
 
     async def _complete(self, request: web.Request, body: dict[str, Any]) -> web.StreamResponse:
         if self.fail_status is not None:
-            return web.json_response({"error": {"message": "scripted decode failure", "type": "internal"}},
-                                     status=self.fail_status)
+            return web.json_response(
+                {"error": {"message": "scripted decode failure", "type": "internal"}}, status=self.fail_status
+            )
         chat = request.path.endswith("chat/completions")
         refused = vllm_max_tokens_check(body, self.max_model_len, chat)
         if refused is not None:
@@ -389,17 +458,32 @@ class FakeNative(FakeVLLM):
         n = min(self.tokens, body.get("max_tokens") or self.tokens)
         if self.max_model_len is not None:
             n = min(n, self.max_model_len - 7)
-        usage = {"prompt_tokens": 7, "completion_tokens": n, "total_tokens": 7 + n,
-                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens_reported}}
+        usage = {
+            "prompt_tokens": 7,
+            "completion_tokens": n,
+            "total_tokens": 7 + n,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens_reported},
+        }
         obj = "chat.completion" if chat else "text_completion"
         if not body.get("stream"):
             if self.token_interval_s:
                 await asyncio.sleep(self.token_interval_s * n)
             text = "".join(WORDS[:n])
-            choice = ({"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
-                      if chat else {"index": 0, "text": text, "finish_reason": "length"})
-            return web.json_response({"id": "cmpl-d", "object": obj, "created": 1, "model": body["model"],
-                                      "choices": [choice], "usage": usage})
+            choice = (
+                {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": "length"}
+                if chat
+                else {"index": 0, "text": text, "finish_reason": "length"}
+            )
+            return web.json_response(
+                {
+                    "id": "cmpl-d",
+                    "object": obj,
+                    "created": 1,
+                    "model": body["model"],
+                    "choices": [choice],
+                    "usage": usage,
+                }
+            )
         resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await resp.prepare(request)
         cobj = obj + ".chunk" if chat else obj
@@ -411,13 +495,28 @@ class FakeNative(FakeVLLM):
                 request.transport.abort()
                 return resp
             fin = "length" if i == n - 1 else None
-            choice = ({"index": 0, "delta": {"content": WORDS[i]}, "finish_reason": fin} if chat
-                      else {"index": 0, "text": WORDS[i], "finish_reason": fin})
-            chunk = {"id": "cmpl-d", "object": cobj, "created": 1, "model": body["model"], "choices": [choice]}
+            choice = (
+                {"index": 0, "delta": {"content": WORDS[i]}, "finish_reason": fin}
+                if chat
+                else {"index": 0, "text": WORDS[i], "finish_reason": fin}
+            )
+            chunk = {
+                "id": "cmpl-d",
+                "object": cobj,
+                "created": 1,
+                "model": body["model"],
+                "choices": [choice],
+            }
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         if (body.get("stream_options") or {}).get("include_usage"):
-            chunk = {"id": "cmpl-d", "object": cobj, "created": 1, "model": body["model"], "choices": [],
-                     "usage": usage}
+            chunk = {
+                "id": "cmpl-d",
+                "object": cobj,
+                "created": 1,
+                "model": body["model"],
+                "choices": [],
+                "usage": usage,
+            }
             await resp.write(b"data: " + json.dumps(chunk).encode() + b"\n\n")
         await resp.write(b"data: [DONE]\n\n")
         await resp.write_eof()

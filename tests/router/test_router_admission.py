@@ -45,4 +45,8 @@ async def test_100_concurrent_against_3_slots(make_stack, overflow, slots):
         assert s.native.bodies == []
         assert len(done) == completed
     # Every slot comes back, some through background work that may outlive the last response.
-    await until(lambda: all(p.in_use == 0 for p in s.state.pools.tilert.values()) and all(n.active == 0 for n in s.nodes))
+    await until(
+        lambda: (
+            all(p.in_use == 0 for p in s.state.pools.tilert.values()) and all(n.active == 0 for n in s.nodes)
+        )
+    )

@@ -28,16 +28,20 @@ async def test_bad_requests_openai_errors_and_still_serving(make_stack):
     s = await make_stack()
     async with aiohttp.ClientSession() as http:
         for path, body, status, needle in CASES:
-            async with http.post(s.router_url + path, data=body,
-                                 headers={"Content-Type": "application/json"}) as resp:
+            async with http.post(
+                s.router_url + path, data=body, headers={"Content-Type": "application/json"}
+            ) as resp:
                 assert resp.status == status, (body, await resp.text())
                 err = (await resp.json())["error"]
                 assert needle in err["message"], (body, err)
                 assert set(err) == {"message", "type", "param", "code"}
                 assert resp.headers["X-Request-Id"]
         # Wrong header value, unknown route, wrong method.
-        async with http.post(s.router_url + "/v1/completions", json={"model": MODEL, "prompt": "a"},
-                             headers={"x-pd-route": "fastest"}) as resp:
+        async with http.post(
+            s.router_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "a"},
+            headers={"x-pd-route": "fastest"},
+        ) as resp:
             assert resp.status == 400 and "x-pd-route" in (await resp.json())["error"]["message"]
         async with http.get(s.router_url + "/v1/nothing") as resp:
             assert resp.status == 404 and "error" in await resp.json()

@@ -80,9 +80,17 @@ def test_the_comparison_looks_at_every_token(tmp_path, monkeypatch):
     assert len(calls) == 3 and all(len(x) == len(y) == 32 for x, y in calls)  # digests: lengths never differ
 
 
-@pytest.mark.parametrize(("header", "token"), [
-    ("Bearer abc", "abc"), ("bearer  abc ", "abc"), ("BEARER abc", "abc"), ("Bearer ", None), ("Basic abc", None),
-    ("", None), ("Bearerabc", None),
-])
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [
+        ("Bearer abc", "abc"),
+        ("bearer  abc ", "abc"),
+        ("BEARER abc", "abc"),
+        ("Bearer ", None),
+        ("Basic abc", None),
+        ("", None),
+        ("Bearerabc", None),
+    ],
+)
 def test_bearer_token(header, token):
     assert bearer_token({"Authorization": header} if header else {}) == token

@@ -26,7 +26,9 @@ def _probes(node) -> list[dict]:  # type: ignore[no-untyped-def]
 
 
 async def test_probe_pinned_to_each_node_then_ready(make_stack):
-    s = await make_stack(node_slots=(1, 1), n_native=0, health_checks=True, health=HEALTH, handoff_probe=PROBE)
+    s = await make_stack(
+        node_slots=(1, 1), n_native=0, health_checks=True, health=HEALTH, handoff_probe=PROBE
+    )
     await until(lambda: all(_probes(n) for n in s.nodes) and all(n.completed for n in s.nodes))
     for node in s.nodes:
         probe = _probes(node)[0]
@@ -87,10 +89,16 @@ async def test_no_probe_while_a_user_holds_the_slot(make_stack):
     await until(lambda: node.handoff_ready and not node.probing)  # the first probe, at start
     # The node is due again one interval after that probe: the user's request takes the slot before.
     s.node.go.clear()  # the user's decode holds the node's only slot
-    user = asyncio.create_task(client.completions.create(model=MODEL, prompt="a", max_tokens=4,
-                                                         extra_headers={"x-pd-route": "tilert"}))
-    await until(lambda: any(t.generating and not t.request_id.startswith(canary.PREFIX)
-                            for t in s.node.tickets.values()))
+    user = asyncio.create_task(
+        client.completions.create(
+            model=MODEL, prompt="a", max_tokens=4, extra_headers={"x-pd-route": "tilert"}
+        )
+    )
+    await until(
+        lambda: any(
+            t.generating and not t.request_id.startswith(canary.PREFIX) for t in s.node.tickets.values()
+        )
+    )
     probes = len(_probes(s.node))
     await asyncio.sleep(2.2)  # two intervals
     assert len(_probes(s.node)) == probes
@@ -119,8 +127,11 @@ async def test_due_rules(make_stack):
     node.handoff_ok(now - 1.0)
     assert canary.due(st, node, now)
     # A failed handoff since: probed again after retry_s, not a whole interval.
-    st.config = st.config.model_copy(update={"handoff_probe": st.config.handoff_probe.model_copy(
-        update={"interval_s": 100.0, "retry_s": 0.2})})
+    st.config = st.config.model_copy(
+        update={
+            "handoff_probe": st.config.handoff_probe.model_copy(update={"interval_s": 100.0, "retry_s": 0.2})
+        }
+    )
     st.tilert_full_at = -1e18
     node.handoff_failed(now - 0.1, "handoff_timeout: scripted")
     assert not canary.due(st, node, now)

@@ -18,9 +18,19 @@ async def test_cli_serves_and_stops(make_stack, tmp_path):
     path.write_text(config.dump(s.cfg))
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tilert_serve.router.cli", "--config", str(path), "--host", "127.0.0.1",
-        "--port", str(port), "--log-level", "WARNING",
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-m",
+        "tilert_serve.router.cli",
+        "--config",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "WARNING",
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     try:
         async with aiohttp.ClientSession() as http:

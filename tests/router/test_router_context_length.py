@@ -17,16 +17,23 @@ CONTEXT = 32
 
 
 async def _post(s, route: str, **body) -> tuple[int, dict]:
-    async with aiohttp.ClientSession() as http, http.post(
-        s.router_url + "/v1/completions", json={"model": MODEL, "prompt": "a", **body},
-        headers={"x-pd-route": route},
-    ) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            s.router_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", **body},
+            headers={"x-pd-route": route},
+        ) as resp,
+    ):
         return resp.status, await resp.json()
 
 
 async def _nothing_held(s) -> None:
-    await until(lambda: all(n.in_use == 0 for n in s.state.pools.tilert.values())
-                and all(n.active == 0 for n in s.nodes))
+    await until(
+        lambda: (
+            all(n.in_use == 0 for n in s.state.pools.tilert.values()) and all(n.active == 0 for n in s.nodes)
+        )
+    )
     assert all(e.inflight == 0 for e in s.state.pools.all())
 
 
@@ -45,9 +52,15 @@ async def test_prompt_plus_max_tokens_past_the_context_ends_as_length(make_stack
 async def test_max_tokens_past_the_context_is_vllms_400_on_every_path(make_stack):
     """Whichever server refuses it, the client reads vLLM's refusal: native, TileRT sent on to the
     native pool, and TileRT with no native pool to send it to (the router answers for vLLM)."""
-    want = {"error": {"message": f"max_tokens=40 cannot be greater than max_model_len={CONTEXT}. Please request "
-                                 "fewer output tokens. (parameter=max_tokens, value=40)",
-                      "type": "BadRequestError", "param": "max_tokens", "code": 400}}
+    want = {
+        "error": {
+            "message": f"max_tokens=40 cannot be greater than max_model_len={CONTEXT}. Please request "
+            "fewer output tokens. (parameter=max_tokens, value=40)",
+            "type": "BadRequestError",
+            "param": "max_tokens",
+            "code": 400,
+        }
+    }
     s = await make_stack(context=CONTEXT)
     assert await _post(s, "native", max_tokens=40) == (400, want)
     assert await _post(s, "tilert", max_tokens=40) == (400, want)
@@ -66,11 +79,15 @@ async def test_prompt_past_the_context_is_vllms_400(make_stack, route):
     s.prefill.prompt_tokens = CONTEXT + 3
     status, body = await _post(s, route, max_tokens=4)
     assert status == 400
-    assert body["error"] == {"message": f"This model's maximum context length is {CONTEXT} tokens. However, your "
-                                        f"prompt contains {CONTEXT + 3} input tokens, which exceeds this limit even "
-                                        "without any output tokens. Please reduce the length of the input prompt. "
-                                        f"(parameter=input_tokens, value={CONTEXT + 3})",
-                             "type": "BadRequestError", "param": "input_tokens", "code": 400}
+    assert body["error"] == {
+        "message": f"This model's maximum context length is {CONTEXT} tokens. However, your "
+        f"prompt contains {CONTEXT + 3} input tokens, which exceeds this limit even "
+        "without any output tokens. Please reduce the length of the input prompt. "
+        f"(parameter=input_tokens, value={CONTEXT + 3})",
+        "type": "BadRequestError",
+        "param": "input_tokens",
+        "code": 400,
+    }
     assert s.node.generates == [] and s.native.bodies == []
     await _nothing_held(s)
     if route == "tilert":

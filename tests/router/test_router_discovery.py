@@ -20,8 +20,17 @@ ROUTE = {"x-pd-route": "tilert"}
 def test_nodes_from_addresses_and_the_merge():
     d = config.TileRTDiscovery(service="pool.ns.svc", http_port=5557, ctrl_port=5556, slots=2, max_seq_len=99)
     nodes = nodes_from(["10.0.0.2", "10.0.0.1", "10.0.0.2", "fd00::7"], d)
-    assert [n.http_url for n in nodes] == ["http://10.0.0.1:5557", "http://10.0.0.2:5557", "http://[fd00::7]:5557"]
-    assert (nodes[0].ctrl_host, nodes[0].ctrl_port, nodes[0].slots, nodes[0].max_seq_len) == ("10.0.0.1", 5556, 2, 99)
+    assert [n.http_url for n in nodes] == [
+        "http://10.0.0.1:5557",
+        "http://10.0.0.2:5557",
+        "http://[fd00::7]:5557",
+    ]
+    assert (nodes[0].ctrl_host, nodes[0].ctrl_port, nodes[0].slots, nodes[0].max_seq_len) == (
+        "10.0.0.1",
+        5556,
+        2,
+        99,
+    )
     static = config.TileRTNode(name="pod-0", http_url="http://10.0.0.1:5557", ctrl_host="192.168.7.1")
     cfg = config.RouterConfig(model="m", prefill=["http://p"], tilert=[static], tilert_discovery=d)
     merged = config.with_discovered(cfg, nodes)
@@ -37,12 +46,22 @@ async def test_a_discovered_node_serves_and_leaves(make_stack):
         assert name == "pool.test"
         return list(answer)
 
-    stack = await make_stack(tilert=[], resolver=resolver,
-                             tilert_discovery={"service": "pool.test", "http_port": 1, "interval_s": 3600})
+    stack = await make_stack(
+        tilert=[],
+        resolver=resolver,
+        tilert_discovery={"service": "pool.test", "http_port": 1, "interval_s": 3600},
+    )
     node = stack.node
     # Point discovery at the fake node's port (the fixture starts the nodes before writing the config).
-    stack.state.apply(stack.state.base_config.model_copy(update={"tilert_discovery": config.TileRTDiscovery(
-        service="pool.test", http_port=urlsplit(node.url).port, interval_s=3600)}))
+    stack.state.apply(
+        stack.state.base_config.model_copy(
+            update={
+                "tilert_discovery": config.TileRTDiscovery(
+                    service="pool.test", http_port=urlsplit(node.url).port, interval_s=3600
+                )
+            }
+        )
+    )
     assert not stack.state.pools.tilert
 
     answer[:] = ["127.0.0.1"]
@@ -70,8 +89,11 @@ async def test_the_loop_runs_with_the_app(tmp_path):
         calls.append(name)
         return ["127.0.0.9"]
 
-    cfg = config.RouterConfig(model=MODEL, prefill=["http://127.0.0.1:9"], tilert_discovery=config.TileRTDiscovery(
-        service="svc.test", interval_s=0.05))
+    cfg = config.RouterConfig(
+        model=MODEL,
+        prefill=["http://127.0.0.1:9"],
+        tilert_discovery=config.TileRTDiscovery(service="svc.test", interval_s=0.05),
+    )
     app = make_app(cfg, health_checks=False, resolver=resolver)
     runner = await start(app, "127.0.0.1", 0)
     try:
@@ -93,11 +115,19 @@ async def test_a_discovered_node_the_config_then_names_keeps_its_slots(make_stac
     async def resolver(name: str) -> list[str]:
         return list(answer)
 
-    stack = await make_stack(tilert=[], resolver=resolver,
-                             tilert_discovery={"service": "pool.test", "interval_s": 3600})
+    stack = await make_stack(
+        tilert=[], resolver=resolver, tilert_discovery={"service": "pool.test", "interval_s": 3600}
+    )
     node, st = stack.node, stack.state
-    st.apply(st.base_config.model_copy(update={"tilert_discovery": config.TileRTDiscovery(
-        service="pool.test", http_port=urlsplit(node.url).port, interval_s=3600)}))
+    st.apply(
+        st.base_config.model_copy(
+            update={
+                "tilert_discovery": config.TileRTDiscovery(
+                    service="pool.test", http_port=urlsplit(node.url).port, interval_s=3600
+                )
+            }
+        )
+    )
     await refresh(st, resolver)
     node.go.clear()  # the first request keeps the node's only slot
     c = stack.client()
@@ -124,8 +154,10 @@ async def test_gauges_of_nodes_that_left_are_removed(make_stack):
     c = stack.client()
     for n in stack.nodes:
         n.go.clear()  # both requests in flight at once: one on each node
-    both = [asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=ROUTE))
-            for _ in range(2)]
+    both = [
+        asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=ROUTE))
+        for _ in range(2)
+    ]
     await until(lambda: all(n.generates for n in stack.nodes))
     for n in stack.nodes:
         n.go.set()

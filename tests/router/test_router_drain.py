@@ -25,9 +25,22 @@ async def _router(s: Any, tmp_path: Any, drain_timeout: float) -> tuple[asyncio.
     path.write_text(config.dump(s.cfg))
     port = free_port()
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "tilert_serve.router.cli", "--config", str(path), "--host", "127.0.0.1",
-        "--port", str(port), "--log-level", "INFO", "--no-health-checks", "--drain-timeout", str(drain_timeout),
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        sys.executable,
+        "-m",
+        "tilert_serve.router.cli",
+        "--config",
+        str(path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        "INFO",
+        "--no-health-checks",
+        "--drain-timeout",
+        str(drain_timeout),
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     async with aiohttp.ClientSession() as http:
@@ -46,8 +59,10 @@ async def _stream(url: str, max_tokens: int, first: asyncio.Event) -> tuple[list
     texts: list[str] = []
     finish = None
     body = {"model": "tiny", "prompt": "a", "max_tokens": max_tokens, "stream": True}
-    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=body,
-                                                          headers={"x-pd-route": "tilert"}) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url + "/v1/completions", json=body, headers={"x-pd-route": "tilert"}) as resp,
+    ):
         assert resp.status == 200, await resp.text()
         try:
             async for line in resp.content:
@@ -64,8 +79,10 @@ async def _stream(url: str, max_tokens: int, first: asyncio.Event) -> tuple[list
 
 async def _refused(url: str) -> bool:
     try:
-        async with aiohttp.ClientSession() as http, http.get(url + "/ready",
-                                                             timeout=aiohttp.ClientTimeout(total=2)) as resp:
+        async with (
+            aiohttp.ClientSession() as http,
+            http.get(url + "/ready", timeout=aiohttp.ClientTimeout(total=2)) as resp,
+        ):
             return resp.status == 503
     except aiohttp.ClientConnectionError:
         return True

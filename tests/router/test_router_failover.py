@@ -23,8 +23,14 @@ BREAKER = {"failures_to_open": 1, "open_s": 0.3, "max_open_s": 5.0}
 
 
 async def _complete(url: str, headers: dict[str, str] | None = None) -> tuple[int, dict[str, str], Any]:
-    async with aiohttp.ClientSession() as http, http.post(
-            url + "/v1/completions", json={"model": MODEL, "prompt": "a", "max_tokens": 3}, headers=headers or {}) as r:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            url + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "max_tokens": 3},
+            headers=headers or {},
+        ) as r,
+    ):
         return r.status, dict(r.headers), json.loads(await r.read())
 
 
@@ -50,8 +56,10 @@ async def test_auto_fails_over_to_native_and_returns_once_handoffs_work(make_sta
         assert status == 200, body
         assert headers["X-PD-Route"] == "native"
     admits = sum(len(n.admits) for n in s.nodes)
-    print(f"\n6 auto requests with every handoff failing: all served by native in "
-          f"{', '.join(f'{t * 1e3:.0f}' for t in times)} ms; TileRT admissions {admits} (one per node, then none)")
+    print(
+        f"\n6 auto requests with every handoff failing: all served by native in "
+        f"{', '.join(f'{t * 1e3:.0f}' for t in times)} ms; TileRT admissions {admits} (one per node, then none)"
+    )
     assert admits == 2
     assert len(s.native.bodies) == 6
 
@@ -70,8 +78,10 @@ async def test_auto_fails_over_to_native_and_returns_once_handoffs_work(make_sta
     t0 = time.perf_counter()
     status, headers, body = await _complete(s.router_url)
     assert status == 200 and headers["X-PD-Route"] == "tilert", body
-    print(f"handoffs healed: the next request went to TileRT (half-open trial) in "
-          f"{(time.perf_counter() - t0) * 1e3:.0f} ms")
+    print(
+        f"handoffs healed: the next request went to TileRT (half-open trial) in "
+        f"{(time.perf_counter() - t0) * 1e3:.0f} ms"
+    )
     await until(lambda: s.state.pools.tilert["t0"].in_use + s.state.pools.tilert["t1"].in_use == 0)
     status, raw = await _get(s.router_url, "/ready")
     assert json.loads(raw)["paths"]["tilert"] == "up"
@@ -100,8 +110,12 @@ async def test_a_tilert_only_router_is_not_ready_and_answers_fast_while_no_node_
     t0 = time.perf_counter()
     status, headers, body = await _complete(s.router_url)
     took = time.perf_counter() - t0
-    print(f"\nTileRT-only router, no node takes a handoff: {status} {body['error']['code']} in {took * 1e3:.0f} ms")
-    assert status == 503 and body["error"]["code"] == "tilert_unavailable" and headers.get("Retry-After"), body
+    print(
+        f"\nTileRT-only router, no node takes a handoff: {status} {body['error']['code']} in {took * 1e3:.0f} ms"
+    )
+    assert status == 503 and body["error"]["code"] == "tilert_unavailable" and headers.get("Retry-After"), (
+        body
+    )
     assert sum(len(n.admits) for n in s.nodes) == 2  # the open breakers sent nothing to the nodes
     status, raw = await _get(s.router_url, "/ready")
     ready = json.loads(raw)

@@ -13,7 +13,6 @@ from router_fakes import MODEL, WORDS, until
 ROUTE = {"x-pd-route": "tilert"}
 
 
-
 async def test_prefill_500_retried_once_elsewhere(make_stack):
     s = await make_stack(n_prefill=2)
     s.prefills[0].fail_status = 500
@@ -59,7 +58,9 @@ async def test_decode_dies_mid_stream_sse_error(make_stack):
     s = await make_stack()
     s.node.die_after = 2
     c = s.client()
-    stream = await c.completions.create(model=MODEL, prompt="a", max_tokens=10, stream=True, extra_headers=ROUTE)
+    stream = await c.completions.create(
+        model=MODEL, prompt="a", max_tokens=10, stream=True, extra_headers=ROUTE
+    )
     got = []
     with pytest.raises(openai.APIError, match="decode failed"):
         async for ch in stream:
@@ -85,8 +86,13 @@ async def test_generate_error_after_first_token_streamed(make_stack):
     s = await make_stack()
     s.node.generate_status = 502
     c = s.client()
-    stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
-                                             max_tokens=5, stream=True, extra_headers=ROUTE)
+    stream = await c.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "a"}],
+        max_tokens=5,
+        stream=True,
+        extra_headers=ROUTE,
+    )
     got = []
     with pytest.raises(openai.APIError, match="scripted failure"):
         async for ch in stream:
@@ -99,7 +105,9 @@ async def test_slow_node_idle_timeout(make_stack):
     s = await make_stack(timeouts={"idle_stream_s": 0.3})
     s.node.stall_after = 1  # then silent for an hour, the connection open
     c = s.client()
-    stream = await c.completions.create(model=MODEL, prompt="a", max_tokens=10, stream=True, extra_headers=ROUTE)
+    stream = await c.completions.create(
+        model=MODEL, prompt="a", max_tokens=10, stream=True, extra_headers=ROUTE
+    )
 
     async def drain() -> None:
         async for _ in stream:
@@ -154,7 +162,9 @@ async def test_full_pool_reject_gives_429_with_retry_after(make_stack):
     s = await make_stack(policy={"when_tilert_full": "reject", "retry_after_s": 3})
     s.node.go.clear()  # the first request holds the only slot until the test lets it go
     c = s.client()
-    first = asyncio.create_task(c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE))
+    first = asyncio.create_task(
+        c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE)
+    )
     await until(lambda: len(s.node.generates) == 1)
     with pytest.raises(openai.RateLimitError) as ei:
         await c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=ROUTE)
@@ -210,9 +220,13 @@ async def test_client_gone_mid_stream_is_not_an_upstream_error(make_stack, route
     # The handler has ended (it counts the request last) and so has the cancel sent for it: every
     # error they could log is in the log by then.
     reg = s.state.metrics.registry
-    await until(lambda: reg.get_sample_value("tilert_router_requests_total",
-                                             {"path": route, "outcome": "client_gone"}) == 1
-                and not s.state.background)
+    await until(
+        lambda: (
+            reg.get_sample_value("tilert_router_requests_total", {"path": route, "outcome": "client_gone"})
+            == 1
+            and not s.state.background
+        )
+    )
     assert s.state.pools.tilert["t0"].in_use == 0 and s.state.pools.native[s.native.url].inflight == 0
     await until(lambda: s.node.active == 0)
     assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

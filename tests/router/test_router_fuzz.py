@@ -56,14 +56,26 @@ def router_in_thread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Runn
         prefill = await FakePrefill([node]).start()
         native = await FakeNative().start()
         prefill.max_model_len = native.max_model_len = 64
-        cfg = config.RouterConfig.model_validate({
-            "model": MODEL, "prefill": [prefill.url], "native": [native.url],
-            "tilert": [{"name": "t0", "http_url": node.url, "ctrl_host": "127.0.0.1", "slots": 2,
-                        "max_seq_len": 64}],
-            "api_keys_file": str(tmp / "keys"), "tilert_api_token_file": str(tmp / "node-token"),
-            "policy": {"tilert_aliases": ["tiny-fast"]},
-            "timeouts": {"client_idle_s": 5.0, "client_body_s": 5.0},
-        })
+        cfg = config.RouterConfig.model_validate(
+            {
+                "model": MODEL,
+                "prefill": [prefill.url],
+                "native": [native.url],
+                "tilert": [
+                    {
+                        "name": "t0",
+                        "http_url": node.url,
+                        "ctrl_host": "127.0.0.1",
+                        "slots": 2,
+                        "max_seq_len": 64,
+                    }
+                ],
+                "api_keys_file": str(tmp / "keys"),
+                "tilert_api_token_file": str(tmp / "node-token"),
+                "policy": {"tilert_aliases": ["tiny-fast"]},
+                "timeouts": {"client_idle_s": 5.0, "client_body_s": 5.0},
+            }
+        )
         app = make_app(cfg, health_checks=False)
         runner = await start(app, "127.0.0.1", 0)
         out.port, out.state, out.node = bound_port(runner), app[STATE], node
@@ -85,18 +97,51 @@ def router_in_thread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Runn
 # -- strategies -----------------------------------------------------------------------------------------
 
 _numbers = st.one_of(
-    st.integers(-5, 70), st.integers(), st.sampled_from([2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64]),
-    st.floats(allow_nan=True, allow_infinity=True), st.sampled_from([0.0, 1.0, 2.0, 2.0001, -0.0, 1e308]),
+    st.integers(-5, 70),
+    st.integers(),
+    st.sampled_from([2**63 - 1, 2**63, -(2**63), -(2**63) - 1, 2**64]),
+    st.floats(allow_nan=True, allow_infinity=True),
+    st.sampled_from([0.0, 1.0, 2.0, 2.0001, -0.0, 1e308]),
 )
-_leaves = st.one_of(st.none(), st.booleans(), _numbers, st.text(max_size=12),
-                    st.sampled_from(["\ud800", "a" * 3000, MODEL, "tiny-fast", "user", "tilert"]))
-_json = st.recursive(_leaves, lambda inner: st.one_of(st.lists(inner, max_size=4),
-                                                       st.dictionaries(st.text(max_size=6), inner, max_size=4)),
-                     max_leaves=12)
-_FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream", "stream_options",
-           "temperature", "top_p", "top_k", "seed", "n", "stop", "stop_token_ids", "ignore_eos", "logprobs",
-           "presence_penalty", "tools", "kv_transfer_params", "vllm_xargs", "min_tokens", "response_format",
-           "include_stop_str_in_output"]
+_leaves = st.one_of(
+    st.none(),
+    st.booleans(),
+    _numbers,
+    st.text(max_size=12),
+    st.sampled_from(["\ud800", "a" * 3000, MODEL, "tiny-fast", "user", "tilert"]),
+)
+_json = st.recursive(
+    _leaves,
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=6), inner, max_size=4)
+    ),
+    max_leaves=12,
+)
+_FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "n",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "logprobs",
+    "presence_penalty",
+    "tools",
+    "kv_transfer_params",
+    "vllm_xargs",
+    "min_tokens",
+    "response_format",
+    "include_stop_str_in_output",
+]
 _good = {
     "model": st.sampled_from([MODEL, "tiny-fast"]),
     "prompt": st.one_of(st.text(max_size=20), st.lists(st.integers(0, 100), min_size=1, max_size=4)),
@@ -120,8 +165,15 @@ def _bodies(draw: st.DrawFn) -> bytes:
     return json.dumps(body).encode()
 
 
-_PATHS = {"/v1/completions": "POST", "/v1/chat/completions": "POST", "/v1/models": "GET", "/metrics": "GET",
-          "/ready": "GET", "/health": "GET", "/v1/nope": "GET"}
+_PATHS = {
+    "/v1/completions": "POST",
+    "/v1/chat/completions": "POST",
+    "/v1/models": "GET",
+    "/metrics": "GET",
+    "/ready": "GET",
+    "/health": "GET",
+    "/v1/nope": "GET",
+}
 
 
 @st.composite
@@ -133,21 +185,32 @@ def _method_path(draw: st.DrawFn) -> tuple[str, str]:
 
 _requests = st.tuples(
     _method_path(),
-    st.fixed_dictionaries({
-        "Authorization": st.sampled_from([f"Bearer {KEY}"] * 8 + ["Bearer nope", "Basic x", "Bearer "]),
-    }, optional={
-        "x-pd-route": st.sampled_from(["tilert", "native", "auto", "TILERT", "bogus", ""]),
-        "X-Request-Id": st.text(alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=140),
-    }),
+    st.fixed_dictionaries(
+        {
+            "Authorization": st.sampled_from([f"Bearer {KEY}"] * 8 + ["Bearer nope", "Basic x", "Bearer "]),
+        },
+        optional={
+            "x-pd-route": st.sampled_from(["tilert", "native", "auto", "TILERT", "bogus", ""]),
+            "X-Request-Id": st.text(
+                alphabet=st.characters(min_codepoint=33, max_codepoint=126), max_size=140
+            ),
+        },
+    ),
     _bodies(),
 )
 
 
-def _exchange(port: int, method: str, path: str, headers: dict[str, str], body: bytes) -> tuple[int, str, bytes]:
+def _exchange(
+    port: int, method: str, path: str, headers: dict[str, str], body: bytes
+) -> tuple[int, str, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     try:
-        conn.request(method, path, body=body if method != "GET" else None,
-                     headers={"Content-Type": "application/json", **headers})
+        conn.request(
+            method,
+            path,
+            body=body if method != "GET" else None,
+            headers={"Content-Type": "application/json", **headers},
+        )
         resp = conn.getresponse()
         return resp.status, resp.getheader("Content-Type") or "", resp.read()
     finally:
@@ -165,7 +228,11 @@ def _check(path: str, status: int, ctype: str, raw: bytes) -> None:
         return
     assert 400 <= status < 500, (status, raw[:500])
     err = json.loads(raw)["error"]
-    assert set(err) == {"message", "type", "param", "code"} and isinstance(err["message"], str) and err["message"]
+    assert (
+        set(err) == {"message", "type", "param", "code"}
+        and isinstance(err["message"], str)
+        and err["message"]
+    )
 
 
 def _one(r: _Running, request: tuple[tuple[str, str], dict[str, str], bytes]) -> None:
@@ -180,8 +247,11 @@ def _one(r: _Running, request: tuple[tuple[str, str], dict[str, str], bytes]) ->
         time.sleep(0.01)
 
 
-_SETTINGS = settings(max_examples=150, deadline=None,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+_SETTINGS = settings(
+    max_examples=150,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 @_SETTINGS
@@ -192,8 +262,10 @@ def test_every_request_is_served_or_refused_in_shape_and_the_router_survives(rou
 
 _completions = st.tuples(
     st.sampled_from([("POST", "/v1/completions"), ("POST", "/v1/chat/completions")]),
-    st.fixed_dictionaries({"Authorization": st.just(f"Bearer {KEY}")},
-                          optional={"x-pd-route": st.sampled_from(["tilert", "native", "auto"])}),
+    st.fixed_dictionaries(
+        {"Authorization": st.just(f"Bearer {KEY}")},
+        optional={"x-pd-route": st.sampled_from(["tilert", "native", "auto"])},
+    ),
     _bodies(),
 )
 

@@ -48,19 +48,41 @@ def _status_and_error(answer: bytes) -> tuple[int, dict[str, object]]:
 
 
 SMUGGLING = [
-    ("content-length and chunked", [b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 4\r\n"
-                                    b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + MARKER]),
-    ("bad chunk size", [b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
-                        b"zz" + MARKER + b"\r\n{}\r\n0\r\n\r\n"]),
-    ("bad chunk after the headers", [b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n"
-                                     b"Content-Type: application/json\r\n\r\n2\r\n{\"\r\n",
-                                     b"zz" + MARKER + b"\r\n\r\n"]),
+    (
+        "content-length and chunked",
+        [
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 4\r\n"
+            b"Transfer-Encoding: chunked\r\n\r\n0\r\n\r\n" + MARKER
+        ],
+    ),
+    (
+        "bad chunk size",
+        [
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"zz" + MARKER + b"\r\n{}\r\n0\r\n\r\n"
+        ],
+    ),
+    (
+        "bad chunk after the headers",
+        [
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n"
+            b'Content-Type: application/json\r\n\r\n2\r\n{"\r\n',
+            b"zz" + MARKER + b"\r\n\r\n",
+        ],
+    ),
     ("over-long request line", [b"GET /" + MARKER + b"A" * 20000 + b" HTTP/1.1\r\nHost: r\r\n\r\n"]),
     ("over-long header", [b"GET /health HTTP/1.1\r\nHost: r\r\nX-A: " + MARKER + b"B" * 20000 + b"\r\n\r\n"]),
-    ("two content-lengths", [b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n"
-                             b"Content-Length: 3\r\n\r\n" + MARKER]),
-    ("chunked not last", [b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked, gzip\r\n\r\n"
-                          + MARKER]),
+    (
+        "two content-lengths",
+        [
+            b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Length: 2\r\n"
+            b"Content-Length: 3\r\n\r\n" + MARKER
+        ],
+    ),
+    (
+        "chunked not last",
+        [b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked, gzip\r\n\r\n" + MARKER],
+    ),
 ]
 
 
@@ -84,7 +106,9 @@ async def test_malformed_requests_are_json_400s_without_echo_or_traceback(make_s
     tracebacks = [r for r in caplog.records if r.exc_info or "Traceback" in r.getMessage()]
     assert not tracebacks, [r.getMessage() for r in tracebacks]
     assert not any(MARKER.decode() in r.getMessage() for r in caplog.records)
-    assert sum(r.levelno >= logging.INFO for r in caplog.records) <= 1, [r.getMessage() for r in caplog.records]
+    assert sum(r.levelno >= logging.INFO for r in caplog.records) <= 1, [
+        r.getMessage() for r in caplog.records
+    ]
     # Still serving.
     c = s.client()
     r = await c.completions.create(model="tiny", prompt="a", max_tokens=2)
@@ -118,8 +142,12 @@ async def test_past_the_cap_with_every_connection_busy_a_new_one_gets_a_json_503
     s = await make_stack(node_slots=(2,), limits={"max_client_connections": 2})
     s.node.go.clear()  # both streams wait before their first token: two requests in progress
     c = s.client()
-    streams = [await c.completions.create(model="tiny", prompt="a", max_tokens=3, stream=True,
-                                          extra_headers={"x-pd-route": "tilert"}) for _ in range(2)]
+    streams = [
+        await c.completions.create(
+            model="tiny", prompt="a", max_tokens=3, stream=True, extra_headers={"x-pd-route": "tilert"}
+        )
+        for _ in range(2)
+    ]
     try:
         answer = await _raw(_port(s.router_url), b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
         status, err = _status_and_error(answer)
@@ -141,8 +169,12 @@ def test_accept_errors_are_logged_once_per_interval(caplog):
         httpserver.throttle_accept_errors(loop)
         caplog.set_level(logging.INFO)
         for _ in range(1000):
-            loop.call_exception_handler({"message": "socket.accept() out of system resource",
-                                         "exception": OSError(errno.EMFILE, "Too many open files")})
+            loop.call_exception_handler(
+                {
+                    "message": "socket.accept() out of system resource",
+                    "exception": OSError(errno.EMFILE, "Too many open files"),
+                }
+            )
         loop.call_exception_handler({"message": "something else", "exception": RuntimeError("kept")})
     finally:
         loop.close()

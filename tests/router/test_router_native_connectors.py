@@ -32,8 +32,12 @@ class FakeBootstrap(Fake):
 
     async def query(self, request: web.Request) -> web.Response:
         self.queries += 1
-        return web.json_response({str(rank): {"engine_id": eid, "worker_addr": {"0": {"0": "127.0.0.1:1"}}}
-                                  for rank, eid in self.engines.items()})
+        return web.json_response(
+            {
+                str(rank): {"engine_id": eid, "worker_addr": {"0": {"0": "127.0.0.1:1"}}}
+                for rank, eid in self.engines.items()
+            }
+        )
 
 
 @pytest.fixture
@@ -59,14 +63,20 @@ async def mooncake_stack(make_stack, bootstrap: FakeBootstrap, **kw: Any):
 async def test_client_kv_transfer_params_reach_no_upstream(make_stack, route, where):
     s = await make_stack()
     s.prefill.kv_params = None  # the decode leg gets nothing from the prefill to overwrite them with
-    own = {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 1, "remote_engine_id": "x",
-           "remote_block_ids": [7]}
+    own = {
+        "do_remote_prefill": True,
+        "remote_host": "10.9.9.9",
+        "remote_port": 1,
+        "remote_engine_id": "x",
+        "remote_block_ids": [7],
+    }
     extra: dict[str, Any] = {"kv_transfer_params": own, "vllm_xargs": {"keep": 1}}
     if where == "vllm_xargs":
         # vLLM copies kv_transfer_params into extra_args, where the engine reads them: same effect.
         extra = {"vllm_xargs": {"kv_transfer_params": "x", "keep": 1}}
-    r = await s.client().completions.create(model=MODEL, prompt="a", max_tokens=3, extra_body=extra,
-                                            extra_headers={"x-pd-route": route})
+    r = await s.client().completions.create(
+        model=MODEL, prompt="a", max_tokens=3, extra_body=extra, extra_headers={"x-pd-route": route}
+    )
     assert r.choices[0].text
     sent = [*s.prefill.bodies, *s.native.bodies]
     assert sent
@@ -84,8 +94,13 @@ async def test_mooncake_names_the_transfer_on_both_legs(make_stack, bootstrap):
     pkv, dkv = s.prefill.bodies[0]["kv_transfer_params"], s.native.bodies[0]["kv_transfer_params"]
     tid = pkv["transfer_id"]
     assert tid and pkv == {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": tid}
-    assert dkv == {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": "engine-p0",
-                   "remote_bootstrap_addr": f"http://127.0.0.1:{_port(bootstrap.url)}", "transfer_id": tid}
+    assert dkv == {
+        "do_remote_decode": False,
+        "do_remote_prefill": True,
+        "remote_engine_id": "engine-p0",
+        "remote_bootstrap_addr": f"http://127.0.0.1:{_port(bootstrap.url)}",
+        "transfer_id": tid,
+    }
     assert "x-data-parallel-rank" not in s.prefill.headers[0]
     _check_with_vllm(pkv, dkv, "engine-p0", f"http://127.0.0.1:{_port(bootstrap.url)}")
 
@@ -108,8 +123,9 @@ def _check_with_vllm(prefill_kv: dict, decode_kv: dict, engine_id: str, bootstra
         return sch
 
     p = scheduler("kv_producer")
-    p_req = SimpleNamespace(request_id="p-req", kv_transfer_params=dict(prefill_kv),
-                            status=RequestStatus.FINISHED_LENGTH_CAPPED)
+    p_req = SimpleNamespace(
+        request_id="p-req", kv_transfer_params=dict(prefill_kv), status=RequestStatus.FINISHED_LENGTH_CAPPED
+    )
     p.update_state_after_alloc(p_req, SimpleNamespace(), 0)
     assert "p-req" in p._reqs_need_send  # not "Missing transfer_id in kv_transfer_params from router!"
     delay_free, _ = p.request_finished(p_req, ([3, 4],))
@@ -124,16 +140,23 @@ def _check_with_vllm(prefill_kv: dict, decode_kv: dict, engine_id: str, bootstra
     assert "d-req" in d._reqs_need_recv  # not "Got invalid KVTransferParams"
     pulls = d.build_connector_meta(SimpleNamespace()).reqs_to_recv
     pull = pulls[engine_id]["d-req"]
-    assert (pull.transfer_id, pull.remote_bootstrap_addr, pull.local_block_ids) == \
-        (prefill_kv["transfer_id"], bootstrap_addr, [[8, 9]])
+    assert (pull.transfer_id, pull.remote_bootstrap_addr, pull.local_block_ids) == (
+        prefill_kv["transfer_id"],
+        bootstrap_addr,
+        [[8, 9]],
+    )
 
 
 async def test_mooncake_transfer_ids_are_fresh_per_request(make_stack, bootstrap):
     s = await mooncake_stack(make_stack, bootstrap)
     c = s.client()
     for _ in range(2):
-        await c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers={**NATIVE,
-                                   "X-Request-Id": "same-id-from-the-client"})
+        await c.completions.create(
+            model=MODEL,
+            prompt="a",
+            max_tokens=2,
+            extra_headers={**NATIVE, "X-Request-Id": "same-id-from-the-client"},
+        )
     ids = [b["kv_transfer_params"]["transfer_id"] for b in s.prefill.bodies]
     assert len(set(ids)) == 2
     assert [b["kv_transfer_params"]["transfer_id"] for b in s.native.bodies] == ids
@@ -156,8 +179,10 @@ async def test_mooncake_pins_the_data_parallel_rank_it_names(make_stack):
         c = s.client()
         for _ in range(8):
             await c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=NATIVE)
-        pairs = {(h["x-data-parallel-rank"], body["kv_transfer_params"]["remote_engine_id"])
-                 for h, body in zip(s.prefill.headers, s.native.bodies, strict=True)}
+        pairs = {
+            (h["x-data-parallel-rank"], body["kv_transfer_params"]["remote_engine_id"])
+            for h, body in zip(s.prefill.headers, s.native.bodies, strict=True)
+        }
         assert pairs <= {("0", "engine-dp0"), ("1", "engine-dp1")} and pairs
     finally:
         await b.stop()

@@ -12,8 +12,9 @@ NATIVE = {"x-pd-route": "native"}
 async def test_native_flow_and_params_forwarded(make_stack):
     s = await make_stack()
     c = s.client()
-    r = await c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=NATIVE,
-                                   extra_body={"min_tokens": 2})
+    r = await c.completions.create(
+        model=MODEL, prompt="a", max_tokens=3, extra_headers=NATIVE, extra_body={"min_tokens": 2}
+    )
     assert r.choices[0].text == "".join(WORDS[:3])
     pb = s.prefill.bodies[0]
     assert pb["kv_transfer_params"]["do_remote_decode"] is True
@@ -32,12 +33,23 @@ async def test_native_streamed_usage_rewritten(make_stack, kind):
     s = await make_stack()
     c = s.client()
     if kind == "chat":
-        stream = await c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "a"}],
-                                                 max_tokens=4, stream=True, stream_options={"include_usage": True},
-                                                 extra_headers=NATIVE)
+        stream = await c.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "a"}],
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=NATIVE,
+        )
     else:
-        stream = await c.completions.create(model=MODEL, prompt="a", max_tokens=4, stream=True,
-                                            stream_options={"include_usage": True}, extra_headers=NATIVE)
+        stream = await c.completions.create(
+            model=MODEL,
+            prompt="a",
+            max_tokens=4,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_headers=NATIVE,
+        )
     text, usage = [], None
     async for ch in stream:
         if ch.usage:
@@ -61,8 +73,9 @@ async def test_native_prefill_without_params_decodes_whole(make_stack):
 async def test_native_decode_dies_mid_stream(make_stack):
     s = await make_stack()
     s.native.die_after = 2
-    stream = await s.client().completions.create(model=MODEL, prompt="a", max_tokens=5, stream=True,
-                                                 extra_headers=NATIVE)
+    stream = await s.client().completions.create(
+        model=MODEL, prompt="a", max_tokens=5, stream=True, extra_headers=NATIVE
+    )
     got = []
     with pytest.raises(openai.APIError, match="decode failed"):
         async for ch in stream:
@@ -76,7 +89,9 @@ async def test_native_decode_500_retried_on_other(make_stack):
     s.natives[0].fail_status = 500
     c = s.client()
     for _ in range(3):
-        r = await c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=NATIVE, stream=False)
+        r = await c.completions.create(
+            model=MODEL, prompt="a", max_tokens=2, extra_headers=NATIVE, stream=False
+        )
         assert r.choices[0].text == "".join(WORDS[:2])
 
 

@@ -60,16 +60,23 @@ async def test_metrics_exposed(make_stack):
     s = await make_stack()
     c = s.client()
     await c.completions.create(model=MODEL, prompt="a", max_tokens=3)
-    stream = await c.completions.create(model=MODEL, prompt="a", max_tokens=3, stream=True,
-                                        extra_headers={"x-pd-route": "native"})
+    stream = await c.completions.create(
+        model=MODEL, prompt="a", max_tokens=3, stream=True, extra_headers={"x-pd-route": "native"}
+    )
     async for _ in stream:
         pass
     async with aiohttp.ClientSession() as http, http.get(s.router_url + "/metrics") as resp:
         text = await resp.text()
-    for name in ('tilert_router_ttft_seconds_count{path="tilert"}', 'tilert_router_ttft_seconds_count{path="native"}',
-                 "tilert_router_inter_token_seconds", "tilert_router_request_duration_seconds",
-                 "tilert_router_handoff_seconds", 'tilert_router_admissions_total{node="t0",result="ok"}',
-                 "tilert_router_upstream_errors_total", "tilert_router_rejections_total"):
+    for name in (
+        'tilert_router_ttft_seconds_count{path="tilert"}',
+        'tilert_router_ttft_seconds_count{path="native"}',
+        "tilert_router_inter_token_seconds",
+        "tilert_router_request_duration_seconds",
+        "tilert_router_handoff_seconds",
+        'tilert_router_admissions_total{node="t0",result="ok"}',
+        "tilert_router_upstream_errors_total",
+        "tilert_router_rejections_total",
+    ):
         assert name in text, name
 
 
@@ -108,7 +115,9 @@ async def test_config_reload_by_symlink_swap(make_stack, tmp_path):
             os.symlink(d1.name, tmp_path / "..data_tmp")
             os.replace(tmp_path / "..data_tmp", tmp_path / "..data")
             reg = app[STATE].metrics.registry
-            await until(lambda: reg.get_sample_value("tilert_router_config_reloads_total", {"result": "error"}) == 1)
+            await until(
+                lambda: reg.get_sample_value("tilert_router_config_reloads_total", {"result": "error"}) == 1
+            )
             assert len(app[STATE].pools.tilert) == 1
             async with http.post(url, json={"model": MODEL, "prompt": "a", "max_tokens": 2}) as resp:
                 assert resp.status == 200

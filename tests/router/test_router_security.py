@@ -21,11 +21,18 @@ from tilert_serve.router import policy
 NODE_TOKEN = "node-token-0123456789abcdef"
 
 
-async def _post(url: str, body: Any = None, *, raw: bytes | None = None, headers: dict[str, str] | None = None,
-                ) -> tuple[int, dict[str, str], bytes]:
+async def _post(
+    url: str,
+    body: Any = None,
+    *,
+    raw: bytes | None = None,
+    headers: dict[str, str] | None = None,
+) -> tuple[int, dict[str, str], bytes]:
     data = raw if raw is not None else json.dumps(body).encode()
-    async with aiohttp.ClientSession() as http, http.post(
-            url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(url, data=data, headers={"Content-Type": "application/json", **(headers or {})}) as r,
+    ):
         return r.status, dict(r.headers), await r.read()
 
 
@@ -48,7 +55,9 @@ async def test_the_node_token_goes_to_tilert_nodes_only(make_stack, tmp_path):
     token.write_text(f"{NODE_TOKEN}\nold-token-still-accepted-by-nodes\n")
     s = await make_stack(node_token=NODE_TOKEN, tilert_api_token_file=str(token))
     c = s.client()
-    r = await c.completions.create(model=MODEL, prompt="a", max_tokens=4, extra_headers={"x-pd-route": "tilert"})
+    r = await c.completions.create(
+        model=MODEL, prompt="a", max_tokens=4, extra_headers={"x-pd-route": "tilert"}
+    )
     assert r.choices[0].finish_reason == "length"
     await until(lambda: s.node.active == 0)
     # admit and generate carried the first token of the file; a cancel too.
@@ -80,8 +89,9 @@ async def test_the_node_token_file_is_reread_when_it_changes(make_stack, tmp_pat
     new.write_text(NODE_TOKEN + "\n")
     os.replace(new, token)
     await asyncio.sleep(1.1)  # TokenFile checks at most once a second
-    r = await s.client().completions.create(model=MODEL, prompt="a", max_tokens=4,
-                                            extra_headers={"x-pd-route": "tilert"})
+    r = await s.client().completions.create(
+        model=MODEL, prompt="a", max_tokens=4, extra_headers={"x-pd-route": "tilert"}
+    )
     assert r.choices[0].text and s.node.auth_seen[-1] == f"Bearer {NODE_TOKEN}"
 
 
@@ -104,8 +114,9 @@ def _closed_within(port: int, send: bytes, seconds: float) -> float | None:
             return None if time.monotonic() - t0 >= seconds else time.monotonic() - t0
 
 
-@pytest.mark.parametrize("send", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty"],
-                         ids=["idle", "half-sent-header"])
+@pytest.mark.parametrize(
+    "send", [b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Ty"], ids=["idle", "half-sent-header"]
+)
 async def test_idle_and_half_header_connections_are_closed(make_stack, send):
     s = await make_stack(timeouts={"client_idle_s": 0.5})
     port = int(s.router_url.rsplit(":", 1)[1])
@@ -137,8 +148,10 @@ async def test_a_body_sent_too_slowly_is_a_408(make_stack):
 
     def run() -> bytes:
         with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                         b"Content-Length: %d\r\n\r\n" % len(body) + body[:5])
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n" % len(body) + body[:5]
+            )
             return sock.recv(65536)
 
     answer = await asyncio.to_thread(run)
@@ -174,8 +187,11 @@ async def test_an_empty_keys_file_admits_nobody(make_stack, tmp_path):
     keys = tmp_path / "keys"
     keys.write_text("# every key revoked\n")
     s = await make_stack(api_keys_file=str(keys))
-    status, headers, raw = await _post(s.router_url + "/v1/completions", {"model": MODEL, "prompt": "a"},
-                                       headers={"Authorization": "Bearer "})
+    status, headers, raw = await _post(
+        s.router_url + "/v1/completions",
+        {"model": MODEL, "prompt": "a"},
+        headers={"Authorization": "Bearer "},
+    )
     assert status == 401 and _error(raw)["code"] == "invalid_api_key"
     assert headers["WWW-Authenticate"].startswith("Bearer")
 
@@ -212,8 +228,11 @@ async def test_route_reasons_are_a_fixed_set_whatever_the_client_sends(make_stac
         status, _, _ = await _post(s.router_url + "/v1/completions", {"model": MODEL, "prompt": "a", **extra})
         assert status == 200
     _, raw = await _get(s.router_url + "/metrics")
-    reasons = {line.split('reason="')[1].split('"')[0] for line in raw.decode().splitlines()
-               if line.startswith("tilert_router_routes_total{")}
+    reasons = {
+        line.split('reason="')[1].split('"')[0]
+        for line in raw.decode().splitlines()
+        if line.startswith("tilert_router_routes_total{")
+    }
     assert reasons == {"unsupported on tilert"}
     assert reasons <= set(policy.Label.__args__)  # type: ignore[attr-defined]
 
@@ -221,29 +240,34 @@ async def test_route_reasons_are_a_fixed_set_whatever_the_client_sends(make_stac
 # -- numbers --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("raw", "param"), [
-    (b'"temperature": NaN', "temperature"),
-    (b'"temperature": Infinity', "temperature"),
-    (b'"top_p": -Infinity', "top_p"),
-    (b'"top_p": 1e999', "top_p"),
-    (b'"top_p": 0', "top_p"),
-    (b'"presence_penalty": NaN', "presence_penalty"),
-    (b'"logit_bias": {"5": NaN}', "logit_bias"),
-    (b'"seed": 9223372036854775808', "seed"),
-    (b'"seed": -9223372036854775809', "seed"),
-    (b'"seed": ' + b"9" * 5000, None),
-    (b'"max_tokens": 9223372036854775808', "max_tokens"),
-    (b'"max_tokens": 0', "max_tokens"),
-    (b'"top_k": -2', "top_k"),
-    (b'"n": 0', "n"),
-    (b'"stop_token_ids": [-1]', "stop_token_ids"),
-    (b'"stop_token_ids": [18446744073709551616]', "stop_token_ids"),
-    (b'"temperature": 1e308, "x": 1e309', "x"),
-])
+@pytest.mark.parametrize(
+    ("raw", "param"),
+    [
+        (b'"temperature": NaN', "temperature"),
+        (b'"temperature": Infinity', "temperature"),
+        (b'"top_p": -Infinity', "top_p"),
+        (b'"top_p": 1e999', "top_p"),
+        (b'"top_p": 0', "top_p"),
+        (b'"presence_penalty": NaN', "presence_penalty"),
+        (b'"logit_bias": {"5": NaN}', "logit_bias"),
+        (b'"seed": 9223372036854775808', "seed"),
+        (b'"seed": -9223372036854775809', "seed"),
+        (b'"seed": ' + b"9" * 5000, None),
+        (b'"max_tokens": 9223372036854775808', "max_tokens"),
+        (b'"max_tokens": 0', "max_tokens"),
+        (b'"top_k": -2', "top_k"),
+        (b'"n": 0', "n"),
+        (b'"stop_token_ids": [-1]', "stop_token_ids"),
+        (b'"stop_token_ids": [18446744073709551616]', "stop_token_ids"),
+        (b'"temperature": 1e308, "x": 1e309', "x"),
+    ],
+)
 async def test_non_finite_and_out_of_range_numbers_are_400s_naming_the_field(make_stack, raw, param):
     s = await make_stack()
-    status, _, body = await _post(s.router_url + "/v1/completions",
-                                  raw=b'{"model": "' + MODEL.encode() + b'", "prompt": "a", ' + raw + b"}")
+    status, _, body = await _post(
+        s.router_url + "/v1/completions",
+        raw=b'{"model": "' + MODEL.encode() + b'", "prompt": "a", ' + raw + b"}",
+    )
     assert status == 400, body
     err = _error(body)
     assert err["param"] == param and (param is None or param in err["message"])
@@ -295,8 +319,9 @@ async def test_a_cancelled_node_stream_is_an_openai_error_for_the_client(make_st
     s = await make_stack()
     s.node.end_with = end_with
     c = s.client()
-    stream = await c.completions.create(model=MODEL, prompt="a", max_tokens=5, stream=True,
-                                        extra_headers={"x-pd-route": "tilert"})
+    stream = await c.completions.create(
+        model=MODEL, prompt="a", max_tokens=5, stream=True, extra_headers={"x-pd-route": "tilert"}
+    )
     finishes = []
     with pytest.raises(openai.APIError) as ei:
         async for chunk in stream:

@@ -37,8 +37,12 @@ async def test_chat_streamed_with_usage(make_stack):
     s = await make_stack()
     c = s.client()
     stream = await c.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, stream=True,
-        stream_options={"include_usage": True}, extra_headers=ROUTE,
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers=ROUTE,
     )
     texts, finishes, usage, ids = [], [], None, set()
     async for chunk in stream:
@@ -61,7 +65,9 @@ async def test_first_token_reaches_client_before_decode(make_stack):
     s = await make_stack()
     s.node.go.clear()  # the node holds its stream until the client has the first token
     c = s.client()
-    stream = await c.completions.create(model=MODEL, prompt="hi", max_tokens=3, stream=True, extra_headers=ROUTE)
+    stream = await c.completions.create(
+        model=MODEL, prompt="hi", max_tokens=3, stream=True, extra_headers=ROUTE
+    )
     # A router that waited for the decode would wait here forever: the bound only stops a hang.
     first = await asyncio.wait_for(stream.__anext__(), 30)
     assert first.choices[0].text == " hello"
@@ -77,8 +83,9 @@ async def test_first_token_ends_request_cancels_ticket(make_stack, case):
     if case == "eos":
         s.prefill.finish_reason = "stop"
     c = s.client()
-    r = await c.completions.create(model=MODEL, prompt="hi", max_tokens=1 if case == "max_tokens_1" else 10,
-                                   extra_headers=ROUTE)
+    r = await c.completions.create(
+        model=MODEL, prompt="hi", max_tokens=1 if case == "max_tokens_1" else 10, extra_headers=ROUTE
+    )
     assert r.choices[0].text == " hello"
     assert r.choices[0].finish_reason == ("length" if case == "max_tokens_1" else "stop")
     assert r.usage.completion_tokens == 1
@@ -92,8 +99,9 @@ async def test_stop_string_cut_and_cancelled(make_stack):
     s.node.token_interval_s = 0.01
     c = s.client()
     # WORDS[2] is " w2": stop on "w2" must drop it and everything after, and free the slot.
-    stream = await c.completions.create(model=MODEL, prompt="hi", max_tokens=50, stop=["w2"], stream=True,
-                                        extra_headers=ROUTE)
+    stream = await c.completions.create(
+        model=MODEL, prompt="hi", max_tokens=50, stop=["w2"], stream=True, extra_headers=ROUTE
+    )
     chunks = [ch async for ch in stream]
     text = "".join(ch.choices[0].text for ch in chunks if ch.choices)
     assert text == " hello w0 w1 "
@@ -107,8 +115,14 @@ async def test_eos_from_node_and_sampling_forwarded(make_stack):
     s.node.stop_after = 2
     c = s.client()
     r = await c.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=20, temperature=0.5, top_p=0.9,
-        seed=7, extra_body={"top_k": 5, "stop_token_ids": [3, 4], "ignore_eos": False}, extra_headers=ROUTE,
+        model=MODEL,
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=20,
+        temperature=0.5,
+        top_p=0.9,
+        seed=7,
+        extra_body={"top_k": 5, "stop_token_ids": [3, 4], "ignore_eos": False},
+        extra_headers=ROUTE,
     )
     assert r.choices[0].finish_reason == "stop"
     assert r.choices[0].message.content == " hello w0 w1"
@@ -139,9 +153,9 @@ async def test_unsupported_feature_goes_native_or_400(make_stack):
     import openai
 
     with pytest.raises(openai.BadRequestError, match="presence_penalty"):
-        await s2.client().completions.create(model=MODEL, prompt="a", max_tokens=3, presence_penalty=0.5,
-                                             extra_headers=ROUTE)
-
+        await s2.client().completions.create(
+            model=MODEL, prompt="a", max_tokens=3, presence_penalty=0.5, extra_headers=ROUTE
+        )
 
 
 async def test_no_max_tokens_sends_a_number_to_the_node(make_stack):

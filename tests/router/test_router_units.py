@@ -37,7 +37,7 @@ def test_stop_matcher_include():
 
 def test_sse_decoder_partial_and_crlf():
     d = sse.Decoder()
-    assert d.feed(b"data: {\"a\"") == []
+    assert d.feed(b'data: {"a"') == []
     evs = d.feed(b": 1}\n\nevent: error\r\ndata: x\r\n\r\n: keepalive\n\ndata: [DO")
     assert [(e.event, e.data) for e in evs] == [("message", '{"a": 1}'), ("error", "x")]
     assert [e.data for e in d.feed(b"NE]\n\n")] == ["[DONE]"]
@@ -48,8 +48,11 @@ def _parse(body: str, kind="completions"):
 
 
 def test_parse_fields():
-    r = _parse('{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":9,'
-               '"max_completion_tokens":5,"stop":"##","stream":true,"stream_options":{"include_usage":true}}', "chat")
+    r = _parse(
+        '{"model":"m","messages":[{"role":"user","content":"x"}],"max_tokens":9,'
+        '"max_completion_tokens":5,"stop":"##","stream":true,"stream_options":{"include_usage":true}}',
+        "chat",
+    )
     assert r.max_tokens == 5 and r.stop == ("##",) and r.stream and r.include_usage
     assert r.tilert_unsupported == ()
     r = _parse('{"model":"m","prompt":["a","b"],"logprobs":2,"n":2,"presence_penalty":0}')

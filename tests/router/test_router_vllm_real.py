@@ -40,12 +40,37 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     port = free_port()
     log = open(base / "vllm.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-         "--served-model-name", MODEL, "--host", "127.0.0.1", "--port", str(port), "--load-format", "dummy",
-         "--max-model-len", "256", "--enforce-eager", "--gpu-memory-utilization", "0.3",
-         "--kv-cache-memory-bytes", str(256 * 1024 * 1024), "--max-num-batched-tokens", "256",
-         "--dtype", "float32", "--seed", "0"],
-        stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--served-model-name",
+            MODEL,
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--load-format",
+            "dummy",
+            "--max-model-len",
+            "256",
+            "--enforce-eager",
+            "--gpu-memory-utilization",
+            "0.3",
+            "--kv-cache-memory-bytes",
+            str(256 * 1024 * 1024),
+            "--max-num-batched-tokens",
+            "256",
+            "--dtype",
+            "float32",
+            "--seed",
+            "0",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -76,12 +101,17 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 @pytest.fixture
 async def router(vllm_url):
     node = await FakeNode("t0", slots=2).start()
-    cfg = config.RouterConfig(model=MODEL, prefill=[vllm_url], native=[vllm_url],
-                              tilert=[config.TileRTNode(name="t0", http_url=node.url, ctrl_host="127.0.0.1", slots=2)])
+    cfg = config.RouterConfig(
+        model=MODEL,
+        prefill=[vllm_url],
+        native=[vllm_url],
+        tilert=[config.TileRTNode(name="t0", http_url=node.url, ctrl_host="127.0.0.1", slots=2)],
+    )
     app = make_app(cfg, health_checks=True)
     runner = await start(app, "127.0.0.1", 0)
-    client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="x", max_retries=0,
-                                timeout=60)
+    client = openai.AsyncOpenAI(
+        base_url=f"http://127.0.0.1:{bound_port(runner)}/v1", api_key="x", max_retries=0, timeout=60
+    )
     direct = openai.AsyncOpenAI(base_url=vllm_url + "/v1", api_key="x", max_retries=0, timeout=60)
     yield client, direct, node, f"http://127.0.0.1:{bound_port(runner)}"
     await client.close()
@@ -96,8 +126,9 @@ PROMPT = "The quick brown fox jumps over the lazy dog. A router sends"
 async def test_native_completion_matches_direct(router):
     client, direct, _node, _ = router
     want = await direct.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
-    got = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                          extra_headers={"x-pd-route": "native"})
+    got = await client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0, extra_headers={"x-pd-route": "native"}
+    )
     assert got.choices[0].text == want.choices[0].text
     assert got.usage.prompt_tokens == want.usage.prompt_tokens
     assert got.usage.completion_tokens == 12
@@ -107,9 +138,15 @@ async def test_native_chat_streamed_matches_direct(router):
     client, direct, _node, _ = router
     msgs = [{"role": "user", "content": "hello world, stream tokens"}]
     want = await direct.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0)
-    stream = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=10, temperature=0,
-                                                  stream=True, stream_options={"include_usage": True},
-                                                  extra_headers={"x-pd-route": "native"})
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=10,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_headers={"x-pd-route": "native"},
+    )
     parts, usage, finish = [], None, None
     async for ch in stream:
         usage = ch.usage or usage
@@ -133,8 +170,9 @@ async def test_tilert_without_connector_falls_back_native(router):
 async def test_vllm_client_error_passes_through(router):
     client, _direct, _node, _ = router
     with pytest.raises(openai.BadRequestError) as ei:
-        await client.completions.create(model=MODEL, prompt="word " * 400, max_tokens=4,
-                                        extra_headers={"x-pd-route": "native"})
+        await client.completions.create(
+            model=MODEL, prompt="word " * 400, max_tokens=4, extra_headers={"x-pd-route": "native"}
+        )
     assert ei.value.status_code == 400
 
 
@@ -147,7 +185,6 @@ async def test_ready_with_real_vllm(router):
                     break
             await asyncio.sleep(0.05)
         assert resp.status == 200
-
 
 
 @pytest.mark.parametrize("route", ["native", "tilert"])
@@ -163,10 +200,17 @@ async def test_context_length_answers_as_vllm_alone(router, route):
             await client.completions.create(model=MODEL, extra_headers=headers, **kw)
         assert got.value.body == want.value.body
     long = [5] * 200
-    want_ok = await direct.completions.create(model=MODEL, prompt=long, max_tokens=100, temperature=0,
-                                              extra_body={"ignore_eos": True})
-    got_ok = await client.completions.create(model=MODEL, prompt=long, max_tokens=100, temperature=0,
-                                             extra_body={"ignore_eos": True}, extra_headers=headers)
+    want_ok = await direct.completions.create(
+        model=MODEL, prompt=long, max_tokens=100, temperature=0, extra_body={"ignore_eos": True}
+    )
+    got_ok = await client.completions.create(
+        model=MODEL,
+        prompt=long,
+        max_tokens=100,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        extra_headers=headers,
+    )
     assert want_ok.choices[0].finish_reason == got_ok.choices[0].finish_reason == "length"
     assert got_ok.usage.completion_tokens == want_ok.usage.completion_tokens == 256 - 200
     await until(lambda: node.active == 0)  # a ticket taken on the TileRT route is given back

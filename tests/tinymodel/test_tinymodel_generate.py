@@ -131,7 +131,9 @@ def test_the_tokenizer_speaks_chat_and_an_older_generation_is_stale(tmp_path: Pa
     assert not tinymodel.is_current(tmp_path)
     generate(TinySpec(), tmp_path)
     tok = AutoTokenizer.from_pretrained(tmp_path)
-    text = tok.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": "hi"}], tokenize=False, add_generation_prompt=True
+    )
     assert text == "<|bos|><|user|>\nhi\n<|assistant|>\n"
     assert tinymodel.is_current(tmp_path)
     record = json.loads((tmp_path / tinymodel.SPEC_FILE).read_text())

@@ -23,7 +23,7 @@ def main() -> None:
         if cmd == "quit":
             break
         off, n = int(args[0]), int(args[1])
-        view = buf[off:off + n]
+        view = buf[off : off + n]
         if cmd == "md5":
             print("R", hashlib.md5(view.tobytes()).hexdigest(), flush=True)
         elif cmd == "zeros":

@@ -20,8 +20,13 @@ ENV = {**os.environ, "UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "
 
 class Target:
     def __init__(self, engine: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, str(PEER), engine, str(TARGET_BYTES)], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=ENV)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(PEER), engine, str(TARGET_BYTES)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=ENV,
+        )
         assert self.proc.stdout is not None
         info = json.loads(self._line("PEER "))
         self.peer, self.addr = info["peer"], info["addr"]
@@ -36,7 +41,7 @@ class Target:
         assert self.proc.stdout is not None
         for line in self.proc.stdout:
             if line.startswith(prefix):
-                return line[len(prefix):].strip()
+                return line[len(prefix) :].strip()
         raise AssertionError(f"target exited (rc {self.proc.wait()}) before answering")
 
     def close(self) -> None:
@@ -70,12 +75,20 @@ def test_one_sided_write_lands_exactly(engine_name):
         src = np.random.default_rng(0).integers(0, 256, 4 << 20, dtype=np.uint8)
         engine, handle = sender(engine_name, src, target)
         # Three ranges, scattered on both sides, as a layer-by-layer handoff writes them.
-        ops = [transfer.WriteOp(src.ctypes.data + s, target.addr + d, n)
-               for s, d, n in [(0, 0, 1 << 20), (1 << 20, 3 << 20, 2 << 20), (3 << 20, 6 << 20, 12345)]]
+        ops = [
+            transfer.WriteOp(src.ctypes.data + s, target.addr + d, n)
+            for s, d, n in [(0, 0, 1 << 20), (1 << 20, 3 << 20, 2 << 20), (3 << 20, 6 << 20, 12345)]
+        ]
         engine.write(handle, ops)
-        assert target.ask(f"md5 0 {1 << 20}") == hashlib.md5(src[:1 << 20].tobytes()).hexdigest()
-        assert target.ask(f"md5 {3 << 20} {2 << 20}") == hashlib.md5(src[1 << 20:3 << 20].tobytes()).hexdigest()
-        assert target.ask(f"md5 {6 << 20} 12345") == hashlib.md5(src[3 << 20:(3 << 20) + 12345].tobytes()).hexdigest()
+        assert target.ask(f"md5 0 {1 << 20}") == hashlib.md5(src[: 1 << 20].tobytes()).hexdigest()
+        assert (
+            target.ask(f"md5 {3 << 20} {2 << 20}")
+            == hashlib.md5(src[1 << 20 : 3 << 20].tobytes()).hexdigest()
+        )
+        assert (
+            target.ask(f"md5 {6 << 20} 12345")
+            == hashlib.md5(src[3 << 20 : (3 << 20) + 12345].tobytes()).hexdigest()
+        )
         # Nothing beyond the ranges was touched.
         assert target.ask(f"zeros {1 << 20} {2 << 20}") == "yes"
         assert target.ask(f"zeros {(6 << 20) + 12345} 4096") == "yes"
@@ -96,7 +109,9 @@ def test_concurrent_writes_from_several_threads_all_land(engine_name):
             try:  # 16 writes of 64 KiB each, interleaved with the other threads'
                 for k in range(16):
                     off = i * part + k * (part // 16)
-                    engine.write(handle, [transfer.WriteOp(src.ctypes.data + off, target.addr + off, part // 16)])
+                    engine.write(
+                        handle, [transfer.WriteOp(src.ctypes.data + off, target.addr + off, part // 16)]
+                    )
             except BaseException as exc:  # reported below, in the test thread
                 errors.append(exc)
 

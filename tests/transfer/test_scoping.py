@@ -28,7 +28,7 @@ from tilert_serve.transfer.nixl import NixlEngine
 def _proc_net_address(hexaddr: str, family: socket.AddressFamily) -> str:
     raw = bytes.fromhex(hexaddr)
     # /proc/net/tcp* prints each 32-bit word of the address in host (little-endian) order.
-    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    words = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
     return socket.inet_ntop(family, words)
 
 
@@ -41,7 +41,7 @@ def listening() -> set[tuple[str, int]]:
         except OSError:  # closed between listing and reading
             continue
         if target.startswith("socket:["):
-            inodes.add(target[len("socket:["):-1])
+            inodes.add(target[len("socket:[") : -1])
     found: set[tuple[str, int]] = set()
     for path, family in (("/proc/net/tcp", socket.AF_INET), ("/proc/net/tcp6", socket.AF_INET6)):
         with open(path) as table:
@@ -87,7 +87,8 @@ def delays(nixl_api: Any, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str,
 
 
 def test_our_settings_stay_on_our_agent_and_a_plain_agent_gets_nixls_defaults(
-        nixl_api: Any, delays: dict[str, int], monkeypatch: pytest.MonkeyPatch) -> None:
+    nixl_api: Any, delays: dict[str, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     for key in [k for k in os.environ if k.startswith("UCX_")]:
         monkeypatch.delenv(key)
     binding = importlib.import_module(nixl_api.__name__.rpartition(".")[0] + "._bindings")
@@ -137,8 +138,9 @@ def test_the_processs_own_ucx_settings_win_over_ours(monkeypatch: pytest.MonkeyP
     sockets_before = listening()
     # We name a routed interface; the environment's loopback wins.
     names = routed_interfaces()
-    ours = transfer.create("nixl", host="127.0.0.1", protocol="tcp", role="scoped",
-                           interface=names[0] if names else "lo")
+    ours = transfer.create(
+        "nixl", host="127.0.0.1", protocol="tcp", role="scoped", interface=names[0] if names else "lo"
+    )
     try:
         assert dict(os.environ) == environ_before
         ours_listen = listening() - sockets_before
@@ -167,8 +169,12 @@ def test_local_processes_and_only_they_make_every_agent_poll(opted_in: str | Non
     env["PYTHONPATH"] = os.pathsep.join([str(site), str(Path(transfer.__file__).resolve().parents[2])])
     if opted_in is not None:
         env["TILERT_PD_PATCH_NIXL"] = opted_in
-    out = subprocess.run([sys.executable, "-c", PLAIN_AGENT], env=env, capture_output=True, text=True, timeout=120)
-    delay = next((int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("DELAY ")), None)
+    out = subprocess.run(
+        [sys.executable, "-c", PLAIN_AGENT], env=env, capture_output=True, text=True, timeout=120
+    )
+    delay = next(
+        (int(line.split()[1]) for line in out.stdout.splitlines() if line.startswith("DELAY ")), None
+    )
     assert delay is not None, out.stdout + out.stderr
     assert (delay >= 100) == polls, delay
 
@@ -182,14 +188,18 @@ def test_mooncakes_write_timeout_is_the_engines_own(monkeypatch: pytest.MonkeyPa
 
     monkeypatch.delenv("MC_TRANSFER_TIMEOUT", raising=False)
     nbytes = 8 << 20
-    target = subprocess.Popen([sys.executable, str(Path(__file__).with_name("peer.py")), "mooncake", str(nbytes)],
-                              stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, "MC_LOG_LEVEL": "ERROR"})
+    target = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("peer.py")), "mooncake", str(nbytes)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "MC_LOG_LEVEL": "ERROR"},
+    )
     try:
         assert target.stdout is not None
         line = next((line for line in target.stdout if line.startswith("PEER ")), None)
         assert line is not None, f"target exited (rc {target.wait()}) before answering"
-        info = json.loads(line[len("PEER "):])
+        info = json.loads(line[len("PEER ") :])
         environ_before = dict(os.environ)
         engine = MooncakeEngine("127.0.0.1", "tcp", transfer_timeout_s=5)
         assert dict(os.environ) == environ_before

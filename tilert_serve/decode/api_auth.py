@@ -49,10 +49,15 @@ def error_body(kind: str, message: str) -> str:
 
 def unauthorized(presented: bool) -> web.Response:
     challenge = f'Bearer realm="{REALM}"' + (', error="invalid_token"' if presented else "")
-    message = ("the node's API takes the cluster's node-API token (Authorization: Bearer <token>); "
-               + ("the token presented is not valid" if presented else "none was presented"))
-    return web.Response(status=401, text=error_body("unauthorized", message), content_type="application/json",
-                        headers={"WWW-Authenticate": challenge})
+    message = "the node's API takes the cluster's node-API token (Authorization: Bearer <token>); " + (
+        "the token presented is not valid" if presented else "none was presented"
+    )
+    return web.Response(
+        status=401,
+        text=error_body("unauthorized", message),
+        content_type="application/json",
+        headers={"WWW-Authenticate": challenge},
+    )
 
 
 def auth_middleware(tokens: TokenFile | None) -> Middleware:
@@ -83,19 +88,28 @@ async def error_middleware(request: web.Request, handler: Handler) -> web.Stream
         message = exc.text or exc.reason
         if exc.status == 413:
             message = f"request body too large: {message}"
-        return web.Response(status=exc.status, text=error_body(kind, message), content_type="application/json",
-                            headers={k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")})
+        return web.Response(
+            status=exc.status,
+            text=error_body(kind, message),
+            content_type="application/json",
+            headers={k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")},
+        )
     except Exception:
         log.exception("%s %s failed", request.method, request.path)
-        return web.Response(status=500, text=error_body("internal_error", "internal error; see the node's log"),
-                            content_type="application/json")
+        return web.Response(
+            status=500,
+            text=error_body("internal_error", "internal error; see the node's log"),
+            content_type="application/json",
+        )
 
 
 def middlewares(tokens: TokenFile | None) -> list[Middleware]:
     """The node app's middlewares, outermost first: errors shaped, then authentication."""
     if tokens is None:
-        log.warning("the decode node's HTTP API has no token: anyone who reaches its port may admit, generate "
-                    "and cancel (start it with --api-token-file to require the cluster's node-API token)")
+        log.warning(
+            "the decode node's HTTP API has no token: anyone who reaches its port may admit, generate "
+            "and cancel (start it with --api-token-file to require the cluster's node-API token)"
+        )
     return [error_middleware, auth_middleware(tokens)]
 
 

@@ -24,16 +24,25 @@ from tilert_serve.transfer import TransferEngine
 
 
 class ReceiveBuffers:
-    def __init__(self, layout: Layout, *, max_seq_len: int, slots: int, shards: int = 1,
-                 devices: list[str] | None = None) -> None:
+    def __init__(
+        self,
+        layout: Layout,
+        *,
+        max_seq_len: int,
+        slots: int,
+        shards: int = 1,
+        devices: list[str] | None = None,
+    ) -> None:
         self.placement = Placement(layout, max_tokens=max_seq_len, shards=shards)
         self.slots = slots
         self.devices = devices or ["cpu"] * shards
         if len(self.devices) != shards:
             raise ValueError(f"{shards} shards need {shards} devices, got {self.devices}")
         self.region_nbytes = [self.placement.shard_nbytes(s) for s in range(shards)]
-        self.buffers = [torch.zeros(slots * n, dtype=torch.uint8, device=d)
-                        for n, d in zip(self.region_nbytes, self.devices, strict=True)]
+        self.buffers = [
+            torch.zeros(slots * n, dtype=torch.uint8, device=d)
+            for n, d in zip(self.region_nbytes, self.devices, strict=True)
+        ]
         #: Memory no peer can write (see the module docstring); laid out like `buffers`.
         self.snapshots = [torch.zeros_like(b) for b in self.buffers]
         self._engine: TransferEngine | None = None
@@ -56,8 +65,10 @@ class ReceiveBuffers:
 
     def regions(self, slot: int) -> list[Region]:
         """The slot's region on each shard, as announced to senders."""
-        return [Region(shard=s, addr=buf.data_ptr() + slot * n, nbytes=n)
-                for s, (buf, n) in enumerate(zip(self.buffers, self.region_nbytes, strict=True))]
+        return [
+            Region(shard=s, addr=buf.data_ptr() + slot * n, nbytes=n)
+            for s, (buf, n) in enumerate(zip(self.buffers, self.region_nbytes, strict=True))
+        ]
 
     def scrub(self, slot: int) -> None:
         """Zero the slot's regions on every shard, and wait for it on a GPU: the next write into the slot
@@ -82,8 +93,8 @@ class ReceiveBuffers:
         a digest or conversion queued after them reads the copy."""
         src, dst = self.views(slot), self.snapshot_views(slot)
         for shard, off, n in ranges:
-            dst[shard][off:off + n].copy_(src[shard][off:off + n])
+            dst[shard][off : off + n].copy_(src[shard][off : off + n])
 
 
 def _slot_views(buffers: list[torch.Tensor], region_nbytes: list[int], slot: int) -> list[torch.Tensor]:
-    return [buf[slot * n:(slot + 1) * n] for buf, n in zip(buffers, region_nbytes, strict=True)]
+    return [buf[slot * n : (slot + 1) * n] for buf, n in zip(buffers, region_nbytes, strict=True)]

@@ -122,7 +122,7 @@ class PreauthGate:
         now = self.clock()
         self.strikes[source] = (self._strikes(source, now) + 1.0, now)
         if len(self.strikes) > MAX_SOURCES:
-            keep = sorted(self.strikes, key=lambda s: self._strikes(s, now), reverse=True)[:MAX_SOURCES // 2]
+            keep = sorted(self.strikes, key=lambda s: self._strikes(s, now), reverse=True)[: MAX_SOURCES // 2]
             self.strikes = {s: self.strikes[s] for s in keep}
 
     def admit(self, source: str, task: asyncio.Task[None] | None) -> tuple[Preauth | None, Preauth | None]:
@@ -133,10 +133,12 @@ class PreauthGate:
         if len(mine) >= self.per_source:
             worst = source
         elif self.count >= self.limit:
+
             def badness(s: str) -> tuple[float, float]:
                 held = self.held.get(s, [])
                 # Ties go to the source whose oldest connection is the oldest.
                 return len(held) + (s == source) + self._strikes(s, now), -(held[0].opened if held else now)
+
             worst = max({*self.held, source}, key=badness)
         victim = None
         if worst == source:
@@ -223,8 +225,11 @@ class ControlServer:
         new = {k: n - self._summed.get(k, 0) for k, n in counts.items() if n > self._summed.get(k, 0)}
         since = "" if math.isinf(self._summed_at) else " since the last such line"
         self._summed_at, self._summed = now, dict(counts)
-        log.info("control connections that ended before authenticating%s: %s (each is logged at debug)", since,
-                 ", ".join(f"{n} {k}" for k, n in sorted(new.items())) or "none")
+        log.info(
+            "control connections that ended before authenticating%s: %s (each is logged at debug)",
+            since,
+            ", ".join(f"{n} {k}" for k, n in sorted(new.items())) or "none",
+        )
 
     @property
     def preauth(self) -> int:
@@ -240,7 +245,9 @@ class ControlServer:
             victim.task.cancel()
         if conn.place is None:
             node.recorder.unauthenticated("refused_busy")
-            self._log(conn, logging.DEBUG, "control connection from %s refused: its address holds too many", peer)
+            self._log(
+                conn, logging.DEBUG, "control connection from %s refused: its address holds too many", peer
+            )
             _say_busy(writer, "too many unauthenticated control connections from this address")
             writer.close()
             return
@@ -258,57 +265,99 @@ class ControlServer:
             _say_busy(writer, "evicted: too many unauthenticated control connections")
         except _Refuse as exc:
             node.recorder.ctrl_error(exc.reason.value, exc.message, authenticated=conn.authenticated)
-            self._log(conn, logging.INFO, "handoff from %s refused: %s: %.300r", peer, exc.reason.value, exc.message)
-            await _try_send(writer, messages.Reject(request_id=conn.request_id, reason=exc.reason,
-                                                    message=exc.message), conn.session)
+            self._log(
+                conn, logging.INFO, "handoff from %s refused: %s: %.300r", peer, exc.reason.value, exc.message
+            )
+            await _try_send(
+                writer,
+                messages.Reject(request_id=conn.request_id, reason=exc.reason, message=exc.message),
+                conn.session,
+            )
         except VersionMismatch as exc:
-            node.recorder.ctrl_error(RejectReason.VERSION.value, f"the sender speaks protocol version {exc.version}",
-                                     authenticated=conn.authenticated)
+            node.recorder.ctrl_error(
+                RejectReason.VERSION.value,
+                f"the sender speaks protocol version {exc.version}",
+                authenticated=conn.authenticated,
+            )
             self._log(conn, logging.INFO, "handoff from %s: %s", peer, exc)
             # In the peer's version: Error's body is the same in every version, so an older peer reads why.
             # Sealed once the session is established: after it, an unsealed frame is refused as injected.
-            await _try_send(writer, messages.Error(reason=RejectReason.VERSION, message=str(exc)), conn.session,
-                            version=exc.version)
+            await _try_send(
+                writer,
+                messages.Error(reason=RejectReason.VERSION, message=str(exc)),
+                conn.session,
+                version=exc.version,
+            )
             _lost(node, conn, f"sender speaks another protocol version: {exc}")
         except SessionError as exc:
-            node.recorder.ctrl_error(RejectReason.UNAUTHENTICATED.value, f"session check failed: {exc}",
-                                     authenticated=conn.authenticated)
+            node.recorder.ctrl_error(
+                RejectReason.UNAUTHENTICATED.value,
+                f"session check failed: {exc}",
+                authenticated=conn.authenticated,
+            )
             self._log(conn, logging.WARNING, "handoff from %s: session check failed: %s", peer, exc)
-            await _try_send(writer, messages.Error(reason=RejectReason.UNAUTHENTICATED, message=str(exc)),
-                            conn.session)
+            await _try_send(
+                writer, messages.Error(reason=RejectReason.UNAUTHENTICATED, message=str(exc)), conn.session
+            )
             _lost(node, conn, f"the control connection failed its session check: {exc}")
         except (FrameError, MessageError) as exc:
             # The message may quote the peer (a field's value): the log has it, the record does not.
-            node.recorder.ctrl_error("bad_request", f"the sender broke the protocol ({type(exc).__name__}); see "
-                                     "the node's log", authenticated=conn.authenticated)
+            node.recorder.ctrl_error(
+                "bad_request",
+                f"the sender broke the protocol ({type(exc).__name__}); see the node's log",
+                authenticated=conn.authenticated,
+            )
             self._log(conn, logging.WARNING, "handoff from %s: protocol error: %.500r", peer, str(exc))
-            await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST, message=str(exc)), conn.session)
+            await _try_send(
+                writer, messages.Error(reason=RejectReason.BAD_REQUEST, message=str(exc)), conn.session
+            )
             _lost(node, conn, f"sender broke the protocol: {exc}")
         except _PeerError as exc:
-            node.recorder.ctrl_error("peer_error", str(exc), authenticated=conn.authenticated,
-                                     peer_reason=exc.reason.value)
+            node.recorder.ctrl_error(
+                "peer_error", str(exc), authenticated=conn.authenticated, peer_reason=exc.reason.value
+            )
             self._log(conn, logging.INFO, "handoff from %s: %s: %.500r", peer, exc, exc.said)
             _lost(node, conn, f"the sender reported {exc.reason.value}: {exc.said}")
         except (asyncio.IncompleteReadError, ConnectionError, TimeoutError) as exc:
-            reason = "auth_timeout" if isinstance(exc, TimeoutError) and not conn.authenticated else "disconnected"
-            node.recorder.ctrl_error(reason, f"sender disconnected or timed out ({type(exc).__name__})",
-                                     authenticated=conn.authenticated)
+            reason = (
+                "auth_timeout" if isinstance(exc, TimeoutError) and not conn.authenticated else "disconnected"
+            )
+            node.recorder.ctrl_error(
+                reason,
+                f"sender disconnected or timed out ({type(exc).__name__})",
+                authenticated=conn.authenticated,
+            )
             self._log(conn, logging.DEBUG, "handoff from %s: %s (%s)", peer, reason, type(exc).__name__)
             if isinstance(exc, TimeoutError):
-                await _try_send(writer, messages.Error(reason=RejectReason.BAD_REQUEST,
-                                                       message="timed out waiting for the next message"),
-                                conn.session)
+                await _try_send(
+                    writer,
+                    messages.Error(
+                        reason=RejectReason.BAD_REQUEST, message="timed out waiting for the next message"
+                    ),
+                    conn.session,
+                )
             # Any part of a frame started (a header, or a body even of zero bytes read after its
             # header) is answered; a peer that closes between frames is not.
-            elif isinstance(exc, asyncio.IncompleteReadError) and (exc.partial or exc.expected != HEADER.size):
-                await _try_send(writer, messages.Error(
-                    reason=RejectReason.BAD_REQUEST,
-                    message=f"the connection ended {len(exc.partial)} bytes into a {exc.expected}-byte frame part"),
-                    conn.session)
-            _lost(node, conn, f"sender disconnected or timed out before reporting done ({type(exc).__name__})")
+            elif isinstance(exc, asyncio.IncompleteReadError) and (
+                exc.partial or exc.expected != HEADER.size
+            ):
+                await _try_send(
+                    writer,
+                    messages.Error(
+                        reason=RejectReason.BAD_REQUEST,
+                        message=f"the connection ended {len(exc.partial)} bytes into a {exc.expected}-byte frame part",
+                    ),
+                    conn.session,
+                )
+            _lost(
+                node, conn, f"sender disconnected or timed out before reporting done ({type(exc).__name__})"
+            )
         except Exception:  # the server must outlive any one connection
-            node.recorder.ctrl_error("internal", "internal error in the decode node's control plane; see its log",
-                                     authenticated=conn.authenticated)
+            node.recorder.ctrl_error(
+                "internal",
+                "internal error in the decode node's control plane; see its log",
+                authenticated=conn.authenticated,
+            )
             log.exception("handoff from %s: internal error", peer)
             _lost(node, conn, "internal error in the decode node's control plane; see its log")
         finally:
@@ -328,8 +377,9 @@ def _lost(node: DecodeNode, conn: _Conn, error: str) -> None:
         node.slots.writer_lost(conn.slot, conn.generation, conn.rank, error)
 
 
-async def _try_send(writer: asyncio.StreamWriter, msg: messages.Message, session: Session | None,
-                    version: int | None = None) -> None:
+async def _try_send(
+    writer: asyncio.StreamWriter, msg: messages.Message, session: Session | None, version: int | None = None
+) -> None:
     try:
         if version is None:
             await asyncio.wait_for(write_message(writer, msg, session), HANDSHAKE_TIMEOUT_S)
@@ -339,8 +389,13 @@ async def _try_send(writer: asyncio.StreamWriter, msg: messages.Message, session
         pass
 
 
-async def _read(reader: asyncio.StreamReader, conn: _Conn, kind: type[messages.Message] | tuple[type[messages.Message], ...],
-                timeout: float, max_body: int | None = None) -> messages.Message:
+async def _read(
+    reader: asyncio.StreamReader,
+    conn: _Conn,
+    kind: type[messages.Message] | tuple[type[messages.Message], ...],
+    timeout: float,
+    max_body: int | None = None,
+) -> messages.Message:
     if max_body is None:
         msg, _ = await asyncio.wait_for(read_frame(reader, conn.session), timeout)
     else:
@@ -364,8 +419,13 @@ def _check_auth(node: DecodeNode, nonce: str, a: messages.Auth) -> bytes | None:
     return found
 
 
-async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                   conn: _Conn, server: ControlServer) -> None:
+async def _handoff(
+    node: DecodeNode,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    conn: _Conn,
+    server: ControlServer,
+) -> None:
     nonce = auth.new_nonce()
     async with asyncio.timeout(AUTH_TIMEOUT_S):
         await write_message(writer, messages.Challenge(nonce=nonce, node=node.config.name))
@@ -373,8 +433,10 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
     assert isinstance(a, messages.Auth)
     secret = _check_auth(node, nonce, a)
     if secret is None:
-        raise _Refuse(RejectReason.UNAUTHENTICATED,
-                      "HMAC does not verify: the sender's handoff secret differs from this node's")
+        raise _Refuse(
+            RejectReason.UNAUTHENTICATED,
+            "HMAC does not verify: the sender's handoff secret differs from this node's",
+        )
     conn.session = Session.of_node(secret, nonce, a.nonce)
     conn.authenticated = True
     if conn.place is not None:
@@ -390,12 +452,20 @@ async def _handoff(node: DecodeNode, reader: asyncio.StreamReader, writer: async
         # An authenticated sender's request for this ticket that can never be served: the request
         # fails now, naming why, instead of when its ticket expires.
         if req.ticket is not None and (slot := node.slots.find(req.ticket)) is not None:
-            node.slots.fail(slot, f"the prefill's state was refused: {refused.reason.value}: {refused.message}")
+            node.slots.fail(
+                slot, f"the prefill's state was refused: {refused.reason.value}: {refused.message}"
+            )
         raise refused
     try:
-        slot = node.slots.accept(ticket=req.ticket, request_id=req.request_id, rank=req.sender_rank,
-                                 num_senders=req.num_senders, num_tokens=req.num_tokens,
-                                 last_prompt_token=req.last_prompt_token, prompt_token_ids=req.prompt_token_ids)
+        slot = node.slots.accept(
+            ticket=req.ticket,
+            request_id=req.request_id,
+            rank=req.sender_rank,
+            num_senders=req.num_senders,
+            num_tokens=req.num_tokens,
+            last_prompt_token=req.last_prompt_token,
+            prompt_token_ids=req.prompt_token_ids,
+        )
     except NodeFull as exc:
         raise _Refuse(RejectReason.BUSY, f"{exc}; admit through the router or retry") from exc
     except UnknownTicket as exc:
@@ -411,43 +481,65 @@ def _refusal(node: DecodeNode, req: messages.Request) -> _Refuse | None:
     if req.layout_fingerprint != node.layout.fingerprint:
         return _Refuse(RejectReason.LAYOUT, f"this node runs layout {node.layout.describe()}")
     if req.num_tokens > node.config.max_seq_len:
-        return _Refuse(RejectReason.TOO_LONG, f"{req.num_tokens} tokens exceed this node's max_seq_len "
-                                              f"{node.config.max_seq_len}")
+        return _Refuse(
+            RejectReason.TOO_LONG,
+            f"{req.num_tokens} tokens exceed this node's max_seq_len {node.config.max_seq_len}",
+        )
     if not 0 <= req.sender_rank < req.num_senders:
-        return _Refuse(RejectReason.BAD_REQUEST, f"sender_rank {req.sender_rank} not in 0..{req.num_senders - 1}")
+        return _Refuse(
+            RejectReason.BAD_REQUEST, f"sender_rank {req.sender_rank} not in 0..{req.num_senders - 1}"
+        )
     if req.num_senders > node.layout.num_layers:
-        return _Refuse(RejectReason.BAD_REQUEST, f"num_senders {req.num_senders} exceeds the layout's "
-                                                 f"{node.layout.num_layers} layers")
+        return _Refuse(
+            RejectReason.BAD_REQUEST,
+            f"num_senders {req.num_senders} exceeds the layout's {node.layout.num_layers} layers",
+        )
     return None
 
 
 def _check_handoff(msg: messages.LayersDone | messages.Done, req: messages.Request, generation: int) -> None:
     """A LayersDone or Done must name the request and slot generation this connection was accepted for."""
     if msg.generation != generation or msg.request_id != req.request_id:
-        raise MessageError(f"{type(msg).__name__} names request {msg.request_id!r} generation {msg.generation}, the "
-                           f"slot was accepted for {req.request_id!r} generation {generation}")
+        raise MessageError(
+            f"{type(msg).__name__} names request {msg.request_id!r} generation {msg.generation}, the "
+            f"slot was accepted for {req.request_id!r} generation {generation}"
+        )
 
 
-def _check_layers(msg: messages.LayersDone, req: messages.Request, generation: int, mine: set[int],
-                  reported: set[int]) -> None:
+def _check_layers(
+    msg: messages.LayersDone, req: messages.Request, generation: int, mine: set[int], reported: set[int]
+) -> None:
     """A LayersDone must name this handoff, and layers this sender rank holds, each once."""
     _check_handoff(msg, req, generation)
     if len(set(msg.layers)) != len(msg.layers):
         raise MessageError(f"LayersDone names a layer twice: {msg.layers}")
     foreign = sorted(set(msg.layers) - mine)
     if foreign:
-        raise MessageError(f"LayersDone names layers {foreign}, which sender rank {req.sender_rank} of "
-                           f"{req.num_senders} does not send (its layers: {sorted(mine)})")
+        raise MessageError(
+            f"LayersDone names layers {foreign}, which sender rank {req.sender_rank} of "
+            f"{req.num_senders} does not send (its layers: {sorted(mine)})"
+        )
     again = sorted(set(msg.layers) & reported)
     if again:
         raise MessageError(f"LayersDone reports layers {again} again")
 
 
-async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, conn: _Conn,
-                   req: messages.Request, slot: Slot) -> None:
+async def _receive(
+    node: DecodeNode,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    conn: _Conn,
+    req: messages.Request,
+    slot: Slot,
+) -> None:
     generation = conn.generation
-    accept = messages.Accept(request_id=req.request_id, slot=slot.index, generation=generation,
-                             regions=node.buffers.regions(slot.index), max_tokens=node.config.max_seq_len)
+    accept = messages.Accept(
+        request_id=req.request_id,
+        slot=slot.index,
+        generation=generation,
+        regions=node.buffers.regions(slot.index),
+        max_tokens=node.config.max_seq_len,
+    )
     if writer.transport.is_closing():
         raise ConnectionResetError("the sender's connection closed before its Accept went out")
     # From here the regions may reach the sender (even if the write below fails part-way).
@@ -457,8 +549,9 @@ async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: async
     mine = set(senders_layers(node.layout, req.sender_rank, req.num_senders))
     reported: set[int] = set()
     while True:
-        frame = await _read(reader, conn, (messages.LayersDone, messages.Done),
-                            max(0.0, deadline - node.slots.clock()))
+        frame = await _read(
+            reader, conn, (messages.LayersDone, messages.Done), max(0.0, deadline - node.slots.clock())
+        )
         if isinstance(frame, messages.Done):
             done = frame
             break
@@ -468,8 +561,17 @@ async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: async
         node.layers_arrived(slot, generation, req.sender_rank, frame.layers, frame.nbytes, frame.digest)
     _check_handoff(done, req, generation)
     conn.slot = None  # reported: a later disconnect no longer fails the slot
-    complete = node.slots.done(slot, generation, req.sender_rank, ok=done.ok, nbytes=done.nbytes, error=done.error,
-                               digest=done.digest, writes_started=done.writes_started, write_s=done.write_s)
+    complete = node.slots.done(
+        slot,
+        generation,
+        req.sender_rank,
+        ok=done.ok,
+        nbytes=done.nbytes,
+        error=done.error,
+        digest=done.digest,
+        writes_started=done.writes_started,
+        write_s=done.write_s,
+    )
     status: messages.AckStatus
     if not done.ok:
         status, msg = "failed", slot.error or done.error or ""
@@ -477,4 +579,6 @@ async def _receive(node: DecodeNode, reader: asyncio.StreamReader, writer: async
         status, msg = "failed", "the request was cancelled or expired before its state arrived"
     else:
         status, msg = ("complete" if complete else "waiting_for_ranks"), ""
-    await write_message(writer, messages.Ack(request_id=req.request_id, status=status, message=msg), conn.session)
+    await write_message(
+        writer, messages.Ack(request_id=req.request_id, status=status, message=msg), conn.session
+    )

@@ -48,7 +48,9 @@ class StreamDetokenizer:
     def __init__(self, core: Tokenizer, prompt_ids: list[int], first_token: int) -> None:
         self.core = core
         primer = prompt_ids[-_WINDOW:]
-        if len(primer) < len(prompt_ids) and core.decode(primer, skip_special_tokens=True).endswith(_REPLACEMENT):
+        if len(primer) < len(prompt_ids) and core.decode(primer, skip_special_tokens=True).endswith(
+            _REPLACEMENT
+        ):
             primer = prompt_ids
         self.stream = DecodeStream(ids=primer, skip_special_tokens=True)
         self.step(first_token)
@@ -87,9 +89,9 @@ class WindowDetokenizer:
 
     def push(self, new_ids: list[int]) -> str:
         self.ids += new_ids
-        before = self._text(self.ids[self.prefix:self.read])
-        after = self._text(self.ids[self.prefix:])
+        before = self._text(self.ids[self.prefix : self.read])
+        after = self._text(self.ids[self.prefix :])
         if len(after) > len(before) and not after.endswith(_REPLACEMENT):
             self.prefix, self.read = self.read, len(self.ids)
-            return after[len(before):]
+            return after[len(before) :]
         return ""

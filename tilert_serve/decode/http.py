@@ -88,12 +88,16 @@ async def _read(request: web.Request) -> bytes:
         async with asyncio.timeout(BODY_TIMEOUT_S):
             return await request.read()
     except TimeoutError:
-        raise web.HTTPRequestTimeout(text=json.dumps(error_body(408, f"request body not received within "
-                                                                     f"{BODY_TIMEOUT_S:g} s of its headers")),
-                                     content_type="application/json") from None
+        raise web.HTTPRequestTimeout(
+            text=json.dumps(
+                error_body(408, f"request body not received within {BODY_TIMEOUT_S:g} s of its headers")
+            ),
+            content_type="application/json",
+        ) from None
     except httpserver.BadBody:
-        raise web.HTTPBadRequest(text=json.dumps(error_body(400, httpserver.BAD_BODY)),
-                                 content_type="application/json") from None
+        raise web.HTTPBadRequest(
+            text=json.dumps(error_body(400, httpserver.BAD_BODY)), content_type="application/json"
+        ) from None
 
 
 async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
@@ -101,14 +105,18 @@ async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
     try:
         data = json.loads(raw)
     except (ValueError, RecursionError) as exc:  # bad JSON or UTF-8, 5000-digit numbers, 100k-deep nesting
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"type": "invalid_json", "message": str(exc)}}),
-                                 content_type="application/json") from exc
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": {"type": "invalid_json", "message": str(exc)}}),
+            content_type="application/json",
+        ) from exc
     try:
         return model.model_validate(data)
     except ValidationError as exc:
         msg = pydantic_errors.summary(exc, top="body")
-        raise web.HTTPBadRequest(text=json.dumps({"error": {"type": "invalid_request", "message": msg}}),
-                                 content_type="application/json") from exc
+        raise web.HTTPBadRequest(
+            text=json.dumps({"error": {"type": "invalid_request", "message": msg}}),
+            content_type="application/json",
+        ) from exc
 
 
 async def admit(request: web.Request) -> web.Response:
@@ -119,16 +127,27 @@ async def admit(request: web.Request) -> web.Response:
     need = (body.prompt_tokens or 0) + (body.max_tokens or 0)
     if need > node.config.max_seq_len:
         node.metrics.admissions.labels("too_long").inc()
-        return _error(400, "too_long", f"prompt_tokens + max_tokens = {need} exceeds this node's max_seq_len "
-                                       f"{node.config.max_seq_len}; send it to the native pool")
+        return _error(
+            400,
+            "too_long",
+            f"prompt_tokens + max_tokens = {need} exceeds this node's max_seq_len "
+            f"{node.config.max_seq_len}; send it to the native pool",
+        )
     try:
         slot = node.slots.admit(body.request_id)
     except NodeFull as exc:
         node.metrics.admissions.labels("full").inc()
         return _error(429, "node_full", str(exc), headers={"Retry-After": "1"})
     node.metrics.admissions.labels("admitted").inc()
-    return web.json_response({"ticket": slot.ticket, "slot": slot.index, "expires_in_s": node.config.ticket_ttl_s,
-                              "ctrl_host": node.config.advertise_host, "ctrl_port": node.ctrl_port})
+    return web.json_response(
+        {
+            "ticket": slot.ticket,
+            "slot": slot.index,
+            "expires_in_s": node.config.ticket_ttl_s,
+            "ctrl_host": node.config.advertise_host,
+            "ctrl_port": node.ctrl_port,
+        }
+    )
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
@@ -143,10 +162,16 @@ async def generate(request: web.Request) -> web.StreamResponse:
     try:
         await node.wait_for_state(slot)
     except HandoffFailed as exc:
-        return _error(504 if exc.timeout else 502, "handoff_timeout" if exc.timeout else "handoff_failed", str(exc))
-    params = GenerateParams(first_token=body.first_token, max_tokens=body.max_tokens,
-                            sampling=Sampling(**(body.sampling.model_dump() | {"top_k": max(body.sampling.top_k, 0)})),
-                            stop_token_ids=frozenset(body.stop_token_ids), ignore_eos=body.ignore_eos)
+        return _error(
+            504 if exc.timeout else 502, "handoff_timeout" if exc.timeout else "handoff_failed", str(exc)
+        )
+    params = GenerateParams(
+        first_token=body.first_token,
+        max_tokens=body.max_tokens,
+        sampling=Sampling(**(body.sampling.model_dump() | {"top_k": max(body.sampling.top_k, 0)})),
+        stop_token_ids=frozenset(body.stop_token_ids),
+        ignore_eos=body.ignore_eos,
+    )
     events = node.decode(slot, params)
     try:
         # The first event comes after the digest check, conversion and injection: a refused state is
@@ -202,7 +227,9 @@ async def cancel(request: web.Request) -> web.Response:
 async def health(request: web.Request) -> web.Response:
     node = request.app[NODE]
     if node.failed:
-        return web.json_response({"status": "failed", "reason": api_auth.public_reason(node.failed)}, status=500)
+        return web.json_response(
+            {"status": "failed", "reason": api_auth.public_reason(node.failed)}, status=500
+        )
     return web.json_response({"status": "ok"})
 
 
@@ -210,7 +237,11 @@ async def ready(request: web.Request) -> web.Response:
     node = request.app[NODE]
     if node.ready:
         return web.json_response({"ready": True})
-    reason = api_auth.public_reason(node.failed) if node.failed else ("stopping" if node.stopping else "engine loading or buffers not registered yet")
+    reason = (
+        api_auth.public_reason(node.failed)
+        if node.failed
+        else ("stopping" if node.stopping else "engine loading or buffers not registered yet")
+    )
     return web.json_response({"ready": False, "reason": reason}, status=503)
 
 
@@ -222,16 +253,25 @@ async def status(request: web.Request) -> web.Response:
     node = request.app[NODE]
     # Request ids only to a caller that showed the node's token (never on a node without one).
     ids = request.get(api_auth.AUTHENTICATED, False)
-    return web.json_response({
-        "name": node.config.name, "ready": node.ready, "failed": node.failed, "layout": node.layout.describe(),
-        "engine": node.engine.name, "transfer": node.transfer.name, "max_seq_len": node.config.max_seq_len,
-        "slots": [{"index": s.index, "state": s.state.value, **({"request_id": s.request_id} if ids else {})}
-                  for s in node.slots.slots],
-        "ctrl": {"host": node.config.advertise_host, "port": node.ctrl_port},
-        # The data plane's record: the last handoff decoded from, the last failure and its reason, the
-        # transport and its measured bandwidth (the operator's HandoffReady reads it).
-        "handoff": node.handoff.as_dict(),
-    })
+    return web.json_response(
+        {
+            "name": node.config.name,
+            "ready": node.ready,
+            "failed": node.failed,
+            "layout": node.layout.describe(),
+            "engine": node.engine.name,
+            "transfer": node.transfer.name,
+            "max_seq_len": node.config.max_seq_len,
+            "slots": [
+                {"index": s.index, "state": s.state.value, **({"request_id": s.request_id} if ids else {})}
+                for s in node.slots.slots
+            ],
+            "ctrl": {"host": node.config.advertise_host, "port": node.ctrl_port},
+            # The data plane's record: the last handoff decoded from, the last failure and its reason, the
+            # transport and its measured bandwidth (the operator's HandoffReady reads it).
+            "handoff": node.handoff.as_dict(),
+        }
+    )
 
 
 def make_app(node: DecodeNode, api_tokens: TokenFile | None = None) -> web.Application:
@@ -239,11 +279,17 @@ def make_app(node: DecodeNode, api_tokens: TokenFile | None = None) -> web.Appli
     or a node started with `--api-token-file ''`, which logs a warning)."""
     app = web.Application(client_max_size=MAX_BODY, middlewares=api_auth.middlewares(api_tokens))
     app[NODE] = node
-    app.add_routes([
-        web.post("/v1/admit", admit), web.post("/v1/generate", generate), web.post("/v1/cancel", cancel),
-        web.get("/health", health), web.get("/ready", ready), web.get("/metrics", metrics),
-        web.get("/v1/status", status),
-    ])
+    app.add_routes(
+        [
+            web.post("/v1/admit", admit),
+            web.post("/v1/generate", generate),
+            web.post("/v1/cancel", cancel),
+            web.get("/health", health),
+            web.get("/ready", ready),
+            web.get("/metrics", metrics),
+            web.get("/v1/status", status),
+        ]
+    )
 
     async def lifecycle(app: web.Application):  # type: ignore[no-untyped-def]
         # Start in the background so /health answers while the engine loads (minutes for big models).
@@ -263,4 +309,5 @@ def _report_start_failure(node: DecodeNode):  # type: ignore[no-untyped-def]
         if not task.cancelled() and task.exception() is not None:
             node.failed = f"start failed: {type(task.exception()).__name__}: {task.exception()}"
             log.error("decode node %s could not start: %s", node.config.name, node.failed)
+
     return done

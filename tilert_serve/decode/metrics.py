@@ -29,53 +29,113 @@ class NodeMetrics:
         r = self.registry = Registry()
         self.slots_total = gauge(r, "tilert_decode_slots", "Decode slots this node was started with.")
         self.slots_total.set(slots)
-        self.slots_busy = gauge(r, "tilert_decode_slots_busy",
-                                "Slots reserved, receiving a state or decoding; at tilert_decode_slots the node "
-                                "answers admissions with full.")
-        self.admissions = Bounded(counter(r, "tilert_decode_admissions_total",
-                                          "Admission requests (POST /v1/admit) by answer.",
-                                          {"outcome": ADMISSION_OUTCOMES}))
-        self.handoffs = Bounded(counter(r, "tilert_decode_handoffs_total",
-                                        "Handoffs into a slot by how they ended: complete (decoded from), failed "
-                                        "(the data plane broke), refused (the state's digest did not verify).",
-                                        {"outcome": HANDOFF_OUTCOMES}))
-        self.handoff_bytes = counter(r, "tilert_decode_handoff_bytes_total",
-                                     "Bytes of state received by complete handoffs.")
-        self.handoff_seconds = histogram(r, "tilert_decode_handoff_seconds",
-                                         "Seconds from a handoff's Accept to its last rank's Done (the transfer as "
-                                         "the node sees it).", _MS_BUCKETS)
-        self.layers_received = counter(r, "tilert_decode_layers_received_total",
-                                       "Layers reported written one by one (layer-wise handoff, LayersDone), each "
-                                       "converted as it landed.")
-        self.digest_seconds = histogram(r, "tilert_decode_digest_seconds",
-                                        "Seconds checking a state's digests, after /v1/generate found it.", _MS_BUCKETS)
-        self.quarantined = counter(r, "tilert_decode_quarantined_slots_total",
-                                   "Slots released while a sender's write could still land (not reused until "
-                                   "no write can).")
-        self.convert_seconds = histogram(r, "tilert_decode_convert_seconds",
-                                         "Seconds converting wire bytes to engine tensors, after /v1/generate found "
-                                         "the state.", _MS_BUCKETS)
-        self.converted_bytes = gauge(r, "tilert_decode_converted_state_bytes",
-                                     "Bytes of engine-layout state converted ahead of injection and not yet "
-                                     "injected (device memory on top of the receive buffers).")
-        self.inject_seconds = histogram(r, "tilert_decode_inject_seconds",
-                                        "Seconds injecting a converted state into the engine.", _MS_BUCKETS)
-        self.tpot_seconds = histogram(r, "tilert_decode_tpot_seconds",
-                                      "Seconds per output token, one observation per finished request.", _MS_BUCKETS)
-        self.mtp_drafted = counter(r, "tilert_decode_mtp_drafted_tokens_total",
-                                   "Tokens drafted by multi-token prediction (MTP).")
-        self.mtp_accepted = counter(r, "tilert_decode_mtp_accepted_tokens_total",
-                                    "Tokens drafted by MTP and accepted; accepted / drafted is the acceptance "
-                                    "rate.")
-        self.requests = Bounded(counter(r, "tilert_decode_requests_total", "Finished decode requests by finish reason.",
-                                        {"finish_reason": FINISH_REASONS}))
-        self.expired = Bounded(counter(r, "tilert_decode_expired_slots_total",
-                                       "Slots freed by their deadline, by the state they were in; quarantined: the "
-                                       "bound ended a quarantine with a writer never confirmed done, and the slot "
-                                       "went back into use.", {"state": values(SlotState)}))
-        self.ctrl_errors = Bounded(counter(r, "tilert_decode_ctrl_errors_total",
-                                           "Control-plane connections refused or broken, by reason.",
-                                           {"reason": CTRL_ERROR_REASONS}))
+        self.slots_busy = gauge(
+            r,
+            "tilert_decode_slots_busy",
+            "Slots reserved, receiving a state or decoding; at tilert_decode_slots the node "
+            "answers admissions with full.",
+        )
+        self.admissions = Bounded(
+            counter(
+                r,
+                "tilert_decode_admissions_total",
+                "Admission requests (POST /v1/admit) by answer.",
+                {"outcome": ADMISSION_OUTCOMES},
+            )
+        )
+        self.handoffs = Bounded(
+            counter(
+                r,
+                "tilert_decode_handoffs_total",
+                "Handoffs into a slot by how they ended: complete (decoded from), failed "
+                "(the data plane broke), refused (the state's digest did not verify).",
+                {"outcome": HANDOFF_OUTCOMES},
+            )
+        )
+        self.handoff_bytes = counter(
+            r, "tilert_decode_handoff_bytes_total", "Bytes of state received by complete handoffs."
+        )
+        self.handoff_seconds = histogram(
+            r,
+            "tilert_decode_handoff_seconds",
+            "Seconds from a handoff's Accept to its last rank's Done (the transfer as the node sees it).",
+            _MS_BUCKETS,
+        )
+        self.layers_received = counter(
+            r,
+            "tilert_decode_layers_received_total",
+            "Layers reported written one by one (layer-wise handoff, LayersDone), each "
+            "converted as it landed.",
+        )
+        self.digest_seconds = histogram(
+            r,
+            "tilert_decode_digest_seconds",
+            "Seconds checking a state's digests, after /v1/generate found it.",
+            _MS_BUCKETS,
+        )
+        self.quarantined = counter(
+            r,
+            "tilert_decode_quarantined_slots_total",
+            "Slots released while a sender's write could still land (not reused until no write can).",
+        )
+        self.convert_seconds = histogram(
+            r,
+            "tilert_decode_convert_seconds",
+            "Seconds converting wire bytes to engine tensors, after /v1/generate found the state.",
+            _MS_BUCKETS,
+        )
+        self.converted_bytes = gauge(
+            r,
+            "tilert_decode_converted_state_bytes",
+            "Bytes of engine-layout state converted ahead of injection and not yet "
+            "injected (device memory on top of the receive buffers).",
+        )
+        self.inject_seconds = histogram(
+            r,
+            "tilert_decode_inject_seconds",
+            "Seconds injecting a converted state into the engine.",
+            _MS_BUCKETS,
+        )
+        self.tpot_seconds = histogram(
+            r,
+            "tilert_decode_tpot_seconds",
+            "Seconds per output token, one observation per finished request.",
+            _MS_BUCKETS,
+        )
+        self.mtp_drafted = counter(
+            r, "tilert_decode_mtp_drafted_tokens_total", "Tokens drafted by multi-token prediction (MTP)."
+        )
+        self.mtp_accepted = counter(
+            r,
+            "tilert_decode_mtp_accepted_tokens_total",
+            "Tokens drafted by MTP and accepted; accepted / drafted is the acceptance rate.",
+        )
+        self.requests = Bounded(
+            counter(
+                r,
+                "tilert_decode_requests_total",
+                "Finished decode requests by finish reason.",
+                {"finish_reason": FINISH_REASONS},
+            )
+        )
+        self.expired = Bounded(
+            counter(
+                r,
+                "tilert_decode_expired_slots_total",
+                "Slots freed by their deadline, by the state they were in; quarantined: the "
+                "bound ended a quarantine with a writer never confirmed done, and the slot "
+                "went back into use.",
+                {"state": values(SlotState)},
+            )
+        )
+        self.ctrl_errors = Bounded(
+            counter(
+                r,
+                "tilert_decode_ctrl_errors_total",
+                "Control-plane connections refused or broken, by reason.",
+                {"reason": CTRL_ERROR_REASONS},
+            )
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -122,8 +122,12 @@ class _Prepared:
 
 
 def _state_bytes(layers: Iterable[LayerState]) -> int:
-    return sum(t.numel() * t.element_size() for layer in layers for t in (layer.kv, layer.pe, layer.ki)
-               if t is not None)
+    return sum(
+        t.numel() * t.element_size()
+        for layer in layers
+        for t in (layer.kv, layer.pe, layer.ki)
+        if t is not None
+    )
 
 
 def _settle(views: list[torch.Tensor]) -> None:
@@ -145,16 +149,29 @@ class _Waiters:
 
 
 class DecodeNode:
-    def __init__(self, config: NodeConfig, *, layout: Layout, engine: DecodeEngine, transfer: TransferEngine,
-                 secret: bytes | auth.Keyring, tokenizer: Any = None, eos_token_ids: frozenset[int] = frozenset(),
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        config: NodeConfig,
+        *,
+        layout: Layout,
+        engine: DecodeEngine,
+        transfer: TransferEngine,
+        secret: bytes | auth.Keyring,
+        tokenizer: Any = None,
+        eos_token_ids: frozenset[int] = frozenset(),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         # An engine decoding without MTP takes the main layers only; the MTP layer's state still arrives.
         if engine.num_layers not in (layout.num_layers, layout.num_main_layers):
-            raise ValueError(f"engine {engine.name} takes {engine.num_layers} layers, layout {layout.model} has "
-                             f"{layout.num_layers}: the checkpoint and --tilert-model disagree")
+            raise ValueError(
+                f"engine {engine.name} takes {engine.num_layers} layers, layout {layout.model} has "
+                f"{layout.num_layers}: the checkpoint and --tilert-model disagree"
+            )
         if config.slots > engine.max_sequences:
-            raise ValueError(f"--slots {config.slots} exceeds what engine {engine.name} holds at once "
-                             f"({engine.max_sequences}); use --slots {engine.max_sequences}")
+            raise ValueError(
+                f"--slots {config.slots} exceeds what engine {engine.name} holds at once "
+                f"({engine.max_sequences}); use --slots {engine.max_sequences}"
+            )
         if config.max_seq_len > engine.max_seq_len:
             raise ValueError(f"--max-seq-len {config.max_seq_len} exceeds the engine's {engine.max_seq_len}")
         self.config = config
@@ -169,18 +186,30 @@ class DecodeNode:
         self.recorder = Recorder(transfer, self.metrics, clock)
         #: The data plane's record (/v1/status); written through `recorder` only.
         self.handoff = self.recorder.record
-        self.buffers = ReceiveBuffers(layout, max_seq_len=config.max_seq_len, slots=config.slots,
-                                      shards=config.shards, devices=list(config.devices))
-        self.slots = SlotTable(config.slots, ticket_ttl_s=config.ticket_ttl_s,
-                               handoff_timeout_s=config.handoff_timeout_s, quarantine_s=config.quarantine_s,
-                               clock=clock, scrub=self.buffers.scrub, on_change=self._slot_changed)
+        self.buffers = ReceiveBuffers(
+            layout,
+            max_seq_len=config.max_seq_len,
+            slots=config.slots,
+            shards=config.shards,
+            devices=list(config.devices),
+        )
+        self.slots = SlotTable(
+            config.slots,
+            ticket_ttl_s=config.ticket_ttl_s,
+            handoff_timeout_s=config.handoff_timeout_s,
+            quarantine_s=config.quarantine_s,
+            clock=clock,
+            scrub=self.buffers.scrub,
+            on_change=self._slot_changed,
+        )
         self.ctrl = ctrl.ControlServer(self)
         self.engine_dtype: torch.dtype = getattr(engine, "dtype", torch.float32)
         self._waiters = [_Waiters() for _ in range(config.slots)]
         self._pool = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="decode")
         #: One converter thread per slot, and what it builds for the slot's current generation.
-        self._converters = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{i}")
-                            for i in range(config.slots)]
+        self._converters = [
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{i}") for i in range(config.slots)
+        ]
         self._prepared: list[_Prepared | None] = [None] * config.slots
         self._server: asyncio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
@@ -199,14 +228,21 @@ class DecodeNode:
             for device in sorted(set(self.config.devices)):
                 await asyncio.to_thread(digest.warm_up, device)
         self.buffers.register(self.transfer)
-        self._server = await asyncio.start_server(self.ctrl.handle, self.config.advertise_host,
-                                                  self.config.ctrl_port, limit=ctrl.READ_LIMIT)
+        self._server = await asyncio.start_server(
+            self.ctrl.handle, self.config.advertise_host, self.config.ctrl_port, limit=ctrl.READ_LIMIT
+        )
         self.ctrl_port = self._server.sockets[0].getsockname()[1]
         self._reaper = asyncio.create_task(self._reap(), name="slot-reaper")
         self.ready = True
-        log.info("decode node %s ready: %d slots, layout %s, ctrl %s:%d, %.1f MB receive buffers (and as much again of snapshots)",
-                 self.config.name, self.config.slots, self.layout.describe(), self.config.advertise_host,
-                 self.ctrl_port, self.buffers.nbytes / 1e6)
+        log.info(
+            "decode node %s ready: %d slots, layout %s, ctrl %s:%d, %.1f MB receive buffers (and as much again of snapshots)",
+            self.config.name,
+            self.config.slots,
+            self.layout.describe(),
+            self.config.advertise_host,
+            self.ctrl_port,
+            self.buffers.nbytes / 1e6,
+        )
 
     async def stop(self) -> None:
         self.stopping, self.ready = True, False
@@ -229,16 +265,21 @@ class DecodeNode:
             await asyncio.sleep(0.1)
             for freed in self.slots.expire():
                 self.metrics.expired.labels(freed.state.value).inc()
-                log.info("slot %d: deadline passed in state %s (request %s)", freed.index, freed.state.value,
-                         freed.request_id)
+                log.info(
+                    "slot %d: deadline passed in state %s (request %s)",
+                    freed.index,
+                    freed.state.value,
+                    freed.request_id,
+                )
 
     # -- slot events (the slot table calls this on every transition) ----------------------------
 
     def _slot_changed(self, slot: Slot, event: str) -> None:
         self.metrics.slots_busy.set(self.slots.busy)
         prepared = self._prepared[slot.index]
-        if prepared is not None and (prepared.generation != slot.generation
-                                     or event in ("failed", "released", "quarantined")):
+        if prepared is not None and (
+            prepared.generation != slot.generation or event in ("failed", "released", "quarantined")
+        ):
             self._drop(slot.index)
         if event == "complete":
             self._queue_final(slot)
@@ -253,7 +294,11 @@ class DecodeNode:
                 self.recorder.failure("transfer_failed", slot.error or "")
         elif event == "quarantined":
             self.metrics.quarantined.inc()
-            log.info("slot %d quarantined: sender ranks %s may still be writing", slot.index, sorted(slot.in_flight))
+            log.info(
+                "slot %d quarantined: sender ranks %s may still be writing",
+                slot.index,
+                sorted(slot.in_flight),
+            )
         waiters = self._waiters[slot.index]
         waiters.event.set()
         waiters.event = asyncio.Event()
@@ -289,8 +334,9 @@ class DecodeNode:
             prepared = self._prepared[slot.index] = _Prepared(slot.generation)
         return prepared
 
-    def layers_arrived(self, slot: Slot, generation: int, rank: int, layers: list[int], nbytes: int,
-                       layer_digest: str) -> None:
+    def layers_arrived(
+        self, slot: Slot, generation: int, rank: int, layers: list[int], nbytes: int, layer_digest: str
+    ) -> None:
         """A sender rank reported `layers` written (ctrl.py checked they are its own, once each): queue
         their digest check and conversion. Ignored unless the slot is still receiving this generation."""
         if slot.generation != generation or slot.state is not SlotState.RECEIVING:
@@ -300,11 +346,27 @@ class DecodeNode:
         prepared.last_frame_layers = len(layers)
         prepared.t_last_layer = self.slots.clock()
         self.metrics.layers_received.inc(len(layers))
-        self._converters[slot.index].submit(self._convert_layers, prepared, slot.index, rank, slot.ranks_expected,
-                                            slot.num_tokens, list(layers), layer_digest)
+        self._converters[slot.index].submit(
+            self._convert_layers,
+            prepared,
+            slot.index,
+            rank,
+            slot.ranks_expected,
+            slot.num_tokens,
+            list(layers),
+            layer_digest,
+        )
 
-    def _convert_layers(self, prepared: _Prepared, index: int, rank: int, num_senders: int, num_tokens: int,
-                        layers: list[int], layer_digest: str) -> None:
+    def _convert_layers(
+        self,
+        prepared: _Prepared,
+        index: int,
+        rank: int,
+        num_senders: int,
+        num_tokens: int,
+        layers: list[int],
+        layer_digest: str,
+    ) -> None:
         """Converter thread: take these layers (snapshot and check), then convert them (engine layers
         only) from the snapshot."""
         if prepared.dropped or prepared.refused is not None:
@@ -316,8 +378,11 @@ class DecodeNode:
             prepared.refused = f"sender rank {rank}, layers {layers}: {problem}"
             return
         t1 = time.perf_counter()
-        converted = {lid: convert.to_layer_state(snap, self.buffers.placement, lid, num_tokens, self.engine_dtype)
-                     for lid in layers if lid < self.engine.num_layers}
+        converted = {
+            lid: convert.to_layer_state(snap, self.buffers.placement, lid, num_tokens, self.engine_dtype)
+            for lid in layers
+            if lid < self.engine.num_layers
+        }
         _settle(snap)
         t2 = time.perf_counter()
         with prepared.lock:
@@ -332,11 +397,24 @@ class DecodeNode:
         """The slot is READY: queue the check of what no LayersDone covered and the assembly."""
         prepared = self._prepared_for(slot)
         prepared.final = self._converters[slot.index].submit(
-            self._assemble, prepared, slot.index, slot.ranks_expected, slot.num_tokens, slot.last_prompt_token,
-            dict(slot.digests))
+            self._assemble,
+            prepared,
+            slot.index,
+            slot.ranks_expected,
+            slot.num_tokens,
+            slot.last_prompt_token,
+            dict(slot.digests),
+        )
 
-    def _assemble(self, prepared: _Prepared, index: int, num_senders: int, num_tokens: int, last_prompt_token: int,
-                  digests: dict[int, str | None]) -> InjectedState:
+    def _assemble(
+        self,
+        prepared: _Prepared,
+        index: int,
+        num_senders: int,
+        num_tokens: int,
+        last_prompt_token: int,
+        digests: dict[int, str | None],
+    ) -> InjectedState:
         """Converter thread: StateRefused unless every rank's bytes are covered by a digest that matches
         (per layer, or Done's over the rest); else the engine's state, converted from the snapshot."""
         if prepared.refused is not None:
@@ -347,12 +425,16 @@ class DecodeNode:
         self._take_rest(prepared, index, num_senders, num_tokens, digests)
         t1 = time.perf_counter()
         if not prepared.layers:
-            state = convert.to_injected_state(snap, placement, num_tokens, last_prompt_token, self.engine_dtype)
-            layers = state.layers[:self.engine.num_layers]
+            state = convert.to_injected_state(
+                snap, placement, num_tokens, last_prompt_token, self.engine_dtype
+            )
+            layers = state.layers[: self.engine.num_layers]
         else:
-            layers = [prepared.layers.get(lid) or convert.to_layer_state(snap, placement, lid, num_tokens,
-                                                                            self.engine_dtype)
-                      for lid in range(self.engine.num_layers)]
+            layers = [
+                prepared.layers.get(lid)
+                or convert.to_layer_state(snap, placement, lid, num_tokens, self.engine_dtype)
+                for lid in range(self.engine.num_layers)
+            ]
         _settle(snap)
         t2 = time.perf_counter()
         with prepared.lock:
@@ -361,8 +443,15 @@ class DecodeNode:
                 self._hold(prepared, _state_bytes(layers) - prepared.held_bytes)
         return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)
 
-    def _take(self, index: int, rank: int, num_senders: int, num_tokens: int, layers: list[int],
-              expected: str | None) -> str | None:
+    def _take(
+        self,
+        index: int,
+        rank: int,
+        num_senders: int,
+        num_tokens: int,
+        layers: list[int],
+        expected: str | None,
+    ) -> str | None:
         """Copy what sender `rank` wrote of `layers` out of the slot's receive region into its snapshot,
         then (digests on) check the copy against `expected`: why it differs, or None. Snapshot first,
         then check, then convert from the snapshot: the receive region stays writable by any data-plane
@@ -377,17 +466,29 @@ class DecodeNode:
             return str(exc)
         return None
 
-    def _take_rest(self, prepared: _Prepared, index: int, num_senders: int, num_tokens: int,
-                   digests: dict[int, str | None]) -> None:
+    def _take_rest(
+        self,
+        prepared: _Prepared,
+        index: int,
+        num_senders: int,
+        num_tokens: int,
+        digests: dict[int, str | None],
+    ) -> None:
         """Take every rank's layers no LayersDone covered (Done's digest covers them); StateRefused
         when one is not covered or differs."""
-        rest = {rank: sorted(set(senders_layers(self.layout, rank, num_senders)) - prepared.taken.get(rank, set()))
-                for rank in range(num_senders)}
+        rest = {
+            rank: sorted(
+                set(senders_layers(self.layout, rank, num_senders)) - prepared.taken.get(rank, set())
+            )
+            for rank in range(num_senders)
+        }
         missing = [rank for rank, layers in rest.items() if layers and digests.get(rank) is None]
         if missing and self.config.verify_digest:
-            raise StateRefused(f"sender ranks {missing} sent no digest of their state and this node checks digests; "
-                               "turn tilert_handoff_digest on in the prefill's connector (or the node's "
-                               "--handoff-digest off)")
+            raise StateRefused(
+                f"sender ranks {missing} sent no digest of their state and this node checks digests; "
+                "turn tilert_handoff_digest on in the prefill's connector (or the node's "
+                "--handoff-digest off)"
+            )
 
         def take(rank: int) -> str | None:
             if not rest[rank]:
@@ -407,11 +508,18 @@ class DecodeNode:
             raise StateRefused("; ".join(problems))
 
     def hello(self, mac: str) -> messages.Hello:
-        return messages.Hello(mac=mac, node=self.config.name,
-                              layout=messages.LayoutInfo(**self.layout.describe()),  # type: ignore[arg-type]
-                              max_seq_len=self.config.max_seq_len, slots_total=self.config.slots,
-                              slots_free=self.slots.free, transfer=self.transfer.name,
-                              peer=self.transfer.peer_info(), digests=digest.available(), layerwise=True)
+        return messages.Hello(
+            mac=mac,
+            node=self.config.name,
+            layout=messages.LayoutInfo(**self.layout.describe()),  # type: ignore[arg-type]
+            max_seq_len=self.config.max_seq_len,
+            slots_total=self.config.slots,
+            slots_free=self.slots.free,
+            transfer=self.transfer.name,
+            peer=self.transfer.peer_info(),
+            digests=digest.available(),
+            layerwise=True,
+        )
 
     def cancel(self, slot: Slot) -> None:
         """End a slot's request; a running decode stops at its next step and releases the slot itself,
@@ -428,7 +536,9 @@ class DecodeNode:
         generation, deadline, t_admit = slot.generation, slot.deadline, slot.t_admit
 
         def timed_out() -> HandoffFailed:
-            message = f"the prefill's state did not arrive within {self.slots.clock() - t_admit:.1f} s of admission"
+            message = (
+                f"the prefill's state did not arrive within {self.slots.clock() - t_admit:.1f} s of admission"
+            )
             # A more specific failure since the admission (a sender refused as not authenticated, a
             # layout mismatch) is why: keep it as the node's last failure.
             h = self.handoff
@@ -443,7 +553,10 @@ class DecodeNode:
                 await asyncio.wait_for(self._waiters[slot.index].event.wait(), max(remaining, 0.0) + 0.05)
             except TimeoutError:
                 pass
-            if self.slots.clock() >= slot.deadline and slot.state in (SlotState.RESERVED, SlotState.RECEIVING):
+            if self.slots.clock() >= slot.deadline and slot.state in (
+                SlotState.RESERVED,
+                SlotState.RECEIVING,
+            ):
                 self.slots.release(slot)
                 raise timed_out()
         if slot.generation != generation or slot.state in (SlotState.FREE, SlotState.QUARANTINED):
@@ -460,7 +573,9 @@ class DecodeNode:
     async def decode(self, slot: Slot, p: GenerateParams) -> AsyncGenerator[dict[str, Any], None]:
         """Stream a READY slot's decode as events; always frees the slot at the end."""
         # The sequence cannot grow past the engine's positions: a longer ask ends as "length" there.
-        p = dataclasses.replace(p, max_tokens=max(0, min(p.max_tokens, self.config.max_seq_len - slot.num_tokens - 1)))
+        p = dataclasses.replace(
+            p, max_tokens=max(0, min(p.max_tokens, self.config.max_seq_len - slot.num_tokens - 1))
+        )
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
         cancel = self._waiters[slot.index].cancel
@@ -472,8 +587,11 @@ class DecodeNode:
             loop.call_soon_threadsafe(queue.put_nowait, item)
 
         work = loop.run_in_executor(self._pool, self._decode_thread, slot, p, cancel, put)
-        detok = (detokenizer(self.tokenizer, slot.prompt_token_ids, p.first_token)
-                 if self.tokenizer is not None else None)
+        detok = (
+            detokenizer(self.tokenizer, slot.prompt_token_ids, p.first_token)
+            if self.tokenizer is not None
+            else None
+        )
         produced = drafted = accepted = 0
         timings: dict[str, float] = {"wire_wait_ms": (slot.t_ready - slot.t_accept) * 1e3}
         finish: str | None = None
@@ -500,8 +618,11 @@ class DecodeNode:
                     if isinstance(value, StateRefused):
                         # Our own words only: the refusal's text can quote what a sender named (its
                         # digest algorithm), and the record reaches the operator's conditions.
-                        self.recorder.failure("digest_mismatch", "a state was refused: its bytes are not what its "
-                                              "sender hashed (torn, or written by another data-plane peer)")
+                        self.recorder.failure(
+                            "digest_mismatch",
+                            "a state was refused: its bytes are not what its "
+                            "sender hashed (torn, or written by another data-plane peer)",
+                        )
                     elif not isinstance(value, InvalidRequest):
                         self.recorder.failure("decode_failed", f"{type(value).__name__}: {value}")
                     raise value
@@ -512,15 +633,23 @@ class DecodeNode:
                         self.recorder.success(slot, bool(timings.get("layerwise")))
             decode_s = timings.pop("_decode_start", None)
             decode_ms = (time.perf_counter() - decode_s) * 1e3 if decode_s else 0.0
-            timings.update(decode_ms=decode_ms, tpot_ms=decode_ms / produced if produced else 0.0,
-                           mtp_acceptance=accepted / drafted if drafted else 0.0)
+            timings.update(
+                decode_ms=decode_ms,
+                tpot_ms=decode_ms / produced if produced else 0.0,
+                mtp_acceptance=accepted / drafted if drafted else 0.0,
+            )
             self.metrics.requests.labels(finish).inc()
             self.metrics.mtp_drafted.inc(drafted)
             self.metrics.mtp_accepted.inc(accepted)
             if produced:
                 self.metrics.tpot_seconds.observe(decode_ms / produced / 1e3)
-            yield {"done": True, "finish_reason": finish, "num_tokens": produced,
-                   "mtp": {"drafted": drafted, "accepted": accepted}, "timings": timings}
+            yield {
+                "done": True,
+                "finish_reason": finish,
+                "num_tokens": produced,
+                "mtp": {"drafted": drafted, "accepted": accepted},
+                "timings": timings,
+            }
         finally:
             cancel.set()
             try:
@@ -529,20 +658,31 @@ class DecodeNode:
                 pass
             self.slots.release(slot)
 
-    def _decode_thread(self, slot: Slot, p: GenerateParams, cancel: threading.Event,
-                       put: Callable[[tuple[str, Any]], None]) -> None:
+    def _decode_thread(
+        self, slot: Slot, p: GenerateParams, cancel: threading.Event, put: Callable[[tuple[str, Any]], None]
+    ) -> None:
         try:
             t0 = time.perf_counter()
             t_found = self.slots.clock()
             prepared = self._prepared[slot.index]
-            final = prepared.final if prepared is not None and prepared.generation == slot.generation else None
+            final = (
+                prepared.final if prepared is not None and prepared.generation == slot.generation else None
+            )
             if prepared is None or final is None:
                 # Not queued at READY (cannot happen through the slot table): build it here.
                 prepared = _Prepared(slot.generation)
                 final = Future()
                 try:
-                    final.set_result(self._assemble(prepared, slot.index, slot.ranks_expected, slot.num_tokens,
-                                                    slot.last_prompt_token, dict(slot.digests)))
+                    final.set_result(
+                        self._assemble(
+                            prepared,
+                            slot.index,
+                            slot.ranks_expected,
+                            slot.num_tokens,
+                            slot.last_prompt_token,
+                            dict(slot.digests),
+                        )
+                    )
                 except Exception as exc:
                     final.set_exception(exc)
             try:
@@ -564,18 +704,29 @@ class DecodeNode:
             self.metrics.digest_seconds.observe(digest_s)
             self.metrics.convert_seconds.observe(convert_s)
             self.metrics.inject_seconds.observe(t2 - t1)
-            put(("timing", {
-                "digest_ms": digest_s * 1e3, "convert_ms": convert_s * 1e3, "inject_ms": (t2 - t1) * 1e3,
-                # Hidden: the converter's work done before /generate found the state.
-                "hidden_digest_ms": _overlap(spans, "digest", float("-inf"), t0) * 1e3,
-                "hidden_convert_ms": _overlap(spans, "convert", float("-inf"), t0) * 1e3,
-                "layerwise": 1.0 if prepared.layers_reported else 0.0,
-                "layers_layerwise": float(prepared.layers_reported),
-                "layers_early": float(prepared.layers_reported - prepared.last_frame_layers),
-                "last_layer_to_ready_ms": ((slot.t_ready - prepared.t_last_layer) * 1e3
-                                           if prepared.t_last_layer is not None else 0.0),
-                "ready_to_generate_ms": max(0.0, t_found - slot.t_ready) * 1e3,
-                "_decode_start": t2}))
+            put(
+                (
+                    "timing",
+                    {
+                        "digest_ms": digest_s * 1e3,
+                        "convert_ms": convert_s * 1e3,
+                        "inject_ms": (t2 - t1) * 1e3,
+                        # Hidden: the converter's work done before /generate found the state.
+                        "hidden_digest_ms": _overlap(spans, "digest", float("-inf"), t0) * 1e3,
+                        "hidden_convert_ms": _overlap(spans, "convert", float("-inf"), t0) * 1e3,
+                        "layerwise": 1.0 if prepared.layers_reported else 0.0,
+                        "layers_layerwise": float(prepared.layers_reported),
+                        "layers_early": float(prepared.layers_reported - prepared.last_frame_layers),
+                        "last_layer_to_ready_ms": (
+                            (slot.t_ready - prepared.t_last_layer) * 1e3
+                            if prepared.t_last_layer is not None
+                            else 0.0
+                        ),
+                        "ready_to_generate_ms": max(0.0, t_found - slot.t_ready) * 1e3,
+                        "_decode_start": t2,
+                    },
+                )
+            )
             try:
                 for step in seq.decode(p.first_token, p.sampling, p.max_tokens):
                     if cancel.is_set():

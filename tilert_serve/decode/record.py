@@ -35,15 +35,34 @@ from tilert_serve.transfer import TransferEngine
 
 #: Failure categories that say the data plane is broken (as opposed to a node that is busy, a ticket
 #: that expired unused, or a request too long): these, and only these, are the node's last failure.
-DATA_PLANE_FAILURES = frozenset({
-    "not_authenticated", "layout_mismatch", "version_mismatch", "bad_request", "timeout", "digest_mismatch",
-    "transfer_failed", "disconnected", "decode_failed", "internal",
-})
+DATA_PLANE_FAILURES = frozenset(
+    {
+        "not_authenticated",
+        "layout_mismatch",
+        "version_mismatch",
+        "bad_request",
+        "timeout",
+        "digest_mismatch",
+        "transfer_failed",
+        "disconnected",
+        "decode_failed",
+        "internal",
+    }
+)
 #: Why an unauthenticated control connection ended (the metric's label values: a peer cannot add one).
-UNAUTHENTICATED_REASONS = frozenset({
-    "not_authenticated", "auth_timeout", "evicted", "refused_busy", "version_mismatch", "bad_request",
-    "disconnected", "peer_error", "internal",
-})
+UNAUTHENTICATED_REASONS = frozenset(
+    {
+        "not_authenticated",
+        "auth_timeout",
+        "evicted",
+        "refused_busy",
+        "version_mismatch",
+        "bad_request",
+        "disconnected",
+        "peer_error",
+        "internal",
+    }
+)
 #: Unauthenticated endings that, with no handoff arriving, point at a misconfigured prefill rather than
 #: at noise: each is timed (to count them since an admission) and counted in /v1/status over the last
 #: RECENT_S. Values: the status and failure keys they are counted under.
@@ -53,8 +72,10 @@ _SIGNALS_KEPT = 4096
 #: /v1/status counts the signals of this many recent seconds (the operator's HandoffReady window).
 RECENT_S = 120.0
 #: How the timeout's message words each signal.
-_SIGNAL_WORDS = {"not_authenticated": "failed authentication (a prefill with another handoff secret?)",
-                 "version_mismatch": "spoke another protocol version (a prefill of another tilert-pd release?)"}
+_SIGNAL_WORDS = {
+    "not_authenticated": "failed authentication (a prefill with another handoff secret?)",
+    "version_mismatch": "spoke another protocol version (a prefill of another tilert-pd release?)",
+}
 
 
 @dataclass
@@ -83,7 +104,8 @@ class HandoffRecord:
     unauthenticated: dict[str, int] = field(default_factory=dict)
     #: Clock readings of the latest endings of each of SIGNALS, oldest first.
     signal_at: dict[str, deque[float]] = field(
-        default_factory=lambda: {r: deque(maxlen=_SIGNALS_KEPT) for r in SIGNALS})
+        default_factory=lambda: {r: deque(maxlen=_SIGNALS_KEPT) for r in SIGNALS}
+    )
 
     def success(self, nbytes: int, seconds: float | None) -> None:
         self.successes += 1
@@ -118,19 +140,30 @@ class HandoffRecord:
 
     def as_dict(self) -> dict[str, Any]:
         now = self.clock()
-        out: dict[str, Any] = {"transport": {"engine": self.engine, "protocol": self.protocol},
-                               "successes": self.successes, "failures": self.failures,
-                               "unauthenticated": dict(sorted(self.unauthenticated.items())),
-                               **{f"recent_{key}": self.signals_since(r, now - RECENT_S)[0]
-                                  for r, key in SIGNALS.items()},
-                               "last_success": None, "last_failure": None}
+        out: dict[str, Any] = {
+            "transport": {"engine": self.engine, "protocol": self.protocol},
+            "successes": self.successes,
+            "failures": self.failures,
+            "unauthenticated": dict(sorted(self.unauthenticated.items())),
+            **{f"recent_{key}": self.signals_since(r, now - RECENT_S)[0] for r, key in SIGNALS.items()},
+            "last_success": None,
+            "last_failure": None,
+        }
         if self.ok_at is not None:
-            out["last_success"] = {"age_s": round(now - self.ok_at, 3), "time": self.ok_wall, "bytes": self.ok_bytes,
-                                   "seconds": None if self.ok_seconds is None else round(self.ok_seconds, 6),
-                                   "bandwidth_bytes_per_s": self.bandwidth}
+            out["last_success"] = {
+                "age_s": round(now - self.ok_at, 3),
+                "time": self.ok_wall,
+                "bytes": self.ok_bytes,
+                "seconds": None if self.ok_seconds is None else round(self.ok_seconds, 6),
+                "bandwidth_bytes_per_s": self.bandwidth,
+            }
         if self.fail_at is not None:
-            out["last_failure"] = {"age_s": round(now - self.fail_at, 3), "time": self.fail_wall,
-                                   "reason": self.fail_reason, "message": self.fail_message}
+            out["last_failure"] = {
+                "age_s": round(now - self.fail_at, 3),
+                "time": self.fail_wall,
+                "reason": self.fail_reason,
+                "message": self.fail_message,
+            }
             out["last_failure"].update(self.fail_signals)
         return out
 
@@ -141,8 +174,11 @@ _RANK_FAILED = re.compile(r"sender rank (\d+) failed to write")
 def _own_words(message: str) -> str:
     """A sender rank's failed write as the slot table words it, without the reason the sender gave."""
     m = _RANK_FAILED.match(message)
-    return f"{m.group(0)} (its reason is in the generate call's error and the prefill's log)" if m else \
-        "a sender rank failed to write"
+    return (
+        f"{m.group(0)} (its reason is in the generate call's error and the prefill's log)"
+        if m
+        else "a sender rank failed to write"
+    )
 
 
 def link_seconds(slot: Slot, layerwise: bool) -> float | None:
@@ -174,21 +210,35 @@ class Recorder:
         self.record = HandoffRecord(engine=transfer.name, protocol=transport_protocol(transfer), clock=clock)
         self.metrics = metrics
         r = metrics.registry
-        self._m_last_ok = metric_defs.gauge(r, "tilert_decode_last_handoff_success_timestamp_seconds",
-                                            "Unix time, in seconds, of the last handoff this node decoded from.")
+        self._m_last_ok = metric_defs.gauge(
+            r,
+            "tilert_decode_last_handoff_success_timestamp_seconds",
+            "Unix time, in seconds, of the last handoff this node decoded from.",
+        )
         self._m_bandwidth = metric_defs.gauge(
-            r, "tilert_decode_last_handoff_bandwidth_bytes_per_second",
+            r,
+            "tilert_decode_last_handoff_bandwidth_bytes_per_second",
             "Bytes per second of the last successful handoff on the link (Accept to last Done, or the "
-            "senders' own write time).")
+            "senders' own write time).",
+        )
         self._m_failures = metric_defs.counter(
-            r, "tilert_decode_handoff_failures_total", "Data-plane handoff failures, by reason.",
-            {"reason": metric_defs.values(DATA_PLANE_FAILURES, other=False)})
+            r,
+            "tilert_decode_handoff_failures_total",
+            "Data-plane handoff failures, by reason.",
+            {"reason": metric_defs.values(DATA_PLANE_FAILURES, other=False)},
+        )
         self._m_unauthenticated = metric_defs.counter(
-            r, "tilert_decode_ctrl_unauthenticated_total", "Control connections that ended before "
+            r,
+            "tilert_decode_ctrl_unauthenticated_total",
+            "Control connections that ended before "
             "authenticating, by how (anyone reaching the port can cause these; they are not the data "
-            "plane's failures).", {"reason": metric_defs.values(UNAUTHENTICATED_REASONS, other=False)})
+            "plane's failures).",
+            {"reason": metric_defs.values(UNAUTHENTICATED_REASONS, other=False)},
+        )
 
-    def ctrl_error(self, reason: str, message: str, *, authenticated: bool, peer_reason: str | None = None) -> None:
+    def ctrl_error(
+        self, reason: str, message: str, *, authenticated: bool, peer_reason: str | None = None
+    ) -> None:
         """A control connection was refused or broke (ctrl.py). From an authenticated peer: counted,
         and recorded when it is the data plane's failure. Before authentication: counted apart, never
         recorded. `message` must be the node's own words (ctrl.py keeps the peer's text to its log);
@@ -219,7 +269,13 @@ class Recorder:
         if reason == "timeout":
             h = self.record
             last = [t for t in (h.ok_at, h.fail_at) if t is not None]
-            what = "the admission" if since is not None else "the last handoff event" if last else "the node started"
+            what = (
+                "the admission"
+                if since is not None
+                else "the last handoff event"
+                if last
+                else "the node started"
+            )
             if since is None:
                 since = max(last, default=float("-inf"))
             said = []

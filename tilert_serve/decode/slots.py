@@ -121,9 +121,17 @@ def _no_scrub(index: int) -> None:
 
 
 class SlotTable:
-    def __init__(self, num_slots: int, *, ticket_ttl_s: float, handoff_timeout_s: float, quarantine_s: float = 90.0,
-                 clock: Callable[[], float] = time.monotonic, scrub: Callable[[int], None] = _no_scrub,
-                 on_change: Callable[[Slot, str], None] = _ignore) -> None:
+    def __init__(
+        self,
+        num_slots: int,
+        *,
+        ticket_ttl_s: float,
+        handoff_timeout_s: float,
+        quarantine_s: float = 90.0,
+        clock: Callable[[], float] = time.monotonic,
+        scrub: Callable[[int], None] = _no_scrub,
+        on_change: Callable[[Slot, str], None] = _ignore,
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"a decode node needs at least 1 slot, got {num_slots}")
         self.slots = [Slot(i) for i in range(num_slots)]
@@ -151,8 +159,10 @@ class SlotTable:
     def by_ticket(self, ticket: str) -> Slot:
         slot = self.find(ticket)
         if slot is None:
-            raise UnknownTicket(f"ticket {ticket[:8]}... is unknown, expired, cancelled or already used; "
-                                "admit the request again")
+            raise UnknownTicket(
+                f"ticket {ticket[:8]}... is unknown, expired, cancelled or already used; "
+                "admit the request again"
+            )
         return slot
 
     def find(self, ticket: str) -> Slot | None:
@@ -169,7 +179,11 @@ class SlotTable:
             if slot.state is SlotState.FREE:
                 slot.generation += 1
                 now = self.clock()
-                slot.state, slot.ticket, slot.request_id = SlotState.RESERVED, secrets.token_urlsafe(18), request_id
+                slot.state, slot.ticket, slot.request_id = (
+                    SlotState.RESERVED,
+                    secrets.token_urlsafe(18),
+                    request_id,
+                )
                 slot.deadline, slot.t_admit = now + self.ticket_ttl_s, now
                 self._by_ticket[slot.ticket] = slot
                 return slot
@@ -181,8 +195,17 @@ class SlotTable:
         self.on_change(slot, "admitted")
         return slot
 
-    def accept(self, *, ticket: str | None, request_id: str, rank: int, num_senders: int, num_tokens: int,
-               last_prompt_token: int, prompt_token_ids: list[int]) -> Slot:
+    def accept(
+        self,
+        *,
+        ticket: str | None,
+        request_id: str,
+        rank: int,
+        num_senders: int,
+        num_tokens: int,
+        last_prompt_token: int,
+        prompt_token_ids: list[int],
+    ) -> Slot:
         """RESERVED | RECEIVING -> RECEIVING: sender `rank` may write from now on. Without a ticket a
         free slot is taken directly (ungated callers)."""
         slot = self._take(request_id) if ticket is None else self.by_ticket(ticket)
@@ -192,8 +215,10 @@ class SlotTable:
             if rank in slot.ranks_accepted:
                 raise DuplicateSender(f"sender rank {rank} of request {request_id} is already writing")
             if (num_senders, num_tokens) != (slot.ranks_expected, slot.num_tokens):
-                raise DuplicateSender(f"rank {rank} says {num_senders} senders / {num_tokens} tokens, earlier ranks "
-                                      f"said {slot.ranks_expected} / {slot.num_tokens}")
+                raise DuplicateSender(
+                    f"rank {rank} says {num_senders} senders / {num_tokens} tokens, earlier ranks "
+                    f"said {slot.ranks_expected} / {slot.num_tokens}"
+                )
         else:
             slot.state, slot.request_id = SlotState.RECEIVING, request_id
             slot.ranks_expected, slot.num_tokens = num_senders, num_tokens
@@ -210,8 +235,19 @@ class SlotTable:
         if generation == slot.generation and rank in slot.ranks_accepted:
             slot.in_flight.add(rank)
 
-    def done(self, slot: Slot, generation: int, rank: int, *, ok: bool, nbytes: int, error: str | None,
-             digest: str | None = None, writes_started: bool = True, write_s: float | None = None) -> bool:
+    def done(
+        self,
+        slot: Slot,
+        generation: int,
+        rank: int,
+        *,
+        ok: bool,
+        nbytes: int,
+        error: str | None,
+        digest: str | None = None,
+        writes_started: bool = True,
+        write_s: float | None = None,
+    ) -> bool:
         """A rank reports its writes. RECEIVING -> READY when every rank has written, or -> FAILED when
         one failed. A rank that wrote everything (ok) or nothing (not `writes_started`) can no longer
         land bytes; one whose write failed part-way (a transfer engine's error or timeout) still may,
@@ -226,7 +262,11 @@ class SlotTable:
             if not slot.in_flight:
                 self._recycle(slot, "writers_done")
             return False
-        if slot.state is not SlotState.RECEIVING or rank not in slot.ranks_accepted or rank in slot.ranks_done:
+        if (
+            slot.state is not SlotState.RECEIVING
+            or rank not in slot.ranks_accepted
+            or rank in slot.ranks_done
+        ):
             return False
         if not ok:
             self.fail(slot, f"sender rank {rank} failed to write: {error or 'no reason given'}")
@@ -309,10 +349,15 @@ class SlotTable:
             out.append(dataclasses.replace(slot, in_flight=set(slot.in_flight)))
             if slot.state is SlotState.QUARANTINED:
                 self.unconfirmed_reuses += 1
-                log.warning("slot %d back in use after its %.0f s quarantine although sender rank(s) %s of generation "
-                            "%d never reported their writes done: a write still landing goes into the next request's "
-                            "receive region, where the node's snapshot and digest check refuse it",
-                            slot.index, self.quarantine_s, sorted(slot.in_flight), slot.generation)
+                log.warning(
+                    "slot %d back in use after its %.0f s quarantine although sender rank(s) %s of generation "
+                    "%d never reported their writes done: a write still landing goes into the next request's "
+                    "receive region, where the node's snapshot and digest check refuse it",
+                    slot.index,
+                    self.quarantine_s,
+                    sorted(slot.in_flight),
+                    slot.generation,
+                )
                 slot.in_flight.clear()
                 self._recycle(slot, "quarantine_over")
             else:
@@ -323,7 +368,16 @@ class SlotTable:
         """The quarantines now (slot, generation, ranks not confirmed done, seconds left) and how many
         ended with a writer unconfirmed (for /v1/status)."""
         now = self.clock()
-        return {"unconfirmed_reuses": self.unconfirmed_reuses,
-                "quarantined": [{"index": s.index, "generation": s.generation, "ranks_in_flight": sorted(s.in_flight),
-                                 "ends_in_s": round(max(s.deadline - now, 0.0), 3)}
-                                for s in self.slots if s.state is SlotState.QUARANTINED]}
+        return {
+            "unconfirmed_reuses": self.unconfirmed_reuses,
+            "quarantined": [
+                {
+                    "index": s.index,
+                    "generation": s.generation,
+                    "ranks_in_flight": sorted(s.in_flight),
+                    "ends_in_s": round(max(s.deadline - now, 0.0), 3),
+                }
+                for s in self.slots
+                if s.state is SlotState.QUARANTINED
+            ],
+        }

@@ -10,8 +10,9 @@ from __future__ import annotations
 from collections.abc import Collection
 
 
-def cut(step_tokens: list[int], produced: int, max_tokens: int,
-        stop_ids: Collection[int]) -> tuple[list[int], str | None]:
+def cut(
+    step_tokens: list[int], produced: int, max_tokens: int, stop_ids: Collection[int]
+) -> tuple[list[int], str | None]:
     """(tokens to emit from this step, finish reason or None) given `produced` tokens so far."""
     out: list[int] = []
     for tok in step_tokens:

@@ -126,8 +126,12 @@ class FileKeyring:
         try:
             extra = self._read_accept()
         except OSError as exc:
-            log.error("%s cannot be read (%s): accepting only %s until it is a readable file", self.accept_path,
-                      exc.strerror or exc, self.path)
+            log.error(
+                "%s cannot be read (%s): accepting only %s until it is a readable file",
+                self.accept_path,
+                exc.strerror or exc,
+                self.path,
+            )
             extra = []
         self._accepted = (self._signing, *extra)
 
@@ -149,8 +153,12 @@ class FileKeyring:
             if not line:
                 continue
             if len(line) < MIN_SECRET_BYTES:
-                log.warning("%s: ignoring an accepted secret of %d bytes (fewer than %d)", self.accept_path,
-                            len(line), MIN_SECRET_BYTES)
+                log.warning(
+                    "%s: ignoring an accepted secret of %d bytes (fewer than %d)",
+                    self.accept_path,
+                    len(line),
+                    MIN_SECRET_BYTES,
+                )
                 continue
             out.append(line)
         return out
@@ -166,14 +174,20 @@ class FileKeyring:
                 try:
                     signing = load_secret(self.path)
                 except AuthError as exc:
-                    log.warning("handoff secret changed but cannot be read (%s); keeping the previous one", exc)
+                    log.warning(
+                        "handoff secret changed but cannot be read (%s); keeping the previous one", exc
+                    )
             if accept_stamp != self._accept_stamp:
                 self._accept_stamp = accept_stamp
                 try:
                     extra = self._read_accept()
                 except OSError as exc:
-                    log.error("%s changed but cannot be read (%s); still accepting the %d secret(s) it held before",
-                              self.accept_path, exc.strerror or exc, len(extra))
+                    log.error(
+                        "%s changed but cannot be read (%s); still accepting the %d secret(s) it held before",
+                        self.accept_path,
+                        exc.strerror or exc,
+                        len(extra),
+                    )
             if (signing, *extra) == self._accepted:
                 return
             self._signing, self._accepted = signing, (signing, *extra)
@@ -195,10 +209,14 @@ def load_secret(path: str | Path) -> bytes:
     try:
         secret = read_regular(p, MAX_SECRET_FILE_BYTES).strip()
     except OSError as exc:
-        raise AuthError(f"cannot read the handoff secret at {p}: {exc.strerror}; mount the PDCluster's "
-                        "handoff Secret there, or for local runs write one with "
-                        "`python -c 'import secrets; print(secrets.token_hex(32))' > FILE`") from exc
+        raise AuthError(
+            f"cannot read the handoff secret at {p}: {exc.strerror}; mount the PDCluster's "
+            "handoff Secret there, or for local runs write one with "
+            "`python -c 'import secrets; print(secrets.token_hex(32))' > FILE`"
+        ) from exc
     if len(secret) < MIN_SECRET_BYTES:
-        raise AuthError(f"the handoff secret at {p} is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
-                        "random bytes (e.g. 64 hex characters)")
+        raise AuthError(
+            f"the handoff secret at {p} is {len(secret)} bytes; use at least {MIN_SECRET_BYTES} "
+            "random bytes (e.g. 64 hex characters)"
+        )
     return secret

@@ -68,6 +68,7 @@ _START, _END, _PARENT, _ROOT = 1, 2, 4, 8
 
 # -- the compression function (elementwise over a tensor of independent chunks or parents) ---------
 
+
 @triton.jit
 def _rotr(x, n: tl.constexpr):
     return (x >> n) | (x << (32 - n))
@@ -87,9 +88,36 @@ def _g(a, b, c, d, mx, my):
 
 
 @triton.jit
-def _compress(h0, h1, h2, h3, h4, h5, h6, h7,
-              m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
-              t_lo, t_hi, blen, flags):
+def _compress(
+    h0,
+    h1,
+    h2,
+    h3,
+    h4,
+    h5,
+    h6,
+    h7,
+    m0,
+    m1,
+    m2,
+    m3,
+    m4,
+    m5,
+    m6,
+    m7,
+    m8,
+    m9,
+    m10,
+    m11,
+    m12,
+    m13,
+    m14,
+    m15,
+    t_lo,
+    t_hi,
+    blen,
+    flags,
+):
     """The first 8 output words of BLAKE3's compression; every argument a uint32 tensor of one shape
     (or broadcastable to it)."""
     s0, s1, s2, s3, s4, s5, s6, s7 = h0, h1, h2, h3, h4, h5, h6, h7
@@ -109,7 +137,23 @@ def _compress(h0, h1, h2, h3, h4, h5, h6, h7,
         s3, s4, s9, s14 = _g(s3, s4, s9, s14, m14, m15)
         # BLAKE3's message permutation, applied between rounds (a renaming: no instructions).
         m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = (
-            m2, m6, m3, m10, m7, m0, m4, m13, m1, m11, m12, m5, m9, m14, m15, m8)
+            m2,
+            m6,
+            m3,
+            m10,
+            m7,
+            m0,
+            m4,
+            m13,
+            m1,
+            m11,
+            m12,
+            m5,
+            m9,
+            m14,
+            m15,
+            m8,
+        )
     return s0 ^ s8, s1 ^ s9, s2 ^ s10, s3 ^ s11, s4 ^ s12, s5 ^ s13, s6 ^ s14, s7 ^ s15
 
 
@@ -179,8 +223,35 @@ def _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, single, N: tl.constexpr, LOG2N: t
         root = (single & (cnt == 2)).to(tl.uint32)
         flags = zero + (4 + 8 * root)
         p0, p1, p2, p3, p4, p5, p6, p7 = _compress(
-            _iv(l0, 0), _iv(l0, 1), _iv(l0, 2), _iv(l0, 3), _iv(l0, 4), _iv(l0, 5), _iv(l0, 6), _iv(l0, 7),
-            l0, l1, l2, l3, l4, l5, l6, l7, r0, r1, r2, r3, r4, r5, r6, r7, zero, zero, zero + 64, flags)
+            _iv(l0, 0),
+            _iv(l0, 1),
+            _iv(l0, 2),
+            _iv(l0, 3),
+            _iv(l0, 4),
+            _iv(l0, 5),
+            _iv(l0, 6),
+            _iv(l0, 7),
+            l0,
+            l1,
+            l2,
+            l3,
+            l4,
+            l5,
+            l6,
+            l7,
+            r0,
+            r1,
+            r2,
+            r3,
+            r4,
+            r5,
+            r6,
+            r7,
+            zero,
+            zero,
+            zero + 64,
+            flags,
+        )
         pair = 2 * tl.arange(0, N >> (lvl + 1)) + 1 < cnt
         h0 = tl.where(pair, p0, l0)
         h1 = tl.where(pair, p1, l1)
@@ -191,8 +262,16 @@ def _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, single, N: tl.constexpr, LOG2N: t
         h6 = tl.where(pair, p6, l6)
         h7 = tl.where(pair, p7, l7)
         cnt = (cnt + 1) // 2
-    return (tl.sum(h0, axis=0), tl.sum(h1, axis=0), tl.sum(h2, axis=0), tl.sum(h3, axis=0),
-            tl.sum(h4, axis=0), tl.sum(h5, axis=0), tl.sum(h6, axis=0), tl.sum(h7, axis=0))
+    return (
+        tl.sum(h0, axis=0),
+        tl.sum(h1, axis=0),
+        tl.sum(h2, axis=0),
+        tl.sum(h3, axis=0),
+        tl.sum(h4, axis=0),
+        tl.sum(h5, axis=0),
+        tl.sum(h6, axis=0),
+        tl.sum(h7, axis=0),
+    )
 
 
 @triton.jit
@@ -223,6 +302,7 @@ def _range_of(starts, num_ranges, nsteps, pos):
 
 # -- the kernels ----------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _split4(q):
     """[C, 4] -> 4 tensors [C] (a lane's own 16 bytes: no data movement)."""
@@ -240,16 +320,25 @@ def _block_words(rows, b, ok, C: tl.constexpr, ROW_LOADS: tl.constexpr):
     if ROW_LOADS:
         k = tl.arange(0, 4)[None, :]
         m = ok[:, None]
-        w0, w1, w2, w3 = _split4(tl.load(rows[:, None] + (b * 16 + k), mask=m, other=0, eviction_policy="evict_first"))
-        w4, w5, w6, w7 = _split4(tl.load(rows[:, None] + (b * 16 + 4 + k), mask=m, other=0,
-                                         eviction_policy="evict_first"))
-        w8, w9, w10, w11 = _split4(tl.load(rows[:, None] + (b * 16 + 8 + k), mask=m, other=0,
-                                           eviction_policy="evict_first"))
-        w12, w13, w14, w15 = _split4(tl.load(rows[:, None] + (b * 16 + 12 + k), mask=m, other=0,
-                                             eviction_policy="evict_first"))
+        w0, w1, w2, w3 = _split4(
+            tl.load(rows[:, None] + (b * 16 + k), mask=m, other=0, eviction_policy="evict_first")
+        )
+        w4, w5, w6, w7 = _split4(
+            tl.load(rows[:, None] + (b * 16 + 4 + k), mask=m, other=0, eviction_policy="evict_first")
+        )
+        w8, w9, w10, w11 = _split4(
+            tl.load(rows[:, None] + (b * 16 + 8 + k), mask=m, other=0, eviction_policy="evict_first")
+        )
+        w12, w13, w14, w15 = _split4(
+            tl.load(rows[:, None] + (b * 16 + 12 + k), mask=m, other=0, eviction_policy="evict_first")
+        )
     else:
-        w = tl.load(rows[:, None] + (b * 16 + tl.arange(0, 16)[None, :]), mask=ok[:, None], other=0,
-                    eviction_policy="evict_first")
+        w = tl.load(
+            rows[:, None] + (b * 16 + tl.arange(0, 16)[None, :]),
+            mask=ok[:, None],
+            other=0,
+            eviction_policy="evict_first",
+        )
         w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15 = _split16(w, C)
     return w0, w1, w2, w3, w4, w5, w6, w7, w8, w9, w10, w11, w12, w13, w14, w15
 
@@ -257,8 +346,18 @@ def _block_words(rows, b, ok, C: tl.constexpr, ROW_LOADS: tl.constexpr):
 # Integer arguments are not specialised (on being 1 or a multiple of 16): each specialisation is another
 # compilation of a large kernel, tens of seconds, for no gain here.
 @triton.jit(do_not_specialize=["addrs_at", "num_ranges", "nsteps", "num_chunks", "base_mod"])
-def _fast_kernel(base, starts, addrs_at, num_ranges, nsteps, num_chunks, base_mod, out,
-                 C: tl.constexpr, ROW_LOADS: tl.constexpr):
+def _fast_kernel(
+    base,
+    starts,
+    addrs_at,
+    num_ranges,
+    nsteps,
+    num_chunks,
+    base_mod,
+    out,
+    C: tl.constexpr,
+    ROW_LOADS: tl.constexpr,
+):
     """The CV of every whole chunk that lies inside one range at a 16-byte-aligned address; the other
     lanes store nothing (their chunks are the general kernel's). `starts` is the range table, the
     addresses `addrs_at` entries in."""
@@ -268,8 +367,12 @@ def _fast_kernel(base, starts, addrs_at, num_ranges, nsteps, num_chunks, base_mo
     r = _range_of(starts, num_ranges, nsteps, pos)
     s = tl.load(starts + r)
     rel = tl.load(addrs + r) + pos - s
-    ok = ((chunk < num_chunks) & (tl.load(starts + r + 1) >= pos + 1024) & ((rel + base_mod) % 16 == 0)
-          & (chunk * 0 + num_chunks > 1))
+    ok = (
+        (chunk < num_chunks)
+        & (tl.load(starts + r + 1) >= pos + 1024)
+        & ((rel + base_mod) % 16 == 0)
+        & (chunk * 0 + num_chunks > 1)
+    )
     rows = (base + tl.multiple_of(tl.where(ok, rel, 0), 16)).to(tl.pointer_type(tl.uint32), bitcast=True)
     t_lo = chunk.to(tl.uint32)
     t_hi = (chunk >> 32).to(tl.uint32)
@@ -277,12 +380,40 @@ def _fast_kernel(base, starts, addrs_at, num_ranges, nsteps, num_chunks, base_mo
     h0, h1, h2, h3 = _iv(zero, 0), _iv(zero, 1), _iv(zero, 2), _iv(zero, 3)
     h4, h5, h6, h7 = _iv(zero, 4), _iv(zero, 5), _iv(zero, 6), _iv(zero, 7)
     for b in range(16):
-        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _block_words(rows, b, ok, C, ROW_LOADS)
+        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _block_words(
+            rows, b, ok, C, ROW_LOADS
+        )
         flags = zero + (tl.where(b == 0, 1, 0) + tl.where(b == 15, 2, 0)).to(tl.uint32)
         h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
-            h0, h1, h2, h3, h4, h5, h6, h7,
-            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
-            t_lo, t_hi, zero + 64, flags)
+            h0,
+            h1,
+            h2,
+            h3,
+            h4,
+            h5,
+            h6,
+            h7,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+            m8,
+            m9,
+            m10,
+            m11,
+            m12,
+            m13,
+            m14,
+            m15,
+            t_lo,
+            t_hi,
+            zero + 64,
+            flags,
+        )
     _store_cvs(out, chunk, ok, h0, h1, h2, h3, h4, h5, h6, h7)
 
 
@@ -299,9 +430,12 @@ def _store_cvs(out, idx, mask, h0, h1, h2, h3, h4, h5, h6, h7):
     tl.store(o + 7, h7, mask=mask)
 
 
-@triton.jit(do_not_specialize=["addrs_at", "chunks_at", "count", "num_ranges", "nsteps", "total", "num_chunks"])
-def _general_kernel(base, starts, addrs_at, chunks_at, count, num_ranges, nsteps, total, num_chunks, out,
-                    C: tl.constexpr):
+@triton.jit(
+    do_not_specialize=["addrs_at", "chunks_at", "count", "num_ranges", "nsteps", "total", "num_chunks"]
+)
+def _general_kernel(
+    base, starts, addrs_at, chunks_at, count, num_ranges, nsteps, total, num_chunks, out, C: tl.constexpr
+):
     """The CVs of the listed chunks (`count` of them, `chunks_at` entries into the range table), any
     length, ranges and alignment, byte by byte; the only chunk of a message is the root."""
     addrs = starts + addrs_at
@@ -339,12 +473,40 @@ def _general_kernel(base, starts, addrs_at, chunks_at, count, num_ranges, nsteps
             w = w | (byte.to(tl.uint32) << (8 * q))
         m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _split16(w, C)
         is_last = b == last_block
-        flags = (tl.where(b == 0, 1, 0) + tl.where(is_last, 2, 0) + tl.where(is_last & only_chunk, 8, 0)).to(tl.uint32)
+        flags = (tl.where(b == 0, 1, 0) + tl.where(is_last, 2, 0) + tl.where(is_last & only_chunk, 8, 0)).to(
+            tl.uint32
+        )
         blen = tl.minimum(tl.maximum(clen - b * 64, 0), 64).to(tl.uint32)
         n0, n1, n2, n3, n4, n5, n6, n7 = _compress(
-            h0, h1, h2, h3, h4, h5, h6, h7,
-            m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15,
-            t_lo, t_hi, blen, flags)
+            h0,
+            h1,
+            h2,
+            h3,
+            h4,
+            h5,
+            h6,
+            h7,
+            m0,
+            m1,
+            m2,
+            m3,
+            m4,
+            m5,
+            m6,
+            m7,
+            m8,
+            m9,
+            m10,
+            m11,
+            m12,
+            m13,
+            m14,
+            m15,
+            t_lo,
+            t_hi,
+            blen,
+            flags,
+        )
         live = (b * 64 < clen) | tl.where(b == 0, True, False)
         h0 = tl.where(live, n0, h0)
         h1 = tl.where(live, n1, h1)
@@ -385,6 +547,7 @@ _parent = Launcher(_parent_kernel)
 
 
 # -- the host side ------------------------------------------------------------------------------------
+
 
 @dataclass(frozen=True)
 class Plan:
@@ -462,7 +625,9 @@ def prepare(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, in
     base_mod = base.data_ptr() % _ALIGN
     p = plan(rel, base_mod)
     pad = [0] * (len(p.starts) % 2)  # the addresses start 16-byte aligned
-    table = torch.tensor(p.starts + pad + p.addrs + p.general, dtype=torch.int64, pin_memory=device.type == "cuda")
+    table = torch.tensor(
+        p.starts + pad + p.addrs + p.general, dtype=torch.int64, pin_memory=device.type == "cuda"
+    )
     return Job(base, base_mod, table.to(device, non_blocking=True), p)
 
 
@@ -480,19 +645,36 @@ def launch(job: Job) -> torch.Tensor:
     ws = torch.empty(8 * sum(levels), dtype=torch.int32, device=table.device)
     with torch.cuda.device(table.device) if table.device.type == "cuda" else contextlib.nullcontext():
         if len(p.general) < p.num_chunks:
-            _fast((-(-p.num_chunks // PER_PROGRAM),),
-                  (job.base, table, addrs_at, nranges, nsteps, p.num_chunks, job.base_mod, ws),
-                  (("C", PER_PROGRAM), ("ROW_LOADS", ROW_LOADS)), NUM_WARPS)
+            _fast(
+                (-(-p.num_chunks // PER_PROGRAM),),
+                (job.base, table, addrs_at, nranges, nsteps, p.num_chunks, job.base_mod, ws),
+                (("C", PER_PROGRAM), ("ROW_LOADS", ROW_LOADS)),
+                NUM_WARPS,
+            )
         if p.general:
-            _general((-(-len(p.general) // GENERAL_LANES),),
-                     (job.base, table, addrs_at, addrs_at + nranges, len(p.general), nranges, nsteps, p.total,
-                      p.num_chunks, ws), (("C", GENERAL_LANES),), GENERAL_WARPS)
+            _general(
+                (-(-len(p.general) // GENERAL_LANES),),
+                (
+                    job.base,
+                    table,
+                    addrs_at,
+                    addrs_at + nranges,
+                    len(p.general),
+                    nranges,
+                    nsteps,
+                    p.total,
+                    p.num_chunks,
+                    ws,
+                ),
+                (("C", GENERAL_LANES),),
+                GENERAL_WARPS,
+            )
         at = 0
         fanin = (("N", PARENT_FANIN), ("LOG2N", PARENT_FANIN.bit_length() - 1))
         for count, nxt in itertools.pairwise(levels):
             _parent((nxt,), (ws, at, count, at + 8 * count), fanin, PARENT_WARPS)
             at += 8 * count
-    return ws[at:at + 8]
+    return ws[at : at + 8]
 
 
 def digest(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]]) -> bytes:
@@ -511,28 +693,32 @@ def reference(data: bytes, parent_fanin: int = PARENT_FANIN) -> bytes:
     """The same computation on the host in plain Python, launch by launch (every chunk's CV, then groups
     of `parent_fanin` nodes reduced to one until one is left, odd nodes carried up, ROOT on the last
     parent): the tree plan checked against `blake3` without a GPU. Slow: for tests of a few chunks."""
-    chunks = [data[i:i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
+    chunks = [data[i : i + CHUNK] for i in range(0, len(data), CHUNK)] or [b""]
     nodes = [_chunk_cv(c, i, root=len(chunks) == 1) for i, c in enumerate(chunks)]
     while len(nodes) > 1:
         single = len(nodes) <= parent_fanin
-        nodes = [_reduce(nodes[i:i + parent_fanin], single) for i in range(0, len(nodes), parent_fanin)]
+        nodes = [_reduce(nodes[i : i + parent_fanin], single) for i in range(0, len(nodes), parent_fanin)]
     return b"".join(w.to_bytes(4, "little") for w in nodes[0])
 
 
 def _reduce(nodes: list[list[int]], single: bool) -> list[int]:
     while len(nodes) > 1:
         root = single and len(nodes) == 2
-        nodes = [_compress_py(list(_IV), nodes[i] + nodes[i + 1], 0, 64, _PARENT | (_ROOT if root else 0))
-                 if i + 1 < len(nodes) else nodes[i] for i in range(0, len(nodes), 2)]
+        nodes = [
+            _compress_py(list(_IV), nodes[i] + nodes[i + 1], 0, 64, _PARENT | (_ROOT if root else 0))
+            if i + 1 < len(nodes)
+            else nodes[i]
+            for i in range(0, len(nodes), 2)
+        ]
     return nodes[0]
 
 
 def _chunk_cv(chunk: bytes, index: int, root: bool) -> list[int]:
-    blocks = [chunk[i:i + 64] for i in range(0, len(chunk), 64)] or [b""]
+    blocks = [chunk[i : i + 64] for i in range(0, len(chunk), 64)] or [b""]
     h = list(_IV)
     for k, blk in enumerate(blocks):
         flags = (_START if k == 0 else 0) | (_END | (_ROOT if root else 0) if k == len(blocks) - 1 else 0)
-        words = [int.from_bytes(blk.ljust(64, b"\0")[4 * i:4 * i + 4], "little") for i in range(16)]
+        words = [int.from_bytes(blk.ljust(64, b"\0")[4 * i : 4 * i + 4], "little") for i in range(16)]
         h = _compress_py(h, words, index, len(blk), flags)
     return h
 

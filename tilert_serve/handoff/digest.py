@@ -45,8 +45,10 @@ def _hasher(algorithm: str) -> Any:
     if algorithm == "blake3":
         factory = _blake3()
         if factory is None:
-            raise DigestError("the digest uses blake3, which is not installed on this side; install the "
-                              "`blake3` package (or run both sides with the same digest)")
+            raise DigestError(
+                "the digest uses blake3, which is not installed on this side; install the "
+                "`blake3` package (or run both sides with the same digest)"
+            )
         # AUTO: large updates are hashed on several threads (same digest; the GIL is released).
         return factory(max_threads=factory.AUTO)  # type: ignore[attr-defined, call-arg]
     if algorithm == "blake2b":
@@ -70,7 +72,7 @@ def preferred(theirs: Sequence[str] | None = None) -> str:
 
 
 def of_ranges(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]], algorithm: str) -> str:
-    """"ALGORITHM:HEX" of the bytes of `ranges` ((shard, offset, nbytes), in order) of `buffers`: on their
+    """ "ALGORITHM:HEX" of the bytes of `ranges` ((shard, offset, nbytes), in order) of `buffers`: on their
     GPU when `_on_gpu` says so (one set of launches for all the ranges), else on the host."""
     if algorithm == "blake3" and _on_gpu(buffers, ranges):
         from tilert_serve.handoff import blake3_gpu
@@ -96,8 +98,9 @@ def _on_gpu(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, in
     if not used:
         return False
     device = buffers[next(iter(used))].device
-    if device.type != "cuda" or any(buffers[s].device != device or buffers[s].dtype != torch.uint8
-                                    or buffers[s].dim() != 1 for s in used):
+    if device.type != "cuda" or any(
+        buffers[s].device != device or buffers[s].dtype != torch.uint8 or buffers[s].dim() != 1 for s in used
+    ):
         return False
     try:
         import triton  # noqa: F401
@@ -106,11 +109,13 @@ def _on_gpu(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, in
     return True
 
 
-def of_ranges_on_host(buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]], algorithm: str) -> str:
+def of_ranges_on_host(
+    buffers: Sequence[torch.Tensor], ranges: Sequence[tuple[int, int, int]], algorithm: str
+) -> str:
     """of_ranges through the host: CPU buffers as they are, GPU ones through pinned copies."""
     h = _hasher(algorithm)
     for shard, off, n in ranges:
-        view = buffers[shard][off:off + n]
+        view = buffers[shard][off : off + n]
         if view.device.type == "cpu":
             h.update(view.numpy())
         else:
@@ -136,7 +141,7 @@ def _update_from_gpu(h: Any, view: torch.Tensor) -> None:
         start = starts[i]
         m = min(_CHUNK, n - start)
         with torch.cuda.stream(stream):
-            pinned[i % 2][:m].copy_(view[start:start + m], non_blocking=True)
+            pinned[i % 2][:m].copy_(view[start : start + m], non_blocking=True)
             events[i % 2].record(stream)
 
     issue(0)
@@ -144,19 +149,21 @@ def _update_from_gpu(h: Any, view: torch.Tensor) -> None:
         events[i % 2].synchronize()
         if i + 1 < len(starts):
             issue(i + 1)  # into the other buffer, whose hashing finished last iteration
-        h.update(pinned[i % 2][:min(_CHUNK, n - start)].numpy())
+        h.update(pinned[i % 2][: min(_CHUNK, n - start)].numpy())
 
 
-def sender_ranges(staging: Placement, rank: int, num_senders: int, num_tokens: int,
-                  layers: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+def sender_ranges(
+    staging: Placement, rank: int, num_senders: int, num_tokens: int, layers: Sequence[int] | None = None
+) -> list[tuple[int, int, int]]:
     """What rank `rank` writes, as (staging shard, offset, nbytes) in write order; with `layers`, only
     those layers' ranges (in the order given: a LayersDone's digest)."""
     which = senders_layers(staging.layout, rank, num_senders) if layers is None else list(layers)
     return [(r.src_shard, r.src, r.nbytes) for r in write_ranges(staging, staging, which, num_tokens)]
 
 
-def receiver_ranges(placement: Placement, rank: int, num_senders: int, num_tokens: int,
-                    layers: Sequence[int] | None = None) -> list[tuple[int, int, int]]:
+def receiver_ranges(
+    placement: Placement, rank: int, num_senders: int, num_tokens: int, layers: Sequence[int] | None = None
+) -> list[tuple[int, int, int]]:
     """Where rank `rank`'s bytes land in a slot of `placement`, in the same order (slot-relative)."""
     which = senders_layers(placement.layout, rank, num_senders) if layers is None else list(layers)
     return [(r.dst_shard, r.dst, r.nbytes) for r in write_ranges(placement, placement, which, num_tokens)]
@@ -167,5 +174,7 @@ def check(expected: str, buffers: Sequence[torch.Tensor], ranges: Sequence[tuple
     algorithm, _, _ = expected.partition(":")
     got = of_ranges(buffers, ranges, algorithm)
     if got != expected:
-        raise DigestError(f"the received state's {algorithm} digest differs from the one its sender wrote "
-                          "(torn, or overwritten by another writer on the data plane); not decoded")
+        raise DigestError(
+            f"the received state's {algorithm} digest differs from the one its sender wrote "
+            "(torn, or overwritten by another writer on the data plane); not decoded"
+        )

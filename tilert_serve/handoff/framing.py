@@ -87,8 +87,10 @@ class Session:
         self.received += 1
         if not hmac.compare_digest(self._tag(self._recv_key, seq, frame), tag):
             name = getattr(messages.KINDS.get(kind), "__name__", f"kind 0x{kind:02x}")
-            raise SessionError(f"{name} frame #{seq} of this session does not verify: it was altered, injected, "
-                               "replayed or reordered on the way (or the peer lost the session)")
+            raise SessionError(
+                f"{name} frame #{seq} of this session does not verify: it was altered, injected, "
+                "replayed or reordered on the way (or the peer lost the session)"
+            )
         self.established = True
 
 
@@ -109,13 +111,20 @@ def parse_header(header: bytes, max_body: int = MAX_BODY) -> tuple[int, int, int
         raise FrameError(f"frame header must be {HEADER.size} bytes, got {len(header)}")
     magic, version, kind, length = HEADER.unpack(header)
     if magic != MAGIC:
-        raise FrameError(f"bad magic {magic!r} (expected {MAGIC!r}): the peer does not speak the handoff protocol")
+        raise FrameError(
+            f"bad magic {magic!r} (expected {MAGIC!r}): the peer does not speak the handoff protocol"
+        )
     if version != PROTOCOL_VERSION:
-        raise VersionMismatch(version, f"protocol version {version} is not supported (this side speaks "
-                                       f"{PROTOCOL_VERSION}); run the same tilert-pd release on prefill and decode")
+        raise VersionMismatch(
+            version,
+            f"protocol version {version} is not supported (this side speaks "
+            f"{PROTOCOL_VERSION}); run the same tilert-pd release on prefill and decode",
+        )
     limit = max_body + (TAG_SIZE if kind & SEALED else 0)
     if length > limit:
-        raise FrameError(f"kind 0x{kind:02x} frame announces {length} body bytes, over the {limit}-byte limit")
+        raise FrameError(
+            f"kind 0x{kind:02x} frame announces {length} body bytes, over the {limit}-byte limit"
+        )
     return version, kind, length
 
 
@@ -127,15 +136,18 @@ def open_frame(header: bytes, payload: bytes, session: Session | None) -> tuple[
         if session is None:
             raise FrameError(f"kind 0x{kind:02x} frame is sealed, but the handshake has not finished")
         if len(payload) < TAG_SIZE:
-            raise FrameError(f"sealed kind 0x{kind:02x} frame has {len(payload)} bytes, less than its "
-                             f"{TAG_SIZE}-byte tag")
+            raise FrameError(
+                f"sealed kind 0x{kind:02x} frame has {len(payload)} bytes, less than its {TAG_SIZE}-byte tag"
+            )
         body, tag = payload[:-TAG_SIZE], payload[-TAG_SIZE:]
         session.open(header + body, tag, kind)
         return parse_body(kind, body), True
     if session is not None and (session.established or kind not in _UNSEALED_OK):
         name = getattr(messages.KINDS.get(kind), "__name__", f"kind 0x{kind:02x}")
-        raise SessionError(f"{name} frame without a session tag after the handshake (injected on the way, or the "
-                           "peer lost the session)")
+        raise SessionError(
+            f"{name} frame without a session tag after the handshake (injected on the way, or the "
+            "peer lost the session)"
+        )
     return parse_body(kind, payload), False
 
 
@@ -172,8 +184,10 @@ def _no_lone_surrogates(kind: int, data: Any) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError as exc:
-                raise MessageError(f"kind 0x{kind:02x} body has a string with a lone surrogate "
-                                   f"(\\u{ord(item[exc.start]):04x})") from exc
+                raise MessageError(
+                    f"kind 0x{kind:02x} body has a string with a lone surrogate "
+                    f"(\\u{ord(item[exc.start]):04x})"
+                ) from exc
 
 
 class Decoder:
@@ -196,9 +210,9 @@ class Decoder:
             if self._pending is None:
                 if len(self._buf) < HEADER.size:
                     return out
-                header = bytes(self._buf[:HEADER.size])
+                header = bytes(self._buf[: HEADER.size])
                 parse_header(header, self.max_body)
-                del self._buf[:HEADER.size]
+                del self._buf[: HEADER.size]
                 self._pending = header
             length = HEADER.unpack(self._pending)[3]
             if len(self._buf) < length:
@@ -209,21 +223,27 @@ class Decoder:
             out.append(open_frame(header, payload, self.session)[0])
 
 
-async def read_frame(reader: asyncio.StreamReader, session: Session | None = None,
-                     max_body: int = MAX_BODY) -> tuple[messages.Message, bool]:
+async def read_frame(
+    reader: asyncio.StreamReader, session: Session | None = None, max_body: int = MAX_BODY
+) -> tuple[messages.Message, bool]:
     """Read one message and whether it was sealed; IncompleteReadError if the peer closed."""
     header = await reader.readexactly(HEADER.size)
     length = parse_header(header, max_body)[2]
     return open_frame(header, await reader.readexactly(length), session)
 
 
-async def read_message(reader: asyncio.StreamReader, session: Session | None = None,
-                       max_body: int = MAX_BODY) -> messages.Message:
+async def read_message(
+    reader: asyncio.StreamReader, session: Session | None = None, max_body: int = MAX_BODY
+) -> messages.Message:
     return (await read_frame(reader, session, max_body))[0]
 
 
-async def write_message(writer: asyncio.StreamWriter, msg: messages.Message, session: Session | None = None,
-                        version: int = PROTOCOL_VERSION) -> None:
+async def write_message(
+    writer: asyncio.StreamWriter,
+    msg: messages.Message,
+    session: Session | None = None,
+    version: int = PROTOCOL_VERSION,
+) -> None:
     writer.write(encode(msg, session, version))
     await writer.drain()
 

@@ -106,24 +106,41 @@ class Sender:
     pd_vllm/worker.py StagingPool). `staging_addrs` defaults to their addresses. `send_digest`: put a digest of the written bytes in
     Done (the node refuses a state without one unless it runs with digests off)."""
 
-    def __init__(self, *, name: str, secret: bytes | auth.Keyring, engine: TransferEngine, staging: Placement,
-                 staging_addrs: list[int] | None = None,
-                 staging_buffers: Sequence[torch.Tensor | None] | None = None, timeout_s: float = 30.0,
-                 send_digest: bool = True) -> None:
+    def __init__(
+        self,
+        *,
+        name: str,
+        secret: bytes | auth.Keyring,
+        engine: TransferEngine,
+        staging: Placement,
+        staging_addrs: list[int] | None = None,
+        staging_buffers: Sequence[torch.Tensor | None] | None = None,
+        timeout_s: float = 30.0,
+        send_digest: bool = True,
+    ) -> None:
         self.name = name
         self.keyring = auth.keyring(secret)
         self.engine = engine
         self.staging = staging
         self.staging_buffers = staging_buffers
-        self.staging_addrs = staging_addrs if staging_addrs is not None else [
-            0 if b is None else b.data_ptr() for b in (staging_buffers or [])]
+        self.staging_addrs = (
+            staging_addrs
+            if staging_addrs is not None
+            else [0 if b is None else b.data_ptr() for b in (staging_buffers or [])]
+        )
         self.timeout_s = timeout_s
         self.send_digest = send_digest
         # Peer handle per node engine identity: connecting (NIXL metadata load) is done once per node.
         self._peers: dict[str, str] = {}
 
-    def send(self, host: str, port: int, req: HandoffRequest, error: str | None = None,
-             layers: LayerSource | None = None) -> HandoffResult:
+    def send(
+        self,
+        host: str,
+        port: int,
+        req: HandoffRequest,
+        error: str | None = None,
+        layers: LayerSource | None = None,
+    ) -> HandoffResult:
         """Hand the request's staged state to the node. With `error`, write nothing and tell the node
         at once that this request's state will not come (so its slot frees now, not at the deadline).
         With `layers`, the state is still being staged: shake hands now and send layers as they come."""
@@ -135,18 +152,26 @@ class Sender:
         try:
             return self._send(chan, req, t0, error, layers)
         except TimeoutError:
-            return HandoffResult(False, "timeout", f"decode node {host}:{port} did not answer in {self.timeout_s} s")
+            return HandoffResult(
+                False, "timeout", f"decode node {host}:{port} did not answer in {self.timeout_s} s"
+            )
         except (OSError, ConnectionError) as exc:
             return HandoffResult(False, "unreachable", f"connection to decode node {host}:{port} lost: {exc}")
         except SessionError as exc:
             try:  # the node learns why (sealed: our keys are good, the frames we got were not)
-                chan.send(messages.Error(reason=RejectReason.UNAUTHENTICATED,
-                                         message=f"the node's frames failed the sender's session check: {exc}"))
+                chan.send(
+                    messages.Error(
+                        reason=RejectReason.UNAUTHENTICATED,
+                        message=f"the node's frames failed the sender's session check: {exc}",
+                    )
+                )
             except OSError:
                 pass
-            return HandoffResult(False, RejectReason.UNAUTHENTICATED.value,
-                                 f"control connection to {host}:{port} failed its session check: {exc}; "
-                                 "nothing more was sent")
+            return HandoffResult(
+                False,
+                RejectReason.UNAUTHENTICATED.value,
+                f"control connection to {host}:{port} failed its session check: {exc}; nothing more was sent",
+            )
         except VersionMismatch as exc:
             try:
                 chan.send(messages.Error(reason=RejectReason.VERSION, message=str(exc)), version=exc.version)
@@ -154,7 +179,9 @@ class Sender:
                 pass
             return HandoffResult(False, RejectReason.VERSION.value, f"decode node {host}:{port}: {exc}")
         except (FrameError, MessageError) as exc:
-            return HandoffResult(False, "protocol", f"decode node {host}:{port} sent an invalid message: {exc}")
+            return HandoffResult(
+                False, "protocol", f"decode node {host}:{port} sent an invalid message: {exc}"
+            )
         finally:
             chan.close()
 
@@ -167,32 +194,47 @@ class Sender:
             return msg
         raise MessageError(f"expected {kind.__name__}, got {type(msg).__name__}")
 
-    def _send(self, chan: SyncChannel, req: HandoffRequest, t0: float, error: str | None,
-              source: LayerSource | None) -> HandoffResult:
+    def _send(
+        self, chan: SyncChannel, req: HandoffRequest, t0: float, error: str | None, source: LayerSource | None
+    ) -> HandoffResult:
         challenge, _ = chan.recv_frame(PREAUTH_MAX_BODY)
         if not isinstance(challenge, messages.Challenge):
             return _refused(challenge)
         nonce = auth.new_nonce()
         secret = self.keyring.signing()
-        chan.send(messages.Auth(mac=auth.sender_mac(secret, challenge.nonce, nonce), nonce=nonce,
-                                sender=self.name))
+        chan.send(
+            messages.Auth(mac=auth.sender_mac(secret, challenge.nonce, nonce), nonce=nonce, sender=self.name)
+        )
         chan.session = Session.of_sender(secret, challenge.nonce, nonce)
         hello = self._expect(chan, messages.Hello)
         if not isinstance(hello, messages.Hello):
             return _refused(hello)
         if not auth.verify(auth.node_mac(secret, challenge.nonce, nonce), hello.mac):
-            chan.send(messages.Error(reason=RejectReason.UNAUTHENTICATED, message="node proof does not verify"))
-            return HandoffResult(False, RejectReason.UNAUTHENTICATED.value,
-                                 f"decode node {hello.node} does not hold the handoff secret; state not sent")
+            chan.send(
+                messages.Error(reason=RejectReason.UNAUTHENTICATED, message="node proof does not verify")
+            )
+            return HandoffResult(
+                False,
+                RejectReason.UNAUTHENTICATED.value,
+                f"decode node {hello.node} does not hold the handoff secret; state not sent",
+            )
         layout = self.staging.layout
-        request = messages.Request(request_id=req.request_id, ticket=req.ticket, num_tokens=req.num_tokens,
-                                   last_prompt_token=req.last_prompt_token, prompt_token_ids=req.prompt_token_ids,
-                                   layout_fingerprint=layout.fingerprint, sender_rank=req.rank,
-                                   num_senders=req.num_senders)
+        request = messages.Request(
+            request_id=req.request_id,
+            ticket=req.ticket,
+            num_tokens=req.num_tokens,
+            last_prompt_token=req.last_prompt_token,
+            prompt_token_ids=req.prompt_token_ids,
+            layout_fingerprint=layout.fingerprint,
+            sender_rank=req.rank,
+            num_senders=req.num_senders,
+        )
         if hello.layout.fingerprint != layout.fingerprint:
-            msg = (f"node {hello.node} runs layout {hello.layout.model}/{hello.layout.kv_cache_dtype} "
-                   f"v{hello.layout.version} ({hello.layout.num_layers} layers), this prefill "
-                   f"{layout.model}/{layout.kv_cache_dtype} v{layout.version} ({layout.num_layers} layers)")
+            msg = (
+                f"node {hello.node} runs layout {hello.layout.model}/{hello.layout.kv_cache_dtype} "
+                f"v{hello.layout.version} ({hello.layout.num_layers} layers), this prefill "
+                f"{layout.model}/{layout.kv_cache_dtype} v{layout.version} ({layout.num_layers} layers)"
+            )
             # The request still goes: the node refuses it and fails its ticket at once, so the client
             # hears why now, not when the ticket expires.
             chan.send(request)
@@ -207,13 +249,22 @@ class Sender:
             return _refused(accept)
         t1 = time.monotonic()
         if error is not None:
-            chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
-                                    error=error, writes_started=False))
+            chan.send(
+                messages.Done(
+                    request_id=req.request_id,
+                    generation=accept.generation,
+                    ok=False,
+                    nbytes=0,
+                    error=error,
+                    writes_started=False,
+                )
+            )
             self._expect(chan, messages.Ack)
             return HandoffResult(False, "prefill_failed", error, handshake_s=t1 - t0)
         dst = Placement(layout, max_tokens=accept.max_tokens, shards=len(accept.regions))
-        layerwise = (source is not None and hello.layerwise and self.send_digest
-                     and self.staging_buffers is not None)
+        layerwise = (
+            source is not None and hello.layerwise and self.send_digest and self.staging_buffers is not None
+        )
         if source is not None and not layerwise:
             # The node (or our digest setting) takes the whole state at once: wait for every layer.
             try:
@@ -227,56 +278,127 @@ class Sender:
         # Hashed before the write: staging does not change while it is being sent.
         written = self._digest(req, hello.digests)
         try:
-            nbytes, busy_s = self._write(chan, req, accept, key, dst, senders_layers(layout, req.rank, req.num_senders))
+            nbytes, busy_s = self._write(
+                chan, req, accept, key, dst, senders_layers(layout, req.rank, req.num_senders)
+            )
         except _WriteFailed as exc:
             return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
         t2 = time.monotonic()
-        chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes,
-                                digest=written, write_s=busy_s))
+        chan.send(
+            messages.Done(
+                request_id=req.request_id,
+                generation=accept.generation,
+                ok=True,
+                nbytes=nbytes,
+                digest=written,
+                write_s=busy_s,
+            )
+        )
         result = self._await_ack(chan, nbytes, t0, t1, t2)
         result.busy_s = busy_s
         return result
 
-    def _hash_and_write(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, key: str,
-                        dst: Placement, layers: list[int], buffers: list[torch.Tensor],
-                        algorithm: str, start: int = 0) -> tuple[str, int, float]:
+    def _hash_and_write(
+        self,
+        chan: SyncChannel,
+        req: HandoffRequest,
+        accept: messages.Accept,
+        key: str,
+        dst: Placement,
+        layers: list[int],
+        buffers: list[torch.Tensor],
+        algorithm: str,
+        start: int = 0,
+    ) -> tuple[str, int, float]:
         """The digest of `layers`' staged bytes, every token (hashed before the write: staging does not
         change while it is sent), then the write of tokens `start` on (earlier chunks went before):
         (digest, bytes, seconds)."""
-        hashed = digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
-                                                                req.num_tokens, layers), algorithm)
+        hashed = digest.of_ranges(
+            buffers,
+            digest.sender_ranges(self.staging, req.rank, req.num_senders, req.num_tokens, layers),
+            algorithm,
+        )
         return (hashed, *self._write(chan, req, accept, key, dst, layers, start))
 
-    def _write(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, key: str, dst: Placement,
-               layers: list[int], start: int = 0, upto: int | None = None) -> tuple[int, float]:
+    def _write(
+        self,
+        chan: SyncChannel,
+        req: HandoffRequest,
+        accept: messages.Accept,
+        key: str,
+        dst: Placement,
+        layers: list[int],
+        start: int = 0,
+        upto: int | None = None,
+    ) -> tuple[int, float]:
         """Write this rank's ranges of `layers`, tokens `start` to `upto` (None: the request's end), into
         the node's slot: (bytes, seconds the write call took). On a transfer error the node's handle is
         forgotten (it may have restarted with new buffers), the node told, and _WriteFailed raised."""
         end = req.num_tokens if upto is None else upto
-        ops = [WriteOp(self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes)
-               for r in write_ranges(self.staging, dst, layers, end, start)]
+        ops = [
+            WriteOp(
+                self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes
+            )
+            for r in write_ranges(self.staging, dst, layers, end, start)
+        ]
         t = time.monotonic()
         try:
             self.engine.write(self._peers[key], ops)
         except TransferError as exc:
             self._peers.pop(key, None)
-            chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
-                                    error=str(exc)))
+            chan.send(
+                messages.Done(
+                    request_id=req.request_id,
+                    generation=accept.generation,
+                    ok=False,
+                    nbytes=0,
+                    error=str(exc),
+                )
+            )
             raise _WriteFailed(str(exc)) from exc
         return sum(o.nbytes for o in ops), time.monotonic() - t
 
-    def _abandon(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, error: str, handshake_s: float,
-                 wrote: bool) -> HandoffResult:
+    def _abandon(
+        self,
+        chan: SyncChannel,
+        req: HandoffRequest,
+        accept: messages.Accept,
+        error: str,
+        handshake_s: float,
+        wrote: bool,
+    ) -> HandoffResult:
         """The prefill gave up between layers: every write call made has returned, so no byte of ours
         can still land (writes_started False lets the node free the slot without quarantine)."""
-        chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=False, nbytes=0,
-                                error=error, writes_started=False))
+        chan.send(
+            messages.Done(
+                request_id=req.request_id,
+                generation=accept.generation,
+                ok=False,
+                nbytes=0,
+                error=error,
+                writes_started=False,
+            )
+        )
         self._expect(chan, messages.Ack)
-        return HandoffResult(False, "prefill_failed", error + (" (after some layers)" if wrote else ""),
-                             handshake_s=handshake_s)
+        return HandoffResult(
+            False,
+            "prefill_failed",
+            error + (" (after some layers)" if wrote else ""),
+            handshake_s=handshake_s,
+        )
 
-    def _send_layers(self, chan: SyncChannel, req: HandoffRequest, accept: messages.Accept, dst: Placement, key: str,
-                     source: LayerSource, theirs: list[str], t0: float, t1: float) -> HandoffResult:
+    def _send_layers(
+        self,
+        chan: SyncChannel,
+        req: HandoffRequest,
+        accept: messages.Accept,
+        dst: Placement,
+        key: str,
+        source: LayerSource,
+        theirs: list[str],
+        t0: float,
+        t1: float,
+    ) -> HandoffResult:
         mine = set(senders_layers(self.staging.layout, req.rank, req.num_senders))
         sent: set[int] = set()
         nbytes = last_batch = chunk_bytes = 0
@@ -290,7 +412,9 @@ class Sender:
             try:
                 staged = source.next_layers(self.timeout_s)
             except (LayerSourceFailed, TimeoutError) as exc:
-                return self._abandon(chan, req, accept, str(exc), t1 - t0, wrote=bool(sent) or chunk_bytes > 0)
+                return self._abandon(
+                    chan, req, accept, str(exc), t1 - t0, wrote=bool(sent) or chunk_bytes > 0
+                )
             if staged is None:
                 break
             layers = [lid for lid in staged.layers if lid in mine and lid not in sent]
@@ -298,11 +422,14 @@ class Sender:
                 continue
             try:
                 if staged.upto is None:
-                    written, n, seconds = self._hash_and_write(chan, req, accept, key, dst, layers, buffers,
-                                                               algorithm, staged.start)
+                    written, n, seconds = self._hash_and_write(
+                        chan, req, accept, key, dst, layers, buffers, algorithm, staged.start
+                    )
                 else:
-                    written, (n, seconds) = None, self._write(chan, req, accept, key, dst, layers, staged.start,
-                                                              staged.upto)
+                    written, (n, seconds) = (
+                        None,
+                        self._write(chan, req, accept, key, dst, layers, staged.start, staged.upto),
+                    )
             except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
             busy_s += seconds
@@ -310,8 +437,15 @@ class Sender:
             if written is None:  # a chunk of layers still being computed: written, nothing said
                 chunk_bytes += n
                 continue
-            chan.send(messages.LayersDone(request_id=req.request_id, generation=accept.generation, layers=layers,
-                                          nbytes=n, digest=written))
+            chan.send(
+                messages.LayersDone(
+                    request_id=req.request_id,
+                    generation=accept.generation,
+                    layers=layers,
+                    nbytes=n,
+                    digest=written,
+                )
+            )
             sent.update(layers)
             last_batch = len(layers)
         t2 = time.monotonic()
@@ -319,14 +453,24 @@ class Sender:
         if missing:
             # Layers the source never gave: written now and covered by Done's digest.
             try:
-                rest, n, seconds = self._hash_and_write(chan, req, accept, key, dst, missing, buffers, algorithm)
+                rest, n, seconds = self._hash_and_write(
+                    chan, req, accept, key, dst, missing, buffers, algorithm
+                )
             except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
             nbytes += n
             busy_s += seconds
             t2 = time.monotonic()
-        chan.send(messages.Done(request_id=req.request_id, generation=accept.generation, ok=True, nbytes=nbytes,
-                                digest=rest if missing else None, write_s=busy_s))
+        chan.send(
+            messages.Done(
+                request_id=req.request_id,
+                generation=accept.generation,
+                ok=True,
+                nbytes=nbytes,
+                digest=rest if missing else None,
+                write_s=busy_s,
+            )
+        )
         result = self._await_ack(chan, nbytes, t0, t1, t2)
         result.layers_sent = len(sent)
         result.layers_early = len(sent) - last_batch
@@ -339,16 +483,20 @@ class Sender:
         t3 = time.monotonic()
         if not isinstance(ack, messages.Ack) or ack.status == "failed":
             detail = ack.message if isinstance(ack, (messages.Ack, messages.Reject, messages.Error)) else ""
-            return HandoffResult(False, "protocol", f"node did not take the state: {detail}", nbytes, t1 - t0,
-                                 t2 - t1, t3 - t2)
+            return HandoffResult(
+                False, "protocol", f"node did not take the state: {detail}", nbytes, t1 - t0, t2 - t1, t3 - t2
+            )
         return HandoffResult(True, None, "", nbytes, t1 - t0, t2 - t1, t3 - t2)
 
     def _digest(self, req: HandoffRequest, theirs: list[str]) -> str | None:
         if not self.send_digest or self.staging_buffers is None:
             return None
         buffers = [b if b is not None else torch.empty(0, dtype=torch.uint8) for b in self.staging_buffers]
-        return digest.of_ranges(buffers, digest.sender_ranges(self.staging, req.rank, req.num_senders,
-                                                              req.num_tokens), digest.preferred(theirs))
+        return digest.of_ranges(
+            buffers,
+            digest.sender_ranges(self.staging, req.rank, req.num_senders, req.num_tokens),
+            digest.preferred(theirs),
+        )
 
 
 def _refused(msg: messages.Message) -> HandoffResult:

@@ -79,8 +79,13 @@ class Layout:
         return hashlib.sha256(blob).hexdigest()[:16]
 
     def describe(self) -> dict[str, object]:
-        return {"model": self.model, "kv_cache_dtype": self.kv_cache_dtype, "version": self.version,
-                "num_layers": self.num_layers, "fingerprint": self.fingerprint}
+        return {
+            "model": self.model,
+            "kv_cache_dtype": self.kv_cache_dtype,
+            "version": self.version,
+            "num_layers": self.num_layers,
+            "fingerprint": self.fingerprint,
+        }
 
 
 def senders_layers(layout: Layout, rank: int, num_senders: int) -> list[int]:

@@ -25,18 +25,20 @@ _TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32"
 _FP8_BLOCK = 128
 
 
-def mla_rows_to_kv_pe(rows: torch.Tensor, layout: Layout, out_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_rows_to_kv_pe(
+    rows: torch.Tensor, layout: Layout, out_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """[n, row_bytes] uint8 rows -> (kv [n, kv_lora_rank], pe [n, rope_dim]) in `out_dtype`."""
     n = rows.shape[0]
     r, d = layout.kv_lora_rank, layout.rope_dim
     if layout.kv_cache_dtype == "fp8_ds_mla":
         values = rows[:, :r].contiguous().view(torch.float8_e4m3fn).to(torch.float32)
-        scales = rows[:, r:r + 16].contiguous().view(torch.float32)  # [n, r / 128]
+        scales = rows[:, r : r + 16].contiguous().view(torch.float32)  # [n, r / 128]
         kv = (values.view(n, r // _FP8_BLOCK, _FP8_BLOCK) * scales.unsqueeze(-1)).view(n, r)
-        pe = rows[:, r + 16:r + 16 + 2 * d].contiguous().view(torch.bfloat16)
+        pe = rows[:, r + 16 : r + 16 + 2 * d].contiguous().view(torch.bfloat16)
         return kv.to(out_dtype), pe.to(out_dtype)
     flat = rows.contiguous().view(_TORCH_DTYPES[layout.kv_cache_dtype])
-    return flat[:, :r].to(out_dtype), flat[:, r:r + d].to(out_dtype)
+    return flat[:, :r].to(out_dtype), flat[:, r : r + d].to(out_dtype)
 
 
 @functools.cache
@@ -62,12 +64,16 @@ def indexer_pages_to_keys(pages: torch.Tensor, num_tokens: int, out_dtype: torch
 
 
 def _fused_cuda(region: list[torch.Tensor], placement: Placement, out_dtype: torch.dtype) -> bool:
-    return (all(r.is_cuda for r in region) and out_dtype == torch.bfloat16
-            and placement.layout.kv_cache_dtype == "fp8_ds_mla")
+    return (
+        all(r.is_cuda for r in region)
+        and out_dtype == torch.bfloat16
+        and placement.layout.kv_cache_dtype == "fp8_ds_mla"
+    )
 
 
-def to_layer_state(region: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int,
-                   out_dtype: torch.dtype) -> LayerState:
+def to_layer_state(
+    region: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int, out_dtype: torch.dtype
+) -> LayerState:
     """One layer of one slot's received bytes in engine tensors: what `to_injected_state` gives for that
     layer, bit for bit (the node converts each layer as it lands when the handoff is layer-wise)."""
     layout = placement.layout
@@ -79,19 +85,24 @@ def to_layer_state(region: list[torch.Tensor], placement: Placement, layer: int,
         return convert_triton.to_layer_state(region, placement, layer, num_tokens)
     mla = layout.plane("mla")
     shard, off = placement.offset("mla", layer)
-    rows = region[shard][off:off + mla.nbytes(num_tokens)].view(num_tokens, mla.unit_bytes)
+    rows = region[shard][off : off + mla.nbytes(num_tokens)].view(num_tokens, mla.unit_bytes)
     kv, pe = mla_rows_to_kv_pe(rows, layout, out_dtype)
     ki = None
     if layout.index_head_dim:
         idx = layout.plane("indexer")
         shard, off = placement.offset("indexer", layer)
-        pages = region[shard][off:off + idx.nbytes(num_tokens)].view(idx.units(num_tokens), idx.unit_bytes)
+        pages = region[shard][off : off + idx.nbytes(num_tokens)].view(idx.units(num_tokens), idx.unit_bytes)
         ki = indexer_pages_to_keys(pages, num_tokens, out_dtype)
     return LayerState(kv=kv, pe=pe, ki=ki)
 
 
-def to_injected_state(region: list[torch.Tensor], placement: Placement, num_tokens: int,
-                      last_prompt_token: int, out_dtype: torch.dtype) -> InjectedState:
+def to_injected_state(
+    region: list[torch.Tensor],
+    placement: Placement,
+    num_tokens: int,
+    last_prompt_token: int,
+    out_dtype: torch.dtype,
+) -> InjectedState:
     """Read one slot's received bytes (`region[shard]` = that shard's uint8 buffer) into engine tensors."""
     if num_tokens > placement.max_tokens:
         raise ValueError(f"{num_tokens} tokens exceed the slot's capacity of {placement.max_tokens}")
@@ -101,8 +112,10 @@ def to_injected_state(region: list[torch.Tensor], placement: Placement, num_toke
         # One launch over every layer: faster than a launch per layer, and the same kernel, so each
         # layer equals its to_layer_state.
         return convert_triton.to_injected_state(region, placement, num_tokens, last_prompt_token)
-    layers = [to_layer_state(region, placement, lid, num_tokens, out_dtype)
-              for lid in range(placement.layout.num_layers)]
+    layers = [
+        to_layer_state(region, placement, lid, num_tokens, out_dtype)
+        for lid in range(placement.layout.num_layers)
+    ]
     return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)
 
 
@@ -119,8 +132,14 @@ def kv_pe_to_mla_rows(kv: torch.Tensor, pe: torch.Tensor, layout: Layout) -> tor
         blocks = kv.float().view(n, r // _FP8_BLOCK, _FP8_BLOCK)
         scales = (blocks.abs().amax(-1) / _FP8_MAX).clamp(min=1e-12)  # [n, r/128]
         values = (blocks / scales.unsqueeze(-1)).view(n, r).to(torch.float8_e4m3fn)
-        return torch.cat([values.view(torch.uint8), scales.contiguous().view(torch.uint8).view(n, -1),
-                          pe.to(torch.bfloat16).contiguous().view(torch.uint8)], dim=1)
+        return torch.cat(
+            [
+                values.view(torch.uint8),
+                scales.contiguous().view(torch.uint8).view(n, -1),
+                pe.to(torch.bfloat16).contiguous().view(torch.uint8),
+            ],
+            dim=1,
+        )
     dtype = _TORCH_DTYPES[layout.kv_cache_dtype]
     return torch.cat([kv.to(dtype), pe.to(dtype)], dim=1).contiguous().view(torch.uint8)
 

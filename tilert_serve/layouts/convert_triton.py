@@ -104,8 +104,13 @@ class Launcher:
         self._compiled: dict[tuple[object, ...], Any] = {}
         self.direct = True
 
-    def __call__(self, grid: tuple[int, ...], args: tuple[Any, ...], constexprs: tuple[tuple[str, int], ...],
-                 num_warps: int) -> None:
+    def __call__(
+        self,
+        grid: tuple[int, ...],
+        args: tuple[Any, ...],
+        constexprs: tuple[tuple[str, int], ...],
+        num_warps: int,
+    ) -> None:
         """`args`: the kernel's runtime arguments in order; `constexprs`: (name, value) of the rest, in
         the kernel's order (they follow the runtime arguments in every kernel here)."""
         if not (DIRECT_LAUNCH and self.direct) or _hooked():
@@ -119,20 +124,35 @@ class Launcher:
             return
         g0, g1, g2 = (*grid, 1, 1)[:3]
         try:
-            compiled.run(g0, g1, g2, driver.active.get_current_stream(device), compiled.function,
-                         compiled.packed_metadata, None, None, None, *args, *(v for _, v in constexprs))
+            compiled.run(
+                g0,
+                g1,
+                g2,
+                driver.active.get_current_stream(device),
+                compiled.function,
+                compiled.packed_metadata,
+                None,
+                None,
+                None,
+                *args,
+                *(v for _, v in constexprs),
+            )
         except TypeError:  # not this Triton's launcher convention: the launch did not happen
             self.direct = False
             self.fn[grid](*args, **dict(constexprs), num_warps=num_warps)
 
 
 @triton.jit
-def _mla_tile(src, layer_off, kv_out, pe_out, n, layer0, pid_t, layer, ROW: tl.constexpr, BLOCK_T: tl.constexpr):
+def _mla_tile(
+    src, layer_off, kv_out, pe_out, n, layer0, pid_t, layer, ROW: tl.constexpr, BLOCK_T: tl.constexpr
+):
     """BLOCK_T MLA rows of output layer `layer` (its input is entry layer0 + layer of the offset table)."""
     t = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
     tmask = t < n
     # Offsets are multiples of 16 bytes (rows are 656 = 16 x 41 bytes): saying so lets loads vectorize.
-    rows = src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + t.to(tl.int64) * ROW  # one pointer per token
+    rows = (
+        src + tl.multiple_of(tl.load(layer_off + layer0 + layer), 16) + t.to(tl.int64) * ROW
+    )  # one pointer per token
     g = tl.arange(0, 4)
     c = tl.arange(0, 128)
     col = g[:, None] * 128 + c[None, :]  # [4, 128]
@@ -165,8 +185,11 @@ def _indexer_page(lbase, h, ki_out, n, page, layer, PAGE: tl.constexpr):
     scales = tl.load((base + 8192).to(tl.pointer_type(tl.float32), bitcast=True) + r) * 0.08838834764831845
     t = page * 64 + r
     out_row = layer.to(tl.int64) * n + t.to(tl.int64)
-    tl.store(ki_out + out_row[:, None] * 128 + c[None, :], (acc * scales[:, None]).to(tl.bfloat16),
-             mask=(t < n)[:, None])
+    tl.store(
+        ki_out + out_row[:, None] * 128 + c[None, :],
+        (acc * scales[:, None]).to(tl.bfloat16),
+        mask=(t < n)[:, None],
+    )
 
 
 @triton.jit
@@ -185,8 +208,19 @@ def _layer_base(src, layer_off, layer0, layer):
 
 
 @triton.jit
-def _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, pid, layer, PAGE: tl.constexpr, PAGES: tl.constexpr,
-                  STAGES: tl.constexpr):
+def _indexer_tile(
+    src,
+    layer_off,
+    hadamard,
+    ki_out,
+    n,
+    layer0,
+    pid,
+    layer,
+    PAGE: tl.constexpr,
+    PAGES: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     """PAGES indexer pages of one layer, the Hadamard matrix loaded once for all of them: unrolled
     (STAGES 0), or a loop the compiler pipelines over STAGES stages (the page's bytes go straight to
     shared memory, and the next pages' load while this one multiplies)."""
@@ -209,15 +243,32 @@ def _mla_rows_kernel(src, layer_off, kv_out, pe_out, n, layer0, ROW: tl.constexp
 
 
 @triton.jit
-def _indexer_pages_kernel(src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr,
-                          STAGES: tl.constexpr):
-    _indexer_tile(src, layer_off, hadamard, ki_out, n, layer0, tl.program_id(0), tl.program_id(1), PAGE, PAGES, STAGES)
+def _indexer_pages_kernel(
+    src, layer_off, hadamard, ki_out, n, layer0, PAGE: tl.constexpr, PAGES: tl.constexpr, STAGES: tl.constexpr
+):
+    _indexer_tile(
+        src, layer_off, hadamard, ki_out, n, layer0, tl.program_id(0), tl.program_id(1), PAGE, PAGES, STAGES
+    )
 
 
 @triton.jit
-def _convert_kernel(src, mla_off, idx_off, hadamard, kv_out, pe_out, ki_out, n, layer0, mla_programs,
-                    ROW: tl.constexpr, PAGE: tl.constexpr, BLOCK_T: tl.constexpr, PAGES: tl.constexpr,
-                    ORDER: tl.constexpr):
+def _convert_kernel(
+    src,
+    mla_off,
+    idx_off,
+    hadamard,
+    kv_out,
+    pe_out,
+    ki_out,
+    n,
+    layer0,
+    mla_programs,
+    ROW: tl.constexpr,
+    PAGE: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    PAGES: tl.constexpr,
+    ORDER: tl.constexpr,
+):
     """Both planes in one launch, side by side: the first `mla_programs` programs of a layer do MLA
     rows, the rest indexer pages. One launch and one tail instead of two, which at 8k tokens (~0.35 ms
     of bytes) and for one layer (a few microseconds) is a visible share."""
@@ -260,7 +311,7 @@ def _shard_layers(placement: Placement, shard: int) -> list[int]:
 @functools.cache
 def _hadamard(dim: int, device: torch.device) -> torch.Tensor:
     """The Sylvester Hadamard matrix's +-1 entries in fp8 (exact); the kernels apply its dim^-1/2."""
-    signs: torch.Tensor = (hadamard_matrix(dim) * dim ** 0.5).round()
+    signs: torch.Tensor = (hadamard_matrix(dim) * dim**0.5).round()
     return signs.to(device=device, dtype=torch.float8_e4m3fn)
 
 
@@ -269,8 +320,17 @@ _INDEXER_PAGES = Launcher(_indexer_pages_kernel)
 _CONVERT = Launcher(_convert_kernel)
 
 
-def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: int, block_t: int,
-                   num_warps: int, pages: int | None, first: int = 0, count: int | None = None) -> list[LayerState]:
+def _convert_shard(
+    region: torch.Tensor,
+    placement: Placement,
+    shard: int,
+    n: int,
+    block_t: int,
+    num_warps: int,
+    pages: int | None,
+    first: int = 0,
+    count: int | None = None,
+) -> list[LayerState]:
     """Layers `first` .. `first + count - 1` of one shard's own (all of them by default), converted on
     that shard's GPU in one launch or two (ONE_LAUNCH)."""
     layout, dev = placement.layout, region.device
@@ -279,34 +339,56 @@ def _convert_shard(region: torch.Tensor, placement: Placement, shard: int, n: in
     r, d, i = layout.kv_lora_rank, layout.rope_dim, layout.index_head_dim
     # One allocation for the three outputs (each a contiguous part of it): one allocator call, not three.
     out = torch.empty(count * n * (r + d + i), dtype=torch.bfloat16, device=dev)
-    kv = out[:count * n * r].view(count, n, r)
-    pe = out[count * n * r:count * n * (r + d)].view(count, n, d)
-    ki = out[count * n * (r + d):].view(count, n, i) if i else None
+    kv = out[: count * n * r].view(count, n, r)
+    pe = out[count * n * r : count * n * (r + d)].view(count, n, d)
+    ki = out[count * n * (r + d) :].view(count, n, i) if i else None
     mla_off = _layer_offsets(placement, "mla", shard, dev)
     if ki is None:
-        _MLA_ROWS((_cdiv(n, block_t), count), (region, mla_off, kv, pe, n, first),
-                  (("ROW", _ROW), ("BLOCK_T", block_t)), num_warps)
+        _MLA_ROWS(
+            (_cdiv(n, block_t), count),
+            (region, mla_off, kv, pe, n, first),
+            (("ROW", _ROW), ("BLOCK_T", block_t)),
+            num_warps,
+        )
     else:
         if pages is None:
             pages = _pages(_cdiv(n, 64) * count)
         idx_off, had = _layer_offsets(placement, "indexer", shard, dev), _hadamard(i, dev)
         mla_programs, idx_programs = _cdiv(n, block_t), _cdiv(_cdiv(n, 64), pages)
         if (count == 1) if ONE_LAUNCH is None else ONE_LAUNCH:
-            _CONVERT((mla_programs + idx_programs, count),
-                     (region, mla_off, idx_off, had, kv, pe, ki, n, first, mla_programs),
-                     (("ROW", _ROW), ("PAGE", _PAGE), ("BLOCK_T", block_t), ("PAGES", pages),
-                      ("ORDER", _layer_order(n) if LAYER_ORDER is None else LAYER_ORDER)), num_warps)
+            _CONVERT(
+                (mla_programs + idx_programs, count),
+                (region, mla_off, idx_off, had, kv, pe, ki, n, first, mla_programs),
+                (
+                    ("ROW", _ROW),
+                    ("PAGE", _PAGE),
+                    ("BLOCK_T", block_t),
+                    ("PAGES", pages),
+                    ("ORDER", _layer_order(n) if LAYER_ORDER is None else LAYER_ORDER),
+                ),
+                num_warps,
+            )
         else:
-            _MLA_ROWS((mla_programs, count), (region, mla_off, kv, pe, n, first),
-                      (("ROW", _ROW), ("BLOCK_T", block_t)), num_warps)
-            _INDEXER_PAGES((idx_programs, count), (region, idx_off, had, ki, n, first),
-                           (("PAGE", _PAGE), ("PAGES", pages), ("STAGES", IDX_STAGES)), IDX_WARPS)
+            _MLA_ROWS(
+                (mla_programs, count),
+                (region, mla_off, kv, pe, n, first),
+                (("ROW", _ROW), ("BLOCK_T", block_t)),
+                num_warps,
+            )
+            _INDEXER_PAGES(
+                (idx_programs, count),
+                (region, idx_off, had, ki, n, first),
+                (("PAGE", _PAGE), ("PAGES", pages), ("STAGES", IDX_STAGES)),
+                IDX_WARPS,
+            )
     if count == 1:  # a layer alone (layer-wise, once per layer on the node): its views, no unbind
         return [LayerState(kv=kv.view(n, r), pe=pe.view(n, d), ki=None if ki is None else ki.view(n, i))]
     if ki is None:
         return [LayerState(kv=k, pe=p) for k, p in zip(kv.unbind(0), pe.unbind(0), strict=True)]
     # unbind: one call for every layer's views instead of three indexing operations per layer.
-    return [LayerState(kv=k, pe=p, ki=x) for k, p, x in zip(kv.unbind(0), pe.unbind(0), ki.unbind(0), strict=True)]
+    return [
+        LayerState(kv=k, pe=p, ki=x) for k, p, x in zip(kv.unbind(0), pe.unbind(0), ki.unbind(0), strict=True)
+    ]
 
 
 def _layer_order(n: int) -> int:
@@ -328,8 +410,16 @@ def _check(regions: list[torch.Tensor], placement: Placement) -> None:
         raise ValueError(f"{len(regions)} regions for a placement of {placement.shards} shards")
 
 
-def to_layer_state(regions: list[torch.Tensor], placement: Placement, layer: int, num_tokens: int, *,
-                   block_t: int | None = None, num_warps: int | None = None, pages: int | None = PAGES) -> LayerState:
+def to_layer_state(
+    regions: list[torch.Tensor],
+    placement: Placement,
+    layer: int,
+    num_tokens: int,
+    *,
+    block_t: int | None = None,
+    num_warps: int | None = None,
+    pages: int | None = PAGES,
+) -> LayerState:
     """One layer of a slot's received fp8_ds_mla bytes -> bf16, on the GPU of the layer's shard; bit for
     bit what `to_injected_state` gives for it (the same tiles, one layer's grid)."""
     _check(regions, placement)
@@ -337,12 +427,29 @@ def to_layer_state(regions: list[torch.Tensor], placement: Placement, layer: int
         raise ValueError(f"layer {layer} is outside 0..{placement.layout.num_layers - 1}")
     shard = placement.shard_of(layer)
     # A shard holds layers shard, shard + shards, ...: this one is its (layer // shards)-th.
-    return _convert_shard(regions[shard], placement, shard, num_tokens, LAYER_BLOCK_T if block_t is None else block_t,
-                          LAYER_WARPS if num_warps is None else num_warps, pages, layer // placement.shards, 1)[0]
+    return _convert_shard(
+        regions[shard],
+        placement,
+        shard,
+        num_tokens,
+        LAYER_BLOCK_T if block_t is None else block_t,
+        LAYER_WARPS if num_warps is None else num_warps,
+        pages,
+        layer // placement.shards,
+        1,
+    )[0]
 
 
-def to_injected_state(regions: list[torch.Tensor], placement: Placement, num_tokens: int, last_prompt_token: int,
-                      *, block_t: int = BLOCK_T, num_warps: int = NUM_WARPS, pages: int | None = PAGES) -> InjectedState:
+def to_injected_state(
+    regions: list[torch.Tensor],
+    placement: Placement,
+    num_tokens: int,
+    last_prompt_token: int,
+    *,
+    block_t: int = BLOCK_T,
+    num_warps: int = NUM_WARPS,
+    pages: int | None = PAGES,
+) -> InjectedState:
     """One slot's received fp8_ds_mla bytes (a uint8 CUDA tensor per shard) -> bf16 engine state.
 
     Each shard converts on its own GPU, so a node that spreads layers over 8 GPUs converts them in
@@ -350,7 +457,9 @@ def to_injected_state(regions: list[torch.Tensor], placement: Placement, num_tok
     injection copies from.
     """
     _check(regions, placement)
-    per_shard = [iter(_convert_shard(r, placement, s, num_tokens, block_t, num_warps, pages))
-                 for s, r in enumerate(regions)]
+    per_shard = [
+        iter(_convert_shard(r, placement, s, num_tokens, block_t, num_warps, pages))
+        for s, r in enumerate(regions)
+    ]
     layers = [next(per_shard[placement.shard_of(lid)]) for lid in range(placement.layout.num_layers)]
     return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)

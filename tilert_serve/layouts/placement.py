@@ -70,7 +70,9 @@ class Placement:
         return sum(self.shard_nbytes(s) for s in range(self.shards))
 
 
-def write_ranges(src: Placement, dst: Placement, layers: list[int], num_tokens: int, start: int = 0) -> list[Range]:
+def write_ranges(
+    src: Placement, dst: Placement, layers: list[int], num_tokens: int, start: int = 0
+) -> list[Range]:
     """The copies that move tokens `start` to `num_tokens` of `layers` from one placement to another
     (a paged plane's page holding `start` moves whole: a chunk boundary inside it leaves it partial)."""
     if src.layout.fingerprint != dst.layout.fingerprint:

@@ -40,8 +40,13 @@ KV_CACHE_DTYPES: Final[Mapping[str, tuple[str, ...]]] = {
     "mla": ("bfloat16", "float16", "float32"),
 }
 #: vLLM spellings that mean the same cache format.
-_DTYPE_ALIASES: Final[Mapping[str, str]] = {"fp8": "fp8_ds_mla", "bf16": "bfloat16", "fp32": "float32",
-                                           "half": "float16", "float": "float32"}
+_DTYPE_ALIASES: Final[Mapping[str, str]] = {
+    "fp8": "fp8_ds_mla",
+    "bf16": "bfloat16",
+    "fp32": "float32",
+    "half": "float16",
+    "float": "float32",
+}
 
 
 def _mla_row_bytes(kv_cache_dtype: str) -> int:
@@ -54,8 +59,7 @@ def normalize_dtype(kv_cache_dtype: str) -> str:
     return _DTYPE_ALIASES.get(kv_cache_dtype, kv_cache_dtype)
 
 
-def get(model: str, kv_cache_dtype: str, *, num_layers: int | None = None,
-        num_mtp_layers: int = 1) -> Layout:
+def get(model: str, kv_cache_dtype: str, *, num_layers: int | None = None, num_mtp_layers: int = 1) -> Layout:
     """The layout of `model` with vLLM KV-cache dtype `kv_cache_dtype`.
 
     `num_layers` (main + MTP) is required for `mla`, whose depth depends on the checkpoint, and
@@ -65,8 +69,10 @@ def get(model: str, kv_cache_dtype: str, *, num_layers: int | None = None,
     if model not in MODELS:
         raise ValueError(f"unknown tilert model {model!r}; choose one of {', '.join(MODELS)}")
     if dtype not in KV_CACHE_DTYPES[model]:
-        raise ValueError(f"model {model!r} does not support KV-cache dtype {kv_cache_dtype!r}; "
-                         f"use one of {', '.join(KV_CACHE_DTYPES[model])}")
+        raise ValueError(
+            f"model {model!r} does not support KV-cache dtype {kv_cache_dtype!r}; "
+            f"use one of {', '.join(KV_CACHE_DTYPES[model])}"
+        )
     planes = [Plane("mla", 1, _mla_row_bytes(dtype))]
     if model in DSA_MODELS:
         main, mtp = DSA_MODELS[model]
@@ -81,9 +87,17 @@ def get(model: str, kv_cache_dtype: str, *, num_layers: int | None = None,
             raise ValueError(f"num_mtp_layers={num_mtp_layers} must be in [0, num_layers={num_layers})")
         main, mtp = num_layers - num_mtp_layers, num_mtp_layers
         index_dim = 0
-    return Layout(model=model, kv_cache_dtype=dtype, version=LAYOUT_VERSION, num_layers=main + mtp,
-                  num_mtp_layers=mtp, kv_lora_rank=KV_LORA_RANK, rope_dim=ROPE_DIM,
-                  index_head_dim=index_dim, planes=tuple(planes))
+    return Layout(
+        model=model,
+        kv_cache_dtype=dtype,
+        version=LAYOUT_VERSION,
+        num_layers=main + mtp,
+        num_mtp_layers=mtp,
+        kv_lora_rank=KV_LORA_RANK,
+        rope_dim=ROPE_DIM,
+        index_head_dim=index_dim,
+        planes=tuple(planes),
+    )
 
 
 def for_hf_config(model: str, hf_config: Mapping[str, Any], kv_cache_dtype: str) -> Layout:

@@ -50,15 +50,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     up.add_argument("-f", "--filename", required=True, help="PDCluster YAML (e.g. examples/tiny-cpu.yaml)")
     up.add_argument("--router-port", type=int, default=defaults.ROUTER_PORT)
     up.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for every component")
-    up.add_argument("--runtime", choices=("process", "docker"), default="process",
-                    help="process: each component a local process (default, no root needed); docker: each pod of "
-                         "the rendered manifests a container of its image (`make images` first)")
+    up.add_argument(
+        "--runtime",
+        choices=("process", "docker"),
+        default="process",
+        help="process: each component a local process (default, no root needed); docker: each pod of "
+        "the rendered manifests a container of its image (`make images` first)",
+    )
     st = sub.add_parser("status", help="list the local components with their URLs and health")
     st.add_argument("--json", action="store_true")
     sub.add_parser("down", help="stop every local component")
     for q in (up, st, *sub.choices.values()):
         if not any(a.dest == "home" for a in q._actions):
-            q.add_argument("--home", type=Path, default=DEFAULT_HOME, help="state directory (default %(default)s)")
+            q.add_argument(
+                "--home", type=Path, default=DEFAULT_HOME, help="state directory (default %(default)s)"
+            )
 
 
 def private_dir(path: Path, *, create: bool = True) -> Path:
@@ -75,18 +81,27 @@ def private_dir(path: Path, *, create: bool = True) -> Path:
         who = " and ".join(w for w, bit in (("group", 0o020), ("others", 0o002)) if st.st_mode & bit)
         problems.append(f"writable by {who} (mode {stat.S_IMODE(st.st_mode):04o})")
     if problems:
-        fix = f"`chmod go-w {path}`" + ("" if st.st_uid == os.geteuid() else f" after `sudo chown $(id -u) {path}`")
-        raise ValueError(f"the local state directory {path} is {' and '.join(problems)}: another user could swap the "
-                         f"handoff secret, the node-API token or the PIDs `down` signals in it. Run {fix}, or pass "
-                         "another --home")
+        fix = f"`chmod go-w {path}`" + (
+            "" if st.st_uid == os.geteuid() else f" after `sudo chown $(id -u) {path}`"
+        )
+        raise ValueError(
+            f"the local state directory {path} is {' and '.join(problems)}: another user could swap the "
+            f"handoff secret, the node-API token or the PIDs `down` signals in it. Run {fix}, or pass "
+            "another --home"
+        )
     return path
 
 
 def run(args: argparse.Namespace) -> int:
     try:
         return {"up": up, "status": status, "down": down}[args.action](args)
-    except (FileNotFoundError, ValueError, runner.StartFailed, docker_runtime.StartFailed,
-            docker.DockerError) as exc:
+    except (
+        FileNotFoundError,
+        ValueError,
+        runner.StartFailed,
+        docker_runtime.StartFailed,
+        docker.DockerError,
+    ) as exc:
         print(f"tilert-pd local {args.action}: {exc}", file=sys.stderr)
         return 1
 
@@ -96,7 +111,9 @@ def _load(filename: str) -> tuple[str, PDClusterSpec]:
 
     doc = _document(filename)
     if not isinstance(doc, dict) or doc.get("kind") != "PDCluster":
-        raise ValueError(f"{filename} is not a PDCluster (kind: {doc.get('kind') if isinstance(doc, dict) else None})")
+        raise ValueError(
+            f"{filename} is not a PDCluster (kind: {doc.get('kind') if isinstance(doc, dict) else None})"
+        )
     name = str(doc.get("metadata", {}).get("name") or "")
     spec, problems = validation.validate(doc.get("spec") or {}, name)
     if problems or spec is None:
@@ -117,8 +134,9 @@ def _model_dir(home: Path, name: str, spec: PDClusterSpec) -> Path:
     volume = spec.model.weights.volume or {}
     host = (volume.get("hostPath") or {}).get("path")
     if not host:
-        raise ValueError("local runs read weights from spec.model.weights.tiny or a hostPath volume; this spec "
-                         "has neither")
+        raise ValueError(
+            "local runs read weights from spec.model.weights.tiny or a hostPath volume; this spec has neither"
+        )
     return (Path(host) / spec.model.weights.sub_path).resolve()
 
 
@@ -136,9 +154,13 @@ def up(args: argparse.Namespace) -> int:
         raise ValueError(f"{name} is already running locally; `tilert-pd local down` first")
     if getattr(args, "runtime", "process") == "docker":
         return _up_docker(args, name, spec, state_dir)
-    stack = launch(name, spec, state_dir, file=args.filename, router_port=args.router_port, timeout=args.timeout)
-    say(f"ready: the OpenAI API is at {stack.router}/v1 (model {spec.model.name!r}); "
-        "`tilert-pd local status`, `tilert-pd local down`")
+    stack = launch(
+        name, spec, state_dir, file=args.filename, router_port=args.router_port, timeout=args.timeout
+    )
+    say(
+        f"ready: the OpenAI API is at {stack.router}/v1 (model {spec.model.name!r}); "
+        "`tilert-pd local status`, `tilert-pd local down`"
+    )
     return 0
 
 
@@ -156,9 +178,18 @@ class LocalStack:
     token_file: Path
 
 
-def launch(name: str, spec: PDClusterSpec, state_dir: Path, *, file: str, router_port: int, timeout: float = 600.0,
-           say: Callable[[str], None] = say, adjust: Callable[[planmod.Plan], planmod.Plan] | None = None,
-           warm_up: bool = True) -> LocalStack:
+def launch(
+    name: str,
+    spec: PDClusterSpec,
+    state_dir: Path,
+    *,
+    file: str,
+    router_port: int,
+    timeout: float = 600.0,
+    say: Callable[[str], None] = say,
+    adjust: Callable[[planmod.Plan], planmod.Plan] | None = None,
+    warm_up: bool = True,
+) -> LocalStack:
     """Start a PDCluster's components as local processes (what `up` runs) and wait until they serve.
 
     `adjust` may change the plan before anything starts (tests: a shorter handoff-probe interval in the
@@ -171,11 +202,20 @@ def launch(name: str, spec: PDClusterSpec, state_dir: Path, *, file: str, router
     secret, token = runner.write_secrets(state_dir)
     model_dir = _model_dir(state_dir.parent, name, spec)
     prefill_n, tilert_n, native_n = planmod.replica_counts(spec)
-    ports = planmod.Ports(router=router_port, prefill=[runner.free_port() for _ in range(prefill_n)],
-                          native=[runner.free_port() for _ in range(native_n)],
-                          tilert=[(runner.free_port(), runner.free_port()) for _ in range(tilert_n)])
-    p = planmod.plan(spec, ports=ports, model_dir=str(model_dir), secret_file=str(secret),
-                     router_config_file=str(state_dir / "router.yaml"), api_token_file=str(token))
+    ports = planmod.Ports(
+        router=router_port,
+        prefill=[runner.free_port() for _ in range(prefill_n)],
+        native=[runner.free_port() for _ in range(native_n)],
+        tilert=[(runner.free_port(), runner.free_port()) for _ in range(tilert_n)],
+    )
+    p = planmod.plan(
+        spec,
+        ports=ports,
+        model_dir=str(model_dir),
+        secret_file=str(secret),
+        router_config_file=str(state_dir / "router.yaml"),
+        api_token_file=str(token),
+    )
     if adjust is not None:
         p = adjust(p)
     (state_dir / "router.yaml").write_text(router_config.dump(p.router_config))
@@ -184,8 +224,12 @@ def launch(name: str, spec: PDClusterSpec, state_dir: Path, *, file: str, router
         say(f"  generating the tiny model into {model_dir} ...")
         subprocess.run(p.tiny_model, check=True, stdout=subprocess.DEVNULL)
     started: list[runner.Running] = []
-    meta = {"cluster": name, "file": str(Path(file).resolve()), "started": time.time(),
-            "router": f"http://127.0.0.1:{router_port}"}
+    meta = {
+        "cluster": name,
+        "file": str(Path(file).resolve()),
+        "started": time.time(),
+        "router": f"http://127.0.0.1:{router_port}",
+    }
     try:
         engines = [c for c in p.components if c.kind != constants.ROUTER]
         for c in engines:
@@ -214,8 +258,15 @@ def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_d
     manifests = render_document(_document(args.filename), None, with_secret=True)
     private_dir(state_dir)
     say(f"tilert-pd local: {name} from {args.filename} as containers (state in {state_dir})")
-    meta: dict[str, object] = {"cluster": name, "file": str(Path(args.filename).resolve()), "started": time.time(),
-                               "router": "", "runtime": "docker", "networks": [], "pods": []}
+    meta: dict[str, object] = {
+        "cluster": name,
+        "file": str(Path(args.filename).resolve()),
+        "started": time.time(),
+        "router": "",
+        "runtime": "docker",
+        "networks": [],
+        "pods": [],
+    }
     # Recorded before anything starts: an interrupted `up` leaves containers that `down` must find
     # (it removes everything carrying the run's label).
     _save_state(state_dir, meta)
@@ -234,9 +285,11 @@ def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_d
         docker_runtime.cleanup(name, state_dir)
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
         raise
-    say(f"ready: the OpenAI API is at {router}/v1 (model {spec.model.name!r}); pod logs: `docker logs "
+    say(
+        f"ready: the OpenAI API is at {router}/v1 (model {spec.model.name!r}); pod logs: `docker logs "
         f"{docker_runtime.container_name(name, '<pod>', '<container>')}`; `tilert-pd local status`, "
-        "`tilert-pd local down`")
+        "`tilert-pd local down`"
+    )
     return 0
 
 
@@ -263,7 +316,9 @@ def endpoints(state_dir: Path, component: str) -> tuple[str, list[str]]:
     """The router's URL and the URLs of one component's pods or processes, from what `up` recorded."""
     state = _raw_state(state_dir)
     if state.get("runtime") == "docker":
-        return str(state["router"]), [r.url for r in docker_runtime.records_from(state) if r.component == component]
+        return str(state["router"]), [
+            r.url for r in docker_runtime.records_from(state) if r.component == component
+        ]
     meta, procs = runner.load(state_dir)
     return str(meta["router"]), [p.url for p in procs if p.kind == component]
 
@@ -274,14 +329,19 @@ def _warm_up(spec: PDClusterSpec, router: object, say: Callable[[str], None]) ->
     The first native request makes vLLM's NIXL connector handshake with the prefill; on a loaded
     2-core machine that can outlast NIXL's 5 s handshake timeout once, hence a few attempts.
     """
-    routes = [r for r, n in (("tilert", spec.decode.tilert.replicas), ("native", spec.decode.native.replicas)) if n]
+    routes = [
+        r for r, n in (("tilert", spec.decode.tilert.replicas), ("native", spec.decode.native.replicas)) if n
+    ]
     for route in routes:
         body = json.dumps({"model": spec.model.name, "prompt": "warm up", "max_tokens": 2}).encode()
         error = ""
         for attempt in range(1, 4):
             t0 = time.monotonic()
-            req = urllib.request.Request(f"{router}/v1/completions", data=body, headers={
-                "Content-Type": "application/json", spec.router.policy.header: route})
+            req = urllib.request.Request(
+                f"{router}/v1/completions",
+                data=body,
+                headers={"Content-Type": "application/json", spec.router.policy.header: route},
+            )
             try:
                 with urllib.request.urlopen(req, timeout=120) as r:
                     r.read()
@@ -291,15 +351,23 @@ def _warm_up(spec: PDClusterSpec, router: object, say: Callable[[str], None]) ->
                 error = str(exc)
                 say(f"  warm   {route:<10} attempt {attempt} failed: {error}")
         else:
-            raise ValueError(f"the {route} path does not serve ({error}); see the logs in the state directory")
+            raise ValueError(
+                f"the {route} path does not serve ({error}); see the logs in the state directory"
+            )
 
 
 def _with_side_channel(c: planmod.Component) -> planmod.Component:
     # Each vLLM on this host needs its own NIXL side-channel port (the default 5600 would clash).
     if c.kind in (constants.PREFILL, constants.NATIVE):
-        return planmod.Component(c.name, c.kind, c.argv,
-                                 {**c.env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(runner.free_port())},
-                                 c.url, c.ready_url, c.ctrl_port)
+        return planmod.Component(
+            c.name,
+            c.kind,
+            c.argv,
+            {**c.env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(runner.free_port())},
+            c.url,
+            c.ready_url,
+            c.ctrl_port,
+        )
     return c
 
 
@@ -318,15 +386,34 @@ def status(args: argparse.Namespace) -> int:
         if state.get("runtime") == "docker":
             for rec in docker_runtime.records_from(state):
                 ready = docker_runtime.ready(rec)
-                rows.append({"cluster": state["cluster"], "name": rec.name, "kind": rec.component, "url": rec.url,
-                             "running": ready is not None, "ready": bool(ready), "log": f"docker logs "
-                             f"{rec.containers[0]}", "runtime": "docker"})
+                rows.append(
+                    {
+                        "cluster": state["cluster"],
+                        "name": rec.name,
+                        "kind": rec.component,
+                        "url": rec.url,
+                        "running": ready is not None,
+                        "ready": bool(ready),
+                        "log": f"docker logs {rec.containers[0]}",
+                        "runtime": "docker",
+                    }
+                )
             continue
         meta, procs = runner.load(state_dir)
         for p in procs:
             running = runner.running(p)
-            rows.append({"cluster": meta["cluster"], "name": p.name, "kind": p.kind, "url": p.url, "pid": p.pid,
-                         "running": running, "ready": running and runner.probe(p.ready_url), "log": p.log})
+            rows.append(
+                {
+                    "cluster": meta["cluster"],
+                    "name": p.name,
+                    "kind": p.kind,
+                    "url": p.url,
+                    "pid": p.pid,
+                    "running": running,
+                    "ready": running and runner.probe(p.ready_url),
+                    "log": p.log,
+                }
+            )
     if args.json:
         print(json.dumps(rows, indent=2))
     elif not rows:
@@ -348,12 +435,16 @@ def down(args: argparse.Namespace) -> int:
         if state.get("runtime") == "docker":
             removed = docker_runtime.cleanup(str(state["cluster"]), state_dir)
             (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
-            print(f"stopped {state['cluster']} ({removed} containers removed; their logs are in {state_dir / 'logs'})")
+            print(
+                f"stopped {state['cluster']} ({removed} containers removed; their logs are in {state_dir / 'logs'})"
+            )
             continue
         meta, procs = runner.load(state_dir)
         others = runner.stop(procs)
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
         print(f"stopped {meta['cluster']} ({len(procs)} processes)")
         for p in others:
-            print(f"  left pid {p.pid} alone: it is no longer {p.name} (that process ended; the PID was reused)")
+            print(
+                f"  left pid {p.pid} alone: it is no longer {p.name} (that process ended; the PID was reused)"
+            )
     return 0

@@ -24,15 +24,19 @@ class DockerError(RuntimeError):
 
 def _docker(*args: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess[str]:
     try:
-        done = subprocess.run(["docker", *args], capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
+        done = subprocess.run(
+            ["docker", *args], capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+        )
     except FileNotFoundError as exc:
-        raise DockerError("no `docker` command on PATH; install a Docker engine (scripts/docker-engine.sh does, "
-                          "as root)") from exc
+        raise DockerError(
+            "no `docker` command on PATH; install a Docker engine (scripts/docker-engine.sh does, as root)"
+        ) from exc
     except subprocess.TimeoutExpired as exc:
         raise DockerError(f"`docker {' '.join(args[:2])}` did not answer in {timeout:.0f} s") from exc
     if check and done.returncode != 0:
-        raise DockerError(f"`docker {' '.join(args[:3])} ...` failed: {done.stderr.strip() or done.stdout.strip()}")
+        raise DockerError(
+            f"`docker {' '.join(args[:3])} ...` failed: {done.stderr.strip() or done.stdout.strip()}"
+        )
     return done
 
 
@@ -70,7 +74,9 @@ def network_create(name: str, run: str) -> Network:
     _docker(*create, name)
     picked = _ipam(name)
     _docker("network", "rm", name)
-    _docker(*create, "--subnet", picked.subnet, *(["--gateway", picked.gateway] if picked.gateway else []), name)
+    _docker(
+        *create, "--subnet", picked.subnet, *(["--gateway", picked.gateway] if picked.gateway else []), name
+    )
     return _ipam(name)
 
 
@@ -197,7 +203,9 @@ def exec_(name: str, argv: Sequence[str], timeout: float) -> subprocess.Complete
 
 def containers(run: str, *, running_only: bool = False) -> list[str]:
     status = ["--filter", "status=running"] if running_only else []
-    out = _docker("ps", "-a", "--filter", f"label={RUN_LABEL}={run}", *status, "--format", "{{.Names}}").stdout
+    out = _docker(
+        "ps", "-a", "--filter", f"label={RUN_LABEL}={run}", *status, "--format", "{{.Names}}"
+    ).stdout
     return [n for n in out.split() if n]
 
 
@@ -217,7 +225,9 @@ def _in_netns(name: str, *argv: str) -> str:
     pid = int((info or {}).get("State", {}).get("Pid") or 0)
     if not pid:
         raise DockerError(f"container {name} is not running")
-    done = subprocess.run(["nsenter", "-t", str(pid), "-n", *argv], capture_output=True, text=True, timeout=20)
+    done = subprocess.run(
+        ["nsenter", "-t", str(pid), "-n", *argv], capture_output=True, text=True, timeout=20
+    )
     if done.returncode != 0:
         raise DockerError(f"cannot read {name}'s network namespace: {done.stderr.strip()}")
     return done.stdout

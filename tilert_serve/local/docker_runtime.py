@@ -54,14 +54,23 @@ def _addresses(net: docker.Network, skip: int = 10) -> Iterator[str]:
 
 
 def missing_images(manifests: Sequence[pods.Manifest]) -> list[str]:
-    wanted = sorted({c["image"] for m in manifests if m.get("kind") in ("Deployment", "StatefulSet")
-                     for c in [*m["spec"]["template"]["spec"]["containers"],
-                               *(m["spec"]["template"]["spec"].get("initContainers") or [])]})
+    wanted = sorted(
+        {
+            c["image"]
+            for m in manifests
+            if m.get("kind") in ("Deployment", "StatefulSet")
+            for c in [
+                *m["spec"]["template"]["spec"]["containers"],
+                *(m["spec"]["template"]["spec"].get("initContainers") or []),
+            ]
+        }
+    )
     return [i for i in wanted if not docker.image_exists(i)]
 
 
-def up(manifests: Sequence[pods.Manifest], run: str, state_dir: Path, timeout: float,
-       say: Callable[[str], None]) -> tuple[list[PodRecord], list[str]]:
+def up(
+    manifests: Sequence[pods.Manifest], run: str, state_dir: Path, timeout: float, say: Callable[[str], None]
+) -> tuple[list[PodRecord], list[str]]:
     """Start every pod of `manifests` and wait until each is ready; (pods, networks). On failure,
     everything started is removed (logs kept in the state directory) and StartFailed says why."""
     reason = docker.unavailable()
@@ -73,8 +82,10 @@ def up(manifests: Sequence[pods.Manifest], run: str, state_dir: Path, timeout: f
     running = docker.containers(run, running_only=True)
     if running:
         # Another state directory's run of a cluster with this name: never stop what we did not start.
-        raise StartFailed(f"containers of a local run named {run!r} are running ({', '.join(running)}); stop "
-                          "that run (`tilert-pd local down --home ITS_HOME`) or give this PDCluster another name")
+        raise StartFailed(
+            f"containers of a local run named {run!r} are running ({', '.join(running)}); stop "
+            "that run (`tilert-pd local down --home ITS_HOME`) or give this PDCluster another name"
+        )
     cleanup(run, state_dir)  # what an interrupted run or a stopped engine left behind
     net = docker.network_create(f"tpd-{run}", run)
     nets = [net.name]
@@ -85,8 +96,14 @@ def up(manifests: Sequence[pods.Manifest], run: str, state_dir: Path, timeout: f
             extra = docker.network_create(f"tpd-{run}-{name.replace('/', '-')}", run)
             nets.append(extra.name)
             secondary[name] = (extra, _addresses(extra))
-        say(f"  pod network {net.name} ({net.subnet}); " + (
-            f"secondary networks {', '.join(n for n in nets[1:])}" if secondary else "no secondary network"))
+        say(
+            f"  pod network {net.name} ({net.subnet}); "
+            + (
+                f"secondary networks {', '.join(n for n in nets[1:])}"
+                if secondary
+                else "no secondary network"
+            )
+        )
         records = _start_all(plan, run, state_dir, net, secondary, say)
         _wait_ready(plan, records, run, timeout, say)
     except BaseException:
@@ -96,9 +113,14 @@ def up(manifests: Sequence[pods.Manifest], run: str, state_dir: Path, timeout: f
     return records, nets
 
 
-def _start_all(plan: Sequence[pods.Pod], run: str, state_dir: Path, net: docker.Network,
-               secondary: dict[str, tuple[docker.Network, Iterator[str]]], say: Callable[[str], None]
-               ) -> list[PodRecord]:
+def _start_all(
+    plan: Sequence[pods.Pod],
+    run: str,
+    state_dir: Path,
+    net: docker.Network,
+    secondary: dict[str, tuple[docker.Network, Iterator[str]]],
+    say: Callable[[str], None],
+) -> list[PodRecord]:
     lock = threading.Lock()
     addresses = {p.name: {n: next(secondary[n][1]) for n in p.networks} for p in plan}
 
@@ -114,15 +136,27 @@ def _start_all(plan: Sequence[pods.Pod], run: str, state_dir: Path, net: docker.
             docker.start(name)
             code = docker.wait(name, timeout=1800)
             if code != 0:
-                raise StartFailed(f"init container {pod.name}/{c.name} exited with {code}; its log ends with:\n"
-                                  f"{docker.logs(name, 30)}")
+                raise StartFailed(
+                    f"init container {pod.name}/{c.name} exited with {code}; its log ends with:\n"
+                    f"{docker.logs(name, 30)}"
+                )
             _save_log(state_dir, name)
             docker.rm([name])
         names: list[str] = []
         for i, c in enumerate(pod.containers):
             name = container_name(run, pod.name, c.name)
-            docker.create(_run_spec(c, name, pod, pod_dir, labels, net.name, first=i == 0,
-                                    first_name=names[0] if names else None))
+            docker.create(
+                _run_spec(
+                    c,
+                    name,
+                    pod,
+                    pod_dir,
+                    labels,
+                    net.name,
+                    first=i == 0,
+                    first_name=names[0] if names else None,
+                )
+            )
             names.append(name)
         for network, address in addresses[pod.name].items():
             docker.network_connect(secondary[network][0].name, names[0], address)
@@ -135,22 +169,50 @@ def _start_all(plan: Sequence[pods.Pod], run: str, state_dir: Path, net: docker.
         port = main.ports.get("http") or next(iter(main.ports.values()), None)
         with lock:
             say(f"  start  {pod.name:<26} {pod.ip:<15} {main.image}")
-        return PodRecord(pod.name, pod.labels.get(constants.LABEL_COMPONENT, pod.owner), pod.ip, main.image, names,
-                         f"http://{pod.ip}:{port}" if port else "")
+        return PodRecord(
+            pod.name,
+            pod.labels.get(constants.LABEL_COMPONENT, pod.owner),
+            pod.ip,
+            main.image,
+            names,
+            f"http://{pod.ip}:{port}" if port else "",
+        )
 
     with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
         return list(pool.map(one, plan))
 
 
-def _run_spec(c: pods.Container, name: str, pod: pods.Pod, pod_dir: Path, labels: dict[str, str], network: str,
-              *, first: bool, first_name: str | None = None) -> docker.RunSpec:
+def _run_spec(
+    c: pods.Container,
+    name: str,
+    pod: pods.Pod,
+    pod_dir: Path,
+    labels: dict[str, str],
+    network: str,
+    *,
+    first: bool,
+    first_name: str | None = None,
+) -> docker.RunSpec:
     binds = [(str((pod_dir / m.source).resolve()), m.target, m.read_only) for m in c.mounts]
     return docker.RunSpec(
-        name=name, image=c.image, entrypoint=c.entrypoint, args=c.args, env=c.env,
-        labels={**labels, "pd.tilert.ai/container": c.name}, binds=binds,
-        network=network if first else None, network_of=None if first else first_name,
-        ip=pod.ip if first else None, hostname=pod.hostname, aliases=pod.aliases if first else (),
-        working_dir=c.working_dir, user=c.user, group_add=c.groups, cap_add=c.cap_add, shm_size=c.shm_size)
+        name=name,
+        image=c.image,
+        entrypoint=c.entrypoint,
+        args=c.args,
+        env=c.env,
+        labels={**labels, "pd.tilert.ai/container": c.name},
+        binds=binds,
+        network=network if first else None,
+        network_of=None if first else first_name,
+        ip=pod.ip if first else None,
+        hostname=pod.hostname,
+        aliases=pod.aliases if first else (),
+        working_dir=c.working_dir,
+        user=c.user,
+        group_add=c.groups,
+        cap_add=c.cap_add,
+        shm_size=c.shm_size,
+    )
 
 
 def _write_files(pod: pods.Pod, pod_dir: Path) -> None:
@@ -197,11 +259,15 @@ def _save_log(state_dir: Path, container: str) -> None:
     (logs / f"{container}.log").write_text(docker.logs(container))
 
 
-def _wait_ready(plan: Sequence[pods.Pod], records: list[PodRecord], run: str, timeout: float,
-                say: Callable[[str], None]) -> None:
+def _wait_ready(
+    plan: Sequence[pods.Pod], records: list[PodRecord], run: str, timeout: float, say: Callable[[str], None]
+) -> None:
     t0 = probes.now()
-    trackers = {(p.name, c.name): (_trackers(c, t0), container_name(run, p.name, c.name))
-                for p in plan for c in p.containers}
+    trackers = {
+        (p.name, c.name): (_trackers(c, t0), container_name(run, p.name, c.name))
+        for p in plan
+        for c in p.containers
+    }
     ip = {p.name: p.ip for p in plan}
     pending = {p.name for p in plan}
     last_report = 0.0
@@ -212,8 +278,10 @@ def _wait_ready(plan: Sequence[pods.Pod], records: list[PodRecord], run: str, ti
                 continue
             state = (docker.inspect(container) or {}).get("State", {})
             if not state.get("Running"):
-                raise StartFailed(f"{pod}/{cname} exited (code {state.get('ExitCode')}) before it was ready; its "
-                                  f"log ends with:\n{docker.logs(container, 40)}")
+                raise StartFailed(
+                    f"{pod}/{cname} exited (code {state.get('ExitCode')}) before it was ready; its "
+                    f"log ends with:\n{docker.logs(container, 40)}"
+                )
             for t in (startup, readiness):
                 if t is None or t.passed or (t is readiness and startup is not None and not startup.passed):
                     continue
@@ -221,25 +289,33 @@ def _wait_ready(plan: Sequence[pods.Pod], records: list[PodRecord], run: str, ti
                     ok, detail = probes.run(t.probe, ip[pod], _exec(container))
                     t.record(ok, detail, probes.now())
                     if t is startup and t.given_up:
-                        raise StartFailed(f"{pod}/{cname}: startup probe {t.probe.describe()} failed "
-                                          f"{t.failures} times (last: {t.last}); the kubelet would restart it. "
-                                          f"Its log ends with:\n{docker.logs(container, 40)}")
+                        raise StartFailed(
+                            f"{pod}/{cname}: startup probe {t.probe.describe()} failed "
+                            f"{t.failures} times (last: {t.last}); the kubelet would restart it. "
+                            f"Its log ends with:\n{docker.logs(container, 40)}"
+                        )
         for pod in sorted(pending):
             if all(r is None or r.passed for (p, _), ((_, r), _) in trackers.items() if p == pod):
                 pending.discard(pod)
                 say(f"  ready  {pod:<26} ({probes.now() - t0:.0f} s)")
         elapsed = probes.now() - t0
         if pending and elapsed > timeout:
-            detail = "; ".join(f"{p}/{c}: {_pending(s, r)}" for (p, c), ((s, r), _) in trackers.items()
-                               if p in pending)
+            detail = "; ".join(
+                f"{p}/{c}: {_pending(s, r)}" for (p, c), ((s, r), _) in trackers.items() if p in pending
+            )
             raise StartFailed(f"not ready after {timeout:.0f} s: {detail}")
         if pending and elapsed - last_report >= 15:
             say(f"  waiting for {', '.join(sorted(pending))} ({elapsed:.0f} s)")
             last_report = elapsed
         time.sleep(0.5)
     for rec in records:
-        rec.readiness = [asdict(c.readiness) for p in plan if p.name == rec.name for c in p.containers
-                         if c.readiness is not None]
+        rec.readiness = [
+            asdict(c.readiness)
+            for p in plan
+            if p.name == rec.name
+            for c in p.containers
+            if c.readiness is not None
+        ]
 
 
 def _pending(startup: probes.Tracker | None, readiness: probes.Tracker | None) -> str:
@@ -251,13 +327,16 @@ def _pending(startup: probes.Tracker | None, readiness: probes.Tracker | None) -
 
 
 def _trackers(c: pods.Container, t0: float) -> tuple[probes.Tracker | None, probes.Tracker | None]:
-    return (probes.Tracker(c.startup, t0) if c.startup else None,
-            probes.Tracker(c.readiness, t0) if c.readiness else None)
+    return (
+        probes.Tracker(c.startup, t0) if c.startup else None,
+        probes.Tracker(c.readiness, t0) if c.readiness else None,
+    )
 
 
 def _exec(container: str) -> probes.Exec:
     def run(argv: Sequence[str], timeout: float) -> int:
         return docker.exec_(container, argv, timeout).returncode
+
     return run
 
 

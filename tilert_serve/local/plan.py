@@ -22,10 +22,17 @@ from tilert_serve.router import config as router_config
 #: Environment every local process gets. Transfer engines stay on loopback; NIXL's UCX skips its ib
 #: modules (they crash at exit beside the system's libefa); engines use one thread each, because
 #: several servers share a few cores and oversubscribed torch threads slow them by orders of magnitude.
-LOCAL_ENV = {"UCX_TLS": "tcp", "UCX_NET_DEVICES": "lo", "UCX_MODULES": "^ib", "MC_LOG_LEVEL": "WARNING",
-             "GLOG_minloglevel": "1", "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-             # site/sitecustomize.py: NIXL agents poll instead of spinning a core each.
-             "TILERT_PD_PATCH_NIXL": "1", "PYTHONPATH": str(Path(__file__).with_name("site"))}
+LOCAL_ENV = {
+    "UCX_TLS": "tcp",
+    "UCX_NET_DEVICES": "lo",
+    "UCX_MODULES": "^ib",
+    "MC_LOG_LEVEL": "WARNING",
+    "GLOG_minloglevel": "1",
+    "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+    # site/sitecustomize.py: NIXL agents poll instead of spinning a core each.
+    "TILERT_PD_PATCH_NIXL": "1",
+    "PYTHONPATH": str(Path(__file__).with_name("site")),
+}
 SINGLE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
 
 
@@ -69,40 +76,98 @@ def _local_argv(argv: list[str]) -> list[str]:
     return argv
 
 
-def plan(spec: PDClusterSpec, *, ports: Ports, model_dir: str, secret_file: str, router_config_file: str,
-         host: str = "127.0.0.1", api_token_file: str | None = None) -> Plan:
+def plan(
+    spec: PDClusterSpec,
+    *,
+    ports: Ports,
+    model_dir: str,
+    secret_file: str,
+    router_config_file: str,
+    host: str = "127.0.0.1",
+    api_token_file: str | None = None,
+) -> Plan:
     """`api_token_file`: the node API token (runner.write_secrets) the decode nodes require and the
     router presents; None runs the nodes' HTTP API unauthenticated."""
-    base = commands.Paths(model_dir=model_dir, secret_file=secret_file, router_config=router_config_file,
-                          host=host, api_token_file=api_token_file)
+    base = commands.Paths(
+        model_dir=model_dir,
+        secret_file=secret_file,
+        router_config=router_config_file,
+        host=host,
+        api_token_file=api_token_file,
+    )
     out: list[Component] = []
     for i, port in enumerate(ports.prefill):
         cmd = commands.prefill(spec, _with(base, vllm_port=port))
-        out.append(Component(f"prefill-{i}", constants.PREFILL, _local_argv(cmd.argv), {**LOCAL_ENV, **cmd.env},
-                             f"http://{host}:{port}", f"http://{host}:{port}/health"))
+        out.append(
+            Component(
+                f"prefill-{i}",
+                constants.PREFILL,
+                _local_argv(cmd.argv),
+                {**LOCAL_ENV, **cmd.env},
+                f"http://{host}:{port}",
+                f"http://{host}:{port}/health",
+            )
+        )
     nodes = []
     for i, (http, ctrl) in enumerate(ports.tilert):
         cmd = commands.tilert_decode(spec, _with(base, http_port=http, ctrl_port=ctrl))
         name = f"tilert-{i}"
         argv = [*_local_argv(cmd.argv), "--advertise-host", host, "--name", name]
-        out.append(Component(name, constants.TILERT, argv, {**LOCAL_ENV, **SINGLE_THREAD, **cmd.env},
-                             f"http://{host}:{http}", f"http://{host}:{http}/ready", ctrl_port=ctrl))
-        nodes.append(router_config.TileRTNode(name=name, http_url=f"http://{host}:{http}", ctrl_host=host,
-                                              ctrl_port=ctrl, slots=spec.decode.tilert.slots,
-                                              max_seq_len=spec.model.max_seq_len))
+        out.append(
+            Component(
+                name,
+                constants.TILERT,
+                argv,
+                {**LOCAL_ENV, **SINGLE_THREAD, **cmd.env},
+                f"http://{host}:{http}",
+                f"http://{host}:{http}/ready",
+                ctrl_port=ctrl,
+            )
+        )
+        nodes.append(
+            router_config.TileRTNode(
+                name=name,
+                http_url=f"http://{host}:{http}",
+                ctrl_host=host,
+                ctrl_port=ctrl,
+                slots=spec.decode.tilert.slots,
+                max_seq_len=spec.model.max_seq_len,
+            )
+        )
     for i, port in enumerate(ports.native):
         cmd = commands.native_decode(spec, _with(base, vllm_port=port))
-        out.append(Component(f"native-{i}", constants.NATIVE, _local_argv(cmd.argv), {**LOCAL_ENV, **cmd.env},
-                             f"http://{host}:{port}", f"http://{host}:{port}/health"))
-    cfg = router_render.config(spec, prefill_urls=[c.url for c in out if c.kind == constants.PREFILL],
-                               tilert_nodes=nodes, native_urls=[c.url for c in out if c.kind == constants.NATIVE],
-                               api_keys_file=None, api_token_file=api_token_file)
+        out.append(
+            Component(
+                f"native-{i}",
+                constants.NATIVE,
+                _local_argv(cmd.argv),
+                {**LOCAL_ENV, **cmd.env},
+                f"http://{host}:{port}",
+                f"http://{host}:{port}/health",
+            )
+        )
+    cfg = router_render.config(
+        spec,
+        prefill_urls=[c.url for c in out if c.kind == constants.PREFILL],
+        tilert_nodes=nodes,
+        native_urls=[c.url for c in out if c.kind == constants.NATIVE],
+        api_keys_file=None,
+        api_token_file=api_token_file,
+    )
     # Every component shares a few cores here: a probe can wait seconds for one, which says nothing
     # about its health. Eject only what stays silent for longer.
     cfg = cfg.model_copy(update={"health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3)})
     cmd = commands.router(spec, _with(base, router_port=ports.router))
-    out.append(Component("router", constants.ROUTER, _local_argv(cmd.argv), {**LOCAL_ENV, **SINGLE_THREAD},
-                         f"http://{host}:{ports.router}", f"http://{host}:{ports.router}/ready"))
+    out.append(
+        Component(
+            "router",
+            constants.ROUTER,
+            _local_argv(cmd.argv),
+            {**LOCAL_ENV, **SINGLE_THREAD},
+            f"http://{host}:{ports.router}",
+            f"http://{host}:{ports.router}/ready",
+        )
+    )
     tiny = _local_argv(commands.tiny_model(spec, base).argv) if spec.model.weights.tiny else None
     return Plan(out, cfg, model_dir, tiny)
 

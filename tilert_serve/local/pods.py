@@ -140,7 +140,12 @@ def _by_kind(manifests: Sequence[Manifest], kind: str) -> dict[str, Manifest]:
 
 def dns_names(name: str, namespace: str) -> list[str]:
     """Every name a pod in `namespace` may use for a Service (or a pod's subdomain) called `name`."""
-    return [name, f"{name}.{namespace}", f"{name}.{namespace}.svc", f"{name}.{namespace}.svc.{CLUSTER_DOMAIN}"]
+    return [
+        name,
+        f"{name}.{namespace}",
+        f"{name}.{namespace}.svc",
+        f"{name}.{namespace}.svc.{CLUSTER_DOMAIN}",
+    ]
 
 
 def pods(manifests: Sequence[Manifest], ips: Iterator[str]) -> list[Pod]:
@@ -161,8 +166,12 @@ def pods(manifests: Sequence[Manifest], ips: Iterator[str]) -> list[Pod]:
         for i in range(int(spec.get("replicas", 1))):
             name = f"{meta['name']}-{i}"
             namespace = meta.get("namespace", "default")
-            aliases = [a for svc in services if _selected(svc["spec"].get("selector") or {}, labels)
-                       for a in dns_names(svc["metadata"]["name"], namespace)]
+            aliases = [
+                a
+                for svc in services
+                if _selected(svc["spec"].get("selector") or {}, labels)
+                for a in dns_names(svc["metadata"]["name"], namespace)
+            ]
             if kind == "StatefulSet" and spec.get("serviceName"):
                 aliases += [f"{name}.{a}" for a in dns_names(spec["serviceName"], namespace)]
             out.append(_pod(name, namespace, m, template, next(ips), tuple(aliases), secrets, configmaps))
@@ -175,29 +184,63 @@ def _check_service(svc: Manifest) -> None:
         if isinstance(target, int) and target != port["port"]:
             raise Unsupported(
                 f"Service {svc['metadata']['name']} maps port {port['port']} to {target}: the docker runtime "
-                "plays Services as DNS names without a virtual IP, so a Service port must equal its target port")
+                "plays Services as DNS names without a virtual IP, so a Service port must equal its target port"
+            )
 
 
-def _pod(name: str, namespace: str, owner: Manifest, template: Manifest, ip: str, aliases: tuple[str, ...],
-         secrets: dict[str, Manifest], configmaps: dict[str, Manifest]) -> Pod:
+def _pod(
+    name: str,
+    namespace: str,
+    owner: Manifest,
+    template: Manifest,
+    ip: str,
+    aliases: tuple[str, ...],
+    secrets: dict[str, Manifest],
+    configmaps: dict[str, Manifest],
+) -> Pod:
     meta = template.get("metadata") or {}
     spec = template["spec"]
     if spec.get("hostNetwork"):
-        raise Unsupported(f"pod {name} asks for hostNetwork; the docker runtime gives every pod its own address")
+        raise Unsupported(
+            f"pod {name} asks for hostNetwork; the docker runtime gives every pod its own address"
+        )
     networks = _multus_networks((meta.get("annotations") or {}).get("k8s.v1.cni.cncf.io/networks", ""))
-    pod = Pod(name=name, namespace=namespace, owner=owner["metadata"]["name"], owner_kind=owner["kind"],
-              labels=dict(meta.get("labels") or {}), annotations=dict(meta.get("annotations") or {}), ip=ip,
-              hostname=name, aliases=aliases, init_containers=(), containers=(), files=(), dirs=(),
-              networks=networks)
+    pod = Pod(
+        name=name,
+        namespace=namespace,
+        owner=owner["metadata"]["name"],
+        owner_kind=owner["kind"],
+        labels=dict(meta.get("labels") or {}),
+        annotations=dict(meta.get("annotations") or {}),
+        ip=ip,
+        hostname=name,
+        aliases=aliases,
+        init_containers=(),
+        containers=(),
+        files=(),
+        dirs=(),
+        networks=networks,
+    )
     files, dirs, late, shm = _volumes(pod, spec.get("volumes") or [], secrets, configmaps)
     security = spec.get("securityContext") or {}
     empty = tuple(f"volumes/{v['name']}" for v in spec.get("volumes") or [] if "emptyDir" in v)
     fs_group = security.get("fsGroup")
-    init = tuple(_container(pod, c, security, secrets, configmaps, shm) for c in spec.get("initContainers") or [])
+    init = tuple(
+        _container(pod, c, security, secrets, configmaps, shm) for c in spec.get("initContainers") or []
+    )
     main = tuple(_container(pod, c, security, secrets, configmaps, shm) for c in spec["containers"])
-    return Pod(**{**pod.__dict__, "init_containers": init, "containers": main, "files": tuple(files),
-                  "dirs": tuple(dirs), "empty_dirs": empty, "late_files": tuple(late),
-                  "fs_group": None if fs_group is None else int(fs_group)})
+    return Pod(
+        **{
+            **pod.__dict__,
+            "init_containers": init,
+            "containers": main,
+            "files": tuple(files),
+            "dirs": tuple(dirs),
+            "empty_dirs": empty,
+            "late_files": tuple(late),
+            "fs_group": None if fs_group is None else int(fs_group),
+        }
+    )
 
 
 def _multus_networks(annotation: str) -> tuple[str, ...]:
@@ -205,12 +248,16 @@ def _multus_networks(annotation: str) -> tuple[str, ...]:
     if not annotation:
         return ()
     if annotation.startswith("["):
-        return tuple(f"{n['namespace']}/{n['name']}" if n.get("namespace") else n["name"] for n in json.loads(annotation))
+        return tuple(
+            f"{n['namespace']}/{n['name']}" if n.get("namespace") else n["name"]
+            for n in json.loads(annotation)
+        )
     return tuple(n.strip().split("@")[0] for n in annotation.split(",") if n.strip())
 
 
-def _volumes(pod: Pod, volumes: Sequence[Manifest], secrets: dict[str, Manifest], configmaps: dict[str, Manifest]
-             ) -> tuple[list[File], list[str], list[tuple[str, str]], dict[str, str]]:
+def _volumes(
+    pod: Pod, volumes: Sequence[Manifest], secrets: dict[str, Manifest], configmaps: dict[str, Manifest]
+) -> tuple[list[File], list[str], list[tuple[str, str]], dict[str, str]]:
     """Files and directories for each volume, downward-API files known only later, and the memory
     emptyDirs (name -> size limit) that a /dev/shm mount turns into the container's shm size."""
     files: list[File] = []
@@ -229,7 +276,9 @@ def _volumes(pod: Pod, volumes: Sequence[Manifest], secrets: dict[str, Manifest]
             if secret is None:
                 if src.get("optional"):
                     continue
-                raise Unsupported(f"pod {pod.name} mounts Secret {src['secretName']}, which the manifests do not hold")
+                raise Unsupported(
+                    f"pod {pod.name} mounts Secret {src['secretName']}, which the manifests do not hold"
+                )
             data = {k: base64.b64decode(x) for k, x in (secret.get("data") or {}).items()}
             data |= {k: str(x).encode() for k, x in (secret.get("stringData") or {}).items()}
             files += _key_files(pod, root, data, src, 0o644, f"Secret {src['secretName']}")
@@ -239,7 +288,9 @@ def _volumes(pod: Pod, volumes: Sequence[Manifest], secrets: dict[str, Manifest]
             if cm is None:
                 if src.get("optional"):
                     continue
-                raise Unsupported(f"pod {pod.name} mounts ConfigMap {src['name']}, which the manifests do not hold")
+                raise Unsupported(
+                    f"pod {pod.name} mounts ConfigMap {src['name']}, which the manifests do not hold"
+                )
             data = {k: str(x).encode() for k, x in (cm.get("data") or {}).items()}
             files += _key_files(pod, root, data, src, 0o644, f"ConfigMap {src['name']}")
         elif "downwardAPI" in v:
@@ -257,12 +308,16 @@ def _volumes(pod: Pod, volumes: Sequence[Manifest], secrets: dict[str, Manifest]
             dirs.remove(root)
         else:
             kind = next((k for k in v if k != "name"), "?")
-            raise Unsupported(f"pod {pod.name}: volume {v['name']} is a {kind}, which the docker runtime does not "
-                              "play (it plays emptyDir, secret, configMap, downwardAPI and hostPath)")
+            raise Unsupported(
+                f"pod {pod.name}: volume {v['name']} is a {kind}, which the docker runtime does not "
+                "play (it plays emptyDir, secret, configMap, downwardAPI and hostPath)"
+            )
     return files, dirs, late, memory
 
 
-def _key_files(pod: Pod, root: str, data: dict[str, bytes], src: Manifest, default: int, what: str) -> list[File]:
+def _key_files(
+    pod: Pod, root: str, data: dict[str, bytes], src: Manifest, default: int, what: str
+) -> list[File]:
     mode = int(src.get("defaultMode", default))
     items = src.get("items")
     if not items:
@@ -282,16 +337,29 @@ def field_value(pod: Pod, field_path: str) -> str:
     m = re.fullmatch(r"metadata\.(labels|annotations)\['(.+)'\]", field_path)
     if m:
         return (pod.labels if m.group(1) == "labels" else pod.annotations).get(m.group(2), "")
-    simple = {"metadata.name": pod.name, "metadata.namespace": pod.namespace, "status.podIP": pod.ip,
-              "status.podIPs": pod.ip, "spec.nodeName": "local", "status.hostIP": "", "metadata.uid": pod.name,
-              "spec.serviceAccountName": "default"}
+    simple = {
+        "metadata.name": pod.name,
+        "metadata.namespace": pod.namespace,
+        "status.podIP": pod.ip,
+        "status.podIPs": pod.ip,
+        "spec.nodeName": "local",
+        "status.hostIP": "",
+        "metadata.uid": pod.name,
+        "spec.serviceAccountName": "default",
+    }
     if field_path not in simple:
         raise Unsupported(f"pod {pod.name}: fieldRef {field_path!r} is not one the docker runtime fills in")
     return simple[field_path]
 
 
-def _container(pod: Pod, c: Manifest, pod_security: Manifest, secrets: dict[str, Manifest],
-               configmaps: dict[str, Manifest], memory: dict[str, str]) -> Container:
+def _container(
+    pod: Pod,
+    c: Manifest,
+    pod_security: Manifest,
+    secrets: dict[str, Manifest],
+    configmaps: dict[str, Manifest],
+    memory: dict[str, str],
+) -> Container:
     env = _env(pod, c, secrets, configmaps)
     command = [expand(a, env) for a in c.get("command") or []]
     args = [expand(a, env) for a in c.get("args") or []]
@@ -313,17 +381,33 @@ def _container(pod: Pod, c: Manifest, pod_security: Manifest, secrets: dict[str,
     user = None
     if "runAsUser" in security:
         user = str(security["runAsUser"]) + (f":{security['runAsGroup']}" if "runAsGroup" in security else "")
-    groups = [int(g) for g in [pod_security.get("fsGroup"), *(pod_security.get("supplementalGroups") or [])]
-              if g is not None]
+    groups = [
+        int(g)
+        for g in [pod_security.get("fsGroup"), *(pod_security.get("supplementalGroups") or [])]
+        if g is not None
+    ]
     return Container(
-        name=c["name"], image=c["image"], entrypoint=entrypoint, args=argv, env=env, mounts=tuple(mounts),
-        ports=ports, working_dir=c.get("workingDir"), user=user, groups=tuple(groups),
-        cap_add=tuple((security.get("capabilities") or {}).get("add") or ()), shm_size=shm_size,
-        readiness=_probe(c.get("readinessProbe"), ports), liveness=_probe(c.get("livenessProbe"), ports),
-        startup=_probe(c.get("startupProbe"), ports))
+        name=c["name"],
+        image=c["image"],
+        entrypoint=entrypoint,
+        args=argv,
+        env=env,
+        mounts=tuple(mounts),
+        ports=ports,
+        working_dir=c.get("workingDir"),
+        user=user,
+        groups=tuple(groups),
+        cap_add=tuple((security.get("capabilities") or {}).get("add") or ()),
+        shm_size=shm_size,
+        readiness=_probe(c.get("readinessProbe"), ports),
+        liveness=_probe(c.get("livenessProbe"), ports),
+        startup=_probe(c.get("startupProbe"), ports),
+    )
 
 
-def _env(pod: Pod, c: Manifest, secrets: dict[str, Manifest], configmaps: dict[str, Manifest]) -> dict[str, str]:
+def _env(
+    pod: Pod, c: Manifest, secrets: dict[str, Manifest], configmaps: dict[str, Manifest]
+) -> dict[str, str]:
     env: dict[str, str] = {}
     for e in c.get("env") or []:
         if "value" in e:
@@ -343,8 +427,10 @@ def _env(pod: Pod, c: Manifest, secrets: dict[str, Manifest], configmaps: dict[s
             if ref["key"] not in data:
                 if ref.get("optional"):
                     continue
-                raise Unsupported(f"pod {pod.name}: env {e['name']} refers to {ref['name']}/{ref['key']}, which the "
-                                  "manifests do not hold")
+                raise Unsupported(
+                    f"pod {pod.name}: env {e['name']} refers to {ref['name']}/{ref['key']}, which the "
+                    "manifests do not hold"
+                )
             env[e["name"]] = data[ref["key"]]
         else:
             raise Unsupported(f"pod {pod.name}: env {e['name']} uses {sorted(src)}, which is not played")
@@ -356,24 +442,35 @@ _VAR = re.compile(r"\$\$|\$\(([A-Za-z_][A-Za-z0-9_.-]*)\)")
 
 def expand(text: str, env: Mapping[str, str]) -> str:
     """Kubernetes' `$(VAR)` expansion: defined variables are replaced, `$$` escapes, others stay."""
+
     def sub(m: re.Match[str]) -> str:
         if m.group(0) == "$$":
             return "$"
         return env.get(m.group(1), m.group(0))
+
     return _VAR.sub(sub, text)
 
 
 def _probe(p: Manifest | None, ports: Mapping[str, int]) -> Probe | None:
     if not p:
         return None
+
     def make(kind: str, **where: Any) -> Probe:
-        return Probe(kind, initial_delay_s=float(p.get("initialDelaySeconds", 0)),
-                     period_s=float(p.get("periodSeconds", 10)), timeout_s=float(p.get("timeoutSeconds", 1)),
-                     failure_threshold=int(p.get("failureThreshold", 3)),
-                     success_threshold=int(p.get("successThreshold", 1)), **where)
+        return Probe(
+            kind,
+            initial_delay_s=float(p.get("initialDelaySeconds", 0)),
+            period_s=float(p.get("periodSeconds", 10)),
+            timeout_s=float(p.get("timeoutSeconds", 1)),
+            failure_threshold=int(p.get("failureThreshold", 3)),
+            success_threshold=int(p.get("successThreshold", 1)),
+            **where,
+        )
+
     if "httpGet" in p:
         h = p["httpGet"]
-        return make("http", port=_port(h["port"], ports), path=h.get("path", "/"), scheme=h.get("scheme", "HTTP"))
+        return make(
+            "http", port=_port(h["port"], ports), path=h.get("path", "/"), scheme=h.get("scheme", "HTTP")
+        )
     if "tcpSocket" in p:
         return make("tcp", port=_port(p["tcpSocket"]["port"], ports))
     if "exec" in p:

@@ -69,8 +69,10 @@ def write_secret_file(path: Path, content: str) -> Path:
 def write_secrets(state_dir: Path) -> tuple[Path, Path]:
     """A local stack's handoff secret and node API token, fresh random values in 0600 files:
     (handoff secret file, node API token file)."""
-    return (write_secret_file(state_dir / HANDOFF_SECRET_FILE, secrets.token_hex(32)),
-            write_secret_file(state_dir / NODE_API_TOKEN_FILE, secrets.token_hex(32)))
+    return (
+        write_secret_file(state_dir / HANDOFF_SECRET_FILE, secrets.token_hex(32)),
+        write_secret_file(state_dir / NODE_API_TOKEN_FILE, secrets.token_hex(32)),
+    )
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -90,10 +92,23 @@ def start(component: Component, state_dir: Path) -> Running:
     if "PYTHONPATH" in component.env and os.environ.get("PYTHONPATH"):
         env["PYTHONPATH"] = os.pathsep.join((component.env["PYTHONPATH"], os.environ["PYTHONPATH"]))
     with log.open("wb") as fh:
-        proc = subprocess.Popen(component.argv, stdout=fh, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True, env=env)
-    return Running(component.name, component.kind, proc.pid, component.url, component.ready_url, str(log),
-                   started=start_time(proc.pid))
+        proc = subprocess.Popen(
+            component.argv,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+    return Running(
+        component.name,
+        component.kind,
+        proc.pid,
+        component.url,
+        component.ready_url,
+        str(log),
+        started=start_time(proc.pid),
+    )
 
 
 def start_time(pid: int) -> int | None:
@@ -103,7 +118,7 @@ def start_time(pid: int) -> int | None:
     except OSError:
         return None
     # Field 2 (the command name) is in parentheses and may hold spaces: count fields after its end.
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return int(stat[stat.rindex(")") + 2 :].split()[19])
 
 
 def ours(p: Running) -> bool:
@@ -175,7 +190,9 @@ def wait_ready(procs: list[Running], timeout: float, report: Callable[[str], Non
         if pending and elapsed > timeout:
             raise StartFailed(next(iter(pending.values())), f"was not ready after {timeout:.0f} s")
         if pending and elapsed - last_report >= 10:
-            report(f"  waiting for {', '.join(sorted(pending))} ({elapsed:.0f} s; vLLM takes ~30-60 s on a CPU)")
+            report(
+                f"  waiting for {', '.join(sorted(pending))} ({elapsed:.0f} s; vLLM takes ~30-60 s on a CPU)"
+            )
             last_report = elapsed
         time.sleep(0.5)
 
@@ -220,8 +237,9 @@ def save(state_dir: Path, meta: dict[str, object], procs: list[Running]) -> None
 def load(state_dir: Path) -> tuple[dict[str, object], list[Running]]:
     path = state_dir / STATE_FILE
     if not path.exists():
-        raise FileNotFoundError(f"no local stack recorded in {state_dir}; start one with `tilert-pd local up -f FILE`")
+        raise FileNotFoundError(
+            f"no local stack recorded in {state_dir}; start one with `tilert-pd local up -f FILE`"
+        )
     data = json.loads(path.read_text())
     procs = [Running(**c) for c in data.pop("components")]
     return data, procs
-

@@ -40,40 +40,68 @@ class ConnectorConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     tilert_model: str = Field(description="state layout family: glm5, deepseek_v3_2 or mla")
-    max_seq_len: int = Field(alias="tilert_max_seq_len", ge=1,
-                             description="longest prompt the TileRT pool takes; sizes the staging buffer")
+    max_seq_len: int = Field(
+        alias="tilert_max_seq_len",
+        ge=1,
+        description="longest prompt the TileRT pool takes; sizes the staging buffer",
+    )
     transfer: str = Field("mooncake", alias="tilert_transfer", description="byte mover: mooncake or nixl")
     protocol: Literal["tcp", "rdma"] = Field("tcp", alias="tilert_protocol", description="tcp or rdma")
-    secret_path: str = Field(defaults.SECRET_PATH, alias="tilert_secret_path",
-                             description="file holding the handoff's shared secret (re-read when it changes)")
-    staging_requests: int = Field(2, alias="tilert_staging_requests", ge=1,
-                                  description="requests whose state can wait in staging for the sender at once; a "
-                                              "chunked prompt sent step by step holds one from its first "
-                                              "step, and may take one only while another stays free")
-    local_host: str = Field("", alias="tilert_local_host", validate_default=True,
-                            description="address the decode nodes reach this worker's transfer engine at "
-                                        "(default $POD_IP, else this host's address; unused with "
-                                        "tilert_data_plane_networks)")
-    data_plane_networks: tuple[str, ...] = Field((), alias="tilert_data_plane_networks",
-                                                 description="Multus networks of the handoff (spec.transfer.rdma."
-                                                             "networks): the transfer engine runs on this pod's "
-                                                             "address on the first, read from "
-                                                             "tilert_network_status_file")
-    network_status_file: str = Field(dataplane.NETWORK_STATUS_FILE, alias="tilert_network_status_file",
-                                     description="the pod's Multus network-status annotation, mounted by the "
-                                                 "downward API")
-    timeout_s: float = Field(30.0, alias="tilert_timeout_s",
-                             description="seconds a handoff may wait for the node, or for the prefill to stage a "
-                                         "further layer (one step), before it is failed")
-    handoff_digest: bool = Field(True, alias="tilert_handoff_digest",
-                                 description="send a digest of the written state in Done, which the decode nodes "
-                                             "check before decoding (they refuse a state without one unless run "
-                                             "with --handoff-digest off)")
+    secret_path: str = Field(
+        defaults.SECRET_PATH,
+        alias="tilert_secret_path",
+        description="file holding the handoff's shared secret (re-read when it changes)",
+    )
+    staging_requests: int = Field(
+        2,
+        alias="tilert_staging_requests",
+        ge=1,
+        description="requests whose state can wait in staging for the sender at once; a "
+        "chunked prompt sent step by step holds one from its first "
+        "step, and may take one only while another stays free",
+    )
+    local_host: str = Field(
+        "",
+        alias="tilert_local_host",
+        validate_default=True,
+        description="address the decode nodes reach this worker's transfer engine at "
+        "(default $POD_IP, else this host's address; unused with "
+        "tilert_data_plane_networks)",
+    )
+    data_plane_networks: tuple[str, ...] = Field(
+        (),
+        alias="tilert_data_plane_networks",
+        description="Multus networks of the handoff (spec.transfer.rdma."
+        "networks): the transfer engine runs on this pod's "
+        "address on the first, read from "
+        "tilert_network_status_file",
+    )
+    network_status_file: str = Field(
+        dataplane.NETWORK_STATUS_FILE,
+        alias="tilert_network_status_file",
+        description="the pod's Multus network-status annotation, mounted by the downward API",
+    )
+    timeout_s: float = Field(
+        30.0,
+        alias="tilert_timeout_s",
+        description="seconds a handoff may wait for the node, or for the prefill to stage a "
+        "further layer (one step), before it is failed",
+    )
+    handoff_digest: bool = Field(
+        True,
+        alias="tilert_handoff_digest",
+        description="send a digest of the written state in Done, which the decode nodes "
+        "check before decoding (they refuse a state without one unless run "
+        "with --handoff-digest off)",
+    )
 
-    layerwise: bool = Field(True, alias="tilert_layerwise",
-                            description="hand each layer's state over as the forward finishes it (the node checks "
-                                        "and converts it while later layers compute); off, the whole state "
-                                        "moves after the forward. Nodes that do not offer it get the whole state")
+    layerwise: bool = Field(
+        True,
+        alias="tilert_layerwise",
+        description="hand each layer's state over as the forward finishes it (the node checks "
+        "and converts it while later layers compute); off, the whole state "
+        "moves after the forward. Nodes that do not offer it get the whole state",
+    )
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any]) -> ConnectorConfig:
@@ -91,8 +119,10 @@ class ConnectorConfig(BaseModel):
             return extra
         misplaced = [k for k in extra if k in PER_REQUEST_KEYS]
         if misplaced:
-            raise ValueError(f"kv_connector_extra_config has {misplaced}: the destination is per request; the "
-                             "router puts tilert_host/tilert_ctrl_port/tilert_ticket in kv_transfer_params")
+            raise ValueError(
+                f"kv_connector_extra_config has {misplaced}: the destination is per request; the "
+                "router puts tilert_host/tilert_ctrl_port/tilert_ticket in kv_transfer_params"
+            )
         known = {f.alias or name for name, f in cls.model_fields.items()}
         unknown = sorted(set(extra) - known)
         if unknown:

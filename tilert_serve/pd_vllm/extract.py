@@ -40,28 +40,41 @@ def check_cache(cache: PagedCache, layout: Layout) -> None:
     plane = layout.plane(cache.plane)
     t = cache.tensor
     if not t.is_contiguous():
-        raise ValueError(f"KV cache {cache.name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()})")
+        raise ValueError(
+            f"KV cache {cache.name} is not contiguous (shape {tuple(t.shape)}, stride {t.stride()})"
+        )
     per_block = t[0].numel() * t.element_size()
     unit = plane.unit_bytes * (cache.block_size if plane.unit_tokens == 1 else 1)
     if plane.unit_tokens not in (1, cache.block_size):
-        raise ValueError(f"{cache.name}: indexer pages cover {plane.unit_tokens} tokens but blocks hold "
-                         f"{cache.block_size}; run the prefill with --block-size {plane.unit_tokens}")
+        raise ValueError(
+            f"{cache.name}: indexer pages cover {plane.unit_tokens} tokens but blocks hold "
+            f"{cache.block_size}; run the prefill with --block-size {plane.unit_tokens}"
+        )
     if per_block != unit:
-        raise ValueError(f"KV cache {cache.name} has {per_block} bytes per block (shape {tuple(t.shape)}, "
-                         f"{t.dtype}); layout {layout.model}/{layout.kv_cache_dtype} expects {unit}: check "
-                         "--kv-cache-dtype and tilert_model")
+        raise ValueError(
+            f"KV cache {cache.name} has {per_block} bytes per block (shape {tuple(t.shape)}, "
+            f"{t.dtype}); layout {layout.model}/{layout.kv_cache_dtype} expects {unit}: check "
+            "--kv-cache-dtype and tilert_model"
+        )
 
 
-def slot_indices(block_ids: list[int], num_tokens: int, block_size: int, device: torch.device,
-                 start: int = 0) -> torch.Tensor:
+def slot_indices(
+    block_ids: list[int], num_tokens: int, block_size: int, device: torch.device, start: int = 0
+) -> torch.Tensor:
     """Row index in the flattened cache of each of the request's tokens `start` to `num_tokens`."""
     blocks = torch.tensor(block_ids, dtype=torch.int64, device=device)
     t = torch.arange(start, num_tokens, dtype=torch.int64, device=device)
     return blocks[t // block_size] * block_size + t % block_size
 
 
-def gather(caches: list[PagedCache], block_ids: tuple[list[int], ...], num_tokens: int, staging: Placement,
-           region: list[torch.Tensor], start: int = 0) -> int:
+def gather(
+    caches: list[PagedCache],
+    block_ids: tuple[list[int], ...],
+    num_tokens: int,
+    staging: Placement,
+    region: list[torch.Tensor],
+    start: int = 0,
+) -> int:
     """Copy each cache's rows for the request's tokens `start` to `num_tokens` into `region` (uint8,
     one tensor per staging shard), where the whole request's gather puts them (a page holding
     `start` is copied whole).
@@ -79,7 +92,7 @@ def gather(caches: list[PagedCache], block_ids: tuple[list[int], ...], num_token
         nbytes = (units - first) * plane.unit_bytes
         src = c.rows
         begin = off + first * plane.unit_bytes
-        dst = region[shard][begin:begin + nbytes].view(src.dtype).view(units - first, src.shape[1])
+        dst = region[shard][begin : begin + nbytes].view(src.dtype).view(units - first, src.shape[1])
         key = (c.group, c.block_size if c.plane != "indexer" else 0, c.plane)
         idx = index_cache.get(key)
         if idx is None:
@@ -115,24 +128,40 @@ class Gatherer:
 
             self._slot = 0
             self._pinned: list[tuple[torch.Tensor, torch.cuda.Event]] = [
-                (torch.empty(0, dtype=torch.int32), torch.cuda.Event()) for _ in range(4)]  # type: ignore[no-untyped-call]
-            self._fused = FusedGather([c.tensor for c in caches], [c.layer for c in caches], [c.plane for c in caches],
-                                      [c.group for c in caches], [c.block_size for c in caches], staging, shard)
+                (torch.empty(0, dtype=torch.int32), torch.cuda.Event())  # type: ignore[no-untyped-call]
+                for _ in range(4)
+            ]
+            self._fused = FusedGather(
+                [c.tensor for c in caches],
+                [c.layer for c in caches],
+                [c.plane for c in caches],
+                [c.group for c in caches],
+                [c.block_size for c in caches],
+                staging,
+                shard,
+            )
 
     @property
     def layers(self) -> frozenset[int]:
         """The layers whose caches this rank holds (and so gathers)."""
         return frozenset(self._by_layer)
 
-    def __call__(self, block_ids: tuple[list[int], ...], num_tokens: int, region: list[torch.Tensor],
-                 layer: int | None = None, start: int = 0) -> int:
+    def __call__(
+        self,
+        block_ids: tuple[list[int], ...],
+        num_tokens: int,
+        region: list[torch.Tensor],
+        layer: int | None = None,
+        start: int = 0,
+    ) -> int:
         if layer is not None and layer not in self._by_layer:
             return 0
         if self._fused is None:
             caches = self.caches if layer is None else self._by_layer[layer]
             return gather(caches, block_ids, num_tokens, self.staging, region, start)
-        return self._fused(self._device_ids(block_ids, num_tokens), num_tokens, region[self.shard], layer,
-                           start=start)
+        return self._fused(
+            self._device_ids(block_ids, num_tokens), num_tokens, region[self.shard], layer, start=start
+        )
 
     def _device_ids(self, block_ids: tuple[list[int], ...], num_tokens: int) -> torch.Tensor:
         assert self._fused is not None
@@ -154,7 +183,7 @@ class Gatherer:
         if buf.numel() < len(flat):
             buf = torch.empty(2 * len(flat), dtype=torch.int32, pin_memory=True)
         done.synchronize()
-        host = buf[:len(flat)]
+        host = buf[: len(flat)]
         host.copy_(torch.frombuffer(flat, dtype=torch.int32))
         ids = host.view(len(rows), blocks).to(self.caches[0].tensor.device, non_blocking=True)
         done.record()

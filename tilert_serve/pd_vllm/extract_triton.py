@@ -81,9 +81,25 @@ def _gather_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, j0
 
 
 @triton.jit
-def _gather_planes_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, seg0, j0, CHUNK: tl.constexpr,
-                          BW0: tl.constexpr, UW0: tl.constexpr, UT0: tl.constexpr, G0: tl.constexpr,
-                          BW1: tl.constexpr, UW1: tl.constexpr, UT1: tl.constexpr, G1: tl.constexpr):
+def _gather_planes_kernel(
+    src0,
+    table,
+    block_ids,
+    ids_stride,
+    dst,
+    num_tokens,
+    seg0,
+    j0,
+    CHUNK: tl.constexpr,
+    BW0: tl.constexpr,
+    UW0: tl.constexpr,
+    UT0: tl.constexpr,
+    G0: tl.constexpr,
+    BW1: tl.constexpr,
+    UW1: tl.constexpr,
+    UT1: tl.constexpr,
+    G1: tl.constexpr,
+):
     """_gather_kernel where every layer has the same planes in the same order (every layout here): a
     plane's geometry (block words, unit words, unit tokens, block-id row) is a constant of the kernel,
     so a program's only load before its block's address is the block id (_gather_kernel first loads
@@ -98,8 +114,9 @@ def _gather_planes_kernel(src0, table, block_ids, ids_stride, dst, num_tokens, s
     unit_tokens = tl.where(second, UT1, UT0)
     units_per_block = tl.where(second, BW1 // UW1, BW0 // UW0)
     n_units = (num_tokens + unit_tokens - 1) // unit_tokens
-    words_here = tl.multiple_of(tl.minimum(units_per_block, n_units - j * units_per_block) *
-                                tl.where(second, UW1, UW0), 4)
+    words_here = tl.multiple_of(
+        tl.minimum(units_per_block, n_units - j * units_per_block) * tl.where(second, UW1, UW0), 4
+    )
     if words_here > 0:
         row = table + seg * 6
         bid = tl.load(block_ids + tl.where(second, G1, G0) * ids_stride + j).to(tl.int64)
@@ -116,10 +133,21 @@ class FusedGather:
     """The gather of a fixed set of caches (one per layer and plane, fixed at registration) into one
     staging shard: every layer in one launch, or one layer's planes in one launch."""
 
-    def __init__(self, caches: list[torch.Tensor], layers: list[int], planes: list[str], groups: list[int],
-                 block_sizes: list[int], staging: Placement, shard: int) -> None:
+    def __init__(
+        self,
+        caches: list[torch.Tensor],
+        layers: list[int],
+        planes: list[str],
+        groups: list[int],
+        block_sizes: list[int],
+        staging: Placement,
+        shard: int,
+    ) -> None:
         base = caches[0].data_ptr()
-        order = sorted(range(len(caches)), key=lambda i: (layers[i], [p.name for p in staging.layout.planes].index(planes[i])))
+        order = sorted(
+            range(len(caches)),
+            key=lambda i: (layers[i], [p.name for p in staging.layout.planes].index(planes[i])),
+        )
         self.groups = sorted(set(groups))
         rows: list[list[int]] = []
         #: layer -> (first segment, segments, [(unit tokens, units per block, unit bytes)])
@@ -129,18 +157,36 @@ class FusedGather:
             units_per_block = block_sizes[i] if plane.unit_tokens == 1 else 1
             block_bytes = units_per_block * plane.unit_bytes
             if c[0].numel() * c.element_size() != block_bytes:
-                raise ValueError(f"a {plane.name} cache block holds {c[0].numel() * c.element_size()} bytes, "
-                                 f"expected {block_bytes}")
+                raise ValueError(
+                    f"a {plane.name} cache block holds {c[0].numel() * c.element_size()} bytes, "
+                    f"expected {block_bytes}"
+                )
             if plane.unit_bytes % 16 or (c.data_ptr() - base) % 16:
-                raise ValueError(f"layer {lid} {plane.name} cache is not 16-byte aligned relative to the first")
+                raise ValueError(
+                    f"layer {lid} {plane.name} cache is not 16-byte aligned relative to the first"
+                )
             s, off = staging.offset(plane.name, lid)
             if s != shard or off % 16:
-                raise ValueError(f"layer {lid} {plane.name} staging offset {off} is not a 16-byte multiple on "
-                                 f"shard {shard}")
-            rows.append([(c.data_ptr() - base) // _WORD, off // _WORD, block_bytes // _WORD,
-                         plane.unit_bytes // _WORD, plane.unit_tokens, self.groups.index(groups[i])])
+                raise ValueError(
+                    f"layer {lid} {plane.name} staging offset {off} is not a 16-byte multiple on "
+                    f"shard {shard}"
+                )
+            rows.append(
+                [
+                    (c.data_ptr() - base) // _WORD,
+                    off // _WORD,
+                    block_bytes // _WORD,
+                    plane.unit_bytes // _WORD,
+                    plane.unit_tokens,
+                    self.groups.index(groups[i]),
+                ]
+            )
             first, count, geo = self._layer.get(lid, (seg, 0, []))
-            self._layer[lid] = (first, count + 1, [*geo, (plane.unit_tokens, units_per_block, plane.unit_bytes)])
+            self._layer[lid] = (
+                first,
+                count + 1,
+                [*geo, (plane.unit_tokens, units_per_block, plane.unit_bytes)],
+            )
         self.table = torch.tensor(rows, dtype=torch.int64, device=caches[0].device)
         self.src0 = caches[0].view(torch.int32)
         self.num_segments = len(rows)
@@ -155,8 +201,9 @@ class FusedGather:
             k = per_layer.pop()
             g0, g1 = geometry[0], geometry[k - 1]
             if all(g == (g0, g1)[s % k] for s, g in enumerate(geometry)) and (k == 2 or g0 == g1):
-                self._planes = tuple(zip(("BW0", "UW0", "UT0", "G0", "BW1", "UW1", "UT1", "G1"), (*g0, *g1),
-                                         strict=True))
+                self._planes = tuple(
+                    zip(("BW0", "UW0", "UT0", "G0", "BW1", "UW1", "UT1", "G1"), (*g0, *g1), strict=True)
+                )
 
     @property
     def layers(self) -> frozenset[int]:
@@ -171,9 +218,17 @@ class FusedGather:
         `start` (rows before it in that block are copied again, the same bytes)."""
         return start // max(t * upb for t, upb in self._geometries)
 
-    def __call__(self, block_ids: torch.Tensor, num_tokens: int, region: torch.Tensor, layer: int | None = None,
-                 chunk: int | None = None, num_warps: int | None = None, split: int | None = None,
-                 start: int = 0) -> int:
+    def __call__(
+        self,
+        block_ids: torch.Tensor,
+        num_tokens: int,
+        region: torch.Tensor,
+        layer: int | None = None,
+        chunk: int | None = None,
+        num_warps: int | None = None,
+        split: int | None = None,
+        start: int = 0,
+    ) -> int:
         """Gather every layer, or only `layer` (0 bytes if this gather holds none of it), tokens
         `start` (a chunk-wise handoff: the tokens of this step's chunk) to `num_tokens`.
 
@@ -195,7 +250,16 @@ class FusedGather:
             num_warps = NUM_WARPS if layer is None else LAYER_WARPS
         if split is None:
             split = min(MAX_SPLIT, _cdiv(MIN_PROGRAMS, blocks * count)) if layer is None else LAYER_SPLIT
-        args = (self.src0, self.table, block_ids, block_ids.stride(0), region.view(torch.int32), num_tokens, first, j0)
+        args = (
+            self.src0,
+            self.table,
+            block_ids,
+            block_ids.stride(0),
+            region.view(torch.int32),
+            num_tokens,
+            first,
+            j0,
+        )
         if PLANES_KERNEL and self._planes is not None:
             _GATHER_PLANES((blocks, count, split), args, (("CHUNK", chunk), *self._planes), num_warps)
         else:

@@ -60,7 +60,9 @@ log = get_logger(__name__)
 class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
-        self.config = ConnectorConfig.from_extra_config(self._kv_transfer_config.kv_connector_extra_config or {})
+        self.config = ConnectorConfig.from_extra_config(
+            self._kv_transfer_config.kv_connector_extra_config or {}
+        )
         self._scheduler: TileRTScheduler | None = None
         self._worker: Any = None
         if role == KVConnectorRole.SCHEDULER:
@@ -74,7 +76,9 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
             from tilert_serve.pd_vllm.worker import TileRTWorker
 
             if vllm_config.parallel_config.pipeline_parallel_size > 1:
-                raise ValueError("TileRTConnector does not support pipeline parallelism; use tensor parallelism")
+                raise ValueError(
+                    "TileRTConnector does not support pipeline parallelism; use tensor parallelism"
+                )
             group_of: dict[str, int] = {}
             block_size_of: dict[int, int] = {}
             for g, group in enumerate(getattr(kv_cache_config, "kv_cache_groups", []) or []):
@@ -82,21 +86,29 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
                 for name in group.layer_names:
                     group_of[name] = g
             hf = vllm_config.model_config.hf_config
-            self._worker = TileRTWorker(self.config, rank=get_tensor_model_parallel_rank(),
-                                        world_size=get_tensor_model_parallel_world_size(), group_of=group_of,
-                                        block_size_of=block_size_of,
-                                        num_hidden_layers=int(hf.num_hidden_layers))
+            self._worker = TileRTWorker(
+                self.config,
+                rank=get_tensor_model_parallel_rank(),
+                world_size=get_tensor_model_parallel_world_size(),
+                group_of=group_of,
+                block_size_of=block_size_of,
+                num_hidden_layers=int(hf.num_hidden_layers),
+            )
 
     # -- scheduler side ----------------------------------------------------------------------------
 
-    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         return 0, False
 
     def on_new_request(self, request: Request) -> None:
         assert self._scheduler is not None
         self._scheduler.on_new_request(request)
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         assert self._scheduler is not None
         self._scheduler.update_state_after_alloc(request, blocks.get_block_ids())
 
@@ -108,8 +120,9 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
         assert self._scheduler is not None
         return self._scheduler.request_finished(request)
 
@@ -136,7 +149,9 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
         if self._worker is not None and isinstance(connector_metadata, TileRTConnectorMetadata):
             self._worker.begin(connector_metadata.jobs)
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         # Every attention layer of every step comes here: the forward-context look-up only when a
         # layer-wise job is being staged.
         if self._worker is None or not self._worker.staging_layers or _micro_batched():
@@ -164,8 +179,13 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
         return TileRTStats(data=data) if data is not None else TileRTStats()
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                           labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> TileRTPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> TileRTPromMetrics:
         return TileRTPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:

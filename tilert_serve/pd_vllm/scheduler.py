@@ -53,8 +53,10 @@ class TileRTScheduler:
         except ValueError as exc:
             refused = f"bad kv_transfer_params: {exc}"
         if refused is None and request.num_prompt_tokens > self.config.max_seq_len:
-            refused = (f"prompt of {request.num_prompt_tokens} tokens exceeds tilert_max_seq_len "
-                       f"{self.config.max_seq_len}")
+            refused = (
+                f"prompt of {request.num_prompt_tokens} tokens exceeds tilert_max_seq_len "
+                f"{self.config.max_seq_len}"
+            )
         if refused:
             log.warning("request %s will not be handed to TileRT: %s", request.request_id, refused)
         self._claimed[request.request_id] = _Claimed(request, dest, refused)
@@ -83,9 +85,12 @@ class TileRTScheduler:
             if req_id in cached.resumed_req_ids:  # a resumed request gets its whole block table anew
                 claimed.block_ids = tuple(list(b) for b in (new_blocks or ()))
             elif new_blocks is not None:
-                claimed.block_ids = tuple(old + list(new) for old, new in
-                                          zip(claimed.block_ids or tuple([] for _ in new_blocks), new_blocks,
-                                              strict=True))
+                claimed.block_ids = tuple(
+                    old + list(new)
+                    for old, new in zip(
+                        claimed.block_ids or tuple([] for _ in new_blocks), new_blocks, strict=True
+                    )
+                )
             progress[req_id] = cached.num_computed_tokens[i]
         for req_id, computed in progress.items():
             claimed = self._claimed[req_id]
@@ -95,15 +100,29 @@ class TileRTScheduler:
             upto = computed + out.num_scheduled_tokens.get(req_id, 0)
             prompt = claimed.request.prompt_token_ids or []
             if upto >= n:
-                meta.jobs.append(SendJob(req_id=req_id, dest=claimed.dest, num_tokens=n,
-                                         last_prompt_token=prompt[n - 1], prompt_token_ids=list(prompt),
-                                         block_ids=claimed.block_ids))
+                meta.jobs.append(
+                    SendJob(
+                        req_id=req_id,
+                        dest=claimed.dest,
+                        num_tokens=n,
+                        last_prompt_token=prompt[n - 1],
+                        prompt_token_ids=list(prompt),
+                        block_ids=claimed.block_ids,
+                    )
+                )
                 claimed.queued = True
             elif claimed.dest.wants_layerwise(self.config.layerwise):
-                meta.jobs.append(SendJob(req_id=req_id, dest=claimed.dest, num_tokens=n,
-                                         last_prompt_token=prompt[n - 1],
-                                         prompt_token_ids=[] if claimed.announced else list(prompt),
-                                         block_ids=claimed.block_ids, upto=upto))
+                meta.jobs.append(
+                    SendJob(
+                        req_id=req_id,
+                        dest=claimed.dest,
+                        num_tokens=n,
+                        last_prompt_token=prompt[n - 1],
+                        prompt_token_ids=[] if claimed.announced else list(prompt),
+                        block_ids=claimed.block_ids,
+                        upto=upto,
+                    )
+                )
                 claimed.announced = True
         return meta
 
@@ -120,7 +139,9 @@ class TileRTScheduler:
             self._copying.add(request.request_id)
             return True, params
         params["tilert_status"] = "failed"
-        params["tilert_error"] = claimed.refused or f"request ended ({request.status.name}) before its prefill did"
+        params["tilert_error"] = (
+            claimed.refused or f"request ended ({request.status.name}) before its prefill did"
+        )
         return False, params
 
     def sent(self, finished_sending: set[ReqId]) -> None:

@@ -20,8 +20,19 @@ from tilert_serve.metric_defs import Domain, Unbounded, declare, values
 #: How a handoff ends, the outcome label's values: ok, the sender's failures (handoff/sender.py), the
 #: node's refusals, and the worker's own (internal: the sender crashed; failed: no reason given).
 #: Anything else counts as "other".
-HANDOFF_OUTCOMES = values({"ok", "failed", "internal", "unreachable", "timeout", "protocol", "prefill_failed",
-                           "transfer_failed", *RejectReason})
+HANDOFF_OUTCOMES = values(
+    {
+        "ok",
+        "failed",
+        "internal",
+        "unreachable",
+        "timeout",
+        "protocol",
+        "prefill_failed",
+        "transfer_failed",
+        *RejectReason,
+    }
+)
 #: The labels vLLM gives its metrics, ours included.
 VLLM_LABELS: dict[str, Domain] = {
     "model_name": Unbounded("the served model's name (vLLM's label)"),
@@ -30,17 +41,36 @@ VLLM_LABELS: dict[str, Domain] = {
 
 
 def _empty() -> dict[str, Any]:
-    return {"handoffs": {}, "bytes": 0, "extract_s": 0.0, "send_s": 0.0, "layers_sent": 0, "layers_early": 0,
-            "ack_s": 0.0, "write_s": 0.0, "chunk_bytes": 0}
+    return {
+        "handoffs": {},
+        "bytes": 0,
+        "extract_s": 0.0,
+        "send_s": 0.0,
+        "layers_sent": 0,
+        "layers_early": 0,
+        "ack_s": 0.0,
+        "write_s": 0.0,
+        "chunk_bytes": 0,
+    }
 
 
 @dataclass
 class TileRTStats(KVConnectorStats):
     data: dict[str, Any] = field(default_factory=_empty)
 
-    def record(self, outcome: str, nbytes: int = 0, extract_s: float = 0.0, send_s: float = 0.0, *,
-               layers_sent: int = 0, layers_early: int = 0, ack_s: float = 0.0, write_s: float = 0.0,
-               chunk_bytes: int = 0) -> None:
+    def record(
+        self,
+        outcome: str,
+        nbytes: int = 0,
+        extract_s: float = 0.0,
+        send_s: float = 0.0,
+        *,
+        layers_sent: int = 0,
+        layers_early: int = 0,
+        ack_s: float = 0.0,
+        write_s: float = 0.0,
+        chunk_bytes: int = 0,
+    ) -> None:
         """`layers_sent`: layers reported one by one (LayersDone); `layers_early`: those before the
         last batch; `ack_s`: from the end of the last write to the node's Ack; `write_s`: inside the
         transfer engine's write calls alone (bytes / write_s is the link's bandwidth; send_s holds
@@ -63,7 +93,16 @@ class TileRTStats(KVConnectorStats):
     def aggregate(self, other: KVConnectorStats) -> KVConnectorStats:
         for k, v in other.data.get("handoffs", {}).items():
             self.data["handoffs"][k] = self.data["handoffs"].get(k, 0) + v
-        for k in ("bytes", "extract_s", "send_s", "layers_sent", "layers_early", "ack_s", "write_s", "chunk_bytes"):
+        for k in (
+            "bytes",
+            "extract_s",
+            "send_s",
+            "layers_sent",
+            "layers_early",
+            "ack_s",
+            "write_s",
+            "chunk_bytes",
+        ):
             self.data[k] = self.data.get(k, 0) + other.data.get(k, 0)
         return self
 
@@ -84,36 +123,59 @@ class TileRTStats(KVConnectorStats):
 
 
 class TileRTPromMetrics(KVConnectorPromMetrics):
-    def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric], type[PromMetricT]],
-                 labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict[type[PromMetric], type[PromMetricT]],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         # vLLM maps each prometheus_client class to a compatible one (its own, or Ray's wrapper): the
         # class under the Counter key is a Counter.
         counter_cls = cast("type[Counter]", self._counter_cls)
-        vllm_labels = {n: VLLM_LABELS.get(n, Unbounded("a label vLLM gives all its metrics")) for n in labelnames}
+        vllm_labels = {
+            n: VLLM_LABELS.get(n, Unbounded("a label vLLM gives all its metrics")) for n in labelnames
+        }
 
         def counter(name: str, documentation: str, labels: dict[str, Domain] | None = None) -> Counter:
             domains = {**vllm_labels, **(labels or {})}
             return declare(counter_cls(name, documentation, labelnames=list(domains)), domains)
 
-        self._handoffs = counter("vllm:tilert_handoffs_total", "Handoffs to TileRT nodes by outcome: ok, or why "
-                                 "the handoff failed.", {"outcome": HANDOFF_OUTCOMES})
+        self._handoffs = counter(
+            "vllm:tilert_handoffs_total",
+            "Handoffs to TileRT nodes by outcome: ok, or why the handoff failed.",
+            {"outcome": HANDOFF_OUTCOMES},
+        )
         self._bytes = counter("vllm:tilert_handoff_bytes_total", "Bytes of state sent to TileRT nodes.")
-        self._send_s = counter("vllm:tilert_handoff_seconds_total", "Seconds sending state to TileRT nodes: "
-                               "handshake, writes (and, layer-wise, the waits for the forward) and Ack.")
-        self._extract_s = counter("vllm:tilert_extract_seconds_total",
-                                  "Seconds gathering state from the KV cache into staging.")
-        self._layers_sent = counter("vllm:tilert_layers_sent_total",
-                                    "Layers handed over one by one (layer-wise handoff).")
-        self._layers_early = counter("vllm:tilert_layers_early_total", "Layers handed over before a handoff's "
-                                     "last batch, while the forward still ran.")
-        self._ack_s = counter("vllm:tilert_ack_seconds_total",
-                              "Seconds from a handoff's last write to the node's Ack.")
-        self._write_s = counter("vllm:tilert_write_seconds_total", "Seconds inside the transfer engine's writes; "
-                                "handoff bytes over these seconds is the link's bandwidth.")
-        self._chunk_bytes = counter("vllm:tilert_handoff_chunk_bytes_total",
-                                    "Bytes of state, of the handoff bytes, sent while a chunked prefill's later "
-                                    "chunks were still being computed.")
+        self._send_s = counter(
+            "vllm:tilert_handoff_seconds_total",
+            "Seconds sending state to TileRT nodes: "
+            "handshake, writes (and, layer-wise, the waits for the forward) and Ack.",
+        )
+        self._extract_s = counter(
+            "vllm:tilert_extract_seconds_total", "Seconds gathering state from the KV cache into staging."
+        )
+        self._layers_sent = counter(
+            "vllm:tilert_layers_sent_total", "Layers handed over one by one (layer-wise handoff)."
+        )
+        self._layers_early = counter(
+            "vllm:tilert_layers_early_total",
+            "Layers handed over before a handoff's last batch, while the forward still ran.",
+        )
+        self._ack_s = counter(
+            "vllm:tilert_ack_seconds_total", "Seconds from a handoff's last write to the node's Ack."
+        )
+        self._write_s = counter(
+            "vllm:tilert_write_seconds_total",
+            "Seconds inside the transfer engine's writes; "
+            "handoff bytes over these seconds is the link's bandwidth.",
+        )
+        self._chunk_bytes = counter(
+            "vllm:tilert_handoff_chunk_bytes_total",
+            "Bytes of state, of the handoff bytes, sent while a chunked prefill's later "
+            "chunks were still being computed.",
+        )
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         labels = self.per_engine_labelvalues[engine_idx]

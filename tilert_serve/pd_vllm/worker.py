@@ -75,12 +75,21 @@ from tilert_serve.pd_vllm.stats import TileRTStats
 
 log = get_logger(__name__)
 _LAYER_ID = re.compile(r"layers\.(\d+)\.")
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-                torch.uint8: "fp8_ds_mla"}
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.uint8: "fp8_ds_mla",
+}
 
 
-def classify(kv_caches: dict[str, torch.Tensor], tilert_model: str, group_of: dict[str, int],
-             block_size_of: dict[int, int], num_hidden_layers: int) -> tuple[Layout, list[PagedCache]]:
+def classify(
+    kv_caches: dict[str, torch.Tensor],
+    tilert_model: str,
+    group_of: dict[str, int],
+    block_size_of: dict[int, int],
+    num_hidden_layers: int,
+) -> tuple[Layout, list[PagedCache]]:
     """The layout the registered caches imply, and each cache's (layer, plane)."""
     caches: list[PagedCache] = []
     for name, tensor in kv_caches.items():
@@ -153,7 +162,7 @@ class StagingPool:
         src, dst = self.gather_region(index)[self.rank], self.region(index)[self.rank]
         assert src is not None and dst is not None
         for r in write_ranges(self.placement, self.placement, layers, num_tokens, start):
-            dst[r.src:r.src + r.nbytes].copy_(src[r.src:r.src + r.nbytes])
+            dst[r.src : r.src + r.nbytes].copy_(src[r.src : r.src + r.nbytes])
 
     def addrs(self, index: int) -> list[int]:
         out = [0] * self.placement.shards
@@ -162,7 +171,7 @@ class StagingPool:
 
     def _shards(self, buffer: torch.Tensor, index: int) -> list[torch.Tensor | None]:
         out: list[torch.Tensor | None] = [None] * self.placement.shards
-        out[self.rank] = buffer[index * self.region_nbytes:(index + 1) * self.region_nbytes]
+        out[self.rank] = buffer[index * self.region_nbytes : (index + 1) * self.region_nbytes]
         return out
 
 
@@ -257,8 +266,16 @@ _STOP = object()
 
 
 class TileRTWorker:
-    def __init__(self, config: ConnectorConfig, *, rank: int, world_size: int, group_of: dict[str, int],
-                 block_size_of: dict[int, int], num_hidden_layers: int) -> None:
+    def __init__(
+        self,
+        config: ConnectorConfig,
+        *,
+        rank: int,
+        world_size: int,
+        group_of: dict[str, int],
+        block_size_of: dict[int, int],
+        num_hidden_layers: int,
+    ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.group_of, self.block_size_of = group_of, block_size_of
@@ -298,8 +315,9 @@ class TileRTWorker:
         self._prompts: dict[str, list[int]] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout, caches = classify(kv_caches, self.config.tilert_model, self.group_of, self.block_size_of,
-                                  self.num_hidden_layers)
+        layout, caches = classify(
+            kv_caches, self.config.tilert_model, self.group_of, self.block_size_of, self.num_hidden_layers
+        )
         mine = set(layouts.senders_layers(layout, self.rank, self.world_size))
         self.layout, self.caches = layout, [c for c in caches if c.layer in mine]
         staging = Placement(layout, max_tokens=self.config.max_seq_len, shards=self.world_size)
@@ -311,29 +329,58 @@ class TileRTWorker:
             digest.warm_up(device)  # at load, not in the first handoff
         where = self._data_plane()
         assert where.address is not None
-        self._mover = transfer.create(self.config.transfer, host=where.address,
-                                      protocol=self.config.protocol, role=f"prefill-{self.rank}",
-                                      interface=where.interface)
-        self._mover.register(self.pool.buffer.data_ptr(), self.pool.buffer.numel(),
-                             "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}")
+        self._mover = transfer.create(
+            self.config.transfer,
+            host=where.address,
+            protocol=self.config.protocol,
+            role=f"prefill-{self.rank}",
+            interface=where.interface,
+        )
+        self._mover.register(
+            self.pool.buffer.data_ptr(),
+            self.pool.buffer.numel(),
+            "cpu" if device.type == "cpu" else f"cuda:{device.index or 0}",
+        )
         for i in range(self.config.staging_requests + 1):
-            sender = Sender(name=f"prefill-rank{self.rank}", secret=self.keyring, engine=self._mover,
-                            staging=staging, staging_addrs=[0] * self.world_size, timeout_s=self.config.timeout_s,
-                            send_digest=self.config.handoff_digest)
-            thread = threading.Thread(target=self._run, args=(sender,), name=f"tilert-sender-{i}", daemon=True)
+            sender = Sender(
+                name=f"prefill-rank{self.rank}",
+                secret=self.keyring,
+                engine=self._mover,
+                staging=staging,
+                staging_addrs=[0] * self.world_size,
+                timeout_s=self.config.timeout_s,
+                send_digest=self.config.handoff_digest,
+            )
+            thread = threading.Thread(
+                target=self._run, args=(sender,), name=f"tilert-sender-{i}", daemon=True
+            )
             thread.start()
             self._senders.append(sender)
             self._threads.append(thread)
-        log.info("TileRTConnector rank %d/%d: layout %s, %d layers here, staging %d x %.1f MB (%s), %s/%s",
-                 self.rank, self.world_size, layout.describe(), len(mine), self.config.staging_requests,
-                 self.pool.region_nbytes / 1e6, device, self.config.transfer, self.config.protocol)
+        log.info(
+            "TileRTConnector rank %d/%d: layout %s, %d layers here, staging %d x %.1f MB (%s), %s/%s",
+            self.rank,
+            self.world_size,
+            layout.describe(),
+            len(mine),
+            self.config.staging_requests,
+            self.pool.region_nbytes / 1e6,
+            device,
+            self.config.transfer,
+            self.config.protocol,
+        )
 
     def _data_plane(self) -> dataplane.DataPlane:
         """Where this worker's transfer engine runs: its Multus address when the handoff has networks of
         its own (as the decode node finds its own; vLLM then fails to start with the reason if Multus
         never reports it), else the configured local host."""
-        return dataplane.find(self.config.data_plane_networks, self.config.network_status_file,
-                              os.environ.get("POD_NAMESPACE", ""), self.config.local_host, timeout_s=120.0)
+        return dataplane.find(
+            self.config.data_plane_networks,
+            self.config.network_status_file,
+            os.environ.get("POD_NAMESPACE", ""),
+            self.config.local_host,
+            timeout_s=120.0,
+        )
 
     def begin(self, jobs: list[SendJob]) -> None:
         """Called when vLLM binds the step's metadata, before the forward. With tilert_layerwise, a
@@ -426,8 +473,9 @@ class TileRTWorker:
             region = self.pool.gather_region(work.staging_index)
             for layer in layers:
                 self.gather(active.block_ids, end, region, layer=layer, start=work.staged)  # type: ignore[arg-type]
-            self.pool.publish(work.staging_index, [lid for lid in layers if lid in self.gather.layers], end,
-                              work.staged)
+            self.pool.publish(
+                work.staging_index, [lid for lid in layers if lid in self.gather.layers], end, work.staged
+            )
             event = None
             if self.pool.buffer.is_cuda:
                 event = torch.Event(device=self.pool.buffer.device)
@@ -478,8 +526,11 @@ class TileRTWorker:
                 # Staging is busy: the oldest waits (blocks held), unless it has waited too long.
                 if now - since > self.config.timeout_s:
                     self._waiting.popleft()
-                    self._give_up(job, f"prefill staging stayed full for {self.config.timeout_s:.0f} s "
-                                       f"({self.config.staging_requests} regions); raise tilert_staging_requests")
+                    self._give_up(
+                        job,
+                        f"prefill staging stayed full for {self.config.timeout_s:.0f} s "
+                        f"({self.config.staging_requests} regions); raise tilert_staging_requests",
+                    )
                     continue
                 return
             self._waiting.popleft()
@@ -539,26 +590,48 @@ class TileRTWorker:
                     work.feed.abandon()
                 if work.feed is not None and not work.feed.closed.wait(self.config.timeout_s):
                     # The step thread may still gather into the region: never hand it to another request.
-                    log.error("request %s: its layers were never all staged; staging region %s is retired",
-                              work.job.req_id, work.staging_index)
+                    log.error(
+                        "request %s: its layers were never all staged; staging region %s is retired",
+                        work.job.req_id,
+                        work.staging_index,
+                    )
                 elif work.staging_index is not None:
                     assert self.pool is not None
                     self._scrub(work)
                     self.pool.release(work.staging_index)
             with self._stats_lock:
-                self.stats.record("ok" if result.ok else (result.reason or "failed"), result.nbytes,
-                                  work.extract_s, result.handshake_s + result.write_s + result.ack_s,
-                                  layers_sent=result.layers_sent, layers_early=result.layers_early,
-                                  ack_s=result.ack_s, write_s=result.busy_s, chunk_bytes=result.chunk_bytes)
+                self.stats.record(
+                    "ok" if result.ok else (result.reason or "failed"),
+                    result.nbytes,
+                    work.extract_s,
+                    result.handshake_s + result.write_s + result.ack_s,
+                    layers_sent=result.layers_sent,
+                    layers_early=result.layers_early,
+                    ack_s=result.ack_s,
+                    write_s=result.busy_s,
+                    chunk_bytes=result.chunk_bytes,
+                )
             if not result.ok:
-                log.warning("handoff of %s to %s:%d failed: %s: %s", work.job.req_id, work.job.dest.host,
-                            work.job.dest.ctrl_port, result.reason, result.message)
+                log.warning(
+                    "handoff of %s to %s:%d failed: %s: %s",
+                    work.job.req_id,
+                    work.job.dest.host,
+                    work.job.dest.ctrl_port,
+                    result.reason,
+                    result.message,
+                )
 
     def _send(self, sender: Sender, work: _Work) -> HandoffResult:
         job = work.job
-        req = HandoffRequest(request_id=job.req_id, num_tokens=job.num_tokens, last_prompt_token=job.last_prompt_token,
-                             ticket=job.dest.ticket, prompt_token_ids=job.prompt_token_ids, rank=self.rank,
-                             num_senders=self.world_size)
+        req = HandoffRequest(
+            request_id=job.req_id,
+            num_tokens=job.num_tokens,
+            last_prompt_token=job.last_prompt_token,
+            ticket=job.dest.ticket,
+            prompt_token_ids=job.prompt_token_ids,
+            rank=self.rank,
+            num_senders=self.world_size,
+        )
         if work.staging_index is None:
             return sender.send(job.dest.host, job.dest.ctrl_port, req, error=work.error or "not staged")
         if work.event is not None:
@@ -575,9 +648,10 @@ class TileRTWorker:
         assert self.pool is not None and work.staging_index is not None
         region = self.pool.region(work.staging_index)[self.rank]
         assert region is not None
-        for _shard, off, n in digest.sender_ranges(self.pool.placement, self.rank, self.world_size,
-                                                  work.job.num_tokens):
-            region[off:off + n].zero_()
+        for _shard, off, n in digest.sender_ranges(
+            self.pool.placement, self.rank, self.world_size, work.job.num_tokens
+        ):
+            region[off : off + n].zero_()
         if region.is_cuda:
             torch.cuda.current_stream(region.device).synchronize()
 

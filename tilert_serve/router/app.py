@@ -76,8 +76,15 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
     `timeouts.client_idle_s`, connections are capped at `limits.max_client_connections`, and requests
     aiohttp's parser refuses get a JSON 400."""
     cfg = app[STATE].config
-    return await httpserver.start(app, host, port, idle_s=cfg.timeouts.client_idle_s, error_body=httpserver.openai_error,
-                                  handler_cancellation=True, max_connections=cfg.limits.max_client_connections)
+    return await httpserver.start(
+        app,
+        host,
+        port,
+        idle_s=cfg.timeouts.client_idle_s,
+        error_body=httpserver.openai_error,
+        handler_cancellation=True,
+        max_connections=cfg.limits.max_client_connections,
+    )
 
 
 def bound_port(runner: web.AppRunner) -> int:

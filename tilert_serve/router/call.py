@@ -77,7 +77,9 @@ class Call:
         body["kv_transfer_params"] = kv_transfer_params
         return body
 
-    async def prefill(self, ep: Endpoint, body: dict[str, Any], headers: dict[str, str] | None = None) -> dict[str, Any]:
+    async def prefill(
+        self, ep: Endpoint, body: dict[str, Any], headers: dict[str, str] | None = None
+    ) -> dict[str, Any]:
         """Run the prefill leg on `ep` (counted in flight while it runs, so the next pick sees it) and
         return vLLM's answer. A refusal by vLLM is the client's error (RouterError); transport failures
         and 5xx raise UpstreamError, for a retry elsewhere."""
@@ -86,7 +88,11 @@ class Call:
         ep.inflight += 1
         try:
             status, answer = await post_json(
-                self.state.http, "prefill", ep.url, self.api_path, body,
+                self.state.http,
+                "prefill",
+                ep.url,
+                self.api_path,
+                body,
                 headers={**self.upstream_headers, **(headers or {})},
                 timeout=aiohttp.ClientTimeout(total=t.prefill_s, sock_connect=t.connect_s),
             )

@@ -65,10 +65,14 @@ async def probe(state: RouterState, node: Node) -> bool:
     outcome, message = "error", ""
     try:
         status, body = await post_json(
-            state.http, "tilert", node.url, "/v1/admit",
+            state.http,
+            "tilert",
+            node.url,
+            "/v1/admit",
             {"request_id": rid, "prompt_tokens": None, "max_tokens": 2},
             headers=state.node_headers(headers),
-            timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s))
+            timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s),
+        )
         if status == 429:
             outcome, message = "busy", "the node had no free slot"
             return False
@@ -80,29 +84,57 @@ async def probe(state: RouterState, node: Node) -> bool:
         if prefill is None:
             outcome, message = "no_prefill", "no prefill server"
             return False
-        kvp = {"tilert_host": str(body.get("ctrl_host") or node.spec.ctrl_host),
-               "tilert_ctrl_port": int(body.get("ctrl_port") or node.spec.ctrl_port), "tilert_ticket": ticket}
-        req = {"model": cfg.upstream_model or cfg.model, "prompt": cfg.handoff_probe.prompt, "max_tokens": 1,
-               "stream": False, "temperature": 0.0, "ignore_eos": True, "kv_transfer_params": kvp}
+        kvp = {
+            "tilert_host": str(body.get("ctrl_host") or node.spec.ctrl_host),
+            "tilert_ctrl_port": int(body.get("ctrl_port") or node.spec.ctrl_port),
+            "tilert_ticket": ticket,
+        }
+        req = {
+            "model": cfg.upstream_model or cfg.model,
+            "prompt": cfg.handoff_probe.prompt,
+            "max_tokens": 1,
+            "stream": False,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "kv_transfer_params": kvp,
+        }
         prefill.inflight += 1
         try:
             status, pj = await post_json(
-                state.http, "prefill", prefill.url, "/v1/completions", req, headers=headers,
-                timeout=aiohttp.ClientTimeout(total=cfg.handoff_probe.timeout_s, sock_connect=t.connect_s))
+                state.http,
+                "prefill",
+                prefill.url,
+                "/v1/completions",
+                req,
+                headers=headers,
+                timeout=aiohttp.ClientTimeout(total=cfg.handoff_probe.timeout_s, sock_connect=t.connect_s),
+            )
         finally:
             prefill.inflight -= 1
         out = pj.get("kv_transfer_params") or {}
         first = out.get("tilert_first_token")
         if status != 200 or out.get("tilert_status") != "queued" or not isinstance(first, int):
             outcome = "handoff_failed"
-            message = (f"prefill {prefill.url} answered {status}: "
-                       f"{out.get('tilert_error') or error_message(pj, 'tilert_status=' + repr(out.get('tilert_status')))}")
+            message = (
+                f"prefill {prefill.url} answered {status}: "
+                f"{out.get('tilert_error') or error_message(pj, 'tilert_status=' + repr(out.get('tilert_status')))}"
+            )
             return False
-        gen = {"ticket": ticket, "request_id": rid, "first_token": first, "max_tokens": 1,
-               "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": -1}, "ignore_eos": True}
+        gen = {
+            "ticket": ticket,
+            "request_id": rid,
+            "first_token": first,
+            "max_tokens": 1,
+            "sampling": {"temperature": 0.0, "top_p": 1.0, "top_k": -1},
+            "ignore_eos": True,
+        }
         async with asyncio.timeout(cfg.handoff_probe.timeout_s):
-            async with state.http.post(node.url + "/v1/generate", json=gen, headers=state.node_headers(headers),
-                                       timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s)) as resp:
+            async with state.http.post(
+                node.url + "/v1/generate",
+                json=gen,
+                headers=state.node_headers(headers),
+                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s),
+            ) as resp:
                 if resp.status != 200:
                     err = await read_error_body(resp)
                     kind = (err.get("error") or {}).get("type") if isinstance(err, dict) else None
@@ -131,7 +163,10 @@ async def probe(state: RouterState, node: Node) -> bool:
         outcome, message = f"{exc.pool}_{exc.kind}", f"{exc.url}: {exc.message}"
         return False
     except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
-        outcome, message = "timeout" if isinstance(exc, TimeoutError) else "transport", f"{type(exc).__name__} {exc}"
+        outcome, message = (
+            "timeout" if isinstance(exc, TimeoutError) else "transport",
+            f"{type(exc).__name__} {exc}",
+        )
         return False
     finally:
         if ticket is not None:
@@ -150,9 +185,12 @@ async def probe(state: RouterState, node: Node) -> bool:
 async def _cancel(state: RouterState, node: Node, ticket: str, headers: dict[str, str]) -> None:
     t = state.config.timeouts
     try:
-        async with state.http.post(node.url + "/v1/cancel", json={"ticket": ticket},
-                                   headers=state.node_headers(headers),
-                                   timeout=aiohttp.ClientTimeout(total=t.cancel_s, sock_connect=t.connect_s)) as r:
+        async with state.http.post(
+            node.url + "/v1/cancel",
+            json={"ticket": ticket},
+            headers=state.node_headers(headers),
+            timeout=aiohttp.ClientTimeout(total=t.cancel_s, sock_connect=t.connect_s),
+        ) as r:
             await r.read()
     except (TimeoutError, aiohttp.ClientError):
         pass  # the node frees an unused ticket after its TTL

@@ -15,15 +15,22 @@ from tilert_serve.router.app import make_app, start
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, help="router config.yaml (the ConfigMap's file); reloaded on change")
+    parser.add_argument(
+        "--config", required=True, help="router config.yaml (the ConfigMap's file); reloaded on change"
+    )
     parser.add_argument("--host", default="0.0.0.0", help="listen address (default 0.0.0.0)")
-    parser.add_argument("--port", type=int, default=defaults.ROUTER_PORT,
-                        help=f"listen port (default {defaults.ROUTER_PORT})")
+    parser.add_argument(
+        "--port", type=int, default=defaults.ROUTER_PORT, help=f"listen port (default {defaults.ROUTER_PORT})"
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--no-health-checks", action="store_true", help="do not probe upstreams")
-    parser.add_argument("--drain-timeout", type=float, default=30.0,
-                        help="seconds after SIGTERM for streams in flight to finish before they are cancelled "
-                             "(default 30; pods get terminationGracePeriodSeconds - preStop sleep - 5)")
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds after SIGTERM for streams in flight to finish before they are cancelled "
+        "(default 30; pods get terminationGracePeriodSeconds - preStop sleep - 5)",
+    )
 
 
 async def _main(args: argparse.Namespace) -> int:
@@ -41,7 +48,9 @@ async def _main(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     try:
         import uvloop  # the faster event loop when installed; the router works without it
     except ImportError:

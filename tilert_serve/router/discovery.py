@@ -22,9 +22,17 @@ Resolver = Callable[[str], Awaitable[list[str]]]
 
 
 def nodes_from(addresses: list[str], d: TileRTDiscovery) -> list[TileRTNode]:
-    return [TileRTNode(name=f"{d.service}/{a}", http_url=dataplane.http_url(a, d.http_port), ctrl_host=a,
-                       ctrl_port=d.ctrl_port, slots=d.slots, max_seq_len=d.max_seq_len)
-            for a in sorted(set(addresses))]
+    return [
+        TileRTNode(
+            name=f"{d.service}/{a}",
+            http_url=dataplane.http_url(a, d.http_port),
+            ctrl_host=a,
+            ctrl_port=d.ctrl_port,
+            slots=d.slots,
+            max_seq_len=d.max_seq_len,
+        )
+        for a in sorted(set(addresses))
+    ]
 
 
 async def resolve(name: str) -> list[str]:

@@ -22,6 +22,7 @@ from tilert_serve.router.upstream import UpstreamError
 
 log = logging.getLogger(__name__)
 
+
 def authenticated(state: RouterState, request: web.Request) -> bool:
     """Whether the request may use the API: no keys configured, or one of them presented (compared in
     constant time; the keys file is re-read within about a second of a change)."""
@@ -30,9 +31,13 @@ def authenticated(state: RouterState, request: web.Request) -> bool:
 
 def check_api_key(state: RouterState, request: web.Request) -> None:
     if not authenticated(state, request):
-        raise RouterError(401, "invalid or missing API key (Authorization: Bearer <key>)",
-                          type="invalid_request_error", code="invalid_api_key",
-                          headers={"WWW-Authenticate": 'Bearer realm="tilert-pd"'})
+        raise RouterError(
+            401,
+            "invalid or missing API key (Authorization: Bearer <key>)",
+            type="invalid_request_error",
+            code="invalid_api_key",
+            headers={"WWW-Authenticate": 'Bearer realm="tilert-pd"'},
+        )
 
 
 async def read_body(request: web.Request, timeout_s: float) -> bytes:
@@ -42,7 +47,9 @@ async def read_body(request: web.Request, timeout_s: float) -> bytes:
         async with asyncio.timeout(timeout_s):
             return await request.read()
     except TimeoutError:
-        raise RouterError(408, f"request body not received within {timeout_s:g} s", code="body_timeout") from None
+        raise RouterError(
+            408, f"request body not received within {timeout_s:g} s", code="body_timeout"
+        ) from None
     except httpserver.BadBody:
         raise RouterError(400, httpserver.BAD_BODY, code="malformed_http") from None
 
@@ -111,15 +118,20 @@ async def _route(call: Call) -> web.StreamResponse:
             last = err
             m.upstream_errors.labels(err.pool, err.kind).inc()
             _note_failure(st, err)
-            log.warning("request %s: attempt %d on %s failed: %s", call.request_id, attempt + 1,
-                        decision.route, err)
+            log.warning(
+                "request %s: attempt %d on %s failed: %s", call.request_id, attempt + 1, decision.route, err
+            )
             if call.started:
                 raise  # cannot happen by contract: paths end started streams themselves
             if not err.retryable or attempt == 1:
                 break
             call.exclude.add(err.url)
-            if err.pool == "tilert" and want == "auto" and cfg.policy.when_tilert_full == "native" \
-                    and st.pools.native_state(cfg.limits.native_max_inflight) == "ok":
+            if (
+                err.pool == "tilert"
+                and want == "auto"
+                and cfg.policy.when_tilert_full == "native"
+                and st.pools.native_state(cfg.limits.native_max_inflight) == "ok"
+            ):
                 # Another TileRT node would likely fail the same way (a control plane locked out, a
                 # broken data plane) and cost the client a second handoff timeout: native is the retry.
                 call.exclude.update(n.url for n in st.pools.tilert.values())
@@ -129,8 +141,13 @@ async def _route(call: Call) -> web.StreamResponse:
     assert last is not None
     status = 504 if last.kind == "timeout" else (503 if last.kind == "no_endpoint" else 502)
     retry = {"Retry-After": str(cfg.policy.retry_after_s)} if status == 503 else None
-    raise RouterError(status, f"{last.pool} failed: {last.message}", type="upstream_error",
-                      code=metrics_mod.bounded_kind(last.kind), headers=retry)
+    raise RouterError(
+        status,
+        f"{last.pool} failed: {last.message}",
+        type="upstream_error",
+        code=metrics_mod.bounded_kind(last.kind),
+        headers=retry,
+    )
 
 
 def _note_failure(st: RouterState, err: UpstreamError) -> None:
@@ -160,8 +177,9 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
         if tilert == "full" and too_long is None:
             st.tilert_full_at = time.monotonic()  # a user wanted a slot: handoff probes hold off
         try:
-            decision = policy.decide(cfg.policy, call.req, want, tilert_nodes=len(pools.tilert),
-                                     tilert=tilert, native=native)
+            decision = policy.decide(
+                cfg.policy, call.req, want, tilert_nodes=len(pools.tilert), tilert=tilert, native=native
+            )
         except RouterError:
             if too_long is not None:
                 raise _too_long(call, too_long) from None
@@ -194,21 +212,36 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
         st.note_slots(node)
     retry = {"Retry-After": str(cfg.policy.retry_after_s)}
     if not answered:
-        raise RouterError(503, "no TileRT decode node answered; retry later", type="service_unavailable",
-                          code="tilert_unavailable", headers=retry)
-    raise RouterError(429, "the TileRT decode pool is full; retry later", type="rate_limit_error",
-                      code="pool_full", headers=retry)
+        raise RouterError(
+            503,
+            "no TileRT decode node answered; retry later",
+            type="service_unavailable",
+            code="tilert_unavailable",
+            headers=retry,
+        )
+    raise RouterError(
+        429,
+        "the TileRT decode pool is full; retry later",
+        type="rate_limit_error",
+        code="pool_full",
+        headers=retry,
+    )
 
 
 def _too_long(call: Call, exc: tilert_path.TooLong) -> RouterError:
     """vLLM's own refusal of a max_tokens past the context length (vllm/renderers/params.py), so that a
     request no native server could take reads the same as one a native server refused."""
     r = call.req
-    param = "max_completion_tokens" if r.kind == "chat" and r.body.get("max_completion_tokens") is not None \
+    param = (
+        "max_completion_tokens"
+        if r.kind == "chat" and r.body.get("max_completion_tokens") is not None
         else "max_tokens"
+    )
     if r.max_tokens is not None and exc.max_seq_len is not None and r.max_tokens > exc.max_seq_len:
-        message = (f"{param}={r.max_tokens} cannot be greater than max_model_len={exc.max_seq_len}. "
-                   f"Please request fewer output tokens. (parameter={param}, value={r.max_tokens})")
+        message = (
+            f"{param}={r.max_tokens} cannot be greater than max_model_len={exc.max_seq_len}. "
+            f"Please request fewer output tokens. (parameter={param}, value={r.max_tokens})"
+        )
     else:
         message = str(exc)
     return RouterError(400, message, type="BadRequestError", param=param, code=400)
@@ -219,7 +252,13 @@ async def models(request: web.Request) -> web.Response:
     check_api_key(state, request)
     created = int(state.started)
     data = [
-        {"id": name, "object": "model", "created": created, "owned_by": "tilert-pd", "root": state.config.model}
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "tilert-pd",
+            "root": state.config.model,
+        }
         for name in state.config.served_models()
     ]
     return web.json_response({"object": "list", "data": data})
@@ -249,7 +288,9 @@ async def ready(request: web.Request) -> web.Response:
 
     def has(eps: list, what: str) -> None:  # type: ignore[type-arg]
         if not any(e.healthy is True for e in eps):
-            detail = "; ".join(f"{e.url}: {e.last_error or 'not probed yet'}" for e in eps if e.healthy is not True)
+            detail = "; ".join(
+                f"{e.url}: {e.last_error or 'not probed yet'}" for e in eps if e.healthy is not True
+            )
             reasons.append(f"no healthy {what}" + (f" ({detail})" if detail and full else ""))
 
     has(list(pools.prefill.values()), "prefill server")
@@ -262,12 +303,21 @@ async def ready(request: web.Request) -> web.Response:
     paths = _paths(state)
     degraded = _breakers(state, full)
     if paths["tilert"] == "down" and paths["native"] != "up":
-        reasons.append("no decode route: every TileRT node's circuit breaker is open and no native decode "
-                       f"server is healthy ({'; '.join(degraded)})")
+        reasons.append(
+            "no decode route: every TileRT node's circuit breaker is open and no native decode "
+            f"server is healthy ({'; '.join(degraded)})"
+        )
     body: dict[str, object] = {"ready": not reasons, "reasons": reasons, "degraded": degraded, "paths": paths}
     if full:
-        body["tilert_slots"] = {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy,
-                                              "breaker": n.breaker} for n in pools.tilert.values()}
+        body["tilert_slots"] = {
+            n.spec.name: {
+                "slots": n.spec.slots,
+                "in_use": n.in_use,
+                "healthy": n.healthy,
+                "breaker": n.breaker,
+            }
+            for n in pools.tilert.values()
+        }
     return web.json_response(body, status=200 if not reasons else 503)
 
 
@@ -275,8 +325,11 @@ def _paths(state: RouterState) -> dict[str, str]:
     """Each decode path: "up", "down" (configured, nothing can take a request now) or "none"."""
     pools = state.pools
     tilert = "none" if not pools.tilert else ("up" if pools.tilert_path_up() else "down")
-    native = "none" if not pools.native else ("up" if any(e.healthy is True for e in pools.native.values())
-                                              else "down")
+    native = (
+        "none"
+        if not pools.native
+        else ("up" if any(e.healthy is True for e in pools.native.values()) else "down")
+    )
     return {"tilert": tilert, "native": native}
 
 
@@ -287,8 +340,10 @@ def _breakers(state: RouterState, full: bool) -> list[str]:
     for n in state.pools.tilert.values():
         if n.breaker == "open":
             why = n.handoff_error if full else n.handoff_error.split(":", 1)[0]
-            out.append(f"TileRT node {n.spec.name}: {why or 'handoff failed'} (circuit breaker open for "
-                       f"{max(n.open_until - now, 0.0):.1f} s more after {n.handoff_fails} failed handoff(s))")
+            out.append(
+                f"TileRT node {n.spec.name}: {why or 'handoff failed'} (circuit breaker open for "
+                f"{max(n.open_until - now, 0.0):.1f} s more after {n.handoff_fails} failed handoff(s))"
+            )
     return out
 
 
@@ -313,16 +368,25 @@ def _ready_routes(state: RouterState, full: bool) -> web.Response:
             degraded.append(f"TileRT node {n.spec.name}: " + (why if full else why.split(":", 1)[0]))
     degraded[:0] = _breakers(state, full)
     if not handoff and not native:
-        reasons.append("no decode route: no TileRT node with a working handoff and no healthy native decode server"
-                       + (f" ({'; '.join(degraded)})" if degraded else ""))
+        reasons.append(
+            "no decode route: no TileRT node with a working handoff and no healthy native decode server"
+            + (f" ({'; '.join(degraded)})" if degraded else "")
+        )
     paths = _paths(state)
     if paths["tilert"] == "up" and not handoff:
         paths["tilert"] = "down"  # no handoff decoded lately: the probes say what the breaker does not
     body: dict[str, object] = {"ready": not reasons, "reasons": reasons, "degraded": degraded, "paths": paths}
     if full:
-        body["tilert_slots"] = {n.spec.name: {"slots": n.spec.slots, "in_use": n.in_use, "healthy": n.healthy,
-                                              "handoff_ready": n.handoff_ready, "breaker": n.breaker}
-                                for n in pools.tilert.values()}
+        body["tilert_slots"] = {
+            n.spec.name: {
+                "slots": n.spec.slots,
+                "in_use": n.in_use,
+                "healthy": n.healthy,
+                "handoff_ready": n.handoff_ready,
+                "breaker": n.breaker,
+            }
+            for n in pools.tilert.values()
+        }
     return web.json_response(body, status=200 if not reasons else 503)
 
 

@@ -21,9 +21,7 @@ async def probe(state: RouterState, ep: Endpoint) -> None:
     path = "/ready" if ep.pool == "tilert" else "/health"
     was = ep.healthy
     try:
-        async with state.http.get(
-            ep.url + path, timeout=aiohttp.ClientTimeout(total=hc.timeout_s)
-        ) as resp:
+        async with state.http.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=hc.timeout_s)) as resp:
             await resp.read()
             ok = resp.status == 200
             why = f"GET {path} answered {resp.status}"
@@ -34,8 +32,13 @@ async def probe(state: RouterState, ep: Endpoint) -> None:
     else:
         ep.record_failure(hc, why)
     if was is not ep.healthy and ep.healthy is not None:
-        log.info("%s endpoint %s is now %s%s", ep.pool, ep.url, "healthy" if ep.healthy else "ejected",
-                 "" if ep.healthy else f" ({why})")
+        log.info(
+            "%s endpoint %s is now %s%s",
+            ep.pool,
+            ep.url,
+            "healthy" if ep.healthy else "ejected",
+            "" if ep.healthy else f" ({why})",
+        )
 
 
 async def probe_all(state: RouterState) -> None:

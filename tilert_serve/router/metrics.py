@@ -17,7 +17,24 @@ from tilert_serve.router.policy import Label, Route
 
 # 0.5 ms .. 4 min: the router adds about a millisecond, prefills of long prompts take minutes.
 _LATENCY_BUCKETS = (
-    0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 240.0,
+    0.0005,
+    0.001,
+    0.002,
+    0.005,
+    0.01,
+    0.02,
+    0.05,
+    0.1,
+    0.2,
+    0.5,
+    1.0,
+    2.0,
+    5.0,
+    10.0,
+    30.0,
+    60.0,
+    120.0,
+    240.0,
 )
 _ITL_BUCKETS = (0.0005, 0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 5.0)
 
@@ -27,13 +44,37 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 #: Upstream failure kinds the router itself names, and the error types a TileRT node answers a
 #: generate call with (prefixed "generate_"); anything else counts as "other", so that an upstream's
 #: words never make new series.
-_GENERATE_TYPES = ("unknown_ticket", "already_generating", "handoff_timeout", "handoff_failed", "not_ready",
-                   "invalid_request", "invalid_json", "unauthorized", "request_too_large", "internal_error",
-                   "decode_failed", "timeout", "transport")
-_KINDS = frozenset({
-    "timeout", "connect", "transport", "bad_response", "no_endpoint", "handoff_failed", "stream_error",
-    "truncated", "stream_broken", "cancel", "bootstrap", *(f"generate_{t}" for t in _GENERATE_TYPES),
-})
+_GENERATE_TYPES = (
+    "unknown_ticket",
+    "already_generating",
+    "handoff_timeout",
+    "handoff_failed",
+    "not_ready",
+    "invalid_request",
+    "invalid_json",
+    "unauthorized",
+    "request_too_large",
+    "internal_error",
+    "decode_failed",
+    "timeout",
+    "transport",
+)
+_KINDS = frozenset(
+    {
+        "timeout",
+        "connect",
+        "transport",
+        "bad_response",
+        "no_endpoint",
+        "handoff_failed",
+        "stream_error",
+        "truncated",
+        "stream_broken",
+        "cancel",
+        "bootstrap",
+        *(f"generate_{t}" for t in _GENERATE_TYPES),
+    }
+)
 _HTTP_KIND = "(admit_|generate_)?http_[1-5][0-9][0-9]"
 #: An upstream failure's kind.
 KINDS = Values(_KINDS, _HTTP_KIND, "admit_http_NNN, generate_http_NNN, http_NNN: an upstream's HTTP status")
@@ -43,8 +84,11 @@ POOLS = values(("prefill", "native", "tilert"))
 PATHS = values(get_args(Route))
 #: How a request ended (handlers.py): ok, error (the router's own), client_gone, or http_NNN (the
 #: status the router answered).
-OUTCOMES = Values(frozenset({"ok", "error", "client_gone"}), "http_[1-5][0-9][0-9]",
-                  "http_NNN: the router answered this HTTP status")
+OUTCOMES = Values(
+    frozenset({"ok", "error", "client_gone"}),
+    "http_[1-5][0-9][0-9]",
+    "http_NNN: the router answered this HTTP status",
+)
 #: A TileRT node's answer to an admission call (tilert_path.py).
 ADMISSION_RESULTS = values({"ok", "full", "too_long", "error"})
 #: Why the router cancelled a TileRT ticket (tilert_path.py).
@@ -52,8 +96,19 @@ CANCEL_REASONS = values({"failed", "aborted", "first token ends", "stop string"}
 #: How a handoff probe ended (canary.py): its own verdicts, the error type a node's generate call
 #: answered, or a failed upstream call's pool and kind.
 PROBE_OUTCOMES = Values(
-    frozenset({"ok", "error", "busy", "admit_failed", "no_prefill", "handoff_failed", "decode_failed",
-               *_GENERATE_TYPES, *_KINDS}),
+    frozenset(
+        {
+            "ok",
+            "error",
+            "busy",
+            "admit_failed",
+            "no_prefill",
+            "handoff_failed",
+            "decode_failed",
+            *_GENERATE_TYPES,
+            *_KINDS,
+        }
+    ),
     f"(((prefill|native|tilert)_)?({'|'.join(re.escape(k) for k in sorted(_KINDS))})|"
     f"((prefill|native|tilert)_)?{_HTTP_KIND})",
     "POOL_KIND: a failed upstream call's pool and kind (as upstream_errors_total's), generate_http_NNN",
@@ -76,43 +131,142 @@ class Metrics:
         self.registry = r = Registry()
         p = "tilert_router_"
         path = {"path": PATHS}
-        self.ttft = Bounded(histogram(r, p + "ttft_seconds", "Seconds from a request's arrival to its first token "
-                                      "written to the client, by decode path.", _LATENCY_BUCKETS, path))
-        self.itl = Bounded(histogram(r, p + "inter_token_seconds", "Seconds between two chunks written to a client, "
-                                     "by decode path.", _ITL_BUCKETS, path))
-        self.e2e = Bounded(histogram(r, p + "request_duration_seconds", "Seconds from a request's arrival to its "
-                                     "last byte written, by decode path.", _LATENCY_BUCKETS, path))
-        self.prefill = Bounded(histogram(r, p + "prefill_seconds", "Seconds of the prefill call, by decode path.",
-                                         _LATENCY_BUCKETS, path))
-        self.handoff = histogram(r, p + "handoff_seconds", "Seconds from the prefill's answer to the first token "
-                                 "from the TileRT node (the KV handoff, as the router sees it).", _LATENCY_BUCKETS)
-        self.requests = Bounded(counter(r, p + "requests_total", "Finished requests by decode path and outcome.",
-                                        {"path": PATHS, "outcome": OUTCOMES}))
-        self.routes = Bounded(counter(r, p + "routes_total", "Routing decisions by decode path and reason.",
-                                      {"path": PATHS, "reason": values(get_args(Label))}))
-        self.admissions = Bounded(counter(r, p + "admissions_total", "TileRT admission calls by node and result.",
-                                          {"node": NODE, "result": ADMISSION_RESULTS}))
-        self.rejections = Bounded(counter(r, p + "rejections_total", "Requests the router answered with a 4xx or "
-                                          "5xx status, by status.", {"code": CODES}))
-        self.upstream_errors = Bounded(counter(r, p + "upstream_errors_total", "Failed upstream calls by pool and "
-                                               "kind.", {"pool": POOLS, "kind": KINDS}))
-        self.probes = Bounded(counter(r, p + "handoff_probes_total", "Handoff probes (canary requests to idle TileRT "
-                                      "nodes) by node and outcome.", {"node": NODE, "outcome": PROBE_OUTCOMES}))
-        self.retries = counter(r, p + "retries_total", "Requests retried on another endpoint before their first "
-                               "byte.")
-        self.cancels = Bounded(counter(r, p + "tilert_cancels_total", "Ticket cancels sent to TileRT nodes, by "
-                                       "reason.", {"reason": CANCEL_REASONS}))
-        self.inflight = Bounded(gauge(r, p + "inflight_requests", "Requests in flight, by decode path.", path))
-        self.slots = Bounded(gauge(r, p + "tilert_slots_in_use", "TileRT slots this router holds, by node.",
-                                   {"node": NODE}))
-        self.healthy = Bounded(gauge(r, p + "endpoint_healthy", "Endpoint health: 1 healthy, 0 ejected, -1 not "
-                                     "probed yet.", {"pool": POOLS, "endpoint": ENDPOINT}))
-        self.breaker_open = Bounded(gauge(r, p + "breaker_open", "1 while a TileRT node's circuit breaker is open "
-                                          "or half-open (after failed handoffs), 0 while closed.", {"node": NODE}))
-        self.path_up = Bounded(gauge(r, p + "path_up", "1 when a decode path can take a request, 0 when it is down, "
-                                     "-1 when it is not configured.", path))
-        self.config_reloads = Bounded(counter(r, p + "config_reloads_total", "Config reloads by result.",
-                                              {"result": RELOAD_RESULTS}))
+        self.ttft = Bounded(
+            histogram(
+                r,
+                p + "ttft_seconds",
+                "Seconds from a request's arrival to its first token written to the client, by decode path.",
+                _LATENCY_BUCKETS,
+                path,
+            )
+        )
+        self.itl = Bounded(
+            histogram(
+                r,
+                p + "inter_token_seconds",
+                "Seconds between two chunks written to a client, by decode path.",
+                _ITL_BUCKETS,
+                path,
+            )
+        )
+        self.e2e = Bounded(
+            histogram(
+                r,
+                p + "request_duration_seconds",
+                "Seconds from a request's arrival to its last byte written, by decode path.",
+                _LATENCY_BUCKETS,
+                path,
+            )
+        )
+        self.prefill = Bounded(
+            histogram(
+                r,
+                p + "prefill_seconds",
+                "Seconds of the prefill call, by decode path.",
+                _LATENCY_BUCKETS,
+                path,
+            )
+        )
+        self.handoff = histogram(
+            r,
+            p + "handoff_seconds",
+            "Seconds from the prefill's answer to the first token "
+            "from the TileRT node (the KV handoff, as the router sees it).",
+            _LATENCY_BUCKETS,
+        )
+        self.requests = Bounded(
+            counter(
+                r,
+                p + "requests_total",
+                "Finished requests by decode path and outcome.",
+                {"path": PATHS, "outcome": OUTCOMES},
+            )
+        )
+        self.routes = Bounded(
+            counter(
+                r,
+                p + "routes_total",
+                "Routing decisions by decode path and reason.",
+                {"path": PATHS, "reason": values(get_args(Label))},
+            )
+        )
+        self.admissions = Bounded(
+            counter(
+                r,
+                p + "admissions_total",
+                "TileRT admission calls by node and result.",
+                {"node": NODE, "result": ADMISSION_RESULTS},
+            )
+        )
+        self.rejections = Bounded(
+            counter(
+                r,
+                p + "rejections_total",
+                "Requests the router answered with a 4xx or 5xx status, by status.",
+                {"code": CODES},
+            )
+        )
+        self.upstream_errors = Bounded(
+            counter(
+                r,
+                p + "upstream_errors_total",
+                "Failed upstream calls by pool and kind.",
+                {"pool": POOLS, "kind": KINDS},
+            )
+        )
+        self.probes = Bounded(
+            counter(
+                r,
+                p + "handoff_probes_total",
+                "Handoff probes (canary requests to idle TileRT nodes) by node and outcome.",
+                {"node": NODE, "outcome": PROBE_OUTCOMES},
+            )
+        )
+        self.retries = counter(
+            r, p + "retries_total", "Requests retried on another endpoint before their first byte."
+        )
+        self.cancels = Bounded(
+            counter(
+                r,
+                p + "tilert_cancels_total",
+                "Ticket cancels sent to TileRT nodes, by reason.",
+                {"reason": CANCEL_REASONS},
+            )
+        )
+        self.inflight = Bounded(
+            gauge(r, p + "inflight_requests", "Requests in flight, by decode path.", path)
+        )
+        self.slots = Bounded(
+            gauge(r, p + "tilert_slots_in_use", "TileRT slots this router holds, by node.", {"node": NODE})
+        )
+        self.healthy = Bounded(
+            gauge(
+                r,
+                p + "endpoint_healthy",
+                "Endpoint health: 1 healthy, 0 ejected, -1 not probed yet.",
+                {"pool": POOLS, "endpoint": ENDPOINT},
+            )
+        )
+        self.breaker_open = Bounded(
+            gauge(
+                r,
+                p + "breaker_open",
+                "1 while a TileRT node's circuit breaker is open "
+                "or half-open (after failed handoffs), 0 while closed.",
+                {"node": NODE},
+            )
+        )
+        self.path_up = Bounded(
+            gauge(
+                r,
+                p + "path_up",
+                "1 when a decode path can take a request, 0 when it is down, -1 when it is not configured.",
+                path,
+            )
+        )
+        self.config_reloads = Bounded(
+            counter(r, p + "config_reloads_total", "Config reloads by result.", {"result": RELOAD_RESULTS})
+        )
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

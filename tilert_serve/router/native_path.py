@@ -68,10 +68,14 @@ def nixl_prefill_body(call: Call) -> dict[str, Any]:
 def mooncake_prefill_body(call: Call, transfer_id: str) -> dict[str, Any]:
     # Without transfer_id the prefill frees the blocks at once (update_state_after_alloc warns
     # "Missing transfer_id in kv_transfer_params from router!").
-    return call.prefill_body({"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id})
+    return call.prefill_body(
+        {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
+    )
 
 
-def mooncake_decode_params(prefill_answer: dict[str, Any], src: MooncakeSource, transfer_id: str) -> dict[str, Any] | None:
+def mooncake_decode_params(
+    prefill_answer: dict[str, Any], src: MooncakeSource, transfer_id: str
+) -> dict[str, Any] | None:
     """What the decode needs to pull the prompt's KV; None when the prefill kept none for it.
 
     The prefill keeps the blocks only for a request that ended by length (request_finished marks any
@@ -108,7 +112,9 @@ async def mooncake_source(call: Call, prefill: Endpoint) -> MooncakeSource:
             raw = await resp.read()
             status = resp.status
     except (TimeoutError, aiohttp.ClientError) as exc:
-        raise UpstreamError("prefill", prefill.url, "bootstrap", f"{addr}/query: {type(exc).__name__}: {exc}") from exc
+        raise UpstreamError(
+            "prefill", prefill.url, "bootstrap", f"{addr}/query: {type(exc).__name__}: {exc}"
+        ) from exc
     try:
         registry = json.loads(raw) if status == 200 else None
     except ValueError:
@@ -120,8 +126,9 @@ async def mooncake_source(call: Call, prefill: Endpoint) -> MooncakeSource:
             if isinstance(entry, dict) and isinstance(entry.get("engine_id"), str) and str(rank).isdigit():
                 ranks[int(rank)] = entry["engine_id"]
     if not ranks:
-        raise UpstreamError("prefill", prefill.url, "bootstrap",
-                            f"{addr}/query answered {status} with no registered engine")
+        raise UpstreamError(
+            "prefill", prefill.url, "bootstrap", f"{addr}/query answered {status} with no registered engine"
+        )
     if len(ranks) == 1:
         return MooncakeSource(addr, next(iter(ranks.values())), None)
     rank = random.choice(sorted(ranks))
@@ -163,17 +170,25 @@ async def serve(call: Call) -> web.StreamResponse:
         decode.inflight -= 1
 
 
-async def _decode(call: Call, decode: Endpoint, body: dict[str, Any], cached: int | None) -> web.StreamResponse:
+async def _decode(
+    call: Call, decode: Endpoint, body: dict[str, Any], cached: int | None
+) -> web.StreamResponse:
     st, t = call.state, call.cfg.timeouts
     url = decode.url + call.api_path
     try:
         async with asyncio.timeout(t.decode_start_s):
             resp = await st.http.post(
-                url, json=body, headers=call.upstream_headers,
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s),
+                url,
+                json=body,
+                headers=call.upstream_headers,
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s
+                ),
             )
     except TimeoutError as exc:
-        raise UpstreamError("native", decode.url, "timeout", f"no answer within {t.decode_start_s} s") from exc
+        raise UpstreamError(
+            "native", decode.url, "timeout", f"no answer within {t.decode_start_s} s"
+        ) from exc
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamError("native", decode.url, "connect", str(exc)) from exc
     except aiohttp.ClientError as exc:
@@ -182,8 +197,9 @@ async def _decode(call: Call, decode: Endpoint, body: dict[str, Any], cached: in
         if resp.status != 200:
             eb = await read_error_body(resp)
             if resp.status >= 500:
-                raise UpstreamError("native", decode.url, f"http_{resp.status}",
-                                    error_message(eb, "decode failed"))
+                raise UpstreamError(
+                    "native", decode.url, f"http_{resp.status}", error_message(eb, "decode failed")
+                )
             raise client_error(resp.status, eb)
         if not call.req.stream:
             return await _whole(call, decode, resp, cached)
@@ -200,7 +216,9 @@ def _rename(call: Call) -> tuple[bytes, bytes] | None:
     return (b'"model":"' + served.encode() + b'"', b'"model":"' + call.req.model.encode() + b'"')
 
 
-async def _whole(call: Call, decode: Endpoint, resp: aiohttp.ClientResponse, cached: int | None) -> web.Response:
+async def _whole(
+    call: Call, decode: Endpoint, resp: aiohttp.ClientResponse, cached: int | None
+) -> web.Response:
     try:
         raw = await resp.read()
         obj = json.loads(raw)
@@ -215,7 +233,9 @@ async def _whole(call: Call, decode: Endpoint, resp: aiohttp.ClientResponse, cac
     return call.json(obj)
 
 
-async def _relay(call: Call, decode: Endpoint, resp: aiohttp.ClientResponse, cached: int | None) -> web.StreamResponse:
+async def _relay(
+    call: Call, decode: Endpoint, resp: aiohttp.ClientResponse, cached: int | None
+) -> web.StreamResponse:
     """Relay the decode's SSE bytes. Complete events go out as soon as they arrive; a partial event
     waits for its end, so the usage event can be rewritten whole."""
     rename = _rename(call)

@@ -89,7 +89,9 @@ def _is_number(v: Any) -> bool:
     return (isinstance(v, int | float)) and not isinstance(v, bool)
 
 
-def _opt_int(body: dict[str, Any], name: str, minimum: int = _INT64_MIN, maximum: int = _INT64_MAX) -> int | None:
+def _opt_int(
+    body: dict[str, Any], name: str, minimum: int = _INT64_MIN, maximum: int = _INT64_MAX
+) -> int | None:
     v = body.get(name)
     if v is None:
         return None
@@ -108,8 +110,9 @@ def _short(v: int) -> str:
     return text if len(text) <= 40 else f"{text[:20]}...({len(text)} digits)"
 
 
-def _opt_number(body: dict[str, Any], name: str, lo: float, hi: float | None = None, *,
-                lo_open: bool = False) -> float | None:
+def _opt_number(
+    body: dict[str, Any], name: str, lo: float, hi: float | None = None, *, lo_open: bool = False
+) -> float | None:
     v = body.get(name)
     if v is None:
         return None
@@ -216,14 +219,23 @@ def _check_vllm_xargs(body: dict[str, Any]) -> None:
     if xargs is None:
         return
     if not isinstance(xargs, dict):
-        got = "a string (send the object itself, not its JSON text)" if isinstance(xargs, str) else type(xargs).__name__
-        raise bad_request(f"'vllm_xargs' must be an object of strings, numbers or lists of them; got {got}",
-                          param="vllm_xargs")
+        got = (
+            "a string (send the object itself, not its JSON text)"
+            if isinstance(xargs, str)
+            else type(xargs).__name__
+        )
+        raise bad_request(
+            f"'vllm_xargs' must be an object of strings, numbers or lists of them; got {got}",
+            param="vllm_xargs",
+        )
     for key, value in xargs.items():
         if not (_scalar(value) or (isinstance(value, list) and all(_scalar(v) for v in value))):
             shown = key if len(key) <= 64 else key[:64] + "..."
-            raise bad_request(f"'vllm_xargs.{shown}' must be a string, a number or a list of them; got "
-                              f"{type(value).__name__}", param="vllm_xargs")
+            raise bad_request(
+                f"'vllm_xargs.{shown}' must be a string, a number or a list of them; got "
+                f"{type(value).__name__}",
+                param="vllm_xargs",
+            )
 
 
 def _opt_bool(body: dict[str, Any], name: str) -> bool:
@@ -309,9 +321,12 @@ def parse(kind: Kind, raw: bytes, served_models: list[str]) -> ParsedRequest:
         raise bad_request("'stop' must be a string or a list of strings", param="stop")
 
     sti = body.get("stop_token_ids")
-    if sti is not None and not (isinstance(sti, list) and all(_is_int(t) and 0 <= t <= _INT64_MAX for t in sti)):
-        raise bad_request("'stop_token_ids' must be a list of token ids (integers from 0 to 2^63-1)",
-                          param="stop_token_ids")
+    if sti is not None and not (
+        isinstance(sti, list) and all(_is_int(t) and 0 <= t <= _INT64_MAX for t in sti)
+    ):
+        raise bad_request(
+            "'stop_token_ids' must be a list of token ids (integers from 0 to 2^63-1)", param="stop_token_ids"
+        )
 
     temperature = _vllm_temperature(_opt_number(body, "temperature", 0.0, 2.0 if kind == "chat" else None))
     # vLLM's range: 0 < top_p <= 1 (a top_p of 0 would pass here and be refused after the prefill).
@@ -321,7 +336,9 @@ def parse(kind: Kind, raw: bytes, served_models: list[str]) -> ParsedRequest:
     _check_vllm_xargs(body)
 
     # Only the keys the body has: most requests carry few of these fields.
-    unsupported = sorted(k for k in body.keys() & _TILERT_UNSUPPORTED.keys() if _needs(body[k], _TILERT_UNSUPPORTED[k]))
+    unsupported = sorted(
+        k for k in body.keys() & _TILERT_UNSUPPORTED.keys() if _needs(body[k], _TILERT_UNSUPPORTED[k])
+    )
     if n is not None and n > 1:
         unsupported.append("n")
     if batch:

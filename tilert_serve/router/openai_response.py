@@ -76,12 +76,23 @@ class ChunkWriter:
                 self._role_sent = True
             if text or finish_reason is None:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice: dict[str, Any] = {
+                "index": 0,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
             obj = "chat.completion.chunk"
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
             obj = "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [choice]}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [choice],
+        }
 
     def content_chunk(self, text: str) -> bytes:
         """A whole SSE event carrying only text (every chunk after the first): the constant parts are
@@ -96,7 +107,14 @@ class ChunkWriter:
 
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": [], "usage": u}
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "choices": [],
+            "usage": u,
+        }
 
     def whole(self, text: str, finish_reason: str | None, u: dict[str, Any]) -> dict[str, Any]:
         if self.kind == "chat":

@@ -20,8 +20,15 @@ from tilert_serve.router.pools import TileRTState
 Route = Literal["tilert", "native"]
 #: Why a route was taken, as the routes_total metric's `reason` label: a fixed set, whatever the
 #: request holds (the detail, which names fields, goes to the logs).
-Label = Literal["requested", "slot free", "unsupported on tilert", "no tilert pool", "tilert full", "tilert down",
-                "too long for tilert"]
+Label = Literal[
+    "requested",
+    "slot free",
+    "unsupported on tilert",
+    "no tilert pool",
+    "tilert full",
+    "tilert down",
+    "too long for tilert",
+]
 
 
 @dataclass(frozen=True)
@@ -65,8 +72,11 @@ def decide(
 
     def full() -> RouterError:
         return RouterError(
-            429, "the decode pools are full; retry later", type="rate_limit_error",
-            code="pool_full", headers=retry_after,
+            429,
+            "the decode pools are full; retry later",
+            type="rate_limit_error",
+            code="pool_full",
+            headers=retry_after,
         )
 
     def to_native(label: Label, detail: str = "", *, tilert_full: bool = False) -> Decision:
@@ -75,8 +85,11 @@ def decide(
         if native == "full" or tilert_full:
             raise full()
         raise RouterError(
-            503, f"no native decode server is available ({detail or label})", type="service_unavailable",
-            code="no_native_pool", headers=retry_after,
+            503,
+            f"no native decode server is available ({detail or label})",
+            type="service_unavailable",
+            code="no_native_pool",
+            headers=retry_after,
         )
 
     if want == "native":
@@ -95,8 +108,9 @@ def decide(
 
     if tilert_nodes == 0:
         if want == "tilert":
-            raise RouterError(503, "no TileRT decode pool is configured", type="service_unavailable",
-                              code="no_tilert_pool")
+            raise RouterError(
+                503, "no TileRT decode pool is configured", type="service_unavailable", code="no_tilert_pool"
+            )
         return to_native("no tilert pool")
 
     if tilert == "free":
@@ -104,8 +118,13 @@ def decide(
     if tilert == "down":
         if policy.when_tilert_full == "native" and native != "none":
             return to_native("tilert down")
-        raise RouterError(503, "no TileRT decode node is available; retry later", type="service_unavailable",
-                          code="tilert_unavailable", headers=retry_after)
+        raise RouterError(
+            503,
+            "no TileRT decode node is available; retry later",
+            type="service_unavailable",
+            code="tilert_unavailable",
+            headers=retry_after,
+        )
     if policy.when_tilert_full == "native":
         return to_native("tilert full", tilert_full=True)
     raise full()

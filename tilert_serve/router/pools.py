@@ -105,8 +105,9 @@ class Node(Endpoint):
     @property
     def handoff_ready(self) -> bool:
         """A handoff decoded on this node, and none failed since."""
-        return self.handoff_ok_at is not None and (self.handoff_fail_at is None
-                                                   or self.handoff_fail_at < self.handoff_ok_at)
+        return self.handoff_ok_at is not None and (
+            self.handoff_fail_at is None or self.handoff_fail_at < self.handoff_ok_at
+        )
 
     @property
     def free(self) -> int:
@@ -158,7 +159,9 @@ class Pools:
         yield from self.native.values()
         yield from self.tilert.values()
 
-    def _least_loaded(self, eps: Iterable[Endpoint], exclude: set[str], cap: int | None = None) -> Endpoint | None:
+    def _least_loaded(
+        self, eps: Iterable[Endpoint], exclude: set[str], cap: int | None = None
+    ) -> Endpoint | None:
         """The routable endpoint with the fewest requests in flight. `exclude` (endpoints that failed
         this request) is a preference: with no other choice, a retry goes to the same one again."""
         up = [e for e in _live(eps) if cap is None or e.inflight < cap]
@@ -193,8 +196,11 @@ class Pools:
 
     def reserve_tilert(self, exclude: set[str]) -> Node | None:
         """Take one slot on the node with the most free slots; None when every node is full."""
-        cands = [n for n in self.tilert.values()
-                 if n.routable and n.url not in exclude and n.free > 0 and n.takes_requests]
+        cands = [
+            n
+            for n in self.tilert.values()
+            if n.routable and n.url not in exclude and n.free > 0 and n.takes_requests
+        ]
         if not cands:
             return None
         # A closed breaker first: a half-open node gets a trial only when no other node can serve.

@@ -42,8 +42,13 @@ def reload_now(state: RouterState) -> bool:
         log.error("config %s not reloaded, keeping the old one: %s", state.config_path, exc)
         return False
     state.metrics.config_reloads.labels("ok").inc()
-    log.info("config %s reloaded: %d prefill, %d TileRT, %d native", state.config_path,
-             len(new.prefill), len(new.tilert), len(new.native))
+    log.info(
+        "config %s reloaded: %d prefill, %d TileRT, %d native",
+        state.config_path,
+        len(new.prefill),
+        len(new.tilert),
+        len(new.native),
+    )
     return True
 
 

@@ -116,7 +116,9 @@ class RouterState:
 STATE = web.AppKey("tilert_router_state", RouterState)
 
 
-def task_ctx(run: Callable[[RouterState], Coroutine[Any, Any, None]]) -> Callable[[web.Application], AsyncIterator[None]]:
+def task_ctx(
+    run: Callable[[RouterState], Coroutine[Any, Any, None]],
+) -> Callable[[web.Application], AsyncIterator[None]]:
     """A cleanup_ctx running `run(state)` as long as the app: cancelled and awaited on shutdown, so that
     a loop never outlives the upstream session it uses."""
 

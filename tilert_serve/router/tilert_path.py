@@ -123,10 +123,14 @@ async def admit(call: Call, node: Node) -> Admission:
     err = body.get("error")
     if status == 400 and isinstance(err, dict) and err.get("type") == "too_long":
         m.admissions.labels(name, "too_long").inc()
-        raise TooLong(error_message(body, "prompt + max_tokens exceed the node's max_seq_len"), node.spec.max_seq_len)
+        raise TooLong(
+            error_message(body, "prompt + max_tokens exceed the node's max_seq_len"), node.spec.max_seq_len
+        )
     if status != 200 or not isinstance(body.get("ticket"), str):
         m.admissions.labels(name, "error").inc()
-        raise UpstreamError("tilert", node.url, f"admit_http_{status}", error_message(body, "bad admit answer"))
+        raise UpstreamError(
+            "tilert", node.url, f"admit_http_{status}", error_message(body, "bad admit answer")
+        )
     m.admissions.labels(name, "ok").inc()
     return Admission(
         ticket=body["ticket"],
@@ -136,14 +140,18 @@ async def admit(call: Call, node: Node) -> Admission:
 
 
 def prefill_body(call: Call, node: Node, adm: Admission) -> dict[str, Any]:
-    return call.prefill_body({
-        "tilert_host": adm.ctrl_host or node.spec.ctrl_host,
-        "tilert_ctrl_port": adm.ctrl_port or node.spec.ctrl_port,
-        "tilert_ticket": adm.ticket,
-    })
+    return call.prefill_body(
+        {
+            "tilert_host": adm.ctrl_host or node.spec.ctrl_host,
+            "tilert_ctrl_port": adm.ctrl_port or node.spec.ctrl_port,
+            "tilert_ticket": adm.ticket,
+        }
+    )
 
 
-def generate_body(call: Call, node: Node, adm: Admission, first_token: int, prompt_tokens: int) -> dict[str, Any]:
+def generate_body(
+    call: Call, node: Node, adm: Admission, first_token: int, prompt_tokens: int
+) -> dict[str, Any]:
     r = call.req
     limit = r.max_tokens
     if limit is None:
@@ -226,7 +234,9 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     try:
         text, finish = openai_response.first_choice_text(r.kind, pj)
     except (KeyError, IndexError, TypeError) as exc:
-        raise UpstreamError("prefill", prefill.url, "bad_response", "no choices in the prefill answer") from exc
+        raise UpstreamError(
+            "prefill", prefill.url, "bad_response", "no choices in the prefill answer"
+        ) from exc
     kvp = pj.get("kv_transfer_params") or {}
     usage = pj.get("usage") or {}
     prompt_tokens = int(kvp.get("tilert_num_tokens") or usage.get("prompt_tokens") or 0)
@@ -240,9 +250,13 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     ends_now = finish == "stop" or stops.stopped or r.max_tokens == 1
     if not ends_now and (kvp.get("tilert_status") != "queued" or not isinstance(first_token, int)):
         # The handoff failed on the prefill side and nothing was sent yet: the caller retries elsewhere.
-        node.handoff_failed(time.monotonic(), f"handoff_failed: {kvp.get('tilert_error') or kvp.get('tilert_status')}")
+        node.handoff_failed(
+            time.monotonic(), f"handoff_failed: {kvp.get('tilert_error') or kvp.get('tilert_status')}"
+        )
         raise UpstreamError(
-            "tilert", node.url, "handoff_failed",
+            "tilert",
+            node.url,
+            "handoff_failed",
             str(kvp.get("tilert_error") or f"prefill returned tilert_status={kvp.get('tilert_status')!r}"),
         )
 
@@ -258,8 +272,9 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
         finish_reason = "stop" if (finish == "stop" or stops.stopped) else "length"
     else:
         assert isinstance(first_token, int)
-        finish_reason, n = await _generate(call, node, adm, first_token, prompt_tokens, stops, out, slot,
-                                           t_first)
+        finish_reason, n = await _generate(
+            call, node, adm, first_token, prompt_tokens, stops, out, slot, t_first
+        )
         completion_tokens += n
         if finish_reason == "error":
             assert call.response is not None  # the stream already ends with an error event
@@ -281,8 +296,15 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
 
 
 async def _generate(
-    call: Call, node: Node, adm: Admission, first_token: int, prompt_tokens: int, stops: StopMatcher, out: _Out,
-    slot: _Slot, t_first: float,
+    call: Call,
+    node: Node,
+    adm: Admission,
+    first_token: int,
+    prompt_tokens: int,
+    stops: StopMatcher,
+    out: _Out,
+    slot: _Slot,
+    t_first: float,
 ) -> tuple[str, int]:
     """Stream tokens from the node. Returns (finish_reason, tokens after the first); "error" when the
     stream failed after the first byte (the SSE error event is already written)."""
@@ -292,9 +314,12 @@ async def _generate(
     try:
         async with asyncio.timeout(t.decode_start_s):
             resp = await st.http.post(
-                node.url + "/v1/generate", json=generate_body(call, node, adm, first_token, prompt_tokens),
+                node.url + "/v1/generate",
+                json=generate_body(call, node, adm, first_token, prompt_tokens),
                 headers=call.state.node_headers(call.upstream_headers),
-                timeout=aiohttp.ClientTimeout(total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s),
+                timeout=aiohttp.ClientTimeout(
+                    total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s
+                ),
             )
     except (TimeoutError, aiohttp.ClientError) as exc:
         kind = "timeout" if isinstance(exc, TimeoutError) else "transport"
@@ -304,11 +329,16 @@ async def _generate(
         if resp.status != 200:
             body = await read_error_body(resp)
             err = body.get("error", {}) if isinstance(body, dict) else {}
-            kind = str(err.get("type") or f"http_{resp.status}") if isinstance(err, dict) else f"http_{resp.status}"
+            kind = (
+                str(err.get("type") or f"http_{resp.status}")
+                if isinstance(err, dict)
+                else f"http_{resp.status}"
+            )
             if resp.status == 404:
                 slot.ticket = None  # the node does not know the ticket (expired): nothing to cancel
-            return await _decode_failed(call, node, f"generate_{kind}",
-                                        error_message(body, f"generate answered {resp.status}"))
+            return await _decode_failed(
+                call, node, f"generate_{kind}", error_message(body, f"generate answered {resp.status}")
+            )
         dec = sse.Decoder()
         first = True
         async for chunk in resp.content.iter_any():
@@ -329,8 +359,12 @@ async def _generate(
                     await out.texts(pending)
                     slot.ticket = None  # the node freed the slot with its done event
                     slot.release()
-                    return await _decode_failed(call, node, "stream_error",
-                                                f"the decode ended with finish_reason {obj.get('finish_reason')!r}")
+                    return await _decode_failed(
+                        call,
+                        node,
+                        "stream_error",
+                        f"the decode ended with finish_reason {obj.get('finish_reason')!r}",
+                    )
                 if obj.get("done"):
                     await out.texts(pending)
                     # The node frees the slot when it finishes: nothing to cancel.

@@ -40,7 +40,9 @@ def new_session(limits: Limits) -> aiohttp.ClientSession:
     )
     # No session-wide timeout: each call sets its own per phase.
     return aiohttp.ClientSession(
-        connector=connector, timeout=aiohttp.ClientTimeout(total=None), auto_decompress=False,
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=None),
+        auto_decompress=False,
         json_serialize=lambda o: json.dumps(o, separators=(",", ":")),
     )
 
@@ -64,10 +66,13 @@ def client_error(status: int, body: Any) -> RouterError:
     if not isinstance(err, dict):
         err = {}
     param, code = err.get("param"), err.get("code")
-    return RouterError(status, error_message(body, f"upstream answered {status}"),
-                       type=str(err.get("type") or "invalid_request_error"),
-                       param=param if isinstance(param, str) else None,
-                       code=code if isinstance(code, str | int) and not isinstance(code, bool) else None)
+    return RouterError(
+        status,
+        error_message(body, f"upstream answered {status}"),
+        type=str(err.get("type") or "invalid_request_error"),
+        param=param if isinstance(param, str) else None,
+        code=code if isinstance(code, str | int) and not isinstance(code, bool) else None,
+    )
 
 
 async def read_error_body(resp: aiohttp.ClientResponse) -> Any:
@@ -96,7 +101,9 @@ async def post_json(
             raw = await resp.read()
             status = resp.status
     except TimeoutError as exc:
-        raise UpstreamError(pool, url, "timeout", f"no answer within {timeout.total or timeout.sock_read} s") from exc
+        raise UpstreamError(
+            pool, url, "timeout", f"no answer within {timeout.total or timeout.sock_read} s"
+        ) from exc
     except aiohttp.ClientConnectorError as exc:
         raise UpstreamError(pool, url, "connect", str(exc)) from exc
     except aiohttp.ClientError as exc:
@@ -107,7 +114,10 @@ async def post_json(
         parsed = None
     if status >= 500:
         raise UpstreamError(
-            pool, url, f"http_{status}", error_message(parsed, raw[:200].decode(errors="replace")),
+            pool,
+            url,
+            f"http_{status}",
+            error_message(parsed, raw[:200].decode(errors="replace")),
         )
     if not isinstance(parsed, dict):
         raise UpstreamError(pool, url, "bad_response", f"HTTP {status}: body is not a JSON object")

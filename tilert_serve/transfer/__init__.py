@@ -36,7 +36,11 @@ def transport_env(name: str, protocol: str, interface: str | None = None, host: 
     """
     env: dict[str, str] = {}
     if name == "nixl" and protocol == "tcp":
-        env = {"UCX_TLS": "tcp", "UCX_MODULES": "^ib", **({"UCX_NET_DEVICES": interface} if interface else {})}
+        env = {
+            "UCX_TLS": "tcp",
+            "UCX_MODULES": "^ib",
+            **({"UCX_NET_DEVICES": interface} if interface else {}),
+        }
     if name == "mooncake":
         if protocol == "tcp":
             env["MC_TCP_SLICE_SIZE"] = str(1 << 20)
@@ -45,8 +49,9 @@ def transport_env(name: str, protocol: str, interface: str | None = None, host: 
     return env
 
 
-def create(name: str, *, host: str, protocol: str = "tcp", role: str = "peer",
-           interface: str | None = None) -> TransferEngine:
+def create(
+    name: str, *, host: str, protocol: str = "tcp", role: str = "peer", interface: str | None = None
+) -> TransferEngine:
     """A ready engine. `host` is the address peers reach us at (the data-plane address), `interface`
     the network interface it is on when known; `role` names NIXL agents. The process environment's
     settings win over transport_env's."""

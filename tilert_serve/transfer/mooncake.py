@@ -33,15 +33,18 @@ _CREATING = threading.Lock()
 class MooncakeEngine:
     name = "mooncake"
 
-    def __init__(self, host: str, protocol: str = "tcp", device_name: str = "",
-                 transfer_timeout_s: float | None = None) -> None:
+    def __init__(
+        self, host: str, protocol: str = "tcp", device_name: str = "", transfer_timeout_s: float | None = None
+    ) -> None:
         if protocol not in ("tcp", "rdma"):
             raise TransferError(f"mooncake protocol must be tcp or rdma, not {protocol!r}")
         try:
             from mooncake.engine import TransferEngine
         except ImportError as exc:
-            raise TransferError(f"Mooncake is not importable ({exc}); install mooncake-transfer-engine "
-                                "(GPU) or mooncake-transfer-engine-non-cuda (CPU) and libibverbs1") from exc
+            raise TransferError(
+                f"Mooncake is not importable ({exc}); install mooncake-transfer-engine "
+                "(GPU) or mooncake-transfer-engine-non-cuda (CPU) and libibverbs1"
+            ) from exc
         with _CREATING:
             timeout = None
             if transfer_timeout_s is not None and "MC_TRANSFER_TIMEOUT" not in os.environ:
@@ -53,9 +56,11 @@ class MooncakeEngine:
                     del os.environ["MC_TRANSFER_TIMEOUT"]
         rc = self._engine.initialize(host, "P2PHANDSHAKE", protocol, device_name)
         if rc != 0:
-            raise TransferError(f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device_name!r}) "
-                                f"returned {rc}; for rdma check the device name and that the RDMA device "
-                                "plugin gave this pod a NIC")
+            raise TransferError(
+                f"Mooncake initialize({host!r}, P2PHANDSHAKE, {protocol!r}, {device_name!r}) "
+                f"returned {rc}; for rdma check the device name and that the RDMA device "
+                "plugin gave this pod a NIC"
+            )
         self.session_id = f"{host}:{self._engine.get_rpc_port()}"
         self.protocol = protocol
 
@@ -63,7 +68,9 @@ class MooncakeEngine:
         location = "cpu:0" if device == "cpu" else device
         rc = self._engine.register_memory(addr, nbytes, location)
         if rc != 0:
-            raise TransferError(f"Mooncake could not register {nbytes} bytes at 0x{addr:x} on {device} (rc {rc})")
+            raise TransferError(
+                f"Mooncake could not register {nbytes} bytes at 0x{addr:x} on {device} (rc {rc})"
+            )
 
     def unregister(self, addr: int) -> None:
         self._engine.unregister_memory(addr)
@@ -81,11 +88,14 @@ class MooncakeEngine:
         if not ops:
             return
         rc = self._engine.batch_transfer_sync_write(
-            peer, [o.local_addr for o in ops], [o.remote_addr for o in ops], [o.nbytes for o in ops])
+            peer, [o.local_addr for o in ops], [o.remote_addr for o in ops], [o.nbytes for o in ops]
+        )
         if rc != 0:
             total = sum(o.nbytes for o in ops)
-            raise TransferError(f"Mooncake write of {len(ops)} ranges ({total} bytes) to {peer} failed (rc {rc}): "
-                                "the node may be down, unreachable, or the ranges outside its registered buffer")
+            raise TransferError(
+                f"Mooncake write of {len(ops)} ranges ({total} bytes) to {peer} failed (rc {rc}): "
+                "the node may be down, unreachable, or the ranges outside its registered buffer"
+            )
 
     def close(self) -> None:
         # The pybind object tears down on garbage collection; drop our reference.

@@ -82,10 +82,17 @@ def _polling_agent(api: Any, name: str, config: Any) -> Any:
     its module's binding for this one call, so no other agent of the process is affected."""
     init = api.nixl_agent.__init__
     if "nixlBind" not in init.__code__.co_names:
-        raise TransferError("this NIXL's nixl_agent no longer makes its agent through nixlBind; "
-                            "tilert_serve.transfer.nixl cannot raise its progress delay (update it)")
-    scoped_init = types.FunctionType(init.__code__, {**init.__globals__, "nixlBind": _PollingBinding(api.nixlBind)},
-                                     init.__name__, init.__defaults__, init.__closure__)
+        raise TransferError(
+            "this NIXL's nixl_agent no longer makes its agent through nixlBind; "
+            "tilert_serve.transfer.nixl cannot raise its progress delay (update it)"
+        )
+    scoped_init = types.FunctionType(
+        init.__code__,
+        {**init.__globals__, "nixlBind": _PollingBinding(api.nixlBind)},
+        init.__name__,
+        init.__defaults__,
+        init.__closure__,
+    )
     scoped_init.__kwdefaults__ = init.__kwdefaults__
     agent = api.nixl_agent.__new__(api.nixl_agent)
     scoped_init(agent, name, config)
@@ -106,8 +113,10 @@ def _ucx_engine_config(ucx: Mapping[str, str]) -> str:
     items = []
     for key, value in ucx.items():
         if not key.startswith("UCX_") or "," in value or "=" in key:
-            raise TransferError(f"UCX setting {key}={value!r} cannot be given to one NIXL agent (a UCX_ "
-                                "variable without commas in its value); set it in the environment instead")
+            raise TransferError(
+                f"UCX setting {key}={value!r} cannot be given to one NIXL agent (a UCX_ "
+                "variable without commas in its value); set it in the environment instead"
+            )
         items.append(f"{key.removeprefix('UCX_')}={value}")
     return ",".join(items)
 
@@ -147,8 +156,12 @@ class NixlEngine:
         # With its listener off NIXL defaults to no locking at all; the connector's sender threads
         # write concurrently (pd_vllm/worker.py), so transfers take NIXL's shared lock, metadata its
         # exclusive one. The UCX backend is made after the agent, to give it our settings.
-        config = api.nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False, backends=[],
-                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
+        config = api.nixl_agent_config(
+            enable_prog_thread=True,
+            enable_listen_thread=False,
+            backends=[],
+            sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW,
+        )
         with _CREATING:
             self._agent = _polling_agent(api, agent_name, config)
             with _environment_while({k: v for k, v in ucx.items() if k in _PROCESS_WIDE_UCX}):
@@ -164,7 +177,9 @@ class NixlEngine:
         try:
             reg = self._agent.register_memory([(addr, nbytes, dev, "")], mem)
         except Exception as exc:
-            raise TransferError(f"NIXL could not register {nbytes} bytes at 0x{addr:x} on {device}: {exc}") from exc
+            raise TransferError(
+                f"NIXL could not register {nbytes} bytes at 0x{addr:x} on {device}: {exc}"
+            ) from exc
         self._regs[addr] = (reg, mem, dev)
 
     def unregister(self, addr: int) -> None:
@@ -174,8 +189,10 @@ class NixlEngine:
 
     def peer_info(self) -> dict[str, Any]:
         # Taken after registration: NIXL peers only see regions present in the metadata they loaded.
-        return {"agent": self.agent_name,
-                "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode()}
+        return {
+            "agent": self.agent_name,
+            "metadata": base64.b64encode(self._agent.get_agent_metadata()).decode(),
+        }
 
     def connect(self, peer: dict[str, Any]) -> str:
         try:
@@ -195,8 +212,10 @@ class NixlEngine:
         try:
             handle = self._agent.initialize_xfer("WRITE", local, remote, peer)
         except Exception as exc:
-            raise TransferError(f"NIXL write to {peer} refused: {exc} (ranges outside the peer's registered "
-                                "buffer, or stale peer metadata)") from exc
+            raise TransferError(
+                f"NIXL write to {peer} refused: {exc} (ranges outside the peer's registered "
+                "buffer, or stale peer metadata)"
+            ) from exc
         try:
             state = self._agent.transfer(handle)
             deadline = time.monotonic() + _WRITE_TIMEOUT_S

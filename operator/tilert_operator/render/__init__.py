@@ -48,7 +48,11 @@ def all_manifests(
     """What `tilert-pd render` prints: the Secrets first (pods mount them), then the children.
     Without `node_api_token`, one is derived from `secret_token` (deterministic output for tests;
     `tilert-pd render` passes an independent random one)."""
-    api_token = node_api_token if node_api_token is not None else hashlib.sha256(f"node-api:{secret_token}".encode()).hexdigest()
+    api_token = (
+        node_api_token
+        if node_api_token is not None
+        else hashlib.sha256(f"node-api:{secret_token}".encode()).hexdigest()
+    )
     return [
         network.handoff_secret(cluster, namespace, secret_token),
         network.node_api_secret(cluster, namespace, api_token),

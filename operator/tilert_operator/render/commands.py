@@ -79,7 +79,11 @@ def tilert_connector(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
             **({} if spec.transfer.handoff_digest else {"tilert_handoff_digest": False}),
             **({} if spec.transfer.layerwise else {"tilert_layerwise": False}),
             # The prefill finds its own address on the handoff's networks, as the decode node does.
-            **({"tilert_data_plane_networks": list(spec.transfer.rdma.networks)} if spec.transfer.rdma.networks else {}),
+            **(
+                {"tilert_data_plane_networks": list(spec.transfer.rdma.networks)}
+                if spec.transfer.rdma.networks
+                else {}
+            ),
         },
     }
 
@@ -110,8 +114,15 @@ def speculative_config(spec: PDClusterSpec, on_cpu: bool = False) -> dict[str, o
     return cfg | vllm_cpu.drafter_config() if on_cpu else cfg
 
 
-def _vllm(spec: PDClusterSpec, paths: Paths, tp: int, gpus: int, kv_transfer_config: dict[str, object],
-          extra_args: list[str], drain_timeout_s: int) -> ContainerCommand:
+def _vllm(
+    spec: PDClusterSpec,
+    paths: Paths,
+    tp: int,
+    gpus: int,
+    kv_transfer_config: dict[str, object],
+    extra_args: list[str],
+    drain_timeout_s: int,
+) -> ContainerCommand:
     """`vllm serve` for a pool; a pool without GPUs gets what vLLM's CPU build needs for MLA models."""
     on_cpu = gpus == 0
     argv = _vllm_common(spec, paths, tp)
@@ -146,15 +157,29 @@ def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
 
 def prefill(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
     p = spec.prefill
-    return _vllm(spec, paths, p.tensor_parallel_size, p.gpus, prefill_kv_transfer_config(spec, paths),
-                 list(p.extra_args), p.termination.drain_timeout_s)
+    return _vllm(
+        spec,
+        paths,
+        p.tensor_parallel_size,
+        p.gpus,
+        prefill_kv_transfer_config(spec, paths),
+        list(p.extra_args),
+        p.termination.drain_timeout_s,
+    )
 
 
 def native_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
     n = spec.decode.native
     connector = spec.prefill.native_connector if spec.prefill.native_connector != "none" else "NixlConnector"
-    return _vllm(spec, paths, n.tensor_parallel_size, n.gpus, {"kv_connector": connector, "kv_role": "kv_consumer"},
-                 list(n.extra_args), n.termination.drain_timeout_s)
+    return _vllm(
+        spec,
+        paths,
+        n.tensor_parallel_size,
+        n.gpus,
+        {"kv_connector": connector, "kv_role": "kv_consumer"},
+        list(n.extra_args),
+        n.termination.drain_timeout_s,
+    )
 
 
 def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
@@ -188,8 +213,12 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         argv += ["--device", "cuda:0", "--shards", str(t.gpus)]
     if spec.transfer.rdma.networks:
         # The node finds its own address on these in the Multus network-status file (dataplane.py).
-        argv += ["--data-plane-networks", ",".join(spec.transfer.rdma.networks),
-                 "--network-status-file", dataplane.NETWORK_STATUS_FILE]
+        argv += [
+            "--data-plane-networks",
+            ",".join(spec.transfer.rdma.networks),
+            "--network-status-file",
+            dataplane.NETWORK_STATUS_FILE,
+        ]
     return ContainerCommand(argv, dict(spec.transfer.rdma.env))
 
 

@@ -18,8 +18,9 @@ def render(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:
     ]
     out = []
     for pool, replicas, component in pools:
-        pdb = hygiene.pod_disruption_budget(pool, replicas, pods.metadata(cluster, namespace, component),
-                                            pods.selector(cluster, component))
+        pdb = hygiene.pod_disruption_budget(
+            pool, replicas, pods.metadata(cluster, namespace, component), pods.selector(cluster, component)
+        )
         if pdb is not None:
             out.append(pdb)
     return out

@@ -55,8 +55,10 @@ def surge_and_unavailable(pool: Pool, gpus: int) -> tuple[int, int]:
         return r.max_surge, unavailable if (r.max_surge or unavailable) else 1
     if r.max_unavailable is not None and r.max_surge is None:
         return surge if (r.max_unavailable or surge) else 1, r.max_unavailable
-    return (surge if r.max_surge is None else r.max_surge,
-            unavailable if r.max_unavailable is None else r.max_unavailable)
+    return (
+        surge if r.max_surge is None else r.max_surge,
+        unavailable if r.max_unavailable is None else r.max_unavailable,
+    )
 
 
 def deployment_strategy(pool: Pool, gpus: int) -> Manifest:
@@ -123,7 +125,9 @@ def container_fields(pool: Pool, *, add_capabilities: list[str] | None = None) -
     return out
 
 
-def pod_disruption_budget(pool: Pool, replicas: int, metadata: Manifest, selector: dict[str, str]) -> Manifest | None:
+def pod_disruption_budget(
+    pool: Pool, replicas: int, metadata: Manifest, selector: dict[str, str]
+) -> Manifest | None:
     """The pool's PodDisruptionBudget (`metadata`: the pool's child metadata), or None."""
     if not replicas or not pool.disruption_budget.enabled:
         return None

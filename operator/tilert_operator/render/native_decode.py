@@ -12,7 +12,9 @@ COMPONENT = constants.NATIVE
 
 def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
     dp = pods.DataPlane(spec, cluster, secret=False)
-    return pods.vllm_deployment(dp, namespace, COMPONENT, spec.decode.native, commands.native_decode(spec, dp.paths))
+    return pods.vllm_deployment(
+        dp, namespace, COMPONENT, spec.decode.native, commands.native_decode(spec, dp.paths)
+    )
 
 
 def service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:

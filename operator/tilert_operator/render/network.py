@@ -78,9 +78,12 @@ def _policy(cluster: str, namespace: str, component: str, ingress: list[Manifest
 #: The operator's pods, in whatever namespace the chart installed them, by the two labels the chart
 #: gives its pod whatever the release is named or overridden to (nameOverride changes the name label):
 #: it reads each TileRT node's /v1/status (HandoffReady), with the node-API token the node requires.
-OPERATOR_PEER: Manifest = {"namespaceSelector": {},
-                           "podSelector": {"matchLabels": {constants.LABEL_PART_OF: "tilert-pd",
-                                                           "app.kubernetes.io/component": "operator"}}}
+OPERATOR_PEER: Manifest = {
+    "namespaceSelector": {},
+    "podSelector": {
+        "matchLabels": {constants.LABEL_PART_OF: "tilert-pd", "app.kubernetes.io/component": "operator"}
+    },
+}
 
 
 def _tcp(port: int) -> list[Manifest]:
@@ -119,10 +122,13 @@ def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[
     return out
 
 
-def _multi_policy(spec: PDClusterSpec, cluster: str, namespace: str, component: str,
-                  peers: list[str]) -> Manifest:
+def _multi_policy(
+    spec: PDClusterSpec, cluster: str, namespace: str, component: str, peers: list[str]
+) -> Manifest:
     meta = pods.metadata(cluster, namespace, component)
-    meta["annotations"] = {constants.MULTI_NETWORK_POLICY_FOR_ANNOTATION: ",".join(spec.transfer.rdma.networks)}
+    meta["annotations"] = {
+        constants.MULTI_NETWORK_POLICY_FOR_ANNOTATION: ",".join(spec.transfer.rdma.networks)
+    }
     return {
         "apiVersion": constants.MULTI_NETWORK_POLICY_API_VERSION,
         "kind": "MultiNetworkPolicy",

@@ -143,7 +143,11 @@ def handoff_secret_volume(cluster: str) -> Manifest:
     }
 
 
-HANDOFF_SECRET_MOUNT: Manifest = {"name": "handoff-secret", "mountPath": posixpath.dirname(defaults.SECRET_PATH), "readOnly": True}
+HANDOFF_SECRET_MOUNT: Manifest = {
+    "name": "handoff-secret",
+    "mountPath": posixpath.dirname(defaults.SECRET_PATH),
+    "readOnly": True,
+}
 
 
 def node_api_volume(cluster: str) -> Manifest:
@@ -153,16 +157,28 @@ def node_api_volume(cluster: str) -> Manifest:
         "secret": {
             "secretName": constants.node_api_secret_name(cluster),
             "defaultMode": 0o400,
-            "items": [{"key": constants.NODE_API_TOKEN_KEY, "path": posixpath.basename(defaults.NODE_API_TOKEN_PATH)}],
+            "items": [
+                {
+                    "key": constants.NODE_API_TOKEN_KEY,
+                    "path": posixpath.basename(defaults.NODE_API_TOKEN_PATH),
+                }
+            ],
         },
     }
 
 
-NODE_API_MOUNT: Manifest = {"name": "node-api-token", "mountPath": posixpath.dirname(defaults.NODE_API_TOKEN_PATH), "readOnly": True}
+NODE_API_MOUNT: Manifest = {
+    "name": "node-api-token",
+    "mountPath": posixpath.dirname(defaults.NODE_API_TOKEN_PATH),
+    "readOnly": True,
+}
 
 
 #: vLLM advertises its NIXL side channel at the pod's own address, for the native decode pods.
-NIXL_SIDE_CHANNEL_ENV: Manifest = {"name": "VLLM_NIXL_SIDE_CHANNEL_HOST", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+NIXL_SIDE_CHANNEL_ENV: Manifest = {
+    "name": "VLLM_NIXL_SIDE_CHANNEL_HOST",
+    "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
+}
 
 
 class DataPlane:
@@ -189,7 +205,10 @@ class DataPlane:
     def volumes(self) -> list[Manifest]:
         w = self.spec.model.weights
         model: Manifest = {"name": "model"} | (copy.deepcopy(w.volume) if w.volume else {"emptyDir": {}})
-        vols = [model, {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": self.spec.transfer.shm_size}}]
+        vols = [
+            model,
+            {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": self.spec.transfer.shm_size}},
+        ]
         if self.secret:
             vols.append(handoff_secret_volume(self.cluster))
         if self.node_api:
@@ -212,7 +231,13 @@ class DataPlane:
         if self.node_api:
             out.append(NODE_API_MOUNT)
         if self.multus:
-            out.append({"name": "podinfo", "mountPath": posixpath.dirname(dataplane.NETWORK_STATUS_FILE), "readOnly": True})
+            out.append(
+                {
+                    "name": "podinfo",
+                    "mountPath": posixpath.dirname(dataplane.NETWORK_STATUS_FILE),
+                    "readOnly": True,
+                }
+            )
         return out
 
     def init_containers(self, pool: ServingPool) -> list[Manifest]:
@@ -327,7 +352,9 @@ class DataPlane:
         ]
         if self.multus:
             # The spec's network names are relative to the pod's namespace.
-            env.append({"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}})
+            env.append(
+                {"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}}
+            )
         return env
 
 
@@ -353,8 +380,12 @@ def pod_template(
     meta: Manifest = {"labels": labels(cluster, component)}
     if annotations:
         meta["annotations"] = annotations
-    spec: Manifest = {"containers": containers, **scheduling(pool),
-                      **hygiene.pod_fields(pool, selector(cluster, component), as_root=as_root), **(extra or {})}
+    spec: Manifest = {
+        "containers": containers,
+        **scheduling(pool),
+        **hygiene.pod_fields(pool, selector(cluster, component), as_root=as_root),
+        **(extra or {}),
+    }
     if init_containers:
         spec["initContainers"] = init_containers
     if volumes:
@@ -362,22 +393,36 @@ def pod_template(
     return {"metadata": meta, "spec": spec}
 
 
-def service(cluster: str, namespace: str, component: str, ports: list[tuple[str, int]], *,
-            headless: bool = False) -> Manifest:
+def service(
+    cluster: str, namespace: str, component: str, ports: list[tuple[str, int]], *, headless: bool = False
+) -> Manifest:
     spec: Manifest = {"clusterIP": "None"} if headless else {}
     spec["selector"] = selector(cluster, component)
     spec["ports"] = [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports]
-    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata(cluster, namespace, component),
-            "spec": spec}
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(cluster, namespace, component),
+        "spec": spec,
+    }
 
 
-def vllm_deployment(dp: DataPlane, namespace: str, component: str, pool: Prefill | NativeDecode,
-                    cmd: ContainerCommand) -> Manifest:
+def vllm_deployment(
+    dp: DataPlane, namespace: str, component: str, pool: Prefill | NativeDecode, cmd: ContainerCommand
+) -> Manifest:
     """A vLLM server pool (prefill, native decode): one `vllm serve` container on VLLM_PORT."""
-    return dp.workload(kind="Deployment", namespace=namespace, component=component, pool=pool,
-                       container_name="vllm", cmd=cmd, ports=[("http", defaults.VLLM_PORT)],
-                       ready=http_probe("/health", defaults.VLLM_PORT), health_port=defaults.VLLM_PORT,
-                       extra_env=[NIXL_SIDE_CHANNEL_ENV])
+    return dp.workload(
+        kind="Deployment",
+        namespace=namespace,
+        component=component,
+        pool=pool,
+        container_name="vllm",
+        cmd=cmd,
+        ports=[("http", defaults.VLLM_PORT)],
+        ready=http_probe("/health", defaults.VLLM_PORT),
+        health_port=defaults.VLLM_PORT,
+        extra_env=[NIXL_SIDE_CHANNEL_ENV],
+    )
 
 
 def vllm_service(cluster: str, namespace: str, component: str) -> Manifest:

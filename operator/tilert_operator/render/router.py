@@ -99,18 +99,29 @@ def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
     port = r.service.port
     cmd = commands.router(spec, commands.Paths.pod(spec))
     # The node API token is mounted whatever the TileRT pool's size: scaling it never restarts the router.
-    mounts: list[Manifest] = [{"name": "config", "mountPath": constants.ROUTER_CONFIG_DIR, "readOnly": True}, pods.NODE_API_MOUNT]
-    volumes: list[Manifest] = [{"name": "config", "configMap": {"name": constants.child_name(cluster, COMPONENT)}},
-                               pods.node_api_volume(cluster)]
+    mounts: list[Manifest] = [
+        {"name": "config", "mountPath": constants.ROUTER_CONFIG_DIR, "readOnly": True},
+        pods.NODE_API_MOUNT,
+    ]
+    volumes: list[Manifest] = [
+        {"name": "config", "configMap": {"name": constants.child_name(cluster, COMPONENT)}},
+        pods.node_api_volume(cluster),
+    ]
     if r.api_keys_secret:
         mounts.append({"name": "api-keys", "mountPath": constants.ROUTER_KEYS_DIR, "readOnly": True})
-        volumes.append({"name": "api-keys", "secret": {"secretName": r.api_keys_secret.name, "defaultMode": 0o400}})
-    c = pods.container("router", r.image, cmd, ports=[("http", port)], resources=pods.resources(r, gpus=0), mounts=mounts)
+        volumes.append(
+            {"name": "api-keys", "secret": {"secretName": r.api_keys_secret.name, "defaultMode": 0o400}}
+        )
+    c = pods.container(
+        "router", r.image, cmd, ports=[("http", port)], resources=pods.resources(r, gpus=0), mounts=mounts
+    )
     # Ready = the router can route (a prefill and a decode route with a working handoff), not process up.
     c["readinessProbe"] = pods.http_probe("/ready", port, period=5)
     c["livenessProbe"] = pods.http_probe("/health", port, period=20, failures=6)
     c |= hygiene.container_fields(r)
-    template = pods.pod_template(cluster=cluster, component=COMPONENT, containers=[c], pool=r, volumes=volumes)
+    template = pods.pod_template(
+        cluster=cluster, component=COMPONENT, containers=[c], pool=r, volumes=volumes
+    )
     out: Manifest = {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
@@ -140,7 +151,10 @@ def service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
 
 
 def render(
-    spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode] = (),
+    spec: PDClusterSpec,
+    cluster: str,
+    namespace: str,
+    tilert_nodes: Sequence[router_config.TileRTNode] = (),
 ) -> list[Manifest]:
     return [
         configmap(spec, cluster, namespace, tilert_nodes),

@@ -27,12 +27,23 @@ def create(spec: EngineSpec) -> DecodeEngine:
     if spec.name == "reference":
         from tilert_serve.decode.engines.reference import ReferenceEngine, ReferenceSettings
 
-        return ReferenceEngine(ReferenceSettings(
-            model_dir=spec.model_dir, device=spec.device, dtype=spec.dtype, max_seq_len=spec.max_seq_len,
-            max_sequences=spec.max_sequences, num_speculative_tokens=spec.num_speculative_tokens))
+        return ReferenceEngine(
+            ReferenceSettings(
+                model_dir=spec.model_dir,
+                device=spec.device,
+                dtype=spec.dtype,
+                max_seq_len=spec.max_seq_len,
+                max_sequences=spec.max_sequences,
+                num_speculative_tokens=spec.num_speculative_tokens,
+            )
+        )
     if spec.name == "tilert":
         from tilert_serve.decode.engines.tilert import TileRTEngine
 
-        return TileRTEngine(model=spec.tilert_model, weights_dir=spec.model_dir, max_seq_len=spec.max_seq_len,
-                            with_mtp=spec.num_speculative_tokens > 0)
+        return TileRTEngine(
+            model=spec.tilert_model,
+            weights_dir=spec.model_dir,
+            max_seq_len=spec.max_seq_len,
+            with_mtp=spec.num_speculative_tokens > 0,
+        )
     raise ValueError(f"unknown decode engine {spec.name!r}; choose one of {', '.join(ENGINES)}")

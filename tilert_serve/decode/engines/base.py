@@ -14,7 +14,15 @@ from typing import Protocol
 
 from tilert_serve.layouts.state import InjectedState, LayerState
 
-__all__ = ["DecodeEngine", "DecodeStep", "InjectedState", "InvalidRequest", "LayerState", "Sampling", "Sequence"]
+__all__ = [
+    "DecodeEngine",
+    "DecodeStep",
+    "InjectedState",
+    "InvalidRequest",
+    "LayerState",
+    "Sampling",
+    "Sequence",
+]
 
 
 class InvalidRequest(ValueError):

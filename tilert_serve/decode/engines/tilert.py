@@ -22,9 +22,18 @@ from tilert_serve.decode.engines.base import DecodeStep, InjectedState, Sampling
 #: TileRT's MTP drafts 3 tokens a step (its `mtp_seq_len` is 4: one token plus 3 drafts).
 DRAFT_TOKENS: Final = 3
 _GENERATORS: Final = {
-    "glm5": ("tilert.models.glm_5.generator", "GLM5Generator", "tilert.models.glm_5.model_args", "ModelArgsGLM5"),
-    "deepseek_v3_2": ("tilert.models.deepseek_v3_2.generator", "DSAv32Generator",
-                      "tilert.models.deepseek_v3_2.model_args", "ModelArgs"),
+    "glm5": (
+        "tilert.models.glm_5.generator",
+        "GLM5Generator",
+        "tilert.models.glm_5.model_args",
+        "ModelArgsGLM5",
+    ),
+    "deepseek_v3_2": (
+        "tilert.models.deepseek_v3_2.generator",
+        "DSAv32Generator",
+        "tilert.models.deepseek_v3_2.model_args",
+        "ModelArgs",
+    ),
 }
 _LAYERS: Final = {"glm5": 79, "deepseek_v3_2": 62}
 
@@ -36,11 +45,21 @@ class TileRTEngine:
     num_mtp_layers = 1
     dtype = torch.bfloat16
 
-    def __init__(self, *, model: str, weights_dir: str, max_seq_len: int, with_mtp: bool = True,
-                 max_new_tokens: int = 32768, device: str = "cuda") -> None:
+    def __init__(
+        self,
+        *,
+        model: str,
+        weights_dir: str,
+        max_seq_len: int,
+        with_mtp: bool = True,
+        max_new_tokens: int = 32768,
+        device: str = "cuda",
+    ) -> None:
         if model not in _GENERATORS:
-            raise ValueError(f"the tilert engine runs {', '.join(_GENERATORS)}, not {model!r}; use the reference "
-                             "engine for other models")
+            raise ValueError(
+                f"the tilert engine runs {', '.join(_GENERATORS)}, not {model!r}; use the reference "
+                "engine for other models"
+            )
         self.model = model
         self.weights_dir = weights_dir
         self.max_seq_len = max_seq_len
@@ -57,14 +76,20 @@ class TileRTEngine:
         try:
             tilert = importlib.import_module("tilert")
         except ImportError as exc:
-            raise RuntimeError("the tilert package is not installed: the tilert engine needs the TileRT image "
-                               "on NVIDIA Blackwell (B200) GPUs; use --engine reference elsewhere") from exc
+            raise RuntimeError(
+                "the tilert package is not installed: the tilert engine needs the TileRT image "
+                "on NVIDIA Blackwell (B200) GPUs; use --engine reference elsewhere"
+            ) from exc
         tilert.load_backend(self.model)
         gen_mod, gen_cls, args_mod, args_cls = _GENERATORS[self.model]
         generator = getattr(importlib.import_module(gen_mod), gen_cls)
         model_args = getattr(importlib.import_module(args_mod), args_cls)()
-        self.gen = generator(model_args=model_args, max_new_tokens=self.max_new_tokens,
-                             model_weights_dir=self.weights_dir, with_mtp=self.with_mtp)
+        self.gen = generator(
+            model_args=model_args,
+            max_new_tokens=self.max_new_tokens,
+            model_weights_dir=self.weights_dir,
+            with_mtp=self.with_mtp,
+        )
         self.gen.init()
         self.gen.from_pretrained()
 
@@ -81,7 +106,9 @@ class TileRTEngine:
         for lid, layer in enumerate(state.layers):
             if layer.ki is None:
                 raise ValueError(f"layer {lid} has no indexer keys; {self.model} needs them")
-            caches.append((layer.ki.to(torch.bfloat16), layer.kv.to(torch.bfloat16), layer.pe.to(torch.bfloat16)))
+            caches.append(
+                (layer.ki.to(torch.bfloat16), layer.kv.to(torch.bfloat16), layer.pe.to(torch.bfloat16))
+            )
         self._busy = True
         self.gen.inject_cache(caches, start_pos=0, end_pos=state.seq_len)
         self.gen.set_cur_pos(state.seq_len - 1)
@@ -92,9 +119,12 @@ class TileRTEngine:
         if sampling != self._sampling:
             greedy = smp.greedy(sampling)
             # vLLM's floor, as the prefill sampled with: TileRT's kernels overflow below it as ours did.
-            self.gen.update_sampling_params(temperature=max(sampling.temperature, smp.MIN_TEMPERATURE),
-                                            top_p=1.0 if greedy else sampling.top_p,
-                                            top_k=1 if greedy else (sampling.top_k or 256), use_topp=not greedy)
+            self.gen.update_sampling_params(
+                temperature=max(sampling.temperature, smp.MIN_TEMPERATURE),
+                top_p=1.0 if greedy else sampling.top_p,
+                top_k=1 if greedy else (sampling.top_k or 256),
+                use_topp=not greedy,
+            )
             self._sampling = sampling
 
 
