@@ -7,11 +7,12 @@ still parses (the operator's renderer and this model are edited by different peo
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tilert_serve import defaults
 
@@ -20,6 +21,26 @@ NativeConnector = Literal["NixlConnector", "MooncakeConnector"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+#: What a compat field holds: `tilert_serve.compat.Compat.fingerprint` (12 hex digits), or None for an
+#: endpoint of unknown generation, which pairs with anything (`tilert_serve.compat.compatible`).
+CompatField = str | None
+
+
+class Endpoint(_Strict):
+    """A vLLM server (a prefill or a native decode) and its compatibility generation.
+
+    A plain URL string validates as `Endpoint(url=...)` with compat None: configs written before
+    generations existed (and renderers that still pass strings) keep working."""
+
+    url: str
+    compat: CompatField = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _from_url(cls, data: Any) -> Any:
+        return {"url": data} if isinstance(data, str) else data
 
 
 class TileRTNode(_Strict):
@@ -34,6 +55,9 @@ class TileRTNode(_Strict):
     slots: int = Field(default=1, ge=1)
     #: The node's context limit, when known: caps the tokens asked for a request without max_tokens.
     max_seq_len: int | None = Field(default=None, ge=1)
+    #: The compatibility fingerprint the node should advertise (its generation's); None = unknown, pairs
+    #: with any prefill. A node whose /v1/status advertises another one is not routed to.
+    compat: CompatField = None
 
 
 class RoutingPolicy(_Strict):
@@ -145,18 +169,21 @@ class TileRTDiscovery(_Strict):
     slots: int = Field(default=1, ge=1)
     max_seq_len: int | None = Field(default=None, ge=1)
     interval_s: float = Field(default=2.0, gt=0)
+    #: The generation of the nodes behind this Service (each generation has its own headless Service).
+    compat: CompatField = None
 
 
 class RouterConfig(_Strict):
     #: The served model name clients use.
     model: str
-    #: Base URLs of the vLLM prefill servers.
-    prefill: list[str]
+    #: The vLLM prefill servers (a URL string is an Endpoint of unknown generation).
+    prefill: list[Endpoint]
     tilert: list[TileRTNode] = []
-    #: Also take TileRT nodes from DNS (in a cluster: the pool's headless Service).
-    tilert_discovery: TileRTDiscovery | None = None
-    #: Base URLs of the native vLLM decode servers.
-    native: list[str] = []
+    #: Also take TileRT nodes from DNS (in a cluster: one headless Service per live generation). A single
+    #: mapping is a one-item list; null, none. Read it through `discoveries()`.
+    tilert_discovery: list[TileRTDiscovery] = []
+    #: The native vLLM decode servers.
+    native: list[Endpoint] = []
     policy: RoutingPolicy = RoutingPolicy()
     timeouts: Timeouts = Timeouts()
     #: File with one API key per line (clients send `Authorization: Bearer <key>`); None = no
@@ -184,6 +211,36 @@ class RouterConfig(_Strict):
     #: VLLM_MOONCAKE_BOOTSTRAP_PORT (default 8998) on the prefill's host.
     mooncake_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
 
+    if TYPE_CHECKING:
+        # What the constructor accepts, for the type checker: the older forms (URL strings, one
+        # discovery) validate as well as the new ones, so renderers written before generations type-check.
+        def __init__(
+            self,
+            *,
+            prefill: Sequence[Endpoint | str],
+            native: Sequence[Endpoint | str] = (),
+            tilert_discovery: Sequence[TileRTDiscovery] | TileRTDiscovery | None = None,
+            **fields: Any,
+        ) -> None: ...
+
+    @field_validator("tilert_discovery", mode="before")
+    @classmethod
+    def _one_or_many(cls, value: Any) -> Any:
+        if value is None:
+            return []
+        return [value] if isinstance(value, dict | TileRTDiscovery) else value
+
+    def discoveries(self) -> list[TileRTDiscovery]:
+        """The discovery entries, also when a caller set the field with model_copy(update=...), which
+        does not validate (a single TileRTDiscovery then stands where the list should)."""
+        value: object = self.tilert_discovery
+        if value is None:
+            return []
+        if isinstance(value, TileRTDiscovery):
+            return [value]
+        assert isinstance(value, list)
+        return [d if isinstance(d, TileRTDiscovery) else TileRTDiscovery.model_validate(d) for d in value]
+
     def served_models(self) -> list[str]:
         """Every name a client may put in `model`: the served name and the routing aliases."""
         names = [self.model, *self.policy.tilert_aliases, *self.policy.native_aliases]
@@ -204,4 +261,15 @@ def load(path: str | Path) -> RouterConfig:
 
 
 def dump(config: RouterConfig) -> str:
-    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+    """config.yaml for `config`, in the older shape wherever it means the same (an endpoint without
+    compat as its URL, no `compat: null`, a single discovery as a mapping, none as null), so that a
+    router of the previous release reads a config that uses no generation."""
+    data = config.model_copy(update={"tilert_discovery": config.discoveries()}).model_dump(mode="json")
+    for pool in ("prefill", "native"):
+        data[pool] = [e["url"] if e["compat"] is None else e for e in data[pool]]
+    for item in [*data["tilert"], *data["tilert_discovery"]]:
+        if item["compat"] is None:
+            del item["compat"]
+    found = data["tilert_discovery"]
+    data["tilert_discovery"] = None if not found else found[0] if len(found) == 1 else found
+    return yaml.safe_dump(data, sort_keys=False)

@@ -30,6 +30,7 @@ def nodes_from(addresses: list[str], d: TileRTDiscovery) -> list[TileRTNode]:
             ctrl_port=d.ctrl_port,
             slots=d.slots,
             max_seq_len=d.max_seq_len,
+            compat=d.compat,
         )
         for a in sorted(set(addresses))
     ]
@@ -45,26 +46,35 @@ async def resolve(name: str) -> list[str]:
 
 
 async def refresh(state: RouterState, resolver: Resolver) -> bool:
-    """One lookup; applies and returns True when the discovered set changed."""
-    d = state.base_config.tilert_discovery
-    if d is None:
+    """One lookup of every discovery entry (one per generation); applies and returns True when the
+    discovered set changed. A pod found under two entries (a Service that moved) counts under the first."""
+    entries = state.base_config.discoveries()
+    if not entries and not state.discovered:
         return False
-    nodes = nodes_from(await resolver(d.service), d)
+    found = await asyncio.gather(*(resolver(d.service) for d in entries))
+    nodes: list[TileRTNode] = []
+    seen: set[str] = set()
+    for d, addresses in zip(entries, found, strict=True):
+        for n in nodes_from(addresses, d):
+            if n.http_url not in seen:
+                seen.add(n.http_url)
+                nodes.append(n)
     if nodes == state.discovered:
         return False
-    log.info("TileRT nodes found through %s: %s", d.service, ", ".join(n.ctrl_host for n in nodes) or "none")
+    for d, addresses in zip(entries, found, strict=True):
+        log.info("TileRT nodes found through %s: %s", d.service, ", ".join(sorted(set(addresses))) or "none")
     state.set_discovered(nodes)
     return True
 
 
 async def _loop(state: RouterState, resolver: Resolver) -> None:
     while True:
-        d = state.base_config.tilert_discovery
+        entries = state.base_config.discoveries()
         try:
             await refresh(state, resolver)
         except Exception:  # discovery must never stop; the configured list still serves
             log.exception("TileRT discovery failed")
-        await asyncio.sleep(d.interval_s if d else 5.0)
+        await asyncio.sleep(min((d.interval_s for d in entries), default=5.0))
 
 
 def discovery_ctx(resolver: Resolver = resolve) -> Callable[[web.Application], AsyncIterator[None]]:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tilert_serve.router.config import CircuitBreaker, HealthChecks, RouterConfig, TileRTNode
+from tilert_serve.router.config import Endpoint as EndpointSpec
 
 TileRTState = Literal["free", "full", "down"]
 BreakerState = Literal["closed", "open", "half-open"]
@@ -29,6 +30,8 @@ class Endpoint:
     inflight: int = 0
     #: Last failure, for /ready's reasons.
     last_error: str = ""
+    #: The compatibility generation the config gives it (None: unknown, pairs with anything).
+    compat: str | None = None
 
     @property
     def routable(self) -> bool:
@@ -124,6 +127,16 @@ def _live(eps: Iterable[Endpoint]) -> list[Endpoint]:
     return [e for e in eps if e.routable] or eps
 
 
+def _keep(old: dict[str, Endpoint], configured: list[EndpointSpec], pool: str) -> dict[str, Endpoint]:
+    """The configured endpoints by URL, the ones already known kept (their health, counters)."""
+    out: dict[str, Endpoint] = {}
+    for spec in configured:
+        ep = old.get(spec.url) or Endpoint(spec.url, pool)
+        ep.compat = spec.compat
+        out[spec.url] = ep
+    return out
+
+
 class Pools:
     def __init__(self, config: RouterConfig) -> None:
         self.prefill: dict[str, Endpoint] = {}
@@ -138,8 +151,8 @@ class Pools:
         Requests in flight hold their own Endpoint objects, so one removed mid-request is released
         on that object and simply forgotten afterwards.
         """
-        self.prefill = {u: self.prefill.get(u) or Endpoint(u, "prefill") for u in config.prefill}
-        self.native = {u: self.native.get(u) or Endpoint(u, "native") for u in config.native}
+        self.prefill = _keep(self.prefill, config.prefill, "prefill")
+        self.native = _keep(self.native, config.native, "native")
         # A node is its address: one found through DNS that the ConfigMap then names (another name, the
         # same pod) keeps the slots this router holds on it.
         by_url = {n.url: n for n in self.tilert.values()}
@@ -152,6 +165,7 @@ class Pools:
             else:
                 nodes[spec.name] = Node(spec.http_url, "tilert", spec=spec)
             nodes[spec.name].breaker_cfg = config.breaker
+            nodes[spec.name].compat = spec.compat
         self.tilert = nodes
 
     def all(self) -> Iterable[Endpoint]:
