@@ -12,7 +12,8 @@ step() { printf '==> %s\n' "$*"; }
 # Mooncake's non-CUDA wheel links libibverbs (no RDMA device needed: it falls back to TCP).
 # --no-install-recommends keeps ibverbs-providers out: its libefa makes NIXL's bundled UCX crash at exit.
 need_apt=()
-for pkg in libibverbs1 libnuma1 libcurl4; do
+# prometheus (and its promtool): the observability tests and `tilert-pd local up --observe` run Debian's build.
+for pkg in libibverbs1 libnuma1 libcurl4 prometheus; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
