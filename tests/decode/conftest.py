@@ -210,6 +210,8 @@ async def running_node(
     quarantine_s: float = 30.0,
     verify_digest: bool = True,
     secret: object = SECRET,
+    model_name: str = "",
+    model_revision: str = "",
 ) -> AsyncIterator[RunningNode]:
     for key in ("UCX_TLS", "UCX_NET_DEVICES", "UCX_MODULES"):
         os.environ.setdefault(key, SENDER_ENV[key])
@@ -227,6 +229,8 @@ async def running_node(
         handoff_timeout_s=handoff_timeout_s,
         quarantine_s=quarantine_s,
         verify_digest=verify_digest,
+        model_name=model_name,
+        model_revision=model_revision,
     )
     mover = node_transfer(transfer_name)
     node = DecodeNode(

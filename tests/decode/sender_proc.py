@@ -2,7 +2,7 @@
 
 usage: sender_proc.py CASE NUM_TOKENS SEED ENGINE HOST PORT SECRET_FILE REQUEST_ID [TICKET] [--die-after-accept]
                       [--no-digest] [--layerwise] [--die-after-layers=K] [--give-up-after-layers=K]
-                      [--hold-after-layers=K] [--stall-after-layers=K] [--chunks=T1,T2,...]
+                      [--hold-after-layers=K] [--stall-after-layers=K] [--chunks=T1,T2,...] [--compat=HEX]
 Prints one line `RESULT {json}`.
 
 --layerwise hands the sender a LayerSource that gives one layer at a time, as a prefill's forward
@@ -13,6 +13,7 @@ waits for a line on stdin before giving the rest. --chunks makes it a chunked pr
 prompt is computed in chunks ending at T1, T2, ... and at NUM_TOKENS; staging starts empty and each
 chunk puts its tokens there (the page a chunk ends inside holds garbage until the next chunk
 completes it), then gives every layer's chunk; the last chunk's batches complete the layers.
+--compat names the sender's compatibility generation (default: the unnamed one of its layout).
 """
 
 from __future__ import annotations
@@ -53,6 +54,7 @@ def die_after_accept(host: str, port: int, secret: bytes, req: HandoffRequest, f
             num_tokens=req.num_tokens,
             last_prompt_token=req.last_prompt_token,
             layout_fingerprint=fingerprint,
+            compat=synthetic.unnamed_compat(fingerprint),
         )
     )
     accept = chan.recv()
@@ -156,6 +158,7 @@ def main() -> None:
         staging_buffers=[buf],
         timeout_s=20,
         send_digest="--no-digest" not in sys.argv,
+        compat=next((a.split("=", 1)[1] for a in sys.argv if a.startswith("--compat=")), None),
     )
     source: OneByOne | ChunkByChunk | None = (
         OneByOne(layout.num_layers) if "--layerwise" in sys.argv else None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from tilert_serve import layouts
+from tilert_serve.compat import Compat
 from tilert_serve.layouts import convert
 
 #: Layouts the wire tests cover: both DSA models in both cache formats, and the small-model layout.
@@ -40,3 +41,9 @@ def fill(placement: layouts.Placement, buffers: list[torch.Tensor], num_tokens: 
         for plane, data in layer_bytes(placement.layout, lid, num_tokens, seed).items():
             shard, off = placement.offset(plane, lid)
             buffers[shard][off : off + data.numel()] = data
+
+
+def unnamed_compat(layout_fingerprint: str) -> str:
+    """The compatibility fingerprint of a node run without --served-model-name and --model-revision
+    (NodeConfig's defaults) on a layout: what a hand-built Request must name to be taken."""
+    return Compat("", "", layout_fingerprint).fingerprint

@@ -154,6 +154,7 @@ async def test_relay_sending_its_own_request_after_the_hello_is_refused(secret_f
                 num_tokens=NUM_TOKENS,
                 last_prompt_token=1,
                 layout_fingerprint=LAYOUT.fingerprint,
+                compat=synthetic.unnamed_compat(LAYOUT.fingerprint),
             )
         )
         # The relay cannot seal, so it sends its Request unsealed, or with the victim's tag.
@@ -471,6 +472,7 @@ async def test_done_after_the_deadline_leaves_the_slot_quarantined(secret_file):
                         num_tokens=NUM_TOKENS,
                         last_prompt_token=1,
                         layout_fingerprint=LAYOUT.fingerprint,
+                        compat=synthetic.unnamed_compat(LAYOUT.fingerprint),
                     )
                 )
                 accept = chan.recv()

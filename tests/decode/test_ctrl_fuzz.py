@@ -156,6 +156,7 @@ class Conn:
                 num_tokens=num_tokens,
                 last_prompt_token=1,
                 layout_fingerprint=LAYOUT.fingerprint,
+                compat=synthetic.unnamed_compat(LAYOUT.fingerprint),
             )
         )
         accept = self.chan.recv()

@@ -39,6 +39,7 @@ def _request(chan: framing.SyncChannel, request_id: str, ticket: str) -> None:
             num_tokens=NUM_TOKENS,
             last_prompt_token=1,
             layout_fingerprint=LAYOUT.fingerprint,
+            compat=synthetic.unnamed_compat(LAYOUT.fingerprint),
         )
     )
 

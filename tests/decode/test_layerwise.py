@@ -293,6 +293,7 @@ class RawSender:
                 num_tokens=NUM_TOKENS,
                 last_prompt_token=1,
                 layout_fingerprint=layout_fingerprint,
+                compat=synthetic.unnamed_compat(layout_fingerprint),
                 sender_rank=rank,
                 num_senders=senders,
             )

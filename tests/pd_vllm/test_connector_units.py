@@ -19,6 +19,8 @@ from tilert_serve.pd_vllm.scheduler import TileRTScheduler
 from tilert_serve.pd_vllm.worker import classify
 
 BASE = {"tilert_model": "mla", "tilert_max_seq_len": 256, "tilert_local_host": "127.0.0.1"}
+#: The scheduler's compatibility fingerprint (what generation.prefill_compat gives in the connector).
+COMPAT = "0123456789ab"
 
 
 @pytest.mark.parametrize(
@@ -27,7 +29,7 @@ BASE = {"tilert_model": "mla", "tilert_max_seq_len": 256, "tilert_local_host": "
         ({"tilert_max_seq_len": 256}, r"tilert_model: Field required \(state layout family"),
         (
             {**BASE, "tilert_modle": "mla"},
-            r"unknown TileRTConnector keys \['tilert_modle'\]; known keys: \['tilert_data_plane_networks', 'tilert_handoff_digest', 'tilert_layerwise', 'tilert_local_host'",
+            r"unknown TileRTConnector keys \['tilert_modle'\]; known keys: \['model_revision', 'tilert_data_plane_networks', 'tilert_handoff_digest', 'tilert_layerwise', 'tilert_local_host'",
         ),
         ({**BASE, "tilert_host": "10.0.0.1"}, "destination is per request"),
         (
@@ -152,7 +154,7 @@ def chunked_steps(claimed: FakeRequest, plain: FakeRequest) -> list[SchedulerOut
 
 
 def test_chunked_prefill_sends_each_chunk_and_completes_once_with_every_block():
-    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE), COMPAT)
     claimed = FakeRequest("a", list(range(100, 264)), dict(DEST))
     plain = FakeRequest("b", list(range(30)))
     for r in (claimed, plain):
@@ -172,7 +174,7 @@ def test_chunked_prefill_sends_each_chunk_and_completes_once_with_every_block():
     claimed.output_token_ids = [42]
     assert sched.request_finished(claimed) == (
         True,
-        {"tilert_num_tokens": 164, "tilert_first_token": 42, "tilert_status": "queued"},
+        {"tilert_num_tokens": 164, "tilert_first_token": 42, "tilert_status": "queued", "compat": COMPAT},
     )
     assert sched.request_finished(plain) == (False, None)
     assert sched.tracked == 0
@@ -185,7 +187,7 @@ def test_chunked_prefill_sends_each_chunk_and_completes_once_with_every_block():
 
 
 def test_without_layerwise_a_chunked_prompt_has_one_job_in_its_last_step():
-    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE), COMPAT)
     claimed = FakeRequest("a", list(range(100, 264)), {**DEST, "tilert_layerwise": False})
     sched.on_new_request(claimed)
     metas = [sched.build_meta(s) for s in chunked_steps(claimed, FakeRequest("b", list(range(30))))]
@@ -193,7 +195,7 @@ def test_without_layerwise_a_chunked_prompt_has_one_job_in_its_last_step():
 
 
 def test_resumed_request_replaces_its_block_table():
-    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE), COMPAT)
     r = FakeRequest("a", list(range(40)), dict(DEST))
     sched.on_new_request(r)
     sched.build_meta(_output([_new(r, [1, 2])], _cached([], [], []), {"a": 20}))
@@ -209,7 +211,7 @@ def test_resumed_request_replaces_its_block_table():
     ],
 )
 def test_requests_that_cannot_go_are_reported_not_sent(params, tokens, error):
-    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE), COMPAT)
     r = FakeRequest("a", list(range(tokens)), dict(params))
     sched.on_new_request(r)
     assert sched.build_meta(_output([_new(r, [1])], _cached([], [], []), {"a": tokens})).jobs == []
@@ -226,7 +228,7 @@ def test_connector_lines_reach_vllms_handler():
     vllm_logger = logging.getLogger("vllm")
     vllm_logger.addHandler(handler)
     try:
-        sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+        sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE), COMPAT)
         sched.on_new_request(FakeRequest("too-long", list(range(300)), dict(DEST)))
     finally:
         vllm_logger.removeHandler(handler)
@@ -236,7 +238,7 @@ def test_connector_lines_reach_vllms_handler():
 
 
 def test_aborted_before_its_prefill_completes():
-    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE))
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE), COMPAT)
     r = FakeRequest("a", list(range(50)), dict(DEST), status=SimpleNamespace(name="FINISHED_ABORTED"))
     sched.on_new_request(r)
     sched.build_meta(_output([_new(r, [1, 2])], _cached([], [], []), {"a": 20}))

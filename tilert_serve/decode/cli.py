@@ -41,6 +41,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the prefill's vLLM KV-cache dtype (fp8_ds_mla, bfloat16, float32); auto = fp8_ds_mla for "
         "glm5/deepseek_v3_2, the checkpoint's dtype for mla",
     )
+    p.add_argument(
+        "--served-model-name",
+        default="",
+        help="the model name clients send, as the prefills' vLLM --served-model-name: part of the "
+        "compatibility generation (tilert_serve/compat.py) a prefill must match",
+    )
+    p.add_argument(
+        "--model-revision",
+        default="",
+        help="what identifies the weights (a checkpoint revision, a date): part of the compatibility "
+        "generation; the prefills' kv_connector_extra_config model_revision must be the same",
+    )
     p.add_argument("--engine", default="reference", choices=engines.ENGINES)
     p.add_argument("--slots", type=int, default=1, help="sequences decoded at once (tilert: 1)")
     p.add_argument("--max-seq-len", type=int, required=True, help="longest prompt + output, in tokens")
@@ -192,6 +204,8 @@ def run(args: argparse.Namespace) -> int:
         ticket_ttl_s=args.ticket_ttl,
         quarantine_s=args.quarantine_s,
         verify_digest=args.handoff_digest == "on",
+        model_name=args.served_model_name,
+        model_revision=args.model_revision,
     )
     mover = transfer.create(
         args.transfer, host=where.address, protocol=args.protocol, role=args.name, interface=where.interface

@@ -480,6 +480,23 @@ def _refusal(node: DecodeNode, req: messages.Request) -> _Refuse | None:
     """Why this node can never take `req`'s state, or None."""
     if req.layout_fingerprint != node.layout.fingerprint:
         return _Refuse(RejectReason.LAYOUT, f"this node runs layout {node.layout.describe()}")
+    mine = node.compat.fingerprint
+    if req.compat is None:
+        return _Refuse(
+            RejectReason.COMPAT,
+            f"the sender named no compatibility generation (this node's is {mine}): it runs an older "
+            "tilert-pd release; run the prefill and the decode nodes of the same release",
+        )
+    if req.compat != mine:
+        c = node.compat
+        return _Refuse(
+            RejectReason.COMPAT,
+            f"the sender's compatibility generation is {req.compat}, this node's {mine} (served model "
+            f"{c.model!r}, revision {c.revision!r}, layout {c.layout}, protocol {c.protocol}): check that "
+            "the prefill's --served-model-name and model_revision equal the node's --served-model-name "
+            "and --model-revision, and that both run the same tilert-pd release; the router pairs only "
+            "equal generations",
+        )
     if req.num_tokens > node.config.max_seq_len:
         return _Refuse(
             RejectReason.TOO_LONG,

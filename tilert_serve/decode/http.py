@@ -236,7 +236,9 @@ async def health(request: web.Request) -> web.Response:
 async def ready(request: web.Request) -> web.Response:
     node = request.app[NODE]
     if node.ready:
-        return web.json_response({"ready": True})
+        # The compatibility generation (tilert_serve/compat.py): what the router checks against the
+        # generation it was configured with for this node.
+        return web.json_response({"ready": True, "compat": node.compat.fingerprint})
     reason = (
         api_auth.public_reason(node.failed)
         if node.failed
@@ -257,6 +259,10 @@ async def status(request: web.Request) -> web.Response:
         {
             "name": node.config.name,
             "ready": node.ready,
+            # The compatibility generation (tilert_serve/compat.py): a prefill's handoff is taken only
+            # from a sender of this one; the router routes here only while it is the configured one.
+            "compat": node.compat.fingerprint,
+            "model": {"name": node.compat.model, "revision": node.compat.revision},
             "failed": node.failed,
             "layout": node.layout.describe(),
             "engine": node.engine.name,

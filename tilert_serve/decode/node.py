@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from tilert_serve import defaults
+from tilert_serve.compat import Compat
 from tilert_serve.decode import ctrl
 from tilert_serve.decode.buffers import ReceiveBuffers
 from tilert_serve.decode.detokenize import detokenizer
@@ -70,6 +71,10 @@ class NodeConfig:
     #: Check each sender rank's digest of what it wrote before converting (handoff/digest.py); off,
     #: a state without digests is taken as it is.
     verify_digest: bool = True
+    #: The served model name and weights revision: with the layout, the node's compatibility
+    #: generation (tilert_serve/compat.py), which a sender's Request must name.
+    model_name: str = ""
+    model_revision: str = ""
 
 
 @dataclass(frozen=True)
@@ -176,6 +181,9 @@ class DecodeNode:
             raise ValueError(f"--max-seq-len {config.max_seq_len} exceeds the engine's {engine.max_seq_len}")
         self.config = config
         self.layout = layout
+        #: This node's compatibility generation: advertised in /v1/status, /ready and Hello; a
+        #: sender's Request must name the same fingerprint (decode/ctrl.py).
+        self.compat = Compat(config.model_name, config.model_revision, layout.fingerprint)
         self.engine = engine
         self.transfer = transfer
         #: The accepted handoff secrets (a FileKeyring follows a rotated Secret without a restart).
@@ -519,6 +527,7 @@ class DecodeNode:
             peer=self.transfer.peer_info(),
             digests=digest.available(),
             layerwise=True,
+            compat=self.compat.fingerprint,
         )
 
     def cancel(self, slot: Slot) -> None:

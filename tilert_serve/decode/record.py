@@ -39,6 +39,7 @@ DATA_PLANE_FAILURES = frozenset(
     {
         "not_authenticated",
         "layout_mismatch",
+        "compat_mismatch",
         "version_mismatch",
         "bad_request",
         "timeout",

@@ -35,6 +35,9 @@ class RejectReason(StrEnum):
     BAD_REQUEST = "bad_request"
     #: The node is stopping.
     SHUTTING_DOWN = "shutting_down"
+    #: Different compatibility generation (tilert_serve/compat.py: served model, weights revision,
+    #: layout, protocol), or a sender of an older release that names none.
+    COMPAT = "compat_mismatch"
 
 
 class HandoffError(Exception):

@@ -5,7 +5,8 @@ A handoff, on one TCP connection from a prefill sender (one per TP rank) to a de
     node   -> sender  Challenge   node nonce
     sender -> node    Auth        HMAC(secret, node nonce, sender nonce), sender nonce
     node   -> sender  Hello       node's proof, protocol and layout, transfer engine peer info
-    sender -> node    Request     request id or ticket, token count, last prompt token, prompt ids
+    sender -> node    Request     request id or ticket, token count, last prompt token, prompt ids,
+                                  the sender's compatibility fingerprint
     node   -> sender  Accept      the slot's receive regions  | Reject (reason)
     (sender writes the bytes one-sidedly through the transfer engine)
     sender -> node    LayersDone  (layer-wise, only to a node whose Hello says `layerwise`): these
@@ -39,6 +40,9 @@ class Message(BaseModel):
 _NONCE = r"^[0-9a-f]{32,128}$"
 #: An HMAC-SHA256 in hex.
 _MAC = r"^[0-9a-f]{64}$"
+#: A compatibility fingerprint (compat.Compat.fingerprint: 12 hex digits; room for a longer one). Hex
+#: only, so the node may name a sender's fingerprint in its own refusal without quoting a peer's text.
+_COMPAT = r"^[0-9a-f]{8,64}$"
 #: Token ids are vocabulary indices: anything past this is no token.
 _TOKEN_LIMIT = 1 << 31
 
@@ -91,6 +95,8 @@ class Hello(Message):
     #: The node takes LayersDone frames between Accept and Done (layer-wise handoff); an older node
     #: leaves it out and gets the whole state before Done.
     layerwise: bool = False
+    #: The node's compatibility fingerprint (compat.Compat.fingerprint); None from an older node.
+    compat: str | None = Field(default=None, pattern=_COMPAT)
 
 
 class Request(Message):
@@ -105,6 +111,10 @@ class Request(Message):
     layout_fingerprint: str
     sender_rank: int = Field(default=0, ge=0)
     num_senders: int = Field(default=1, ge=1)
+    #: The sender's compatibility fingerprint (compat.Compat.fingerprint). Optional on the wire, as
+    #: fields added within a protocol version are, so an older sender is refused by reason
+    #: (compat_mismatch, naming the release) instead of failing to parse; the node requires it.
+    compat: str | None = Field(default=None, pattern=_COMPAT)
 
 
 class Accept(Message):

@@ -28,6 +28,7 @@ from typing import Protocol
 
 import torch
 
+from tilert_serve.compat import Compat
 from tilert_serve.handoff import auth, digest, messages
 from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason, SessionError, VersionMismatch
 from tilert_serve.handoff.framing import PREAUTH_MAX_BODY, Session, SyncChannel
@@ -104,7 +105,11 @@ class Sender:
     in a prefill, the private twin of the registered region that `staging_addrs` point at (registered
     memory can be written by any data-plane peer, so it is never what is hashed; see
     pd_vllm/worker.py StagingPool). `staging_addrs` defaults to their addresses. `send_digest`: put a digest of the written bytes in
-    Done (the node refuses a state without one unless it runs with digests off)."""
+    Done (the node refuses a state without one unless it runs with digests off). `compat`: this
+    prefill's compatibility fingerprint (tilert_serve/compat.py), sent in every Request; a node of
+    another generation refuses it (compat_mismatch) before anything is written. None: the unnamed
+    generation of the staging layout (no served model name, no revision), which a node started
+    without --served-model-name and --model-revision runs (tests, benchmarks, hand-run nodes)."""
 
     def __init__(
         self,
@@ -117,8 +122,10 @@ class Sender:
         staging_buffers: Sequence[torch.Tensor | None] | None = None,
         timeout_s: float = 30.0,
         send_digest: bool = True,
+        compat: str | None = None,
     ) -> None:
         self.name = name
+        self.compat = compat if compat is not None else Compat("", "", staging.layout.fingerprint).fingerprint
         self.keyring = auth.keyring(secret)
         self.engine = engine
         self.staging = staging
@@ -228,6 +235,7 @@ class Sender:
             layout_fingerprint=layout.fingerprint,
             sender_rank=req.rank,
             num_senders=req.num_senders,
+            compat=self.compat,
         )
         if hello.layout.fingerprint != layout.fingerprint:
             msg = (

@@ -95,6 +95,15 @@ class ConnectorConfig(BaseModel):
         "with --handoff-digest off)",
     )
 
+    model_revision: str = Field(
+        "",
+        alias="model_revision",
+        max_length=128,
+        description="what identifies the weights (a checkpoint revision, a date): with the served "
+        "model name and the layout, this prefill's compatibility generation, which its "
+        "handoffs and responses carry; the decode nodes' --model-revision must be the same",
+    )
+
     layerwise: bool = Field(
         True,
         alias="tilert_layerwise",

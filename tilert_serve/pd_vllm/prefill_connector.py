@@ -42,7 +42,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from tilert_serve.pd_vllm.config import ConnectorConfig
+from tilert_serve.pd_vllm.config import ConfigError, ConnectorConfig
+from tilert_serve.pd_vllm.generation import prefill_compat
 from tilert_serve.pd_vllm.logs import get_logger
 from tilert_serve.pd_vllm.metadata import SendJob, TileRTConnectorMetadata
 from tilert_serve.pd_vllm.scheduler import TileRTScheduler
@@ -65,8 +66,14 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
         )
         self._scheduler: TileRTScheduler | None = None
         self._worker: Any = None
+        try:
+            #: This prefill's compatibility generation: in every claimed request's kv_transfer_params
+            #: (`compat`) and in each handoff's Request.
+            self.compat = prefill_compat(self.config.tilert_model, self.config.model_revision, vllm_config)
+        except ValueError as exc:
+            raise ConfigError(f"TileRTConnector: {exc}") from exc
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = TileRTScheduler(self.config)
+            self._scheduler = TileRTScheduler(self.config, self.compat.fingerprint)
         else:
             from vllm.distributed.parallel_state import (
                 get_tensor_model_parallel_rank,
@@ -93,6 +100,7 @@ class TileRTConnector(KVConnectorBase_V1, SupportsHMA):
                 group_of=group_of,
                 block_size_of=block_size_of,
                 num_hidden_layers=int(hf.num_hidden_layers),
+                compat=self.compat,
             )
 
     # -- scheduler side ----------------------------------------------------------------------------

@@ -36,8 +36,10 @@ class _Claimed:
 
 
 class TileRTScheduler:
-    def __init__(self, config: ConnectorConfig) -> None:
+    def __init__(self, config: ConnectorConfig, compat: str) -> None:
         self.config = config
+        #: This prefill's compatibility fingerprint (generation.py): in every claimed request's answer.
+        self.compat = compat
         #: req_id -> state, for claimed requests between on_new_request and request_finished.
         self._claimed: dict[ReqId, _Claimed] = {}
         #: Finished requests whose blocks the workers still copy out (delay-free until reported).
@@ -131,7 +133,8 @@ class TileRTScheduler:
         claimed = self._claimed.pop(request.request_id, None)
         if claimed is None:
             return False, None
-        params: dict[str, Any] = {"tilert_num_tokens": request.num_prompt_tokens}
+        # `compat`: the router decodes the request only on a server of this generation.
+        params: dict[str, Any] = {"tilert_num_tokens": request.num_prompt_tokens, "compat": self.compat}
         if request.output_token_ids:
             params["tilert_first_token"] = int(request.output_token_ids[0])
         if claimed.queued:

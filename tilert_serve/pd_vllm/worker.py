@@ -64,6 +64,7 @@ from typing import Any
 import torch
 
 from tilert_serve import dataplane, layouts, transfer
+from tilert_serve.compat import Compat
 from tilert_serve.handoff import auth, digest
 from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, LayerSourceFailed, Sender, Staged
 from tilert_serve.layouts import Layout, Placement, write_ranges
@@ -275,8 +276,12 @@ class TileRTWorker:
         group_of: dict[str, int],
         block_size_of: dict[int, int],
         num_hidden_layers: int,
+        compat: Compat | None = None,
     ) -> None:
         self.config = config
+        #: The generation the scheduler advertises (generation.py); None: the unnamed one of the caches'
+        #: layout (tests without vLLM).
+        self.compat = compat
         self.rank, self.world_size = rank, world_size
         self.group_of, self.block_size_of = group_of, block_size_of
         self.num_hidden_layers = num_hidden_layers
@@ -318,6 +323,17 @@ class TileRTWorker:
         layout, caches = classify(
             kv_caches, self.config.tilert_model, self.group_of, self.block_size_of, self.num_hidden_layers
         )
+        if self.compat is None:
+            self.compat = Compat("", "", layout.fingerprint)
+        elif self.compat.layout != layout.fingerprint:
+            # The router pairs this prefill by the scheduler's generation; handoffs carrying another would
+            # all be refused by the nodes it pairs it with. Say so now, not per request.
+            raise ValueError(
+                f"TileRTConnector: the registered KV caches have layout {layout.describe()}, not the one "
+                "derived from vLLM's config (tilert_serve/pd_vllm/generation.py): check "
+                "--kv-cache-dtype, --dtype and --speculative-config against tilert_model "
+                f"{self.config.tilert_model!r}"
+            )
         mine = set(layouts.senders_layers(layout, self.rank, self.world_size))
         self.layout, self.caches = layout, [c for c in caches if c.layer in mine]
         staging = Placement(layout, max_tokens=self.config.max_seq_len, shards=self.world_size)
@@ -350,6 +366,7 @@ class TileRTWorker:
                 staging_addrs=[0] * self.world_size,
                 timeout_s=self.config.timeout_s,
                 send_digest=self.config.handoff_digest,
+                compat=self.compat.fingerprint,
             )
             thread = threading.Thread(
                 target=self._run, args=(sender,), name=f"tilert-sender-{i}", daemon=True
