@@ -10,7 +10,10 @@ is up. On SIGTERM a `Drain`:
    a ticket it admitted before SIGTERM still needs its /v1/generate);
 3. lets requests in flight finish, and waits for what `idle` says (the node: no slot between admission
    and the end of its stream), up to `timeout_s`;
-4. cancels what is left (a cancelled router request cancels its TileRT ticket), then the caller cleans
+4. at the deadline, calls `on_deadline` (the node: every stream still running ends with a clean
+   `shutting_down` error event, every ticket not yet streaming fails with that reason) and gives the
+   handlers CLOSE_S to finish their answers;
+5. cancels what is left (a cancelled router request cancels its TileRT ticket), then the caller cleans
    the app up and exits.
 
 Responses started while draining carry `Connection: close`, so keep-alive clients move on.
@@ -33,6 +36,9 @@ log = logging.getLogger(__name__)
 
 #: Probe paths: never counted as work in flight.
 PROBES = frozenset({"/health", "/ready", "/metrics"})
+#: Seconds the handlers get after `on_deadline` to end their answers themselves (an SSE error event
+#: written and the response closed) before their tasks are cancelled, which cuts a stream mid-way.
+CLOSE_S = 2.0
 
 
 def _never(request: web.Request) -> bool:
@@ -52,8 +58,11 @@ class Drain:
         *,
         refuse: Callable[[web.Request], bool] = _never,
         refuse_body: dict[str, Any] | None = None,
+        on_deadline: Callable[[], None] | None = None,
     ) -> None:
         self.timeout_s = timeout_s
+        #: Called once when the drain's time is up with work left: ends that work with a clean error.
+        self.on_deadline = on_deadline
         self.refuse = refuse
         self.refuse_body = refuse_body or {
             "error": {"type": "draining", "message": "shutting down; retry elsewhere"}
@@ -113,6 +122,12 @@ class Drain:
         while (self.inflight or not idle()) and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
         self.outcome = "drained" if not self.inflight and idle() else "timeout"
+        if self.outcome == "timeout" and self.on_deadline is not None:
+            log.info("drain period over: ending %d request(s) in flight with an error", len(self.inflight))
+            self.on_deadline()
+            closing = time.monotonic() + CLOSE_S
+            while self.inflight and time.monotonic() < closing:
+                await asyncio.sleep(0.02)
         left = list(self.inflight)
         for task in left:
             task.cancel()

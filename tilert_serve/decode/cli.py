@@ -2,7 +2,8 @@
 
 On SIGTERM the node drains (tilert_serve/draining.py): /ready answers 503 and /v1/admit refuses, while
 tickets admitted before keep their handoff and their stream; once no slot is between admission and the
-end of its stream (or --drain-timeout is up, when what is left is cancelled) the node stops."""
+end of its stream (or --drain-timeout is up: each stream still running then ends with an SSE error event
+of type shutting_down, each ticket not yet streaming fails with that reason) the node stops."""
 
 from __future__ import annotations
 
@@ -243,9 +244,17 @@ _ACTIVE = frozenset({"reserved", "receiving", "ready", "decoding"})
 
 def drain_for(node: DecodeNode, timeout_s: float) -> draining.Drain:
     """The node's drain: admissions refused, idle once no slot is active (tickets admitted before the
-    SIGTERM keep their handoff and stream)."""
+    SIGTERM keep their handoff and stream); at the deadline what is left ends with a clean error."""
+
+    def deadline() -> None:
+        node.end_all(
+            f"the decode node is shutting down and its drain period ({timeout_s:g} s) ended before this "
+            "request did; the tokens sent so far stand, send the rest to another node"
+        )
+
     return draining.Drain(
         timeout_s,
+        on_deadline=deadline,
         refuse=lambda r: r.method == "POST" and r.path == "/v1/admit",
         refuse_body={
             "error": {

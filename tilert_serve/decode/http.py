@@ -190,8 +190,15 @@ async def generate(request: web.Request) -> web.StreamResponse:
         event = first
         while event is not None:
             if event.get("done") and event.get("finish_reason") == "cancelled":
-                # Not an OpenAI finish reason: the stream was cancelled by its ticket, it did not finish.
-                err = {"error": {"type": "cancelled", "message": "the request was cancelled by its ticket"}}
+                # Not an OpenAI finish reason: the stream was cancelled by its ticket, or cut because the
+                # node's drain period ended; it did not finish.
+                err = (
+                    {"error": {"type": "shutting_down", "message": node.ended}}
+                    if node.ended is not None
+                    else {
+                        "error": {"type": "cancelled", "message": "the request was cancelled by its ticket"}
+                    }
+                )
                 await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
             else:
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())

@@ -224,6 +224,9 @@ class DecodeNode:
         self.ctrl_port = config.ctrl_port
         self.ready = False
         self.stopping = False
+        #: Why every request was ended before it finished (the drain's time ran out), for the streams
+        #: cut by it to say so; None while the node serves.
+        self.ended: str | None = None
         #: Why start failed, if it did (reported by /health and /ready).
         self.failed: str | None = None
 
@@ -529,6 +532,16 @@ class DecodeNode:
             layerwise=True,
             compat=self.compat.fingerprint,
         )
+
+    def end_all(self, why: str) -> None:
+        """End every request on the node now (the drain's time is up): a stream stops at its next step
+        and ends with an error event saying `why`; a ticket not streaming yet fails with `why`."""
+        self.ended = why
+        for slot in self.slots.slots:
+            if slot.state is SlotState.DECODING:
+                self._waiters[slot.index].cancel.set()
+            else:
+                self.slots.fail(slot, why)
 
     def cancel(self, slot: Slot) -> None:
         """End a slot's request; a running decode stops at its next step and releases the slot itself,
