@@ -106,7 +106,9 @@ async def test_a_tilert_only_router_is_not_ready_and_answers_fast_while_no_node_
     assert status == 200, raw
     s.prefill.fail_handoffs = 10**6
     status, _, body = await _complete(s.router_url)
-    assert status == 502, body  # both nodes tried, both failed
+    # Both nodes tried, both failed and opened their breakers: the last retry finds none to try.
+    assert status == 503 and body["error"]["code"] == "tilert_unavailable", body
+    assert sum(len(n.admits) for n in s.nodes) == 2
     t0 = time.perf_counter()
     status, headers, body = await _complete(s.router_url)
     took = time.perf_counter() - t0

@@ -200,7 +200,8 @@ async def test_mooncake_without_bootstrap_fails_before_the_prefill(make_stack, b
 async def test_mooncake_retry_asks_again_under_a_new_transfer(make_stack, bootstrap):
     """A retry on another prefill asks its registry again and names a new transfer."""
     s = await mooncake_stack(make_stack, bootstrap, n_prefill=2)
-    s.prefills[0].fail_status = 500  # the least loaded, so the first pick
+    s.prefills[0].fail_status = 500
+    s.state.pools.prefill[s.prefills[1].url].inflight = 1  # the other one is the least loaded: picked first
     await s.client().completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=NATIVE)
     assert bootstrap.queries == 2  # both fakes listen on 127.0.0.1: one registry serves both here
     first, second = (p.bodies[0]["kv_transfer_params"]["transfer_id"] for p in s.prefills)

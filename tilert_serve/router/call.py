@@ -8,6 +8,7 @@ stream (errors.STREAMING tells the middleware to stay out of it).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -15,13 +16,17 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tilert_serve.compat import compatible
 from tilert_serve.router import sse
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import STREAMING, ClientGone
+from tilert_serve.router.metrics import bounded_kind
 from tilert_serve.router.openai_request import ParsedRequest
 from tilert_serve.router.pools import Endpoint
 from tilert_serve.router.state import RouterState
-from tilert_serve.router.upstream import client_error, post_json
+from tilert_serve.router.upstream import UpstreamError, client_error, post_json
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -38,6 +43,8 @@ class Call:
     #: The SSE response once prepared (first byte sent).
     response: web.StreamResponse | None = None
     path: str = ""
+    #: A decode pool without a pairable server was counted for this request (no_compatible_pair_total).
+    unpaired_counted: bool = False
     _last_write: float = 0.0
 
     @property
@@ -99,9 +106,37 @@ class Call:
         finally:
             ep.inflight -= 1
         self.state.metrics.prefill.labels(self.path).observe(time.perf_counter() - t0)
+        ep.breaker_ok()  # it answered (a 4xx is the client's fault, not the server's)
         if status != 200:
             raise client_error(status, answer)
         return answer
+
+    def check_generation(self, prefill: Endpoint, answer: dict[str, Any], decode: Endpoint) -> None:
+        """The prefill's answer names its generation (kv_transfer_params `compat`): a state of another
+        generation than the chosen decode's is not decoded there (UpstreamError compat_mismatch, retried
+        on another pair). The prefill is remembered as advertising it, so pairing sees it from now on."""
+        kvp = answer.get("kv_transfer_params")
+        said = kvp.get("compat") if isinstance(kvp, dict) else None
+        if not isinstance(said, str) or not said:
+            return
+        was = prefill.compat_mismatch
+        prefill.advertised = said
+        if prefill.compat_mismatch and not was:
+            self.state.metrics.compat_mismatches.labels("prefill").inc()
+            log.warning(
+                "prefill %s advertises generation %s, configured %s: not routed to until it matches",
+                prefill.url,
+                said,
+                prefill.compat,
+            )
+        if not compatible(said, decode.generation):
+            raise UpstreamError(
+                "prefill",
+                prefill.url,
+                "compat_mismatch",
+                f"the prefill's state is of generation {said}, the {decode.pool} decode "
+                f"{decode.url} runs {decode.generation}",
+            )
 
     @property
     def api_path(self) -> str:
@@ -161,10 +196,14 @@ class Call:
         """Non-streamed requests: TTFT is when the router had the first token (it holds it back)."""
         self._observe_token()
 
-    async def fail_stream(self, message: str, type: str = "upstream_error", code: str | None = None) -> None:
+    async def fail_stream(self, message: str, kind: str) -> None:
+        """End a started stream that its decode can no longer continue: an error event naming what
+        happened (`kind`), then [DONE]; counted in stream_errors_total."""
         assert self.response is not None
+        self.state.metrics.stream_errors.labels(self.path, kind).inc()
+        code = bounded_kind(kind)
         try:
-            await self.response.write(sse.error(message, type, code) + sse.DONE)
+            await self.response.write(sse.error(message, "upstream_error", code) + sse.DONE)
             await self.response.write_eof()
         except ConnectionResetError as exc:
             raise ClientGone(str(exc)) from exc

@@ -73,6 +73,15 @@ class RoutingPolicy(_Strict):
     #: What happens to requests using features the TileRT engine lacks (penalties, grammars, ...).
     unsupported_on_tilert: Literal["native", "reject"] = "native"
     retry_after_s: int = Field(default=1, ge=0)
+    #: Retries of a request that failed before its first byte reached the client (another prefill,
+    #: node or native server; each re-runs the prefill), within the retry budget below.
+    retries: int = Field(default=2, ge=0)
+    #: The retry budget: over the last `retry_budget_window_s`, retries may be at most this fraction
+    #: of the requests that arrived, plus `retry_budget_min` (so that a quiet router still retries).
+    #: A pool where everything fails then costs at most that much extra load instead of (1 + retries)x.
+    retry_budget_ratio: float = Field(default=0.2, ge=0)
+    retry_budget_min: int = Field(default=5, ge=0)
+    retry_budget_window_s: float = Field(default=10.0, gt=0)
 
 
 class Timeouts(_Strict):
@@ -199,6 +208,9 @@ class RouterConfig(_Strict):
     health: HealthChecks = HealthChecks()
     handoff_probe: HandoffProbe = HandoffProbe()
     breaker: CircuitBreaker = CircuitBreaker()
+    #: Per prefill and native decode server: refused connections, resets, 5xx answers and timeouts in
+    #: a row (a refused connection opens it at once: nothing listens there any more).
+    endpoint_breaker: CircuitBreaker = CircuitBreaker(failures_to_open=3)
     limits: Limits = Limits()
     #: Model name sent to the vLLM servers, when it differs from the served name (vLLM checks it).
     upstream_model: str | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 
 from aiohttp import web
@@ -16,7 +17,7 @@ from tilert_serve.router.call import Call
 from tilert_serve.router.errors import REQUEST_ID, ClientGone, RouterError
 from tilert_serve.router.metrics import CONTENT_TYPE
 from tilert_serve.router.openai_request import Kind
-from tilert_serve.router.pools import Node
+from tilert_serve.router.pools import Endpoint, Node
 from tilert_serve.router.state import STATE, RouterState
 from tilert_serve.router.upstream import UpstreamError
 
@@ -100,12 +101,16 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 async def _route(call: Call) -> web.StreamResponse:
-    """Pick the path and serve; a failure before the first byte is retried once, elsewhere."""
+    """Pick the path and serve. A failure before the first byte reached the client is retried, on
+    another endpoint when there is one, up to `policy.retries` times and within the retry budget
+    (retry_budget.py); each retry runs the whole request again, from the prefill."""
     st, cfg = call.state, call.cfg
     m = st.metrics
     want = policy.requested(cfg.policy, call.request.headers.get(cfg.policy.header), call.req.model)
+    st.retry_budget.request(time.monotonic())
+    attempts = 1 + cfg.policy.retries
     last: UpstreamError | None = None
-    for attempt in range(2):
+    for attempt in range(attempts):
         node, adm, decision = await _choose(call, want)
         call.path = decision.route
         m.routes.labels(decision.route, decision.label).inc()
@@ -123,7 +128,11 @@ async def _route(call: Call) -> web.StreamResponse:
             )
             if call.started:
                 raise  # cannot happen by contract: paths end started streams themselves
-            if not err.retryable or attempt == 1:
+            if not err.retryable or attempt == attempts - 1:
+                break
+            if not st.retry_budget.try_retry(time.monotonic()):
+                m.retries_denied.labels(decision.route).inc()
+                log.warning("request %s: not retried: the retry budget is spent", call.request_id)
                 break
             call.exclude.add(err.url)
             if (
@@ -135,7 +144,7 @@ async def _route(call: Call) -> web.StreamResponse:
                 # Another TileRT node would likely fail the same way (a control plane locked out, a
                 # broken data plane) and cost the client a second handoff timeout: native is the retry.
                 call.exclude.update(n.url for n in st.pools.tilert.values())
-            m.retries.inc()
+            m.retries.labels(decision.route, retry_reason(err.kind)).inc()
         finally:
             m.inflight.labels(decision.route).dec()
     assert last is not None
@@ -150,13 +159,57 @@ async def _route(call: Call) -> web.StreamResponse:
     )
 
 
+def retry_reason(kind: str) -> str:
+    """The retries_total reason for an upstream failure's kind (metrics.RETRY_REASONS)."""
+    if kind in ("connect", "timeout", "compat_mismatch", "bad_response", "handoff_failed"):
+        return kind
+    if kind in ("transport", "stream_broken", "truncated", "generate_transport"):
+        return "reset"
+    if kind in ("generate_handoff_timeout", "generate_timeout"):
+        return "timeout"
+    if re.fullmatch(r"(admit_|generate_)?http_5[0-9][0-9]", kind):
+        return "http_5xx"
+    if kind.startswith("admit_"):
+        return "admit_failed"
+    if kind == "generate_handoff_failed":
+        return "handoff_failed"
+    return "decode_failed"
+
+
+#: Failure kinds that count against a vLLM server's circuit breaker: it is gone, cut the connection,
+#: did not answer in time, or answered 5xx. (A TileRT node's breaker counts failed handoffs.)
+_BREAKER_KINDS = re.compile(r"connect|transport|timeout|stream_broken|truncated|http_5[0-9][0-9]")
+
+
 def _note_failure(st: RouterState, err: UpstreamError) -> None:
-    """Transport failures count toward ejection like failed probes (passive health checking)."""
-    if err.kind not in ("connect", "transport", "timeout"):
-        return
+    """Passive health checking: transport failures count toward ejection like failed probes, and
+    toward the endpoint's circuit breaker; a refused connection (nothing listens there any more: a
+    killed or deleted server) opens it at once, so new requests avoid the endpoint from now on."""
+    now = time.monotonic()
     for ep in st.pools.all():
-        if ep.url == err.url:
+        if ep.url != err.url:
+            continue
+        if err.kind in ("connect", "transport", "timeout"):
             ep.record_failure(st.config.health, err.message)
+        if err.kind == "connect" or (ep.pool != "tilert" and _BREAKER_KINDS.fullmatch(err.kind)):
+            was = ep.breaker
+            ep.breaker_failed(now, f"{err.kind}: {err.message}", at_once=err.kind == "connect")
+            if was == "closed" and ep.breaker != "closed":
+                log.warning("%s endpoint %s: circuit breaker open (%s)", ep.pool, ep.url, err.kind)
+
+
+def _count_unpaired(call: Call, want: str, tilert: str, native: str) -> None:
+    """Count, once per request, a decode pool that could have taken it but has no server of a
+    generation a usable prefill has (pairing.PoolState "no_pair")."""
+    if call.unpaired_counted:
+        return
+    m = call.state.metrics
+    if tilert == "no_pair" and want != "native":
+        m.no_pair.labels("tilert").inc()
+        call.unpaired_counted = True
+    if native == "no_pair":
+        m.no_pair.labels("native").inc()
+        call.unpaired_counted = True
 
 
 async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admission | None, policy.Decision]:
@@ -172,6 +225,9 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
     for _ in range(len(pools.tilert) + 1):
         native = pools.native_state(cfg.limits.native_max_inflight)
         tilert = pools.tilert_state(tried)
+        _count_unpaired(
+            call, want, pools.tilert_pairing(tried), pools.native_pairing(cfg.limits.native_max_inflight)
+        )
         if too_long is not None or (tilert == "down" and answered):
             tilert = "full"  # a node answered: the pool is there, it cannot take this request now
         if tilert == "full" and too_long is None:
@@ -205,6 +261,7 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
             m.upstream_errors.labels("tilert", err.kind).inc()
             _note_failure(st, err)
             tried.add(node.url)
+            m.retries.labels("tilert", "admit_failed").inc()
         except BaseException:
             pools.release(node)
             raise
@@ -339,7 +396,7 @@ def _breakers(state: RouterState, full: bool) -> list[str]:
     out = []
     for n in state.pools.tilert.values():
         if n.breaker == "open":
-            why = n.handoff_error if full else n.handoff_error.split(":", 1)[0]
+            why = n.breaker_error if full else n.breaker_error.split(":", 1)[0]
             out.append(
                 f"TileRT node {n.spec.name}: {why or 'handoff failed'} (circuit breaker open for "
                 f"{max(n.open_until - now, 0.0):.1f} s more after {n.handoff_fails} failed handoff(s))"
@@ -398,6 +455,8 @@ async def metrics(request: web.Request) -> web.Response:
         check_api_key(state, request)
     for ep in state.pools.all():
         state.metrics.healthy.labels(ep.pool, ep.url).set(-1 if ep.healthy is None else int(ep.healthy))
+    for ep in state.pools.all():
+        state.metrics.endpoint_breaker_open.labels(ep.pool, ep.url).set(int(ep.breaker != "closed"))
     state.metrics.breaker_open.keep_only({(name,) for name in state.pools.tilert})
     for name, node in state.pools.tilert.items():
         state.metrics.breaker_open.labels(name).set(int(node.breaker != "closed"))
@@ -406,11 +465,64 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
+def _endpoint_status(ep: Endpoint, now: float) -> dict[str, object]:
+    out: dict[str, object] = {
+        "url": ep.url,
+        "compat": ep.compat,
+        "advertised": ep.advertised,
+        "compat_mismatch": ep.compat_mismatch,
+        "healthy": ep.healthy,
+        "inflight": ep.inflight,
+        "breaker": ep.breaker,
+    }
+    if ep.breaker != "closed":
+        out["breaker_open_for_s"] = round(max(ep.open_until - now, 0.0), 3)
+        out["breaker_error"] = ep.breaker_error
+    if isinstance(ep, Node):
+        out |= {
+            "name": ep.spec.name,
+            "slots": ep.spec.slots,
+            "in_use": ep.in_use,
+            "handoff_ready": ep.handoff_ready,
+        }
+    return out
+
+
+async def status(request: web.Request) -> web.Response:
+    """What the router routes to now (API key required: it names every endpoint): each endpoint with
+    its configured and advertised generation, health, breaker and load; how many endpoints of each
+    generation each pool has (`generations`, "unknown" for endpoints without one); the retry budget."""
+    state = request.app[STATE]
+    check_api_key(state, request)
+    now = time.monotonic()
+    pools = state.pools
+    groups: dict[str, list[Endpoint]] = {
+        "prefill": list(pools.prefill.values()),
+        "tilert": list(pools.tilert.values()),
+        "native": list(pools.native.values()),
+    }
+    generations: dict[str, dict[str, int]] = {}
+    for pool, eps in groups.items():
+        for ep in eps:
+            gen = generations.setdefault(ep.generation or "unknown", {"prefill": 0, "tilert": 0, "native": 0})
+            gen[pool] += 1
+    return web.json_response(
+        {
+            "model": state.config.model,
+            "endpoints": {pool: [_endpoint_status(ep, now) for ep in eps] for pool, eps in groups.items()},
+            "generations": generations,
+            "paths": _paths(state),
+            "retry_budget": state.retry_budget.snapshot(now),
+        }
+    )
+
+
 def routes() -> list[web.RouteDef]:
     return [
         web.post("/v1/chat/completions", chat_completions),
         web.post("/v1/completions", completions),
         web.get("/v1/models", models),
+        web.get("/v1/status", status),
         web.get("/health", health),
         web.get("/ready", ready),
         web.get("/metrics", metrics),

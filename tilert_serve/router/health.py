@@ -1,12 +1,20 @@
 """Active health checks: probe every endpoint on an interval; eject after N failures, return after M
 successes (thresholds in the config). vLLM servers answer GET /health; TileRT nodes GET /ready, which
 is 503 while the node cannot take work (engine loading, receive buffers not registered).
+
+The probes also feed the circuit breakers and the generation check: a vLLM server that refuses the
+connection opens its breaker at once, one that answers lets an open breaker try a request at once
+(half-open; a TileRT node's breaker counts handoffs, and only a decoded one closes it); a TileRT node's advertised generation (`compat` in /ready's body, else in /v1/status) is
+compared with its configured one, and a node that runs another is not routed to (logged and counted
+once per change).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import time
 
 import aiohttp
 
@@ -16,21 +24,78 @@ from tilert_serve.router.state import RouterState, task_ctx
 log = logging.getLogger(__name__)
 
 
+def _compat_of(raw: bytes) -> str | None:
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        return None
+    said = body.get("compat") if isinstance(body, dict) else None
+    return said if isinstance(said, str) and said else None
+
+
+async def _advertised(state: RouterState, ep: Endpoint, raw: bytes, timeout_s: float) -> str | None:
+    """The generation a TileRT node advertises: /ready's body, else /v1/status (node token)."""
+    said = _compat_of(raw)
+    if said is not None or ep.compat is None:
+        return said
+    try:
+        async with state.http.get(
+            ep.url + "/v1/status",
+            headers=state.node_headers({}),
+            timeout=aiohttp.ClientTimeout(total=timeout_s),
+        ) as resp:
+            body = await resp.read()
+            return _compat_of(body) if resp.status == 200 else None
+    except (TimeoutError, aiohttp.ClientError):
+        return None
+
+
+def note_advertised(state: RouterState, ep: Endpoint, said: str | None) -> None:
+    """Record what `ep` advertises; log and count a mismatch with its configured generation once."""
+    if said is None:
+        return
+    was = ep.compat_mismatch
+    ep.advertised = said
+    if ep.compat_mismatch and not was:
+        state.metrics.compat_mismatches.labels(ep.pool).inc()
+        log.warning(
+            "%s endpoint %s advertises generation %s but is configured as %s: not routed to until they "
+            "match (check the image, --model-revision and the KV-cache dtype/MTP settings it runs against "
+            "its generation's spec)",
+            ep.pool,
+            ep.url,
+            said,
+            ep.compat,
+        )
+    elif was and not ep.compat_mismatch:
+        log.info("%s endpoint %s advertises its configured generation %s again", ep.pool, ep.url, said)
+
+
 async def probe(state: RouterState, ep: Endpoint) -> None:
     hc = state.config.health
     path = "/ready" if ep.pool == "tilert" else "/health"
     was = ep.healthy
+    refused = False
+    said: str | None = None
     try:
         async with state.http.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=hc.timeout_s)) as resp:
-            await resp.read()
+            raw = await resp.read()
             ok = resp.status == 200
             why = f"GET {path} answered {resp.status}"
+        if ok and ep.pool == "tilert":
+            said = await _advertised(state, ep, raw, hc.timeout_s)
     except (TimeoutError, aiohttp.ClientError) as exc:
         ok, why = False, f"GET {path} failed: {type(exc).__name__} {exc}".strip()
+        refused = isinstance(exc, aiohttp.ClientConnectorError)
     if ok:
         ep.record_ok(hc)
+        note_advertised(state, ep, said)
+        if ep.pool != "tilert":
+            ep.probe_answered(time.monotonic())
     else:
         ep.record_failure(hc, why)
+        if refused:
+            ep.breaker_failed(time.monotonic(), why, at_once=True)
     if was is not ep.healthy and ep.healthy is not None:
         log.info(
             "%s endpoint %s is now %s%s",

@@ -72,6 +72,7 @@ _KINDS = frozenset(
         "stream_broken",
         "cancel",
         "bootstrap",
+        "compat_mismatch",
         *(f"generate_{t}" for t in _GENERATE_TYPES),
     }
 )
@@ -112,6 +113,20 @@ PROBE_OUTCOMES = Values(
     f"(((prefill|native|tilert)_)?({'|'.join(re.escape(k) for k in sorted(_KINDS))})|"
     f"((prefill|native|tilert)_)?{_HTTP_KIND})",
     "POOL_KIND: a failed upstream call's pool and kind (as upstream_errors_total's), generate_http_NNN",
+)
+#: Why a request was retried before its first byte (handlers.retry_reason).
+RETRY_REASONS = values(
+    {
+        "connect",
+        "reset",
+        "timeout",
+        "http_5xx",
+        "handoff_failed",
+        "decode_failed",
+        "compat_mismatch",
+        "bad_response",
+        "admit_failed",
+    }
 )
 #: A config reload's result (reload.py).
 RELOAD_RESULTS = values({"ok", "error"})
@@ -222,8 +237,52 @@ class Metrics:
                 {"node": NODE, "outcome": PROBE_OUTCOMES},
             )
         )
-        self.retries = counter(
-            r, p + "retries_total", "Requests retried on another endpoint before their first byte."
+        self.retries = Bounded(
+            counter(
+                r,
+                p + "retries_total",
+                "Retries of requests that failed before their first byte reached the client, by the "
+                "route of the failed attempt and why it failed (admit_failed: another node asked for a "
+                "slot; the others re-run the prefill).",
+                {"route": PATHS, "reason": RETRY_REASONS},
+            )
+        )
+        self.retries_denied = Bounded(
+            counter(
+                r,
+                p + "retries_denied_total",
+                "Failed attempts not retried because the retry budget (policy.retry_budget_*) was "
+                "spent, by route.",
+                {"route": PATHS},
+            )
+        )
+        self.no_pair = Bounded(
+            counter(
+                r,
+                p + "no_compatible_pair_total",
+                "Requests for which a decode pool had a server that could take them but none of a "
+                "generation (compatibility fingerprint) any usable prefill has, by that pool; they "
+                "were routed as if the pool were full.",
+                {"route": PATHS},
+            )
+        )
+        self.compat_mismatches = Bounded(
+            counter(
+                r,
+                p + "compat_mismatches_total",
+                "Endpoints found advertising another generation than their configured one (each "
+                "change counted once); they take no requests while it lasts.",
+                {"pool": POOLS},
+            )
+        )
+        self.stream_errors = Bounded(
+            counter(
+                r,
+                p + "stream_errors_total",
+                "Client streams ended with an error event because the decode failed mid-stream, by "
+                "decode path and kind.",
+                {"path": PATHS, "kind": KINDS},
+            )
         )
         self.cancels = Bounded(
             counter(
@@ -254,6 +313,15 @@ class Metrics:
                 "1 while a TileRT node's circuit breaker is open "
                 "or half-open (after failed handoffs), 0 while closed.",
                 {"node": NODE},
+            )
+        )
+        self.endpoint_breaker_open = Bounded(
+            gauge(
+                r,
+                p + "endpoint_breaker_open",
+                "1 while an endpoint's circuit breaker is open or half-open, 0 while closed (prefill "
+                "and native servers: refused connections, resets, 5xx; TileRT nodes: failed handoffs).",
+                {"pool": POOLS, "endpoint": ENDPOINT},
             )
         )
         self.path_up = Bounded(

@@ -152,15 +152,17 @@ async def _handoff(call: Call, prefill: Endpoint) -> tuple[dict[str, Any], dict[
 
 async def serve(call: Call) -> web.StreamResponse:
     st, cfg = call.state, call.cfg
-    prefill = st.pools.pick_prefill(call.exclude)
+    # The decode first, among those a usable prefill can pair with; then a prefill of its generation.
     decode = st.pools.pick_native(call.exclude, cfg.limits.native_max_inflight)
+    prefill = st.pools.pick_prefill(call.exclude, decode.generation) if decode is not None else None
     if prefill is None or decode is None:
-        which = "prefill" if prefill is None else "native decode"
+        which = "prefill" if decode is not None else "native decode"
         raise UpstreamError(which, "-", "no_endpoint", f"no healthy {which} server", retryable=False)
 
     decode.inflight += 1  # counted from now: the decode is committed to this request
     try:
         pj, kvp = await _handoff(call, prefill)
+        call.check_generation(prefill, pj, decode)
         cached = openai_response.cached_tokens_of(pj)
         body = call.upstream_body()
         if kvp is not None:
@@ -194,6 +196,8 @@ async def _decode(
     except aiohttp.ClientError as exc:
         raise UpstreamError("native", decode.url, "transport", f"{type(exc).__name__}: {exc}") from exc
     try:
+        if resp.status < 500:
+            decode.breaker_ok()
         if resp.status != 200:
             eb = await read_error_body(resp)
             if resp.status >= 500:
@@ -221,8 +225,13 @@ async def _whole(
 ) -> web.Response:
     try:
         raw = await resp.read()
+    except (TimeoutError, aiohttp.ClientError) as exc:
+        # The decode died before its answer was complete; nothing reached the client: retried.
+        kind = "timeout" if isinstance(exc, TimeoutError) else "stream_broken"
+        raise UpstreamError("native", decode.url, kind, f"{type(exc).__name__}: {exc}") from exc
+    try:
         obj = json.loads(raw)
-    except (TimeoutError, aiohttp.ClientError, ValueError) as exc:
+    except ValueError as exc:
         raise UpstreamError("native", decode.url, "bad_response", f"{type(exc).__name__}: {exc}") from exc
     if not isinstance(obj, dict):
         raise UpstreamError("native", decode.url, "bad_response", "body is not a JSON object")
@@ -242,7 +251,8 @@ async def _relay(
     pending = b""
     saw_done = False
     try:
-        await call.start_stream()
+        # The client's stream starts with the decode's first event, not before: a decode that dies
+        # before sending anything has sent nothing on, and the request is retried elsewhere.
         async for chunk in resp.content.iter_any():
             buf = pending + chunk if pending else chunk
             cut = buf.rfind(b"\n\n")
@@ -255,8 +265,12 @@ async def _relay(
             if rename is not None:
                 out = out.replace(*rename)
             saw_done = saw_done or out.endswith(sse.DONE)
+            if call.response is None:
+                await call.start_stream()
             await call.write(out)
         if pending.strip():
+            if call.response is None:
+                await call.start_stream()
             await call.write(pending)
             saw_done = pending.rstrip().endswith(b"[DONE]")
         if not saw_done:
@@ -264,11 +278,14 @@ async def _relay(
             raise aiohttp.ClientPayloadError("decode stream ended without [DONE]")
     except (TimeoutError, aiohttp.ClientError) as exc:
         kind = "timeout" if isinstance(exc, TimeoutError) else "stream_broken"
-        call.state.metrics.upstream_errors.labels("native", kind).inc()
-        log.warning("request %s: native decode %s failed mid-stream: %s", call.request_id, decode.url, exc)
         if call.response is None:
             raise UpstreamError("native", decode.url, kind, str(exc)) from exc
-        await call.fail_stream(f"decode failed: {type(exc).__name__} {exc}", "upstream_error", kind)
+        call.state.metrics.upstream_errors.labels("native", kind).inc()
+        decode.breaker_failed(time.monotonic(), f"{kind}: {exc}")
+        log.warning("request %s: native decode %s failed mid-stream: %s", call.request_id, decode.url, exc)
+        await call.fail_stream(
+            f"decode failed mid-stream on a native decode server: {type(exc).__name__} {exc}", kind
+        )
         return call.response
     assert call.response is not None
     call.state.metrics.e2e.labels("native").observe(time.perf_counter() - call.t0)

@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
+from tilert_serve.router import pairing
 from tilert_serve.router.config import CircuitBreaker, HealthChecks, RouterConfig, TileRTNode
 from tilert_serve.router.config import Endpoint as EndpointSpec
 
@@ -32,10 +33,37 @@ class Endpoint:
     last_error: str = ""
     #: The compatibility generation the config gives it (None: unknown, pairs with anything).
     compat: str | None = None
+    #: The generation the endpoint itself last advertised (a TileRT node's /v1/status or /ready, a
+    #: prefill's kv_transfer_params); None = not known.
+    advertised: str | None = None
+    #: The circuit breaker (config.CircuitBreaker): failures in a row (handoffs for a TileRT node; refused
+    #: connections, resets, 5xx and timeouts for a vLLM server), the open period in force (0 = closed)
+    #: and its end (monotonic), and whether a half-open trial request holds the endpoint.
+    breaker_cfg: CircuitBreaker = field(default_factory=CircuitBreaker)
+    breaker_fails: int = 0
+    open_s: float = 0.0
+    open_until: float = 0.0
+    trial: bool = False
+    #: When the trial began (monotonic): a trial whose request never reported (a client gone before
+    #: the upstream answered) lapses after one open period instead of holding the endpoint for ever.
+    trial_at: float = 0.0
+    #: Why the breaker last counted a failure (for /ready and /v1/status).
+    breaker_error: str = ""
 
     @property
     def routable(self) -> bool:
-        return self.healthy is not False
+        return self.healthy is not False and not self.compat_mismatch
+
+    @property
+    def compat_mismatch(self) -> bool:
+        """It advertises another generation than the config gives it: it runs something else than its
+        spec says (a pod of the old generation behind the new Service, a half-done rollout)."""
+        return self.compat is not None and self.advertised is not None and self.advertised != self.compat
+
+    @property
+    def generation(self) -> str | None:
+        """The generation pairing uses: the configured one, else what the endpoint advertised."""
+        return self.compat if self.compat is not None else self.advertised
 
     def record_ok(self, hc: HealthChecks) -> None:
         self.fails = 0
@@ -49,6 +77,49 @@ class Endpoint:
         self.last_error = why
         if self.fails >= hc.failures_to_eject:
             self.healthy = False
+
+    def breaker_ok(self) -> None:
+        self.breaker_fails, self.open_s, self.open_until, self.trial = 0, 0.0, 0.0, False
+
+    def breaker_failed(self, now: float, why: str, *, at_once: bool = False) -> None:
+        """Count a failure; `at_once` (a refused connection: nothing listens there) opens the breaker
+        whatever the count."""
+        self.breaker_error = why[:300]
+        self.breaker_fails += 1
+        self.trial = False
+        cfg = self.breaker_cfg
+        if self.open_s == 0.0:
+            if at_once or self.breaker_fails >= cfg.failures_to_open:
+                self.open_s, self.open_until = cfg.open_s, now + cfg.open_s
+        elif now >= self.open_until:
+            # The half-open trial failed (requests that were in flight when it opened do not extend it).
+            self.open_s = min(self.open_s * 2, cfg.max_open_s)
+            self.open_until = now + self.open_s
+
+    def probe_answered(self, now: float) -> None:
+        """An active health check reached it: an open breaker goes half-open at once (one request
+        tries it) instead of waiting out its period, so a restarted server is back within a probe."""
+        if self.open_s and now < self.open_until:
+            self.open_until = now
+
+    @property
+    def breaker(self) -> BreakerState:
+        if self.open_s == 0.0:
+            return "closed"
+        return "open" if time.monotonic() < self.open_until else "half-open"
+
+    @property
+    def takes_requests(self) -> bool:
+        """Not behind an open breaker: closed, or half-open with no trial under way."""
+        state = self.breaker
+        if state == "half-open" and self.trial and time.monotonic() - self.trial_at > self.open_s:
+            self.trial = False
+        return state == "closed" or (state == "half-open" and not self.trial)
+
+    def take(self) -> None:
+        """A request was sent its way: a half-open breaker's trial is under way."""
+        if self.breaker == "half-open":
+            self.trial, self.trial_at = True, time.monotonic()
 
 
 @dataclass(eq=False)
@@ -68,42 +139,18 @@ class Node(Endpoint):
     #: A probe (canary.py) is running on the node / when the last one started.
     probing: bool = False
     probe_at: float = -1e18
-    #: The circuit breaker (config.CircuitBreaker): failed handoffs in a row, the open period in force
-    #: (0 = closed) and its end (monotonic), and whether a half-open trial request holds the node.
-    breaker_cfg: CircuitBreaker = field(default_factory=CircuitBreaker)
-    handoff_fails: int = 0
-    open_s: float = 0.0
-    open_until: float = 0.0
-    trial: bool = False
+
+    @property
+    def handoff_fails(self) -> int:
+        return self.breaker_fails
 
     def handoff_ok(self, now: float) -> None:
         self.handoff_ok_at = now
-        self.handoff_fails, self.open_s, self.open_until, self.trial = 0, 0.0, 0.0, False
+        self.breaker_ok()
 
     def handoff_failed(self, now: float, why: str) -> None:
         self.handoff_fail_at, self.handoff_error = now, why[:300]
-        self.handoff_fails += 1
-        self.trial = False
-        cfg = self.breaker_cfg
-        if self.open_s == 0.0:
-            if self.handoff_fails >= cfg.failures_to_open:
-                self.open_s, self.open_until = cfg.open_s, now + cfg.open_s
-        elif now >= self.open_until:
-            # The half-open trial failed (requests that were in flight when it opened do not extend it).
-            self.open_s = min(self.open_s * 2, cfg.max_open_s)
-            self.open_until = now + self.open_s
-
-    @property
-    def breaker(self) -> BreakerState:
-        if self.open_s == 0.0:
-            return "closed"
-        return "open" if time.monotonic() < self.open_until else "half-open"
-
-    @property
-    def takes_requests(self) -> bool:
-        """Not behind an open breaker: closed, or half-open with no trial under way."""
-        state = self.breaker
-        return state == "closed" or (state == "half-open" and not self.trial)
+        self.breaker_failed(now, why)
 
     @property
     def handoff_ready(self) -> bool:
@@ -120,19 +167,25 @@ class Node(Endpoint):
 
 
 def _live(eps: Iterable[Endpoint]) -> list[Endpoint]:
-    """The routable endpoints; when a pool has none, all of them ("panic" routing, as Envoy does):
-    probes that time out under overload would otherwise eject the last prefill or decode server and
-    turn a slow pool into a dead one. /ready still reports the pool unhealthy."""
-    eps = list(eps)
-    return [e for e in eps if e.routable] or eps
+    """The routable endpoints not behind an open breaker; when a pool has none, all that do not run
+    another generation than configured ("panic" routing, as Envoy does): probes that time out under
+    overload would otherwise eject the last prefill or decode server and turn a slow pool into a dead
+    one. /ready still reports the pool unhealthy."""
+    eps = [e for e in eps if not e.compat_mismatch]
+    return [e for e in eps if e.routable and e.takes_requests] or eps
 
 
-def _keep(old: dict[str, Endpoint], configured: list[EndpointSpec], pool: str) -> dict[str, Endpoint]:
+def _keep(
+    old: dict[str, Endpoint], configured: list[EndpointSpec], pool: str, breaker: CircuitBreaker
+) -> dict[str, Endpoint]:
     """The configured endpoints by URL, the ones already known kept (their health, counters)."""
     out: dict[str, Endpoint] = {}
     for spec in configured:
         ep = old.get(spec.url) or Endpoint(spec.url, pool)
+        if ep.compat != spec.compat:
+            ep.advertised = None  # judged against the new generation from the next answer on
         ep.compat = spec.compat
+        ep.breaker_cfg = breaker
         out[spec.url] = ep
     return out
 
@@ -151,8 +204,8 @@ class Pools:
         Requests in flight hold their own Endpoint objects, so one removed mid-request is released
         on that object and simply forgotten afterwards.
         """
-        self.prefill = _keep(self.prefill, config.prefill, "prefill")
-        self.native = _keep(self.native, config.native, "native")
+        self.prefill = _keep(self.prefill, config.prefill, "prefill", config.endpoint_breaker)
+        self.native = _keep(self.native, config.native, "native", config.endpoint_breaker)
         # A node is its address: one found through DNS that the ConfigMap then names (another name, the
         # same pod) keeps the slots this router holds on it.
         by_url = {n.url: n for n in self.tilert.values()}
@@ -164,8 +217,11 @@ class Pools:
                 nodes[spec.name] = old
             else:
                 nodes[spec.name] = Node(spec.http_url, "tilert", spec=spec)
-            nodes[spec.name].breaker_cfg = config.breaker
-            nodes[spec.name].compat = spec.compat
+            node = nodes[spec.name]
+            node.breaker_cfg = config.breaker
+            if node.compat != spec.compat:
+                node.advertised = None
+            node.compat = spec.compat
         self.tilert = nodes
 
     def all(self) -> Iterable[Endpoint]:
@@ -185,42 +241,60 @@ class Pools:
         low = min(e.inflight for e in cands)
         best = [e for e in cands if e.inflight == low]
         # Rotate among equals so an idle pool spreads requests instead of always using the first.
-        return best[next(self._rr) % len(best)]
+        ep = best[next(self._rr) % len(best)]
+        ep.take()
+        return ep
 
-    def pick_prefill(self, exclude: set[str]) -> Endpoint | None:
-        return self._least_loaded(self.prefill.values(), exclude)
+    def prefill_generations(self) -> set[str | None]:
+        """The generations of the prefills a request may use now."""
+        return {e.generation for e in _live(self.prefill.values())}
+
+    def pick_prefill(self, exclude: set[str], decode: str | None = None) -> Endpoint | None:
+        """The least loaded usable prefill that may hand a request to a decode of generation `decode`."""
+        live = _live(self.prefill.values())
+        return self._least_loaded(pairing.for_decode(decode, ((e.generation, e) for e in live)), exclude)
 
     def pick_native(self, exclude: set[str], cap: int) -> Endpoint | None:
-        return self._least_loaded(self.native.values(), exclude, cap)
+        """The least loaded native server under `cap` that some usable prefill can pair with."""
+        gens = self.prefill_generations()
+        live = [e for e in _live(self.native.values()) if pairing.pairable(e.generation, gens)]
+        return self._least_loaded(live, exclude, cap)
+
+    def native_pairing(self, cap: int) -> pairing.PoolState:
+        up = _live(self.native.values())
+        decodes = [pairing.Decode(e.generation, e.inflight < cap) for e in up]
+        return pairing.pool_state(decodes, self.prefill_generations())
 
     def native_state(self, cap: int) -> str:
-        """'ok' when a native decode can take a request now, 'full' when all are at the cap, else 'none'."""
-        up = _live(self.native.values())
-        if not up:
-            return "none"
-        return "ok" if any(e.inflight < cap for e in up) else "full"
+        """'ok' when a native decode can take a request now, 'full' when all are at the cap or none
+        pairs with a usable prefill (native_pairing says which), else 'none'."""
+        state = self.native_pairing(cap)
+        return {"free": "ok", "no_pair": "full", "full": "full", "down": "none"}[state]
 
-    def tilert_state(self, exclude: set[str] = frozenset()) -> TileRTState:  # type: ignore[assignment]
-        """'free' when a node outside `exclude` has a free slot, 'full' when such nodes are up but have
-        none, 'down' when none is up (every node ejected, or failed this request)."""
-        up = [n for n in self.tilert.values() if n.routable and n.url not in exclude and n.takes_requests]
-        if any(n.free > 0 for n in up):
-            return "free"
-        return "full" if up else "down"
+    def _tilert_up(self, exclude: set[str] | frozenset[str]) -> list[Node]:
+        return [n for n in self.tilert.values() if n.routable and n.url not in exclude and n.takes_requests]
+
+    def tilert_pairing(self, exclude: set[str] | frozenset[str] = frozenset()) -> pairing.PoolState:
+        decodes = [pairing.Decode(n.generation, n.free > 0) for n in self._tilert_up(exclude)]
+        return pairing.pool_state(decodes, self.prefill_generations())
+
+    def tilert_state(self, exclude: set[str] | frozenset[str] = frozenset()) -> TileRTState:
+        """'free' when a node outside `exclude` has a free slot and pairs with a usable prefill, 'full'
+        when such nodes are up but none can take the request (no slot, or no prefill of its
+        generation), 'down' when none is up (every node ejected, or failed this request)."""
+        state = self.tilert_pairing(exclude)
+        return "full" if state == "no_pair" else state
 
     def reserve_tilert(self, exclude: set[str]) -> Node | None:
-        """Take one slot on the node with the most free slots; None when every node is full."""
-        cands = [
-            n
-            for n in self.tilert.values()
-            if n.routable and n.url not in exclude and n.free > 0 and n.takes_requests
-        ]
+        """Take one slot on the node with the most free slots that pairs with a usable prefill; None
+        when there is none."""
+        gens = self.prefill_generations()
+        cands = [n for n in self._tilert_up(exclude) if n.free > 0 and pairing.pairable(n.generation, gens)]
         if not cands:
             return None
         # A closed breaker first: a half-open node gets a trial only when no other node can serve.
         node = max(cands, key=lambda n: (n.breaker == "closed", n.free))
-        if node.breaker == "half-open":
-            node.trial = True
+        node.take()
         node.in_use += 1
         return node
 

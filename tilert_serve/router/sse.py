@@ -75,6 +75,9 @@ def data(obj: Any) -> bytes:
 
 
 def error(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:
-    """The stream's last event when it fails after the first byte (OpenAI's client raises APIError)."""
+    """The stream's last event but [DONE] when it fails after the first byte, as vLLM's OpenAI server
+    ends a stream that failed (`data: {"error": {...}}`, no `event:` line, then `data: [DONE]`), so a
+    client that handles vLLM's handles ours; OpenAI's Python client raises APIError on it. `code` is
+    the failure's kind, a string as in the router's other errors (vLLM puts an HTTP status there)."""
     body = {"error": {"message": message, "type": type, "param": None, "code": code}}
-    return b"event: error\n" + data(body)
+    return data(body)

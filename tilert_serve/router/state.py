@@ -22,6 +22,7 @@ from tilert_serve.bearer import TokenFile
 from tilert_serve.router.config import RouterConfig, TileRTNode, with_discovered
 from tilert_serve.router.metrics import Metrics
 from tilert_serve.router.pools import Node, Pools
+from tilert_serve.router.retry_budget import RetryBudget
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,13 @@ class RouterState:
     base_config: RouterConfig = field(init=False)
     #: When a request last found the TileRT pool full (monotonic): probes wait while users want slots.
     tilert_full_at: float = -1e18
+    #: Retries before the first byte, as a share of recent requests (retry_budget.py says why).
+    retry_budget: RetryBudget = field(init=False)
 
     def __post_init__(self) -> None:
         self.base_config = self.config
+        p = self.config.policy
+        self.retry_budget = RetryBudget(p.retry_budget_ratio, p.retry_budget_min, p.retry_budget_window_s)
 
     def node_headers(self, headers: dict[str, str]) -> dict[str, str]:
         """`headers` plus the node-API token, for calls to a TileRT node's /v1/* (never to vLLM)."""
@@ -84,9 +89,13 @@ class RouterState:
         self.node_token = node_token
         self.base_config = config
         self.config = effective
+        p = config.policy
+        b = self.retry_budget
+        b.ratio, b.min_retries, b.window_s = p.retry_budget_ratio, p.retry_budget_min, p.retry_budget_window_s
         # Gauges of endpoints that left (DNS churn gives every new pod a new address) would otherwise
         # report their last value for ever; a renamed node reports under its new name at once.
         self.metrics.healthy.keep_only({(ep.pool, ep.url) for ep in self.pools.all()})
+        self.metrics.endpoint_breaker_open.keep_only({(ep.pool, ep.url) for ep in self.pools.all()})
         self.metrics.slots.keep_only({(name,) for name in self.pools.tilert})
         for node in self.pools.tilert.values():
             self.note_slots(node)

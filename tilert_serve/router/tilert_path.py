@@ -223,14 +223,21 @@ async def serve(call: Call, node: Node, adm: Admission) -> web.StreamResponse:
 async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.StreamResponse:
     st, r = call.state, call.req
     m = st.metrics
-    prefill = st.pools.pick_prefill(call.exclude)
+    prefill = st.pools.pick_prefill(call.exclude, node.generation)
     if prefill is None:
-        raise UpstreamError("prefill", "-", "no_endpoint", "no healthy prefill server", retryable=False)
+        raise UpstreamError(
+            "prefill",
+            "-",
+            "no_endpoint",
+            f"no healthy prefill server of the node's generation ({node.generation})",
+            retryable=False,
+        )
 
     # 1. Prefill with the ticket: vLLM computes the prompt, samples the first token and, through the
     #    TileRT connector, ships the KV state to the node.
     pj = await call.prefill(prefill, prefill_body(call, node, adm))
     t_first = time.perf_counter()
+    call.check_generation(prefill, pj, node)
     try:
         text, finish = openai_response.first_choice_text(r.kind, pj)
     except (KeyError, IndexError, TypeError) as exc:
@@ -417,7 +424,7 @@ async def _decode_failed(call: Call, node: Node, kind: str, message: str) -> tup
     if call.response is None:
         # Nothing reached the client yet (non-streamed request): the caller may retry elsewhere.
         raise UpstreamError("tilert", node.url, kind, message)
-    await call.fail_stream(f"decode failed: {message}", "upstream_error", kind)
+    await call.fail_stream(f"decode failed mid-stream on TileRT node {node.spec.name}: {message}", kind)
     return "error", 0
 
 
