@@ -13,8 +13,17 @@ itself do not: a write's echo carries the resourceVersion the write returned (ku
 and a change of `status` alone leaves the child's fingerprint as it was. A Deployment's or
 StatefulSet's controller reporting its rollout (observedGeneration, replica counts, revisions) kicks a
 reconcile too, outside the drift limit: Ready and the ready counts follow those reports, and a pod's
-own event comes before its controller's. Drift kicks per PDCluster are at most one per `drift_min_interval_s`, so a controller that
-fights the operator over a field (an autoscaler on replicas) costs one reconcile a period, not a storm.
+own event comes before its controller's. Drift kicks per PDCluster are at most one per
+`drift_min_interval_s`, so a controller that fights the operator over a field (an autoscaler on
+replicas) costs one reconcile a period, not a storm.
+
+Quiet at rest (`Settings.watch_cache`, wiring's default): the controller owns a cache.Cache of the
+children and pods of every namespace with a PDCluster, attached to the API client so that the
+reconcile's reads (`Client.get`/`list`) are answered from it; its informers' events are what kick
+reconciles (a pod's change at once, a child's through the drift logic above). A worker's first
+reconcile waits for its namespace's first lists (at most `cache_sync_timeout_s`; the API server is
+read until then). An idle PDCluster then costs no API call per resync: the reconcile compares the
+cached children with the desired ones, applies nothing and patches no status when nothing changed.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from tilert_operator import constants, credentials, reconcile
+from tilert_operator.cache import Cache, CacheSettings
 from tilert_operator.kubeapi import DELETED, Client, Obj
 from tilert_operator.metrics import Metrics
 
@@ -50,6 +60,12 @@ class Settings:
     drift_debounce_s: float = 0.1
     #: Least seconds between two drift-triggered reconciles of one PDCluster.
     drift_min_interval_s: float = 1.0
+    #: Read children and pods from watch caches (cache.py) instead of the API server; their
+    #: informers' events kick the reconciles.
+    watch_cache: bool = False
+    cache: CacheSettings = field(default_factory=CacheSettings)
+    #: Longest wait for a namespace's first lists before a worker's first reconcile.
+    cache_sync_timeout_s: float = 30.0
 
 
 @dataclass
@@ -82,6 +98,12 @@ class Controller:
         self._rollouts: dict[tuple[str, str, str], tuple[Any, ...] | None] = {}
         #: Drift kicks fired, and the child changes that caused them (for tests and logs).
         self.drift_kicks = 0
+        #: The watch caches the API client reads from (Settings.watch_cache), owned here.
+        self.cache: Cache | None = None
+        if self.settings.watch_cache:
+            self.cache = Cache(api, self._cached_event, self.settings.cache)
+            api.cache = self.cache
+        self._detaching: set[asyncio.Task[None]] = set()
 
     def observe(self, body: Obj, deleted: bool = False) -> None:
         """A PDCluster event: keep the body, start or kick its worker, or stop it on deletion."""
@@ -94,12 +116,17 @@ class Controller:
             for timer in (worker.drift_timer, worker.report_timer) if worker is not None else ():
                 if timer is not None:
                     timer.cancel()
-            self._workers.pop(key, None)
+            if self._workers.pop(key, None) is not None and self.cache is not None:
+                task = asyncio.create_task(self.cache.detach(key[0], key[1]))
+                self._detaching.add(task)
+                task.add_done_callback(self._detaching.discard)
             self.metrics.states.pop(key, None)
             return
         if worker is None or worker.body["metadata"].get("uid") != meta.get("uid"):
             if worker is not None and worker.task is not None:
                 worker.task.cancel()
+            if self.cache is not None:
+                self.cache.attach(key[0], key[1])
             worker = self._workers[key] = _Worker(body=body)
             worker.task = asyncio.create_task(self._run(key, worker), name=f"reconcile {key[0]}/{key[1]}")
         else:
@@ -115,6 +142,18 @@ class Controller:
             if not changed:
                 return
         worker.kick.set()
+
+    def _cached_event(self, kind: str, event_type: str | None, body: Obj) -> None:
+        """An informer's event: a pod's change kicks its PDCluster (readiness rewires the router); a
+        child's goes through the drift logic. The initial list kicks nothing (the first reconcile
+        waits for it)."""
+        if kind != "Pod":
+            self.child_event(kind, event_type, body)
+            return
+        meta = body.get("metadata") or {}
+        cluster = (meta.get("labels") or {}).get(constants.LABEL_CLUSTER)
+        if event_type is not None and cluster:
+            self.kick(meta.get("namespace") or "", cluster)
 
     def kick(self, namespace: str, name: str) -> None:
         worker = self._workers.get((namespace, name))
@@ -206,9 +245,19 @@ class Controller:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         self._workers.clear()
+        if self.cache is not None:
+            await asyncio.gather(*self._detaching, return_exceptions=True)
+            await self.cache.stop()
 
     async def _run(self, key: Key, worker: _Worker) -> None:
         s = self.settings
+        if self.cache is not None and not await self.cache.wait_synced(key[0], s.cache_sync_timeout_s):
+            log.warning(
+                "[%s/%s] the watch caches did not list within %.0fs; reading the API server until they do",
+                key[0],
+                key[1],
+                s.cache_sync_timeout_s,
+            )
         while True:
             wait = s.resync_s
             if worker.requeue_at is not None:

@@ -1,18 +1,43 @@
-"""A small async Kubernetes API client for the operator's own calls (children, pods, status, events).
+"""The operator's async Kubernetes API client (children, pods, status, events, watches).
 
-kopf watches and dispatches; it "is not a Kubernetes client library", so the reconcile talks to the
-API through this module: one aiohttp session, server-side apply with one fixed field manager, and
-retries with backoff on 409, 429, 5xx, timeouts and connection errors. Every call is counted by verb
-(the operator's /metrics) and none happens anywhere else, which keeps the ClusterRole checkable.
+kopf watches PDClusters and dispatches; it "is not a Kubernetes client library", so the reconcile
+talks to the API through this module: one aiohttp session, server-side apply with one fixed field
+manager, list and watch for the informers (cache.py), and retries with backoff on 409, 429, 5xx,
+timeouts and connection errors, honouring a Retry-After. Every call is counted by verb (the
+operator's /metrics) and none happens anywhere else, which keeps the ClusterRole checkable. A read
+(`get`, `list`) is answered from the watch cache when one is attached (`Client.cache`) and holds the
+object; a write tells the cache what the API server answered, so the next read sees it.
 
 Credentials are not read once. A token that lives in a file (the in-cluster service-account token,
 which the kubelet rotates about hourly; a kubeconfig's tokenFile) is re-read when the file changes
 (one stat per request). A token with an expiry (an exec plugin's expirationTimestamp) is renewed
 through `refresh` shortly before it expires. A 401 re-reads the credentials (the file, or `refresh`)
-and, when they changed, retries the call once. We keep this client rather than borrow kopf's: kopf's
-own API client and its credentials vault are private modules (`kopf._cogs`), and kopf says it is not
-a client library; the login handler (wiring.py) gives kopf the same credentials, expiry included, so
-kopf's watches re-login on their own.
+and, when they changed, retries the call once. Loading uses only the public API of the `kubernetes`
+package (its kubeconfig merger and loader, its exec-plugin runner): no private attribute is read.
+
+Why this module and not a maintained async client (checked against kubernetes_asyncio 36.1.0 and
+lightkube 1.0.1, the current releases; see docs/operator-internals.md for the whole comparison):
+- Neither retries an ordinary call on 429 or 5xx, let alone with Retry-After: lightkube's only retry
+  is the `on_error` hook of watch/list streams; kubernetes_asyncio's `Configuration.retries` is
+  never read by its aiohttp REST client. That policy would stay here either way.
+- Neither renews an exec plugin's token before its `expirationTimestamp`: lightkube 1.0.1's
+  `ExecAuth` runs the plugin again only after a 401 and refuses `client.authentication.k8s.io/v1`
+  (the current exec API; it accepts v1alpha1 and v1beta1 only); lightkube re-reads a token file only
+  after a 401 too (`BearerTokenFileAuth`). The operator's kopf login (wiring.py) needs the expiry as
+  well, so the loading would stay here.
+- An informer needs list-then-watch with a relist on 410 Gone. lightkube's watch answers a 410 by
+  watching again from "now" (`reset_version`), so objects deleted in the gap stay in a store;
+  kubernetes_asyncio 36.1.0's `Watch` reconnects once with the same expired resourceVersion and then
+  raises. Either way cache.py keeps its own loop over list and watch.
+- lightkube works on typed models (a plain dict is applied through a generic resource per kind) and
+  brings httpx2, msgspec and lightkube-models into an image that already has aiohttp (kopf's);
+  kubernetes_asyncio's generated API is untyped for mypy --strict and brings urllib3, six and
+  python-dateutil beside aiohttp.
+What the operator uses (server-side apply with field manager and force, dryRun=All, watch with
+bookmarks and resourceVersion) is a query parameter each, which this module sets directly.
+Retries stay a loop here rather than a retry library: none is a dependency (tenacity is not;
+aiohttp-retry comes only through `kubernetes` and retries by status alone), and the loop needs the
+401 re-authentication, the Retry-After and the per-attempt call count in the same place.
 """
 
 from __future__ import annotations
@@ -26,9 +51,9 @@ import os
 import ssl
 import time
 from collections import Counter, OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -37,6 +62,7 @@ from tilert_operator import constants
 log = logging.getLogger(__name__)
 
 Obj = dict[str, Any]
+Objs = list[Obj]
 
 # kind -> (API prefix, plural). Only the kinds the operator touches: the RBAC test holds the role to
 # exactly these.
@@ -110,11 +136,16 @@ DELETED = "<deleted>"
 def load_connection() -> Connection:
     """In-cluster service account, else the kubeconfig named by $KUBECONFIG (read now, not at import).
 
-    Each call reads everything again: the token file, and an exec plugin is run anew.
+    Each call reads everything again: the token file, and an exec plugin is run anew. Only the
+    `kubernetes` package's public API is used: the kubeconfig is merged by its KubeConfigMerger and
+    read here as plain data (the current context's user), an exec plugin is run by its ExecProvider
+    (which returns the expirationTimestamp), and its token then handed to KubeConfigLoader as a plain
+    token, so the loader neither runs the plugin a second time nor keeps a refresh hook of its own.
     """
     import kubernetes.client
     import kubernetes.config
     from kubernetes.config import incluster_config, kube_config
+    from kubernetes.config.exec_provider import ExecProvider
 
     cfg = kubernetes.client.Configuration()
     token_file: str | None = None
@@ -127,24 +158,39 @@ def load_connection() -> Connection:
         merged = kube_config.KubeConfigMerger(path)  # type: ignore[no-untyped-call]
         if merged.config is None:
             raise kubernetes.config.ConfigException(f"no kubeconfig found at {path}") from None
-        loader: Any = kube_config.KubeConfigLoader(config_dict=merged.config, config_base_path=None)  # type: ignore[no-untyped-call]
-        loader.load_and_set(cfg)
-        # Its hook would run an exec plugin again on every read within 5 minutes of the expiry: the
-        # client renews on its own schedule instead.
-        cfg.refresh_api_key_hook = None
-        expiry = loader.__dict__.get("expiry")  # an exec plugin's expirationTimestamp
-        if isinstance(expiry, datetime.datetime):
-            expires_at = (expiry if expiry.tzinfo else expiry.replace(tzinfo=datetime.UTC)).timestamp()
-        user = loader._user  # the current context's user entry (a ConfigNode)
-        if (
-            user is not None
-            and user.safe_get("tokenFile")
-            and not user.safe_get("token")
-            and "exec" not in user
-        ):
-            token_file = os.path.join(
-                os.path.dirname(os.path.abspath(path.split(os.pathsep)[0])), user["tokenFile"]
-            )
+        base = os.path.dirname(os.path.abspath(path.split(os.pathsep)[0]))
+        doc: Obj = _plain(merged.config, kube_config.ConfigNode)
+        context = _named(doc, "contexts", doc.get("current-context"), path)
+        user_name = context.get("user")
+        user: Obj = dict(_named(doc, "users", user_name, path)) if user_name else {}
+        if "exec" in user:
+            cluster = _named(doc, "clusters", context.get("cluster"), path)
+            status = ExecProvider(  # type: ignore[no-untyped-call]
+                kube_config.ConfigNode("exec", user["exec"], path),  # type: ignore[no-untyped-call]
+                base,
+                cluster=kube_config.ConfigNode("cluster", cluster, path),  # type: ignore[no-untyped-call]
+            ).run()
+            user = {k: v for k, v in user.items() if k != "exec"}
+            if status.get("token"):
+                user["token"] = status["token"]
+            for ours, theirs in (
+                ("client-certificate-data", "clientCertificateData"),
+                ("client-key-data", "clientKeyData"),
+            ):
+                if status.get(theirs):
+                    user[ours] = _b64(status[theirs])
+            stamp = status.get("expirationTimestamp")
+            if stamp:
+                expires_at = datetime.datetime.fromisoformat(str(stamp).replace("Z", "+00:00")).timestamp()
+            doc["users"] = [
+                u if u.get("name") != user_name else {"name": user_name, "user": user}
+                for u in doc.get("users") or []
+            ]
+        elif user.get("tokenFile") and not user.get("token"):
+            token_file = os.path.join(base, user["tokenFile"])
+        loader = kube_config.KubeConfigLoader(config_dict=doc, config_base_path=base)  # type: ignore[no-untyped-call]
+        loader.load_and_set(cfg)  # type: ignore[no-untyped-call]
+        cfg.refresh_api_key_hook = None  # the client renews on its own schedule (see Client)
     header = cfg.get_api_key_with_prefix("BearerToken") or cfg.get_api_key_with_prefix("authorization")
     parts = header.split(" ", 1) if header else []
     scheme, token = (
@@ -161,6 +207,39 @@ def load_connection() -> Connection:
         token_file=token_file,
         expires_at=expires_at,
     )
+
+
+def _named(doc: Obj, section: str, name: Any, path: str) -> Obj:
+    """The entry `name` of a kubeconfig's `section` (contexts, users, clusters), as plain data."""
+    for entry in doc.get(section) or []:
+        if entry.get("name") == name:
+            return dict(entry.get(section[:-1]) or {})
+    raise kubernetes_config_error(
+        f"kubeconfig {path}: no {section[:-1]} named {name!r}; check its current-context and {section}"
+    )
+
+
+def _plain(node: Any, config_node: Any) -> Any:
+    """The merged kubeconfig as plain dicts and lists (the merger keeps each file's entries wrapped)."""
+    if isinstance(node, config_node):
+        return _plain(node.value, config_node)
+    if isinstance(node, dict):
+        return {k: _plain(v, config_node) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_plain(v, config_node) for v in node]
+    return node
+
+
+def kubernetes_config_error(message: str) -> Exception:
+    import kubernetes.config
+
+    return kubernetes.config.ConfigException(message)
+
+
+def _b64(text: str) -> str:
+    import base64
+
+    return base64.standard_b64encode(text.encode()).decode()
 
 
 def _file_sig(path: str) -> tuple[int, int, int, int] | None:
@@ -185,6 +264,14 @@ class Retry:
 
 
 RETRYABLE = frozenset({409, 429, 500, 502, 503, 504})
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (the API server sends whole seconds); None when absent or a date."""
+    try:
+        return max(0.0, float(value)) if value else None
+    except ValueError:
+        return None
 
 
 def object_path(kind: str, namespace: str, name: str | None = None, subresource: str | None = None) -> str:
@@ -229,6 +316,20 @@ def event_key(event: Obj) -> tuple[str, ...]:
     return (*similar_key(event), str(rel.get("kind")), str(rel.get("name")), str(event.get("message")))
 
 
+class ReadCache(Protocol):
+    """What the client asks of a watch cache (cache.Cache): reads it can answer, writes it must see."""
+
+    def lookup(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """The object as the watch last showed it; None when the cache cannot say (then the API is asked)."""
+
+    def select(self, kind: str, namespace: str, label_selector: str) -> list[Obj] | None:
+        """The objects matching the selector; None when the cache cannot say. May raise the ApiError
+        the kind's list last answered (an optional kind not served or not allowed)."""
+
+    def wrote(self, kind: str, namespace: str, name: str, obj: Obj | None) -> None:
+        """The API server's answer to a write (None: deleted), so a read after it sees it."""
+
+
 class Client:
     def __init__(
         self,
@@ -257,12 +358,16 @@ class Client:
         self._events: OrderedDict[tuple[str, ...], tuple[str, int]] = OrderedDict()
         #: similar_key -> (when its window began, monotonic seconds; the messages seen in it).
         self._similar: OrderedDict[tuple[str, ...], tuple[float, set[str]]] = OrderedDict()
+        #: The watch cache reads are answered from when it holds the object (controller.py attaches it).
+        self.cache: ReadCache | None = None
 
     def own(self, kind: str, namespace: str, name: str) -> str | None:
         """The resourceVersion our last write of this object got (DELETED after our delete), if any."""
         return self._own.get((kind, namespace, name))
 
-    def _wrote(self, kind: str, namespace: str, name: str, rv: str | None) -> None:
+    def _wrote(self, kind: str, namespace: str, name: str, rv: str | None, obj: Obj | None = None) -> None:
+        if self.cache is not None:
+            self.cache.wrote(kind, namespace, name, None if rv == DELETED else obj)
         key = (kind, namespace, name)
         self._own.pop(key, None)
         if rv:
@@ -412,6 +517,11 @@ class Client:
                     if resp.status not in RETRYABLE:
                         raise ApiError(resp.status, method, path, text)
                     last = f"HTTP {resp.status}: {text[:200]}"
+                    # The server says when to come back (a 429 of API Priority and Fairness, a 503):
+                    # not sooner than that, and not past one call's timeout.
+                    after = retry_after(resp.headers.get("Retry-After"))
+                    if after is not None:
+                        delay = min(max(delay, after), self.retry.timeout)
             except (TimeoutError, aiohttp.ClientConnectionError) as e:
                 last = f"{type(e).__name__}: {e}"
             log.info(
@@ -428,16 +538,69 @@ class Client:
         raise ApiError(0, method, path, f"gave up after {self.retry.attempts} attempts; last: {last}")
 
     async def get(self, kind: str, namespace: str, name: str) -> Obj | None:
+        """The object, or None when absent. From the watch cache when it holds it; an object the cache
+        does not hold (not labelled as the operator's, or absent) is asked of the API server."""
+        if self.cache is not None:
+            cached = self.cache.lookup(kind, namespace, name)
+            if cached is not None:
+                return cached
         status, obj = await self.request(
             "get", "GET", object_path(kind, namespace, name), ok_statuses=frozenset({404})
         )
         return None if status == 404 else obj
 
     async def list(self, kind: str, namespace: str, label_selector: str) -> list[Obj]:
+        """The objects matching the selector: from the watch cache once it has listed the kind in that
+        namespace, else from the API server."""
+        if self.cache is not None:
+            cached = self.cache.select(kind, namespace, label_selector)
+            if cached is not None:
+                return cached
+        items, _ = await self.list_versioned(kind, namespace, label_selector)
+        return items
+
+    async def list_versioned(self, kind: str, namespace: str, label_selector: str) -> tuple[Objs, str]:
+        """A list from the API server and the resourceVersion it was taken at (a watch starts there)."""
         _, obj = await self.request(
             "list", "GET", object_path(kind, namespace), params={"labelSelector": label_selector}
         )
-        return list((obj or {}).get("items") or [])
+        rv = str(((obj or {}).get("metadata") or {}).get("resourceVersion") or "")
+        return list((obj or {}).get("items") or []), rv
+
+    async def watch(
+        self, kind: str, namespace: str, label_selector: str, resource_version: str, *, timeout_s: float
+    ) -> AsyncIterator[Obj]:
+        """One watch from `resource_version`, with bookmarks, until the server ends it (timeoutSeconds).
+        Yields the events as the API server sends them (ADDED, MODIFIED, DELETED, BOOKMARK, ERROR);
+        raises ApiError when the server refuses the watch. One call counts as one `watch`."""
+        self.calls["watch"] += 1
+        await self._credentials()
+        path = object_path(kind, namespace)
+        params = {
+            "watch": "true",
+            "allowWatchBookmarks": "true",
+            "labelSelector": label_selector,
+            "resourceVersion": resource_version,
+            "timeoutSeconds": str(max(1, int(timeout_s))),
+        }
+        headers = {"Authorization": auth} if (auth := self._authorization()) else {}
+        # A watch is long: no total timeout, only one for silence past the server's own end.
+        timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.retry.timeout, sock_read=timeout_s + 30)
+        async with self._session_get().get(
+            self.conn.server + path, params=params, headers=headers, timeout=timeout
+        ) as resp:
+            if resp.status >= 300:
+                text = await resp.text()
+                if resp.status == 401:
+                    await self._credentials(force=True)  # the next watch goes with what was re-read
+                raise ApiError(resp.status, "WATCH", path, text)
+            buf = b""
+            async for chunk in resp.content.iter_any():
+                buf += chunk
+                while b"\n" in buf:
+                    line, buf = buf.split(b"\n", 1)
+                    if line.strip():
+                        yield json.loads(line)
 
     async def apply(self, obj: Obj) -> Obj:
         """Server-side apply of a whole object with the operator's field manager, forcing conflicts
@@ -453,6 +616,7 @@ class Client:
             meta["namespace"],
             meta["name"],
             ((out or {}).get("metadata") or {}).get("resourceVersion"),
+            out,
         )
         return out or {}
 
@@ -472,6 +636,7 @@ class Client:
                 meta["namespace"],
                 meta["name"],
                 (out.get("metadata") or {}).get("resourceVersion"),
+                out,
             )
         return None if status == 409 else out
 

@@ -8,12 +8,17 @@ phase of a handoff-secret rotation; above the kubelets' Secret propagation), TIL
 off, the CRD's CEL rules still apply and the operator reports SpecValid=False; the certificate is
 re-read when its files change, checked at most every TILERT_PD_WEBHOOK_CERT_CHECK_S, default 2),
 TILERT_PD_DRIFT_DEBOUNCE_S (0.1) and TILERT_PD_DRIFT_MIN_INTERVAL_S (1; see controller.py),
-TILERT_PD_WATCH_CHILDREN (1; 0 = repair drift at the resync only, as the benchmark's baseline does).
+TILERT_PD_WATCH_CHILDREN (1; 0 = no watch caches: every reconcile reads the API server and drift is
+repaired at the resync only, as the benchmark's baseline does), TILERT_PD_WATCH_TIMEOUT_S (300, how
+long one watch lasts before it is resumed).
 
-Children are watched by the operator's managed-by label (filtered by the API server), so a child
-deleted or edited by someone else is repaired within seconds, and a workload controller's rollout
-report reaches Ready at once (controller.Controller.child_event); with TILERT_PD_WATCH_CHILDREN=0 a
-rollout's end is read at the next pod event or resync.
+kopf watches the PDClusters. The children and the pods are watched by the operator's own informers
+(cache.py, owned by the Controller), per namespace that holds a PDCluster and selected by the cluster
+label on the API server: the reconcile reads them from that cache (an idle PDCluster costs no API
+call), a child deleted or edited by someone else is repaired within seconds, a pod's change and a
+workload controller's rollout report reach the status at once (controller.Controller.child_event).
+With TILERT_PD_WATCH_CHILDREN=0 kopf's pod watch kicks the reconciles, and a rollout's end is read at
+the next pod event or resync.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import kopf
 from aiohttp import web
 
 from tilert_operator import admission, constants, credentials, kubeapi
+from tilert_operator.cache import CacheSettings
 from tilert_operator.controller import Controller, Settings
 from tilert_operator.metrics import CONTENT_TYPE, Metrics
 
@@ -40,18 +46,6 @@ def _env_float(name: str, default: float) -> float:
         raise kopf.PermanentError(f"{name}={raw!r} is not a number; set it to seconds, e.g. 30") from e
 
 
-#: The children's resources, watched for drift: (group, version, plural) -> kind. MultiNetworkPolicies
-#: are watched once their CRD is served (kopf starts a watch when a CRD appears).
-CHILD_RESOURCES: dict[tuple[str, str, str], str] = {
-    ("apps", "v1", "deployments"): "Deployment",
-    ("apps", "v1", "statefulsets"): "StatefulSet",
-    ("", "v1", "services"): "Service",
-    ("", "v1", "configmaps"): "ConfigMap",
-    ("", "v1", "secrets"): "Secret",
-    ("networking.k8s.io", "v1", "networkpolicies"): "NetworkPolicy",
-    ("policy", "v1", "poddisruptionbudgets"): "PodDisruptionBudget",
-    ("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies"): "MultiNetworkPolicy",
-}
 MANAGED = f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
 WATCH_CHILDREN = os.environ.get("TILERT_PD_WATCH_CHILDREN", "1") != "0"
 
@@ -77,8 +71,6 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
     # Watch only our pods, filtered by the API server (a handler's labels= filters client-side, after
     # every pod in the cluster has crossed the wire).
     settings.watching.label_selectors["", "v1", "pods"] = MANAGED
-    for resource in CHILD_RESOURCES if WATCH_CHILDREN else ():
-        settings.watching.label_selectors[resource] = MANAGED
     settings.posting.enabled = False  # we post our own Events, on condition transitions
     settings.networking.request_timeout = 60
     settings.watching.server_timeout = int(_env_float("TILERT_PD_WATCH_TIMEOUT_S", 300))
@@ -105,6 +97,8 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             rotation_grace_s=_env_float("TILERT_PD_SECRET_ROTATION_GRACE_S", credentials.DEFAULT_GRACE_S),
             drift_debounce_s=_env_float("TILERT_PD_DRIFT_DEBOUNCE_S", 0.1),
             drift_min_interval_s=_env_float("TILERT_PD_DRIFT_MIN_INTERVAL_S", 1.0),
+            watch_cache=WATCH_CHILDREN,
+            cache=CacheSettings(watch_timeout_s=_env_float("TILERT_PD_WATCH_TIMEOUT_S", 300)),
         ),
     )
     metrics_port = int(_env_float("TILERT_PD_METRICS_PORT", 8080))
@@ -141,21 +135,12 @@ async def pdcluster_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> No
 
 @kopf.on.event("", "v1", "pods", labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY})
 async def pod_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+    # With the watch caches their pod informer kicks, after its store holds the change (a kick from
+    # here could reach a reconcile that still reads the pod as it was). This watch then only stands
+    # by for TILERT_PD_WATCH_CHILDREN=0; see docs/operator-internals.md.
     cluster = labels.get(constants.LABEL_CLUSTER)
-    if cluster and namespace:
+    if cluster and namespace and memo.controller.cache is None:
         memo.controller.kick(namespace, cluster)
-
-
-async def child_event(event: kopf.RawEvent, resource: kopf.Resource, memo: kopf.Memo, **_: Any) -> None:
-    kind = CHILD_RESOURCES.get((resource.group, resource.version, resource.plural))
-    if kind is not None:
-        memo.controller.child_event(kind, event.get("type"), dict(event["object"]))
-
-
-for _g, _v, _p in CHILD_RESOURCES if WATCH_CHILDREN else ():
-    kopf.on.event(_g, _v, _p, labels={constants.LABEL_MANAGED_BY: constants.MANAGED_BY}, id=f"child-{_p}")(
-        child_event
-    )
 
 
 async def validate(

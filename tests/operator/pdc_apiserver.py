@@ -34,11 +34,18 @@ a server-side apply that creates authorized again as `create`, and, with the swi
 ownerReferences change, `update` on the owner's `finalizers` for blockOwnerDeletion); a refusal is the
 403 Status a real server answers, and every decision is logged (`checks`). See pdc_rbac.py.
 
+Watches as a real server serves them to an informer: `allowWatchBookmarks=true` gets a BOOKMARK with
+the current resourceVersion before the server ends the watch (timeoutSeconds) and whenever a test
+calls `bookmark()`; a watch from a resourceVersion older than the last compaction (`compact()`, or the
+event log's own trimming) gets the ERROR event with a 410 Expired Status a real one sends, so the
+client must list again. Per-verb request counts by client: `counts()`.
+
 Not emulated (not proven by tests on this server): pruning,
 Kubernetes CEL extension libraries, admission webhooks, SSA conflicts between managers and the
 managedFields a real server shows, strategic-merge list merging, controllers (no pod
 is ever created from a Deployment: a test creates them, and each is stamped with the revision of the
-template it was made from), 410 Gone, dryRun.
+template it was made from), dryRun, a list's resourceVersion and continue parameters (a list is
+always of now).
 Played: the Deployment and StatefulSet controllers' status (observedGeneration, replica counts by
 revision, currentRevision/updateRevision, the Progressing reason) from the pods a test created, at
 every change of a workload or its pods; `workload_controllers` off holds it back.
@@ -53,7 +60,7 @@ import hashlib
 import json
 import time
 import uuid
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -192,6 +199,8 @@ class ApiServer(kmock.KubernetesEmulator):
         self.by_res: dict[Res, dict[Key, Obj]] = defaultdict(dict)
         self.rv = 0
         self.events: list[tuple[int, Res, Obj]] = []
+        #: A watch from a resourceVersion below this one is answered 410 Expired (compact()).
+        self.compacted = 0
         self.subs: dict[Res, set[asyncio.Queue[Obj]]] = defaultdict(set)
         self.calls: list[Call] = []
         self.faults: list[Fault] = []
@@ -276,6 +285,41 @@ class ApiServer(kmock.KubernetesEmulator):
         a delay, answer normally but that late."""
         self.faults.append(Fault(status, times, verb, resource, delay=delay))
 
+    def counts(self, user_agent: str, since: int = 0) -> Counter[tuple[str, str]]:
+        """(verb, resource) -> requests made by clients whose User-Agent starts with `user_agent`,
+        among the calls from index `since` of the log on (`len(calls)` taken before a phase)."""
+        return Counter(
+            (c.verb, c.resource) for c in self.calls[since:] if c.user_agent.startswith(user_agent)
+        )
+
+    async def compact(self) -> None:
+        """Forget the event log, as etcd's compaction does: a watch from a resourceVersion before the
+        current one is answered 410 Expired, and watches open now end with that error."""
+        async with self.wlock:
+            self.compacted = self.rv
+            self.events.clear()
+            gone = {"type": "ERROR", "object": _status(410, "Expired", "too old resource version")}
+            for queues in self.subs.values():
+                for q in queues:
+                    q.put_nowait(gone)
+
+    async def bookmark(self) -> None:
+        """Send every open watch that asked for bookmarks one with the current resourceVersion."""
+        async with self.wlock:
+            for res, queues in self.subs.items():
+                for q in queues:
+                    q.put_nowait(self._bookmark(res))
+
+    def _bookmark(self, res: Res) -> Obj:
+        return {
+            "type": "BOOKMARK",
+            "object": {
+                "kind": self.kind_of(res),
+                "apiVersion": self.api_version(res),
+                "metadata": {"resourceVersion": str(self.rv)},
+            },
+        }
+
     def objects(self, plural: str, namespace: str | None = None) -> list[Obj]:
         return _retry(
             lambda: [
@@ -349,6 +393,7 @@ class ApiServer(kmock.KubernetesEmulator):
         event = {"type": kind, "object": copy.deepcopy(obj)}
         self.events.append((self.rv, res, event))
         if len(self.events) > 200_000:
+            self.compacted = self.events[100_000][0]
             del self.events[:100_000]
         for q in self.subs[res]:
             q.put_nowait(event)
@@ -967,9 +1012,13 @@ class ApiServer(kmock.KubernetesEmulator):
         self.kind_of(res)
         queue: asyncio.Queue[Obj] = asyncio.Queue()
         since = int(request.params.get("resourceVersion") or 0)
+        bookmarks = request.params.get("allowWatchBookmarks") in ("true", "1")
+        expired = False
         async with self.wlock:  # subscribe and snapshot atomically: no event falls in between
             self.subs[res].add(queue)
-            if since:
+            if since and since < self.compacted:
+                expired, backlog = True, []
+            elif since:
                 backlog = [e for rv, r, e in self.events if r == res and rv > since]
             else:
                 backlog = [{"type": "ADDED", "object": copy.deepcopy(o)} for o in self.by_res[res].values()]
@@ -977,6 +1026,8 @@ class ApiServer(kmock.KubernetesEmulator):
         labels, fields = request.params.get("labelSelector"), request.params.get("fieldSelector")
 
         def wanted(event: Obj) -> bool:
+            if event["type"] in ("ERROR", "BOOKMARK"):
+                return event["type"] == "ERROR" or bookmarks
             o = event["object"]
             return (
                 (request.namespace is None or o["metadata"].get("namespace") == request.namespace)
@@ -987,18 +1038,32 @@ class ApiServer(kmock.KubernetesEmulator):
         resp = aiohttp.web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
         try:
             await resp.prepare(raw)
+            if expired:
+                gone = {
+                    "type": "ERROR",
+                    "object": _status(410, "Expired", f"too old resource version: {since}"),
+                }
+                await resp.write(json.dumps(gone).encode() + b"\n")
+                await resp.write_eof()
+                return resp
             for event in backlog:
                 if wanted(event):
                     await resp.write(json.dumps(event).encode() + b"\n")
             loop = asyncio.get_running_loop()
             deadline = loop.time() + timeout
-            while (left := deadline - loop.time()) > 0:
+            timed_out = False
+            while not timed_out:
                 try:
-                    event = await asyncio.wait_for(queue.get(), timeout=left)
+                    event = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - loop.time()))
                 except TimeoutError:
+                    timed_out = True
                     break
                 if wanted(event):
                     await resp.write(json.dumps(event).encode() + b"\n")
+                if event["type"] == "ERROR":
+                    break
+            if timed_out and bookmarks:  # a real server bookmarks shortly before it ends a watch
+                await resp.write(json.dumps(self._bookmark(res)).encode() + b"\n")
             await resp.write_eof()
         except (ConnectionResetError, asyncio.CancelledError):
             pass
