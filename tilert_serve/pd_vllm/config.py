@@ -27,6 +27,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from tilert_serve import dataplane, defaults, layouts, pydantic_errors, transfer
+from tilert_serve.pd_vllm import pending
 
 #: Keys people put in the static config that belong in each request's kv_transfer_params.
 PER_REQUEST_KEYS = ("tilert_host", "tilert_ctrl_port", "tilert_ticket")
@@ -95,6 +96,13 @@ class ConnectorConfig(BaseModel):
         "with --handoff-digest off)",
     )
 
+    pending_dir: str = Field(
+        pending.DEFAULT_DIR,
+        alias="tilert_pending_dir",
+        description="directory (this user's alone, created 0700) where each worker keeps its count "
+        "of handoffs still to send, which `tilert-pd wait-idle --pending-dir` reads in the "
+        "pod's preStop hook",
+    )
     model_revision: str = Field(
         "",
         alias="model_revision",

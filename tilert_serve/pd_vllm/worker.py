@@ -72,6 +72,7 @@ from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache
 from tilert_serve.pd_vllm.logs import get_logger
 from tilert_serve.pd_vllm.metadata import SendJob
+from tilert_serve.pd_vllm.pending import PendingSends
 from tilert_serve.pd_vllm.stats import TileRTStats
 
 log = get_logger(__name__)
@@ -291,6 +292,9 @@ class TileRTWorker:
         self.caches: list[PagedCache] = []
         self.pool: StagingPool | None = None
         self.stats = TileRTStats()
+        #: Handoffs queued or in flight, for `tilert-pd wait-idle` (pending.py): a prefill pod's preStop
+        #: hook waits for them, so no state is left unsent when vLLM exits.
+        self.pending = PendingSends(config.pending_dir)
         self._stats_lock = threading.Lock()  # guards stats: the sender thread records, the step thread takes
         #: Jobs waiting for the sender thread: _Work items, or _STOP.
         self._queue: queue.Queue[Any] = queue.Queue()
@@ -440,7 +444,7 @@ class TileRTWorker:
         self._taken.add(job.req_id)
         if job.upto is not None:
             self._chunked[job.req_id] = work
-        self._queue.put(work)
+        self._queue_work(work)
         return True
 
     def _go_on(self, work: _Work, job: SendJob) -> None:
@@ -565,12 +569,17 @@ class TileRTWorker:
                 self._give_up(job, f"gather failed: {exc}")
                 continue
             self._copied.add(job.req_id)
-            self._queue.put(_Work(job, index, event, time.perf_counter() - t0))
+            self._queue_work(_Work(job, index, event, time.perf_counter() - t0))
 
     def _give_up(self, job: SendJob, error: str) -> None:
         """The blocks are no longer needed; the node hears at once that the state will not come."""
         self._copied.add(job.req_id)
-        self._queue.put(_Work(job, None, None, 0.0, error))
+        self._queue_work(_Work(job, None, None, 0.0, error))
+
+    def _queue_work(self, work: _Work) -> None:
+        """Give a handoff to the sender threads, counted as pending until it ends (pending.py)."""
+        self.pending.add(1)
+        self._queue.put(work)
 
     def finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Ids whose blocks vLLM may free: copied out (or given up) and reported finished by vLLM."""
@@ -628,6 +637,7 @@ class TileRTWorker:
                     write_s=result.busy_s,
                     chunk_bytes=result.chunk_bytes,
                 )
+            self.pending.add(-1)
             if not result.ok:
                 log.warning(
                     "handoff of %s to %s:%d failed: %s: %s",
@@ -685,6 +695,7 @@ class TileRTWorker:
         for thread in self._threads:
             thread.join(timeout=self.config.timeout_s)
         self._threads = []
+        self.pending.close()
         if self._mover is not None and self.pool is not None:
             self._mover.unregister(self.pool.buffer.data_ptr())
             self._mover.close()
