@@ -133,6 +133,10 @@ class FakeNode(Fake):
         self.tokens_sent = 0
         self.handoff_timeout_s = 5.0
         self.last_generate_closed: float | None = None
+        #: The generation the node advertises in /ready and /v1/status (None: an older node, none).
+        self.compat: str | None = None
+        #: Put it in /ready's body (True) or only in /v1/status (False).
+        self.compat_in_ready = True
 
     @property
     def active(self) -> int:
@@ -160,6 +164,7 @@ class FakeNode(Fake):
                 web.get("/health", self.health),
                 web.get("/ready", self.readyz),
                 web.get("/metrics", self.health),
+                web.get("/v1/status", self.status),
             ]
         )
         return app
@@ -295,7 +300,13 @@ class FakeNode(Fake):
         return web.json_response({"ok": True})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        return web.json_response({"ready": self.ready}, status=200 if self.ready else 503)
+        body: dict[str, Any] = {"ready": self.ready}
+        if self.ready and self.compat is not None and self.compat_in_ready:
+            body["compat"] = self.compat
+        return web.json_response(body, status=200 if self.ready else 503)
+
+    async def status(self, request: web.Request) -> web.Response:
+        return web.json_response({"name": self.name, "ready": self.ready, "compat": self.compat})
 
 
 class FakeVLLM(Fake):
@@ -344,6 +355,8 @@ class FakePrefill(FakeVLLM):
         self.kv_params: dict[str, Any] | None = {"remote_engine_id": "p0", "remote_block_ids": [1, 2]}
         self.aborted = 0
         self.healthy = True
+        #: The generation the prefill names in its kv_transfer_params (None: an older prefill, none).
+        self.compat: str | None = None
 
     async def complete(self, request: web.Request) -> web.Response:
         body = await request.json()
@@ -389,7 +402,9 @@ class FakePrefill(FakeVLLM):
             else:
                 kvp_out["tilert_error"] = "scripted handoff failure" if status != "queued" else None
         else:
-            kvp_out = self.kv_params
+            kvp_out = dict(self.kv_params) if self.kv_params is not None else None
+        if self.compat is not None:
+            kvp_out = {**(kvp_out or {}), "compat": self.compat}
         usage: dict[str, Any] = {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": 1,

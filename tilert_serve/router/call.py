@@ -16,12 +16,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from tilert_serve.compat import compatible
 from tilert_serve.router import sse
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import STREAMING, ClientGone
 from tilert_serve.router.metrics import bounded_kind
 from tilert_serve.router.openai_request import ParsedRequest
+from tilert_serve.router.pairing import compatible
 from tilert_serve.router.pools import Endpoint
 from tilert_serve.router.state import RouterState
 from tilert_serve.router.upstream import UpstreamError, client_error, post_json
@@ -43,6 +43,8 @@ class Call:
     #: The SSE response once prepared (first byte sent).
     response: web.StreamResponse | None = None
     path: str = ""
+    #: The prefill the current attempt uses: a retry prefers another, whichever side failed.
+    prefill_url: str | None = None
     #: A decode pool without a pairable server was counted for this request (no_compatible_pair_total).
     unpaired_counted: bool = False
     _last_write: float = 0.0
@@ -92,6 +94,7 @@ class Call:
         and 5xx raise UpstreamError, for a retry elsewhere."""
         t = self.cfg.timeouts
         t0 = time.perf_counter()
+        self.prefill_url = ep.url
         ep.inflight += 1
         try:
             status, answer = await post_json(

@@ -135,6 +135,10 @@ async def _route(call: Call) -> web.StreamResponse:
                 log.warning("request %s: not retried: the retry budget is spent", call.request_id)
                 break
             call.exclude.add(err.url)
+            if call.prefill_url is not None:
+                # A handoff or decode failure may be the prefill's as well: prefer another one.
+                call.exclude.add(call.prefill_url)
+                call.prefill_url = None
             if (
                 err.pool == "tilert"
                 and want == "auto"

@@ -42,7 +42,8 @@ class RetryBudget:
 
     def try_retry(self, now: float) -> bool:
         """Spend one retry if the budget has one; False = the request fails with what it has."""
-        if len(self._retries) + 1 > self.allowed(now):
+        allowed = self.allowed(now)  # prunes the window first
+        if len(self._retries) + 1 > allowed:
             return False
         self._retries.append(now)
         return True
