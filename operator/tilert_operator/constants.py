@@ -26,6 +26,20 @@ LABEL_NAME: Final = "app.kubernetes.io/name"
 LABEL_INSTANCE: Final = "app.kubernetes.io/instance"
 LABEL_PART_OF: Final = "app.kubernetes.io/part-of"
 LABEL_MANAGED_BY: Final = "app.kubernetes.io/managed-by"
+#: On the data-plane pools' workloads and pods: the compatibility generation's fingerprint
+#: (tilert_serve.compat.Compat; render/generations.py), 12 hex digits.
+LABEL_GENERATION: Final = f"{GROUP}/generation"
+#: On the data-plane pools' workloads and pods: which of the two sets of workload names (SLOTS) holds
+#: them, so that the Services of one slot never select the pods of the other.
+LABEL_SLOT: Final = f"{GROUP}/slot"
+#: On the data-plane workloads: the spec (JSON) their generation was rendered from, so that while a
+#: new generation comes up the old one is rendered as it was (and its endpoints stay in the router).
+GENERATION_SPEC_ANNOTATION: Final = f"{GROUP}/generation-spec"
+#: The two sets of workload names of the data-plane pools (render/generations.py): "a" keeps the
+#: names of a PDCluster's first generation, "b" holds the next generation while both run.
+SLOT_A: Final = "a"
+SLOT_B: Final = "b"
+SLOTS: Final = (SLOT_A, SLOT_B)
 MANAGED_BY: Final = "tilert-pd-operator"
 
 #: The non-root user (and group) every image of ours has (docker/*.Dockerfile) and the pods run as
@@ -99,6 +113,18 @@ GPU_RESOURCE: Final = "nvidia.com/gpu"
 def child_name(cluster: str, component: str) -> str:
     """Name of a component's children (workload, Service, ConfigMap): `<cluster>-<component>`."""
     return f"{cluster}-{component}"
+
+
+#: Slot b's workload names: `<cluster>-<this>` (short enough that the TileRT StatefulSet's name fits
+#: 52 characters with a 38-character cluster name, as slot a's does).
+SLOT_B_NAMES: Final = {PREFILL: "prefill-b", TILERT: "tilert-b", NATIVE: "native-b"}
+
+
+def slot_child_name(cluster: str, component: str, slot: str) -> str:
+    """Name of a data-plane pool's workload and Service in `slot`: slot a keeps `child_name`."""
+    if slot == SLOT_A:
+        return child_name(cluster, component)
+    return f"{cluster}-{SLOT_B_NAMES[component]}"
 
 
 def handoff_secret_name(cluster: str) -> str:

@@ -36,13 +36,16 @@ import json
 import logging
 import re
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, NamedTuple
 
-from tilert_operator import constants, credentials, kubeapi, observe, render, status, validation
+from tilert_operator import constants, credentials, kubeapi, render, rollout, status, validation
 from tilert_operator import handoff as handoff_check
 from tilert_operator.credentials import owner_reference
 from tilert_operator.kubeapi import ApiError, Client, Obj
+from tilert_operator.render.generations import Live
+from tilert_operator.render.generations import generation as generation_of
+from tilert_operator.spec import PDClusterSpec
 
 log = logging.getLogger(__name__)
 
@@ -591,20 +594,22 @@ async def _reconcile(
 
     selector = f"{constants.LABEL_CLUSTER}={cluster}"
     pods = await api.list("Pod", ns, selector)
-    nodes, unwired = observe.tilert_nodes(spec, pods)
-
-    desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, nodes)}
     #: Per kind: 200, or the 403/404 an optional kind answered.
     served: dict[str, int] = {}
-    #: The workloads as the API server holds them after this reconcile's applies (Kind/name -> object).
-    live: dict[str, Obj] = {}
+    #: Per kind served: the children this PDCluster owns (Kind/name -> object).
+    owned: dict[str, dict[str, Obj]] = {}
+    # Every kind is listed before anything is rendered: which generations run is read from the workloads.
     for kind in CHILD_KINDS:
         listed = await _list_children(api, kind, ns, selector)
         served[kind] = listed if isinstance(listed, int) else 200
-        if isinstance(listed, int):
-            continue  # not served or not allowed: nothing to compare, apply or delete (status says so if wanted)
-        actual = {_key(o | {"kind": kind}): o for o in listed if _owned_by(o, meta["uid"])}
-        live |= actual
+        if not isinstance(listed, int):  # else not served or not allowed: nothing to compare, apply or delete
+            owned[kind] = {_key(o | {"kind": kind}): o for o in listed if _owned_by(o, meta["uid"])}
+    #: The workloads as the API server holds them after this reconcile's applies (Kind/name -> object).
+    live: dict[str, Obj] = {k: o for objs in owned.values() for k, o in objs.items()}
+
+    plan = await _plan(spec, cluster, pods, live, body, node_api.secret, now)
+    desired = {_key(o): stamp(adopt(o, body)) for o in render.children(spec, cluster, ns, lives=plan.lives)}
+    for kind, actual in owned.items():
         for key, want in desired.items():
             # List items carry no apiVersion/kind on a real API server: compare the rest.
             body_only = {k: v for k, v in want.items() if k not in ("apiVersion", "kind")}
@@ -629,10 +634,11 @@ async def _reconcile(
         out.requeue_at = retry if out.requeue_at is None else min(out.requeue_at, retry)
 
     # Ready counts and rollouts from the workloads' own status (what the apply answered, when applied).
-    workloads = {
-        c: live.get(f"{k}/{constants.child_name(cluster, c)}") for c, k in observe.WORKLOAD_KINDS.items()
-    }
-    pools = observe.pool_states(spec, pods, workloads)
+    views = {g.slot: rollout.observe_view(g, cluster, pods, live) for g in plan.lives}
+    current = views[plan.lives[-1].slot]
+    serving = views[plan.lives[0].slot]  # the old generation while the new one is not ready
+    pools = current.pools
+    nodes = [n for v in views.values() for n in v.nodes]
 
     rdma = spec.transfer.rdma
     wants_mnp = any(o["kind"] == "MultiNetworkPolicy" for o in desired.values())
@@ -648,17 +654,29 @@ async def _reconcile(
     ]
     applied = reconciled(out.failed)
     owned_cond = children_owned(out.failed)
-    # HandoffReady (issue 11): each wired TileRT node's own record of the handoffs that reached it.
-    reports = await handoff_check.poll(nodes, node_api.secret) if handoff_check.enabled() else None
+    # HandoffReady (issue 11): each wired TileRT node's own record of the handoffs that reached it
+    # (polled once per reconcile, in _plan), for the generation that serves.
+    reports = plan.reports_of(serving.nodes)
+    progressing = plan.progressing()
     conds = status.conditions(
         cluster,
-        pools,
-        nodes,
-        unwired,
+        serving.pools,
+        serving.nodes,
+        serving.unwired,
         [status.secrets_owned([handoff.name, node_api.name]), owned_cond, *security, applied],
-        handoff=status.handoff_ready(spec.decode.tilert.replicas, nodes, reports),
+        handoff=status.handoff_ready(serving.live.spec.decode.tilert.replicas, serving.nodes, reports),
         handoff_working=status.any_handoff_working(reports),
+        progressing=progressing,
     )
+    if serving is not current:
+        # Ready says whether the stack serves: it does, from the old generation, while the new one comes up.
+        conds = [
+            c
+            if c["type"] != "Ready"
+            else c | {"message": f"{c['message']} (generation {serving.live.generation.fingerprint}; "
+                      f"generation {current.live.generation.fingerprint} is coming up: see Progressing)"}
+            for c in conds
+        ]  # fmt: skip
     if owned_cond["status"] == "False":
         # What serves under a child's name is not what this PDCluster describes: not Ready, whatever the pods say.
         conds = [
@@ -707,6 +725,7 @@ async def _reconcile(
             "nodeApiToken": token_rotation.status(rotation_grace_s),
         },
         applied=not out.failed,
+        generations=plan.generations(views, progressing),
     )
     await _write_status(api, body, new, out)
     await _failure_events(api, body, applied, out, ns)
@@ -724,6 +743,58 @@ async def _reconcile(
     if out.applied or out.deleted:
         log.info("[%s/%s] applied %s, deleted %s", ns, cluster, out.applied, out.deleted)
     return out
+
+
+async def _plan(
+    spec: PDClusterSpec,
+    cluster: str,
+    pods: list[Obj],
+    live: dict[str, Obj],
+    body: Obj,
+    node_api_secret: Obj | None,
+    now: float,
+) -> rollout.Plan:
+    """Which generations to render (rollout.py), from the workloads and pods as listed: the spec's, and
+    the one that served before it until the spec's is ready. The TileRT nodes of both are polled once
+    here (HandoffReady, and the new generation's readiness)."""
+    occupied = rollout.slots(cluster, live)
+    choice = rollout.choose(spec, generation_of(spec).fingerprint, occupied)
+    current = rollout.observe_view(Live(spec, choice.current), cluster, pods, live)
+    old = (
+        rollout.observe_view(Live(choice.old[1], choice.old[0]), cluster, pods, live) if choice.old else None
+    )
+    polled = [*current.nodes, *(old.nodes if old else [])]
+    reports = (
+        {r.pod: r for r in await handoff_check.poll(polled, node_api_secret)}
+        if handoff_check.enabled()
+        else None
+    )
+    handoff = (
+        None
+        if reports is None
+        else [(n.name, status.node_handoff(reports[n.name])[0]) for n in current.nodes if n.name in reports]
+    )
+    readiness = rollout.readiness(current.pools, handoff)
+    keep_old = old is not None and not readiness.ready
+    kept = {choice.current} | ({old.live.slot} if keep_old and old else set())
+    leftover = rollout.leftover_pods(pods, kept)
+    shared = keep_old or bool(leftover)
+    lives = [
+        replace(g, tilert_nodes=tuple((current if g.slot == choice.current else old or current).nodes))
+        for g in rollout.lives(choice, spec, readiness.ready, shared)
+    ]
+    return rollout.Plan(
+        spec=spec,
+        choice=choice,
+        lives=lives,
+        current=current,
+        readiness=readiness,
+        old=old,
+        leftover=leftover,
+        reports=reports,
+        previous=_old_condition(body, "Progressing"),
+        now=now,
+    )
 
 
 async def _apply_child(

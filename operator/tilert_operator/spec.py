@@ -57,6 +57,10 @@ class Model(_Section):
     max_seq_len: int = Field(default=32768, ge=64, le=1048576)
     #: auto = fp8_ds_mla for glm5/deepseek_v3_2 (what TileRT's handoff ships), bfloat16 for mla.
     kv_cache_dtype: KVCacheDtype = "auto"
+    #: What identifies the weights (a checkpoint revision, a commit, a date): part of the compatibility
+    #: generation, so changing it rolls out a new generation beside the old one (render/generations.py).
+    #: "" = unnamed; then a change of the weights under the same volume and subPath goes unnoticed.
+    revision: str = Field(default="", max_length=128, pattern=r"^[A-Za-z0-9._:/+-]*$")
 
     @property
     def resolved_kv_cache_dtype(self) -> ResolvedKVCacheDtype:
@@ -260,6 +264,27 @@ class NetworkPolicies(_Section):
     metrics_from: list[dict[str, Any]] = []
 
 
+GenerationStrategy = Literal["BlueGreen", "Recreate"]
+
+
+class GenerationRollout(_Section):
+    """How a change of the compatibility generation (model revision, KV-cache dtype, MTP: anything
+    that makes a prefill and a decode of the old and the new spec unable to pair) is rolled out.
+    An image or resource change keeps the generation and is an ordinary rolling update."""
+
+    #: BlueGreen: the new generation starts beside the old one (as many GPUs again as the data-plane
+    #: pools use), traffic moves once it is ready, then the old one drains and goes. Recreate: the old
+    #: generation goes first (no extra GPUs; requests are served only by the pools that have a
+    #: compatible pair until the new one is ready).
+    strategy: GenerationStrategy = "BlueGreen"
+    #: With BlueGreen: the most GPUs the new generation may hold beside the old one; a spec whose new
+    #: generation needs more is refused (say Recreate, or raise the bound). None = no bound.
+    max_surge_gpus: int | None = Field(default=None, ge=0)
+    #: Seconds the new generation may take to become ready before Progressing says RolloutStalled
+    #: (nothing is undone: the old generation keeps serving). Loading a large checkpoint takes minutes.
+    progress_deadline_seconds: int = Field(default=3600, ge=60, le=86400)
+
+
 class PDClusterSpec(_Section):
     model: Model
     transfer: Transfer = Transfer()
@@ -267,6 +292,7 @@ class PDClusterSpec(_Section):
     decode: Decode = Decode()
     router: Router = Router()
     network_policies: NetworkPolicies = NetworkPolicies()
+    generation_rollout: GenerationRollout = GenerationRollout()
 
 
 def parse(spec: dict[str, Any]) -> PDClusterSpec:

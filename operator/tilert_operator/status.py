@@ -31,6 +31,7 @@ CONDITION_TYPES = (
     "HandoffSecretRotating",
     "NodeApiTokenRotating",
     "DataPlaneProtected",
+    "Progressing",
     "Ready",
 )
 #: The condition that reports each rotation (credentials.Scheme.request_annotation -> type).
@@ -57,6 +58,12 @@ POOL_KEYS = {
 Condition = dict[str, Any]
 #: The reason of a pool condition, and of Ready, while a workload's current template is not rolled out.
 ROLLING_OUT = "RollingOut"
+#: Progressing's reasons (rollout.py orders a rollout that changes the compatibility generation).
+NEW_GENERATION_STARTING = "NewGenerationStarting"
+WAITING_FOR_NEW_GENERATION = "WaitingForNewGeneration"
+DRAINING_OLD_GENERATION = "DrainingOldGeneration"
+ROLLOUT_COMPLETE = "RolloutComplete"
+ROLLOUT_STALLED = "RolloutStalled"
 
 
 def is_fault(cond: Condition) -> bool:
@@ -66,7 +73,7 @@ def is_fault(cond: Condition) -> bool:
     return (
         cond["status"] != "True"
         and cond["type"] not in ROTATION_CONDITIONS.values()
-        and cond.get("reason") != ROLLING_OUT
+        and cond.get("reason") not in (ROLLING_OUT, ROLLOUT_COMPLETE)
     )
 
 
@@ -406,11 +413,14 @@ def conditions(
     security: Sequence[Condition] = (),
     handoff: Condition | None = None,
     handoff_working: bool = True,
+    progressing: Condition | None = None,
 ) -> list[Condition]:
     """`security`: SecretsOwned, HandoffSecretRotating and DataPlaneProtected, placed before Ready
     (none of them changes whether the stack serves). `handoff`: HandoffReady (handoff_ready); Ready
     needs a working handoff on at least one wired node (`handoff_working`, any_handoff_working), and is
-    Degraded while any lacks one."""
+    Degraded while any lacks one. `pools`, `wired` and `handoff` are of the generation that serves
+    (the old one while a new generation comes up: Ready stays True meanwhile); `progressing`: the
+    rollout of a new generation (progressing()), none under way by default."""
     out = [_cond("SpecValid", True, "Valid", "the spec passed all checks")]
     out += [pool_condition(cluster, c, pools[c]) for c in POOL_CONDITIONS]
     tilert = pools[constants.TILERT]
@@ -456,6 +466,7 @@ def conditions(
     working = handoff["status"] == "True" or handoff_working
     out.append(handoff)
     out += list(security)
+    out.append(progressing or _cond("Progressing", False, ROLLOUT_COMPLETE, "no rollout under way"))
     missing = []
     if pools[constants.PREFILL].serves == 0:
         missing.append("no prefill pod is ready")
@@ -512,6 +523,37 @@ def conditions(
     return out
 
 
+def progressing(
+    reason: str, *, current: str, old: str | None, waiting: Sequence[str] = (), stuck: str | None = None
+) -> Condition:
+    """Progressing: where a rollout of a new compatibility generation stands (rollout.py). `current`:
+    the spec's generation's fingerprint; `old`: the generation beside it (serving, or draining);
+    `waiting`: what the new generation still lacks, with counts."""
+    lacks = "; ".join(waiting) or "nothing"
+    if reason == NEW_GENERATION_STARTING:
+        msg = (
+            f"generation {current} is being created beside generation {old}, which serves until "
+            f"{current} is ready (waiting for: {lacks})"
+        )
+    elif reason == WAITING_FOR_NEW_GENERATION:
+        msg = f"generation {old} serves; generation {current} is not ready yet: {lacks}"
+    elif reason == ROLLOUT_STALLED:
+        msg = (
+            f"generation {old} serves; generation {current} is not getting ready ({stuck or lacks}): check its "
+            f"pods (kubectl get pods -l {constants.LABEL_GENERATION}={current}), or set the spec back to "
+            f"what generation {old} runs to end the rollout"
+        )
+    elif reason == DRAINING_OLD_GENERATION:
+        msg = (
+            f"generation {current} serves; the pods of generation {old} drain ({lacks} left) and go when their "
+            "requests are done or the grace period ends"
+        )
+    else:
+        msg = f"generation {current} serves alone"
+    ok = reason in (NEW_GENERATION_STARTING, WAITING_FOR_NEW_GENERATION, DRAINING_OLD_GENERATION)
+    return _cond("Progressing", ok, reason, msg)
+
+
 def now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -553,6 +595,7 @@ def build(
     endpoints: Sequence[TileRTNode] = (),
     rotations: dict[str, dict[str, Any]] | None = None,
     applied: bool = True,
+    generations: Sequence[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """`applied`: every child of this generation was accepted by the API server. Otherwise (a refused
     apply, an invalid spec, a Secret that is someone else's) the generation is not observed: the
@@ -571,8 +614,26 @@ def build(
             {"name": n.name, "httpUrl": n.http_url, "ctrlHost": n.ctrl_host, "ctrlPort": n.ctrl_port}
             for n in endpoints
         ]
+    if generations is not None:
+        status["generations"] = list(generations)
     status.update(rotations or {})
     return status
+
+
+def generation_entry(
+    fingerprint: str, slot: str, phase: str, pools: dict[str, PoolState], compat: str | None
+) -> dict[str, Any]:
+    """One item of status.generations: a generation, its slot, its phase (Starting, Serving,
+    Draining) and its data-plane pools' ready/desired counts."""
+    out: dict[str, Any] = {
+        "fingerprint": fingerprint,
+        "slot": slot,
+        "phase": phase,
+        "pools": {POOL_KEYS[c]: {"ready": s.ready, "desired": s.desired} for c, s in pools.items()},
+    }
+    if compat is not None:
+        out["compat"] = compat
+    return out
 
 
 def merge_patch(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:

@@ -107,6 +107,35 @@ def rule_mtp(s: PDClusterSpec) -> Iterable[Problem]:
         )
 
 
+def rule_generation_rollout(s: PDClusterSpec) -> Iterable[Problem]:
+    """A blue/green rollout of a new compatibility generation holds both generations' data-plane pools
+    at once (render/generations.py, rollout.py): the bound is checked against what this spec's pools
+    hold, since the next generation change starts exactly these beside the running ones."""
+    from tilert_operator.render import generations
+
+    r = s.generation_rollout
+    if r.max_surge_gpus is None:
+        return
+    if r.strategy != "BlueGreen":
+        yield Problem(
+            "spec.generationRollout.maxSurgeGpus",
+            f"maxSurgeGpus bounds the extra GPUs of a BlueGreen rollout; strategy {r.strategy} adds none: "
+            "remove maxSurgeGpus, or set strategy: BlueGreen",
+        )
+        return
+    need = generations.surge_gpus(s)
+    if need > r.max_surge_gpus:
+        n = s.decode
+        yield Problem(
+            "spec.generationRollout.maxSurgeGpus",
+            f"a new compatibility generation of this spec starts {need} GPUs beside the running one "
+            f"(prefill {s.prefill.replicas}x{s.prefill.gpus}, TileRT {n.tilert.replicas}x{n.tilert.gpus}, "
+            f"native {n.native.replicas}x{n.native.gpus}) but maxSurgeGpus is {r.max_surge_gpus}: raise it "
+            f"to {need}, lower the pools' replicas, or set spec.generationRollout.strategy: Recreate (the old "
+            "generation goes before the new one starts: no extra GPUs, a gap in the routes it served)",
+        )
+
+
 def rule_decode_pools(s: PDClusterSpec) -> Iterable[Problem]:
     if s.decode.tilert.replicas + s.decode.native.replicas == 0:
         yield Problem(
@@ -817,6 +846,7 @@ RULES: tuple[Callable[[PDClusterSpec], Iterable[Problem]], ...] = (
     rule_engine_model,
     rule_kv_dtype,
     rule_mtp,
+    rule_generation_rollout,
     rule_decode_pools,
     rule_transfer,
     rule_ports,

@@ -120,6 +120,33 @@ def roll(
         )
 
 
+def roll_workload(
+    apiserver: Any, kind: str, name: str, *, ready: bool | tuple[bool, ...] = True, net: int = 1
+) -> list[dict[str, Any]]:
+    """Play one workload's controller and kubelet finishing its rollout (any slot of a generation,
+    render/generations.py): the pods it owns are replaced by as many pods of its current template,
+    labelled as the template says (its generation and slot too). `ready`: one for all, or per pod;
+    `net`: the third octet of their pod IPs (two slots' pods must not share addresses)."""
+    srv = apiserver.server
+    plural = {"StatefulSet": "statefulsets", "Deployment": "deployments"}[kind]
+    owner = srv.get(plural, "default", name)
+    assert owner is not None, f"{kind} {name} does not exist"
+    for p in srv.objects("pods", "default"):
+        if any(r.get("uid") == owner["metadata"]["uid"] for r in p["metadata"].get("ownerReferences") or []):
+            apiserver.call(srv.remove(POD, "default", p["metadata"]["name"]))
+    labels = owner["spec"]["template"]["metadata"]["labels"]
+    made = []
+    for i in range(int(owner["spec"].get("replicas", 1))):
+        up = ready if isinstance(ready, bool) else ready[i]
+        p = pod(labels[constants.LABEL_CLUSTER], labels[constants.LABEL_COMPONENT], i, ready=up, owner=owner,
+                ip=f"10.{net}.{len(name)}.{i + 1}")  # fmt: skip
+        p["metadata"]["name"] = f"{name}-{i}"
+        p["metadata"]["labels"] |= labels
+        apiserver.call(srv.put(POD, p))
+        made.append(p)
+    return made
+
+
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     for c in ((obj or {}).get("status") or {}).get("conditions") or []:
         if c["type"] == type_:

@@ -31,7 +31,7 @@ def test_crd_is_a_valid_small_crd() -> None:
     version = crd["spec"]["versions"][0]
     assert version["name"] == constants.VERSION and version["subresources"] == {"status": {}}
     cols = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert cols == ["Ready", "Prefill", "TileRT", "Native", "Router", "Age"]
+    assert cols == ["Ready", "Prefill", "TileRT", "Native", "Router", "Rollout", "Age"]
 
 
 def _leaves(schema: dict[str, Any], path: str) -> list[tuple[str, dict[str, Any]]]:

@@ -12,6 +12,7 @@ import hashlib
 from collections.abc import Sequence
 
 from tilert_operator.render import disruption, native_decode, network, prefill, router, tilert_decode
+from tilert_operator.render.generations import Live, single
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
 from tilert_serve.router.config import TileRTNode
@@ -22,14 +23,20 @@ def children(
     cluster: str,
     namespace: str,
     tilert_nodes: Sequence[TileRTNode] = (),
+    lives: Sequence[Live] | None = None,
 ) -> list[Manifest]:
     """Every child the operator server-side-applies (the Secrets are created apart, once). Nothing
-    here depends on a Secret's value: a new or rotated credential changes no child."""
+    here depends on a Secret's value: a new or rotated credential changes no child.
+
+    `lives`: the generations whose data-plane pools run, oldest first, each in its slot
+    (render/generations.py; rollout.py decides them); None = `spec` alone in slot a with
+    `tilert_nodes`. The router, policies and budgets follow `spec` and span every slot."""
+    lives = single(spec, tilert_nodes) if lives is None else lives
     return [
-        *prefill.render(spec, cluster, namespace),
-        *tilert_decode.render(spec, cluster, namespace),
-        *native_decode.render(spec, cluster, namespace),
-        *router.render(spec, cluster, namespace, tilert_nodes),
+        *(o for live in lives for o in prefill.render(live, cluster, namespace)),
+        *(o for live in lives for o in tilert_decode.render(live, cluster, namespace)),
+        *(o for live in lives for o in native_decode.render(live, cluster, namespace)),
+        *router.render(spec, cluster, namespace, tilert_nodes, lives),
         *network.network_policies(spec, cluster, namespace),
         *network.multi_network_policies(spec, cluster, namespace),
         *disruption.render(spec, cluster, namespace),

@@ -78,6 +78,9 @@ def tilert_connector(spec: PDClusterSpec, paths: Paths) -> dict[str, object]:
             # Rendered only when off (on is both sides' default), so the default spec renders as before.
             **({} if spec.transfer.handoff_digest else {"tilert_handoff_digest": False}),
             **({} if spec.transfer.layerwise else {"tilert_layerwise": False}),
+            # Part of the compatibility fingerprint the prefill advertises (tilert_serve/compat.py);
+            # rendered only when set ("" is the connector's default), so specs without it render as before.
+            **({"model_revision": spec.model.revision} if spec.model.revision else {}),
             # The prefill finds its own address on the handoff's networks, as the decode node does.
             **(
                 {"tilert_data_plane_networks": list(spec.transfer.rdma.networks)}
@@ -203,6 +206,9 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
     ]  # fmt: skip
     # After SIGTERM: refuse admissions, finish the streams in flight, within the grace period.
     argv += ["--drain-timeout", str(t.termination.drain_timeout_s)]
+    if spec.model.revision:
+        # Part of the compatibility fingerprint the node advertises and checks (tilert_serve/compat.py).
+        argv += ["--model-revision", spec.model.revision]
     if not spec.transfer.handoff_digest:
         argv += ["--handoff-digest", "off"]
     if paths.api_token_file:

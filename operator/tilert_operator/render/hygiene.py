@@ -75,9 +75,22 @@ def statefulset_update_strategy(pool: Pool) -> Manifest:
     return {"type": "RollingUpdate", "rollingUpdate": rolling}
 
 
-def lifecycle(pool: Pool) -> Manifest | None:
-    """The preStop sleep (an exec of `sleep`, which every image of ours has; the kubelet's own sleep
-    action needs Kubernetes 1.30's PodLifecycleSleepAction)."""
+def vllm_pre_stop(pool: Pool) -> list[str] | None:
+    """THE PLACE for the vLLM pools' drain-aware preStop (prefill and native decode): `tilert-pd
+    wait-idle`, which waits until vLLM holds no request (bounded by the pool's drain timeout), is being
+    written; once it lands, return its argv here (e.g. ["tilert-pd", "wait-idle", "--sleep",
+    str(pool.termination.pre_stop_sleep_seconds), "--timeout", str(pool.termination.drain_timeout_s)]).
+    It matters most when a generation's workloads are removed after a rollout (rollout.py): their pods
+    then drain only through preStop and the grace period. None = the plain preStop sleep."""
+    return None
+
+
+def lifecycle(pool: Pool, pre_stop: list[str] | None = None) -> Manifest | None:
+    """The preStop hook: `pre_stop` when given (vllm_pre_stop), else the preStop sleep (an exec of
+    `sleep`, which every image of ours has; the kubelet's own sleep action needs Kubernetes 1.30's
+    PodLifecycleSleepAction)."""
+    if pre_stop:
+        return {"preStop": {"exec": {"command": list(pre_stop)}}}
     seconds = pool.termination.pre_stop_sleep_seconds
     if not seconds:
         return None
@@ -116,10 +129,12 @@ def pod_fields(pool: Pool, selector: dict[str, str], *, as_root: bool = False) -
     return out
 
 
-def container_fields(pool: Pool, *, add_capabilities: list[str] | None = None) -> Manifest:
+def container_fields(
+    pool: Pool, *, add_capabilities: list[str] | None = None, pre_stop: list[str] | None = None
+) -> Manifest:
     """What every pool's main container gets: the preStop hook and the container securityContext."""
     out: Manifest = {"securityContext": container_security_context(pool, add=add_capabilities)}
-    hook = lifecycle(pool)
+    hook = lifecycle(pool, pre_stop)
     if hook:
         out["lifecycle"] = hook
     return out

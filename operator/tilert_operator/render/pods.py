@@ -13,7 +13,8 @@ from typing import Any
 from tilert_operator import constants
 from tilert_operator.render import hygiene
 from tilert_operator.render.commands import ContainerCommand, Paths, tiny_model
-from tilert_operator.spec import NativeDecode, PDClusterSpec, Pool, Prefill, ServingPool
+from tilert_operator.render.generations import Live
+from tilert_operator.spec import NativeDecode, Pool, Prefill, ServingPool
 from tilert_serve import dataplane, defaults
 
 Manifest = dict[str, Any]
@@ -185,14 +186,15 @@ class DataPlane:
     """The wiring prefill and decode pods share: model, shm, secret and RDMA. `secret` marks the two
     ends of the TileRT handoff (prefill and TileRT decode pods), which also learn their own address on
     the handoff's secondary networks (tilert_serve.dataplane). `node_api` marks the TileRT decode
-    pods, which mount the node API token."""
+    pods, which mount the node API token. `live` is the generation rendered (its spec and slot)."""
 
-    def __init__(self, spec: PDClusterSpec, cluster: str, *, secret: bool, node_api: bool = False) -> None:
-        self.spec = spec
+    def __init__(self, live: Live, cluster: str, *, secret: bool, node_api: bool = False) -> None:
+        self.live = live
+        self.spec = live.spec
         self.cluster = cluster
         self.secret = secret
         self.node_api = node_api
-        self.paths = Paths.pod(spec)
+        self.paths = Paths.pod(live.spec)
 
     def rdma_devices(self) -> dict[str, int]:
         return dict(self.spec.transfer.rdma.resources) if self.spec.transfer.protocol == "rdma" else {}
@@ -304,6 +306,7 @@ class DataPlane:
         health_port: int,
         extra_env: list[Manifest] | None = None,
         spec_fields: Manifest | None = None,
+        pre_stop: list[str] | None = None,
     ) -> Manifest:
         """A data-plane Deployment or StatefulSet: one container with the shared wiring and probes."""
         c = container(
@@ -319,7 +322,7 @@ class DataPlane:
         c["livenessProbe"] = http_probe("/health", health_port, period=20, failures=6)
         # Loading a large checkpoint takes minutes; the startup probe holds liveness off until then.
         c["startupProbe"] = http_probe("/health", health_port, failures=360)
-        c |= hygiene.container_fields(pool, add_capabilities=self.capabilities())
+        c |= hygiene.container_fields(pool, add_capabilities=self.capabilities(), pre_stop=pre_stop)
         template = pod_template(
             cluster=self.cluster,
             component=component,
@@ -330,16 +333,26 @@ class DataPlane:
             annotations=self.pod_annotations(),
             extra=self.pod_fields(component),
             as_root=bool(self.capabilities()),
+            extra_labels=self.live.pod_labels(),
         )
+        meta = metadata(self.cluster, namespace, component, name=self.live.name(self.cluster, component))
+        meta["labels"] |= self.live.pod_labels()
+        # The spec this generation was rendered from (on its prefill Deployment): while the next
+        # generation comes up, this one is rendered from it as it was (render/generations.py).
+        annotations = self.live.annotations(component)
+        if annotations:
+            meta["annotations"] = annotations
         out: Manifest = {
             "apiVersion": "apps/v1",
             "kind": kind,
-            "metadata": metadata(self.cluster, namespace, component),
+            "metadata": meta,
             "spec": {
                 "replicas": pool.replicas,
                 **(spec_fields or {}),
                 **rollout(kind, pool, pool.gpus),
-                "selector": {"matchLabels": selector(self.cluster, component)},
+                "selector": {
+                    "matchLabels": selector(self.cluster, component) | self.live.workload_selector()
+                },
                 "template": template,
             },
         }
@@ -376,8 +389,9 @@ def pod_template(
     annotations: dict[str, str] | None = None,
     extra: Manifest | None = None,
     as_root: bool = False,
+    extra_labels: dict[str, str] | None = None,
 ) -> Manifest:
-    meta: Manifest = {"labels": labels(cluster, component)}
+    meta: Manifest = {"labels": labels(cluster, component) | (extra_labels or {})}
     if annotations:
         meta["annotations"] = annotations
     spec: Manifest = {
@@ -394,17 +408,22 @@ def pod_template(
 
 
 def service(
-    cluster: str, namespace: str, component: str, ports: list[tuple[str, int]], *, headless: bool = False
+    cluster: str,
+    namespace: str,
+    component: str,
+    ports: list[tuple[str, int]],
+    *,
+    headless: bool = False,
+    live: Live | None = None,
 ) -> Manifest:
+    """A pool's Service; with `live`, the Service of that generation's slot (its name and selector)."""
     spec: Manifest = {"clusterIP": "None"} if headless else {}
-    spec["selector"] = selector(cluster, component)
+    spec["selector"] = selector(cluster, component) | (live.service_selector() if live else {})
     spec["ports"] = [{"name": n, "port": p, "targetPort": n, "protocol": "TCP"} for n, p in ports]
-    return {
-        "apiVersion": "v1",
-        "kind": "Service",
-        "metadata": metadata(cluster, namespace, component),
-        "spec": spec,
-    }
+    meta = metadata(cluster, namespace, component, name=live.name(cluster, component) if live else None)
+    if live is not None:
+        meta["labels"] |= live.pod_labels()
+    return {"apiVersion": "v1", "kind": "Service", "metadata": meta, "spec": spec}
 
 
 def vllm_deployment(
@@ -422,13 +441,15 @@ def vllm_deployment(
         ready=http_probe("/health", defaults.VLLM_PORT),
         health_port=defaults.VLLM_PORT,
         extra_env=[NIXL_SIDE_CHANNEL_ENV],
+        pre_stop=hygiene.vllm_pre_stop(pool),
     )
 
 
-def vllm_service(cluster: str, namespace: str, component: str) -> Manifest:
-    return service(cluster, namespace, component, [("http", defaults.VLLM_PORT)])
+def vllm_service(cluster: str, namespace: str, component: str, live: Live) -> Manifest:
+    return service(cluster, namespace, component, [("http", defaults.VLLM_PORT)], live=live)
 
 
-def vllm_url(cluster: str, namespace: str, component: str) -> str:
-    """A vLLM pool's Service URL as the router reaches it."""
-    return f"http://{constants.child_name(cluster, component)}.{namespace}.svc:{defaults.VLLM_PORT}"
+def vllm_url(cluster: str, namespace: str, component: str, slot: str = constants.SLOT_A) -> str:
+    """A vLLM pool's Service URL (of one slot's generation) as the router reaches it."""
+    name = constants.slot_child_name(cluster, component, slot)
+    return f"http://{name}.{namespace}.svc:{defaults.VLLM_PORT}"

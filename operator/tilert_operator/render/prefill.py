@@ -1,27 +1,33 @@
-"""The prefill pool: a Deployment running `vllm serve` with TileRTConnector, and its Service."""
+"""The prefill pool: a Deployment running `vllm serve` with TileRTConnector, and its Service (one of
+each per live generation, render/generations.py)."""
 
 from __future__ import annotations
 
 from tilert_operator import constants
 from tilert_operator.render import commands, pods
+from tilert_operator.render.generations import Live, as_live
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
 
 COMPONENT = constants.PREFILL
 
 
-def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
-    dp = pods.DataPlane(spec, cluster, secret=True)
+def deployment(spec_or_live: PDClusterSpec | Live, cluster: str, namespace: str) -> Manifest:
+    live = as_live(spec_or_live)
+    dp = pods.DataPlane(live, cluster, secret=True)
+    spec = live.spec
     return pods.vllm_deployment(dp, namespace, COMPONENT, spec.prefill, commands.prefill(spec, dp.paths))
 
 
-def service(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
-    return pods.vllm_service(cluster, namespace, COMPONENT)
+def service(spec_or_live: PDClusterSpec | Live, cluster: str, namespace: str) -> Manifest:
+    live = as_live(spec_or_live)
+    return pods.vllm_service(cluster, namespace, COMPONENT, live)
 
 
-def url(cluster: str, namespace: str) -> str:
-    return pods.vllm_url(cluster, namespace, COMPONENT)
+def url(cluster: str, namespace: str, slot: str = constants.SLOT_A) -> str:
+    return pods.vllm_url(cluster, namespace, COMPONENT, slot)
 
 
-def render(spec: PDClusterSpec, cluster: str, namespace: str) -> list[Manifest]:
-    return [deployment(spec, cluster, namespace), service(spec, cluster, namespace)]
+def render(spec_or_live: PDClusterSpec | Live, cluster: str, namespace: str) -> list[Manifest]:
+    live = as_live(spec_or_live)
+    return [deployment(live, cluster, namespace), service(live, cluster, namespace)]

@@ -1,6 +1,11 @@
 """The router: a Deployment, a Service, and the ConfigMap holding its config.yaml (routing policy and
 endpoint list). The operator rewrites the ConfigMap when TileRT nodes come and go; the router reloads
-it without a restart, so nothing on the pod template depends on the endpoint list."""
+it without a restart, so nothing on the pod template depends on the endpoint list.
+
+The endpoint list names every live generation's prefill and native Services, TileRT nodes and TileRT
+discovery with the generation's compatibility fingerprint (render/generations.py): the router pairs a
+prefill only with a decode of its generation, so while a new generation comes up beside the old one
+each request is served by a pair of one generation."""
 
 from __future__ import annotations
 
@@ -8,7 +13,8 @@ import posixpath
 from collections.abc import Sequence
 
 from tilert_operator import constants
-from tilert_operator.render import commands, hygiene, native_decode, pods, prefill
+from tilert_operator.render import commands, hygiene, native_decode, pods, prefill, tilert_decode
+from tilert_operator.render.generations import Live, single
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
 from tilert_serve import defaults
@@ -20,9 +26,9 @@ COMPONENT = constants.ROUTER
 def config(
     spec: PDClusterSpec,
     *,
-    prefill_urls: Sequence[str],
+    prefill_urls: Sequence[str | router_config.Endpoint],
     tilert_nodes: Sequence[router_config.TileRTNode],
-    native_urls: Sequence[str],
+    native_urls: Sequence[str | router_config.Endpoint],
     api_keys_file: str | None,
     api_token_file: str | None = None,
 ) -> router_config.RouterConfig:
@@ -32,9 +38,9 @@ def config(
     return router_config.RouterConfig(
         tilert_api_token_file=api_token_file,
         model=spec.model.name,
-        prefill=list(prefill_urls),
+        prefill=[_endpoint(u) for u in prefill_urls],
         tilert=list(tilert_nodes),
-        native=list(native_urls),
+        native=[_endpoint(u) for u in native_urls],
         policy=router_config.RoutingPolicy(
             header=p.header,
             tilert_aliases=list(p.tilert_aliases),
@@ -50,42 +56,72 @@ def config(
     )
 
 
+def _endpoint(url: str | router_config.Endpoint) -> router_config.Endpoint:
+    return url if isinstance(url, router_config.Endpoint) else router_config.Endpoint(url=url)
+
+
 def api_keys_file(spec: PDClusterSpec) -> str | None:
     s = spec.router.api_keys_secret
     return posixpath.join(constants.ROUTER_KEYS_DIR, s.key) if s else None
 
 
 def pod_config(
-    spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode]
+    spec: PDClusterSpec,
+    cluster: str,
+    namespace: str,
+    tilert_nodes: Sequence[router_config.TileRTNode],
+    lives: Sequence[Live] | None = None,
 ) -> router_config.RouterConfig:
-    native = [native_decode.url(cluster, namespace)] if spec.decode.native.replicas else []
+    """The router's config in a pod. `lives`: the live generations, oldest first (render/generations.py);
+    None = `spec` alone, in slot a, with `tilert_nodes`. Policy and the router's own settings come from
+    `spec` (the current one); each generation's endpoints from its own spec."""
+    lives = single(spec, tilert_nodes) if lives is None else lives
+    prefills: list[router_config.Endpoint] = []
+    natives: list[router_config.Endpoint] = []
+    nodes: list[router_config.TileRTNode] = []
+    discoveries: list[router_config.TileRTDiscovery] = []
+    for live in lives:
+        g, compat = live.spec, live.generation.compat
+        prefills.append(router_config.Endpoint(url=prefill.url(cluster, namespace, live.slot), compat=compat))
+        if g.decode.native.replicas:
+            natives.append(
+                router_config.Endpoint(url=native_decode.url(cluster, namespace, live.slot), compat=compat)
+            )
+        nodes += [n.model_copy(update={"compat": compat}) for n in live.tilert_nodes]
+        t = g.decode.tilert
+        if t.replicas:
+            # The headless Service's name resolves to the ready TileRT pods within seconds; the endpoint
+            # list in this ConfigMap reaches the router only when the kubelet syncs the volume (up to a
+            # minute).
+            discoveries.append(
+                router_config.TileRTDiscovery(
+                    service=tilert_decode.service_host(cluster, namespace, live.slot),
+                    http_port=t.http_port,
+                    ctrl_port=t.ctrl_port,
+                    slots=t.slots,
+                    max_seq_len=g.model.max_seq_len,
+                    compat=compat,
+                )
+            )
     cfg = config(
         spec,
-        prefill_urls=[prefill.url(cluster, namespace)],
-        tilert_nodes=tilert_nodes,
-        native_urls=native,
+        prefill_urls=prefills,
+        tilert_nodes=nodes,
+        native_urls=natives,
         api_keys_file=api_keys_file(spec),
         api_token_file=defaults.NODE_API_TOKEN_PATH,
     )
-    t = spec.decode.tilert
-    if not t.replicas:
-        return cfg
-    # The headless Service's name resolves to the ready TileRT pods within seconds; the endpoint list
-    # in this ConfigMap reaches the router only when the kubelet syncs the volume (up to a minute).
-    discovery = router_config.TileRTDiscovery(
-        service=f"{constants.child_name(cluster, constants.TILERT)}.{namespace}.svc",
-        http_port=t.http_port,
-        ctrl_port=t.ctrl_port,
-        slots=t.slots,
-        max_seq_len=spec.model.max_seq_len,
-    )
-    return cfg.model_copy(update={"tilert_discovery": discovery})
+    return cfg.model_copy(update={"tilert_discovery": discoveries})
 
 
 def configmap(
-    spec: PDClusterSpec, cluster: str, namespace: str, tilert_nodes: Sequence[router_config.TileRTNode]
+    spec: PDClusterSpec,
+    cluster: str,
+    namespace: str,
+    tilert_nodes: Sequence[router_config.TileRTNode],
+    lives: Sequence[Live] | None = None,
 ) -> Manifest:
-    cfg = pod_config(spec, cluster, namespace, tilert_nodes)
+    cfg = pod_config(spec, cluster, namespace, tilert_nodes, lives)
     return {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -155,9 +191,10 @@ def render(
     cluster: str,
     namespace: str,
     tilert_nodes: Sequence[router_config.TileRTNode] = (),
+    lives: Sequence[Live] | None = None,
 ) -> list[Manifest]:
     return [
-        configmap(spec, cluster, namespace, tilert_nodes),
+        configmap(spec, cluster, namespace, tilert_nodes, lives),
         deployment(spec, cluster, namespace),
         service(spec, cluster, namespace),
     ]

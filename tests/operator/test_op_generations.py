@@ -1,0 +1,463 @@
+"""Rollouts that change the compatibility generation (issue 23, item 3): the new generation comes up
+beside the old one under slot b's names, the router lists both with their fingerprints, the old one
+goes only once the new one is ready, and Progressing says where it stands. An image change stays an
+ordinary rolling update. Against the strict API test server (pdc_apiserver), which refuses status
+fields the CRD does not declare; the tests play the workload controllers and kubelet (pdc_harness)."""
+
+from __future__ import annotations
+
+import copy
+import time
+from typing import Any
+
+import pdc_harness as h
+import pdc_helpers as helpers
+import pytest
+import yaml
+
+from tilert_operator import constants, reconcile, rollout, validation
+from tilert_operator import spec as specmod
+from tilert_operator.render import commands, generations
+from tilert_operator.render import router as router_render
+from tilert_serve import defaults, layouts
+from tilert_serve.compat import Compat
+from tilert_serve.router import config as router_config
+
+PDC_PATH = "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/{}"
+COMPONENTS = (constants.PREFILL, constants.TILERT, constants.NATIVE, constants.ROUTER)
+#: A spec with every pool: prefill, TileRT and native decode.
+SPEC = helpers.minimal(decode={"native": {"replicas": 1}})
+
+
+def reconcile_once(apiserver: Any, name: str) -> reconcile.Outcome:
+    return h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, name)))
+
+
+def patch_spec(apiserver: Any, name: str, patch: dict[str, Any]) -> None:
+    h.run(
+        apiserver,
+        lambda api: api.request(
+            "patch",
+            "PATCH",
+            PDC_PATH.format(name),
+            body={"spec": patch},
+            content_type="application/merge-patch+json",
+        ),
+    )
+
+
+def serving(apiserver: Any, name: str) -> None:
+    """A PDCluster created, reconciled, every pool's pods rolled to its template and ready, reconciled."""
+    h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(copy.deepcopy(SPEC), name))))
+    reconcile_once(apiserver, name)
+    for comp in COMPONENTS:
+        h.roll(apiserver, name, comp)
+    reconcile_once(apiserver, name)
+
+
+def cond(apiserver: Any, name: str, type_: str) -> tuple[str, str, str]:
+    c = h.condition(h.body(apiserver, name), type_)
+    return c.get("status", ""), c.get("reason", ""), c.get("message", "")
+
+
+def fingerprint(spec: dict[str, Any]) -> str:
+    return generations.generation(specmod.parse(spec)).fingerprint
+
+
+def router_cfg(apiserver: Any, name: str) -> router_config.RouterConfig:
+    cm = apiserver.server.get("configmaps", "default", f"{name}-router")
+    return router_config.RouterConfig.model_validate(yaml.safe_load(cm["data"]["config.yaml"]))
+
+
+def printer_column(apiserver: Any, name: str, column: str) -> str:
+    """What `kubectl get pdc` prints in `column`: its jsonPath from the CRD, evaluated on the object
+    (the column's filter form, `.status.conditions[?(@.type=="X")].field`, the only one used here)."""
+    crd = yaml.safe_load(helpers.ROOT.joinpath("crds", "pdcluster.yaml").read_text())
+    cols = {c["name"]: c["jsonPath"] for c in crd["spec"]["versions"][0]["additionalPrinterColumns"]}
+    path = cols[column]
+    prefix, _, rest = path.partition('[?(@.type=="')
+    assert prefix == ".status.conditions", path
+    type_, _, field = rest.partition('")].')
+    return str(h.condition(h.body(apiserver, name), type_).get(field, ""))
+
+
+def workloads(apiserver: Any) -> set[str]:
+    srv = apiserver.server
+    return {
+        f"{kind}/{o['metadata']['name']}"
+        for kind, plural in (("Deployment", "deployments"), ("StatefulSet", "statefulsets"))
+        for o in srv.objects(plural, "default")
+    }
+
+
+def roll_slot_b(apiserver: Any, name: str, *, ready: bool = True) -> None:
+    h.roll_workload(apiserver, "Deployment", f"{name}-prefill-b", ready=ready, net=2)
+    h.roll_workload(apiserver, "StatefulSet", f"{name}-tilert-b", ready=ready, net=2)
+    h.roll_workload(apiserver, "Deployment", f"{name}-native-b", ready=ready, net=2)
+
+
+def test_a_dtype_change_brings_the_new_generation_up_beside_the_old_and_removes_the_old_once_ready(
+    apiserver: Any,
+) -> None:
+    serving(apiserver, "bg")
+    old_fp = fingerprint(SPEC)
+    assert cond(apiserver, "bg", "Ready")[:2] == ("True", "Serving")
+    assert cond(apiserver, "bg", "Progressing")[:2] == ("False", "RolloutComplete")
+    assert printer_column(apiserver, "bg", "Rollout") == "RolloutComplete"
+    assert [g["fingerprint"] for g in h.body(apiserver, "bg")["status"]["generations"]] == [old_fp]
+
+    # float32 changes the handoff layout: no prefill of one dtype can hand off to a node of the other.
+    new_spec = helpers.deep_merge(SPEC, {"model": {"kvCacheDtype": "float32"}})
+    new_fp = fingerprint(new_spec)
+    assert new_fp != old_fp
+    patch_spec(apiserver, "bg", {"model": {"kvCacheDtype": "float32"}})
+    out = reconcile_once(apiserver, "bg")
+    assert {"Deployment/bg-prefill-b", "StatefulSet/bg-tilert-b", "Deployment/bg-native-b"} <= set(
+        out.applied
+    )
+    assert {"Service/bg-prefill-b", "Service/bg-tilert-b", "Service/bg-native-b"} <= set(out.applied)
+    assert not out.deleted, "nothing of the old generation goes before the new one is ready"
+    assert {
+        "Deployment/bg-prefill",
+        "StatefulSet/bg-tilert-decode",
+        "Deployment/bg-native-decode",
+    } <= workloads(apiserver)
+    srv = apiserver.server
+    new_sts = srv.get("statefulsets", "default", "bg-tilert-b")
+    assert new_sts["metadata"]["labels"][constants.LABEL_GENERATION] == new_fp
+    assert new_sts["spec"]["template"]["metadata"]["labels"][constants.LABEL_SLOT] == constants.SLOT_B
+    assert "--kv-cache-dtype" in (argv := new_sts["spec"]["template"]["spec"]["containers"][0]["command"])
+    assert argv[argv.index("--kv-cache-dtype") + 1] == "float32"
+    # The old generation is left as it was: its StatefulSet still runs the old dtype.
+    old_argv = srv.get("statefulsets", "default", "bg-tilert-decode")["spec"]["template"]["spec"][
+        "containers"
+    ][0]["command"]
+    assert old_argv[old_argv.index("--kv-cache-dtype") + 1] == "bfloat16"
+    # Each slot's Service selects its own slot's pods only while both run.
+    assert srv.get("services", "default", "bg-prefill")["spec"]["selector"][constants.LABEL_SLOT] == "a"
+    assert srv.get("services", "default", "bg-prefill-b")["spec"]["selector"][constants.LABEL_SLOT] == "b"
+
+    # The router lists both generations, each endpoint with its generation's compat.
+    cfg = router_cfg(apiserver, "bg")
+    assert {(e.url.split("//")[1].split(".")[0], e.compat) for e in cfg.prefill} == {
+        ("bg-prefill", old_fp),
+        ("bg-prefill-b", new_fp),
+    }
+    assert {(e.url.split("//")[1].split(".")[0], e.compat) for e in cfg.native} == {
+        ("bg-native-decode", old_fp),
+        ("bg-native-b", new_fp),
+    }
+    assert {(d.service.split(".")[0], d.compat) for d in cfg.discoveries()} == {
+        ("bg-tilert-decode", old_fp),
+        ("bg-tilert-b", new_fp),
+    }
+    assert {n.compat for n in cfg.tilert} == {old_fp}, "only the old generation's nodes are ready yet"
+
+    # Ready stays True: the old generation serves. Progressing says the new one is starting.
+    status, reason, message = cond(apiserver, "bg", "Progressing")
+    assert (status, reason) == ("True", "NewGenerationStarting")
+    assert new_fp in message and old_fp in message and "prefill 0/1 ready" in message
+    assert cond(apiserver, "bg", "Ready")[:2] == ("True", "Serving")
+    assert printer_column(apiserver, "bg", "Rollout") == "NewGenerationStarting"
+    gens = {g["fingerprint"]: g for g in h.body(apiserver, "bg")["status"]["generations"]}
+    assert (gens[old_fp]["phase"], gens[new_fp]["phase"]) == ("Serving", "Starting")
+    assert gens[new_fp]["slot"] == "b" and gens[new_fp]["pools"]["tilert"] == {"ready": 0, "desired": 1}
+
+    # Not ready yet: the old generation stays, Progressing waits and counts.
+    roll_slot_b(apiserver, "bg", ready=False)
+    out = reconcile_once(apiserver, "bg")
+    assert not out.deleted
+    status, reason, message = cond(apiserver, "bg", "Progressing")
+    assert (status, reason) == ("True", "WaitingForNewGeneration")
+    assert "tilert-decode 0/1 ready" in message and "native-decode 0/1 ready" in message
+    assert cond(apiserver, "bg", "Ready")[:2] == ("True", "Serving")
+    assert printer_column(apiserver, "bg", "Rollout") == "WaitingForNewGeneration"
+
+    # Ready: the old generation's workloads and Services go, and the router lists the new one alone.
+    roll_slot_b(apiserver, "bg")
+    out = reconcile_once(apiserver, "bg")
+    assert {
+        "Deployment/bg-prefill",
+        "StatefulSet/bg-tilert-decode",
+        "Deployment/bg-native-decode",
+        "Service/bg-prefill",
+        "Service/bg-tilert-decode",
+        "Service/bg-native-decode",
+    } <= set(out.deleted)
+    assert cond(apiserver, "bg", "Progressing")[:2] == ("True", "DrainingOldGeneration")
+    assert printer_column(apiserver, "bg", "Rollout") == "DrainingOldGeneration"
+    cfg = router_cfg(apiserver, "bg")
+    assert [(e.compat) for e in cfg.prefill] == [new_fp]
+    assert [d.compat for d in cfg.discoveries()] == [new_fp]
+    assert [n.compat for n in cfg.tilert] == [new_fp] and cfg.tilert[0].name == "bg-tilert-b-0"
+    assert cond(apiserver, "bg", "Ready")[:2] == ("True", "Serving")
+
+    # The old pods are gone (the garbage collector took them with their workloads): complete.
+    reconcile_once(apiserver, "bg")
+    assert cond(apiserver, "bg", "Progressing")[:2] == ("False", "RolloutComplete")
+    assert [
+        (g["fingerprint"], g["slot"], g["phase"]) for g in h.body(apiserver, "bg")["status"]["generations"]
+    ] == [(new_fp, "b", "Serving")]
+    assert workloads(apiserver) == {"Deployment/bg-prefill-b", "StatefulSet/bg-tilert-b", "Deployment/bg-native-b",
+                                    "Deployment/bg-router"}  # fmt: skip
+    # At rest: nothing more to write.
+    again = reconcile_once(apiserver, "bg")
+    assert again.writes == 0, (again.applied, again.deleted, again.events)
+    # Progressing's transitions were Events; none of a rollout doing what it was asked is a Warning.
+    events = [e for e in apiserver.server.objects("events", "default") if e["involvedObject"]["name"] == "bg"]
+    reasons = [e["reason"] for e in events]
+    for r in ("NewGenerationStarting", "WaitingForNewGeneration", "DrainingOldGeneration", "RolloutComplete"):
+        assert r in reasons, reasons
+    assert all(
+        e["type"] == "Normal"
+        for e in events
+        if e["reason"] in reasons[reasons.index("NewGenerationStarting") :]
+    )
+
+
+def test_the_next_generation_change_moves_back_to_slot_a(apiserver: Any) -> None:
+    serving(apiserver, "ab")
+    patch_spec(apiserver, "ab", {"model": {"revision": "r2"}})
+    reconcile_once(apiserver, "ab")
+    roll_slot_b(apiserver, "ab")
+    reconcile_once(apiserver, "ab")
+    reconcile_once(apiserver, "ab")
+    assert workloads(apiserver) >= {"Deployment/ab-prefill-b"} and "Deployment/ab-prefill" not in workloads(
+        apiserver
+    )
+
+    patch_spec(apiserver, "ab", {"model": {"revision": "r3"}})
+    out = reconcile_once(apiserver, "ab")
+    assert "Deployment/ab-prefill" in out.applied and not out.deleted
+    prefill = apiserver.server.get("deployments", "default", "ab-prefill")
+    cmd = prefill["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert '"model_revision":"r3"' in cmd[cmd.index("--kv-transfer-config") + 1]
+    sts = apiserver.server.get("statefulsets", "default", "ab-tilert-decode")
+    argv = sts["spec"]["template"]["spec"]["containers"][0]["command"]
+    assert argv[argv.index("--model-revision") + 1] == "r3"
+    assert cond(apiserver, "ab", "Progressing")[1] == "NewGenerationStarting"
+
+
+def test_an_image_change_is_an_ordinary_rolling_update(apiserver: Any) -> None:
+    serving(apiserver, "img")
+    before = fingerprint(SPEC)
+    patch_spec(
+        apiserver,
+        "img",
+        {"prefill": {"image": "example.com/vllm:2"}, "decode": {"tilert": {"image": "example.com/serve:2"}}},
+    )
+    out = reconcile_once(apiserver, "img")
+    assert {"Deployment/img-prefill", "StatefulSet/img-tilert-decode"} <= set(out.applied)
+    assert not any(k.endswith("-b") for k in out.applied), out.applied
+    assert not out.deleted
+    assert cond(apiserver, "img", "Progressing")[:2] == ("False", "RolloutComplete")
+    # The pods roll in place (Ready: RollingOut, as any template change), in the same generation.
+    assert cond(apiserver, "img", "Ready")[:2] == ("False", "RollingOut")
+    gens = h.body(apiserver, "img")["status"]["generations"]
+    assert [(g["fingerprint"], g["slot"]) for g in gens] == [(before, "a")]
+    assert [e.compat for e in router_cfg(apiserver, "img").prefill] == [before]
+
+
+def test_a_spec_change_during_a_rollout_replaces_the_generation_coming_up(apiserver: Any) -> None:
+    serving(apiserver, "mid")
+    first = fingerprint(SPEC)
+    patch_spec(apiserver, "mid", {"model": {"revision": "r2"}})
+    reconcile_once(apiserver, "mid")
+    # Another change before r2 is ready: r3 takes slot b; the generation that served keeps serving.
+    patch_spec(apiserver, "mid", {"model": {"revision": "r3"}})
+    out = reconcile_once(apiserver, "mid")
+    assert "Deployment/mid-prefill-b" in out.applied and not out.deleted
+    r3 = fingerprint(helpers.deep_merge(SPEC, {"model": {"revision": "r3"}}))
+    assert {e.compat for e in router_cfg(apiserver, "mid").prefill} == {first, r3}
+    # Back to the spec that serves: slot b goes at once, no rollout is left.
+    patch_spec(apiserver, "mid", {"model": {"revision": ""}})
+    out = reconcile_once(apiserver, "mid")
+    assert "Deployment/mid-prefill-b" in out.deleted
+    assert [e.compat for e in router_cfg(apiserver, "mid").prefill] == [first]
+
+
+def test_recreate_removes_the_old_generation_as_the_new_one_starts(apiserver: Any) -> None:
+    serving(apiserver, "rc")
+    patch_spec(apiserver, "rc", {"model": {"revision": "r2"}, "generationRollout": {"strategy": "Recreate"}})
+    out = reconcile_once(apiserver, "rc")
+    assert "Deployment/rc-prefill-b" in out.applied and "Deployment/rc-prefill" in out.deleted
+    assert cond(apiserver, "rc", "Progressing")[1] == "NewGenerationStarting"
+
+
+def test_a_stuck_new_generation_is_reported_stalled_and_the_old_one_keeps_serving(apiserver: Any) -> None:
+    serving(apiserver, "st")
+    patch_spec(
+        apiserver, "st", {"model": {"revision": "r2"}, "generationRollout": {"progressDeadlineSeconds": 60}}
+    )
+    reconcile_once(apiserver, "st")
+    roll_slot_b(apiserver, "st", ready=False)
+    reconcile_once(apiserver, "st")
+    assert cond(apiserver, "st", "Progressing")[1] == "WaitingForNewGeneration"
+    out = h.run(
+        apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "st"), now=time.time() + 120)
+    )
+    assert not out.deleted
+    status, reason, message = cond(apiserver, "st", "Progressing")
+    assert (status, reason) == (
+        "False",
+        "RolloutStalled",
+    ) and "kubectl get pods -l pd.tilert.ai/generation=" in message
+    assert cond(apiserver, "st", "Ready")[:2] == ("True", "Serving")
+    assert printer_column(apiserver, "st", "Rollout") == "RolloutStalled"
+    warnings = [
+        e for e in apiserver.server.objects("events", "default")
+        if e["involvedObject"]["name"] == "st" and e["reason"] == "RolloutStalled"
+    ]  # fmt: skip
+    assert warnings and {e["type"] for e in warnings} == {"Warning"}
+
+
+# ---- pure parts --------------------------------------------------------------------------------
+
+
+def test_the_operator_computes_the_layout_the_tiny_node_and_prefill_compute() -> None:
+    """The node's layout for the tiny checkpoint (from its config.json) and the prefill's (from its
+    registered caches, MTP on) are what the operator fingerprints; with MTP off the prefill's has no MTP
+    layer, and so a new generation."""
+    from tilert_serve.tinymodel.generate import TinySpec, model_config
+
+    assert generations.TINY_MAIN_LAYERS == TinySpec().layers
+    for dtype in ("bfloat16", "float32"):
+        spec = specmod.parse(helpers.minimal(model={"kvCacheDtype": dtype}))
+        node = layouts.for_hf_config("mla", model_config(TinySpec(), 0, 1), dtype)
+        assert generations.layout_fingerprint(spec) == node.fingerprint
+        g = generations.generation(spec)
+        assert g.compat == Compat(model="m", revision="", layout=node.fingerprint).fingerprint
+    off = specmod.parse(
+        helpers.minimal(prefill={"mtp": {"enabled": False}}, decode={"tilert": {"mtp": False}})
+    )
+    prefill_view = layouts.get("mla", "bfloat16", num_layers=TinySpec().layers, num_mtp_layers=0)
+    assert generations.layout_fingerprint(off) == prefill_view.fingerprint
+    # The DSA models' layout is fixed; an mla checkpoint from a volume is not readable by the operator.
+    glm = specmod.parse(helpers.example("glm5-b200-rdma")["spec"])
+    assert generations.layout_fingerprint(glm) == layouts.get("glm5", "fp8_ds_mla").fingerprint
+    vol = specmod.parse(helpers.minimal(model={"weights": {"tiny": False, "volume": {"emptyDir": {}}}}))
+    assert generations.generation(vol).compat is None
+    assert (
+        generations.generation(vol).fingerprint
+        != generations.generation(
+            specmod.parse(
+                helpers.minimal(
+                    model={"weights": {"tiny": False, "volume": {"emptyDir": {}}}, "revision": "x"}
+                )
+            )
+        ).fingerprint
+    )
+
+
+@pytest.mark.parametrize(
+    ("patch", "same"),
+    [
+        ({"prefill": {"image": "x:2"}}, True),
+        ({"prefill": {"replicas": 3}}, True),
+        ({"decode": {"tilert": {"slots": 4}}}, True),
+        ({"router": {"replicas": 2}}, True),
+        ({"model": {"revision": "2026-12-01"}}, False),
+        ({"model": {"kvCacheDtype": "float32"}}, False),
+        ({"prefill": {"mtp": {"enabled": False}}, "decode": {"tilert": {"mtp": False}}}, False),
+    ],
+)
+def test_what_changes_the_generation(patch: dict[str, Any], same: bool) -> None:
+    assert (fingerprint(helpers.deep_merge(SPEC, patch)) == fingerprint(SPEC)) is same
+
+
+def test_the_revision_reaches_nodes_and_prefills_only_when_set() -> None:
+    plain = specmod.parse(SPEC)
+    paths = commands.Paths.pod(plain)
+    assert "--model-revision" not in commands.tilert_decode(plain, paths).argv
+    assert "model_revision" not in str(commands.prefill_kv_transfer_config(plain, paths))
+    rev = specmod.parse(helpers.deep_merge(SPEC, {"model": {"revision": "abc"}}))
+    argv = commands.tilert_decode(rev, paths).argv
+    assert argv[argv.index("--model-revision") + 1] == "abc"
+    cfg: Any = commands.prefill_kv_transfer_config(rev, paths)
+    assert (
+        cfg["kv_connector_extra_config"]["connectors"][0]["kv_connector_extra_config"]["model_revision"]
+        == "abc"
+    )
+
+
+def test_a_steady_cluster_renders_todays_names_with_its_generation() -> None:
+    spec = specmod.parse(SPEC)
+    cfg = router_render.pod_config(spec, "t", "ns", [])
+    fp = fingerprint(SPEC)
+    assert [(e.url, e.compat) for e in cfg.prefill] == [(f"http://t-prefill.ns.svc:{defaults.VLLM_PORT}", fp)]
+    assert [(d.service, d.compat) for d in cfg.discoveries()] == [("t-tilert-decode.ns.svc", fp)]
+
+
+def test_choose_keeps_the_generation_that_served() -> None:
+    spec = specmod.parse(SPEC)
+    fp = fingerprint(SPEC)
+    old = specmod.parse(helpers.deep_merge(SPEC, {"model": {"revision": "old"}}))
+
+    def slot(
+        name: str, gen: str | None, recorded: specmod.PDClusterSpec | None, created: str
+    ) -> rollout.Slot:
+        return rollout.Slot(name, gen, recorded, {constants.PREFILL: {}}, created)
+
+    assert rollout.choose(spec, fp, {}) == rollout.Choice("a")
+    assert rollout.choose(spec, fp, {"b": slot("b", fp, spec, "1")}) == rollout.Choice("b")
+    # Workloads from before generations: the spec's generation, rolled in place.
+    assert rollout.choose(spec, fp, {"a": slot("a", None, None, "1")}) == rollout.Choice("a")
+    assert rollout.choose(spec, fp, {"a": slot("a", "0ld", old, "1")}) == rollout.Choice(
+        "b", ("a", old), starting=True
+    )
+    two = {"a": slot("a", "0ld", old, "1"), "b": slot("b", fp, spec, "2")}
+    assert rollout.choose(spec, fp, two) == rollout.Choice("b", ("a", old))
+    # Neither is the spec's: the older keeps serving, the newer makes room.
+    other = {"a": slot("a", "0ld", old, "2"), "b": slot("b", "mid", old, "1")}
+    assert rollout.choose(spec, fp, other) == rollout.Choice("a", ("b", old), starting=True)
+    recreate = specmod.parse(helpers.deep_merge(SPEC, {"generationRollout": {"strategy": "Recreate"}}))
+    assert rollout.choose(recreate, fp, {"a": slot("a", "0ld", old, "1")}) == rollout.Choice(
+        "b", None, starting=True
+    )
+
+
+@pytest.mark.parametrize(
+    ("patch", "field", "words"),
+    [
+        (
+            {
+                "prefill": {"gpus": 1, "replicas": 2},
+                "decode": {"tilert": {"gpus": 8, "replicas": 1}},
+                "generationRollout": {"maxSurgeGpus": 8},
+            },
+            "spec.generationRollout.maxSurgeGpus",
+            ["starts 10 GPUs", "raise it to 10", "strategy: Recreate"],
+        ),
+        (
+            {"generationRollout": {"strategy": "Recreate", "maxSurgeGpus": 4}},
+            "spec.generationRollout.maxSurgeGpus",
+            ["strategy Recreate adds none", "remove maxSurgeGpus"],
+        ),
+        ({"model": {"revision": "has space"}}, "spec.model.revision", ["should match pattern"]),
+        (
+            {"generationRollout": {"strategy": "Canary"}},
+            "spec.generationRollout.strategy",
+            ["BlueGreen", "Recreate"],
+        ),
+        (
+            {"generationRollout": {"progressDeadlineSeconds": 5}},
+            "spec.generationRollout.progressDeadlineSeconds",
+            ["60"],
+        ),
+    ],
+)
+def test_rollout_fields_are_validated_with_clear_errors(
+    patch: dict[str, Any], field: str, words: list[str]
+) -> None:
+    _, problems = validation.validate(helpers.minimal(**patch), "t")
+    found = [p for p in problems if p.field == field]
+    assert found, problems
+    for w in words:
+        assert w in found[0].message, found[0].message
+
+
+def test_a_bound_the_surge_fits_is_accepted() -> None:
+    ok = helpers.minimal(prefill={"gpus": 1, "replicas": 2}, decode={"tilert": {"gpus": 8, "replicas": 1}},
+                         generationRollout={"maxSurgeGpus": 10})  # fmt: skip
+    spec, problems = validation.validate(ok, "t")
+    assert spec is not None and not [p for p in problems if "generationRollout" in p.field], problems
