@@ -1,6 +1,6 @@
 """Steady load through the router on the tiny CPU stack, each route, against vLLM alone in the same run.
 
-    .venv/bin/python -m bench.load [--seconds 15] [--probe-seconds 6] [--rates 0.5,1,2,4] [--seed 0]
+    .venv/bin/python -m bench.load [--seconds 15] [--probe-seconds 8] [--rates 0.25,0.5,1,2] [--seed 0]
                                    [--references FILE] [--no-record]
 
 Starts examples/tiny-cpu.yaml as `tilert-pd local up` does, and vLLM alone beside it (the native
@@ -25,7 +25,7 @@ from bench.common import table
 from bench.load import references, report
 from bench.load.harness import Load
 from bench.load.plan import ROUTES, LoadPlan, Mix, PromptSet
-from bench.load.rate import Verdict, pick, verdict
+from bench.load.rate import Queue, Verdict, pick, verdict
 from bench.load.stack import EXAMPLE, TinyStack, tiny_stack
 from bench.load.summary import Stats
 
@@ -34,11 +34,11 @@ def say(msg: str) -> None:
     print(msg, flush=True)
 
 
-async def run_load(stack: TinyStack, plan: LoadPlan, refs: references.References, plain: bool) -> Stats:
+async def run_load(stack: TinyStack, plan: LoadPlan, refs: references.References, plain: bool) -> Load:
     target = stack.plain if plain else stack.router
     async with Load(target, plan, references=refs, progress=say, progress_every_s=5) as load:
         await load.finished()
-    return load.summary().total
+    return load
 
 
 async def measure(stack: TinyStack, a: argparse.Namespace) -> tuple[str, str]:
@@ -49,13 +49,14 @@ async def measure(stack: TinyStack, a: argparse.Namespace) -> tuple[str, str]:
     say(f"  {len(refs.texts)} references in {time.monotonic() - t0:.0f} s")
 
     verdicts: list[Verdict] = []
-    lowest: float | None = None
+    lowest: Stats | None = None
     for rate in a.rates:
         say(f"probe: {rate:g} req/s for {a.probe_seconds:g} s, every route")
         plan = LoadPlan(rate=rate, duration_s=a.probe_seconds, seed=a.seed, prompts=prompts)
-        stats = await run_load(stack, plan, refs, plain=False)
-        v = verdict(rate, stats, lowest)
-        lowest = stats.latency_p50 if lowest is None else lowest
+        load = await run_load(stack, plan, refs, plain=False)
+        stats = load.summary().total
+        v = verdict(rate, stats, Queue.of(load.records), lowest)
+        lowest = lowest or stats
         verdicts.append(v)
         say(f"  {'sustained' if v.sustained else 'not sustained'}: {v.why}")
         if not v.sustained:
@@ -66,10 +67,10 @@ async def measure(stack: TinyStack, a: argparse.Namespace) -> tuple[str, str]:
     for route in ROUTES:
         say(f"steady: {rate:g} req/s for {a.seconds:g} s through the router, route {route}")
         plan = LoadPlan(rate=rate, duration_s=a.seconds, seed=a.seed, prompts=prompts, mix=Mix.only(route))
-        runs[f"router, {route}"] = await run_load(stack, plan, refs, plain=False)
+        runs[f"router, {route}"] = (await run_load(stack, plan, refs, plain=False)).summary().total
     say(f"baseline: the same load on vLLM alone ({rate:g} req/s for {a.seconds:g} s)")
     plan = LoadPlan(rate=rate, duration_s=a.seconds, seed=a.seed, prompts=prompts, mix=Mix.only("auto"))
-    runs["vLLM alone"] = await run_load(stack, plan, refs, plain=True)
+    runs["vLLM alone"] = (await run_load(stack, plan, refs, plain=True)).summary().total
 
     body = report.comparison_table(runs, "vLLM alone")
     probes = table(
@@ -91,12 +92,12 @@ def cli() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--file", type=Path, default=EXAMPLE, help="the PDCluster to start (default %(default)s)")
     p.add_argument("--seconds", type=float, default=15.0, help="steady load per route and for vLLM alone")
-    p.add_argument("--probe-seconds", type=float, default=6.0, help="each step of the rate ladder")
+    p.add_argument("--probe-seconds", type=float, default=8.0, help="each step of the rate ladder")
     p.add_argument(
         "--rates",
         type=lambda s: [float(x) for x in s.split(",")],
-        default=[0.5, 1.0, 2.0, 4.0],
-        help="the rate ladder, req/s, lowest first (default 0.5,1,2,4)",
+        default=[0.25, 0.5, 1.0, 2.0],
+        help="the rate ladder, req/s, lowest first (default 0.25,0.5,1,2)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--references", type=Path, help="cache of vLLM alone's texts (JSON; collected when stale)")

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from bench.load import report
-from bench.load.rate import pick, verdict
+from bench.load.rate import Queue, pick, verdict
 from bench.load.record import Record
 from bench.load.summary import Mark, Stats, percentile, summarize
 
@@ -95,19 +95,42 @@ def stats(failures: dict[str, int] | None = None, p50: float | None = 0.5) -> St
     )
 
 
+CALM = Queue(growth=1.0, drain_s=0.5, first_third_p50=0.5)
+
+
 def test_the_rate_ladder_keeps_the_highest_rate_served_without_failure_or_queue() -> None:
+    low = stats(p50=0.5)
     ladder = [
-        verdict(0.5, stats(p50=0.5), None),
-        verdict(1.0, stats(p50=0.9), 0.5),
-        verdict(2.0, stats(p50=1.2), 0.5),  # over 2x the lowest rate's median: a queue
-        verdict(4.0, stats(), 0.5),
+        verdict(0.5, low, CALM, None),
+        verdict(1.0, stats(p50=0.9), CALM, low),
+        verdict(2.0, stats(p50=1.2), CALM, low),  # over 2x the lowest rate's median: a queue
+        verdict(4.0, stats(), CALM, low),
     ]
     assert [v.sustained for v in ladder] == [True, True, False, True]
     assert "requests queue" in ladder[2].why
     assert pick(ladder) == (1.0, True)
-    failed = verdict(0.5, stats({"http_5xx:upstream_error": 2}), None)
+    failed = verdict(0.5, stats({"http_5xx:upstream_error": 2}), CALM, None)
     assert not failed.sustained and "2 of 10 failed (http_5xx:upstream_error 2)" in failed.why
     assert pick([failed]) == (0.5, False)
+
+
+def test_a_queue_growing_or_a_backlog_draining_is_not_sustained() -> None:
+    low = stats(p50=0.5)  # p99 0.5 s too
+    growing = verdict(1.0, stats(p50=0.6), Queue(growth=2.0, drain_s=0.5, first_third_p50=0.4), low)
+    assert not growing.sustained and "queue grew" in growing.why
+    # a small absolute growth is noise, not a queue
+    assert verdict(1.0, stats(p50=0.1), Queue(growth=2.0, drain_s=0.1, first_third_p50=0.1), low).sustained
+    backlog = verdict(1.0, stats(p50=0.6), Queue(growth=1.0, drain_s=3.0, first_third_p50=0.6), low)
+    assert not backlog.sustained and "backlog" in backlog.why
+
+
+def test_queue_signs_come_from_send_order_and_the_last_answer() -> None:
+    # latencies 1, 1, 1, 2, 3, 4 by send time: first third median 1, last third 3.5
+    records = [rec(i, float(i), float(i) + lat) for i, lat in enumerate([1, 1, 1, 2, 3, 4])]
+    q = Queue.of(records)
+    assert q.growth == pytest.approx(3.5) and q.first_third_p50 == 1.0
+    assert q.drain_s == pytest.approx(4.0)  # last sent at 5, answered at 9
+    assert Queue.of([]) == Queue(None, None, None)
 
 
 def test_the_comparison_divides_by_the_baseline() -> None:
