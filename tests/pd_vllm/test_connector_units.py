@@ -278,3 +278,17 @@ def test_classify_rejects_a_cache_the_layout_does_not_describe():
     }
     layout, paged = classify(fp8, "glm5", {}, {0: 64}, num_hidden_layers=78)
     assert layout.kv_cache_dtype == "fp8_ds_mla" and len(paged) == 158
+
+
+def test_a_native_path_prefill_names_the_generation_and_nothing_else_is_touched():
+    """A request vLLM's own connector moves (do_remote_decode) gets this prefill's generation in its
+    answer, so the router decodes it only on a native decode of the same one; it is not claimed."""
+    sched = TileRTScheduler(ConnectorConfig.from_extra_config(BASE), COMPAT)
+    native = FakeRequest("n", list(range(10)), {"do_remote_decode": True})
+    plain = FakeRequest("p", list(range(10)))
+    for r in (native, plain):
+        sched.on_new_request(r)
+    assert sched.tracked == 0
+    assert sched.request_finished(native) == (False, {"compat": COMPAT})
+    assert sched.request_finished(plain) == (False, None)
+    assert sched.pending_copies == 0

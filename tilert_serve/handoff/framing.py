@@ -22,6 +22,10 @@ Protocol versions. A version changes when a message changes incompatibly.
      `writes_started`; a frame of another version is answered with Error(version_mismatch), encoded
      in the peer's version (Error's body is the same in every version); the first frames (before the
      handshake completes) are limited to PREAUTH_MAX_BODY bytes.
+     Within 2: Request and Hello carry `compat`, the compatibility fingerprint (tilert_serve/compat.py).
+     No new version for it: the field is optional on the wire, so a sender of the release before reads
+     the node's refusal (Reject compat_mismatch, naming the release to run) instead of a version error,
+     while a node of that release ignores it and checks the layout alone, as it always did.
 """
 
 from __future__ import annotations

@@ -132,6 +132,11 @@ class TileRTScheduler:
         """(delay_free, the params the router reads). Blocks of a queued job stay until it is copied."""
         claimed = self._claimed.pop(request.request_id, None)
         if claimed is None:
+            params = request.kv_transfer_params
+            if isinstance(params, dict) and params.get("do_remote_decode"):
+                # A native-path prefill (vLLM's own connector moves its blocks): its answer names this
+                # generation too, so the router decodes it only on a native decode of the same one.
+                return False, {"compat": self.compat}
             return False, None
         # `compat`: the router decodes the request only on a server of this generation.
         params: dict[str, Any] = {"tilert_num_tokens": request.num_prompt_tokens, "compat": self.compat}

@@ -690,6 +690,13 @@ class TileRTWorker:
         return stats
 
     def shutdown(self) -> None:
+        # vLLM shuts the connector down after its engine drained (--shutdown-timeout) or aborted: the
+        # handoffs still queued or being written finish first (each bounded by tilert_timeout_s, all by
+        # the pod's grace period), since a node whose sender vanishes fails the request.
+        if self.pending.count:
+            log.info(
+                "TileRTConnector: finishing %d handoff(s) still to send before exiting", self.pending.count
+            )
         for _ in self._threads:
             self._queue.put(_STOP)
         for thread in self._threads:
