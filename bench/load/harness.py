@@ -71,6 +71,8 @@ class Load:
         self._arrivals: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
         self._changed = asyncio.Event()
+        #: Errors of the harness itself (not outcomes of requests): raised by stop.
+        self._errors: list[BaseException] = []
 
     # lifecycle
 
@@ -92,7 +94,9 @@ class Load:
             return self.summary()
         assert self._arrivals is not None and self._http is not None
         self._arrivals.cancel()
-        await asyncio.gather(self._arrivals, return_exceptions=True)
+        (arrivals,) = await asyncio.gather(self._arrivals, return_exceptions=True)
+        if isinstance(arrivals, Exception):
+            self._errors.append(arrivals)
         if self._inflight:
             _, late = await asyncio.wait(set(self._inflight), timeout=self.drain_s)
             for task in late:
@@ -101,6 +105,8 @@ class Load:
         await self._http.close()
         self.state = "stopped"
         self._notify()
+        if self._errors:
+            raise RuntimeError(f"the load harness failed ({len(self._errors)} errors)") from self._errors[0]
         return self.summary()
 
     async def __aenter__(self) -> Load:
@@ -185,6 +191,8 @@ class Load:
         assert self._http is not None
         try:
             await client.send(self._http, self.target, spec, rec, self._t0)
+        except Exception as exc:  # a fault of the harness, not an outcome: stop() raises it
+            self._errors.append(exc)
         finally:
             if rec.ok and self.references is not None:
                 rec.greedy_match = self.references.match(spec, rec.text)

@@ -252,3 +252,17 @@ async def test_phases_split_failures_latency_and_recovery(fake: FakeOpenAI) -> N
     assert s.ttft_p99_ratio("change", "steady") == change.ttft_p99 / s.phase("steady").ttft_p99  # type: ignore[operator]
     with pytest.raises(ValueError, match="already marked"):
         load.mark("change")
+
+
+async def test_a_fault_of_the_harness_is_raised_not_counted(
+    fake: FakeOpenAI, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def broken(*_args: object) -> None:
+        raise ValueError("a bug in the client")
+
+    monkeypatch.setattr(client, "send", broken)
+    load = Load(target(fake), LoadPlan(rate=100, count=2))
+    with pytest.raises(RuntimeError, match="the load harness failed") as info:
+        async with load:
+            await load.finished()
+    assert isinstance(info.value.__cause__, ValueError)
