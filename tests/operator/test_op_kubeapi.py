@@ -1,7 +1,8 @@
 """The operator's API client keeps working as its credentials change under it: the service-account
 token the kubelet rotates (re-read when the file changes, and after a 401), an exec plugin's token
 that expires (renewed before it does, and after a 401), and a 401 that re-reading cannot fix (one
-attempt, then the error). The API server here is a small aiohttp app that accepts one token at a time."""
+attempt, then the error); and its retries: a 429 waits for its Retry-After, a 422 is raised at once
+with the Status body. The API server here is a small aiohttp app that accepts one token at a time."""
 
 from __future__ import annotations
 
@@ -258,3 +259,56 @@ async def test_a_failing_exec_plugin_keeps_the_current_token(
             assert await api.list("Pod", "default", "a=b") == []
         assert len(attempts) == 1 and api.reauths["failed"] == 1
     assert [t for t, _ in srv.seen] == ["exec-1"] * 5
+
+
+async def test_a_429_waits_as_long_as_retry_after_says() -> None:
+    """API Priority and Fairness answers 429 with Retry-After: the retry comes no sooner, and a
+    Status error that retrying cannot fix is raised with its body (reason and causes) for the
+    conditions to quote."""
+    seen: list[float] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        seen.append(time.monotonic())
+        if request.method == "PATCH":
+            return web.json_response(
+                {"kind": "Status", "code": 422, "reason": "Invalid", "message": "bad",
+                 "details": {"causes": [{"field": "spec.replicas", "message": "must be >= 0"}]}},
+                status=422,
+            )  # fmt: skip
+        if len(seen) == 1:
+            return web.json_response(
+                {"kind": "Status", "code": 429, "reason": "TooManyRequests"},
+                status=429,
+                headers={"Retry-After": "1"},
+            )
+        return web.json_response({"kind": "PodList", "metadata": {"resourceVersion": "7"}, "items": []})
+
+    app = web.Application()
+    app.router.add_route("*", "/api/v1/namespaces/{ns}/pods", handle)
+    app.router.add_route("*", "/api/v1/namespaces/{ns}/pods/{name}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        conn = kubeapi.Connection(server=f"http://127.0.0.1:{port}")
+        async with kubeapi.Client(conn, retry=kubeapi.Retry(first_delay=0.01)) as api:
+            items, rv = await api.list_versioned("Pod", "ns", "a=b")
+            assert (items, rv) == ([], "7")
+            assert len(seen) == 2 and seen[1] - seen[0] >= 1.0, "retried before Retry-After"
+            assert api.calls["list"] == 2
+            with pytest.raises(kubeapi.ApiError) as e:
+                await api.apply({"kind": "Pod", "metadata": {"name": "p", "namespace": "ns"}})
+            assert e.value.status == 422 and len(seen) == 3, "a 422 is not retried"
+            assert (
+                e.value.body is not None and e.value.body["details"]["causes"][0]["field"] == "spec.replicas"
+            )
+    finally:
+        await runner.cleanup()
+
+
+def test_retry_after_parsing() -> None:
+    assert kubeapi.retry_after("3") == 3.0
+    assert kubeapi.retry_after(None) is None
+    assert kubeapi.retry_after("Wed, 21 Oct 2026 07:28:00 GMT") is None  # a date: the backoff applies
