@@ -132,8 +132,8 @@ class TileRTScheduler:
         """(delay_free, the params the router reads). Blocks of a queued job stay until it is copied."""
         claimed = self._claimed.pop(request.request_id, None)
         if claimed is None:
-            params = request.kv_transfer_params
-            if isinstance(params, dict) and params.get("do_remote_decode"):
+            asked = request.kv_transfer_params
+            if isinstance(asked, dict) and asked.get("do_remote_decode"):
                 # A native-path prefill (vLLM's own connector moves its blocks): its answer names this
                 # generation too, so the router decodes it only on a native decode of the same one.
                 return False, {"compat": self.compat}
