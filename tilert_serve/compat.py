@@ -18,7 +18,7 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass
 
-from tilert_serve.handoff.framing import PROTOCOL_VERSION
+from tilert_serve.defaults import HANDOFF_PROTOCOL_VERSION
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class Compat:
     revision: str
     #: `Layout.fingerprint` of the handoff layout both sides use.
     layout: str
-    protocol: int = PROTOCOL_VERSION
+    protocol: int = HANDOFF_PROTOCOL_VERSION
 
     @property
     def fingerprint(self) -> str:

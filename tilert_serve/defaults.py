@@ -28,3 +28,7 @@ WRITE_QUARANTINE_S: Final = WRITE_BOUND_S + 30.0
 #: Where the decode node's HTTP API credential (the `<cluster>-node-api` Secret's token) is mounted
 #: in TileRT decode and router pods.
 NODE_API_TOKEN_PATH: Final = "/etc/tilert-pd/node-api/token"
+#: The handoff control protocol's version (tilert_serve/handoff/framing.py speaks it); part of the
+#: compatibility generation (tilert_serve/compat.py), which the router and the operator compute too and
+#: which must not pull the wire protocol into them.
+HANDOFF_PROTOCOL_VERSION: Final = 2

@@ -38,10 +38,11 @@ import socket
 import struct
 from typing import Any, Final
 
+from tilert_serve import defaults
 from tilert_serve.handoff import auth, messages
 from tilert_serve.handoff.errors import FrameError, MessageError, SessionError, VersionMismatch
 
-PROTOCOL_VERSION: Final = 2
+PROTOCOL_VERSION: Final = defaults.HANDOFF_PROTOCOL_VERSION
 MAGIC: Final = b"TP"
 HEADER: Final = struct.Struct(">2sBBI")
 #: Largest body accepted: a Request with the prompt ids of a 200k-token prompt is ~1.5 MB of JSON.
