@@ -7,6 +7,12 @@ torch is imported inside the functions that need it: the router and operator ben
 `record` and `table`, and should not pay torch's import in their load generator.
 
     python -m bench.common merge OTHER.md   # copy the generated sections of OTHER.md into RESULTS.md
+
+Only a clean tree records: `record` refuses to write RESULTS.md when the benchmarked code (CODE_PATHS)
+differs from the checked-out commit, and when BENCH_COMMIT names a commit whose benchmarked code is not
+the checked-out one's; `merge` refuses a block that ran on other code than the checkout's, or "+dirty". BENCH_DRAFT=1
+(or `merge --draft`) says the run is a draft: it is written, its commit marked "(draft)". A refused
+record still prints its block, so the run's numbers are not lost.
 """
 
 from __future__ import annotations
@@ -76,25 +82,90 @@ def table(header: list[str], rows: list[list[str]]) -> str:
     return "\n".join(lines)
 
 
-def commit() -> str:
-    """Short hash of HEAD, "+dirty" when the benchmarked code differs from it. BENCH_COMMIT overrides
-    (a borrowed machine gets a copy of the tree without .git; the caller states the commit it sent)."""
-    if os.environ.get("BENCH_COMMIT"):
-        return os.environ["BENCH_COMMIT"]
+#: Marks a draft's commit in RESULTS.md.
+DRAFT = " (draft)"
+
+
+class RecordRefused(SystemExit):
+    """RESULTS.md is not written: the message says why and what to do."""
+
+
+def draft() -> bool:
+    return os.environ.get("BENCH_DRAFT", "") not in ("", "0")
+
+
+def _checkout(root: Path) -> tuple[str, bool] | None:
+    """(short HEAD, whether the benchmarked code differs from it); None without a git checkout."""
     try:
         head = subprocess.run(
-            ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
+            ["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
             ["git", "status", "--porcelain", "--", *CODE_PATHS],
-            cwd=ROOT,
+            cwd=root,
             capture_output=True,
             text=True,
             check=True,
         ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
+        return None
+    return head, bool(dirty)
+
+
+def same_commit(a: str, b: str) -> bool:
+    """Two abbreviations of one commit (short hashes may differ in length)."""
+    return bool(a) and bool(b) and (a.startswith(b) or b.startswith(a))
+
+
+def same_code(ran: str, head: str, root: Path) -> bool:
+    """The benchmarked code at commit `ran` is the code at `head` (the same commit, or later commits
+    that changed none of CODE_PATHS: docs, RESULTS.md itself)."""
+    if same_commit(ran, head):
+        return True
+    if not re.fullmatch(r"[0-9a-f]{7,40}", ran):
+        return False
+    try:
+        diff = subprocess.run(
+            ["git", "diff", "--quiet", ran, "HEAD", "--", *CODE_PATHS], cwd=root, capture_output=True
+        )
+    except OSError:
+        return False
+    return diff.returncode == 0
+
+
+def commit(root: Path | None = None) -> str:
+    """Short hash of HEAD, "+dirty" when the benchmarked code differs from it. BENCH_COMMIT overrides
+    (a borrowed machine gets a copy of the tree without .git; the caller states the commit it sent)."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
+    found = _checkout(root or ROOT)
+    if found is None:
         return "unknown (no git checkout)"
+    head, dirty = found
     return head + ("+dirty" if dirty else "")
+
+
+def recordable_commit(root: Path | None = None) -> str:
+    """The commit to record, or RecordRefused: see the module docstring."""
+    root = root or ROOT
+    found = _checkout(root)
+    stated = os.environ.get("BENCH_COMMIT")
+    problem = None
+    if found is not None:
+        head, dirty = found
+        if stated and not same_code(stated, head, root):
+            problem = f"BENCH_COMMIT={stated} but the checked-out commit is {head}: the numbers would name code they did not run"
+        elif dirty:
+            problem = (
+                f"the benchmarked code ({', '.join(p for p in CODE_PATHS if not p.startswith(':'))}) differs from {head}: "
+                "commit it first, or set BENCH_DRAFT=1 to record a draft"
+            )
+    name = commit(root)
+    if problem is None:
+        return name
+    if draft():
+        return name + DRAFT
+    raise RecordRefused(f"bench/common.py: not writing {RESULTS}: {problem}")
 
 
 def machine(device: torch.device | None = None) -> str:
@@ -146,7 +217,13 @@ def record(key: str, title: str, body: str, *, device: torch.device | None = Non
     """
     begin, end = _markers(key)
     when = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    meta = f"Machine: {machine(device)}. Date: {when}. Commit: `{commit()}`.\nCommand: `{command()}`"
+    try:
+        name = recordable_commit()
+    except RecordRefused:
+        print(f"\n{body.strip()}\n{notes.strip()}")  # the run's numbers, not lost
+        raise
+    draft_mark = DRAFT if name.endswith(DRAFT) else ""
+    meta = f"Machine: {machine(device)}. Date: {when}. Commit: `{name.removesuffix(DRAFT)}`{draft_mark}.\nCommand: `{command()}`"
     block = "\n".join([begin, meta, "", body.strip(), *(["", notes.strip()] if notes.strip() else []), end])
     text = RESULTS.read_text() if RESULTS.exists() else "# Benchmark results\n"
     pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
@@ -159,19 +236,40 @@ def record(key: str, title: str, body: str, *, device: torch.device | None = Non
     return block
 
 
-def merge(other: Path, keys: list[str] | None = None, into: Path = RESULTS) -> list[str]:
+def merge(
+    other: Path,
+    keys: list[str] | None = None,
+    into: Path = RESULTS,
+    *,
+    allow_draft: bool = False,
+    root: Path | None = None,
+) -> list[str]:
     """Copy the generated blocks of `other` (those named in `keys`, or all) into `into`, replacing blocks
-    of the same key; returns the keys."""
+    of the same key; returns the keys. A block run at a commit other than the checked-out one, or on a
+    dirty tree, is refused (RecordRefused, nothing written) unless `allow_draft`, which marks it."""
     src = other.read_text()
     text = into.read_text()
     found_keys = re.findall(re.escape("<!-- bench:") + r"(\S+)" + re.escape(" begin (generated"), src)
     keys = [k for k in found_keys if keys is None or k in keys]
+    root = root or ROOT
+    checkout = _checkout(root)
+    head = checkout[0] if checkout is not None else ""
     for key in keys:
         begin, end = _markers(key)
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.S)
         found = pattern.search(src)
         assert found is not None
         block = found.group(0)
+        stated = re.search(r"Commit: `([^`]*)`", block)
+        ran = stated.group(1) if stated else ""
+        if DRAFT not in block and (ran.endswith("+dirty") or not same_code(ran, head, root)):
+            why = (
+                f"block {key!r} of {other} ran at {ran or 'no stated commit'}, and the checked-out commit "
+                f"{head or '(none)'} has other benchmarked code: merge at the commit it ran at, or pass --draft"
+            )
+            if not allow_draft:
+                raise RecordRefused(f"bench/common.py merge: nothing written: {why}")
+            block = block.replace(f"Commit: `{ran}`.", f"Commit: `{ran}`{DRAFT}.", 1)
         if pattern.search(text):
             text = pattern.sub(lambda _m: block, text, count=1)  # noqa: B023 (used at once, in this iteration)
         else:
@@ -181,6 +279,7 @@ def merge(other: Path, keys: list[str] | None = None, into: Path = RESULTS) -> l
 
 
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or sys.argv[1] != "merge":
-        raise SystemExit("usage: python -m bench.common merge OTHER.md [KEY ...]")
-    print("merged:", ", ".join(merge(Path(sys.argv[2]), sys.argv[3:] or None)))
+    args = [a for a in sys.argv[1:] if a != "--draft"]
+    if len(args) < 2 or args[0] != "merge":
+        raise SystemExit("usage: python -m bench.common merge [--draft] OTHER.md [KEY ...]")
+    print("merged:", ", ".join(merge(Path(args[1]), args[2:] or None, allow_draft="--draft" in sys.argv)))
