@@ -65,7 +65,9 @@ def test_the_router_config_names_only_services_the_pods_answer(tiny: Any) -> Non
     manifests, by_name = tiny
     cm = next(m for m in manifests if m["kind"] == "ConfigMap" and m["metadata"]["name"] == "tiny-router")
     cfg = yaml.safe_load(cm["data"]["config.yaml"])
-    names = [u.split("//")[1].split(":")[0] for u in [*cfg["prefill"], *cfg["native"]]]
+    # An endpoint is a URL, or a mapping with its URL (and the pool's compatibility generation).
+    urls = [e if isinstance(e, str) else e["url"] for e in [*cfg["prefill"], *cfg["native"]]]
+    names = [u.split("//")[1].split(":")[0] for u in urls]
     names.append(cfg["tilert_discovery"]["service"])
     every_alias = {a for p in by_name.values() for a in p.aliases}
     assert names and all(n in every_alias for n in names)

@@ -34,7 +34,8 @@ import yaml
 
 from tilert_operator import constants
 from tilert_serve import defaults, tinymodel
-from tilert_serve.local import docker, docker_runtime, runner
+from tilert_serve.local import apply as applymod
+from tilert_serve.local import docker, docker_apply, docker_runtime, rollout, runner
 from tilert_serve.local import plan as planmod
 from tilert_serve.router import config as router_config
 
@@ -56,6 +57,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="process",
         help="process: each component a local process (default, no root needed); docker: each pod of "
         "the rendered manifests a container of its image (`make images` first)",
+    )
+    ap = sub.add_parser(
+        "apply",
+        help="converge a running stack to a changed PDCluster as Kubernetes' controllers would (rolling "
+        "updates, scaling, endpoints out before SIGTERM)",
+    )
+    ap.add_argument("-f", "--filename", required=True, help="the changed PDCluster YAML (same metadata.name)")
+    ap.add_argument(
+        "--timeout",
+        type=float,
+        default=600.0,
+        help="seconds a new pod may take to become ready (default %(default)s)",
     )
     st = sub.add_parser("status", help="list the local components with their URLs and health")
     st.add_argument("--json", action="store_true")
@@ -94,8 +107,9 @@ def private_dir(path: Path, *, create: bool = True) -> Path:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        return {"up": up, "status": status, "down": down}[args.action](args)
+        return {"up": up, "apply": apply, "status": status, "down": down}[args.action](args)
     except (
+        applymod.Stalled,
         FileNotFoundError,
         ValueError,
         runner.StartFailed,
@@ -218,6 +232,7 @@ def launch(
     )
     if adjust is not None:
         p = adjust(p)
+    workloads = _workloads(name, spec)
     (state_dir / "router.yaml").write_text(router_config.dump(p.router_config))
     say(f"tilert-pd local: {name} from {file} (state in {state_dir})")
     if p.tiny_model is not None and not tinymodel.is_current(model_dir):
@@ -234,12 +249,12 @@ def launch(
         engines = [c for c in p.components if c.kind != constants.ROUTER]
         for c in engines:
             say(f"  start  {c.name:<10} {c.url}")
-            started.append(runner.start(_with_side_channel(c), state_dir))
+            started.append(_as_pod(runner.start(runner.with_side_channel(c), state_dir), workloads))
         runner.save(state_dir, meta, started)
         runner.wait_ready(started, timeout, say)
         router = next(c for c in p.components if c.kind == constants.ROUTER)
         say(f"  start  {router.name:<10} {router.url}")
-        started.append(runner.start(router, state_dir))
+        started.append(_as_pod(runner.start(router, state_dir), workloads))
         runner.save(state_dir, meta, started)
         runner.wait_ready(started[-1:], 60, say)
         if warm_up:
@@ -250,6 +265,71 @@ def launch(
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
         raise
     return LocalStack(name, spec, state_dir, p, started, str(meta["router"]), secret, token)
+
+
+def _workloads(name: str, spec: PDClusterSpec) -> dict[str, rollout.Rendered]:
+    """The operator's workloads for `spec`, by component (what `up` records each process as)."""
+    return {r.component: r for r in _workloads_all(name, spec) if r.workload.name == f"{name}-{r.component}"}
+
+
+def _as_pod(run: runner.Running, workloads: dict[str, rollout.Rendered]) -> runner.Running:
+    r = workloads.get(run.kind)
+    if r is None:  # a component the render does not have: `apply` will remove it
+        return run
+    ordinal = int(run.name.rsplit("-", 1)[1]) if run.name[-1].isdigit() else 0
+    return applymod.record(run, r, ordinal, r.workload.revision)
+
+
+def apply(args: argparse.Namespace) -> int:
+    name, spec = _load(args.filename)
+    home = private_dir(args.home, create=False)
+    state_dir = (home / name).resolve()
+    if not (state_dir / runner.STATE_FILE).exists():
+        raise FileNotFoundError(
+            f"no local stack named {name!r} runs from {home}; start it with `tilert-pd local up -f "
+            f"{args.filename}` (apply changes a running stack)"
+        )
+    private_dir(state_dir, create=False)
+    state = _raw_state(state_dir)
+    if state.get("runtime") == "docker":
+        return docker_apply.apply(args, name, state_dir, state, say)
+    meta, procs = runner.load(state_dir)
+    say(f"tilert-pd local apply: {name} from {args.filename} (state in {state_dir})")
+    model_dir = _model_dir(home, name, spec)
+    token = state_dir / runner.NODE_API_TOKEN_FILE
+    base = planmod.paths(
+        model_dir=str(model_dir),
+        secret_file=str(state_dir / runner.HANDOFF_SECRET_FILE),
+        router_config_file=str(state_dir / "router.yaml"),
+        api_token_file=str(token),
+    )
+    if spec.model.weights.tiny and not tinymodel.is_current(model_dir):
+        say(f"  generating the tiny model into {model_dir} ...")
+        subprocess.run(planmod.tiny_model_argv(spec, base), check=True, stdout=subprocess.DEVNULL)
+    rt = applymod.Processes(
+        spec,
+        state_dir,
+        meta,
+        procs,
+        base,
+        router_port=int(str(meta["router"]).rsplit(":", 1)[1]),
+        api_token_file=str(token),
+    )
+    rendered = applymod.for_processes(list(_workloads_all(name, spec)), say)
+    steps = applymod.converge(rt, rendered, args.timeout, say)
+    meta["file"] = str(Path(args.filename).resolve())
+    meta["applied"] = time.time()
+    rt.save()
+    say(f"applied: {steps} steps; the OpenAI API is at {meta['router']}/v1; `tilert-pd local status`")
+    return 0
+
+
+def _workloads_all(name: str, spec: PDClusterSpec) -> list[rollout.Rendered]:
+    """The operator's Deployments and StatefulSets for `spec` (the Secrets, which no pod template
+    depends on, left out)."""
+    from tilert_operator import render
+
+    return rollout.rendered(render.children(spec, name, "default"), name)
 
 
 def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_dir: Path) -> int:
@@ -354,21 +434,6 @@ def _warm_up(spec: PDClusterSpec, router: object, say: Callable[[str], None]) ->
             raise ValueError(
                 f"the {route} path does not serve ({error}); see the logs in the state directory"
             )
-
-
-def _with_side_channel(c: planmod.Component) -> planmod.Component:
-    # Each vLLM on this host needs its own NIXL side-channel port (the default 5600 would clash).
-    if c.kind in (constants.PREFILL, constants.NATIVE):
-        return planmod.Component(
-            c.name,
-            c.kind,
-            c.argv,
-            {**c.env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(runner.free_port())},
-            c.url,
-            c.ready_url,
-            c.ctrl_port,
-        )
-    return c
 
 
 def _states(home: Path) -> list[Path]:

@@ -88,88 +88,128 @@ def plan(
 ) -> Plan:
     """`api_token_file`: the node API token (runner.write_secrets) the decode nodes require and the
     router presents; None runs the nodes' HTTP API unauthenticated."""
-    base = commands.Paths(
+    base = paths(
+        model_dir=model_dir,
+        secret_file=secret_file,
+        router_config_file=router_config_file,
+        host=host,
+        api_token_file=api_token_file,
+    )
+    out: list[Component] = []
+    for i, port in enumerate(ports.prefill):
+        out.append(component(spec, base, constants.PREFILL, f"prefill-{i}", port))
+    for i, (http, ctrl) in enumerate(ports.tilert):
+        out.append(component(spec, base, constants.TILERT, f"tilert-{i}", http, ctrl))
+    for i, port in enumerate(ports.native):
+        out.append(component(spec, base, constants.NATIVE, f"native-{i}", port))
+    cfg = router_settings(
+        spec,
+        prefill_urls=[c.url for c in out if c.kind == constants.PREFILL],
+        tilert_nodes=[node(spec, c) for c in out if c.kind == constants.TILERT],
+        native_urls=[c.url for c in out if c.kind == constants.NATIVE],
+        api_token_file=api_token_file,
+    )
+    out.append(component(spec, base, constants.ROUTER, "router", ports.router))
+    tiny = tiny_model_argv(spec, base) if spec.model.weights.tiny else None
+    return Plan(out, cfg, model_dir, tiny)
+
+
+def tiny_model_argv(spec: PDClusterSpec, base: commands.Paths) -> list[str]:
+    """The command that writes the spec's tiny checkpoint into base.model_dir."""
+    return _local_argv(commands.tiny_model(spec, base).argv)
+
+
+def paths(
+    *,
+    model_dir: str,
+    secret_file: str,
+    router_config_file: str,
+    host: str = "127.0.0.1",
+    api_token_file: str | None = None,
+) -> commands.Paths:
+    """Where a local run's components find the model, the secrets and the router config."""
+    return commands.Paths(
         model_dir=model_dir,
         secret_file=secret_file,
         router_config=router_config_file,
         host=host,
         api_token_file=api_token_file,
     )
-    out: list[Component] = []
-    for i, port in enumerate(ports.prefill):
+
+
+def component(
+    spec: PDClusterSpec, base: commands.Paths, kind: str, name: str, port: int, ctrl_port: int | None = None
+) -> Component:
+    """One local process of `kind` named `name` (a pod of the pool), serving on `port` (and a TileRT
+    node's handoff control port on `ctrl_port`)."""
+    host = base.host
+    if kind == constants.PREFILL:
         cmd = commands.prefill(spec, _with(base, vllm_port=port))
-        out.append(
-            Component(
-                f"prefill-{i}",
-                constants.PREFILL,
-                _local_argv(cmd.argv),
-                {**LOCAL_ENV, **cmd.env},
-                f"http://{host}:{port}",
-                f"http://{host}:{port}/health",
-            )
+        env = {**LOCAL_ENV, **cmd.env}
+        return Component(
+            name, kind, _local_argv(cmd.argv), env, f"http://{host}:{port}", f"http://{host}:{port}/health"
         )
-    nodes = []
-    for i, (http, ctrl) in enumerate(ports.tilert):
-        cmd = commands.tilert_decode(spec, _with(base, http_port=http, ctrl_port=ctrl))
-        name = f"tilert-{i}"
+    if kind == constants.TILERT:
+        if ctrl_port is None:
+            raise ValueError(f"{name}: a TileRT node needs a control port")
+        cmd = commands.tilert_decode(spec, _with(base, http_port=port, ctrl_port=ctrl_port))
         argv = [*_local_argv(cmd.argv), "--advertise-host", host, "--name", name]
-        out.append(
-            Component(
-                name,
-                constants.TILERT,
-                argv,
-                {**LOCAL_ENV, **SINGLE_THREAD, **cmd.env},
-                f"http://{host}:{http}",
-                f"http://{host}:{http}/ready",
-                ctrl_port=ctrl,
-            )
+        env = {**LOCAL_ENV, **SINGLE_THREAD, **cmd.env}
+        return Component(
+            name, kind, argv, env, f"http://{host}:{port}", f"http://{host}:{port}/ready", ctrl_port=ctrl_port
         )
-        nodes.append(
-            router_config.TileRTNode(
-                name=name,
-                http_url=f"http://{host}:{http}",
-                ctrl_host=host,
-                ctrl_port=ctrl,
-                slots=spec.decode.tilert.slots,
-                max_seq_len=spec.model.max_seq_len,
-            )
-        )
-    for i, port in enumerate(ports.native):
+    if kind == constants.NATIVE:
         cmd = commands.native_decode(spec, _with(base, vllm_port=port))
-        out.append(
-            Component(
-                f"native-{i}",
-                constants.NATIVE,
-                _local_argv(cmd.argv),
-                {**LOCAL_ENV, **cmd.env},
-                f"http://{host}:{port}",
-                f"http://{host}:{port}/health",
-            )
+        env = {**LOCAL_ENV, **cmd.env}
+        return Component(
+            name, kind, _local_argv(cmd.argv), env, f"http://{host}:{port}", f"http://{host}:{port}/health"
         )
+    if kind == constants.ROUTER:
+        cmd = commands.router(spec, _with(base, router_port=port))
+        env = {**LOCAL_ENV, **SINGLE_THREAD}
+        return Component(
+            name, kind, _local_argv(cmd.argv), env, f"http://{host}:{port}", f"http://{host}:{port}/ready"
+        )
+    raise ValueError(
+        f"no local process for component kind {kind!r} (one of {', '.join(constants.COMPONENTS)})"
+    )
+
+
+def node(spec: PDClusterSpec, c: Component) -> router_config.TileRTNode:
+    """The router's entry for a local TileRT node."""
+    assert c.ctrl_port is not None, c
+    host = c.url.split("//", 1)[1].rsplit(":", 1)[0]
+    return router_config.TileRTNode(
+        name=c.name,
+        http_url=c.url,
+        ctrl_host=host,
+        ctrl_port=c.ctrl_port,
+        slots=spec.decode.tilert.slots,
+        max_seq_len=spec.model.max_seq_len,
+    )
+
+
+def router_settings(
+    spec: PDClusterSpec,
+    *,
+    prefill_urls: list[str],
+    tilert_nodes: list[router_config.TileRTNode],
+    native_urls: list[str],
+    api_token_file: str | None,
+) -> router_config.RouterConfig:
+    """The router config of a local run with these endpoints (what `up` writes and `apply` rewrites
+    as pods join and leave)."""
     cfg = router_render.config(
         spec,
-        prefill_urls=[c.url for c in out if c.kind == constants.PREFILL],
-        tilert_nodes=nodes,
-        native_urls=[c.url for c in out if c.kind == constants.NATIVE],
+        prefill_urls=prefill_urls,
+        tilert_nodes=tilert_nodes,
+        native_urls=native_urls,
         api_keys_file=None,
         api_token_file=api_token_file,
     )
     # Every component shares a few cores here: a probe can wait seconds for one, which says nothing
     # about its health. Eject only what stays silent for longer.
-    cfg = cfg.model_copy(update={"health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3)})
-    cmd = commands.router(spec, _with(base, router_port=ports.router))
-    out.append(
-        Component(
-            "router",
-            constants.ROUTER,
-            _local_argv(cmd.argv),
-            {**LOCAL_ENV, **SINGLE_THREAD},
-            f"http://{host}:{ports.router}",
-            f"http://{host}:{ports.router}/ready",
-        )
-    )
-    tiny = _local_argv(commands.tiny_model(spec, base).argv) if spec.model.weights.tiny else None
-    return Plan(out, cfg, model_dir, tiny)
+    return cfg.model_copy(update={"health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3)})
 
 
 def _with(paths: commands.Paths, **changes: object) -> commands.Paths:

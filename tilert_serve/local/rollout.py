@@ -44,6 +44,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
+from tilert_operator import constants
+
 #: Kubernetes' default for a Deployment's maxSurge and maxUnavailable.
 DEFAULT_SURGE_UNAVAILABLE = "25%"
 
@@ -141,6 +143,77 @@ class Remove:
 
 
 Step = Create | Wait | Remove
+
+#: Pod name prefixes of each component's pods in a local run (`up` names them prefill-0, tilert-0, ...).
+SHORT_NAMES = {
+    constants.PREFILL: "prefill",
+    constants.TILERT: "tilert",
+    constants.NATIVE: "native",
+    constants.ROUTER: "router",
+}
+
+
+@dataclass(frozen=True)
+class Rendered:
+    """A workload of the render with what the kubelet needs to stop its pods."""
+
+    workload: Workload
+    #: prefill | tilert-decode | native-decode | router (the pod template's component label).
+    component: str
+    #: terminationGracePeriodSeconds (Kubernetes' default 30).
+    grace_s: float
+    #: The main container's preStop exec command, if rendered.
+    pre_stop: tuple[str, ...] | None
+
+
+def rendered(manifests: Sequence[dict[str, Any]], cluster: str) -> list[Rendered]:
+    """The Deployments and StatefulSets of `manifests` (the operator's render of PDCluster `cluster`),
+    in render order, each pod-name prefix the local name of its component (`tilert` for
+    `<cluster>-tilert-decode`; a workload rendered under another name, such as a new generation's,
+    keeps its own suffix: `tilert-g2` for `<cluster>-tilert-decode-g2`)."""
+    out: list[Rendered] = []
+    for m in manifests:
+        kind = m.get("kind")
+        if kind not in ("Deployment", "StatefulSet"):
+            continue
+        name = str(m["metadata"]["name"])
+        spec = m["spec"]
+        template = spec["template"]
+        component = str((template.get("metadata") or {}).get("labels", {}).get(constants.LABEL_COMPONENT, ""))
+        if component not in SHORT_NAMES:
+            raise ValueError(
+                f"{kind} {name} has no {constants.LABEL_COMPONENT} label naming one of {', '.join(SHORT_NAMES)}; "
+                "`tilert-pd local apply` runs only what the operator renders"
+            )
+        base = f"{cluster}-{component}"
+        prefix = SHORT_NAMES[component] + (name[len(base) :] if name.startswith(base) else f"-{name}")
+        if kind == "Deployment":
+            rolling = (spec.get("strategy") or {}).get("rollingUpdate") or {}
+            if (spec.get("strategy") or {}).get("type") == "Recreate":
+                raise ValueError(
+                    f"Deployment {name} asks for the Recreate strategy, which apply does not play"
+                )
+            partition = 0
+        else:
+            rolling = (spec.get("updateStrategy") or {}).get("rollingUpdate") or {}
+            if (spec.get("updateStrategy") or {}).get("type") == "OnDelete":
+                raise ValueError(f"StatefulSet {name} asks for OnDelete updates, which apply does not play")
+            partition = int(rolling.get("partition") or 0)
+        pod = template["spec"]
+        hook = (((pod.get("containers") or [{}])[0].get("lifecycle") or {}).get("preStop") or {}).get("exec")
+        workload = Workload(
+            name,
+            kind,
+            int(spec.get("replicas", 1)),
+            revision(template),
+            prefix,
+            rolling.get("maxSurge"),
+            rolling.get("maxUnavailable"),
+            partition,
+        )
+        grace = float(pod.get("terminationGracePeriodSeconds", 30))
+        out.append(Rendered(workload, component, grace, tuple(hook["command"]) if hook else None))
+    return out
 
 
 def deletion_order(pods: Iterable[Pod]) -> list[Pod]:

@@ -19,9 +19,10 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
+from tilert_operator import constants
 from tilert_serve.local.plan import Component
 
 STATE_FILE = "state.json"
@@ -38,6 +39,16 @@ class Running:
     #: The process's start time (/proc/PID/stat, clock ticks after boot): with the PID it names one
     #: process. None when it could not be read, and in state files written before it was recorded.
     started: int | None = None
+    #: What `apply` needs to play the controllers (rollout.py): the pod's workload (the rendered
+    #: Deployment or StatefulSet), the revision of its pod template, its ordinal (a StatefulSet's, or
+    #: a Deployment's creation sequence), a TileRT node's control port, and how the kubelet stops it
+    #: (terminationGracePeriodSeconds, the preStop exec). Empty in state files from before `apply`.
+    workload: str = ""
+    revision: str = ""
+    ordinal: int = 0
+    ctrl_port: int | None = None
+    grace_s: float = 30.0
+    pre_stop: list[str] | None = None
 
 
 #: File names of a local stack's credentials in its state directory.
@@ -86,6 +97,13 @@ def port_in_use(port: int, host: str = "127.0.0.1") -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+def with_side_channel(c: Component) -> Component:
+    """Each vLLM on this host needs its own NIXL side-channel port (the default 5600 would clash)."""
+    if c.kind in (constants.PREFILL, constants.NATIVE):
+        return replace(c, env={**c.env, "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())})
+    return c
+
+
 def start(component: Component, state_dir: Path) -> Running:
     log = state_dir / f"{component.name}.log"
     env = {**os.environ, **component.env}
@@ -108,6 +126,7 @@ def start(component: Component, state_dir: Path) -> Running:
         component.ready_url,
         str(log),
         started=start_time(proc.pid),
+        ctrl_port=component.ctrl_port,
     )
 
 

@@ -1,0 +1,279 @@
+"""`tilert-pd local apply`: converge a running local stack to a new render, as Kubernetes' controllers
+would. The steps come from rollout.py (pure); this module runs them against a runtime, one at a time:
+
+- **Create** starts a pod of the new revision (not yet an endpoint);
+- **Wait** waits until the pods pass their readiness check, then makes them endpoints: the router's
+  config is rewritten and `apply` waits until the router has loaded it (read back from its metrics,
+  which list every endpoint of its current config), as the endpoints controller adds a ready pod;
+- **Remove** first takes the pod out of the endpoints the same way, so no new request reaches it, then
+  stops it as the kubelet does: the preStop hook, SIGTERM, up to terminationGracePeriodSeconds for it
+  to finish what it serves, then SIGKILL.
+
+The state file is written after every step, so `status` and `down` see what runs, and an `apply`
+that stopped (a pod never became ready: `Stalled`, the old pods still serving as a stalled rollout
+leaves them) plans again from there when run again.
+
+`Processes` is the process runtime's side; the docker runtime's is in docker_apply.py.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tilert_operator import constants
+from tilert_operator.render import commands
+from tilert_operator.spec import PDClusterSpec
+from tilert_serve.local import plan as planmod
+from tilert_serve.local import rollout, runner
+from tilert_serve.router import config as router_config
+from tilert_serve.router.metrics import Metrics
+
+#: The router's gauge that has one series per endpoint of its current config (state.apply keeps
+#: exactly those): reading its label set back says which config the router runs.
+ENDPOINT_METRIC = Metrics().healthy.metric._name
+#: How long the router may take to load a rewritten config (it polls the file every couple of seconds).
+ROUTER_RELOAD_TIMEOUT_S = 60.0
+
+
+class Stalled(RuntimeError):
+    """A new pod did not become ready (or the router did not take a config): the rollout stops here."""
+
+
+class Runtime(Protocol):
+    def pods(self) -> list[rollout.Pod]: ...
+
+    def create(self, step: rollout.Create, rendered: rollout.Rendered) -> None: ...
+
+    def wait(self, pods: Sequence[str], timeout: float, say: Callable[[str], None]) -> None: ...
+
+    def publish(self, serving: set[str], say: Callable[[str], None]) -> None:
+        """Make exactly `serving` the endpoints (routers and decode pools) and wait until the router
+        has them; pods of other components in it are ignored."""
+
+    def stop(self, pod: str, say: Callable[[str], None]) -> None: ...
+
+    def save(self) -> None: ...
+
+
+def converge(
+    rt: Runtime, rendered: Sequence[rollout.Rendered], timeout: float, say: Callable[[str], None]
+) -> int:
+    """Run every step from what runs to `rendered`; the number of steps. Stalled when a new pod is
+    not ready within `timeout` seconds (what ran before it keeps serving)."""
+    by_name = {r.workload.name: r for r in rendered}
+    pods = rt.pods()
+    steps = rollout.plan([r.workload for r in rendered], pods)
+    if not steps:
+        say("  nothing to change: every pod runs its workload's current template and count")
+        return 0
+    creates = sum(isinstance(s, rollout.Create) for s in steps)
+    removes = sum(isinstance(s, rollout.Remove) for s in steps)
+    say(f"  {len(steps)} steps: {creates} pods to create, {removes} to remove")
+    serving = {p.name for p in pods if p.running and p.ready}
+    rt.publish(serving, say)
+    for step in steps:
+        if isinstance(step, rollout.Create):
+            say(f"  create {step.pod} ({step.workload}, template {step.revision})")
+            rt.create(step, by_name[step.workload])
+        elif isinstance(step, rollout.Wait):
+            say(f"  {step.progress}")
+            rt.wait(step.pods, timeout, say)
+            serving |= set(step.pods)
+            rt.publish(serving, say)
+        else:
+            say(f"  remove {step.pod} ({step.why}): out of the endpoints first, then stopped")
+            serving.discard(step.pod)
+            rt.publish(serving, say)
+            rt.stop(step.pod, say)
+        rt.save()
+    return len(steps)
+
+
+def router_endpoints(router: str, timeout: float = 5.0) -> set[str] | None:
+    """The endpoint URLs of the config the router at `router` runs now; None when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{router}/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    out: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        if family.name == ENDPOINT_METRIC:
+            out |= {s.labels["endpoint"] for s in family.samples}
+    return out
+
+
+def await_router(router: str, expected: set[str], what: str, say: Callable[[str], None]) -> None:
+    """Wait until the router's config has exactly `expected` endpoints (Stalled after
+    ROUTER_RELOAD_TIMEOUT_S)."""
+    t0 = time.monotonic()
+    seen: set[str] | None = None
+    while time.monotonic() - t0 < ROUTER_RELOAD_TIMEOUT_S:
+        seen = router_endpoints(router)
+        if seen == expected:
+            say(f"    router has the new endpoints ({what}; {time.monotonic() - t0:.1f} s)")
+            return
+        time.sleep(0.2)
+    raise Stalled(
+        f"the router at {router} did not load its new config within {ROUTER_RELOAD_TIMEOUT_S:.0f} s "
+        f"(it lists {sorted(seen) if seen is not None else 'nothing: it does not answer'}, expected "
+        f"{sorted(expected)}); see its log in the state directory. Nothing was stopped."
+    )
+
+
+def record(run: runner.Running, r: rollout.Rendered, ordinal: int, revision: str) -> runner.Running:
+    """A started process as a pod of workload `r`."""
+    return replace(
+        run,
+        workload=r.workload.name,
+        revision=revision,
+        ordinal=ordinal,
+        grace_s=r.grace_s,
+        pre_stop=list(r.pre_stop) if r.pre_stop else None,
+    )
+
+
+@dataclass
+class Processes:
+    """The process runtime: each pod a local process (runner.py), the router's endpoints its config
+    file (router.yaml in the state directory, which the router reloads when it changes)."""
+
+    spec: PDClusterSpec
+    state_dir: Path
+    meta: dict[str, object]
+    procs: list[runner.Running]
+    paths: commands.Paths
+    router_port: int
+    api_token_file: str | None
+
+    @property
+    def router(self) -> str:
+        return str(self.meta["router"])
+
+    def _proc(self, name: str) -> runner.Running:
+        return next(p for p in self.procs if p.name == name)
+
+    def pods(self) -> list[rollout.Pod]:
+        out = []
+        for p in self.procs:
+            if not p.revision:
+                raise ValueError(
+                    f"{self.state_dir / runner.STATE_FILE} was written by a tilert-pd from before "
+                    "`apply` (it does not say which template each process runs); `tilert-pd local down` "
+                    "and `up` again"
+                )
+            running = runner.running(p)
+            out.append(
+                rollout.Pod(
+                    p.name, p.workload, p.revision, p.ordinal, running, running and runner.probe(p.ready_url)
+                )
+            )
+        return out
+
+    def create(self, step: rollout.Create, rendered: rollout.Rendered) -> None:
+        kind = rendered.component
+        port = self.router_port if kind == constants.ROUTER else runner.free_port()
+        ctrl = runner.free_port() if kind == constants.TILERT else None
+        if kind == constants.ROUTER and runner.port_in_use(port):
+            raise Stalled(f"the router's port {port} is still taken; stop what holds it and apply again")
+        c = planmod.component(self.spec, self.paths, kind, step.pod, port, ctrl)
+        log = self.state_dir / f"{step.pod}.log"
+        if log.exists():  # a StatefulSet pod created again under its name: keep the old one's log
+            log.replace(log.with_suffix(".previous.log"))
+        run = runner.start(runner.with_side_channel(c), self.state_dir)
+        self.procs.append(record(run, rendered, step.ordinal, step.revision))
+
+    def wait(self, pods: Sequence[str], timeout: float, say: Callable[[str], None]) -> None:
+        procs = [self._proc(n) for n in pods]
+        try:
+            runner.wait_ready(procs, timeout, say)
+        except runner.StartFailed as exc:
+            raise Stalled(
+                f"{exc}\nThe rollout stops here: the pods that served before it keep serving (as a "
+                "stalled Kubernetes rollout leaves them). Fix the spec and `tilert-pd local apply` again, "
+                "or `tilert-pd local down`."
+            ) from exc
+
+    def publish(self, serving: set[str], say: Callable[[str], None]) -> None:
+        pods = [p for p in self.procs if p.name in serving and p.kind != constants.ROUTER]
+        cfg = endpoints_config(self.spec, pods, self.api_token_file)
+        path = self.state_dir / "router.yaml"
+        text = router_config.dump(cfg)
+        if not path.exists() or path.read_text() != text:
+            tmp = path.with_suffix(".tmp")
+            tmp.write_text(text)
+            tmp.replace(path)  # one rename: the router never reads half a file
+        router = next((p for p in self.procs if p.kind == constants.ROUTER), None)
+        if router is None or not runner.running(router):
+            say("    (no router running: its next start reads the new config)")
+            return
+        await_router(self.router, {p.url for p in pods}, f"{len(pods)} endpoints", say)
+
+    def stop(self, pod: str, say: Callable[[str], None]) -> None:
+        p = self._proc(pod)
+        t0 = time.monotonic()
+        if p.pre_stop and runner.running(p):
+            # The kubelet runs the hook in the container; here the container is this host.
+            try:
+                subprocess.run(p.pre_stop, timeout=p.grace_s, check=False, stdin=subprocess.DEVNULL)
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                say(f"    {pod}: preStop {' '.join(p.pre_stop)} failed ({exc}); stopping it anyway")
+        # As the kubelet: the grace period counts from the deletion, preStop included, and a hook that
+        # used it all leaves SIGTERM two seconds more.
+        left = max(2.0, p.grace_s - (time.monotonic() - t0))
+        t1 = time.monotonic()
+        runner.stop([p], grace_s=left)
+        say(f"    {pod} stopped ({time.monotonic() - t0:.1f} s, {time.monotonic() - t1:.1f} s after SIGTERM)")
+        self.procs.remove(p)
+
+    def save(self) -> None:
+        runner.save(self.state_dir, self.meta, self.procs)
+
+
+def endpoints_config(
+    spec: PDClusterSpec, pods: Iterable[runner.Running], api_token_file: str | None
+) -> router_config.RouterConfig:
+    """The router config of a local run whose endpoints are `pods`."""
+    pods = list(pods)
+    nodes = []
+    for p in pods:
+        if p.kind == constants.TILERT:
+            if p.ctrl_port is None:
+                raise ValueError(f"{p.name}: no control port recorded; `tilert-pd local down` and `up` again")
+            nodes.append(
+                planmod.node(
+                    spec,
+                    planmod.Component(p.name, p.kind, [], {}, p.url, p.ready_url, ctrl_port=p.ctrl_port),
+                )
+            )
+    return planmod.router_settings(
+        spec,
+        prefill_urls=[p.url for p in pods if p.kind == constants.PREFILL],
+        tilert_nodes=nodes,
+        native_urls=[p.url for p in pods if p.kind == constants.NATIVE],
+        api_token_file=api_token_file,
+    )
+
+
+def for_processes(rendered: Sequence[rollout.Rendered], say: Callable[[str], None]) -> list[rollout.Rendered]:
+    """The process runtime's router is one process on the stack's fixed port: one replica, replaced
+    (stopped, then started) when its template changes, which drops what it has in flight."""
+    out = []
+    for r in rendered:
+        if r.component == constants.ROUTER:
+            if r.workload.replicas > 1:
+                say(
+                    f"  note: {r.workload.name} asks for {r.workload.replicas} replicas; the process runtime runs one"
+                )
+            r = replace(r, workload=replace(r.workload, replicas=1, max_surge=0, max_unavailable=1))
+        out.append(r)
+    return out
