@@ -266,3 +266,17 @@ async def test_a_fault_of_the_harness_is_raised_not_counted(
         async with load:
             await load.finished()
     assert isinstance(info.value.__cause__, ValueError)
+
+
+async def test_vllm_alone_gets_no_route_header_and_sampled_requests_sample(fake: FakeOpenAI) -> None:
+    fake.script = lambda _seen: Reply(route=None)
+    sampled = RequestSpec(0, 0.0, PROMPTS.prompts[0], "chat", False, "native", False)
+    rec = await client.one(target(fake, routes=False), sampled)
+    assert rec.ok and rec.route_served is None
+    seen = fake.requests[-1]
+    assert client.ROUTE_HEADER not in seen.headers
+    assert seen.body["temperature"] == 1.0
+    assert seen.body["messages"] == [{"role": "user", "content": PROMPTS.prompts[0].text}]
+    # A sampled text is never compared, whatever the references hold.
+    refs = References("tiny", "here", {sampled.reference_key: "anything"})
+    assert refs.match(sampled, rec.text) is None
