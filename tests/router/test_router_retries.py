@@ -172,3 +172,36 @@ async def test_a_client_error_is_not_retried_and_opens_no_breaker(make_stack):
     assert len(s.prefill.bodies) == 1 and not s.prefills[1].bodies
     assert s.state.pools.prefill[s.prefill.url].breaker == "closed"
     await until(lambda: s.node.active == 0)
+
+
+async def test_a_node_dying_before_a_non_streamed_answer_is_retried_with_the_same_text(make_stack):
+    s = await make_stack(node_slots=(1, 1))
+    s.nodes[0].die_after = 2
+    s.nodes[1].slots = 1
+    s.state.pools.tilert["t1"].full_until = 0.0
+    s.state.pools.tilert["t1"].in_use = 0
+    c = s.client()
+    seen = set()
+    for _ in range(3):
+        r = await c.completions.create(
+            model=MODEL, prompt="a", max_tokens=6, temperature=0, extra_headers=TILERT
+        )
+        assert r.choices[0].text == " hello" + "".join(WORDS[:5])
+        seen.add(len(s.nodes[0].generates))
+    # t0 cut its stream (its breaker opened on the failed decode or it is simply retried): every
+    # request was answered whole by t1.
+    assert s.nodes[1].completed == 3
+    assert _count(s.state.metrics.stream_errors, "tilert", "stream_broken") == 0
+
+
+async def test_a_killed_node_is_avoided_from_the_first_refused_connection(make_stack):
+    s = await make_stack(node_slots=(1, 1), breaker={"open_s": 60.0})
+    await s.nodes[0].stop()
+    c = s.client()
+    for _ in range(4):
+        r = await c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=TILERT)
+        assert r.choices[0].text == " hello w0"
+    assert s.state.pools.tilert["t0"].breaker == "open"
+    # At most one request met the refused connection (then tried t1 in the same turn); none after it.
+    assert _count(s.state.metrics.upstream_errors, "tilert", "connect") == 1
+    assert s.nodes[1].completed == 4

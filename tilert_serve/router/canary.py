@@ -80,9 +80,9 @@ async def probe(state: RouterState, node: Node) -> bool:
             outcome, message = "admit_failed", f"admit answered {status}: {error_message(body, 'no ticket')}"
             return False
         ticket = body["ticket"]
-        prefill = state.pools.pick_prefill(set())
+        prefill = state.pools.pick_prefill(set(), node.generation)  # one of the node's generation
         if prefill is None:
-            outcome, message = "no_prefill", "no prefill server"
+            outcome, message = "no_prefill", f"no prefill server of the node's generation ({node.generation})"
             return False
         kvp = {
             "tilert_host": str(body.get("ctrl_host") or node.spec.ctrl_host),
