@@ -124,6 +124,8 @@ def test_prefill_command_follows_the_connector_contract() -> None:
             "tilert_protocol": "rdma", "tilert_secret_path": defaults.SECRET_PATH,
             # The prefill finds its own address on the handoff's Multus network, as the node does.
             "tilert_data_plane_networks": ["serving/rdma-net"],
+            # Part of the compatibility fingerprint the prefill advertises (spec.model.revision).
+            "model_revision": "glm-5-fp8-2026-11",
         },
     }  # fmt: skip
     assert native == {"kv_connector": "NixlConnector", "kv_role": "kv_producer"}
@@ -202,14 +204,19 @@ def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:
     cm = render.router.configmap(spec, "glm5", "serving", [node])
     (tmp_path / "config.yaml").write_text(cm["data"]["config.yaml"])
     cfg = router_config.load(tmp_path / "config.yaml")
-    assert cfg.tilert == [node]
-    assert cfg.prefill == ["http://glm5-prefill.serving.svc:8100"]
-    assert cfg.native == ["http://glm5-native-decode.serving.svc:8100"]
+    # Every endpoint carries its generation's compatibility fingerprint (render/generations.py).
+    compat = render.generations.generation(spec).compat
+    assert compat is not None
+    assert cfg.tilert == [node.model_copy(update={"compat": compat})]
+    assert cfg.prefill == [router_config.Endpoint(url="http://glm5-prefill.serving.svc:8100", compat=compat)]
+    assert cfg.native == [
+        router_config.Endpoint(url="http://glm5-native-decode.serving.svc:8100", compat=compat)
+    ]
     assert cfg.api_keys_file == "/etc/tilert-pd/router-keys/keys"
     assert cfg.policy.tilert_aliases == ["glm-5-turbo"]
     # New TileRT pods reach the router through the headless Service's DNS within seconds.
-    d = cfg.tilert_discovery
-    assert d is not None and d.service == "glm5-tilert-decode.serving.svc"
+    (d,) = cfg.discoveries()
+    assert d.service == "glm5-tilert-decode.serving.svc" and d.compat == compat
     assert (d.http_port, d.ctrl_port, d.slots, d.max_seq_len) == (
         spec.decode.tilert.http_port,
         spec.decode.tilert.ctrl_port,
@@ -262,7 +269,9 @@ def test_overrides_are_a_merge_patch() -> None:
     )
     dep = _by(_render(spec), "Deployment", "t-prefill")
     assert dep["spec"]["template"]["spec"]["priorityClassName"] == "high"
-    assert dep["metadata"]["annotations"] == {"a": "b"}
+    assert dep["metadata"]["annotations"]["a"] == "b"
+    # The generation's recorded spec stays beside an override's annotations (render/generations.py).
+    assert constants.GENERATION_SPEC_ANNOTATION in dep["metadata"]["annotations"]
     assert dep["spec"]["template"]["spec"]["containers"][0]["name"] == "vllm"
 
 
