@@ -174,3 +174,32 @@ async def test_gauges_of_nodes_that_left_are_removed(make_stack):
     assert slot_lines == [f'tilert_router_tilert_slots_in_use{{node="{stack.nodes[0].name}"}} 0.0']
     assert not [ln for ln in health_lines if gone.url in ln]
     assert [ln for ln in health_lines if stack.nodes[0].url in ln]
+
+
+async def test_one_discovery_per_generation_gives_each_node_its_generation(make_stack):
+    answers = {"gen-a.test": ["127.0.0.1"], "gen-b.test": ["127.0.0.2", "127.0.0.1"]}
+
+    async def resolver(name: str) -> list[str]:
+        return list(answers.get(name, []))
+
+    stack = await make_stack(
+        tilert=[],
+        resolver=resolver,
+        tilert_discovery=[
+            {"service": "gen-a.test", "interval_s": 3600, "compat": "aaaaaaaaaaaa"},
+            {"service": "gen-b.test", "interval_s": 3600, "compat": "bbbbbbbbbbbb"},
+        ],
+    )
+    await refresh(stack.state, resolver)  # the app's own loop may have looked already
+    nodes = {n.spec.ctrl_host: n for n in stack.state.pools.tilert.values()}
+    # A pod under both names (a Service that moved) counts under the first entry.
+    assert {h: n.compat for h, n in nodes.items()} == {
+        "127.0.0.1": "aaaaaaaaaaaa",
+        "127.0.0.2": "bbbbbbbbbbbb",
+    }
+    answers["gen-a.test"] = []
+    assert await refresh(stack.state, resolver)
+    assert {n.spec.ctrl_host: n.compat for n in stack.state.pools.tilert.values()} == {
+        "127.0.0.1": "bbbbbbbbbbbb",
+        "127.0.0.2": "bbbbbbbbbbbb",
+    }

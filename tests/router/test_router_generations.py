@@ -192,3 +192,22 @@ async def test_status_needs_an_api_key_when_keys_are_set(make_stack, tmp_path):
             assert resp.status == 401
         async with http.get(s.router_url + "/v1/status", headers={"Authorization": "Bearer k1"}) as resp:
             assert resp.status == 200
+
+
+async def test_a_native_pool_without_a_pairable_server_is_full_and_counted(make_stack):
+    s = await make_stack(n_prefill=2)
+    _two_generations(s, node=A, native="cccccccccccc")
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            s.router_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "max_tokens": 3},
+            headers=NATIVE,
+        ) as resp:
+            assert resp.status == 429 and resp.headers.get("Retry-After")
+    assert not s.native.bodies
+    assert s.state.metrics.no_pair.labels("native")._value.get() == 1
+    # A TileRT request is not counted against the native pool it did not need.
+    r = await s.client().completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=TILERT)
+    assert r.choices[0].text == " hello w0 w1"
+    assert s.state.metrics.no_pair.labels("native")._value.get() == 1
+    assert s.state.metrics.no_pair.labels("tilert")._value.get() == 0

@@ -16,12 +16,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
+from tilert_serve.compat import compatible
 from tilert_serve.router import sse
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import STREAMING, ClientGone
 from tilert_serve.router.metrics import bounded_kind
 from tilert_serve.router.openai_request import ParsedRequest
-from tilert_serve.router.pairing import compatible
 from tilert_serve.router.pools import Endpoint
 from tilert_serve.router.state import RouterState
 from tilert_serve.router.upstream import UpstreamError, client_error, post_json

@@ -202,16 +202,18 @@ def _note_failure(st: RouterState, err: UpstreamError) -> None:
                 log.warning("%s endpoint %s: circuit breaker open (%s)", ep.pool, ep.url, err.kind)
 
 
-def _count_unpaired(call: Call, want: str, tilert: str, native: str) -> None:
+def _count_unpaired(call: Call, want: str, tilert: str, native: str, route: str | None) -> None:
     """Count, once per request, a decode pool that could have taken it but has no server of a
-    generation a usable prefill has (pairing.PoolState "no_pair")."""
+    generation a usable prefill has (pairing.PoolState "no_pair"), when that sent the request elsewhere
+    or failed it: TileRT when a request that may use it did not get a slot, native likewise.
+    `route` is where the decision sent it (None: it was refused)."""
     if call.unpaired_counted:
         return
     m = call.state.metrics
-    if tilert == "no_pair" and want != "native":
+    if tilert == "no_pair" and route != "tilert" and want != "native":
         m.no_pair.labels("tilert").inc()
         call.unpaired_counted = True
-    if native == "no_pair":
+    if native == "no_pair" and route != "native" and want != "tilert":
         m.no_pair.labels("native").inc()
         call.unpaired_counted = True
 
@@ -229,9 +231,7 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
     for _ in range(len(pools.tilert) + 1):
         native = pools.native_state(cfg.limits.native_max_inflight)
         tilert = pools.tilert_state(tried)
-        _count_unpaired(
-            call, want, pools.tilert_pairing(tried), pools.native_pairing(cfg.limits.native_max_inflight)
-        )
+        pairs = (pools.tilert_pairing(tried), pools.native_pairing(cfg.limits.native_max_inflight))
         if too_long is not None or (tilert == "down" and answered):
             tilert = "full"  # a node answered: the pool is there, it cannot take this request now
         if tilert == "full" and too_long is None:
@@ -241,9 +241,11 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
                 cfg.policy, call.req, want, tilert_nodes=len(pools.tilert), tilert=tilert, native=native
             )
         except RouterError:
+            _count_unpaired(call, want, *pairs, None)
             if too_long is not None:
                 raise _too_long(call, too_long) from None
             raise
+        _count_unpaired(call, want, *pairs, decision.route)
         if decision.route == "native":
             if too_long is not None:
                 decision = policy.Decision("native", "too long for tilert")

@@ -12,20 +12,13 @@ from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
+from tilert_serve.compat import compatible
+
 #: A decode pool's state for one request: some pairable server can take it ("free"); servers can take
 #: it but none pairs with a usable prefill ("no_pair", which the router treats as full and counts);
 #: servers are up but none can take it now ("full"); none is up ("down").
 PoolState = Literal["free", "no_pair", "full", "down"]
 E = TypeVar("E")
-
-
-def compatible(a: str | None, b: str | None) -> bool:
-    """Whether two generations may be paired: equal, or either unknown (None).
-
-    The rule of `tilert_serve.compat.compatible`, restated: the router may not import
-    `tilert_serve.compat` while that module imports the handoff protocol (pyproject's import contract
-    keeps the router HTTP-only), and pairing is the router's one use of it."""
-    return a is None or b is None or a == b
 
 
 @dataclass(frozen=True)
