@@ -10,6 +10,7 @@ import copy
 import time
 from typing import Any
 
+import pdc_crd_validator as crd_validator
 import pdc_harness as h
 import pdc_helpers as helpers
 import pytest
@@ -461,3 +462,29 @@ def test_a_bound_the_surge_fits_is_accepted() -> None:
                          generationRollout={"maxSurgeGpus": 10})  # fmt: skip
     spec, problems = validation.validate(ok, "t")
     assert spec is not None and not [p for p in problems if "generationRollout" in p.field], problems
+
+
+@pytest.mark.parametrize(
+    ("patch", "words"),
+    [
+        (
+            {"generationRollout": {"strategy": "Recreate", "maxSurgeGpus": 4}},
+            "maxSurgeGpus bounds a BlueGreen",
+        ),
+        ({"generationRollout": {"strategy": "Canary"}}, "strategy"),
+        ({"model": {"revision": "has space"}}, "revision"),
+        ({"generationRollout": {"progressDeadlineSeconds": 5}}, "progressDeadlineSeconds"),
+    ],
+)
+def test_the_crd_refuses_what_it_can_express_of_the_rollout_fields(patch: dict[str, Any], words: str) -> None:
+    """Without the webhook, kubectl apply is refused for these as the operator refuses them."""
+    _, errors = crd_validator.validate(helpers.cr(helpers.minimal(**patch)))
+    assert any(words in e for e in errors), errors
+    ok = {"model": {"revision": "r-2026.12_01:a/b+c"}, "generationRollout": {"maxSurgeGpus": 0}}
+    obj, errors = crd_validator.validate(helpers.cr(helpers.minimal(**ok)))
+    assert not errors, errors
+    assert obj["spec"]["generationRollout"] == {
+        "strategy": "BlueGreen",
+        "maxSurgeGpus": 0,
+        "progressDeadlineSeconds": 3600,
+    }
