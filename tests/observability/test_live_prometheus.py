@@ -5,7 +5,9 @@ them. `tilert_serve.observe` starts Prometheus on 127.0.0.1, scraping the router
 keys as a bearer token and the node's open /metrics, with the chart's rules.
 
 After a few requests, every recording rule whose inputs this stack exposes returns series, and so
-does every query of the dashboards; then the node is stopped and the alerts for it fire. Every wait
+does every query of the dashboards. Then two faults: a prefill for another model (the node refuses
+its handoffs: layout_mismatch) fires the handoff-failure alert, and a stopped node fires the alerts
+for a node gone. Every wait
 is on Prometheus' API. The scrape and evaluation intervals are half a second, and the alerts' `for:`
 is cut to one second in the copy of the rules loaded here (the expressions are the chart's)."""
 
@@ -127,6 +129,7 @@ async def test_prometheus_scrapes_the_stack_records_and_alerts_on_a_stopped_node
         f"# the scrape's key first: observe sends a file's first token\n{SCRAPE_KEY}\n{CLIENT_KEY}\n"
     )
     model_dir = _model(tmp_path / "model", LAYOUT.num_main_layers, LAYOUT.num_mtp_layers)
+    other_model = _model(tmp_path / "other-model", LAYOUT.num_main_layers + 1, LAYOUT.num_mtp_layers)
     port = free_port()
     # A tokenizer, so that the node's tokens carry text and the router writes them as chunks.
     tokenizer = train_tokenizer(1024)
@@ -213,7 +216,27 @@ async def test_prometheus_scrapes_the_stack_records_and_alerts_on_a_stopped_node
                 "TilertPDPoolNoHealthyEndpoint",
             }
 
-            # The fault: the decode node goes away.
+            # The first fault: a prefill for another model (a layout mismatch) hands off to the node.
+            await _stop(standin)
+            standin = await _start_standin(port, other_model, secret)
+
+            async def mismatch_alert() -> list[dict[str, Any]] | None:
+                got = [
+                    a
+                    for a in await api.alerts("firing")
+                    if a["labels"]["alertname"] == "TilertPDHandoffFailures"
+                    and a["labels"]["reason"] == "layout_mismatch"
+                ]
+                return got or None
+
+            (failing,) = await until("the layout mismatch's alert to fire", mismatch_alert)
+            assert failing["labels"]["pdcluster"] == "local" and failing["labels"]["severity"] == "warning"
+            ratio = await api.query(
+                'tilert_pd:decode_handoff_failures:ratio_rate5m{reason="layout_mismatch"}'
+            )
+            assert ratio and 0 < float(ratio[0]["value"][1]) <= 1, ratio
+
+            # The second fault: the decode node goes away.
             await node_ctx.__aexit__(None, None, None)
             node_up = False
 
