@@ -30,11 +30,15 @@ async def test_a_handful_through_every_route_all_ok_and_equal_to_vllm_alone(tmp_
     assert s.total.compared == 12 and s.mismatches == 0, [
         (r.route_asked, r.route_served, r.text) for r in load.records if r.greedy_match is False
     ]
-    # The router says which path served each; an asked route is the one served.
+    # The router says which path served each. A native request is served native; a TileRT one is
+    # served by TileRT unless the router fell back (its policy may when no node can take it).
     assert {r.route_asked for r in load.records} <= set(ROUTES)
     for r in load.records:
         assert r.route_served in ("tilert", "native")
-        if r.route_asked != "auto":
-            assert r.route_served == r.route_asked
+        if r.route_asked == "native":
+            assert r.route_served == "native"
+    assert s.total.served == {
+        p: sum(r.route_served == p for r in load.records) for p in {r.route_served for r in load.records}
+    }
     assert any(r.stream for r in load.records) and any(not r.stream for r in load.records)
     assert all(r.ttft is not None for r in load.records if r.stream)
