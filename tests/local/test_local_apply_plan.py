@@ -3,10 +3,17 @@ Deployment, ReplicaSet and StatefulSet controllers would take, as tables."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
+from typing import Any
 
+import pytest
+import yaml
+
+from tilert_operator import render, validation
 from tilert_serve.local import rollout
 from tilert_serve.local.rollout import Create, Pod, Remove, Wait, Workload
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 
 
 def _pods(workload: str, prefix: str, revision: str, ordinals: range | list[int], **kw: bool) -> list[Pod]:
@@ -325,3 +332,55 @@ def test_equal_templates_hash_equal_and_any_change_rolls() -> None:
 def test_repeated_workload_names_are_refused() -> None:
     with pytest.raises(ValueError, match="repeat"):
         rollout.plan([_deploy(1, 1, 0), _deploy(2, 1, 0)], [])
+
+
+def _render(change: Any = None) -> list[rollout.Rendered]:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    if change:
+        change(doc["spec"])
+    spec, problems = validation.validate(doc["spec"], "tiny")
+    assert spec is not None, problems
+    return rollout.rendered(render.children(spec, "tiny", "default"), "tiny")
+
+
+def test_the_operators_render_becomes_workloads_with_its_strategies_and_hooks() -> None:
+    by = {r.workload.name: r for r in _render()}
+    assert set(by) == {"tiny-prefill", "tiny-tilert-decode", "tiny-native-decode", "tiny-router"}
+    prefill, tilert = by["tiny-prefill"], by["tiny-tilert-decode"]
+    assert (prefill.workload.kind, prefill.workload.prefix, prefill.component) == (
+        "Deployment",
+        "prefill",
+        "prefill",
+    )
+    # A pool without GPUs surges first (render/hygiene.py).
+    assert (prefill.workload.max_surge, prefill.workload.max_unavailable) == (1, 0)
+    assert (tilert.workload.kind, tilert.workload.prefix, tilert.workload.replicas) == (
+        "StatefulSet",
+        "tilert",
+        2,
+    )
+    assert (prefill.grace_s, tilert.grace_s) == (60, 120)
+    assert prefill.pre_stop == ("sleep", "5")
+    docker_names = rollout.rendered(
+        render.children(
+            validation.validate(yaml.safe_load(EXAMPLE.read_text())["spec"], "tiny")[0], "tiny", "default"
+        ),  # type: ignore[arg-type]
+        "tiny",
+        local_names=False,
+    )
+    assert {r.workload.prefix for r in docker_names} == set(by)
+
+
+def test_an_argument_rolls_only_its_pool_and_a_replica_count_rolls_nothing() -> None:
+    before = {r.workload.name: r.workload.revision for r in _render()}
+
+    def more_args(spec: dict[str, Any]) -> None:
+        spec["prefill"]["extraArgs"].append("--max-num-seqs=32")
+
+    def more_nodes(spec: dict[str, Any]) -> None:
+        spec["decode"]["tilert"]["replicas"] = 3
+
+    args = {r.workload.name: r.workload.revision for r in _render(more_args)}
+    assert {n for n in before if before[n] != args[n]} == {"tiny-prefill"}
+    assert {r.workload.name: r.workload.revision for r in _render(more_nodes)} == before
+    assert _render() == _render(), "the render is not deterministic"

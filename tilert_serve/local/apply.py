@@ -98,8 +98,9 @@ def converge(
     return len(steps)
 
 
-def router_endpoints(router: str, timeout: float = 5.0) -> set[str] | None:
-    """The endpoint URLs of the config the router at `router` runs now; None when it does not answer."""
+def router_endpoints(router: str, timeout: float = 5.0, pool: str | None = None) -> set[str] | None:
+    """The endpoint URLs (of `pool`, else all) of the config the router at `router` runs now; None
+    when it does not answer."""
     try:
         with urllib.request.urlopen(f"{router}/metrics", timeout=timeout) as r:
             text = r.read().decode()
@@ -108,7 +109,7 @@ def router_endpoints(router: str, timeout: float = 5.0) -> set[str] | None:
     out: set[str] = set()
     for family in text_string_to_metric_families(text):
         if family.name == ENDPOINT_METRIC:
-            out |= {s.labels["endpoint"] for s in family.samples}
+            out |= {s.labels["endpoint"] for s in family.samples if pool is None or s.labels["pool"] == pool}
     return out
 
 

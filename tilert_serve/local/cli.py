@@ -1,9 +1,11 @@
-"""`tilert-pd local up|status|down`: run a PDCluster's components as local processes on loopback.
+"""`tilert-pd local up|apply|status|down`: run a PDCluster's components as local processes on loopback.
 
 `up` generates the tiny model on first use, starts every component from the same rendered commands
 the operator puts in pods, shows progress while engines load, fails with the component's log tail
 if one does not come up (stopping the others), and returns once all are ready, leaving them running
-in the background. `status` lists each component with its URL and health; `down` stops them all.
+in the background. `apply` converges the running stack to a changed PDCluster as Kubernetes'
+controllers would (apply.py, rollout.py); `status` lists each component with its URL and health;
+`down` stops them all.
 
 `--runtime docker` runs the operator's rendered manifests instead, each pod a container of its image
 (docker_runtime.py); `status` and `down` work for either runtime from what `up` recorded.
@@ -292,7 +294,7 @@ def apply(args: argparse.Namespace) -> int:
     private_dir(state_dir, create=False)
     state = _raw_state(state_dir)
     if state.get("runtime") == "docker":
-        return docker_apply.apply(args, name, state_dir, state, say)
+        return docker_apply.apply(_document(args.filename), name, state_dir, state, args.timeout, say)
     meta, procs = runner.load(state_dir)
     say(f"tilert-pd local apply: {name} from {args.filename} (state in {state_dir})")
     model_dir = _model_dir(home, name, spec)
@@ -337,6 +339,8 @@ def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_d
 
     manifests = render_document(_document(args.filename), None, with_secret=True)
     private_dir(state_dir)
+    # `apply` renders again with these same credentials (fresh ones would lock the new pods out).
+    docker_apply.save_secrets(state_dir, manifests)
     say(f"tilert-pd local: {name} from {args.filename} as containers (state in {state_dir})")
     meta: dict[str, object] = {
         "cluster": name,
@@ -349,15 +353,16 @@ def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_d
     }
     # Recorded before anything starts: an interrupted `up` leaves containers that `down` must find
     # (it removes everything carrying the run's label).
-    _save_state(state_dir, meta)
+    runner.save_raw(state_dir, meta)
     try:
         records, networks = docker_runtime.up(manifests, name, state_dir, args.timeout, say)
     except BaseException:
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)  # up removed what it had started
         raise
     router = next((r.url for r in records if r.component == constants.ROUTER), "")
+    records = docker_apply.with_revisions(records, rollout.rendered(manifests, name, local_names=False))
     meta |= {"router": router, "networks": networks, "pods": docker_runtime.dump(records)}
-    _save_state(state_dir, meta)
+    runner.save_raw(state_dir, meta)
     try:
         _warm_up(spec, router, say)
     except BaseException:
@@ -371,12 +376,6 @@ def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_d
         "`tilert-pd local down`"
     )
     return 0
-
-
-def _save_state(state_dir: Path, meta: dict[str, object]) -> None:
-    tmp = state_dir / (runner.STATE_FILE + ".tmp")
-    tmp.write_text(json.dumps(meta, indent=2))
-    tmp.replace(state_dir / runner.STATE_FILE)
 
 
 def _raw_state(state_dir: Path) -> dict[str, object]:

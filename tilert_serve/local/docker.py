@@ -86,6 +86,25 @@ def _ipam(name: str) -> Network:
     return Network(name, cfg["Subnet"], cfg.get("Gateway", ""))
 
 
+def network(name: str) -> Network:
+    """An existing network's subnet and gateway."""
+    return _ipam(name)
+
+
+def network_used(name: str) -> set[str]:
+    """The IPv4 addresses the network's containers hold."""
+    info = json.loads(_docker("network", "inspect", name).stdout)[0]
+    return {
+        c["IPv4Address"].split("/")[0]
+        for c in (info.get("Containers") or {}).values()
+        if c.get("IPv4Address")
+    }
+
+
+def network_disconnect(network: str, container: str) -> None:
+    _docker("network", "disconnect", network, container)
+
+
 def networks(run: str) -> list[str]:
     out = _docker("network", "ls", "--filter", f"label={RUN_LABEL}={run}", "--format", "{{.Name}}").stdout
     return [n for n in out.split() if n]
@@ -166,8 +185,16 @@ def _docker_size(quantity: str) -> str:
     return quantity
 
 
-def network_connect(network: str, container: str, ip: str) -> None:
-    _docker("network", "connect", "--ip", ip, network, container)
+def network_connect(network: str, container: str, ip: str, aliases: Sequence[str] = ()) -> None:
+    _docker(
+        "network",
+        "connect",
+        "--ip",
+        ip,
+        *[a for alias in aliases for a in ("--alias", alias)],
+        network,
+        container,
+    )
 
 
 def create(spec: RunSpec) -> None:

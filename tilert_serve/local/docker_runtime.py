@@ -41,6 +41,16 @@ class PodRecord:
     #: http://ip:port of the pod's port named http (else its first declared port).
     url: str
     readiness: list[dict[str, Any]] = field(default_factory=list)
+    #: What `apply` needs (rollout.py): the pod's workload, its template revision and ordinal, how
+    #: the kubelet stops it, and the DNS names (its Services') it answers while it is an endpoint.
+    workload: str = ""
+    revision: str = ""
+    ordinal: int = 0
+    grace_s: float = 30.0
+    pre_stop: list[str] | None = None
+    aliases: list[str] = field(default_factory=list)
+    #: Whether the Service names resolve to it now (an endpoint); apply takes them away first.
+    published: bool = True
 
 
 def container_name(run: str, pod: str, container: str) -> str:
@@ -113,6 +123,23 @@ def up(
     return records, nets
 
 
+def start_pods(
+    plan: Sequence[pods.Pod],
+    run: str,
+    state_dir: Path,
+    net: docker.Network,
+    secondary: dict[str, tuple[docker.Network, Iterator[str]]],
+    say: Callable[[str], None],
+) -> list[PodRecord]:
+    """Start `plan`'s pods on the run's networks (not waiting for ready): `apply`'s create."""
+    return _start_all(plan, run, state_dir, net, secondary, say)
+
+
+def addresses(net: docker.Network, used: set[str]) -> Iterator[str]:
+    """Addresses of `net` that no container holds."""
+    return (a for a in _addresses(net) if a not in used)
+
+
 def _start_all(
     plan: Sequence[pods.Pod],
     run: str,
@@ -176,6 +203,11 @@ def _start_all(
             main.image,
             names,
             f"http://{pod.ip}:{port}" if port else "",
+            readiness=[asdict(c.readiness) for c in pod.containers if c.readiness is not None],
+            workload=pod.owner,
+            ordinal=int(pod.name.rsplit("-", 1)[1]),
+            aliases=list(pod.aliases),
+            published=bool(pod.aliases),
         )
 
     with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
@@ -251,6 +283,11 @@ def _write_late_files(pod: pods.Pod, pod_dir: Path, container: str, addresses: d
         tmp = target.with_suffix(".tmp")
         tmp.write_text(pods.field_value(live, field_path))
         tmp.replace(target)
+
+
+def save_log(state_dir: Path, container: str) -> None:
+    """Keep a container's log in the state directory (before it is removed)."""
+    _save_log(state_dir, container)
 
 
 def _save_log(state_dir: Path, container: str) -> None:

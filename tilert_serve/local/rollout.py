@@ -166,11 +166,14 @@ class Rendered:
     pre_stop: tuple[str, ...] | None
 
 
-def rendered(manifests: Sequence[dict[str, Any]], cluster: str) -> list[Rendered]:
+def rendered(
+    manifests: Sequence[dict[str, Any]], cluster: str, *, local_names: bool = True
+) -> list[Rendered]:
     """The Deployments and StatefulSets of `manifests` (the operator's render of PDCluster `cluster`),
-    in render order, each pod-name prefix the local name of its component (`tilert` for
-    `<cluster>-tilert-decode`; a workload rendered under another name, such as a new generation's,
-    keeps its own suffix: `tilert-g2` for `<cluster>-tilert-decode-g2`)."""
+    in render order. Pods are named after their workload (`<workload>-<ordinal>`, as the docker runtime
+    and a StatefulSet name them) or, with `local_names`, after the process runtime's name of their
+    component (`tilert` for `<cluster>-tilert-decode`; a workload rendered under another name, such as
+    a new generation's, keeps its own suffix: `tilert-g2` for `<cluster>-tilert-decode-g2`)."""
     out: list[Rendered] = []
     for m in manifests:
         kind = m.get("kind")
@@ -187,6 +190,8 @@ def rendered(manifests: Sequence[dict[str, Any]], cluster: str) -> list[Rendered
             )
         base = f"{cluster}-{component}"
         prefix = SHORT_NAMES[component] + (name[len(base) :] if name.startswith(base) else f"-{name}")
+        if not local_names:
+            prefix = name
         if kind == "Deployment":
             rolling = (spec.get("strategy") or {}).get("rollingUpdate") or {}
             if (spec.get("strategy") or {}).get("type") == "Recreate":

@@ -253,6 +253,13 @@ def save(state_dir: Path, meta: dict[str, object], procs: list[Running]) -> None
     tmp.replace(state_dir / STATE_FILE)
 
 
+def save_raw(state_dir: Path, data: dict[str, object]) -> None:
+    """Write a state file as is (the docker runtime's, which records pods rather than processes)."""
+    tmp = state_dir / (STATE_FILE + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    tmp.replace(state_dir / STATE_FILE)
+
+
 def load(state_dir: Path) -> tuple[dict[str, object], list[Running]]:
     path = state_dir / STATE_FILE
     if not path.exists():

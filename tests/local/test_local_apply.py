@@ -1,0 +1,190 @@
+"""`tilert-pd local apply` on the process runtime: the tiny stack (one prefill, one TileRT node) is
+started as `up` starts it, then changed under a steady stream of requests through the router:
+
+1. the TileRT pool 1 -> 2 (a StatefulSet scale-up: tilert-1 created, waited for, then an endpoint);
+2. a changed prefill argument (a Deployment rolling update, maxSurge 1 / maxUnavailable 0: the new
+   prefill ready and in the router's config before the old one leaves it and is stopped), with the
+   TileRT pool back to 1 (tilert-1, the highest ordinal, removed);
+3. a prefill that never becomes ready: apply fails naming it, the old prefill keeps serving, and the
+   next apply of a good spec resumes from there.
+
+After each: the processes, the router's config file and the endpoints the router itself reports, every
+component ready; and no request of the stream failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from tilert_operator import constants
+from tilert_serve.local import apply as applymod
+from tilert_serve.local import cli, runner
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process identity is read from /proc"),
+]
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
+NAME = "tiny"
+
+
+def _doc(tilert: int, prefill_args: list[str] | None = None) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["decode"]["tilert"]["replicas"] = tilert
+    doc["spec"]["decode"]["native"]["replicas"] = 0
+    doc["spec"]["prefill"]["extraArgs"] += prefill_args or []
+    # Short hooks: the default preStop sleep (5 s) and grace periods would only make the test longer.
+    for pool in (doc["spec"]["prefill"], doc["spec"]["decode"]["tilert"]):
+        pool["termination"] = {"preStopSleepSeconds": 1, "gracePeriodSeconds": 20}
+    return doc
+
+
+@dataclass
+class Load:
+    """A request at a time through the router until stopped; every outcome kept."""
+
+    router: str
+    ok: int = 0
+    failures: list[str] = field(default_factory=list)
+    stop: threading.Event = field(default_factory=threading.Event)
+
+    def run(self) -> None:
+        body = json.dumps({"model": "tiny-mla", "prompt": "hello there", "max_tokens": 4}).encode()
+        while not self.stop.is_set():
+            req = urllib.request.Request(
+                f"{self.router}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    out = json.loads(r.read())
+                assert out["choices"][0]["text"] is not None
+                self.ok += 1
+            except (urllib.error.URLError, OSError, AssertionError, KeyError, ValueError) as exc:
+                detail = (
+                    exc.read().decode(errors="replace")[:300]
+                    if isinstance(exc, urllib.error.HTTPError)
+                    else ""
+                )
+                self.failures.append(f"{type(exc).__name__}: {exc} {detail}")
+
+
+@pytest.fixture
+def load_during() -> Iterator[Any]:
+    started: list[tuple[Load, threading.Thread]] = []
+
+    def begin(router: str) -> Load:
+        load = Load(router)
+        t = threading.Thread(target=load.run, daemon=True)
+        t.start()
+        started.append((load, t))
+        return load
+
+    yield begin
+    for load, t in started:
+        load.stop.set()
+        t.join(timeout=150)
+
+
+@pytest.fixture
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path]]:
+    """(home, spec dir) of a stack `up` started; stopped with `down` afterwards."""
+    home = tmp_path_factory.mktemp("apply-home")
+    specs = tmp_path_factory.mktemp("apply-specs")
+    first = specs / "a.yaml"
+    first.write_text(yaml.safe_dump(_doc(1)))
+    port = runner.free_port()
+    rc = cli.run(
+        argparse.Namespace(
+            action="up", filename=str(first), home=home, router_port=port, timeout=600.0, runtime="process"
+        )
+    )
+    assert rc == 0
+    yield home, specs
+    cli.run(argparse.Namespace(action="down", home=home))
+
+
+def _apply(home: Path, specs: Path, doc: dict[str, Any], name: str, timeout: float = 600.0) -> int:
+    path = specs / name
+    path.write_text(yaml.safe_dump(doc))
+    return cli.run(argparse.Namespace(action="apply", filename=str(path), home=home, timeout=timeout))
+
+
+def _state(home: Path) -> tuple[dict[str, object], list[runner.Running]]:
+    return runner.load(home / NAME)
+
+
+def _cmdline(pid: int) -> list[str]:
+    return Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+
+
+def _check_converged(home: Path, names: set[str]) -> list[runner.Running]:
+    """The recorded processes are exactly `names`, each running and ready; the router's config file
+    and the router itself list exactly the non-router ones."""
+    meta, procs = _state(home)
+    assert {p.name for p in procs} == names
+    for p in procs:
+        assert runner.running(p) and runner.probe(p.ready_url), f"{p.name} is not ready"
+    endpoints = {p.url for p in procs if p.kind != constants.ROUTER}
+    cfg = yaml.safe_load((home / NAME / "router.yaml").read_text())
+    urls = {e if isinstance(e, str) else e["url"] for e in [*cfg["prefill"], *cfg["native"]]}
+    urls |= {n["http_url"] for n in cfg["tilert"]}
+    assert urls == endpoints
+    assert applymod.router_endpoints(str(meta["router"])) == endpoints
+    return procs
+
+
+def test_scale_roll_and_a_stalled_rollout_lose_no_request(
+    stack: tuple[Path, Path], load_during: Any, capsys: pytest.CaptureFixture[str]
+) -> None:
+    home, specs = stack
+    meta, before = _state(home)
+    load = load_during(str(meta["router"]))
+
+    # 1. TileRT 1 -> 2: a new ordinal, nothing else touched.
+    assert _apply(home, specs, _doc(2), "b.yaml") == 0
+    procs = _check_converged(home, {"prefill-0", "tilert-0", "tilert-1", "router"})
+    assert {p.pid for p in procs} >= {p.pid for p in before}, "a process that did not change was restarted"
+    out = capsys.readouterr().out
+    assert "tilert: 2/2 updated, waiting for tilert-1 ready" in out
+
+    # 2. A prefill argument changes and TileRT goes back to 1: the prefill rolls, tilert-1 goes.
+    old_prefill = next(p for p in procs if p.name == "prefill-0")
+    assert _apply(home, specs, _doc(1, ["--max-num-seqs", "32"]), "c.yaml") == 0
+    procs = _check_converged(home, {"prefill-1", "tilert-0", "router"})
+    new_prefill = next(p for p in procs if p.name == "prefill-1")
+    assert "--max-num-seqs" in _cmdline(new_prefill.pid)
+    assert not runner.running(old_prefill)
+    out = capsys.readouterr().out
+    # Surge first: the new prefill ready and an endpoint before the old one is removed.
+    assert out.index("waiting for prefill-1 ready") < out.index("remove prefill-0")
+    assert "remove tilert-1 (scale down)" in out
+
+    # 3. A prefill that cannot start: apply fails, the serving one stays; a good spec resumes.
+    assert _apply(home, specs, _doc(1, ["--no-such-vllm-flag"]), "d.yaml", timeout=300) == 1
+    err = capsys.readouterr().err
+    assert "prefill-2" in err and "keep serving" in err
+    _, procs = _state(home)
+    serving = next(p for p in procs if p.name == "prefill-1")
+    assert runner.running(serving) and runner.probe(serving.ready_url)
+    assert applymod.router_endpoints(str(meta["router"])) == {
+        p.url for p in procs if p.name in ("prefill-1", "tilert-0")
+    }
+    assert _apply(home, specs, _doc(1, ["--max-num-seqs", "32"]), "e.yaml") == 0
+    _check_converged(home, {"prefill-1", "tilert-0", "router"})
+    assert "remove prefill-2 (not running)" in capsys.readouterr().out
+
+    load.stop.set()
+    assert load.ok > 0
+    assert load.failures == [], f"{len(load.failures)} of {load.ok + len(load.failures)} requests failed"
