@@ -9,6 +9,7 @@ from bench.load.summary import Stats, Summary
 STATS_HEADER = [
     "requests",
     "ok",
+    "served by",
     "failed (by class)",
     "retried",
     "greedy mismatches / compared",
@@ -28,10 +29,17 @@ def failures(s: Stats) -> str:
     return f"{s.failed} (" + ", ".join(f"{k} {v}" for k, v in sorted(s.failures.items())) + ")"
 
 
+def served(s: Stats) -> str:
+    """The paths the server said served the successful requests ("-" when it says none, as vLLM alone)."""
+    said = {k: v for k, v in s.served.items() if k != "?"}
+    return ", ".join(f"{k} {v}" for k, v in sorted(said.items())) or "-"
+
+
 def cells(s: Stats) -> list[str]:
     return [
         str(s.requests),
         str(s.ok),
+        served(s),
         failures(s),
         str(s.retried),
         f"{s.mismatches} / {s.compared}",

@@ -85,7 +85,7 @@ def test_routes_and_served_paths_are_counted_per_phase() -> None:
     assert s.routes["auto"].retried == 1 and s.mismatches == 1
     assert set(s.cells) == {("steady", "auto"), ("steady", "native")}
     text = report.summary_table(s)
-    assert "| steady | auto | 3 | 3 | 0 | 1 | 1 / 1 |" in text
+    assert "| steady | auto | 3 | 3 | native 2, tilert 1 | 0 | 1 | 1 / 1 |" in text
 
 
 def stats(failures: dict[str, int] | None = None, p50: float | None = 0.5) -> Stats:
