@@ -488,3 +488,53 @@ def test_the_crd_refuses_what_it_can_express_of_the_rollout_fields(patch: dict[s
         "maxSurgeGpus": 0,
         "progressDeadlineSeconds": 3600,
     }
+
+
+@pytest.fixture()
+def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The resync far away: the operator must follow the pods' and workloads' watch events.
+    monkeypatch.setenv("TILERT_PD_RESYNC_S", "300")
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", "0")
+    monkeypatch.setenv("TILERT_PD_WATCH_TIMEOUT_S", "10")
+
+
+def progressing_reason(apiserver: Any, name: str) -> str:
+    obj = apiserver.server.get("pdclusters", "default", name)
+    return str(h.condition(obj, "Progressing").get("reason", "")) if obj else ""
+
+
+@pytest.mark.usefixtures("fast_operator")
+def test_the_running_operator_carries_a_generation_change_through(apiserver: Any) -> None:
+    """The operator as deployed (kopf, watches): a dtype change moves through its phases as the new
+    generation's pods become ready, driven by watch events alone."""
+    from kopf.testing import KopfRunner
+
+    srv = apiserver.server
+    with KopfRunner(h.ARGS, timeout=90) as runner:
+        h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(copy.deepcopy(SPEC), "run"))))
+        h.wait_for("children", lambda: srv.get("statefulsets", "default", "run-tilert-decode"))
+        for comp in COMPONENTS:
+            h.roll(apiserver, "run", comp)
+        h.wait_for("Serving", lambda: cond(apiserver, "run", "Ready")[:2] == ("True", "Serving"))
+        patch_spec(apiserver, "run", {"model": {"kvCacheDtype": "float32"}})
+        h.wait_for(
+            "the new generation's workloads", lambda: srv.get("statefulsets", "default", "run-tilert-b")
+        )
+        h.wait_for(
+            "waiting for it",
+            lambda: (
+                progressing_reason(apiserver, "run") in ("NewGenerationStarting", "WaitingForNewGeneration")
+            ),
+        )
+        assert srv.get("statefulsets", "default", "run-tilert-decode") is not None
+        assert cond(apiserver, "run", "Ready")[0] == "True"
+        roll_slot_b(apiserver, "run")
+        h.wait_for(
+            "the old generation removed", lambda: srv.get("deployments", "default", "run-prefill") is None
+        )
+        h.wait_for("RolloutComplete", lambda: progressing_reason(apiserver, "run") == "RolloutComplete")
+        assert {e.compat for e in router_cfg(apiserver, "run").prefill} == {fingerprint(
+            helpers.deep_merge(SPEC, {"model": {"kvCacheDtype": "float32"}})
+        )}  # fmt: skip
+        assert cond(apiserver, "run", "Ready")[:2] == ("True", "Serving")
+    assert runner.exception is None
