@@ -147,6 +147,31 @@ def roll_workload(
     return made
 
 
+def serve_metrics(monkeypatch: Any) -> int:
+    """Make the operator serve /metrics on a free local port (its reconcile count: `reconciles`)."""
+    from tilert_serve.local.runner import free_port
+
+    port = free_port()
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", str(port))
+    monkeypatch.setenv("TILERT_PD_METRICS_HOST", "127.0.0.1")
+    return port
+
+
+def reconciles(port: int) -> int:
+    """Reconciles the running operator has finished, from its /metrics (0 before it serves them). The
+    API server's calls do not tell: with the watch caches a reconcile reads nothing from it."""
+    import urllib.request
+
+    import pdc_helpers
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
+            text = resp.read().decode()
+    except OSError:
+        return 0
+    return int(pdc_helpers.sample(text, "tilert_pd_reconcile_duration_seconds_count") or 0)
+
+
 def condition(obj: dict[str, Any] | None, type_: str) -> dict[str, Any]:
     for c in ((obj or {}).get("status") or {}).get("conditions") or []:
         if c["type"] == type_:

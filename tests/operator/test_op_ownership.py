@@ -46,10 +46,14 @@ FOREIGN: dict[str, tuple[tuple[str, str, str], str, dict[str, Any]]] = {
 }
 
 
+#: The running operator's /metrics port (its reconcile count).
+METRICS_PORT: list[int] = []
+
+
 @pytest.fixture(autouse=True)
 def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TILERT_PD_RESYNC_S", "0.5")
-    monkeypatch.setenv("TILERT_PD_METRICS_PORT", "0")
+    METRICS_PORT[:] = [h.serve_metrics(monkeypatch)]
 
 
 def _put_foreign(apiserver: Any, kind: str) -> dict[str, Any]:
@@ -120,22 +124,8 @@ def test_a_foreign_object_with_a_childs_name_is_left_alone_reported_and_survives
                 and srv.get("poddisruptionbudgets", "default", "tiny-native-decode")
             ),
         )
-        resyncs = len(srv.calls)
-        h.wait_for(
-            "more reconciles",
-            lambda: (
-                len(
-                    [
-                        c
-                        for c in srv.calls[resyncs:]
-                        if c.resource == "pods"
-                        and c.verb == "list"
-                        and c.user_agent.startswith(constants.FIELD_MANAGER)
-                    ]
-                )
-                >= 3
-            ),
-        )
+        resyncs = h.reconciles(METRICS_PORT[0])
+        h.wait_for("more reconciles", lambda: h.reconciles(METRICS_PORT[0]) >= resyncs + 3)
         assert srv.get(res[2], "default", name) == before
         # Deleting the PDCluster collects its children, not theirs.
         apiserver.call(srv.remove(h.PDC, "default", "tiny"))

@@ -241,19 +241,14 @@ def test_a_pool_counts_no_more_ready_pods_than_the_pod_list_shows() -> None:
     assert observe.pool_states(spec, both, {constants.TILERT: sts})[constants.TILERT].ready == 2
 
 
-def pod_lists(srv: Any) -> int:
-    """Reconciles so far: each lists the cluster's pods once."""
-    return sum(
-        1
-        for c in srv.calls
-        if c.user_agent.startswith(constants.FIELD_MANAGER) and c.resource == "pods" and c.verb == "list"
-    )
+#: The running operator's /metrics port (its reconcile count).
+METRICS_PORT: list[int] = []
 
 
 @pytest.fixture()
 def fast_operator(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TILERT_PD_RESYNC_S", "300")
-    monkeypatch.setenv("TILERT_PD_METRICS_PORT", "0")
+    METRICS_PORT[:] = [h.serve_metrics(monkeypatch)]
     monkeypatch.setenv("TILERT_PD_WATCH_TIMEOUT_S", "10")
 
 
@@ -278,9 +273,9 @@ def test_the_running_operator_follows_a_rollout_from_the_workloads_status(apiser
         # A real StatefulSet controller reports the new pods after the pods' own events: the operator
         # must follow the workload's status writes, not only its pods.
         srv.workload_controllers = False
-        listed = pod_lists(srv)
+        listed = h.reconciles(METRICS_PORT[0])
         h.roll(apiserver, "live", constants.TILERT)
-        h.wait_for("a reconcile after the new pods", lambda: pod_lists(srv) > listed)
+        h.wait_for("a reconcile after the new pods", lambda: h.reconciles(METRICS_PORT[0]) > listed)
         assert ready(h.body(apiserver, "live")) == ("False", "RollingOut")
         srv.workload_controllers = True
         apiserver.sync(srv.play_controllers)
