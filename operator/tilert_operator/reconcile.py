@@ -24,6 +24,11 @@ not to the spec. The next reconcile that applies everything sets `Reconciled=Tru
 Until then the generation is not observed: status.observedGeneration stays the last one applied, and
 Ready is False (NotApplied). An applied generation is Ready only once its workloads report it rolled
 out (observe.rollout reads their own status; the old pods do not count as the new generation's).
+Which compatibility generations are rendered is decided before anything is applied (_plan,
+rollout.py), from the workloads and pods as listed: the spec's generation, and while it is not ready
+the one that served before it, each in its slot (render/generations.py); the old one's children go in
+the reconcile that finds the new one ready. Ready and the pool conditions follow the generation that
+serves; Progressing and status.generations say where a rollout stands (docs/operator.md).
 Children are compared with what the server holds by meaning: quantities (`0.5` and `500m`) by value,
 keyed lists by the keys server-side apply merges them by (someone else's env var or port is no
 difference), an empty map as absent. An Event that repeats is one Event with a count (kubeapi.Client.event).
