@@ -71,8 +71,12 @@ async def _listening(port: int) -> float:
 
 async def _worker(url: str, route: str, out: list[Outcome], stop: asyncio.Event) -> None:
     """Send requests one after another; a refused connection (no router listening: what a Service
-    with no ready endpoint gives) is not a request sent, and is tried again at once."""
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as http:
+    with no ready endpoint gives) is not a request sent, and is tried again at once. One connection per
+    request: a pooled keep-alive connection to the killed process would fail the next request too, a
+    request the router never received (a client library retries those; a count of what the router
+    lost must not include them)."""
+    connector = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=30)) as http:
         while not stop.is_set():
             t0 = time.monotonic()
             try:
@@ -139,8 +143,9 @@ async def test_a_router_killed_under_load_loses_only_its_in_flight_requests(make
         "interpreter start and imports)"
     )
     # Only the requests in flight on the killed process failed, each with a cut connection.
+    # (A worker whose request was cut may send another that the dying process's listen backlog still
+    # takes: in flight on it as well.)
     assert all(o.started < t_dead and o.ended > t_kill for o in failed), failed
-    assert len(failed) <= len(workers)
     # Every request sent to the new process was served, with the same greedy text.
     assert all(o.ok for o in out if o.started >= t_start)
     assert t_served - t_listen <= SERVES_WITHIN_S, (t_served - t_listen, t_listen - t_start)
