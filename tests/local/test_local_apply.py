@@ -15,18 +15,15 @@ component ready; and no request of the stream failed.
 from __future__ import annotations
 
 import argparse
-import json
 import threading
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from tests.local.load_stream import Load
 from tilert_operator import constants
 from tilert_serve.local import apply as applymod
 from tilert_serve.local import cli, runner
@@ -49,35 +46,6 @@ def _doc(tilert: int, prefill_args: list[str] | None = None) -> dict[str, Any]:
     for pool in (doc["spec"]["prefill"], doc["spec"]["decode"]["tilert"]):
         pool["termination"] = {"preStopSleepSeconds": 1, "gracePeriodSeconds": 20}
     return doc
-
-
-@dataclass
-class Load:
-    """A request at a time through the router until stopped; every outcome kept."""
-
-    router: str
-    ok: int = 0
-    failures: list[str] = field(default_factory=list)
-    stop: threading.Event = field(default_factory=threading.Event)
-
-    def run(self) -> None:
-        body = json.dumps({"model": "tiny-mla", "prompt": "hello there", "max_tokens": 4}).encode()
-        while not self.stop.is_set():
-            req = urllib.request.Request(
-                f"{self.router}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-            )
-            try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    out = json.loads(r.read())
-                assert out["choices"][0]["text"] is not None
-                self.ok += 1
-            except (urllib.error.URLError, OSError, AssertionError, KeyError, ValueError) as exc:
-                detail = (
-                    exc.read().decode(errors="replace")[:300]
-                    if isinstance(exc, urllib.error.HTTPError)
-                    else ""
-                )
-                self.failures.append(f"{type(exc).__name__}: {exc} {detail}")
 
 
 @pytest.fixture
