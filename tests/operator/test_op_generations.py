@@ -538,3 +538,24 @@ def test_the_running_operator_carries_a_generation_change_through(apiserver: Any
         )}  # fmt: skip
         assert cond(apiserver, "run", "Ready")[:2] == ("True", "Serving")
     assert runner.exception is None
+
+
+def test_the_new_generation_is_ready_only_with_every_pool_ready_and_its_nodes_handoff_ready() -> None:
+    from tilert_operator.observe import PoolState
+
+    pools = {
+        constants.PREFILL: PoolState(2, 2),
+        constants.TILERT: PoolState(2, 2),
+        constants.NATIVE: PoolState(0, 0),
+        constants.ROUTER: PoolState(0, 1),  # the router is shared: not the generation's to wait for
+    }
+    assert rollout.readiness(pools, None).ready, "without node reports, ready pools are enough"
+    ok = [("n-0", "HandoffOK"), ("n-1", "HandoffOK")]
+    assert rollout.readiness(pools, ok).ready
+    half = rollout.readiness(pools, [("n-0", "HandoffOK"), ("n-1", "NoHandoffYet")])
+    assert not half.ready and half.waiting == ["TileRT handoff 1/2 nodes HandoffReady"]
+    rolling = pools | {
+        constants.PREFILL: PoolState(1, 2, 2, "Deployment p: stuck (ProgressDeadlineExceeded)")
+    }
+    stuck = rollout.readiness(rolling, ok)
+    assert not stuck.ready and stuck.stuck is not None and "prefill 1/2 ready" in stuck.waiting
