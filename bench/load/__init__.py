@@ -16,6 +16,7 @@ test can say "0 failed and TTFT p99 within 2x of steady state during the rollout
     harness.py     Load: the run in the background, marks, waits
     summary.py     Summary: failures, mismatches, percentiles per phase and route, recovery after a mark
     report.py      the tables, and the RESULTS.md section through bench/common.py
+    rate.py        whether a probe's rate was sustained (no failure, no queue): the benchmark's ladder
     fake.py        a scripted OpenAI server for tests
     stack.py       the tiny CPU stack and vLLM alone, for the benchmark and the slow test
     __main__.py    the benchmark: python -m bench.load
