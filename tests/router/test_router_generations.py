@@ -211,3 +211,17 @@ async def test_a_native_pool_without_a_pairable_server_is_full_and_counted(make_
     assert r.choices[0].text == " hello w0 w1"
     assert s.state.metrics.no_pair.labels("native")._value.get() == 1
     assert s.state.metrics.no_pair.labels("tilert")._value.get() == 0
+
+
+async def test_ready_lists_a_node_of_another_generation_as_degraded(make_stack):
+    s = await make_stack(n_native=0, handoff_probe={"interval_s": 3600})
+    cfg = s.state.base_config
+    s.state.apply(cfg.model_copy(update={"tilert": [cfg.tilert[0].model_copy(update={"compat": A})]}))
+    s.node.compat = B
+    await health.probe_all(s.state)
+    s.state.pools.tilert["t0"].handoff_ok(0.0)  # its handoffs worked: only the generation is wrong
+    async with aiohttp.ClientSession() as http:
+        async with http.get(s.router_url + "/ready") as resp:
+            body = await resp.json()
+    assert resp.status == 503 and not body["ready"]
+    assert f"TileRT node t0: advertises generation {B}, configured {A}" in body["degraded"]

@@ -416,12 +416,18 @@ def _ready_routes(state: RouterState, full: bool) -> web.Response:
     degraded: list[str] = []
     if not any(e.healthy is True for e in pools.prefill.values()):
         reasons.append("no healthy prefill server")
-    handoff = [n for n in pools.tilert.values() if n.healthy is True and n.handoff_ready]
-    native = [e for e in pools.native.values() if e.healthy is True]
+    handoff = [
+        n for n in pools.tilert.values() if n.healthy is True and n.handoff_ready and not n.compat_mismatch
+    ]
+    native = [e for e in pools.native.values() if e.healthy is True and not e.compat_mismatch]
     for n in pools.tilert.values():
         if n.breaker == "open":
             continue  # _breakers says why
-        if not (n.healthy is True and n.handoff_ready):
+        if n.compat_mismatch:
+            degraded.append(
+                f"TileRT node {n.spec.name}: advertises generation {n.advertised}, configured {n.compat}"
+            )
+        elif not (n.healthy is True and n.handoff_ready):
             if n.healthy is not True:
                 why = "not probed healthy"
             elif n.handoff_fail_at is not None:
