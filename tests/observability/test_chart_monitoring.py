@@ -23,6 +23,7 @@ import yaml
 from tilert_operator import constants
 from tilert_operator.render import all_manifests
 from tilert_operator.spec import PDClusterSpec
+from tilert_serve import observe
 from tilert_serve.observe import paths
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -69,6 +70,7 @@ RELABELING = _closed(
     {
         "sourceLabels": {"type": "array", "items": {"type": "string", "pattern": "^[a-zA-Z_][a-zA-Z0-9_]*$"}},
         "targetLabel": {"type": "string"},
+        "replacement": {"type": "string"},
         "action": {
             "enum": [
                 "replace", "Replace", "keep", "Keep", "drop", "Drop", "hashmod", "HashMod", "labelmap", "LabelMap",
@@ -112,6 +114,7 @@ MONITORING_SCHEMAS: dict[str, dict[str, Any]] = {
                             "port": {"type": "string"},
                             "path": {"type": "string"},
                             "interval": {"type": "string", "pattern": DURATION},
+                            "relabelings": {"type": "array", "items": RELABELING},
                         }
                     ),
                 },
@@ -363,8 +366,11 @@ def test_service_monitor_selects_the_metrics_service(chart: Any) -> None:
         s for s in services if sm["spec"]["endpoints"][0]["port"] in {p["name"] for p in s["spec"]["ports"]}
     ]
     assert [s["metadata"]["name"] for s in with_port] == ["tpd-tilert-pd-metrics"]
-    # The job label's value on that Service is "operator", the job the rules name.
-    assert with_port[0]["metadata"]["labels"][sm["spec"]["jobLabel"]] == "operator"
+    # The job is the one the rules and the local Prometheus name.
+    assert sm["spec"]["endpoints"][0]["relabelings"] == [
+        {"targetLabel": "job", "replacement": "tilert-pd-operator", "action": "replace"}
+    ]
+    assert "tilert-pd-operator" in observe.JOBS
 
 
 def test_service_monitor_without_the_metrics_service_is_refused(chart: Any) -> None:

@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-#: A target's job: the component it is (the operator's component names, and its own).
-JOBS: Final = ("router", "tilert-decode", "prefill", "native-decode", "operator")
+#: A target's job: the component it is (the operator's names for its pools' components), and the
+#: operator's own, named apart: "operator" alone is too common a job name to alert on.
+JOBS: Final = ("router", "tilert-decode", "prefill", "native-decode", "tilert-pd-operator")
 #: The `pdcluster` label of a local stack's series.
 LOCAL_CLUSTER: Final = "local"
 
