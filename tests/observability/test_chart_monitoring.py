@@ -413,3 +413,18 @@ def test_values_schema_refuses_a_misspelt_toggle(chart: Any) -> None:
         with pytest.raises(helm.HelmValuesError) as err:
             chart.validate_schema(values)
         assert where in str(err.value)
+
+
+def test_lint_strict_with_everything_on() -> None:
+    import helm_python as helm
+
+    values = metrics(
+        serviceMonitor={"enabled": True},
+        podMonitor={"enabled": True, "router": {"authorization": {"secretName": "k"}}},
+        prometheusRule={"enabled": True},
+        dashboards={"enabled": True},
+    )
+    report = helm.lint(CHART_DIR, values, strict=True, namespace="ops", kube_version="v1.29.0")
+    # Severity 1 is informational ("icon is recommended"); strict lint turns warnings into errors.
+    problems = [m for m in report["messages"] if m["severity"] > 1]
+    assert not report["errors"] and not problems, report
