@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from tests.observability.conftest import promtool
+from tilert_operator import constants
 from tilert_serve import observe
 from tilert_serve.observe import config
 
@@ -108,3 +109,17 @@ def test_credential_problems_name_the_file(tmp_path: Path) -> None:
         observe.start(
             tmp_path / "s", [observe.Target("router", "127.0.0.1:9")], rules=[tmp_path / "none.yaml"]
         )
+
+
+def test_local_target_from_a_local_components_kind_and_url() -> None:
+    assert observe.local_target("tilert", "http://127.0.0.1:5557") == observe.Target(
+        "tilert-decode", "127.0.0.1:5557"
+    )
+    assert observe.local_target("native", "http://127.0.0.1:8101/").job == "native-decode"
+    # The local plan's kinds are the operator's component names.
+    for kind in constants.COMPONENTS:
+        assert observe.local_target(kind, "http://127.0.0.1:1").job == kind
+    with pytest.raises(observe.ConfigError, match="kind 'decode' is not one of router, tilert-decode"):
+        observe.local_target("decode", "http://127.0.0.1:5557")
+    with pytest.raises(observe.ConfigError, match="give http://host:port"):
+        observe.local_target("router", "127.0.0.1:8000")

@@ -2,12 +2,22 @@
 recording and alerting rules (docs/observability.md).
 
     from tilert_serve import observe
-    handle = observe.start(state_dir, [observe.Target("router", "127.0.0.1:8000", token_file=keys)])
+    handle = observe.start(state_dir, [observe.local_target(c.kind, c.url) for c in plan.components])
     ...
     observe.stop(handle)
 """
 
-from tilert_serve.observe.config import JOBS, ConfigError, Intervals, Target
+from tilert_serve.observe.config import JOBS, ConfigError, Intervals, Target, local_target
 from tilert_serve.observe.server import ObserveError, Prometheus, start, stop
 
-__all__ = ["JOBS", "ConfigError", "Intervals", "ObserveError", "Prometheus", "Target", "start", "stop"]
+__all__ = [
+    "JOBS",
+    "ConfigError",
+    "Intervals",
+    "ObserveError",
+    "Prometheus",
+    "Target",
+    "local_target",
+    "start",
+    "stop",
+]

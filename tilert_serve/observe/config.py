@@ -48,6 +48,25 @@ class Target:
             raise ConfigError(f"target {self.address}: metrics path {self.path!r} must start with /")
 
 
+#: `tilert-pd local`'s component kinds (tilert_serve.local.plan.Component.kind: the operator's component
+#: names, which are the jobs; the short names too) -> the job.
+LOCAL_KINDS: Final = {
+    **{job: job for job in ("router", "tilert-decode", "prefill", "native-decode")},
+    "tilert": "tilert-decode",
+    "native": "native-decode",
+}
+
+
+def local_target(kind: str, url: str, token_file: Path | None = None) -> Target:
+    """The target of a local stack's component from its kind and base URL (http://host:port)."""
+    if kind not in LOCAL_KINDS:
+        raise ConfigError(f"component kind {kind!r} is not one of {', '.join(LOCAL_KINDS)}")
+    scheme, sep, rest = url.partition("://")
+    if scheme != "http" or not sep:
+        raise ConfigError(f"component URL {url!r}: give http://host:port")
+    return Target(LOCAL_KINDS[kind], rest.rstrip("/"), token_file=token_file)
+
+
 @dataclass(frozen=True)
 class Intervals:
     """How often Prometheus scrapes and evaluates rules. Short ones suit a test or a demo; the
