@@ -19,7 +19,8 @@ logic recognises its own echoes) but do not overwrite the store.
 
 An optional kind the API server does not serve (404: the MultiNetworkPolicy CRD not installed) or the
 role does not allow (403) is remembered: reads answer that status without a call, and the list is
-tried again after `unserved_retry_s`.
+tried again after `unserved_retry_s`, or at once when its CRD appears (`Cache.served`, called from
+kopf's watch of CRDs in wiring.py); then the namespace's PDClusters are reconciled (`on_served`).
 
 Lifecycle (one owner, the Controller): `attach(namespace)` when a PDCluster of that namespace
 appears starts its informers; `detach` when the last one goes stops them; `stop` at shutdown.
@@ -34,7 +35,8 @@ import copy
 import enum
 import logging
 import re
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +55,8 @@ OPTIONAL_KINDS = frozenset({"MultiNetworkPolicy"})
 #: subset of it by the cluster's name).
 SELECTOR = constants.LABEL_CLUSTER
 
+#: A watch that ends sooner than this is followed by a backoff before the next one.
+MIN_WATCH_S = 1.0
 #: (event type or None for the initial list, object) -> None; called for every change the watch shows.
 Listener = Callable[[str, str | None, Obj], None]
 
@@ -109,6 +113,10 @@ class Informer:
     watches: int = 0
     relists: int = 0
     task: asyncio.Task[None] | None = None
+    #: Set to list an UNSERVED kind again now (its CRD appeared).
+    recheck: asyncio.Event = field(default_factory=asyncio.Event)
+    #: Called with (kind, namespace) when a kind that was UNSERVED is listed at last.
+    on_served: Callable[[str, str], None] | None = None
 
     def start(self) -> None:
         self.task = asyncio.create_task(self._run(), name=f"informer {self.kind} {self.namespace}")
@@ -128,6 +136,7 @@ class Informer:
                 await self._list()
                 delay = self.settings.backoff_first_s
                 while True:
+                    began = time.monotonic()
                     try:
                         await self._watch()
                     except Gone:
@@ -136,18 +145,24 @@ class Informer:
                             "%s in %s: watch expired (410 Gone); listing again", self.kind, self.namespace
                         )
                         break
-                    except (ApiError, aiohttp.ClientError, TimeoutError, ValueError) as e:
-                        log.info(
-                            "%s in %s: watch failed (%s); resuming in %.1fs",
-                            self.kind,
-                            self.namespace,
-                            e,
-                            delay,
-                        )
-                        await asyncio.sleep(delay)
+                    except ApiError as e:
+                        # Some servers refuse the watch itself with 410; an optional kind the role no
+                        # longer allows (or whose CRD went) is for the list to decide.
+                        if e.status == 410 or (e.status in (403, 404) and self.kind in OPTIONAL_KINDS):
+                            self.relists += 1
+                            break
+                        await self._pause(f"watch failed ({e})", delay)
+                        delay = min(delay * 2, self.settings.backoff_max_s)
+                    except (aiohttp.ClientError, TimeoutError, ValueError) as e:
+                        await self._pause(f"watch failed ({type(e).__name__}: {e})", delay)
                         delay = min(delay * 2, self.settings.backoff_max_s)
                     else:
-                        delay = self.settings.backoff_first_s
+                        if time.monotonic() - began < MIN_WATCH_S:
+                            # A server that ends watches at once would make this loop spin.
+                            await self._pause("watch ended at once", delay)
+                            delay = min(delay * 2, self.settings.backoff_max_s)
+                        else:
+                            delay = self.settings.backoff_first_s
             except asyncio.CancelledError:
                 raise
             except ApiError as e:
@@ -162,7 +177,11 @@ class Informer:
                         "not served" if e.status == 404 else "not allowed",
                         self.settings.unserved_retry_s,
                     )
-                    await asyncio.sleep(self.settings.unserved_retry_s)
+                    try:  # until the next try, or until its CRD is seen (Cache.served)
+                        await asyncio.wait_for(self.recheck.wait(), self.settings.unserved_retry_s)
+                    except TimeoutError:
+                        pass
+                    self.recheck.clear()
                     continue
                 log.warning("%s in %s: list failed (%s); again in %.1fs", self.kind, self.namespace, e, delay)
                 await asyncio.sleep(delay)
@@ -172,11 +191,16 @@ class Informer:
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.settings.backoff_max_s)
 
+    async def _pause(self, why: str, delay: float) -> None:
+        log.info("%s in %s: %s; resuming in %.1fs", self.kind, self.namespace, why, delay)
+        await asyncio.sleep(delay)
+
     async def _list(self) -> None:
         self.state = State.LISTING
         self.lists += 1
         items, rv = await self.api.list_versioned(self.kind, self.namespace, SELECTOR)
         first = not self.synced.is_set() or self.unserved is not None
+        was_unserved = self.unserved is not None
         fresh = {o["metadata"]["name"]: o | {"kind": self.kind} for o in items}
         old, self.store = self.store, fresh
         self.pins.clear()  # the list is at least as new as any write we remember
@@ -193,6 +217,8 @@ class Informer:
         for name, obj in old.items():
             if not first and name not in fresh:
                 self.listener(self.kind, "DELETED", obj)
+        if was_unserved and self.on_served is not None:
+            self.on_served(self.kind, self.namespace)
 
     async def _watch(self) -> None:
         self.watches += 1
@@ -247,6 +273,10 @@ class Informer:
             self.pins[name] = (_rv(obj), False)
 
 
+async def _stop_all(informers: list[Informer]) -> None:
+    await asyncio.gather(*(i.stop() for i in informers))
+
+
 @dataclass
 class _Namespace:
     informers: dict[str, Informer]
@@ -256,9 +286,18 @@ class _Namespace:
 class Cache:
     """The informers of every namespace a PDCluster lives in; see the module docstring."""
 
-    def __init__(self, api: Client, listener: Listener, settings: CacheSettings | None = None) -> None:
+    def __init__(
+        self,
+        api: Client,
+        listener: Listener,
+        settings: CacheSettings | None = None,
+        on_served: Callable[[str, str], None] | None = None,
+    ) -> None:
+        """`on_served(kind, namespace)`: an optional kind that was not served is served now (its
+        PDClusters have children to apply that they could not before)."""
         self.api = api
         self.listener = listener
+        self.on_served = on_served
         self.settings = settings or CacheSettings()
         self._namespaces: dict[str, _Namespace] = {}
         #: Reads answered here, and those passed on to the API server (not synced, not held).
@@ -271,7 +310,9 @@ class Cache:
         if ns is None:
             ns = self._namespaces[namespace] = _Namespace(
                 {
-                    kind: Informer(self.api, kind, namespace, self.listener, self.settings)
+                    kind: Informer(
+                        self.api, kind, namespace, self.listener, self.settings, on_served=self.on_served
+                    )
                     for kind in CACHED_KINDS
                 }
             )
@@ -279,14 +320,17 @@ class Cache:
                 informer.start()
         ns.users.add(user)
 
-    async def detach(self, namespace: str, user: str) -> None:
+    def detach(self, namespace: str, user: str) -> Coroutine[Any, Any, None] | None:
+        """`user` no longer needs the namespace. When it was the last, the namespace is forgotten now
+        (an attach right after starts new informers) and the coroutine returned stops its informers."""
         ns = self._namespaces.get(namespace)
         if ns is None:
-            return
+            return None
         ns.users.discard(user)
-        if not ns.users:
-            del self._namespaces[namespace]
-            await asyncio.gather(*(i.stop() for i in ns.informers.values()))
+        if ns.users:
+            return None
+        del self._namespaces[namespace]
+        return _stop_all(list(ns.informers.values()))
 
     async def stop(self) -> None:
         spaces, self._namespaces = list(self._namespaces.values()), {}
@@ -305,6 +349,13 @@ class Cache:
         except TimeoutError:
             return False
         return True
+
+    def served(self, kind: str) -> None:
+        """The API server may serve `kind` now (its CRD was created or changed): informers that found
+        it unserved list it again at once instead of at their next try."""
+        for informer in self.informers():
+            if informer.kind == kind and informer.unserved is not None:
+                informer.recheck.set()
 
     def informer(self, kind: str, namespace: str) -> Informer | None:
         ns = self._namespaces.get(namespace)

@@ -101,7 +101,7 @@ class Controller:
         #: The watch caches the API client reads from (Settings.watch_cache), owned here.
         self.cache: Cache | None = None
         if self.settings.watch_cache:
-            self.cache = Cache(api, self._cached_event, self.settings.cache)
+            self.cache = Cache(api, self._cached_event, self.settings.cache, on_served=self._served)
             api.cache = self.cache
         self._detaching: set[asyncio.Task[None]] = set()
 
@@ -116,8 +116,10 @@ class Controller:
             for timer in (worker.drift_timer, worker.report_timer) if worker is not None else ():
                 if timer is not None:
                     timer.cancel()
-            if self._workers.pop(key, None) is not None and self.cache is not None:
-                task = asyncio.create_task(self.cache.detach(key[0], key[1]))
+            stopping = self.cache.detach(key[0], key[1]) if self.cache is not None else None
+            self._workers.pop(key, None)
+            if stopping is not None:
+                task = asyncio.create_task(stopping)
                 self._detaching.add(task)
                 task.add_done_callback(self._detaching.discard)
             self.metrics.states.pop(key, None)
@@ -154,6 +156,13 @@ class Controller:
         cluster = (meta.get("labels") or {}).get(constants.LABEL_CLUSTER)
         if event_type is not None and cluster:
             self.kick(meta.get("namespace") or "", cluster)
+
+    def _served(self, kind: str, namespace: str) -> None:
+        """An optional kind is served now: every PDCluster of the namespace may have children of it to apply."""
+        log.info("%s is served in %s now; reconciling its PDClusters", kind, namespace)
+        for ns, name in list(self._workers):
+            if ns == namespace:
+                self.kick(ns, name)
 
     def kick(self, namespace: str, name: str) -> None:
         worker = self._workers.get((namespace, name))

@@ -31,7 +31,7 @@ import kopf
 from aiohttp import web
 
 from tilert_operator import admission, constants, credentials, kubeapi
-from tilert_operator.cache import CacheSettings
+from tilert_operator.cache import OPTIONAL_KINDS, CacheSettings
 from tilert_operator.controller import Controller, Settings
 from tilert_operator.metrics import CONTENT_TYPE, Metrics
 
@@ -141,6 +141,23 @@ async def pod_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo,
     cluster = labels.get(constants.LABEL_CLUSTER)
     if cluster and namespace and memo.controller.cache is None:
         memo.controller.kick(namespace, cluster)
+
+
+#: CRD name -> the optional kind it serves (kubeapi.KINDS), e.g. multi-networkpolicies.k8s.cni.cncf.io.
+OPTIONAL_CRDS = {
+    f"{kubeapi.group_resource(kind)[1]}.{kubeapi.group_resource(kind)[0]}": kind for kind in OPTIONAL_KINDS
+}
+
+
+@kopf.on.event(
+    "apiextensions.k8s.io", "v1", "customresourcedefinitions", when=lambda name, **_: name in OPTIONAL_CRDS
+)
+async def crd_event(name: str, memo: kopf.Memo, **_: Any) -> None:
+    # kopf watches CRDs anyway (to start watches when one appears); an optional kind's CRD arriving
+    # makes the watch caches list it now rather than at their next try (cache.Cache.served).
+    cache = memo.controller.cache if "controller" in memo else None
+    if cache is not None:
+        cache.served(OPTIONAL_CRDS[name])
 
 
 async def validate(

@@ -181,3 +181,26 @@ def test_selectors_the_cache_answers() -> None:
     assert selector_matcher("x=1") is None
     assert selector_matcher(f"{constants.LABEL_CLUSTER} in (c)") is None
     assert selector_matcher(SELECTOR) is None
+
+
+async def test_a_pdcluster_recreated_at_once_keeps_its_namespace_cached(apiserver: Any) -> None:
+    """Detaching the last user forgets the namespace at once: an attach right after (a PDCluster
+    deleted and created again) gets informers of its own, which the old ones' stop does not touch."""
+    async with Client(Connection(server=apiserver.url)) as api:
+        cache = Cache(api, lambda *_: None)
+        cache.attach("default", "c")
+        try:
+            assert await cache.wait_synced("default", 20)
+            old = cache.informer("ConfigMap", "default")
+            stopping = cache.detach("default", "c")
+            assert stopping is not None and cache.informer("ConfigMap", "default") is None
+            cache.attach("default", "c")
+            await stopping
+            new = cache.informer("ConfigMap", "default")
+            assert new is not None and new is not old and old is not None
+            assert old.task is not None and old.task.done()
+            assert await cache.wait_synced("default", 20)
+            assert new.task is not None and not new.task.done()
+            assert cache.detach("other", "c") is None  # never attached: nothing to stop
+        finally:
+            await cache.stop()

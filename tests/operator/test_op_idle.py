@@ -33,7 +33,13 @@ RESYNC_S = 0.2
 WATCH_TIMEOUT_S = 600.0
 DEBOUNCE_S = 0.1
 WRITES = ("create", "patch", "update", "delete", "deletecollection")
-COMPONENTS = (constants.PREFILL, constants.ROUTER, constants.NATIVE, constants.TILERT)
+WORKLOADS = {
+    constants.PREFILL: "Deployment",
+    constants.ROUTER: "Deployment",
+    constants.NATIVE: "Deployment",
+    constants.TILERT: "StatefulSet",
+}
+COMPONENTS = tuple(WORKLOADS)
 
 
 async def until(
@@ -82,7 +88,13 @@ async def test_an_idle_pdcluster_costs_no_api_calls_and_drift_still_arrives_thro
         )
         try:
             ctl.observe(h.body(apiserver, "tiny"))
-            await until("the children", lambda: srv.get("deployments", "default", "tiny-router"))
+            await until(
+                "the workloads",
+                lambda: all(
+                    srv.get(plural(kind), "default", constants.child_name("tiny", component))
+                    for component, kind in WORKLOADS.items()
+                ),
+            )
             # Play the workload controllers and kubelets: every pool's pods, ready.
             for component in COMPONENTS:
                 h.roll(apiserver, "tiny", component)
