@@ -1,6 +1,6 @@
 """Steady load through the router on the tiny CPU stack, each route, against vLLM alone in the same run.
 
-    .venv/bin/python -m bench.load [--seconds 15] [--probe-seconds 8] [--rates 0.25,0.5,1,2] [--seed 0]
+    .venv/bin/python -m bench.load [--seconds 15] [--min-requests 12] [--probe-seconds 8] [--rates 0.25,0.5,1,2] [--seed 0]
                                    [--references FILE] [--no-record]
 
 Starts examples/tiny-cpu.yaml as `tilert-pd local up` does, and vLLM alone beside it (the native
@@ -29,6 +29,9 @@ from bench.load.rate import Queue, Verdict, pick, verdict
 from bench.load.stack import EXAMPLE, TinyStack, tiny_stack
 from bench.load.summary import Stats
 
+#: A probe lasts long enough for about this many requests (a verdict on two requests is noise).
+MIN_PROBE_REQUESTS = 5
+
 
 def say(msg: str) -> None:
     print(msg, flush=True)
@@ -51,8 +54,9 @@ async def measure(stack: TinyStack, a: argparse.Namespace) -> tuple[str, str]:
     verdicts: list[Verdict] = []
     lowest: Stats | None = None
     for rate in a.rates:
-        say(f"probe: {rate:g} req/s for {a.probe_seconds:g} s, every route")
-        plan = LoadPlan(rate=rate, duration_s=a.probe_seconds, seed=a.seed, prompts=prompts)
+        probe_s = max(a.probe_seconds, MIN_PROBE_REQUESTS / rate)
+        say(f"probe: {rate:g} req/s for {probe_s:g} s, every route")
+        plan = LoadPlan(rate=rate, duration_s=probe_s, seed=a.seed, prompts=prompts)
         load = await run_load(stack, plan, refs, plain=False)
         stats = load.summary().total
         v = verdict(rate, stats, Queue.of(load.records), lowest)
@@ -63,13 +67,23 @@ async def measure(stack: TinyStack, a: argparse.Namespace) -> tuple[str, str]:
             break
     rate, sustained = pick(verdicts)
 
+    # At a low rate the rows last longer, so that each has about --min-requests requests.
+    seconds = max(a.seconds, a.min_requests / rate)
     runs: dict[str, Stats] = {}
+    elsewhere: list[str] = []
     for route in ROUTES:
-        say(f"steady: {rate:g} req/s for {a.seconds:g} s through the router, route {route}")
-        plan = LoadPlan(rate=rate, duration_s=a.seconds, seed=a.seed, prompts=prompts, mix=Mix.only(route))
-        runs[f"router, {route}"] = (await run_load(stack, plan, refs, plain=False)).summary().total
-    say(f"baseline: the same load on vLLM alone ({rate:g} req/s for {a.seconds:g} s)")
-    plan = LoadPlan(rate=rate, duration_s=a.seconds, seed=a.seed, prompts=prompts, mix=Mix.only("auto"))
+        say(f"steady: {rate:g} req/s for {seconds:g} s through the router, route {route}")
+        plan = LoadPlan(rate=rate, duration_s=seconds, seed=a.seed, prompts=prompts, mix=Mix.only(route))
+        load = await run_load(stack, plan, refs, plain=False)
+        runs[f"router, {route}"] = load.summary().total
+        moved = [r for r in load.records if r.ok and route != "auto" and r.route_served != route]
+        if moved:
+            elsewhere.append(
+                f"{len(moved)} of the requests asking for {route} were served by "
+                f"{', '.join(sorted({str(r.route_served) for r in moved}))} (the router's fallback; its log says why)."
+            )
+    say(f"baseline: the same load on vLLM alone ({rate:g} req/s for {seconds:g} s)")
+    plan = LoadPlan(rate=rate, duration_s=seconds, seed=a.seed, prompts=prompts, mix=Mix.only("auto"))
     runs["vLLM alone"] = (await run_load(stack, plan, refs, plain=True)).summary().total
 
     body = report.comparison_table(runs, "vLLM alone")
@@ -79,11 +93,11 @@ async def measure(stack: TinyStack, a: argparse.Namespace) -> tuple[str, str]:
     )
     note = (
         f"Rate {rate:g} req/s ({'the highest sustained' if sustained else 'NOT sustained: the lowest probed'}), "
-        f"Poisson arrivals, {a.seconds:g} s per row, seed {a.seed}: {len(prompts.prompts)} prompts of "
+        f"Poisson arrivals, {seconds:g} s per row, seed {a.seed}: {len(prompts.prompts)} prompts of "
         f"{prompts.words[0]}-{prompts.words[1]} words, {prompts.max_tokens[0]}-{prompts.max_tokens[1]} tokens "
         "each, half streamed, half chat, all greedy and compared with vLLM alone's text. TTFT and TPOT "
         "from the streamed half; latency from all. Load average (1 min) at the end: "
-        f"{os.getloadavg()[0]:.1f}.\n\nRate ladder:\n\n{probes}"
+        f"{os.getloadavg()[0]:.1f}. {' '.join(elsewhere)}\n\nRate ladder:\n\n{probes}"
     )
     return body, note
 
@@ -92,6 +106,9 @@ def cli() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--file", type=Path, default=EXAMPLE, help="the PDCluster to start (default %(default)s)")
     p.add_argument("--seconds", type=float, default=15.0, help="steady load per route and for vLLM alone")
+    p.add_argument(
+        "--min-requests", type=int, default=12, help="rows last long enough for about this many requests"
+    )
     p.add_argument("--probe-seconds", type=float, default=8.0, help="each step of the rate ladder")
     p.add_argument(
         "--rates",

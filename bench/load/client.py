@@ -185,7 +185,8 @@ async def _read_stream(rec: Record, resp: aiohttp.ClientResponse, sent: float, p
         return
     rec.outcome = "ok"
     tokens = rec.completion_tokens or len(parts)
-    if tokens > 1 and first:
+    # Text that arrived in one read has no measurable gaps: no TPOT rather than 0.
+    if tokens > 1 and last > first:
         rec.tpot = (last - first) / (tokens - 1)
 
 
