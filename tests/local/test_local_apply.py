@@ -154,5 +154,7 @@ def test_scale_roll_and_a_stalled_rollout_lose_no_request(
     assert "remove prefill-2 (not running)" in capsys.readouterr().out
 
     load.stop.set()
+    with capsys.disabled():
+        print(f"\nrequest stream through four applies: {load.ok} ok, {len(load.failures)} failed")
     assert load.ok > 0
     assert load.failures == [], f"{len(load.failures)} of {load.ok + len(load.failures)} requests failed"
