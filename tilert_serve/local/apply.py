@@ -173,11 +173,10 @@ class Processes:
                     "and `up` again"
                 )
             running = runner.running(p)
-            out.append(
-                rollout.Pod(
-                    p.name, p.workload, p.revision, p.ordinal, running, running and runner.probe(p.ready_url)
-                )
-            )
+            # A few tries: on a loaded host one slow answer says nothing, and a pod taken for not
+            # ready leaves the endpoints until a step makes it ready again.
+            ready = running and any(runner.probe(p.ready_url) for _ in range(3))
+            out.append(rollout.Pod(p.name, p.workload, p.revision, p.ordinal, running, ready))
         return out
 
     def create(self, step: rollout.Create, rendered: rollout.Rendered) -> None:
