@@ -146,17 +146,24 @@ class Load:
         def count() -> int:
             return sum(r.phase == phase and r.outcome is not None and (r.ok or not ok) for r in self.records)
 
-        async with asyncio.timeout(timeout):
-            while count() < n:
-                if self.state == "stopped" or (
-                    self._arrivals is not None and self._arrivals.done() and not self._inflight
-                ):
-                    raise RuntimeError(
-                        f"the load ended with {count()} of the {n} {'successful ' if ok else ''}requests "
-                        f"awaited in phase {phase!r}; plan a longer run (duration_s / count)"
-                    )
-                self._changed.clear()
-                await self._changed.wait()
+        what = f"{n} {'successful ' if ok else ''}requests in phase {phase!r}"
+        try:
+            async with asyncio.timeout(timeout):
+                while count() < n:
+                    if self.state == "stopped" or self._ended():
+                        raise RuntimeError(
+                            f"the load ended with {count()} of the {what}; plan a longer run (duration_s / count)"
+                        )
+                    self._changed.clear()
+                    await self._changed.wait()
+        except TimeoutError:
+            raise TimeoutError(
+                f"waited {timeout:g} s for {what}; {count()} so far, {len(self._inflight)} in flight"
+            ) from None
+
+    def _ended(self) -> bool:
+        # A request's task is still in the set between its last notification and its done callback.
+        return self._arrivals is not None and self._arrivals.done() and all(t.done() for t in self._inflight)
 
     async def finished(self) -> Summary:
         """Wait for the plan to run out (every arrival sent and answered), then stop."""

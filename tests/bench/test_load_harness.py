@@ -280,3 +280,19 @@ async def test_vllm_alone_gets_no_route_header_and_sampled_requests_sample(fake:
     # A sampled text is never compared, whatever the references hold.
     refs = References("tiny", "here", {sampled.reference_key: "anything"})
     assert refs.match(sampled, rec.text) is None
+
+
+async def test_waiting_for_more_than_the_plan_sends_says_so(fake: FakeOpenAI) -> None:
+    load = Load(target(fake), LoadPlan(rate=100, count=3))
+    async with load:
+        await load.completed(3)
+        with pytest.raises(RuntimeError, match="the load ended with 3 of the 4 requests in phase 'steady'"):
+            await load.completed(4)
+
+
+async def test_a_wait_that_times_out_names_what_it_saw(fake: FakeOpenAI) -> None:
+    fake.script = lambda _seen: Reply(delay_s=60)
+    load = Load(target(fake), LoadPlan(rate=100, count=2), drain_s=0.1)
+    async with load:
+        with pytest.raises(TimeoutError, match=r"waited 0.2 s for 1 successful requests .*0 so far"):
+            await load.completed(1, ok=True, timeout=0.2)
