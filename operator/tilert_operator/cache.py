@@ -19,7 +19,7 @@ logic recognises its own echoes) but do not overwrite the store.
 
 An optional kind the API server does not serve (404: the MultiNetworkPolicy CRD not installed) or the
 role does not allow (403) is remembered: reads answer that status without a call, and the list is
-tried again after `unserved_retry_s`, or at once when its CRD appears (`Cache.served`, called from
+tried again after `unserved_retry_s` (a 403: `forbidden_retry_s`), or at once when its CRD appears (`Cache.served`, called from
 kopf's watch of CRDs in wiring.py); then the namespace's PDClusters are reconciled (`on_served`).
 
 Lifecycle (one owner, the Controller): `attach(namespace)` when a PDCluster of that namespace
@@ -68,8 +68,12 @@ class CacheSettings:
     #: First and longest wait after a failed list or watch.
     backoff_first_s: float = 0.5
     backoff_max_s: float = 30.0
-    #: Seconds before an optional kind that answered 403/404 is listed again.
+    #: Seconds before an optional kind that answered 404 (its CRD absent) is listed again; its CRD
+    #: appearing wakes it sooner (Cache.served).
     unserved_retry_s: float = 600.0
+    #: Seconds before one that answered 403 is listed again: a role being fixed makes no event the
+    #: operator can watch, so this is polled (wiring sets the resync period; only in that state).
+    forbidden_retry_s: float = 30.0
 
 
 class State(enum.Enum):
@@ -175,10 +179,15 @@ class Informer:
                         self.kind,
                         self.namespace,
                         "not served" if e.status == 404 else "not allowed",
-                        self.settings.unserved_retry_s,
+                        self.settings.forbidden_retry_s
+                        if e.status == 403
+                        else self.settings.unserved_retry_s,
+                    )
+                    wait = (
+                        self.settings.forbidden_retry_s if e.status == 403 else self.settings.unserved_retry_s
                     )
                     try:  # until the next try, or until its CRD is seen (Cache.served)
-                        await asyncio.wait_for(self.recheck.wait(), self.settings.unserved_retry_s)
+                        await asyncio.wait_for(self.recheck.wait(), wait)
                     except TimeoutError:
                         pass
                     self.recheck.clear()

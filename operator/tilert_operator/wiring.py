@@ -98,7 +98,10 @@ async def startup(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) ->
             drift_debounce_s=_env_float("TILERT_PD_DRIFT_DEBOUNCE_S", 0.1),
             drift_min_interval_s=_env_float("TILERT_PD_DRIFT_MIN_INTERVAL_S", 1.0),
             watch_cache=WATCH_CHILDREN,
-            cache=CacheSettings(watch_timeout_s=_env_float("TILERT_PD_WATCH_TIMEOUT_S", 300)),
+            cache=CacheSettings(
+                watch_timeout_s=_env_float("TILERT_PD_WATCH_TIMEOUT_S", 300),
+                forbidden_retry_s=_env_float("TILERT_PD_RESYNC_S", 30.0),
+            ),
         ),
     )
     metrics_port = int(_env_float("TILERT_PD_METRICS_PORT", 8080))
