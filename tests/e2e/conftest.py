@@ -163,6 +163,9 @@ def start_node(
             str(model_dir),
             "--tilert-model",
             "mla",
+            # The prefill serves the model as "tiny": the node's compatibility generation names it too.
+            "--served-model-name",
+            "tiny",
             "--engine",
             "reference",
             "--slots",
