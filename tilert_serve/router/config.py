@@ -7,9 +7,8 @@ still parses (the operator's renderer and this model are edited by different peo
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -222,18 +221,6 @@ class RouterConfig(_Strict):
     #: Where each prefill server's MooncakeConnector serves its bootstrap registry: vLLM's
     #: VLLM_MOONCAKE_BOOTSTRAP_PORT (default 8998) on the prefill's host.
     mooncake_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
-
-    if TYPE_CHECKING:
-        # What the constructor accepts, for the type checker: the older forms (URL strings, one
-        # discovery) validate as well as the new ones, so renderers written before generations type-check.
-        def __init__(
-            self,
-            *,
-            prefill: Sequence[Endpoint | str],
-            native: Sequence[Endpoint | str] = (),
-            tilert_discovery: Sequence[TileRTDiscovery] | TileRTDiscovery | None = None,
-            **fields: Any,
-        ) -> None: ...
 
     @field_validator("tilert_discovery", mode="before")
     @classmethod
