@@ -52,7 +52,27 @@ NOT_HERE = {
 # only these or NOT_HERE's series is not expected to answer.
 NO_SERIES_HERE = {
     **NOT_HERE,
-    "tilert_router_upstream_errors_total": "no upstream call fails before the fault",
+    **dict.fromkeys(
+        [
+            "tilert_router_upstream_errors_total",
+            "tilert_decode_ctrl_errors_total",
+            "tilert_decode_ctrl_unauthenticated_total",
+            "tilert_decode_expired_slots_total",
+        ],
+        "a labelled counter has no series before its first failure, and nothing fails before the faults",
+    ),
+    **dict.fromkeys(
+        [
+            "vllm:tilert_handoffs_total",
+            "vllm:tilert_extract_seconds_total",
+            "vllm:tilert_write_seconds_total",
+            "vllm:tilert_ack_seconds_total",
+            "vllm:tilert_handoff_seconds_total",
+            "vllm:tilert_layers_sent_total",
+            "vllm:tilert_layers_early_total",
+        ],
+        "the prefill stand-in is not vLLM",
+    ),
 }
 
 
