@@ -21,6 +21,11 @@ if [ ${#need_apt[@]} -gt 0 ]; then
   sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
   $sudo_cmd apt-get update -qq
   DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq --no-install-recommends "${need_apt[@]}"
+  # On a systemd host the package also starts a system Prometheus listening on every interface (:9090):
+  # we only run promtool and our own instance on 127.0.0.1, so that service must not stay up.
+  if [[ " ${need_apt[*]} " == *" prometheus "* ]] && [ -d /run/systemd/system ]; then
+    $sudo_cmd systemctl disable --now prometheus >/dev/null 2>&1 || true
+  fi
 fi
 
 if [ -f "$stamp" ] && [ -z "$(find "${inputs[@]}" -newer "$stamp" 2>/dev/null)" ]; then
