@@ -173,3 +173,44 @@ def summarize(records: Sequence[Record], marks: Sequence[Mark], initial_phase: s
         pending=len(records) - len(done),
         span_s=(max(stops) - min(starts)) if starts and stops else 0.0,
     )
+
+
+def planned_change_problems(
+    s: Summary, during: str, steady: str = "steady", ttft_slack: float = 2.0
+) -> list[str]:
+    """What breaks issue 23's bar for a planned change (a rollout, a scale step) in phase `during`:
+    any failed request, any greedy output unlike vLLM alone's, TTFT p99 over `ttft_slack` x the
+    steady state's. Empty when the change met it."""
+    problems = []
+    if s.failed:
+        problems.append(f"{s.failed} requests failed: {dict(sorted(s.total.failures.items()))}")
+    if s.mismatches:
+        problems.append(f"{s.mismatches} of {s.total.compared} greedy outputs differ from vLLM alone's")
+    ratio = s.ttft_p99_ratio(during, steady)
+    if ratio is None:
+        problems.append(
+            f"no TTFT to compare: phases {during!r} and {steady!r} need streamed requests that succeeded"
+        )
+    elif ratio > ttft_slack:
+        problems.append(
+            f"TTFT p99 during {during!r} is {ratio:.2f}x the {steady!r} one (bar: {ttft_slack:g}x)"
+        )
+    return problems
+
+
+def unplanned_change_problems(s: Summary, mark: str, serve_within_s: float = 2.0) -> list[str]:
+    """What breaks the bar for an unplanned change (a kill) marked `mark`: requests sent after it must
+    all succeed from within `serve_within_s` of it on (those in flight at the mark may fail), and no
+    greedy output may differ. Empty when it met it."""
+    r = s.recovery(mark)
+    problems = []
+    if r.steady_from_s is None:
+        problems.append(f"after {mark!r} the last request sent still failed ({r.failed} failed after it)")
+    elif r.steady_from_s > serve_within_s:
+        problems.append(
+            f"requests sent after {mark!r} all succeed only from {r.steady_from_s:.2f} s on (bar: {serve_within_s:g} s; "
+            f"{r.failed} failed after the mark, first success at {r.first_ok_s:.2f} s)"
+        )
+    if s.mismatches:
+        problems.append(f"{s.mismatches} of {s.total.compared} greedy outputs differ from vLLM alone's")
+    return problems
