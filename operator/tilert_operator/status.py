@@ -249,6 +249,7 @@ HANDOFF_MAX_AGE_S = 120.0
 HANDOFF_REASONS = {
     "not_authenticated": "NotAuthenticated",
     "layout_mismatch": "LayoutMismatch",
+    "compat_mismatch": "CompatMismatch",
     "version_mismatch": "VersionMismatch",
     "timeout": "Timeout",
     "digest_mismatch": "DigestMismatch",

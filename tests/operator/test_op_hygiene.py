@@ -160,9 +160,18 @@ def test_prestop_grace_period_and_the_drain_agree() -> None:
     ws = _workloads(_render(spec))
     grace = {name: w["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] for name, w in ws.items()}
     assert grace == {"t-prefill": 60, "t-tilert-decode": 120, "t-native-decode": 120, "t-router": 120}
-    for w in ws.values():
-        c = w["spec"]["template"]["spec"]["containers"][0]
+    for name in ("t-tilert-decode", "t-router"):
+        c = ws[name]["spec"]["template"]["spec"]["containers"][0]
         assert c["lifecycle"] == {"preStop": {"exec": {"command": ["sleep", "5"]}}}
+    # vLLM pools wait in preStop until vLLM and the connector are idle: at least the preStop sleep, at
+    # most the grace period less the exit margin (after which SIGTERM's drain has nothing left to wait for).
+    for name, timeout in (("t-prefill", "55"), ("t-native-decode", "115")):
+        hook = ws[name]["spec"]["template"]["spec"]["containers"][0]["lifecycle"]["preStop"]["exec"][
+            "command"
+        ]
+        assert hook[:2] == ["tilert-pd", "wait-idle"], hook
+        assert (_arg(hook, "--min-wait"), _arg(hook, "--timeout")) == ("5", timeout)
+        assert _arg(hook, "--url") == "http://127.0.0.1:8100"
     cmds = commands.commands(specmod.parse(spec))
     # The processes drain within what the kubelet leaves them: grace - preStop sleep - 5 s to exit.
     assert _arg(cmds[constants.ROUTER].argv, "--drain-timeout") == "110"

@@ -201,6 +201,8 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         "--secret-file", paths.secret_file,
         "--max-seq-len", str(spec.model.max_seq_len),
         "--kv-cache-dtype", spec.model.resolved_kv_cache_dtype,
+        # The name the prefills serve: part of the compatibility generation both sides advertise.
+        "--served-model-name", spec.model.name,
         # MTP resumes from the draft-layer KV the prefill computed: same depth on both sides.
         "--num-speculative-tokens", str(spec.prefill.mtp.num_speculative_tokens if t.mtp else 0),
     ]  # fmt: skip

@@ -28,6 +28,7 @@ from typing import Any
 
 from tilert_operator import constants
 from tilert_operator.spec import Pool
+from tilert_serve import defaults
 
 Manifest = dict[str, Any]
 
@@ -75,14 +76,22 @@ def statefulset_update_strategy(pool: Pool) -> Manifest:
     return {"type": "RollingUpdate", "rollingUpdate": rolling}
 
 
-def vllm_pre_stop(pool: Pool) -> list[str] | None:
-    """THE PLACE for the vLLM pools' drain-aware preStop (prefill and native decode): `tilert-pd
-    wait-idle`, which waits until vLLM holds no request (bounded by the pool's drain timeout), is being
-    written; once it lands, return its argv here (e.g. ["tilert-pd", "wait-idle", "--sleep",
-    str(pool.termination.pre_stop_sleep_seconds), "--timeout", str(pool.termination.drain_timeout_s)]).
-    It matters most when a generation's workloads are removed after a rollout (rollout.py): their pods
-    then drain only through preStop and the grace period. None = the plain preStop sleep."""
-    return None
+def vllm_pre_stop(pool: Pool) -> list[str]:
+    """The vLLM pools' preStop (prefill and native decode): `tilert-pd wait-idle` waits the preStop
+    sleep (Services and the router drop the pod meanwhile), then until the local vLLM holds no request
+    and, on a prefill, the connector has no handoff left to send (its default pending directory, which
+    the connector also uses), so SIGTERM finds nothing to abort. It may use the whole grace period less
+    the exit margin: when it returns because the pod is idle, vLLM's own drain after SIGTERM has nothing
+    to wait for; when it times out, the kubelet's SIGKILL ends what is left, as it would anyway. It
+    matters most when a generation's workloads are removed after a rollout (rollout.py): their pods
+    drain only through preStop and the grace period."""
+    t = pool.termination
+    return [
+        "tilert-pd", "wait-idle",
+        "--url", f"http://127.0.0.1:{defaults.VLLM_PORT}",
+        "--min-wait", str(t.pre_stop_sleep_seconds),
+        "--timeout", str(t.pre_stop_sleep_seconds + t.drain_timeout_s),
+    ]  # fmt: skip
 
 
 def lifecycle(pool: Pool, pre_stop: list[str] | None = None) -> Manifest | None:
