@@ -1054,10 +1054,17 @@ class ApiServer(kmock.KubernetesEmulator):
             timed_out = False
             while not timed_out:
                 try:
-                    event = await asyncio.wait_for(queue.get(), timeout=max(0.0, deadline - loop.time()))
+                    # In slices: a client that went away (an operator stopped) is noticed within one,
+                    # so no handler outlives it until its timeoutSeconds and holds the server's shutdown.
+                    event = await asyncio.wait_for(
+                        queue.get(), timeout=max(0.0, min(1.0, deadline - loop.time()))
+                    )
                 except TimeoutError:
-                    timed_out = True
-                    break
+                    transport = raw.transport
+                    if transport is None or transport.is_closing():
+                        break
+                    timed_out = loop.time() >= deadline
+                    continue
                 if wanted(event):
                     await resp.write(json.dumps(event).encode() + b"\n")
                 if event["type"] == "ERROR":
