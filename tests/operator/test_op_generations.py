@@ -315,6 +315,27 @@ def test_a_stuck_new_generation_is_reported_stalled_and_the_old_one_keeps_servin
 # ---- pure parts --------------------------------------------------------------------------------
 
 
+@pytest.mark.parametrize(("prefill_mtp", "node_mtp"), [(True, True), (True, False), (False, False)])
+def test_the_rendered_node_computes_the_operators_layout(prefill_mtp: bool, node_mtp: bool) -> None:
+    """The node's layout comes from its rendered flags and the checkpoint's config.json (which has an
+    MTP layer): it follows the prefill's MTP setting (what the prefill hands over), not the node's own."""
+    import argparse
+
+    from tilert_serve.decode import cli as node_cli
+    from tilert_serve.tinymodel.generate import TinySpec, model_config
+
+    spec = specmod.parse(
+        helpers.minimal(prefill={"mtp": {"enabled": prefill_mtp}}, decode={"tilert": {"mtp": node_mtp}})
+    )
+    argv = commands.commands(spec)[constants.TILERT].argv
+    assert argv[:2] == ["tilert-pd", "decode-node"]
+    parser = argparse.ArgumentParser()
+    node_cli.add_arguments(parser)
+    node = node_cli._layout(parser.parse_args(argv[2:]), model_config(TinySpec(), 0, 1))
+    assert node.num_mtp_layers == int(prefill_mtp)
+    assert generations.layout_fingerprint(spec) == node.fingerprint
+
+
 def test_the_operator_computes_the_layout_the_tiny_node_and_prefill_compute() -> None:
     """The node's layout for the tiny checkpoint (from its config.json) and the prefill's (from its
     registered caches, MTP on) are what the operator fingerprints; with MTP off the prefill's has no MTP

@@ -117,6 +117,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", help="engine dtype for the reference engine: float32, bfloat16")
     p.add_argument("--num-speculative-tokens", type=int, default=1, help="MTP draft tokens per step; 0 = off")
     p.add_argument(
+        "--handoff-mtp-layers",
+        type=int,
+        choices=(0, 1),
+        default=None,
+        help="mla only: MTP layers the prefill hands over (1 when the prefill runs MTP, which registers "
+        "the drafter's KV cache; 0 when it does not); default: as many as config.json has. Part of the "
+        "handoff layout, so it must match the prefill's MTP setting whatever this node's own MTP is",
+    )
+    p.add_argument(
         "--ticket-ttl", type=float, default=defaults.TICKET_TTL_S, help="seconds a ticket holds a slot"
     )
     p.add_argument("--name", default=os.environ.get("POD_NAME") or socket.gethostname())
@@ -145,7 +154,11 @@ def _layout(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> layou
                 "layer count from it"
             )
         dtype = args.kv_cache_dtype if args.kv_cache_dtype != "auto" else _checkpoint_dtype(hf_config)
-        return layouts.for_hf_config("mla", hf_config, dtype)
+        layout = layouts.for_hf_config("mla", hf_config, dtype)
+        if args.handoff_mtp_layers is None or args.handoff_mtp_layers == layout.num_mtp_layers:
+            return layout
+        mtp = args.handoff_mtp_layers
+        return layouts.get("mla", dtype, num_layers=layout.num_main_layers + mtp, num_mtp_layers=mtp)
     dtype = "fp8_ds_mla" if args.kv_cache_dtype == "auto" else args.kv_cache_dtype
     return layouts.get(args.tilert_model, dtype)
 

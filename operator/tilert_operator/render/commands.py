@@ -206,6 +206,10 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
         # MTP resumes from the draft-layer KV the prefill computed: same depth on both sides.
         "--num-speculative-tokens", str(spec.prefill.mtp.num_speculative_tokens if t.mtp else 0),
     ]  # fmt: skip
+    if spec.model.tilert_model == "mla":
+        # The prefill registers (and hands over) the drafter's KV cache only with its MTP on: the
+        # node's handoff layout follows the prefill's setting, whatever the node's own MTP.
+        argv += ["--handoff-mtp-layers", "1" if spec.prefill.mtp.enabled else "0"]
     # After SIGTERM: refuse admissions, finish the streams in flight, within the grace period.
     argv += ["--drain-timeout", str(t.termination.drain_timeout_s)]
     if spec.model.revision:
