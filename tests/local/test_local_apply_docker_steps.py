@@ -159,8 +159,10 @@ def test_a_prefill_rollout_publishes_the_new_pod_before_the_old_one_leaves(
     # which comes before its preStop and its stop.
     assert calls.index(f"create {new} aliases=0") < calls.index(f"connect {new} published")
     assert calls.index(f"connect {new} published") < calls.index(f"connect {old} unpublished")
-    assert calls.index(f"connect {old} unpublished") < calls.index(f"exec {old} sleep 5")
-    assert calls.index(f"exec {old} sleep 5") < calls.index(f"stop {old}")
+    # The rendered preStop (wait until vLLM is idle), run in the old pod's container as the kubelet would.
+    hook = next(i for i, c in enumerate(calls) if c.startswith(f"exec {old} tilert-pd wait-idle "))
+    assert "--url http://127.0.0.1:8100" in calls[hook]
+    assert calls.index(f"connect {old} unpublished") < hook < calls.index(f"stop {old}")
     saved = json.loads((tmp_path / "state.json").read_text())
     assert {p["name"] for p in saved["pods"]} == {"tiny-prefill-1", "tiny-tilert-decode-0", "tiny-router-0"}
     (rec,) = [p for p in saved["pods"] if p["name"] == "tiny-prefill-1"]

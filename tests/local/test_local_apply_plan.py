@@ -3,6 +3,7 @@ Deployment, ReplicaSet and StatefulSet controllers would take, as tables."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from tilert_operator import render, validation
+from tilert_serve.local import plan as planmod
 from tilert_serve.local import rollout
 from tilert_serve.local.rollout import Create, Pod, Remove, Wait, Workload
 
@@ -360,7 +362,13 @@ def test_the_operators_render_becomes_workloads_with_its_strategies_and_hooks() 
         2,
     )
     assert (prefill.grace_s, tilert.grace_s) == (60, 120)
-    assert prefill.pre_stop == ("sleep", "5")
+    assert prefill.pre_stop is not None and prefill.pre_stop[:2] == ("tilert-pd", "wait-idle")
+    # As a local process runs it: the same translation as the components' commands, and the process's
+    # own URL instead of the pod-local port.
+    hook = planmod.local_hook(prefill.pre_stop, "http://127.0.0.1:40123")
+    assert hook[:4] == [sys.executable, "-m", "tilert_serve.cli", "wait-idle"]
+    assert hook[hook.index("--url") + 1] == "http://127.0.0.1:40123"
+    assert planmod.local_hook(("sleep", "5"), "http://127.0.0.1:40123") == ["sleep", "5"]
     docker_names = rollout.rendered(
         render.children(
             validation.validate(yaml.safe_load(EXAMPLE.read_text())["spec"], "tiny")[0], "tiny", "default"

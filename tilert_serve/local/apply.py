@@ -35,11 +35,10 @@ from tilert_operator.spec import PDClusterSpec
 from tilert_serve.local import plan as planmod
 from tilert_serve.local import rollout, runner
 from tilert_serve.router import config as router_config
-from tilert_serve.router.metrics import Metrics
+from tilert_serve.router.metrics import ENDPOINT_HEALTHY
 
 #: The router's gauge that has one series per endpoint of its current config (state.apply keeps
 #: exactly those): reading its label set back says which config the router runs.
-ENDPOINT_METRIC = Metrics().healthy.metric._name
 #: How long the router may take to load a rewritten config (it polls the file every couple of seconds).
 ROUTER_RELOAD_TIMEOUT_S = 60.0
 
@@ -108,7 +107,7 @@ def router_endpoints(router: str, timeout: float = 5.0, pool: str | None = None)
         return None
     out: set[str] = set()
     for family in text_string_to_metric_families(text):
-        if family.name == ENDPOINT_METRIC:
+        if family.name == ENDPOINT_HEALTHY:
             out |= {s.labels["endpoint"] for s in family.samples if pool is None or s.labels["pool"] == pool}
     return out
 
@@ -139,7 +138,7 @@ def record(run: runner.Running, r: rollout.Rendered, ordinal: int, revision: str
         revision=revision,
         ordinal=ordinal,
         grace_s=r.grace_s,
-        pre_stop=list(r.pre_stop) if r.pre_stop else None,
+        pre_stop=planmod.local_hook(r.pre_stop, run.url) if r.pre_stop else None,
     )
 
 

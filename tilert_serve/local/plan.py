@@ -10,6 +10,7 @@ becomes `python -m tilert_serve.cli` (the venv's bin directory need not be on PA
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -74,6 +75,16 @@ def _local_argv(argv: list[str]) -> list[str]:
     if argv[:1] == ["tilert-pd"]:
         return [sys.executable, "-m", "tilert_serve.cli", *argv[1:]]
     return argv
+
+
+def local_hook(argv: Sequence[str], url: str) -> list[str]:
+    """A pod's exec hook (preStop) as a local process runs it: the same translation as the component's
+    own command, and a `--url` (the pod's server on its pod-local port) pointed at the process's URL,
+    since local servers share the host and each has its own port."""
+    out = _local_argv(list(argv))
+    if "--url" in out[:-1]:
+        out[out.index("--url") + 1] = url
+    return out
 
 
 def plan(

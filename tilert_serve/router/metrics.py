@@ -141,10 +141,15 @@ def bounded_kind(kind: str) -> str:
     return KINDS.bound(kind)
 
 
+PREFIX = "tilert_router_"
+#: Read by `tilert-pd local apply`, which waits until the router lists the endpoints it published.
+ENDPOINT_HEALTHY = PREFIX + "endpoint_healthy"
+
+
 class Metrics:
     def __init__(self) -> None:
         self.registry = r = Registry()
-        p = "tilert_router_"
+        p = PREFIX
         path = {"path": PATHS}
         self.ttft = Bounded(
             histogram(
@@ -301,7 +306,7 @@ class Metrics:
         self.healthy = Bounded(
             gauge(
                 r,
-                p + "endpoint_healthy",
+                ENDPOINT_HEALTHY,
                 "Endpoint health: 1 healthy, 0 ejected, -1 not probed yet.",
                 {"pool": POOLS, "endpoint": ENDPOINT},
             )
