@@ -9,7 +9,6 @@ benchmark's business (bench/operator/drift.py); here only the behaviour is check
 from __future__ import annotations
 
 import time
-import urllib.request
 from typing import Any
 
 import pdc_harness as h
@@ -40,13 +39,8 @@ def slow_resync(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def reconciles(srv: Any) -> int:
-    """Reconciles run so far, from the operator's /metrics (0 before it serves them)."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT[0]}/metrics", timeout=5) as resp:
-            text = resp.read().decode()
-    except OSError:
-        return 0
-    return int(helpers.sample(text, "tilert_pd_reconcile_duration_seconds_count") or 0)
+    """Reconciles run so far, from the operator's /metrics (pdc_harness.reconciles)."""
+    return h.reconciles(METRICS_PORT[0])
 
 
 def settle(srv: Any, quiet_s: float = 1.5, timeout: float = 20.0) -> int:
