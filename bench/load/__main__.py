@@ -30,7 +30,7 @@ from bench.load.stack import EXAMPLE, TinyStack, tiny_stack
 from bench.load.summary import Stats
 
 #: A probe lasts long enough for about this many requests (a verdict on two requests is noise).
-MIN_PROBE_REQUESTS = 5
+MIN_PROBE_REQUESTS = 9
 
 
 def say(msg: str) -> None:

@@ -18,9 +18,11 @@ from bench.load.summary import Stats
 #: A probe's median latency over the lowest rate's above this means requests wait in a queue.
 LATENCY_SLACK = 2.0
 #: The last third's median latency over the first third's, above this (and GROWTH_FLOOR_S more): a
-#: queue growing during the probe.
-GROWTH_SLACK = 1.5
-GROWTH_FLOOR_S = 0.25
+#: queue growing during the probe. Judged only with GROWTH_MIN_THIRD requests or more in a third: the
+#: mix's requests differ (route, length) by several times in latency, so one against one is noise.
+GROWTH_SLACK = 2.0
+GROWTH_FLOOR_S = 0.5
+GROWTH_MIN_THIRD = 3
 
 
 @dataclass(frozen=True)
@@ -38,11 +40,14 @@ class Queue:
         done = sorted((r for r in records if r.latency is not None), key=lambda r: r.start)
         if not done:
             return cls(None, None, None)
-        third = max(1, len(done) // 3)
+        ends = [r.end for r in done if r.end is not None]
+        drain = max(ends) - done[-1].start
+        third = len(done) // 3
+        if third < GROWTH_MIN_THIRD:
+            return cls(None, drain, None)
         head = statistics.median(r.latency for r in done[:third] if r.latency is not None)
         tail = statistics.median(r.latency for r in done[-third:] if r.latency is not None)
-        ends = [r.end for r in done if r.end is not None]
-        return cls(tail / head if head > 0 else None, max(ends) - done[-1].start, head)
+        return cls(tail / head if head > 0 else None, drain, head)
 
 
 @dataclass(frozen=True)

@@ -123,20 +123,23 @@ def test_the_rate_ladder_keeps_the_highest_rate_served_without_failure_or_queue(
 
 def test_a_queue_growing_or_a_backlog_draining_is_not_sustained() -> None:
     low = stats(p50=0.5)  # p99 0.5 s too
-    growing = verdict(1.0, stats(p50=0.6), Queue(growth=2.0, drain_s=0.5, first_third_p50=0.4), low)
+    growing = verdict(1.0, stats(p50=0.6), Queue(growth=3.0, drain_s=0.5, first_third_p50=0.4), low)
     assert not growing.sustained and "queue grew" in growing.why
     # a small absolute growth is noise, not a queue
-    assert verdict(1.0, stats(p50=0.1), Queue(growth=2.0, drain_s=0.1, first_third_p50=0.1), low).sustained
+    assert verdict(1.0, stats(p50=0.1), Queue(growth=3.0, drain_s=0.1, first_third_p50=0.1), low).sustained
     backlog = verdict(1.0, stats(p50=0.6), Queue(growth=1.0, drain_s=3.0, first_third_p50=0.6), low)
     assert not backlog.sustained and "backlog" in backlog.why
 
 
 def test_queue_signs_come_from_send_order_and_the_last_answer() -> None:
-    # latencies 1, 1, 1, 2, 3, 4 by send time: first third median 1, last third 3.5
-    records = [rec(i, float(i), float(i) + lat) for i, lat in enumerate([1, 1, 1, 2, 3, 4])]
-    q = Queue.of(records)
-    assert q.growth == pytest.approx(3.5) and q.first_third_p50 == 1.0
-    assert q.drain_s == pytest.approx(4.0)  # last sent at 5, answered at 9
+    # latencies by send time: first third's median 1, last third's 4
+    lat = [1, 1, 1, 2, 2, 2, 3, 4, 5]
+    q = Queue.of([rec(i, float(i), float(i) + x) for i, x in enumerate(lat)])
+    assert q.growth == pytest.approx(4.0) and q.first_third_p50 == 1.0
+    assert q.drain_s == pytest.approx(5.0)  # last sent at 8, answered at 13
+    # Too few to compare thirds (one request against one is the mix's spread, not a queue).
+    few = Queue.of([rec(i, float(i), float(i) + x) for i, x in enumerate([1, 1, 4, 1, 5])])
+    assert few.growth is None and few.drain_s == pytest.approx(5.0)
     assert Queue.of([]) == Queue(None, None, None)
 
 
