@@ -349,6 +349,11 @@ class Client:
         self._user_agent = user_agent
         self._refresh = refresh
         self._session: aiohttp.ClientSession | None = None
+        #: Watches hold their connection for minutes: their own pool, so that they never take the
+        #: connections the calls need (one informer per kind and namespace outnumbers any fixed limit).
+        self._watch_session: aiohttp.ClientSession | None = None
+        #: Sessions being closed after new credentials (kept referenced until done).
+        self._closing: set[asyncio.Future[None]] = set()
         self._lock = asyncio.Lock()
         self._issued_at = time.time()
         self._refresh_after = 0.0
@@ -382,9 +387,10 @@ class Client:
         await self.close()
 
     async def close(self) -> None:
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        for session in (self._session, self._watch_session):
+            if session is not None:
+                await session.close()
+        self._session = self._watch_session = None
 
     # -- credentials --------------------------------------------------------------------------
 
@@ -444,16 +450,24 @@ class Client:
             why,
             f"; token valid until {new.expiration():%H:%M:%S}Z" if new.expires_at else "",
         )
-        if _tls(old) != _tls(new) and self._session is not None:
-            # A new client certificate (or server): new connections, and the old session closes once
-            # requests already on it are done.
-            stale, self._session = self._session, None
-            asyncio.get_running_loop().call_later(
-                self.retry.timeout + 1, lambda: asyncio.ensure_future(stale.close())
-            )
+        if _tls(old) != _tls(new):
+            # A new client certificate (or server): new connections, and the old sessions close once
+            # requests already on them are done (a watch on the old one ends at its timeout or then).
+            stale = [x for x in (self._session, self._watch_session) if x is not None]
+            self._session = self._watch_session = None
 
-    def _session_get(self) -> aiohttp.ClientSession:
-        if self._session is None:
+            def close_stale() -> None:
+                for x in stale:
+                    task = asyncio.ensure_future(x.close())
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+
+            if stale:
+                asyncio.get_running_loop().call_later(self.retry.timeout + 1, close_stale)
+
+    def _session_get(self, *, watch: bool = False) -> aiohttp.ClientSession:
+        session = self._watch_session if watch else self._session
+        if session is None:
             ctx: ssl.SSLContext | bool = False
             if self.conn.server.startswith("https"):
                 ctx = ssl.create_default_context(cafile=self.conn.ca_path)
@@ -463,12 +477,18 @@ class Client:
                 if self.conn.cert_path and self.conn.key_path:
                     ctx.load_cert_chain(self.conn.cert_path, self.conn.key_path)
             headers = {"User-Agent": self._user_agent, "Accept": "application/json"}
-            self._session = aiohttp.ClientSession(
+            session = aiohttp.ClientSession(
                 headers=headers,
-                connector=aiohttp.TCPConnector(ssl=ctx, limit=64),
+                # Calls: at most 64 at once. Watches: one per informer, no limit (their number is
+                # the kinds times the namespaces with PDClusters).
+                connector=aiohttp.TCPConnector(ssl=ctx, limit=0 if watch else 64),
                 timeout=aiohttp.ClientTimeout(total=self.retry.timeout),
             )
-        return self._session
+            if watch:
+                self._watch_session = session
+            else:
+                self._session = session
+        return session
 
     async def request(
         self,
@@ -586,7 +606,7 @@ class Client:
         headers = {"Authorization": auth} if (auth := self._authorization()) else {}
         # A watch is long: no total timeout, only one for silence past the server's own end.
         timeout = aiohttp.ClientTimeout(total=None, sock_connect=self.retry.timeout, sock_read=timeout_s + 30)
-        async with self._session_get().get(
+        async with self._session_get(watch=True).get(
             self.conn.server + path, params=params, headers=headers, timeout=timeout
         ) as resp:
             if resp.status >= 300:

@@ -204,3 +204,25 @@ async def test_a_pdcluster_recreated_at_once_keeps_its_namespace_cached(apiserve
             assert cache.detach("other", "c") is None  # never attached: nothing to stop
         finally:
             await cache.stop()
+
+
+async def test_watches_never_take_the_connections_calls_need(apiserver: Any) -> None:
+    """One informer per kind and namespace: with ten namespaces that is 90 watches open at once, more
+    than the calls' pool holds (64). A call must still go through while they are all open."""
+    srv = apiserver.server
+    apiserver.call(srv.put(CM, cm("a")))
+    async with Client(Connection(server=apiserver.url)) as api:
+
+        async def hold(i: int) -> None:
+            async for _ in api.watch("ConfigMap", f"ns-{i}", SELECTOR, str(srv.rv), timeout_s=60):
+                pass
+
+        watches = [asyncio.create_task(hold(i)) for i in range(80)]
+        try:
+            await until("80 watches open", lambda: sum(1 for c in srv.calls if c.verb == "watch") >= 80)
+            got = await asyncio.wait_for(api.get("ConfigMap", "default", "a"), 10)
+            assert got is not None and got["metadata"]["name"] == "a"
+        finally:
+            for w in watches:
+                w.cancel()
+            await asyncio.gather(*watches, return_exceptions=True)
