@@ -1,5 +1,5 @@
 """`tilert-pd local apply` on the process runtime: the tiny stack (one prefill, one TileRT node) is
-started as `up` starts it, then changed under a steady stream of requests through the router:
+started as `up --observe` starts it (its Prometheus scraping every component), then changed under a steady stream of requests through the router:
 
 1. the TileRT pool 1 -> 2 (a StatefulSet scale-up: tilert-1 created, waited for, then an endpoint);
 2. a changed prefill argument (a Deployment rolling update, maxSurge 1 / maxUnavailable 0: the new
@@ -15,7 +15,12 @@ component ready; and no request of the stream failed.
 from __future__ import annotations
 
 import argparse
+import json
 import threading
+import time
+import urllib.parse
+import urllib.request
+from base64 import b64encode
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -75,12 +80,52 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, Path
     port = runner.free_port()
     rc = cli.run(
         argparse.Namespace(
-            action="up", filename=str(first), home=home, router_port=port, timeout=600.0, runtime="process"
+            action="up",
+            filename=str(first),
+            home=home,
+            router_port=port,
+            timeout=600.0,
+            runtime="process",
+            observe=True,
         )
     )
     assert rc == 0
+    meta, _ = _state(home)
+    prometheus = runner.Running("prometheus", "prometheus", 0, "", "", "")
+    if isinstance(meta.get(cli.PROMETHEUS), dict):
+        p = meta[cli.PROMETHEUS]
+        prometheus = runner.Running(
+            "prometheus", "prometheus", p["pid"], p["url"], "", "", started=p["started"]
+        )
     yield home, specs
     cli.run(argparse.Namespace(action="down", home=home))
+    # `up --observe` recorded its Prometheus, and `down` stopped it with the components.
+    assert prometheus.pid and not runner.running(prometheus)
+
+
+def _query(meta: dict[str, Any], promql: str) -> list[dict[str, Any]]:
+    p = meta[cli.PROMETHEUS]
+    auth = b64encode(f"tilert-pd:{Path(p['password_file']).read_text()}".encode()).decode()
+    req = urllib.request.Request(
+        f"{p['url']}/api/v1/query?{urllib.parse.urlencode({'query': promql})}",
+        headers={"Authorization": f"Basic {auth}"},
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return list(json.loads(r.read())["data"]["result"])
+
+
+def _check_observed(home: Path) -> None:
+    """`up --observe`: a Prometheus on 127.0.0.1 behind basic auth scrapes each component the stack
+    runs (that `down` stops it, the fixture checks)."""
+    meta, _ = _state(home)
+    assert str(meta[cli.PROMETHEUS]["url"]).startswith("http://127.0.0.1:")
+    want = {"router", "prefill", "tilert-decode"}
+    deadline = time.monotonic() + 120
+    up: set[str] = set()
+    while time.monotonic() < deadline and up != want:  # until each target's first scrape succeeded
+        up = {s["metric"]["job"] for s in _query(meta, "up == 1")}
+        time.sleep(0.5)
+    assert up == want
 
 
 def _apply(home: Path, specs: Path, doc: dict[str, Any], name: str, timeout: float = 600.0) -> int:
@@ -117,6 +162,7 @@ def test_scale_roll_and_a_stalled_rollout_lose_no_request(
     stack: tuple[Path, Path], load_during: Any, capsys: pytest.CaptureFixture[str]
 ) -> None:
     home, specs = stack
+    _check_observed(home)
     meta, before = _state(home)
     load = load_during(str(meta["router"]))
 

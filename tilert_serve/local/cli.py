@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING, Any
 import yaml
 
 from tilert_operator import constants
-from tilert_serve import defaults, tinymodel
+from tilert_serve import defaults, observe, tinymodel
 from tilert_serve.local import apply as applymod
 from tilert_serve.local import docker, docker_apply, docker_runtime, rollout, runner
 from tilert_serve.local import plan as planmod
@@ -44,6 +44,8 @@ from tilert_serve.router import config as router_config
 if TYPE_CHECKING:
     from tilert_operator.spec import PDClusterSpec
 
+#: The state file's key for the stack's Prometheus (`up --observe`).
+PROMETHEUS = "prometheus"
 DEFAULT_HOME = Path(os.environ.get("TILERT_PD_HOME", ".tilert-pd"))
 
 
@@ -59,6 +61,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="process",
         help="process: each component a local process (default, no root needed); docker: each pod of "
         "the rendered manifests a container of its image (`make images` first)",
+    )
+    up.add_argument(
+        "--observe",
+        action="store_true",
+        help="also start a local Prometheus (Debian's prometheus, on 127.0.0.1 with basic auth) scraping "
+        "every component with the chart's recording and alerting rules (process runtime)",
     )
     ap = sub.add_parser(
         "apply",
@@ -169,10 +177,16 @@ def up(args: argparse.Namespace) -> int:
     if (state_dir / runner.STATE_FILE).exists() and _is_running(state_dir):
         raise ValueError(f"{name} is already running locally; `tilert-pd local down` first")
     if getattr(args, "runtime", "process") == "docker":
+        if args.observe:
+            raise ValueError(
+                "--observe runs with the process runtime only; drop --runtime docker or --observe"
+            )
         return _up_docker(args, name, spec, state_dir)
     stack = launch(
         name, spec, state_dir, file=args.filename, router_port=args.router_port, timeout=args.timeout
     )
+    if getattr(args, "observe", False):
+        _observe(stack)
     say(
         f"ready: the OpenAI API is at {stack.router}/v1 (model {spec.model.name!r}); "
         "`tilert-pd local status`, `tilert-pd local down`"
@@ -267,6 +281,39 @@ def launch(
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
         raise
     return LocalStack(name, spec, state_dir, p, started, str(meta["router"]), secret, token)
+
+
+def _observe(stack: LocalStack) -> None:
+    """Start a Prometheus scraping the stack's components (their /metrics are open on loopback in a local
+    run) and record it in the state, so that `status` shows it and `down` stops it."""
+    targets = [observe.local_target(c.kind, c.url) for c in stack.plan.components]
+    try:
+        handle = observe.start(stack.state_dir, targets)
+    except (observe.ObserveError, observe.ConfigError) as exc:
+        raise ValueError(f"the stack runs, but its Prometheus did not start: {exc}") from exc
+    meta, procs = runner.load(stack.state_dir)
+    meta[PROMETHEUS] = {
+        "url": handle.url,
+        "pid": handle.process.pid,
+        "started": runner.start_time(handle.process.pid),
+        "log": str(handle.log_file),
+        "password_file": str(handle.password_file),
+    }
+    runner.save(stack.state_dir, meta, procs)
+    say(
+        f"  prometheus {handle.url} (user {handle.username}, password in {handle.password_file}); "
+        "rules: tilert_pd:* recordings and TilertPD* alerts"
+    )
+
+
+def _prometheus(meta: dict[str, Any]) -> runner.Running | None:
+    """The stack's Prometheus (`up --observe`) as a process `runner` can check and stop."""
+    p = meta.get(PROMETHEUS)
+    if not isinstance(p, dict):
+        return None
+    return runner.Running(
+        "prometheus", "prometheus", int(p["pid"]), str(p["url"]), "", str(p["log"]), started=p.get("started")
+    )
 
 
 def _workloads(name: str, spec: PDClusterSpec) -> dict[str, rollout.Rendered]:
@@ -464,6 +511,22 @@ def status(args: argparse.Namespace) -> int:
                 )
             continue
         meta, procs = runner.load(state_dir)
+        prom = _prometheus(meta)
+        if prom is not None:
+            running = runner.running(prom)
+            rows.append(
+                {
+                    "cluster": meta["cluster"],
+                    "name": prom.name,
+                    "kind": prom.kind,
+                    "url": prom.url,
+                    "pid": prom.pid,
+                    "running": running,
+                    # Its API wants the password (in the state directory): running is what we can say.
+                    "ready": running,
+                    "log": prom.log,
+                }
+            )
         for p in procs:
             running = runner.running(p)
             rows.append(
@@ -504,7 +567,8 @@ def down(args: argparse.Namespace) -> int:
             )
             continue
         meta, procs = runner.load(state_dir)
-        others = runner.stop(procs)
+        prom = _prometheus(meta)
+        others = runner.stop(procs + ([prom] if prom is not None else []))
         (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
         print(f"stopped {meta['cluster']} ({len(procs)} processes)")
         for p in others:

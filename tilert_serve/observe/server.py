@@ -182,7 +182,11 @@ def start(
         len(rule_files),
     )
     with open(log_file, "ab") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+        # Its own session: it outlives the command that started it (`tilert-pd local up` returns while
+        # the stack runs), and `local down` stops its process group as it stops the components'.
+        process = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True
+        )
     handle = Prometheus(
         url=f"http://127.0.0.1:{port}",
         username=USERNAME,
