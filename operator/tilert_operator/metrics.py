@@ -18,7 +18,7 @@ BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 #: A PDCluster's state as the controller keeps it; every state is a series, 0 when none is in it.
 STATES = values(("ready", "not_ready", "invalid"), other=False)
 #: The API client's verbs (kubeapi.Client.request's first argument); another counts as "other".
-API_VERBS = values(("get", "list", "patch", "create", "delete"))
+API_VERBS = values(("get", "list", "watch", "patch", "create", "delete"))
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _PDCLUSTERS = "tilert_pd_pdclusters"

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 import urllib.request
 from typing import Any
 
@@ -70,22 +69,29 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     srv = apiserver.server
     doc = h.pdc(helpers.example("tiny-cpu"))
     spec = specmod.parse(doc["spec"])
+    first_metrics = free_port()
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", str(first_metrics))
+    monkeypatch.setenv("TILERT_PD_METRICS_HOST", "127.0.0.1")
     with KopfRunner(h.ARGS, timeout=30) as runner:
         kubectl(apiserver, "create", "--validate=false", "-f", "-", stdin=yaml.safe_dump(doc))
         body = h.wait_for("the PDCluster", lambda: srv.get("pdclusters", "default", "tiny"))
         uid = body["metadata"]["uid"]
 
-        # kopf watches only the operator's pods, filtered by the server.
-        pod_watches = h.wait_for(
-            "pod watch",
-            lambda: [
+        # The operator's pod informer lists and watches only PDClusters' pods, filtered by the server;
+        # kopf's stand-by pod watch (for the no-cache mode) only the operator's own.
+        def pod_reads(agent: str) -> list[Any]:
+            return [
                 c
                 for c in srv.calls
-                if c.resource == "pods" and c.verb in ("list", "watch") and c.user_agent.startswith("kopf/")
-            ],
-        )
+                if c.resource == "pods" and c.verb in ("list", "watch") and c.user_agent.startswith(agent)
+            ]
+
+        informer = h.wait_for("the pod informer", lambda: pod_reads(constants.FIELD_MANAGER))
+        assert {c.verb for c in informer} <= {"list", "watch"}
+        assert all(c.label_selector == constants.LABEL_CLUSTER for c in informer), informer
         assert all(
-            c.label_selector == f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}" for c in pod_watches
+            c.label_selector == f"{constants.LABEL_MANAGED_BY}={constants.MANAGED_BY}"
+            for c in pod_reads("kopf/")
         )
 
         # Children appear, owned by the PDCluster, with the rendered commands.
@@ -177,8 +183,8 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         # `kubectl get pdc` shows the printer columns.
         table = kubectl(apiserver, "get", "pdc")
         header, row = table.splitlines()[:2]
-        assert header.split() == ["NAME", "READY", "PREFILL", "TILERT", "NATIVE", "ROUTER", "AGE"]
-        assert row.split()[:6] == ["tiny", "True", "1/1", "1/2", "1/1", "1/1"]
+        assert header.split() == ["NAME", "READY", "PREFILL", "TILERT", "NATIVE", "ROUTER", "ROLLOUT", "AGE"]
+        assert row.split()[:7] == ["tiny", "True", "1/1", "1/2", "1/1", "1/1", "RolloutComplete"]
 
         # The test server applies the CRD's schema and CEL rules, like a real API server would.
         refused = subprocess.run(
@@ -253,7 +259,9 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             ),
             timeout=5,
         )
-        time.sleep(1.5)
+        # Two reconciles after the new Secret: the pods' templates are what they were (no roll).
+        after_secret = h.reconciles(first_metrics)
+        h.wait_for("two reconciles", lambda: h.reconciles(first_metrics) >= after_secret + 2)
         assert {
             n: srv.get(p, "default", n)["spec"]["template"]
             for p, n in [("deployments", "tiny-prefill"), ("statefulsets", "tiny-tilert-decode")]
@@ -274,15 +282,18 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             timeout=5,
         )
 
-        # Idle resyncs write nothing.
-        time.sleep(1.5)
-        before = len(operator_writes(apiserver))
-        reads_before = len([c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER)])
-        time.sleep(3.5)
-        assert operator_writes(apiserver)[before:] == []
-        assert (
-            len([c for c in srv.calls if c.user_agent.startswith(constants.FIELD_MANAGER)]) > reads_before
-        ), "resyncs did run"
+        # Idle resyncs call nothing but the informers' watches: no read, no write. (Counted over
+        # reconciles the operator reports, not over a fixed time.)
+        idle_from = h.reconciles(first_metrics) + 1
+        h.wait_for("a reconcile after the last change", lambda: h.reconciles(first_metrics) >= idle_from)
+        before = len(srv.calls)
+        h.wait_for("three idle resyncs", lambda: h.reconciles(first_metrics) >= idle_from + 3)
+        idle_calls = [
+            c
+            for c in srv.calls[before:]
+            if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb != "watch"
+        ]
+        assert idle_calls == [], idle_calls
         snapshot = {
             p: sorted(o["metadata"]["name"] for o in srv.objects(p))
             for p in (
@@ -311,7 +322,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
                     for c in srv.calls[-50:]
                     if c.user_agent.startswith(constants.FIELD_MANAGER) and c.verb == "list"
                 )
-                >= 12
+                >= 9  # the informers' first lists, one per cached kind
             ),
         )
         # The last 50 calls may still be the first operator's: wait for this one's first reconcile.
@@ -327,7 +338,8 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             ),
             timeout=20,
         )
-        time.sleep(1.5)
+        first = h.reconciles(metrics_port)
+        h.wait_for("two more resyncs", lambda: h.reconciles(metrics_port) >= first + 2)
         assert operator_writes(apiserver)[before:] == []
         assert {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in snapshot} == snapshot
         text = _http(f"http://127.0.0.1:{metrics_port}/metrics")
@@ -338,7 +350,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
         # Injected 409 and 500 answers: the operator retries and converges.
         srv.fail(409, times=2, verb="patch")
-        srv.fail(500, times=3, verb="list", resource="pods")
+        srv.fail(500, times=3, verb="patch", resource="deployments")
         srv.fail(500, times=1, verb="delete")
         kubectl(
             apiserver,
