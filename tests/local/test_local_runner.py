@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -92,3 +93,14 @@ def test_a_group_that_outlives_its_leader_is_still_stopped(
     assert runner.start_time(p.pid) is None and runner.ours(p)
     assert runner.stop([p], grace_s=5) == []
     _wait(lambda: _gone(child))
+
+
+def test_free_ports_avoid_the_ephemeral_range() -> None:
+    """A port handed to a server about to start is not one an outgoing connection may take meanwhile."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports = {runner.free_port() for _ in range(20)}
+    if low > 21000:  # the kernel leaves room below its ephemeral range
+        assert all(p < low for p in ports), (low, sorted(ports))
+    for p in ports:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", p))  # still free

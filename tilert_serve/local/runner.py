@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import secrets
 import signal
 import socket
@@ -86,7 +87,32 @@ def write_secrets(state_dir: Path) -> tuple[Path, Path]:
     )
 
 
+#: Where `free_port` picks from: below the kernel's ephemeral range, which every outgoing connection
+#: (and every bind to port 0) draws from, so a port handed to a server about to start is not taken by
+#: some client's connection meanwhile. Ports here can still be taken by another server; a component
+#: that cannot bind fails its start, with its log.
+_LISTEN_PORTS = range(20000, 32768)
+
+
+def _ephemeral_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now, outside the ephemeral range when the kernel's range allows."""
+    candidates = range(_LISTEN_PORTS.start, min(_LISTEN_PORTS.stop, _ephemeral_start()))
+    rng = random.SystemRandom()
+    for _ in range(64 if len(candidates) > 1000 else 0):
+        port = rng.choice(candidates)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
