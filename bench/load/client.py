@@ -13,6 +13,7 @@ import aiohttp
 
 from bench.load.plan import RequestSpec
 from bench.load.record import Record
+from tilert_serve.router.call import ATTEMPTS_HEADER
 from tilert_serve.router.config import RoutingPolicy
 from tilert_serve.router.sse import Decoder
 
@@ -20,9 +21,6 @@ from tilert_serve.router.sse import Decoder
 ROUTE_HEADER: str = RoutingPolicy.model_fields["header"].default
 #: The response header in which the router names the path that served the request.
 SERVED_HEADER = "x-pd-route"
-#: A response header with the number of attempts the router made (more than 1 = retried). The router
-#: does not send it yet; until it does, `retried` stays False.
-ATTEMPTS_HEADER = "x-pd-attempts"
 #: Error text kept per record (messages can be long; the class and type are what is counted).
 _ERROR_CHARS = 300
 

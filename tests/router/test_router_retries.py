@@ -9,6 +9,7 @@ import pytest
 from router_fakes import MODEL, WORDS, until
 
 from tilert_serve.router import health
+from tilert_serve.router.call import ATTEMPTS_HEADER
 from tilert_serve.router.retry_budget import RetryBudget
 
 TILERT = {"x-pd-route": "tilert"}
@@ -44,6 +45,31 @@ async def test_retried_up_to_policy_retries_each_time_elsewhere(make_stack):
     assert _count(s.state.metrics.retries, "tilert", "http_5xx") == 2
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_answers_say_how_many_attempts_they_took(make_stack, stream: bool):
+    s = await make_stack(n_prefill=2)
+    s.prefills[0].fail_status = 500
+    s.state.pools.prefill[s.prefills[0].url].inflight = 0
+    s.state.pools.prefill[s.prefills[1].url].inflight = 1  # the failing one is picked first
+    async with aiohttp.ClientSession() as http:
+        async with http.post(
+            s.router_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": stream},
+            headers=TILERT,
+        ) as resp:
+            await resp.read()
+            assert resp.status == 200
+            assert resp.headers[ATTEMPTS_HEADER] == "2"
+        s.prefills[0].fail_status = None
+        async with http.post(
+            s.router_url + "/v1/completions",
+            json={"model": MODEL, "prompt": "a", "max_tokens": 2, "stream": stream},
+            headers=TILERT,
+        ) as resp:
+            await resp.read()
+            assert (resp.status, resp.headers[ATTEMPTS_HEADER]) == (200, "1")
+
+
 async def test_a_retry_returns_the_same_greedy_text(make_stack):
     s = await make_stack(n_prefill=2, node_slots=(1, 1))
     c = s.client()
@@ -65,7 +91,7 @@ async def test_the_retry_budget_stops_retries_when_spent(make_stack):
     for p in s.prefills:
         p.fail_status = 500
     async with aiohttp.ClientSession() as http:
-        statuses = []
+        statuses, attempts = [], []
         for _ in range(3):
             async with http.post(
                 s.router_url + "/v1/completions",
@@ -73,7 +99,9 @@ async def test_the_retry_budget_stops_retries_when_spent(make_stack):
                 headers=TILERT,
             ) as resp:
                 statuses.append(resp.status)
+                attempts.append(resp.headers.get(ATTEMPTS_HEADER))
     assert statuses == [502, 502, 502]
+    assert attempts == ["2", "1", "1"]  # the failed answers say how many attempts they took
     # One retry in the window, for the first request; the others failed on their first attempt.
     assert sum(len(p.bodies) for p in s.prefills) == 2 + 1 + 1
     assert _count(s.state.metrics.retries_denied, "tilert") == 3  # its second retry, and one each

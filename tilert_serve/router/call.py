@@ -28,6 +28,10 @@ from tilert_serve.router.upstream import UpstreamError, client_error, post_json
 
 log = logging.getLogger(__name__)
 
+#: On every answer the router gives a routed request: how many attempts it took (1 when the first
+#: served it; retries ran the request again from the prefill).
+ATTEMPTS_HEADER = "X-PD-Attempts"
+
 
 @dataclass
 class Call:
@@ -47,6 +51,8 @@ class Call:
     prefill_url: str | None = None
     #: A decode pool without a pairable server was counted for this request (no_compatible_pair_total).
     unpaired_counted: bool = False
+    #: Attempts so far (handlers._route counts them); sent as ATTEMPTS_HEADER.
+    attempts: int = 0
     _last_write: float = 0.0
 
     @property
@@ -156,6 +162,7 @@ class Call:
                 "Cache-Control": "no-cache",
                 "X-Request-Id": self.request_id,
                 "X-PD-Route": self.path,
+                ATTEMPTS_HEADER: str(self.attempts),
             }
         )
         self.request[STREAMING] = True
@@ -216,5 +223,9 @@ class Call:
             status=status,
             body=json.dumps(obj, separators=(",", ":")).encode(),
             content_type="application/json",
-            headers={"X-Request-Id": self.request_id, "X-PD-Route": self.path},
+            headers={
+                "X-Request-Id": self.request_id,
+                "X-PD-Route": self.path,
+                ATTEMPTS_HEADER: str(self.attempts),
+            },
         )

@@ -13,7 +13,7 @@ from tilert_serve import httpserver
 from tilert_serve.bearer import bearer_token
 from tilert_serve.router import metrics as metrics_mod
 from tilert_serve.router import native_path, openai_request, policy, tilert_path
-from tilert_serve.router.call import Call
+from tilert_serve.router.call import ATTEMPTS_HEADER, Call
 from tilert_serve.router.errors import REQUEST_ID, ClientGone, RouterError
 from tilert_serve.router.metrics import CONTENT_TYPE
 from tilert_serve.router.openai_request import Kind
@@ -111,6 +111,7 @@ async def _route(call: Call) -> web.StreamResponse:
     attempts = 1 + cfg.policy.retries
     last: UpstreamError | None = None
     for attempt in range(attempts):
+        call.attempts = attempt + 1
         node, adm, decision = await _choose(call, want)
         call.path = decision.route
         m.routes.labels(decision.route, decision.label).inc()
@@ -153,13 +154,15 @@ async def _route(call: Call) -> web.StreamResponse:
             m.inflight.labels(decision.route).dec()
     assert last is not None
     status = 504 if last.kind == "timeout" else (503 if last.kind == "no_endpoint" else 502)
-    retry = {"Retry-After": str(cfg.policy.retry_after_s)} if status == 503 else None
+    headers = {ATTEMPTS_HEADER: str(call.attempts)}
+    if status == 503:
+        headers["Retry-After"] = str(cfg.policy.retry_after_s)
     raise RouterError(
         status,
         f"{last.pool} failed: {last.message}",
         type="upstream_error",
         code=metrics_mod.bounded_kind(last.kind),
-        headers=retry,
+        headers=headers,
     )
 
 
