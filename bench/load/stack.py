@@ -89,10 +89,10 @@ def tiny_stack(
     timeout: float = 900.0,
 ) -> Iterator[TinyStack]:
     """Start the stack of `file` and vLLM alone; stop both on exit (logs stay under `home`)."""
-    name, spec = local_cli._load(str(file))
+    name, spec = local_cli.load_spec(str(file))
     home = home or Path(tempfile.mkdtemp(prefix="bench-load-"))  # mkdtemp: owner-only
     state_dir = (home / name).resolve()
-    model_dir = local_cli._model_dir(home, name, spec)
+    model_dir = local_cli.model_dir_for(home, name, spec)
     plain = _plain_argv(spec, model_dir, runner.free_port())
     if spec.model.weights.tiny and not tinymodel.is_current(model_dir):
         # Before vLLM alone starts: it reads the same checkpoint (launch would write it later).

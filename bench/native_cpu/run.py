@@ -80,7 +80,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=24)
     args = ap.parse_args()
     home = Path(tempfile.mkdtemp(prefix="bench-native-cpu-"))
-    name, spec = local_cli._load(SPEC)
+    name, spec = local_cli.load_spec(SPEC)
     rendered_env = vllm_cpu.serve_env
     plain: subprocess.Popen[bytes] | None = None
     plain_url = ""
@@ -101,7 +101,7 @@ def main() -> None:
                 if plain is None:
                     vllm_cpu.serve_env = rendered_env
                     plain, plain_url = _start_plain(
-                        spec, local_cli._model_dir(home, name, spec), home / "plain-vllm.log"
+                        spec, local_cli.model_dir_for(home, name, spec), home / "plain-vllm.log"
                     )
                     demo.complete(plain_url, spec.model.name, demo.PROMPTS[0], "plain", 4)  # warm-up
                 native_tpot, plain_tpot, texts_equal = [], [], True

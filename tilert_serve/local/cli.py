@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
 
 
-def _load(filename: str) -> tuple[str, PDClusterSpec]:
+def load_spec(filename: str) -> tuple[str, PDClusterSpec]:
     from tilert_operator import validation
 
     doc = _document(filename)
@@ -152,7 +152,7 @@ def _document(filename: str) -> dict[str, Any]:
     return doc
 
 
-def _model_dir(home: Path, name: str, spec: PDClusterSpec) -> Path:
+def model_dir_for(home: Path, name: str, spec: PDClusterSpec) -> Path:
     if spec.model.weights.tiny:
         return (home / "models" / f"{name}-tiny").resolve()
     volume = spec.model.weights.volume or {}
@@ -169,7 +169,7 @@ def say(msg: str) -> None:
 
 
 def up(args: argparse.Namespace) -> int:
-    name, spec = _load(args.filename)
+    name, spec = load_spec(args.filename)
     home = private_dir(args.home)
     state_dir = (home / name).resolve()
     if state_dir.exists():
@@ -230,7 +230,7 @@ def launch(
     private_dir(state_dir)
     # 0600 from the moment they exist (runner.write_secret_file), fresh for every run.
     secret, token = runner.write_secrets(state_dir)
-    model_dir = _model_dir(state_dir.parent, name, spec)
+    model_dir = model_dir_for(state_dir.parent, name, spec)
     prefill_n, tilert_n, native_n = planmod.replica_counts(spec)
     ports = planmod.Ports(
         router=router_port,
@@ -330,7 +330,7 @@ def _as_pod(run: runner.Running, workloads: dict[str, rollout.Rendered]) -> runn
 
 
 def apply(args: argparse.Namespace) -> int:
-    name, spec = _load(args.filename)
+    name, spec = load_spec(args.filename)
     home = private_dir(args.home, create=False)
     state_dir = (home / name).resolve()
     if not (state_dir / runner.STATE_FILE).exists():
@@ -344,7 +344,7 @@ def apply(args: argparse.Namespace) -> int:
         return docker_apply.apply(_document(args.filename), name, state_dir, state, args.timeout, say)
     meta, procs = runner.load(state_dir)
     say(f"tilert-pd local apply: {name} from {args.filename} (state in {state_dir})")
-    model_dir = _model_dir(home, name, spec)
+    model_dir = model_dir_for(home, name, spec)
     token = state_dir / runner.NODE_API_TOKEN_FILE
     base = planmod.paths(
         model_dir=str(model_dir),

@@ -132,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     if local_cli.run(up_args) != 0:
         return 1
     try:
-        name, spec = local_cli._load(args.filename)
+        name, spec = local_cli.load_spec(args.filename)
         router, nodes = local_cli.endpoints((args.home / name).resolve(), constants.TILERT)
         results = []
         for route in ("tilert", "native"):
