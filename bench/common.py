@@ -273,7 +273,9 @@ def merge(
         if pattern.search(text):
             text = pattern.sub(lambda _m: block, text, count=1)  # noqa: B023 (used at once, in this iteration)
         else:
-            text = text.rstrip("\n") + f"\n\n{block}\n"
+            # New here: under the `## title` heading `record` wrote above it in `other`.
+            heading = re.search(r"^## [^\n]*\n\n(?=" + re.escape(begin) + ")", src, re.M)
+            text = text.rstrip("\n") + f"\n\n{heading.group(0) if heading else ''}{block}\n"
     into.write_text(text)
     return keys
 
