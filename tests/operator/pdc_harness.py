@@ -51,6 +51,24 @@ def body(apiserver: Any, name: str) -> dict[str, Any]:
     return obj
 
 
+def reconcile_once(apiserver: Any, name: str) -> Any:
+    """One reconcile of the PDCluster `name` in default, as the operator's worker runs it."""
+    from tilert_operator import reconcile
+
+    return run(apiserver, lambda api: reconcile.reconcile(api, body(apiserver, name)))
+
+
+def patch_spec(apiserver: Any, name: str, patch: dict[str, Any], namespace: str = "default") -> None:
+    """A merge patch of the PDCluster's spec, as `kubectl patch --type=merge` sends it."""
+    path = f"/apis/{constants.GROUP}/{constants.VERSION}/namespaces/{namespace}/{constants.PLURAL}/{name}"
+    run(
+        apiserver,
+        lambda api: api.request(
+            "patch", "PATCH", path, body={"spec": patch}, content_type="application/merge-patch+json"
+        ),
+    )
+
+
 def pod(
     cluster: str,
     component: str,

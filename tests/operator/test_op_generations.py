@@ -24,36 +24,18 @@ from tilert_serve import defaults, layouts
 from tilert_serve.compat import Compat
 from tilert_serve.router import config as router_config
 
-PDC_PATH = "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/{}"
 COMPONENTS = (constants.PREFILL, constants.TILERT, constants.NATIVE, constants.ROUTER)
 #: A spec with every pool: prefill, TileRT and native decode.
 SPEC = helpers.minimal(decode={"native": {"replicas": 1}})
 
 
-def reconcile_once(apiserver: Any, name: str) -> reconcile.Outcome:
-    return h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, name)))
-
-
-def patch_spec(apiserver: Any, name: str, patch: dict[str, Any]) -> None:
-    h.run(
-        apiserver,
-        lambda api: api.request(
-            "patch",
-            "PATCH",
-            PDC_PATH.format(name),
-            body={"spec": patch},
-            content_type="application/merge-patch+json",
-        ),
-    )
-
-
 def serving(apiserver: Any, name: str) -> None:
     """A PDCluster created, reconciled, every pool's pods rolled to its template and ready, reconciled."""
     h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(copy.deepcopy(SPEC), name))))
-    reconcile_once(apiserver, name)
+    h.reconcile_once(apiserver, name)
     for comp in COMPONENTS:
         h.roll(apiserver, name, comp)
-    reconcile_once(apiserver, name)
+    h.reconcile_once(apiserver, name)
 
 
 def cond(apiserver: Any, name: str, type_: str) -> tuple[str, str, str]:
@@ -111,8 +93,8 @@ def test_a_dtype_change_brings_the_new_generation_up_beside_the_old_and_removes_
     new_spec = helpers.deep_merge(SPEC, {"model": {"kvCacheDtype": "float32"}})
     new_fp = fingerprint(new_spec)
     assert new_fp != old_fp
-    patch_spec(apiserver, "bg", {"model": {"kvCacheDtype": "float32"}})
-    out = reconcile_once(apiserver, "bg")
+    h.patch_spec(apiserver, "bg", {"model": {"kvCacheDtype": "float32"}})
+    out = h.reconcile_once(apiserver, "bg")
     assert {"Deployment/bg-prefill-b", "StatefulSet/bg-tilert-b", "Deployment/bg-native-b"} <= set(
         out.applied
     )
@@ -166,7 +148,7 @@ def test_a_dtype_change_brings_the_new_generation_up_beside_the_old_and_removes_
 
     # Not ready yet: the old generation stays, Progressing waits and counts.
     roll_slot_b(apiserver, "bg", ready=False)
-    out = reconcile_once(apiserver, "bg")
+    out = h.reconcile_once(apiserver, "bg")
     assert not out.deleted
     status, reason, message = cond(apiserver, "bg", "Progressing")
     assert (status, reason) == ("True", "WaitingForNewGeneration")
@@ -176,7 +158,7 @@ def test_a_dtype_change_brings_the_new_generation_up_beside_the_old_and_removes_
 
     # Ready: the old generation's workloads and Services go, and the router lists the new one alone.
     roll_slot_b(apiserver, "bg")
-    out = reconcile_once(apiserver, "bg")
+    out = h.reconcile_once(apiserver, "bg")
     assert {
         "Deployment/bg-prefill",
         "StatefulSet/bg-tilert-decode",
@@ -194,7 +176,7 @@ def test_a_dtype_change_brings_the_new_generation_up_beside_the_old_and_removes_
     assert cond(apiserver, "bg", "Ready")[:2] == ("True", "Serving")
 
     # The old pods are gone (the garbage collector took them with their workloads): complete.
-    reconcile_once(apiserver, "bg")
+    h.reconcile_once(apiserver, "bg")
     assert cond(apiserver, "bg", "Progressing")[:2] == ("False", "RolloutComplete")
     assert [
         (g["fingerprint"], g["slot"], g["phase"]) for g in h.body(apiserver, "bg")["status"]["generations"]
@@ -202,7 +184,7 @@ def test_a_dtype_change_brings_the_new_generation_up_beside_the_old_and_removes_
     assert workloads(apiserver) == {"Deployment/bg-prefill-b", "StatefulSet/bg-tilert-b", "Deployment/bg-native-b",
                                     "Deployment/bg-router"}  # fmt: skip
     # At rest: nothing more to write.
-    again = reconcile_once(apiserver, "bg")
+    again = h.reconcile_once(apiserver, "bg")
     assert again.writes == 0, (again.applied, again.deleted, again.events)
     # Progressing's transitions were Events; none of a rollout doing what it was asked is a Warning.
     events = [e for e in apiserver.server.objects("events", "default") if e["involvedObject"]["name"] == "bg"]
@@ -218,17 +200,17 @@ def test_a_dtype_change_brings_the_new_generation_up_beside_the_old_and_removes_
 
 def test_the_next_generation_change_moves_back_to_slot_a(apiserver: Any) -> None:
     serving(apiserver, "ab")
-    patch_spec(apiserver, "ab", {"model": {"revision": "r2"}})
-    reconcile_once(apiserver, "ab")
+    h.patch_spec(apiserver, "ab", {"model": {"revision": "r2"}})
+    h.reconcile_once(apiserver, "ab")
     roll_slot_b(apiserver, "ab")
-    reconcile_once(apiserver, "ab")
-    reconcile_once(apiserver, "ab")
+    h.reconcile_once(apiserver, "ab")
+    h.reconcile_once(apiserver, "ab")
     assert workloads(apiserver) >= {"Deployment/ab-prefill-b"} and "Deployment/ab-prefill" not in workloads(
         apiserver
     )
 
-    patch_spec(apiserver, "ab", {"model": {"revision": "r3"}})
-    out = reconcile_once(apiserver, "ab")
+    h.patch_spec(apiserver, "ab", {"model": {"revision": "r3"}})
+    out = h.reconcile_once(apiserver, "ab")
     assert "Deployment/ab-prefill" in out.applied and not out.deleted
     prefill = apiserver.server.get("deployments", "default", "ab-prefill")
     cmd = prefill["spec"]["template"]["spec"]["containers"][0]["command"]
@@ -242,12 +224,12 @@ def test_the_next_generation_change_moves_back_to_slot_a(apiserver: Any) -> None
 def test_an_image_change_is_an_ordinary_rolling_update(apiserver: Any) -> None:
     serving(apiserver, "img")
     before = fingerprint(SPEC)
-    patch_spec(
+    h.patch_spec(
         apiserver,
         "img",
         {"prefill": {"image": "example.com/vllm:2"}, "decode": {"tilert": {"image": "example.com/serve:2"}}},
     )
-    out = reconcile_once(apiserver, "img")
+    out = h.reconcile_once(apiserver, "img")
     assert {"Deployment/img-prefill", "StatefulSet/img-tilert-decode"} <= set(out.applied)
     assert not any(k.endswith("-b") for k in out.applied), out.applied
     assert not out.deleted
@@ -262,37 +244,39 @@ def test_an_image_change_is_an_ordinary_rolling_update(apiserver: Any) -> None:
 def test_a_spec_change_during_a_rollout_replaces_the_generation_coming_up(apiserver: Any) -> None:
     serving(apiserver, "mid")
     first = fingerprint(SPEC)
-    patch_spec(apiserver, "mid", {"model": {"revision": "r2"}})
-    reconcile_once(apiserver, "mid")
+    h.patch_spec(apiserver, "mid", {"model": {"revision": "r2"}})
+    h.reconcile_once(apiserver, "mid")
     # Another change before r2 is ready: r3 takes slot b; the generation that served keeps serving.
-    patch_spec(apiserver, "mid", {"model": {"revision": "r3"}})
-    out = reconcile_once(apiserver, "mid")
+    h.patch_spec(apiserver, "mid", {"model": {"revision": "r3"}})
+    out = h.reconcile_once(apiserver, "mid")
     assert "Deployment/mid-prefill-b" in out.applied and not out.deleted
     r3 = fingerprint(helpers.deep_merge(SPEC, {"model": {"revision": "r3"}}))
     assert {e.compat for e in router_cfg(apiserver, "mid").prefill} == {first, r3}
     # Back to the spec that serves: slot b goes at once, no rollout is left.
-    patch_spec(apiserver, "mid", {"model": {"revision": ""}})
-    out = reconcile_once(apiserver, "mid")
+    h.patch_spec(apiserver, "mid", {"model": {"revision": ""}})
+    out = h.reconcile_once(apiserver, "mid")
     assert "Deployment/mid-prefill-b" in out.deleted
     assert [e.compat for e in router_cfg(apiserver, "mid").prefill] == [first]
 
 
 def test_recreate_removes_the_old_generation_as_the_new_one_starts(apiserver: Any) -> None:
     serving(apiserver, "rc")
-    patch_spec(apiserver, "rc", {"model": {"revision": "r2"}, "generationRollout": {"strategy": "Recreate"}})
-    out = reconcile_once(apiserver, "rc")
+    h.patch_spec(
+        apiserver, "rc", {"model": {"revision": "r2"}, "generationRollout": {"strategy": "Recreate"}}
+    )
+    out = h.reconcile_once(apiserver, "rc")
     assert "Deployment/rc-prefill-b" in out.applied and "Deployment/rc-prefill" in out.deleted
     assert cond(apiserver, "rc", "Progressing")[1] == "NewGenerationStarting"
 
 
 def test_a_stuck_new_generation_is_reported_stalled_and_the_old_one_keeps_serving(apiserver: Any) -> None:
     serving(apiserver, "st")
-    patch_spec(
+    h.patch_spec(
         apiserver, "st", {"model": {"revision": "r2"}, "generationRollout": {"progressDeadlineSeconds": 60}}
     )
-    reconcile_once(apiserver, "st")
+    h.reconcile_once(apiserver, "st")
     roll_slot_b(apiserver, "st", ready=False)
-    reconcile_once(apiserver, "st")
+    h.reconcile_once(apiserver, "st")
     assert cond(apiserver, "st", "Progressing")[1] == "WaitingForNewGeneration"
     out = h.run(
         apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "st"), now=time.time() + 120)
@@ -537,7 +521,7 @@ def test_the_running_operator_carries_a_generation_change_through(apiserver: Any
         for comp in COMPONENTS:
             h.roll(apiserver, "run", comp)
         h.wait_for("Serving", lambda: cond(apiserver, "run", "Ready")[:2] == ("True", "Serving"))
-        patch_spec(apiserver, "run", {"model": {"kvCacheDtype": "float32"}})
+        h.patch_spec(apiserver, "run", {"model": {"kvCacheDtype": "float32"}})
         h.wait_for(
             "the new generation's workloads", lambda: srv.get("statefulsets", "default", "run-tilert-b")
         )

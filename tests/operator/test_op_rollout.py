@@ -18,24 +18,6 @@ from tilert_operator import spec as specmod
 
 T = TypeVar("T")
 COMPONENTS = (constants.PREFILL, constants.TILERT, constants.NATIVE, constants.ROUTER)
-PDC_PATH = "/apis/pd.tilert.ai/v1alpha1/namespaces/default/pdclusters/{}"
-
-
-def reconcile_once(apiserver: Any, name: str) -> reconcile.Outcome:
-    return h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, name)))
-
-
-def patch_spec(apiserver: Any, name: str, spec: dict[str, Any]) -> None:
-    h.run(
-        apiserver,
-        lambda api: api.request(
-            "patch",
-            "PATCH",
-            PDC_PATH.format(name),
-            body={"spec": spec},
-            content_type="application/merge-patch+json",
-        ),
-    )
 
 
 def ready(obj: dict[str, Any]) -> tuple[str, str]:
@@ -46,10 +28,10 @@ def ready(obj: dict[str, Any]) -> tuple[str, str]:
 def rolled_out(apiserver: Any, name: str) -> None:
     """A minimal PDCluster created, reconciled, every pool's pods rolled to its template, reconciled."""
     h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), name))))
-    reconcile_once(apiserver, name)
+    h.reconcile_once(apiserver, name)
     for comp in COMPONENTS:
         h.roll(apiserver, name, comp)
-    reconcile_once(apiserver, name)
+    h.reconcile_once(apiserver, name)
 
 
 def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver: Any) -> None:
@@ -57,8 +39,8 @@ def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver
     assert ready(h.body(apiserver, "ro")) == ("True", "Serving")
 
     # A new template for the TileRT pool: its old pods still serve, but the generation is not done.
-    patch_spec(apiserver, "ro", {"decode": {"tilert": {"slots": 8}}})
-    out = reconcile_once(apiserver, "ro")
+    h.patch_spec(apiserver, "ro", {"decode": {"tilert": {"slots": 8}}})
+    out = h.reconcile_once(apiserver, "ro")
     assert "StatefulSet/ro-tilert-decode" in out.applied
     obj = h.body(apiserver, "ro")
     assert ready(obj) == ("False", "RollingOut"), h.condition(obj, "Ready")
@@ -80,12 +62,12 @@ def test_a_rollout_is_not_ready_until_every_pod_of_the_new_template_is(apiserver
 
     # New pods, not ready yet: still rolling out.
     h.roll(apiserver, "ro", constants.TILERT, ready=False)
-    reconcile_once(apiserver, "ro")
+    h.reconcile_once(apiserver, "ro")
     assert ready(h.body(apiserver, "ro"))[0] == "False"
 
     # Every pod of the new template ready: done.
     h.roll(apiserver, "ro", constants.TILERT)
-    reconcile_once(apiserver, "ro")
+    h.reconcile_once(apiserver, "ro")
     obj = h.body(apiserver, "ro")
     assert ready(obj) == ("True", "Serving"), h.condition(obj, "Ready")
     assert obj["status"]["pools"]["tilert"] == {"ready": 1, "desired": 1}
@@ -96,15 +78,15 @@ def test_a_workload_whose_controller_has_not_seen_the_new_generation_is_rolling_
     rolled_out(apiserver, "lag")
     assert ready(h.body(apiserver, "lag")) == ("True", "Serving")
     srv.workload_controllers = False
-    patch_spec(apiserver, "lag", {"router": {"replicas": 2}})
-    reconcile_once(apiserver, "lag")
+    h.patch_spec(apiserver, "lag", {"router": {"replicas": 2}})
+    h.reconcile_once(apiserver, "lag")
     cond = h.condition(h.body(apiserver, "lag"), "Ready")
     assert (cond["status"], cond["reason"]) == ("False", "RollingOut")
     assert "has not yet seen generation 2" in cond["message"], cond["message"]
     srv.workload_controllers = True
     apiserver.sync(srv.play_controllers)
     h.roll(apiserver, "lag", constants.ROUTER)
-    reconcile_once(apiserver, "lag")
+    h.reconcile_once(apiserver, "lag")
     assert ready(h.body(apiserver, "lag")) == ("True", "Serving")
 
 
@@ -114,8 +96,8 @@ def test_a_refused_generation_keeps_the_last_observed_generation_and_is_not_read
 
     # The API server refuses the router's apply (as it would an invalid field the spec's checks miss).
     apiserver.server.fail(422, times=1, verb="patch", resource="deployments")
-    patch_spec(apiserver, "rf", {"router": {"replicas": 2}})
-    out = reconcile_once(apiserver, "rf")
+    h.patch_spec(apiserver, "rf", {"router": {"replicas": 2}})
+    out = h.reconcile_once(apiserver, "rf")
     assert [f.key for f in out.failed] == ["Deployment/rf-router"]
     obj = h.body(apiserver, "rf")
     assert obj["metadata"]["generation"] == 2
@@ -125,12 +107,12 @@ def test_a_refused_generation_keeps_the_last_observed_generation_and_is_not_read
     assert "generation 2" in cond["message"] and "Reconciled" in cond["message"]
 
     # Accepted at the retry: applied and observed; Ready once the new replica is.
-    reconcile_once(apiserver, "rf")
+    h.reconcile_once(apiserver, "rf")
     obj = h.body(apiserver, "rf")
     assert obj["status"]["observedGeneration"] == 2
     assert ready(obj) == ("False", "RollingOut")
     h.roll(apiserver, "rf", constants.ROUTER)
-    reconcile_once(apiserver, "rf")
+    h.reconcile_once(apiserver, "rf")
     assert ready(h.body(apiserver, "rf")) == ("True", "Serving")
 
 
@@ -138,7 +120,7 @@ def test_an_invalid_generation_is_not_observed_either(apiserver: Any) -> None:
     """The operator refuses it itself (SpecValid=False, nothing changed): the last generation applied
     stays the observed one."""
     h.run(apiserver, lambda api: api.create(h.pdc(helpers.cr(helpers.minimal(), "inv"))))
-    reconcile_once(apiserver, "inv")
+    h.reconcile_once(apiserver, "inv")
     assert h.body(apiserver, "inv")["status"]["observedGeneration"] == 1
     # As the API server would hand it over were the CRD's rules silent about it (the operator's own
     # checks refuse 3 GPUs: vLLM's tensor parallelism needs a power of two).
@@ -268,7 +250,7 @@ def test_the_running_operator_follows_a_rollout_from_the_workloads_status(apiser
         for comp in COMPONENTS:
             h.roll(apiserver, "live", comp)
         h.wait_for("Serving", lambda: ready(h.body(apiserver, "live")) == ("True", "Serving"))
-        patch_spec(apiserver, "live", {"decode": {"tilert": {"slots": 8}}})
+        h.patch_spec(apiserver, "live", {"decode": {"tilert": {"slots": 8}}})
         h.wait_for("RollingOut", lambda: ready(h.body(apiserver, "live")) == ("False", "RollingOut"))
         # A real StatefulSet controller reports the new pods after the pods' own events: the operator
         # must follow the workload's status writes, not only its pods.

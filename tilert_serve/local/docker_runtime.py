@@ -114,13 +114,18 @@ def up(
                 else "no secondary network"
             )
         )
-        records = _start_all(plan, run, state_dir, net, secondary, say)
+        records = start_pods(plan, run, state_dir, net, secondary, say)
         _wait_ready(plan, records, run, timeout, say)
     except BaseException:
         say("  removing what was started ...")
         cleanup(run, state_dir)
         raise
     return records, nets
+
+
+def addresses(net: docker.Network, used: set[str]) -> Iterator[str]:
+    """Addresses of `net` that no container holds."""
+    return (a for a in _addresses(net) if a not in used)
 
 
 def start_pods(
@@ -131,23 +136,7 @@ def start_pods(
     secondary: dict[str, tuple[docker.Network, Iterator[str]]],
     say: Callable[[str], None],
 ) -> list[PodRecord]:
-    """Start `plan`'s pods on the run's networks (not waiting for ready): `apply`'s create."""
-    return _start_all(plan, run, state_dir, net, secondary, say)
-
-
-def addresses(net: docker.Network, used: set[str]) -> Iterator[str]:
-    """Addresses of `net` that no container holds."""
-    return (a for a in _addresses(net) if a not in used)
-
-
-def _start_all(
-    plan: Sequence[pods.Pod],
-    run: str,
-    state_dir: Path,
-    net: docker.Network,
-    secondary: dict[str, tuple[docker.Network, Iterator[str]]],
-    say: Callable[[str], None],
-) -> list[PodRecord]:
+    """Start `plan`'s pods on the run's networks, not waiting for ready (`up`, and `apply`'s create)."""
     lock = threading.Lock()
     addresses = {p.name: {n: next(secondary[n][1]) for n in p.networks} for p in plan}
 

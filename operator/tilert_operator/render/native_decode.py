@@ -31,8 +31,8 @@ def url(cluster: str, namespace: str, slot: str = constants.SLOT_A) -> str:
 
 
 def render(spec_or_live: PDClusterSpec | Live, cluster: str, namespace: str) -> list[Manifest]:
-    live = as_live(spec_or_live)
     """Nothing when the pool has no replicas: the operator then deletes what an earlier spec made."""
+    live = as_live(spec_or_live)
     if not live.spec.decode.native.replicas:
         return []
     return [deployment(live, cluster, namespace), service(live, cluster, namespace)]
