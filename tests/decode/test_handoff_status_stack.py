@@ -10,82 +10,18 @@ right model: the next probe decodes, both recover."""
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
-from pathlib import Path
 
-import aiohttp
-
+from tests.decode import standin as standin_proc
 from tests.decode import synthetic
-from tests.decode.conftest import SENDER_ENV, running_node
+from tests.decode.conftest import running_node
 from tilert_operator import observe
 from tilert_operator import status as op_status
-from tilert_serve.layouts import registry
 from tilert_serve.local.runner import free_port
 from tilert_serve.router import config as router_config
 from tilert_serve.router.app import make_app, start
 
 CASE = "mla-f32"
 LAYOUT = synthetic.layout_for(CASE)
-STANDIN = Path(__file__).resolve().parents[1] / "netns" / "prefill_standin.py"
-
-
-def _model(path: Path, main_layers: int, mtp_layers: int) -> Path:
-    path.mkdir()
-    (path / "config.json").write_text(
-        json.dumps(
-            {
-                "kv_lora_rank": registry.KV_LORA_RANK,
-                "qk_rope_head_dim": registry.ROPE_DIM,
-                "num_hidden_layers": main_layers,
-                "num_nextn_predict_layers": mtp_layers,
-            }
-        )
-    )
-    return path
-
-
-async def _start_standin(port: int, model_dir: Path, secret: Path) -> asyncio.subprocess.Process:
-    log = open(model_dir.parent / f"standin-{model_dir.name}-{secret.name}.log", "w")
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        str(STANDIN),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--data-host",
-        "127.0.0.1",
-        "--transfer",
-        "mooncake",
-        "--model-dir",
-        str(model_dir),
-        "--secret-file",
-        str(secret),
-        "--num-tokens",
-        "16",
-        env=SENDER_ENV,
-        stdout=log,
-        stderr=asyncio.subprocess.STDOUT,
-    )
-    log.close()
-    async with aiohttp.ClientSession() as http:
-        for _ in range(600):
-            try:
-                async with http.get(f"http://127.0.0.1:{port}/health") as r:
-                    if r.status == 200:
-                        return proc
-            except aiohttp.ClientError:
-                pass
-            assert proc.returncode is None, "the prefill stand-in exited"
-            await asyncio.sleep(0.1)
-    raise AssertionError("the prefill stand-in did not come up")
-
-
-async def _stop(proc: asyncio.subprocess.Process) -> None:
-    if proc.returncode is None:
-        proc.terminate()
-        await asyncio.wait_for(proc.wait(), 20)
 
 
 async def _until(what: str, fn, timeout: float = 60.0):  # type: ignore[no-untyped-def]
@@ -98,13 +34,15 @@ async def _until(what: str, fn, timeout: float = 60.0):  # type: ignore[no-untyp
 
 
 async def test_wrong_secret_fails_the_probe_and_the_node_says_why_then_both_recover(secret_file, tmp_path):
-    model_dir = _model(tmp_path / "model", LAYOUT.num_main_layers, LAYOUT.num_mtp_layers)
-    other_model = _model(tmp_path / "other-model", LAYOUT.num_main_layers + 1, LAYOUT.num_mtp_layers)
+    model_dir = standin_proc.model_dir(tmp_path / "model", LAYOUT.num_main_layers, LAYOUT.num_mtp_layers)
+    other_model = standin_proc.model_dir(
+        tmp_path / "other-model", LAYOUT.num_main_layers + 1, LAYOUT.num_mtp_layers
+    )
     wrong = tmp_path / "wrong"
     wrong.write_text("not-the-secret-0123456789")
     port = free_port()
     async with running_node(LAYOUT, secret_file, slots=1, ticket_ttl_s=20, handoff_timeout_s=20) as n:
-        standin = await _start_standin(port, model_dir, wrong)
+        standin = await standin_proc.start(port, model_dir, wrong)
         cfg = router_config.RouterConfig(
             model="m",
             prefill=[f"http://127.0.0.1:{port}"],
@@ -138,8 +76,8 @@ async def test_wrong_secret_fails_the_probe_and_the_node_says_why_then_both_reco
                 body = await r.json()
             assert r.status == 503 and body["degraded"][0].startswith("TileRT node node-0: handoff_failed")
 
-            await _stop(standin)
-            standin = await _start_standin(port, other_model, secret_file)
+            await standin_proc.stop(standin)
+            standin = await standin_proc.start(port, other_model, secret_file)
 
             async def mismatch() -> dict | None:
                 h = await node_handoff()
@@ -149,8 +87,8 @@ async def test_wrong_secret_fails_the_probe_and_the_node_says_why_then_both_reco
             h = await _until("the node's layout_mismatch", mismatch)
             assert "layout" in h["last_failure"]["message"] and h["last_success"] is None
 
-            await _stop(standin)
-            standin = await _start_standin(port, model_dir, secret_file)
+            await standin_proc.stop(standin)
+            standin = await standin_proc.start(port, model_dir, secret_file)
 
             async def recovered() -> dict | None:
                 h = await node_handoff()
@@ -170,4 +108,4 @@ async def test_wrong_secret_fails_the_probe_and_the_node_says_why_then_both_reco
             await _until("the router's readiness", ready, timeout=10)
         finally:
             await runner.cleanup()
-            await _stop(standin)
+            await standin_proc.stop(standin)

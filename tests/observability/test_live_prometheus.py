@@ -23,9 +23,9 @@ from typing import Any, TypeVar
 import aiohttp
 import yaml
 
+from tests.decode import standin as standin_proc
 from tests.decode import synthetic
 from tests.decode.conftest import SECRET, running_node
-from tests.decode.test_handoff_status_stack import _model, _start_standin, _stop
 from tests.observability.conftest import recorded
 from tests.observability.promql import metric_names
 from tilert_serve import observe
@@ -148,8 +148,10 @@ async def test_prometheus_scrapes_the_stack_records_and_alerts_on_a_stopped_node
     keys.write_text(
         f"# the scrape's key first: observe sends a file's first token\n{SCRAPE_KEY}\n{CLIENT_KEY}\n"
     )
-    model_dir = _model(tmp_path / "model", LAYOUT.num_main_layers, LAYOUT.num_mtp_layers)
-    other_model = _model(tmp_path / "other-model", LAYOUT.num_main_layers + 1, LAYOUT.num_mtp_layers)
+    model_dir = standin_proc.model_dir(tmp_path / "model", LAYOUT.num_main_layers, LAYOUT.num_mtp_layers)
+    other_model = standin_proc.model_dir(
+        tmp_path / "other-model", LAYOUT.num_main_layers + 1, LAYOUT.num_mtp_layers
+    )
     port = free_port()
     # A tokenizer, so that the node's tokens carry text and the router writes them as chunks.
     tokenizer = train_tokenizer(1024)
@@ -158,7 +160,7 @@ async def test_prometheus_scrapes_the_stack_records_and_alerts_on_a_stopped_node
     )
     n = await node_ctx.__aenter__()
     node_up = True
-    standin = await _start_standin(port, model_dir, secret)
+    standin = await standin_proc.start(port, model_dir, secret)
     cfg = router_config.RouterConfig(
         model="m",
         prefill=[f"http://127.0.0.1:{port}"],
@@ -237,8 +239,8 @@ async def test_prometheus_scrapes_the_stack_records_and_alerts_on_a_stopped_node
             }
 
             # The first fault: a prefill for another model (a layout mismatch) hands off to the node.
-            await _stop(standin)
-            standin = await _start_standin(port, other_model, secret)
+            await standin_proc.stop(standin)
+            standin = await standin_proc.start(port, other_model, secret)
 
             async def mismatch_alert() -> list[dict[str, Any]] | None:
                 got = [
@@ -284,7 +286,7 @@ async def test_prometheus_scrapes_the_stack_records_and_alerts_on_a_stopped_node
     finally:
         await asyncio.to_thread(observe.stop, handle)
         await runner.cleanup()
-        await _stop(standin)
+        await standin_proc.stop(standin)
         if node_up:
             await node_ctx.__aexit__(None, None, None)
     assert handle.process.returncode == 0, f"prometheus ended with {handle.process.returncode}"
