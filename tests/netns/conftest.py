@@ -240,9 +240,12 @@ def start_node(
     return proc
 
 
-def start_prefill(c: Cluster, secret: Path) -> bed.PodProcess:
-    # The prefill pod's rendered env (spec.transfer.rdma.env) plus what the standin needs; UCX on the
-    # prefill side is pinned to net1 as an operator would pin it for a Multus interface.
+def start_prefill(
+    c: Cluster, secret: Path, kv_cache_dtype: str | None = None, num_tokens: int = NUM_TOKENS
+) -> bed.PodProcess:
+    """The stand-in as the prefill pod: its rendered env (spec.transfer.rdma.env) plus what the standin
+    needs; UCX on the prefill side is pinned to net1 as an operator would pin it for a Multus interface.
+    Told another KV-cache dtype than the spec's, it is a prefill of another layout."""
     cmd = commands.prefill(c.spec, commands.Paths(model_dir=str(c.model_dir)))
     env = pod_env(c.prefill, c.family, {**cmd.env, "UCX_NET_DEVICES": "net1"})
     argv = [
@@ -257,11 +260,15 @@ def start_prefill(c: Cluster, secret: Path) -> bed.PodProcess:
         "--model-dir",
         str(c.model_dir),
         "--kv-cache-dtype",
-        c.spec.model.resolved_kv_cache_dtype,
+        kv_cache_dtype or c.spec.model.resolved_kv_cache_dtype,
+        "--served-model-name",
+        c.spec.model.name,
+        "--model-revision",
+        c.spec.model.revision,
         "--secret-file",
         str(secret),
         "--num-tokens",
-        str(NUM_TOKENS),
+        str(num_tokens),
     ]
     proc = bed.PodProcess(c.prefill, "prefill", argv, env, c.log_dir)
     c.procs["prefill"] = proc

@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from tests.decode import synthetic
 from tilert_serve import layouts, transfer
+from tilert_serve.compat import Compat
 from tilert_serve.handoff import auth
 from tilert_serve.handoff.sender import HandoffRequest, Sender
 from tilert_serve.layouts import Placement
@@ -42,6 +43,9 @@ def main() -> None:
     p.add_argument("--secret-file", required=True)
     p.add_argument("--num-tokens", type=int, required=True)
     p.add_argument("--seed", type=int, default=3)
+    # The compatibility generation it hands over as (the node refuses another): as a vLLM prefill's.
+    p.add_argument("--served-model-name", default="")
+    p.add_argument("--model-revision", default="")
     args = p.parse_args()
 
     hf_config = json.loads((Path(args.model_dir) / "config.json").read_text())
@@ -58,6 +62,7 @@ def main() -> None:
         staging=staging,
         staging_buffers=[buf],
         timeout_s=20,
+        compat=Compat(args.served_model_name, args.model_revision, layout.fingerprint).fingerprint,
     )
     results: list[dict] = []
     lock = asyncio.Lock()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import secrets
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from tests.netns import bed
 from tests.netns.conftest import (
     CTRL_PORT,
     K8S_NAMESPACE,
+    NUM_TOKENS,
     PREFILL_PORT,
     ROUTER_PORT,
     Cluster,
@@ -39,8 +39,6 @@ from tilert_operator.render import router as router_render
 from tilert_serve import dataplane
 from tilert_serve.local import plan as local_plan
 from tilert_serve.router import config as router_config
-
-STANDIN = Path(__file__).resolve().parent / "prefill_standin.py"
 
 
 def _start_router(c: Cluster, ctrl_host: str) -> None:
@@ -119,30 +117,7 @@ def probed(
 def _restart_prefill(c: Cluster, secret: Path, kv_cache_dtype: str | None = None) -> None:
     """The stand-in again, with `secret`; told another KV-cache dtype, it is a prefill of another layout."""
     c.procs["prefill"].stop()
-    start_prefill(c, secret)
-    if kv_cache_dtype is not None:
-        c.procs["prefill"].stop()
-        cmd = commands.prefill(c.spec, commands.Paths(model_dir=str(c.model_dir)))
-        argv = [
-            sys.executable,
-            str(STANDIN),
-            "--port",
-            str(PREFILL_PORT),
-            "--data-host",
-            c.rdma_ip(c.prefill),
-            "--transfer",
-            c.engine,
-            "--model-dir",
-            str(c.model_dir),
-            "--kv-cache-dtype",
-            kv_cache_dtype,
-            "--secret-file",
-            str(secret),
-            "--num-tokens",
-            "16",
-        ]
-        env = pod_env(c.prefill, c.family, {**cmd.env, "UCX_NET_DEVICES": "net1"})
-        c.procs["prefill"] = bed.PodProcess(c.prefill, "prefill", argv, env, c.log_dir)
+    start_prefill(c, secret, kv_cache_dtype, num_tokens=16 if kv_cache_dtype else NUM_TOKENS)
     bed.wait_http(
         c.router, dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT) + "/health", 120, c.procs["prefill"]
     )
