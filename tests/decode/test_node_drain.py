@@ -73,9 +73,12 @@ async def test_draining_refuses_admissions_and_finishes_the_admitted_request(sec
         status, adm = await n.admit("before-sigterm")
         assert status == 200
         run = asyncio.create_task(drain.run(runner, stop_listening=False, idle=lambda: cli.node_idle(n.node)))
-        await asyncio.sleep(0.1)
-        async with n.session.get(f"{n.url}/ready") as r:
-            assert r.status == 503 and (await r.json())["reason"] == "draining"
+        while True:  # until the drain has begun (the task runs at the next await)
+            async with n.session.get(f"{n.url}/ready") as r:
+                if r.status == 503:
+                    assert (await r.json())["reason"] == "draining"
+                    break
+            await asyncio.sleep(0.01)
         status, body = await n.admit("after-sigterm")
         assert (
             status == 503 and body["error"]["type"] == "not_ready" and "draining" in body["error"]["message"]
