@@ -275,7 +275,10 @@ def start_prefill(
     return proc
 
 
-def start_router(c: Cluster, ctrl_host: str) -> bed.PodProcess:
+def start_router(c: Cluster, ctrl_host: str, probes: dict[str, float] | None = None) -> bed.PodProcess:
+    """The router as its pod runs it, with one TileRT node. Handoff probes off unless `probes` (changes
+    to the rendered probe settings, e.g. a shorter interval): a test that counts the handoffs and the
+    bytes of its own request wants none beside them."""
     cfg_file = c.log_dir / "router.yaml"
     node = router_config.TileRTNode(
         name="node0",
@@ -292,11 +295,15 @@ def start_router(c: Cluster, ctrl_host: str) -> bed.PodProcess:
         native_urls=[],
         api_keys_file=None,
     )
-    # Handoff probes off: each test counts the handoffs and the bytes of its own request.
+    if probes is None:
+        probe = router_config.HandoffProbe()
+    else:
+        assert cfg.handoff_probe.interval_s > 0, "the operator renders the router with handoff probes on"
+        probe = cfg.handoff_probe.model_copy(update=probes)
     cfg = cfg.model_copy(
         update={
             "health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3),
-            "handoff_probe": router_config.HandoffProbe(),
+            "handoff_probe": probe,
         }
     )
     cfg_file.write_text(router_config.dump(cfg))

@@ -21,7 +21,6 @@ import pytest
 
 from tests.netns import bed
 from tests.netns.conftest import (
-    CTRL_PORT,
     K8S_NAMESPACE,
     NUM_TOKENS,
     PREFILL_PORT,
@@ -29,54 +28,12 @@ from tests.netns.conftest import (
     Cluster,
     build_bed,
     network_status,
-    pod_env,
     spec_for,
     start_node,
     start_prefill,
+    start_router,
 )
-from tilert_operator.render import commands
-from tilert_operator.render import router as router_render
 from tilert_serve import dataplane
-from tilert_serve.local import plan as local_plan
-from tilert_serve.router import config as router_config
-
-
-def _start_router(c: Cluster, ctrl_host: str) -> None:
-    node = router_config.TileRTNode(
-        name="node0",
-        http_url=c.node_url(""),
-        ctrl_host=ctrl_host,
-        ctrl_port=CTRL_PORT,
-        slots=c.spec.decode.tilert.slots,
-        max_seq_len=c.spec.model.max_seq_len,
-    )
-    cfg = router_render.config(
-        c.spec,
-        prefill_urls=[dataplane.http_url(c.pod_ip(c.prefill), PREFILL_PORT)],
-        tilert_nodes=[node],
-        native_urls=[],
-        api_keys_file=None,
-    )
-    assert cfg.handoff_probe.interval_s > 0, "the operator renders the router with handoff probes on"
-    cfg = cfg.model_copy(
-        update={
-            "health": router_config.HealthChecks(timeout_s=5.0, failures_to_eject=3),
-            "handoff_probe": cfg.handoff_probe.model_copy(update={"interval_s": 2.0, "retry_s": 1.0}),
-        }
-    )
-    cfg_file = c.log_dir / "router.yaml"
-    cfg_file.write_text(router_config.dump(cfg))
-    cmd = commands.router(
-        c.spec,
-        commands.Paths(model_dir=str(c.model_dir), router_config=str(cfg_file), router_port=ROUTER_PORT),
-    )
-    c.procs["router"] = bed.PodProcess(
-        c.router,
-        "router",
-        local_plan._local_argv(cmd.argv),
-        pod_env(c.router, c.family, dict(cmd.env)),
-        c.log_dir,
-    )
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +52,7 @@ def probed(
         where = dataplane.choose(
             c.spec.transfer.rdma.networks, network_status(c.node), K8S_NAMESPACE, c.pod_ip(c.node)
         )
-        _start_router(c, str(where.address))
+        start_router(c, str(where.address), probes={"interval_s": 2.0, "retry_s": 1.0})
         try:
             bed.wait_http(c.router, c.node_url("/ready"), 120, c.procs["node0"])
             bed.wait_http(
