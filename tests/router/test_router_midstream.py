@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 
 import aiohttp
-import openai
 import pytest
 from router_fakes import MODEL, WORDS, until
 
@@ -47,21 +46,6 @@ async def test_a_decode_dying_mid_stream_ends_with_vllms_error_event(make_stack,
     assert m.stream_errors.labels(route, error["code"])._value.get() == 1
     if route == "tilert":
         await until(lambda: s.state.pools.tilert["t0"].in_use == 0)
-
-
-async def test_a_node_stream_cut_before_its_done_event_is_an_error_not_a_short_answer(make_stack):
-    s = await make_stack()
-    s.node.die_after = 3
-    c = s.client()
-
-    stream = await c.completions.create(
-        model=MODEL, prompt="a", max_tokens=10, stream=True, extra_headers=TILERT
-    )
-    got = []
-    with pytest.raises(openai.APIError, match="decode failed mid-stream on TileRT node t0"):
-        async for ch in stream:
-            got.append(ch.choices[0].text)
-    assert "".join(got) == " hello" + "".join(WORDS[:3])
 
 
 async def test_a_client_that_goes_away_cancels_the_native_decode(make_stack):
