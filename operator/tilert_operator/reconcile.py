@@ -532,6 +532,22 @@ async def _report_error(api: Client, body: Obj, error: Exception, out: Outcome) 
     )
 
 
+async def _not_applied(
+    api: Client, body: Obj, out: Outcome, state: str, conditions: list[status.Condition]
+) -> Outcome:
+    """End a reconcile that applies nothing (a spec or Secrets it cannot use): the status says why and
+    keeps the last applied generation."""
+    out.state = state
+    built = status.build(
+        generation=body["metadata"].get("generation"),
+        conditions_=conditions,
+        old=body.get("status") or {},
+        applied=False,
+    )
+    await _write_status(api, body, built, out)
+    return out
+
+
 async def _reconcile(
     api: Client, body: Obj, out: Outcome, *, rotation_grace_s: float, now: float | None
 ) -> Outcome:
@@ -541,19 +557,7 @@ async def _reconcile(
         return out  # ownerReferences let the garbage collector remove the children
     spec, problems = validation.validate(body.get("spec") or {}, cluster)
     if spec is None or problems:
-        out.state = "invalid"
-        await _write_status(
-            api,
-            body,
-            status.build(
-                generation=generation,
-                conditions_=status.invalid(problems),
-                old=body.get("status") or {},
-                applied=False,
-            ),
-            out,
-        )
-        return out
+        return await _not_applied(api, body, out, "invalid", status.invalid(problems))
 
     now = time.time() if now is None else now
     handoff = await credentials.ensure_handoff(api, body)
@@ -574,19 +578,7 @@ async def _reconcile(
                     tag=f"{s.name}: {a}",
                 )
     if not_owned:
-        out.state = "not_ready"
-        await _write_status(
-            api,
-            body,
-            status.build(
-                generation=generation,
-                conditions_=status.secrets_not_owned(not_owned),
-                old=body.get("status") or {},
-                applied=False,
-            ),
-            out,
-        )
-        return out
+        return await _not_applied(api, body, out, "not_ready", status.secrets_not_owned(not_owned))
     # Each phase change is a *Rotating condition's transition, so it gets its Event with the status write.
     rotation = await credentials.rotate(api, body, handoff, now=now, grace_s=rotation_grace_s)
     token_rotation = await credentials.rotate(
