@@ -257,18 +257,7 @@ class Sender:
             return _refused(accept)
         t1 = time.monotonic()
         if error is not None:
-            chan.send(
-                messages.Done(
-                    request_id=req.request_id,
-                    generation=accept.generation,
-                    ok=False,
-                    nbytes=0,
-                    error=error,
-                    writes_started=False,
-                )
-            )
-            self._expect(chan, messages.Ack)
-            return HandoffResult(False, "prefill_failed", error, handshake_s=t1 - t0)
+            return self._abandon(chan, req, accept, error, t1 - t0, wrote=False)
         dst = Placement(layout, max_tokens=accept.max_tokens, shards=len(accept.regions))
         layerwise = (
             source is not None and hello.layerwise and self.send_digest and self.staging_buffers is not None
@@ -375,8 +364,8 @@ class Sender:
         handshake_s: float,
         wrote: bool,
     ) -> HandoffResult:
-        """The prefill gave up between layers: every write call made has returned, so no byte of ours
-        can still land (writes_started False lets the node free the slot without quarantine)."""
+        """The prefill gave up (before the first write, or between layers): every write call made has
+        returned, so no byte of ours can still land (writes_started False lets the node free the slot without quarantine)."""
         chan.send(
             messages.Done(
                 request_id=req.request_id,
