@@ -217,6 +217,7 @@ def test_requests_that_cannot_go_are_reported_not_sent(params, tokens, error):
     assert sched.build_meta(_output([_new(r, [1])], _cached([], [], []), {"a": tokens})).jobs == []
     delay, out = sched.request_finished(r)
     assert not delay and out["tilert_status"] == "failed" and error in out["tilert_error"]
+    assert "tilert_fault" not in out  # the request itself cannot go: no prefill is to blame
 
 
 def test_connector_lines_reach_vllms_handler():
@@ -244,6 +245,7 @@ def test_aborted_before_its_prefill_completes():
     sched.build_meta(_output([_new(r, [1, 2])], _cached([], [], []), {"a": 20}))
     delay, out = sched.request_finished(r)
     assert not delay and out["tilert_status"] == "failed" and "FINISHED_ABORTED" in out["tilert_error"]
+    assert out["tilert_fault"] == "prefill"  # the router retries on another prefill, same node
 
 
 def test_gather_takes_exactly_the_requests_rows():

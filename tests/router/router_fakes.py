@@ -347,6 +347,8 @@ class FakePrefill(FakeVLLM):
         self.finish_reason = "length"
         self.tilert_status = "queued"
         self.fail_handoffs = 0  # the first N TileRT requests report tilert_status "failed"
+        #: Their `tilert_fault` ("prefill": this server ended them itself, as a vLLM shutting down does).
+        self.handoff_fault: str | None = None
         self.handoffs_seen = 0
         self.cached_tokens: int | None = 3
         self.prompt_tokens = 7
@@ -401,6 +403,8 @@ class FakePrefill(FakeVLLM):
                     n.handoff(kvp_in["tilert_ticket"], self.prompt_tokens)
             else:
                 kvp_out["tilert_error"] = "scripted handoff failure" if status != "queued" else None
+                if status != "queued" and self.handoff_fault is not None:
+                    kvp_out["tilert_fault"] = self.handoff_fault
         else:
             kvp_out = dict(self.kv_params) if self.kv_params is not None else None
         if self.compat is not None:

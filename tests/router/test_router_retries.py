@@ -86,6 +86,23 @@ async def test_a_retry_returns_the_same_greedy_text(make_stack):
     assert _count(s.state.metrics.retries, "tilert", "handoff_failed") == 1
 
 
+async def test_a_prefill_that_ended_the_request_itself_is_retried_without_blaming_the_node(make_stack):
+    """A leaving prefill (pooled connections still reach it) aborts a request: with one TileRT node and
+    no native pool, the retry on the other prefill is served by the same node, whose breaker stays
+    closed. Before, the node's breaker opened and the retry got 503 tilert_unavailable."""
+    s = await make_stack(n_prefill=2)
+    leaving, staying = s.prefills
+    leaving.fail_handoffs, leaving.handoff_fault = 10**6, "prefill"
+    s.state.pools.prefill[leaving.url].inflight = 0
+    s.state.pools.prefill[staying.url].inflight = 1  # the leaving one is picked first
+    r = await s.client().completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=TILERT)
+    assert r.choices[0].text == " hello w0 w1"
+    assert [len(p.bodies) for p in s.prefills] == [1, 1]
+    (node,) = s.state.pools.tilert.values()
+    assert node.breaker == "closed" and node.handoff_fail_at is None
+    assert _count(s.state.metrics.retries, "tilert", "handoff_failed") == 1
+
+
 async def test_the_retry_budget_stops_retries_when_spent(make_stack):
     s = await make_stack(n_prefill=2, policy={"retry_budget_min": 1, "retry_budget_ratio": 0.0})
     for p in s.prefills:

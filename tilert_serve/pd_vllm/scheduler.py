@@ -150,6 +150,10 @@ class TileRTScheduler:
         params["tilert_error"] = (
             claimed.refused or f"request ended ({request.status.name}) before its prefill did"
         )
+        if not claimed.refused:
+            # This server ended it (aborted, shutting down): the router retries on another prefill and
+            # keeps the node, which never saw the request, in rotation.
+            params["tilert_fault"] = "prefill"
         return False, params
 
     def sent(self, finished_sending: set[ReqId]) -> None:

@@ -257,15 +257,14 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     ends_now = finish == "stop" or stops.stopped or r.max_tokens == 1
     if not ends_now and (kvp.get("tilert_status") != "queued" or not isinstance(first_token, int)):
         # The handoff failed on the prefill side and nothing was sent yet: the caller retries elsewhere.
-        node.handoff_failed(
-            time.monotonic(), f"handoff_failed: {kvp.get('tilert_error') or kvp.get('tilert_status')}"
-        )
-        raise UpstreamError(
-            "tilert",
-            node.url,
-            "handoff_failed",
-            str(kvp.get("tilert_error") or f"prefill returned tilert_status={kvp.get('tilert_status')!r}"),
-        )
+        why = str(kvp.get("tilert_error") or f"prefill returned tilert_status={kvp.get('tilert_status')!r}")
+        if kvp.get("tilert_fault") == "prefill":
+            # The prefill ended the request itself (aborted it, or is shutting down: a pod leaving while
+            # connections to it are still pooled). The node is not to blame, and with one node its
+            # breaker would turn this one retry into a 503 for every request for seconds.
+            raise UpstreamError("prefill", prefill.url, "handoff_failed", why)
+        node.handoff_failed(time.monotonic(), f"handoff_failed: {why}")
+        raise UpstreamError("tilert", node.url, "handoff_failed", why)
 
     writer = openai_response.ChunkWriter(r.kind, call.request_id, r.model)
     out = _Out(call, writer)
