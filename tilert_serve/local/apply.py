@@ -9,6 +9,14 @@ would. The steps come from rollout.py (pure); this module runs them against a ru
   stops it as the kubelet does: the preStop hook, SIGTERM, up to terminationGracePeriodSeconds for it
   to finish what it serves, then SIGKILL.
 
+A change of compatibility generation (tilert_operator.render.generations: the model, the handoff
+layout, the protocol) plays the operator's blue/green rollout instead (`apply_generations`): the new
+generation's pods come up in the other slot beside the old ones, both in the router's endpoint list
+each with its own generation's `compat` (the router pairs only within one); once the new pools are
+ready and their TileRT nodes HandoffReady (read as the operator reads it, from each node's
+authenticated /v1/status), the old generation leaves the endpoints and is drained. The operator's own
+functions decide (tilert_operator.rollout `choose`, `lives`, `readiness`), fed from the state.
+
 The state file is written after every step, so `status` and `down` see what runs, and an `apply`
 that stopped (a pod never became ready: `Stalled`, the old pods still serving as a stalled rollout
 leaves them) plans again from there when run again.
@@ -18,19 +26,25 @@ leaves them) plans again from there when run again.
 
 from __future__ import annotations
 
+import asyncio
+import base64
+import datetime
 import subprocess
 import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tilert_operator import constants
+from tilert_operator import constants, status
+from tilert_operator import handoff as handoff_check
+from tilert_operator import rollout as op_rollout
 from tilert_operator.render import commands
+from tilert_operator.render.generations import Live
 from tilert_operator.spec import PDClusterSpec
 from tilert_serve.local import plan as planmod
 from tilert_serve.local import rollout, runner
@@ -63,6 +77,76 @@ class Runtime(Protocol):
     def save(self) -> None: ...
 
 
+class GenerationRuntime(Runtime, Protocol):
+    def use(self, lives: Sequence[Live]) -> None:
+        """Render `lives` from now on: new pods of a slot are its generation's, and the state records
+        exactly these generations."""
+
+    def readiness(self, live: Live, rendered: Sequence[rollout.Rendered]) -> tuple[op_rollout.Readiness, str]:
+        """Whether `live` can take over (its pools ready, its TileRT nodes HandoffReady), and what its
+        nodes report, for progress."""
+
+
+#: How often a new generation's readiness is read again while apply waits for it.
+READINESS_POLL_S = 1.0
+
+
+def apply_generations(
+    rt: GenerationRuntime,
+    phases: Sequence[Sequence[Live]],
+    render: Callable[[Sequence[Live]], Sequence[rollout.Rendered]],
+    timeout: float,
+    say: Callable[[str], None],
+) -> int:
+    """Converge through `phases` (rollout.generation_phases); between two, wait until the newest
+    generation is ready to take over (Stalled after `timeout` s, the old generation still serving, so
+    that the next apply resumes). The number of steps."""
+    steps = 0
+    for i, lives in enumerate(phases):
+        rt.use(lives)
+        if len(phases) > 1:
+            names = " + ".join(f"{g.generation.fingerprint} (slot {g.slot})" for g in lives)
+            what = "beside the old one" if i == 0 else "alone; the old one leaves the endpoints, then drains"
+            say(f"  generation phase {i + 1}/{len(phases)}: {names}: the new generation {what}")
+        rendered = render(lives)
+        steps += converge(rt, rendered, timeout, say)
+        if i < len(phases) - 1:
+            await_generation(rt, lives[-1], rendered, timeout, say)
+    return steps
+
+
+def await_generation(
+    rt: GenerationRuntime,
+    live: Live,
+    rendered: Sequence[rollout.Rendered],
+    timeout: float,
+    say: Callable[[str], None],
+) -> None:
+    """Wait until `live` is ready to take over, printing what it still waits for when that changes."""
+    t0 = time.monotonic()
+    said = ""
+    while True:
+        ready, detail = rt.readiness(live, rendered)
+        elapsed = time.monotonic() - t0
+        if ready.ready:
+            say(
+                f"  new generation {live.generation.fingerprint} ready and HandoffReady ({elapsed:.1f} s): {detail}"
+            )
+            return
+        text = "; ".join(ready.waiting) + (f" ({detail})" if detail else "")
+        if ready.stuck is not None or elapsed > timeout:
+            raise Stalled(
+                f"the new generation {live.generation.fingerprint} (slot {live.slot}) was not ready to take "
+                f"over within {timeout:.0f} s: {text}. The old generation keeps serving beside it; fix what "
+                "this names and `tilert-pd local apply` again (it resumes from here), or apply the old spec "
+                "to remove the new generation."
+            )
+        if text != said:
+            say(f"  waiting for the new generation {live.generation.fingerprint}: {text} ({elapsed:.0f} s)")
+            said = text
+        time.sleep(READINESS_POLL_S)
+
+
 def converge(
     rt: Runtime, rendered: Sequence[rollout.Rendered], timeout: float, say: Callable[[str], None]
 ) -> int:
@@ -77,7 +161,10 @@ def converge(
     creates = sum(isinstance(s, rollout.Create) for s in steps)
     removes = sum(isinstance(s, rollout.Remove) for s in steps)
     say(f"  {len(steps)} steps: {creates} pods to create, {removes} to remove")
-    serving = {p.name for p in pods if p.running and p.ready}
+    # A pod whose workload is no longer rendered (an old generation's) leaves the endpoints at once, as
+    # the endpoints controller drops a deleted workload's terminating pods; it is stopped after
+    # everything rendered has converged.
+    serving = {p.name for p in pods if p.running and p.ready and p.workload in by_name}
     rt.publish(serving, say)
     for step in steps:
         if isinstance(step, rollout.Create):
@@ -130,8 +217,10 @@ def await_router(router: str, expected: set[str], what: str, say: Callable[[str]
     )
 
 
-def record(run: runner.Running, r: rollout.Rendered, ordinal: int, revision: str) -> runner.Running:
-    """A started process as a pod of workload `r`."""
+def record(
+    run: runner.Running, r: rollout.Rendered, ordinal: int, revision: str, live: Live | None = None
+) -> runner.Running:
+    """A started process as a pod of workload `r` (of generation `live`, for a data-plane pod)."""
     return replace(
         run,
         workload=r.workload.name,
@@ -139,7 +228,14 @@ def record(run: runner.Running, r: rollout.Rendered, ordinal: int, revision: str
         ordinal=ordinal,
         grace_s=r.grace_s,
         pre_stop=planmod.local_hook(r.pre_stop, run.url) if r.pre_stop else None,
+        slot=r.slot,
+        generation=live.generation.fingerprint if live is not None and r.slot else "",
+        compat=live.generation.compat if live is not None and r.slot else None,
     )
+
+
+def now_rfc3339() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass
@@ -154,6 +250,8 @@ class Processes:
     paths: commands.Paths
     router_port: int
     api_token_file: str | None
+    #: The generations rendered now, by slot (`use`).
+    lives: dict[str, Live] = field(default_factory=dict)
 
     @property
     def router(self) -> str:
@@ -178,18 +276,54 @@ class Processes:
             out.append(rollout.Pod(p.name, p.workload, p.revision, p.ordinal, running, ready))
         return out
 
+    def use(self, lives: Sequence[Live]) -> None:
+        before = rollout.recorded(self.meta)
+        self.lives = {g.slot: g for g in lives}
+        records = {}
+        for g in lives:
+            old = before.get(g.slot)
+            kept = old is not None and old.fingerprint == g.generation.fingerprint and old.created
+            records[g.slot] = asdict(
+                rollout.RecordedGeneration.of(g, old.created if kept and old else now_rfc3339())
+            )
+        self.meta[rollout.GENERATIONS_KEY] = records
+        self.save()
+
+    def _live(self, rendered: rollout.Rendered) -> Live | None:
+        if not rendered.slot:
+            return None
+        live = self.lives.get(rendered.slot)
+        if live is None:
+            raise ValueError(f"{rendered.workload.name}: no generation is rendered in slot {rendered.slot}")
+        return live
+
+    def readiness(self, live: Live, rendered: Sequence[rollout.Rendered]) -> tuple[op_rollout.Readiness, str]:
+        pools = rollout.pool_states(rendered, self.pods(), live.slot)
+        nodes = [
+            tilert_node(live.spec, p)
+            for p in self.procs
+            if p.kind == constants.TILERT and (p.slot or constants.SLOT_A) == live.slot
+        ]
+        token = Path(self.api_token_file).read_bytes() if self.api_token_file else b""
+        secret = {"data": {constants.NODE_API_TOKEN_KEY: base64.b64encode(token).decode()}}
+        reports = asyncio.run(handoff_check.poll(nodes, secret))
+        verdicts = [(r.pod, *status.node_handoff(r)) for r in reports]
+        detail = "; ".join(f"{pod}: {reason}" for pod, reason, _ in verdicts)
+        return op_rollout.readiness(pools, [(pod, reason) for pod, reason, _ in verdicts]), detail
+
     def create(self, step: rollout.Create, rendered: rollout.Rendered) -> None:
         kind = rendered.component
+        live = self._live(rendered)
         port = self.router_port if kind == constants.ROUTER else runner.free_port()
         ctrl = runner.free_port() if kind == constants.TILERT else None
         if kind == constants.ROUTER and runner.port_in_use(port):
             raise Stalled(f"the router's port {port} is still taken; stop what holds it and apply again")
-        c = planmod.component(self.spec, self.paths, kind, step.pod, port, ctrl)
+        c = planmod.component(live.spec if live else self.spec, self.paths, kind, step.pod, port, ctrl)
         log = self.state_dir / f"{step.pod}.log"
         if log.exists():  # a StatefulSet pod created again under its name: keep the old one's log
             log.replace(log.with_suffix(".previous.log"))
         run = runner.start(runner.with_side_channel(c), self.state_dir)
-        self.procs.append(record(run, rendered, step.ordinal, step.revision))
+        self.procs.append(record(run, rendered, step.ordinal, step.revision, live))
 
     def wait(self, pods: Sequence[str], timeout: float, say: Callable[[str], None]) -> None:
         procs = [self._proc(n) for n in pods]
@@ -204,7 +338,9 @@ class Processes:
 
     def publish(self, serving: set[str], say: Callable[[str], None]) -> None:
         pods = [p for p in self.procs if p.name in serving and p.kind != constants.ROUTER]
-        cfg = endpoints_config(self.spec, pods, self.api_token_file)
+        cfg = endpoints_config(
+            self.spec, pods, self.api_token_file, {slot: g.spec for slot, g in self.lives.items()}
+        )
         path = self.state_dir / "router.yaml"
         text = router_config.dump(cfg)
         if not path.exists() or path.read_text() != text:
@@ -238,27 +374,39 @@ class Processes:
         runner.save(self.state_dir, self.meta, self.procs)
 
 
+def tilert_node(spec: PDClusterSpec, p: runner.Running) -> router_config.TileRTNode:
+    """The router's entry for a running TileRT pod of `spec`'s generation, with the pod's compat."""
+    if p.ctrl_port is None:
+        raise ValueError(f"{p.name}: no control port recorded; `tilert-pd local down` and `up` again")
+    c = planmod.Component(p.name, p.kind, [], {}, p.url, p.ready_url, ctrl_port=p.ctrl_port)
+    return planmod.node(spec, c).model_copy(update={"compat": p.compat})
+
+
 def endpoints_config(
-    spec: PDClusterSpec, pods: Iterable[runner.Running], api_token_file: str | None
+    spec: PDClusterSpec,
+    pods: Iterable[runner.Running],
+    api_token_file: str | None,
+    specs: dict[str, PDClusterSpec] | None = None,
 ) -> router_config.RouterConfig:
-    """The router config of a local run whose endpoints are `pods`."""
+    """The router config of a local run whose endpoints are `pods`, each listed with its own
+    generation's compat (`specs`: slot -> the generation's spec, for a TileRT node's slots and
+    sequence length; `spec`, the current one, for the rest and the router's own settings)."""
     pods = list(pods)
-    nodes = []
-    for p in pods:
-        if p.kind == constants.TILERT:
-            if p.ctrl_port is None:
-                raise ValueError(f"{p.name}: no control port recorded; `tilert-pd local down` and `up` again")
-            nodes.append(
-                planmod.node(
-                    spec,
-                    planmod.Component(p.name, p.kind, [], {}, p.url, p.ready_url, ctrl_port=p.ctrl_port),
-                )
-            )
+    specs = specs or {}
+
+    def endpoint(p: runner.Running) -> router_config.Endpoint:
+        return router_config.Endpoint(url=p.url, compat=p.compat)
+
+    nodes = [
+        tilert_node(specs.get(p.slot or constants.SLOT_A, spec), p)
+        for p in pods
+        if p.kind == constants.TILERT
+    ]
     return planmod.router_settings(
         spec,
-        prefill_urls=[p.url for p in pods if p.kind == constants.PREFILL],
+        prefill_urls=[endpoint(p) for p in pods if p.kind == constants.PREFILL],
         tilert_nodes=nodes,
-        native_urls=[p.url for p in pods if p.kind == constants.NATIVE],
+        native_urls=[endpoint(p) for p in pods if p.kind == constants.NATIVE],
         api_token_file=api_token_file,
     )
 

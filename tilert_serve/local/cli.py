@@ -27,14 +27,15 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import yaml
 
 from tilert_operator import constants
+from tilert_operator.render.generations import DATA_PLANE, Live
 from tilert_serve import defaults, observe, tinymodel
 from tilert_serve.local import apply as applymod
 from tilert_serve.local import docker, docker_apply, docker_runtime, rollout, runner
@@ -249,28 +250,32 @@ def launch(
     if adjust is not None:
         p = adjust(p)
     workloads = _workloads(name, spec)
+    live = Live(spec)
     (state_dir / "router.yaml").write_text(router_config.dump(p.router_config))
     say(f"tilert-pd local: {name} from {file} (state in {state_dir})")
     if p.tiny_model is not None and not tinymodel.is_current(model_dir):
         say(f"  generating the tiny model into {model_dir} ...")
         subprocess.run(p.tiny_model, check=True, stdout=subprocess.DEVNULL)
     started: list[runner.Running] = []
-    meta = {
+    meta: dict[str, object] = {
         "cluster": name,
         "file": str(Path(file).resolve()),
         "started": time.time(),
         "router": f"http://127.0.0.1:{router_port}",
+        rollout.GENERATIONS_KEY: {
+            live.slot: asdict(rollout.RecordedGeneration.of(live, applymod.now_rfc3339()))
+        },
     }
     try:
         engines = [c for c in p.components if c.kind != constants.ROUTER]
         for c in engines:
             say(f"  start  {c.name:<10} {c.url}")
-            started.append(_as_pod(runner.start(runner.with_side_channel(c), state_dir), workloads))
+            started.append(_as_pod(runner.start(runner.with_side_channel(c), state_dir), workloads, live))
         runner.save(state_dir, meta, started)
         runner.wait_ready(started, timeout, say)
         router = next(c for c in p.components if c.kind == constants.ROUTER)
         say(f"  start  {router.name:<10} {router.url}")
-        started.append(_as_pod(runner.start(router, state_dir), workloads))
+        started.append(_as_pod(runner.start(router, state_dir), workloads, live))
         runner.save(state_dir, meta, started)
         runner.wait_ready(started[-1:], 60, say)
         if warm_up:
@@ -321,12 +326,12 @@ def _workloads(name: str, spec: PDClusterSpec) -> dict[str, rollout.Rendered]:
     return {r.component: r for r in _workloads_all(name, spec) if r.workload.name == f"{name}-{r.component}"}
 
 
-def _as_pod(run: runner.Running, workloads: dict[str, rollout.Rendered]) -> runner.Running:
+def _as_pod(run: runner.Running, workloads: dict[str, rollout.Rendered], live: Live) -> runner.Running:
     r = workloads.get(run.kind)
     if r is None:  # a component the render does not have: `apply` will remove it
         return run
     ordinal = int(run.name.rsplit("-", 1)[1]) if run.name[-1].isdigit() else 0
-    return applymod.record(run, r, ordinal, r.workload.revision)
+    return applymod.record(run, r, ordinal, r.workload.revision, live)
 
 
 def apply(args: argparse.Namespace) -> int:
@@ -364,8 +369,21 @@ def apply(args: argparse.Namespace) -> int:
         router_port=int(str(meta["router"]).rsplit(":", 1)[1]),
         api_token_file=str(token),
     )
-    rendered = applymod.for_processes(list(_workloads_all(name, spec)), say)
-    steps = applymod.converge(rt, rendered, args.timeout, say)
+    adopt_generations(meta, procs)
+    slots = rollout.occupied(rollout.recorded(meta), _pod_generations(procs))
+    choice, phases = rollout.generation_phases(spec, slots)
+    if len(phases) > 1:
+        old = phases[0][0]
+        say(
+            f"  a new compatibility generation: {old.generation.fingerprint} (slot {old.slot}) -> "
+            f"{phases[-1][-1].generation.fingerprint} (slot {choice.current}); blue/green, as the operator "
+            "rolls it: the new one beside the old, then the old one drained"
+        )
+
+    def render_lives(lives: Sequence[Live]) -> list[rollout.Rendered]:
+        return applymod.for_processes(_workloads_all(name, spec, lives), say)
+
+    steps = applymod.apply_generations(rt, phases, render_lives, args.timeout, say)
     meta["file"] = str(Path(args.filename).resolve())
     meta["applied"] = time.time()
     rt.save()
@@ -373,12 +391,47 @@ def apply(args: argparse.Namespace) -> int:
     return 0
 
 
-def _workloads_all(name: str, spec: PDClusterSpec) -> list[rollout.Rendered]:
-    """The operator's Deployments and StatefulSets for `spec` (the Secrets, which no pod template
-    depends on, left out)."""
+def _workloads_all(
+    name: str, spec: PDClusterSpec, lives: Sequence[Live] | None = None
+) -> list[rollout.Rendered]:
+    """The operator's Deployments and StatefulSets for `spec` with the generations `lives` (None: `spec`
+    alone in slot a); the Secrets, which no pod template depends on, left out."""
     from tilert_operator import render
 
-    return rollout.rendered(render.children(spec, name, "default"), name)
+    return rollout.rendered(render.children(spec, name, "default", lives=lives), name)
+
+
+def _pod_generations(procs: Sequence[runner.Running]) -> dict[str, str | None]:
+    """slot -> the fingerprint its data-plane pods recorded (None: from before generations)."""
+    out: dict[str, str | None] = {}
+    for p in procs:
+        if p.kind in DATA_PLANE:
+            out.setdefault(p.slot or constants.SLOT_A, p.generation or None)
+    return out
+
+
+def adopt_generations(meta: dict[str, object], procs: list[runner.Running]) -> None:
+    """A state written before generations: one generation in slot a, the spec of the file it was last
+    started or applied from (when that file still parses; else the pods are taken as the new spec's
+    generation, as the operator takes workloads without a generation label)."""
+    if rollout.GENERATIONS_KEY in meta:
+        return
+    try:
+        _, spec = load_spec(str(meta.get("file") or ""))
+    except (OSError, ValueError) as exc:
+        say(
+            f"  note: the state records no generation and its spec file does not load ({exc}); rolling in place"
+        )
+        return
+    live = Live(spec)
+    meta[rollout.GENERATIONS_KEY] = {
+        live.slot: asdict(rollout.RecordedGeneration.of(live, applymod.now_rfc3339()))
+    }
+    for i, p in enumerate(procs):
+        if p.kind in DATA_PLANE and not p.slot:
+            procs[i] = replace(
+                p, slot=live.slot, generation=live.generation.fingerprint, compat=live.generation.compat
+            )
 
 
 def _up_docker(args: argparse.Namespace, name: str, spec: PDClusterSpec, state_dir: Path) -> int:

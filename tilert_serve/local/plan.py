@@ -203,13 +203,13 @@ def node(spec: PDClusterSpec, c: Component) -> router_config.TileRTNode:
 def router_settings(
     spec: PDClusterSpec,
     *,
-    prefill_urls: list[str],
+    prefill_urls: Sequence[str | router_config.Endpoint],
     tilert_nodes: list[router_config.TileRTNode],
-    native_urls: list[str],
+    native_urls: Sequence[str | router_config.Endpoint],
     api_token_file: str | None,
 ) -> router_config.RouterConfig:
     """The router config of a local run with these endpoints (what `up` writes and `apply` rewrites
-    as pods join and leave)."""
+    as pods join and leave; apply gives each endpoint its own generation's compat)."""
     cfg = router_render.config(
         spec,
         prefill_urls=prefill_urls,

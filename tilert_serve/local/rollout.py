@@ -40,11 +40,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from tilert_operator import constants
+from tilert_operator import constants, observe
+from tilert_operator import rollout as op_rollout
+from tilert_operator.render import generations
+from tilert_operator.render.generations import Live
+from tilert_operator.spec import PDClusterSpec
 
 #: Kubernetes' default for a Deployment's maxSurge and maxUnavailable.
 DEFAULT_SURGE_UNAVAILABLE = "25%"
@@ -164,6 +168,9 @@ class Rendered:
     grace_s: float
     #: The main container's preStop exec command, if rendered.
     pre_stop: tuple[str, ...] | None
+    #: The generation slot of a data-plane workload (its pod template's slot label; slot a for one
+    #: without); "" for the router, which every generation shares.
+    slot: str = ""
 
 
 def rendered(
@@ -173,7 +180,9 @@ def rendered(
     in render order. Pods are named after their workload (`<workload>-<ordinal>`, as the docker runtime
     and a StatefulSet name them) or, with `local_names`, after the process runtime's name of their
     component (`tilert` for `<cluster>-tilert-decode`; a workload rendered under another name, such as
-    a new generation's, keeps its own suffix: `tilert-g2` for `<cluster>-tilert-decode-g2`)."""
+    a new generation's, keeps its own suffix: `tilert-g2` for `<cluster>-tilert-decode-g2`). A
+    data-plane workload of slot b (a new compatibility generation beside the old one) names its pods
+    `<component>-b-<ordinal>`: `prefill-b-0`, `tilert-b-0`."""
     out: list[Rendered] = []
     for m in manifests:
         kind = m.get("kind")
@@ -189,7 +198,14 @@ def rendered(
                 "`tilert-pd local apply` runs only what the operator renders"
             )
         base = f"{cluster}-{component}"
-        prefix = SHORT_NAMES[component] + (name[len(base) :] if name.startswith(base) else f"-{name}")
+        labels = (template.get("metadata") or {}).get("labels", {})
+        slot = (
+            "" if component == constants.ROUTER else str(labels.get(constants.LABEL_SLOT) or constants.SLOT_A)
+        )
+        if slot and slot != constants.SLOT_A and name == constants.slot_child_name(cluster, component, slot):
+            prefix = f"{SHORT_NAMES[component]}-{slot}"
+        else:
+            prefix = SHORT_NAMES[component] + (name[len(base) :] if name.startswith(base) else f"-{name}")
         if not local_names:
             prefix = name
         if kind == "Deployment":
@@ -217,7 +233,7 @@ def rendered(
             partition,
         )
         grace = float(pod.get("terminationGracePeriodSeconds", 30))
-        out.append(Rendered(workload, component, grace, tuple(hook["command"]) if hook else None))
+        out.append(Rendered(workload, component, grace, tuple(hook["command"]) if hook else None, slot))
     return out
 
 
@@ -351,3 +367,103 @@ def _statefulset(w: Workload, pods: list[Pod]) -> list[Step]:
         )
         by_ordinal = {o: replace(p, ready=True) for o, p in by_ordinal.items()}
     return steps
+
+
+# Compatibility generations. A spec change that changes the generation (tilert_operator.render.
+# generations: the model, the handoff layout, the protocol) is not a rolling update: the operator brings
+# the new generation up in the other slot beside the old one, and removes the old one once the new one
+# is ready and its TileRT nodes are HandoffReady (tilert_operator.rollout decides; what follows feeds
+# its decisions from a local run's state).
+
+#: The state meta's record of the live generations: slot -> RecordedGeneration's fields.
+GENERATIONS_KEY = "generations"
+
+
+@dataclass(frozen=True)
+class RecordedGeneration:
+    """A live generation as a local run's state records it (the operator reads the same facts from
+    its workloads' labels and the prefill Deployment's recorded spec)."""
+
+    slot: str
+    fingerprint: str | None
+    #: What its endpoints advertise in the router's list (Generation.compat).
+    compat: str | None
+    #: generations.spec_json of the spec it was rendered from; None when unknown.
+    spec: str | None
+    #: When it was first rendered (RFC 3339; the operator's creationTimestamp).
+    created: str
+
+    @classmethod
+    def of(cls, live: Live, created: str) -> RecordedGeneration:
+        g = live.generation
+        return cls(live.slot, g.fingerprint, g.compat, generations.spec_json(live.spec), created)
+
+
+def recorded(meta: Mapping[str, Any]) -> dict[str, RecordedGeneration]:
+    """The generations a state's meta records (none in a state written before generations)."""
+    raw = meta.get(GENERATIONS_KEY)
+    if not isinstance(raw, dict):
+        return {}
+    out = {}
+    for slot, g in raw.items():
+        if not isinstance(g, dict):
+            raise ValueError(
+                f"the state's {GENERATIONS_KEY}.{slot} is not a mapping; `tilert-pd local down` and `up` again"
+            )
+        out[slot] = RecordedGeneration(
+            slot, g.get("fingerprint"), g.get("compat"), g.get("spec"), str(g.get("created") or "")
+        )
+    return out
+
+
+def occupied(
+    records: Mapping[str, RecordedGeneration], pod_generations: Mapping[str, str | None]
+) -> dict[str, op_rollout.Slot]:
+    """The occupied slots as tilert_operator.rollout.choose reads them: every slot a data-plane pod
+    runs in (`pod_generations`: slot -> a fingerprint its pods recorded, None for pods from before
+    generations) or the meta records. A slot whose spec is unknown is taken as the operator takes
+    workloads without a recorded spec: never kept as an old generation."""
+    out = {}
+    for slot in constants.SLOTS:
+        rec = records.get(slot)
+        if rec is None and slot not in pod_generations:
+            continue
+        fingerprint = rec.fingerprint if rec is not None else pod_generations.get(slot)
+        spec = generations.spec_from_json(rec.spec) if rec is not None and rec.spec else None
+        out[slot] = op_rollout.Slot(
+            slot=slot,
+            fingerprint=fingerprint,
+            spec=spec,
+            workloads={},
+            created=rec.created if rec is not None else "",
+        )
+    return out
+
+
+def generation_phases(
+    spec: PDClusterSpec, slots: Mapping[str, op_rollout.Slot]
+) -> tuple[op_rollout.Choice, list[list[Live]]]:
+    """The operator's choice for `spec` given the occupied slots, and the generations each phase of
+    `apply` renders: one phase (the spec's generation alone: a rolling update within its slot, and any
+    other slot's pods removed after it converged), or, when an older generation must keep serving until
+    the new one is ready, two: old and new side by side, then the new one alone."""
+    choice = op_rollout.choose(spec, generations.generation(spec).fingerprint, slots)
+    alone = op_rollout.lives(choice, spec, new_ready=True, shared=False)
+    if choice.old is None:
+        return choice, [alone]
+    return choice, [op_rollout.lives(choice, spec, new_ready=False, shared=False), alone]
+
+
+def pool_states(rendered: Sequence[Rendered], pods: Sequence[Pod], slot: str) -> dict[str, observe.PoolState]:
+    """The data-plane pools of `slot` as a workload status reports them (tilert_operator.rollout.
+    readiness reads these): ready pods of the current template against the replicas asked for."""
+    out = {}
+    for r in rendered:
+        if r.component not in generations.DATA_PLANE or r.slot != slot:
+            continue
+        w = r.workload
+        mine = [p for p in pods if p.workload == w.name]
+        ready = sum(p.running and p.ready and p.revision == w.revision for p in mine)
+        rolling = None if ready == w.replicas and len(mine) == w.replicas else f"{ready}/{w.replicas} updated"
+        out[r.component] = observe.PoolState(ready, w.replicas, rolling=rolling)
+    return out

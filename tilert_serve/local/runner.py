@@ -50,6 +50,12 @@ class Running:
     ctrl_port: int | None = None
     grace_s: float = 30.0
     pre_stop: list[str] | None = None
+    #: The pod's compatibility generation (tilert_operator.render.generations): the slot its workload
+    #: is rendered in (a or b; "" for the router, and in state files from before generations, which
+    #: mean slot a), its fingerprint, and what the router's endpoint list gives it as `compat`.
+    slot: str = ""
+    generation: str = ""
+    compat: str | None = None
 
 
 #: File names of a local stack's credentials in its state directory.

@@ -106,8 +106,12 @@ def recorded_spec(workload: dict[str, Any]) -> PDClusterSpec | None:
     raw = ((workload.get("metadata") or {}).get("annotations") or {}).get(
         constants.GENERATION_SPEC_ANNOTATION
     )
-    if not raw:
-        return None
+    return spec_from_json(raw) if raw else None
+
+
+def spec_from_json(raw: str) -> PDClusterSpec | None:
+    """A spec recorded by `spec_json` (on a prefill Deployment, or in a local run's state); None when it
+    no longer parses."""
     try:
         return parse(json.loads(raw))
     except ValueError:
