@@ -124,6 +124,9 @@ def tiny_stack(
         )
     finally:
         if stack is not None:
-            runner.stop(stack.procs)
+            # What runs now: `tilert-pd local apply` (bench/change) replaces processes as it goes.
+            procs = runner.load(state_dir)[1] if (state_dir / runner.STATE_FILE).exists() else []
+            known = {p.pid for p in procs}
+            runner.stop(procs + [p for p in stack.procs if p.pid not in known])
             (state_dir / runner.STATE_FILE).unlink(missing_ok=True)
         _stop(proc)

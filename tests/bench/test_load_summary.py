@@ -14,9 +14,7 @@ from bench.load.summary import (
     Mark,
     Stats,
     percentile,
-    planned_change_problems,
     summarize,
-    unplanned_change_problems,
 )
 
 
@@ -146,41 +144,3 @@ def test_queue_signs_come_from_send_order_and_the_last_answer() -> None:
 def test_the_comparison_divides_by_the_baseline() -> None:
     text = report.comparison_table({"router": stats(p50=0.3), "alone": stats(p50=0.2)}, "alone")
     assert "| 1.50x / 1.50x |" in text and "| 1.00x / 1.00x |" in text
-
-
-def test_the_bars_of_planned_and_unplanned_changes() -> None:
-    steady = [rec(i, float(i), float(i) + 1, ttft=0.1) for i in range(5)]
-    rolling = [rec(5 + i, 10.0 + i, 11.0 + i, phase="rollout", ttft=0.15) for i in range(5)]
-    s = summarize(steady + rolling, [Mark("rollout", 10.0)], "steady")
-    assert planned_change_problems(s, "rollout") == []
-    slow = summarize(
-        [*steady, rec(10, 12.0, 13.0, phase="rollout", ttft=0.3)], [Mark("rollout", 10.0)], "steady"
-    )
-    assert planned_change_problems(slow, "rollout") == [
-        "TTFT p99 during 'rollout' is 3.00x the 'steady' one (bar: 2x)"
-    ]
-    failed = steady + rolling + [rec(11, 12.5, 13.0, "stream_cut", phase="rollout", greedy_match=None)]
-    wrong = [rec(12, 13.0, 14.0, phase="rollout", ttft=0.1, greedy_match=False)]
-    problems = planned_change_problems(
-        summarize(failed + wrong, [Mark("rollout", 10.0)], "steady"), "rollout"
-    )
-    assert problems == [
-        "1 requests failed: {'stream_cut': 1}",
-        "1 of 1 greedy outputs differ from vLLM alone's",
-    ]
-
-    kill = Mark("kill", 10.0)
-    after = [
-        rec(20, 9.5, 10.5, "stream_error"),  # in flight at the kill: allowed to fail
-        rec(21, 10.5, 10.6, "http_5xx", phase="kill"),
-        rec(22, 11.5, 12.0, phase="kill"),
-    ]
-    assert unplanned_change_problems(summarize(steady + after, [kill], "steady"), "kill") == []
-    late = [*after, rec(23, 12.5, 12.6, "connect_error", phase="kill"), rec(24, 13.0, 13.5, phase="kill")]
-    (problem,) = unplanned_change_problems(summarize(steady + late, [kill], "steady"), "kill")
-    assert problem.startswith(
-        "requests sent after 'kill' all succeed only from 3.00 s on (bar: 2 s; 2 failed"
-    )
-    never = [*after, rec(25, 14.0, 14.1, "connect_error", phase="kill")]
-    (problem,) = unplanned_change_problems(summarize(steady + never, [kill], "steady"), "kill")
-    assert "the last request sent still failed" in problem
