@@ -321,10 +321,17 @@ async def start(
     handler_cancellation: bool = False,
     max_connections: int | None = None,
     backlog: int = 2048,
+    reuse_port: bool = False,
+    replica_port: int | None = None,
 ) -> Runner:
     """Serve `app` on host:port (0 = any free port); returns the runner (`runner.addresses` gives the
     port, `await runner.cleanup()` stops it). `idle_s` bounds idle and slow-header connections;
-    `max_connections` defaults to `connection_cap` of the open-file limit, raised first to the hard one."""
+    `max_connections` defaults to `connection_cap` of the open-file limit, raised first to the hard one.
+
+    `reuse_port`: share host:port with other processes of this user that set it too (SO_REUSEPORT: the
+    kernel spreads new connections over the live listeners, as a Service spreads them over ready pods,
+    and stops sending any to a listener the moment it closes or its process dies). `replica_port`: also
+    listen on a port of this process alone, so a prober can reach this replica and not its peers."""
     nofile = raise_nofile_limit()
     cap = max_connections if max_connections is not None else connection_cap(nofile)
     throttle_accept_errors(asyncio.get_running_loop())
@@ -337,5 +344,7 @@ async def start(
         keepalive_timeout=idle_s,
     )
     await runner.setup()
-    await web.TCPSite(runner, host, port, backlog=backlog).start()
+    await web.TCPSite(runner, host, port, backlog=backlog, reuse_port=reuse_port or None).start()
+    if replica_port is not None:
+        await web.TCPSite(runner, host, replica_port, backlog=backlog).start()
     return runner

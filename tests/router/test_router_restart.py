@@ -39,7 +39,7 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-async def _router(cfg_path: Path, port: int) -> asyncio.subprocess.Process:
+async def _router(cfg_path: Path, port: int, *extra: str) -> asyncio.subprocess.Process:
     return await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
@@ -52,6 +52,7 @@ async def _router(cfg_path: Path, port: int) -> asyncio.subprocess.Process:
         str(port),
         "--log-level",
         "WARNING",
+        *extra,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
 
@@ -69,7 +70,9 @@ async def _listening(port: int) -> float:
         return t
 
 
-async def _worker(url: str, route: str, out: list[Outcome], stop: asyncio.Event) -> None:
+async def _worker(
+    url: str, route: str, out: list[Outcome], stop: asyncio.Event, refused: list[float] | None = None
+) -> None:
     """Send requests one after another; a refused connection (no router listening: what a Service
     with no ready endpoint gives) is not a request sent, and is tried again at once. One connection per
     request: a pooled keep-alive connection to the killed process would fail the next request too, a
@@ -91,6 +94,8 @@ async def _worker(url: str, route: str, out: list[Outcome], stop: asyncio.Event)
                     ok = resp.status == 200 and text == expected
                     out.append(Outcome(t0, time.monotonic(), ok, f"{resp.status} {text!r}"))
             except aiohttp.ClientConnectorError:
+                if refused is not None:
+                    refused.append(time.monotonic())
                 await asyncio.sleep(0.005)  # nothing listens: not a request; ask again
             except (aiohttp.ClientError, TimeoutError) as exc:
                 out.append(Outcome(t0, time.monotonic(), False, type(exc).__name__))
@@ -151,3 +156,63 @@ async def test_a_router_killed_under_load_loses_only_its_in_flight_requests(make
     # Every request sent to the new process was served, with the same greedy text.
     assert all(o.ok for o in out if o.started >= t_start)
     assert t_served - t_listen <= SERVES_WITHIN_S, (t_served - t_listen, t_listen - t_start)
+
+
+async def _ready(http: aiohttp.ClientSession, port: int) -> bool:
+    try:
+        async with http.get(f"http://127.0.0.1:{port}/ready") as resp:
+            return resp.status == 200
+    except aiohttp.ClientError:
+        return False
+
+
+async def test_two_replicas_sharing_a_port_lose_only_the_killed_ones_in_flight(make_stack, tmp_path):
+    """Two router processes share one port (--reuse-port), each also on a port of its own (probes):
+    the local runtime's stand-in for a Service over router pods. One is SIGKILLed under load: new
+    connections go to the other at once (no refused connection, no gap), and every request sent after
+    the kill is served."""
+    s = await make_stack(node_slots=(8,), n_native=1)
+    s.node.token_interval_s = s.native.token_interval_s = 0.02
+    s.native.tokens = 6
+    cfg_path = tmp_path / "config.yaml"
+    cfg_path.write_text(config.dump(s.cfg))
+    port, own = _free_port(), [_free_port(), _free_port()]
+    url = f"http://127.0.0.1:{port}"
+    out: list[Outcome] = []
+    refused: list[float] = []
+    stop = asyncio.Event()
+    procs = [await _router(cfg_path, port, "--reuse-port", "--replica-port", str(p)) for p in own]
+    workers: list[asyncio.Task[None]] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            async with asyncio.timeout(60):
+                for p in own:  # each replica ready, asked on its own port
+                    while not await _ready(http, p):
+                        await asyncio.sleep(0.05)
+            workers = [
+                asyncio.create_task(_worker(url, route, out, stop, refused))
+                for route in ("tilert", "native") * 2
+            ]
+            await until(lambda: sum(o.ok for o in out) >= 20, timeout=60)
+            await until(lambda: s.node.active + s.native.active >= 2, timeout=30)
+            t_kill = time.monotonic()
+            procs[0].send_signal(signal.SIGKILL)
+            await procs[0].wait()
+            t_dead = time.monotonic()
+            await until(lambda: sum(o.ok and o.started >= t_dead for o in out) >= 30, timeout=60)
+            assert await _ready(http, own[1]) and not await _ready(http, own[0])
+    finally:
+        stop.set()
+        await asyncio.gather(*workers)
+        for proc in procs:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):
+                    await proc.wait()
+    failed = [o for o in out if not o.ok]
+    print(
+        f"\ntwo router replicas, one SIGKILLed: {len(out)} requests, {len(failed)} failed, {len(refused)} refused"
+    )
+    assert all(o.started < t_dead and o.ended > t_kill for o in failed), failed
+    assert all(o.ok for o in out if o.started >= t_dead)
+    assert not [t for t in refused if t >= t_dead], "a connection was refused after the kill"

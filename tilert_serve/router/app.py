@@ -67,14 +67,17 @@ def make_app(
     return app
 
 
-async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
+async def start(
+    app: web.Application, host: str, port: int, *, reuse_port: bool = False, replica_port: int | None = None
+) -> web.AppRunner:
     """Start the app on host:port (0 = any free port) with handler cancellation on; returns the runner
     (its `addresses` give the bound port; `await runner.cleanup()` stops it).
 
     The server is set up as the decode node's (tilert_serve/httpserver.py): a connection without a
     request in progress (idle keep-alive, or headers still arriving) is closed after
     `timeouts.client_idle_s`, connections are capped at `limits.max_client_connections`, and requests
-    aiohttp's parser refuses get a JSON 400."""
+    aiohttp's parser refuses get a JSON 400. `reuse_port` and `replica_port`: replicas sharing one
+    port on one host (httpserver.start)."""
     cfg = app[STATE].config
     return await httpserver.start(
         app,
@@ -84,6 +87,8 @@ async def start(app: web.Application, host: str, port: int) -> web.AppRunner:
         error_body=httpserver.openai_error,
         handler_cancellation=True,
         max_connections=cfg.limits.max_client_connections,
+        reuse_port=reuse_port,
+        replica_port=replica_port,
     )
 
 

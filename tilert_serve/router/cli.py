@@ -22,6 +22,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--port", type=int, default=defaults.ROUTER_PORT, help=f"listen port (default {defaults.ROUTER_PORT})"
     )
+    parser.add_argument(
+        "--reuse-port",
+        action="store_true",
+        help="share --port with other router replicas on this host (SO_REUSEPORT, same user only): the "
+        "kernel spreads connections over the live ones, as a Service does over pods (local runs)",
+    )
+    parser.add_argument(
+        "--replica-port",
+        type=int,
+        default=None,
+        help="also listen on this port, not shared: probes and scrapes reach this replica alone",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     parser.add_argument("--no-health-checks", action="store_true", help="do not probe upstreams")
     parser.add_argument(
@@ -41,8 +53,16 @@ async def _main(args: argparse.Namespace) -> int:
         raise SystemExit(f"router: {exc}") from exc
     drain = draining.Drain(args.drain_timeout)
     app.middlewares.append(drain.middleware)
-    runner = await start(app, args.host, args.port)
-    logging.getLogger(__name__).info("router listening on %s:%d (model %s)", args.host, args.port, cfg.model)
+    runner = await start(
+        app, args.host, args.port, reuse_port=args.reuse_port, replica_port=args.replica_port
+    )
+    logging.getLogger(__name__).info(
+        "router listening on %s:%d%s (model %s)",
+        args.host,
+        args.port,
+        f" (shared) and {args.replica_port}" if args.reuse_port and args.replica_port else "",
+        cfg.model,
+    )
     await draining.serve_until_signal(runner, drain, stop_listening=True)
     return 0
 
