@@ -4,5 +4,6 @@ the load harness (bench/load) keeps score, judged against issue 23's bar.
 
     scenarios.py   the sequence of changes (pure data: how each edits the PDCluster, or what it kills)
     judge.py       each scenario's row and verdict from the load's records (pure)
+    leaks.py       what the stack still holds once every request has ended
     __main__.py    the benchmark: python -m bench.change
 """

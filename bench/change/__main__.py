@@ -25,7 +25,7 @@ from pathlib import Path
 
 import yaml
 
-from bench.change import judge, scenarios
+from bench.change import judge, leaks, scenarios
 from bench.common import table
 from bench.load import references, report
 from bench.load.harness import Load
@@ -71,7 +71,7 @@ def kill(state_dir: Path, component: str) -> str:
 
 async def run(
     stack: TinyStack, doc: scenarios.Doc, chosen: list[scenarios.Scenario], a: argparse.Namespace
-) -> tuple[list[judge.Row], str]:
+) -> tuple[list[judge.Row], str, list[str]]:
     prompts = PromptSet(seed=a.seed)
     refs = await references.cached(a.references, stack.plain, prompts, progress=say)
     state_dir = stack.local.state_dir
@@ -102,7 +102,13 @@ async def run(
             await load.completed(a.settle, after=judge.after(sc.name), timeout=600)
     steady = load.summary().phase(judge.STEADY)
     rows = [judge.row(load.records, load.marks, sc, steady) for sc in done]
-    return rows, stopped
+    # Every request has ended (the load drained): whatever is still held now leaked.
+    still = await asyncio.to_thread(leaks.held, state_dir)
+    say(
+        "leaks: "
+        + ("; ".join(still) if still else "none (every TileRT slot free, nothing in flight in the router)")
+    )
+    return rows, stopped, still
 
 
 def _sec(x: float | None) -> str:
@@ -171,7 +177,7 @@ def cli() -> None:
     say(f"bench.change: starting the tiny stack and vLLM alone under {home} (a few minutes)")
     with tiny_stack(write_spec(home, doc, 0), home=home, say=say) as stack:
         say(f"  up in {time.monotonic() - t0:.0f} s")
-        rows, stopped = asyncio.run(run(stack, doc, chosen, a))
+        rows, stopped, still = asyncio.run(run(stack, doc, chosen, a))
     body = render(rows)
     met = sum(r.met for r in rows)
     note = (
@@ -182,7 +188,9 @@ def cli() -> None:
         f"{a.steady} steady requests before the first change. Once the native pool is at zero, requests "
         "asking for `native` get 503 `no_native_pool` by design and are left out. A kill's in-flight "
         "failures count every request in flight at the kill that failed, whatever it was on. Load average "
-        f"(1 min) at the end: {os.getloadavg()[0]:.1f}. Total {time.monotonic() - t0:.0f} s. {stopped}"
+        f"(1 min) at the end: {os.getloadavg()[0]:.1f}. Total {time.monotonic() - t0:.0f} s. {stopped}\n\n"
+        "Held once every request had ended (TileRT slots not free, router in-flight and slot gauges): "
+        + ("; ".join(still) if still else "nothing.")
     )
     print()
     print(body)
