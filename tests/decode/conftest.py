@@ -151,7 +151,7 @@ def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
 @contextlib.contextmanager
 def converter_held(node: DecodeNode, index: int = 0) -> Iterator[None]:
-    """Hold slot `index`'s converter thread (node.py converts as the state lands) until the block ends:
+    """Hold slot `index`'s converter thread (pipeline.py converts as the state lands) until the block ends:
     what lands meanwhile is checked and converted only after, as if /generate had come first."""
     release, holding = threading.Event(), threading.Event()
 
@@ -159,7 +159,7 @@ def converter_held(node: DecodeNode, index: int = 0) -> Iterator[None]:
         holding.set()
         release.wait(30)
 
-    node._converters[index].submit(hold)
+    node.pipeline.converter(index).submit(hold)
     assert holding.wait(10)
     try:
         yield

@@ -110,7 +110,7 @@ async def test_a_write_after_the_check_changes_nothing(case, mode, secret_file, 
         await _send(n, case, mode, adm["ticket"])
         # Checked and converted ahead of /generate: the state waits for injection.
         await wait_for(
-            lambda: (p := n.node._prepared[0]) is not None and p.final is not None and p.final.done()
+            lambda: (p := n.node.pipeline.build(0)) is not None and p.final is not None and p.final.done()
         )
         _overwrite(attacker, n, _everything(n))
         assert n.node.buffers.views(0)[0][:16].eq(0x41).all()  # it did land

@@ -192,7 +192,7 @@ async def test_a_sender_dying_between_layers_fails_and_quarantines_the_slot(secr
         assert status == 502 and "disconnected" in events[0]["error"]["message"]
         assert n.engine.started == []
         slot = n.node.slots.slots[0]
-        assert slot.state.value == "quarantined" and n.node._prepared[0] is None
+        assert slot.state.value == "quarantined" and n.node.pipeline.build(0) is None
         await wait_for(lambda: slot.state.value == "free")
         assert not n.node.buffers.views(0)[0].any()
 
@@ -217,7 +217,7 @@ async def test_a_prefill_giving_up_between_layers_frees_the_slot_without_quarant
         assert not result["ok"] and result["reason"] == "prefill_failed", result
         status, events = await n.generate(adm["ticket"])
         assert status == 502 and why in events[0]["error"]["message"]
-        assert n.node.slots.free == 1 and n.node._prepared[0] is None
+        assert n.node.slots.free == 1 and n.node.pipeline.build(0) is None
         assert b"tilert_decode_quarantined_slots_total 0.0" in n.node.metrics.render()
 
 
@@ -247,7 +247,7 @@ async def test_cancel_between_layers_drops_what_was_converted(secret_file):
         assert proc.stdout is not None and proc.stdin is not None
         while (line := await asyncio.wait_for(proc.stdout.readline(), 60)) != b"HELD\n":
             assert line, "the sender ended before holding"
-        prepared = n.node._prepared[0]
+        prepared = n.node.pipeline.build(0)
         assert prepared is not None
         await wait_for(lambda: len(prepared.layers) == 2)  # two layers checked and converted already
         assert converted_bytes(n) == prepared.held_bytes > 0
@@ -255,7 +255,7 @@ async def test_cancel_between_layers_drops_what_was_converted(secret_file):
             assert (await r.json()) == {"cancelled": True}
         slot = n.node.slots.slots[0]
         assert slot.state.value == "quarantined"  # the sender may still write
-        assert n.node._prepared[0] is None and prepared.dropped and not prepared.layers
+        assert n.node.pipeline.build(0) is None and prepared.dropped and not prepared.layers
         assert converted_bytes(n) == 0
         proc.stdin.write(b"go\n")
         await proc.stdin.drain()
@@ -352,7 +352,7 @@ async def test_malformed_layers_done_is_a_protocol_error(name, secret_file):
         assert replies[-1].reason.value == "bad_request" and words in replies[-1].message, replies[-1]
         status, events = await n.generate(adm["ticket"])
         assert status == 502 and "broke the protocol" in events[0]["error"]["message"]
-        assert n.engine.started == [] and n.node._prepared[0] is None
+        assert n.engine.started == [] and n.node.pipeline.build(0) is None
         await wait_for(lambda: n.node.slots.free == 1)
         # The node goes on serving: a good layer-wise handoff after it.
         _, adm = await n.admit("good")

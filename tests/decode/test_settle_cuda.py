@@ -1,8 +1,8 @@
-"""decode/node.py's `_settle` on a GPU: the converter thread's spans end when the conversion's kernels
+"""decode/pipeline.py's `settle` on a GPU: the converter thread's spans end when the conversion's kernels
 have run, not when they were queued.
 
 The stream is held back by a sleep kernel first, so the conversion is still queued when its call
-returns (what a span without `_settle` would end on); `_settle` must then wait for it. Once on the
+returns (what a span without `settle` would end on); `settle` must then wait for it. Once on the
 test's thread, once on a converter thread (as the node converts: a ThreadPoolExecutor, that thread's
 current stream) over a placement of two shards on one GPU and a CPU tensor among the views.
 """
@@ -16,12 +16,12 @@ import pytest
 import torch
 
 from tilert_serve import layouts
-from tilert_serve.decode.node import _settle
+from tilert_serve.decode.pipeline import settle
 from tilert_serve.layouts import convert
 
 pytestmark = [
     pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: _settle waits on CUDA streams"),
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: settle waits on CUDA streams"),
 ]
 
 #: ~50 ms of a sleep kernel on an H200 (1.98 GHz): far longer than the host takes to queue the conversion.
@@ -48,12 +48,12 @@ def test_settle_waits_for_the_conversion_queued_behind_the_stream() -> None:
         convert.to_layer_state(regions, place, lid, 8192, torch.bfloat16)
     converted = torch.cuda.Event()
     converted.record()
-    assert not converted.query(), "the conversion ran before its call returned: nothing here tests _settle"
+    assert not converted.query(), "the conversion ran before its call returned: nothing here tests settle"
     t0 = time.perf_counter()
-    _settle(regions)
+    settle(regions)
     waited = time.perf_counter() - t0
     assert converted.query() and torch.cuda.current_stream().query()
-    assert waited > 0.005, f"_settle returned after {waited * 1e3:.2f} ms with the stream held"
+    assert waited > 0.005, f"settle returned after {waited * 1e3:.2f} ms with the stream held"
 
 
 def test_settle_on_a_converter_thread_over_several_shards_and_a_cpu_view() -> None:
@@ -68,10 +68,10 @@ def test_settle_on_a_converter_thread_over_several_shards_and_a_cpu_view() -> No
         converted = torch.cuda.Event()
         converted.record()
         queued = not converted.query()
-        _settle([*regions, torch.zeros(4)])  # the CPU tensor is no stream to wait on; both shards one device
+        settle([*regions, torch.zeros(4)])  # the CPU tensor is no stream to wait on; both shards one device
         return queued, converted.query()
 
     with ThreadPoolExecutor(1) as converter:
         queued, done = converter.submit(convert_and_settle).result(timeout=60)
-    assert queued, "the conversion ran before its call returned: nothing here tests _settle"
+    assert queued, "the conversion ran before its call returned: nothing here tests settle"
     assert done

@@ -251,9 +251,6 @@ def run(args: argparse.Namespace) -> int:
 #: arriving): the router's default (its timeouts.client_idle_s). aiohttp's own is 3,630 s.
 HTTP_IDLE_S = 15.0
 
-#: Slot states with a request between its admission and the end of its stream.
-_ACTIVE = frozenset({"reserved", "receiving", "ready", "decoding"})
-
 
 def drain_for(node: DecodeNode, timeout_s: float) -> draining.Drain:
     """The node's drain: admissions refused, idle once no slot is active (tickets admitted before the
@@ -279,7 +276,7 @@ def drain_for(node: DecodeNode, timeout_s: float) -> draining.Drain:
 
 
 def node_idle(node: DecodeNode) -> bool:
-    return not any(s.state.value in _ACTIVE for s in node.slots.slots)
+    return node.idle
 
 
 async def serve(

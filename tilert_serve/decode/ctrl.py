@@ -3,7 +3,11 @@
 Between Accept and Done a layer-wise sender may send LayersDone frames (Hello says `layerwise`): each
 must name this handoff's request and generation and layers of this sender rank not reported before;
 anything else is a protocol error like any other. The node queues each reported layer's digest check
-and conversion (node.layers_arrived) while the rest are still being written.
+and conversion (the node's handoff pipeline, decode/pipeline.py) while the rest are still being written.
+
+The server sees the node only through `ControlNode`: the slot table (the owner of every slot
+transition), the recorder (the owner of the data-plane record), the terms a Request is checked
+against, the handshake's Hello and secrets, the slots' regions and where reported layers go.
 
 Before the handshake completes a connection is unauthenticated. Anyone who reaches the port can open
 such connections and hold them, so they are admitted by a gate (`PreauthGate`) built so that a real
@@ -33,16 +37,15 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from tilert_serve.decode.slots import DuplicateSender, NodeFull, Slot, UnknownTicket
+from tilert_serve.compat import Compat
+from tilert_serve.decode.record import Recorder
+from tilert_serve.decode.slots import DuplicateSender, NodeFull, Slot, SlotTable, UnknownTicket
 from tilert_serve.handoff import auth, messages
 from tilert_serve.handoff.errors import FrameError, MessageError, RejectReason, SessionError, VersionMismatch
 from tilert_serve.handoff.framing import HEADER, PREAUTH_MAX_BODY, Session, encode, read_frame, write_message
-from tilert_serve.layouts import senders_layers
-
-if TYPE_CHECKING:
-    from tilert_serve.decode.node import DecodeNode
+from tilert_serve.layouts import Layout, senders_layers
 
 log = logging.getLogger(__name__)
 
@@ -202,10 +205,48 @@ class _Refuse(Exception):
         self.reason, self.message = reason, message
 
 
+@dataclass(frozen=True)
+class Terms:
+    """What a sender's Request is checked against: the node's name, its longest sequence, the layout
+    it receives and its compatibility generation."""
+
+    node: str
+    max_seq_len: int
+    layout: Layout
+    compat: Compat
+
+
+class ControlNode(Protocol):
+    """What the control server uses of the decode node (node.py implements it)."""
+
+    @property
+    def terms(self) -> Terms: ...
+
+    @property
+    def slots(self) -> SlotTable: ...
+
+    @property
+    def recorder(self) -> Recorder: ...
+
+    @property
+    def keyring(self) -> auth.Keyring: ...
+
+    @property
+    def stopping(self) -> bool: ...
+
+    def hello(self, mac: str) -> messages.Hello: ...
+
+    def regions(self, index: int) -> list[messages.Region]: ...
+
+    def layers_arrived(
+        self, slot: Slot, generation: int, rank: int, layers: list[int], layer_digest: str
+    ) -> None: ...
+
+
 class ControlServer:
     """Admits unauthenticated connections through its gate; `handle` serves one connection."""
 
-    def __init__(self, node: DecodeNode) -> None:
+    def __init__(self, node: ControlNode) -> None:
         self.node = node
         self.gate = PreauthGate(limit=MAX_PREAUTH, per_source=MAX_PREAUTH_PER_SOURCE, clock=node.slots.clock)
         self._summed_at = -math.inf
@@ -221,7 +262,7 @@ class ControlServer:
         now = self.node.slots.clock()
         if now - self._summed_at < UNAUTHENTICATED_LOG_INTERVAL_S:
             return
-        counts = self.node.handoff.unauthenticated
+        counts = self.node.recorder.record.unauthenticated
         new = {k: n - self._summed.get(k, 0) for k, n in counts.items() if n > self._summed.get(k, 0)}
         since = "" if math.isinf(self._summed_at) else " since the last such line"
         self._summed_at, self._summed = now, dict(counts)
@@ -372,7 +413,7 @@ def _say_busy(writer: asyncio.StreamWriter, why: str) -> None:
         pass
 
 
-def _lost(node: DecodeNode, conn: _Conn, error: str) -> None:
+def _lost(node: ControlNode, conn: _Conn, error: str) -> None:
     if conn.slot is not None:
         node.slots.writer_lost(conn.slot, conn.generation, conn.rank, error)
 
@@ -409,7 +450,7 @@ async def _read(
     return msg
 
 
-def _check_auth(node: DecodeNode, nonce: str, a: messages.Auth) -> bytes | None:
+def _check_auth(node: ControlNode, nonce: str, a: messages.Auth) -> bytes | None:
     """The accepted secret the sender's MAC was made with (every candidate is tried, in constant time
     each), or None."""
     found = None
@@ -420,7 +461,7 @@ def _check_auth(node: DecodeNode, nonce: str, a: messages.Auth) -> bytes | None:
 
 
 async def _handoff(
-    node: DecodeNode,
+    node: ControlNode,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     conn: _Conn,
@@ -428,7 +469,7 @@ async def _handoff(
 ) -> None:
     nonce = auth.new_nonce()
     async with asyncio.timeout(AUTH_TIMEOUT_S):
-        await write_message(writer, messages.Challenge(nonce=nonce, node=node.config.name))
+        await write_message(writer, messages.Challenge(nonce=nonce, node=node.terms.node))
         a = await _read(reader, conn, messages.Auth, AUTH_TIMEOUT_S, PREAUTH_MAX_BODY)
     assert isinstance(a, messages.Auth)
     secret = _check_auth(node, nonce, a)
@@ -447,7 +488,7 @@ async def _handoff(
     req = await _read(reader, conn, messages.Request, HANDSHAKE_TIMEOUT_S)
     assert isinstance(req, messages.Request)
     conn.request_id = req.request_id
-    refused = _refusal(node, req)
+    refused = _refusal(node.terms, req)
     if refused is not None:
         # An authenticated sender's request for this ticket that can never be served: the request
         # fails now, naming why, instead of when its ticket expires.
@@ -476,11 +517,11 @@ async def _handoff(
     await _receive(node, reader, writer, conn, req, slot)
 
 
-def _refusal(node: DecodeNode, req: messages.Request) -> _Refuse | None:
+def _refusal(terms: Terms, req: messages.Request) -> _Refuse | None:
     """Why this node can never take `req`'s state, or None."""
-    if req.layout_fingerprint != node.layout.fingerprint:
-        return _Refuse(RejectReason.LAYOUT, f"this node runs layout {node.layout.describe()}")
-    mine = node.compat.fingerprint
+    if req.layout_fingerprint != terms.layout.fingerprint:
+        return _Refuse(RejectReason.LAYOUT, f"this node runs layout {terms.layout.describe()}")
+    mine = terms.compat.fingerprint
     if req.compat is None:
         return _Refuse(
             RejectReason.COMPAT,
@@ -488,7 +529,7 @@ def _refusal(node: DecodeNode, req: messages.Request) -> _Refuse | None:
             "tilert-pd release; run the prefill and the decode nodes of the same release",
         )
     if req.compat != mine:
-        c = node.compat
+        c = terms.compat
         return _Refuse(
             RejectReason.COMPAT,
             f"the sender's compatibility generation is {req.compat}, this node's {mine} (served model "
@@ -497,19 +538,19 @@ def _refusal(node: DecodeNode, req: messages.Request) -> _Refuse | None:
             "and --model-revision, and that both run the same tilert-pd release; the router pairs only "
             "equal generations",
         )
-    if req.num_tokens > node.config.max_seq_len:
+    if req.num_tokens > terms.max_seq_len:
         return _Refuse(
             RejectReason.TOO_LONG,
-            f"{req.num_tokens} tokens exceed this node's max_seq_len {node.config.max_seq_len}",
+            f"{req.num_tokens} tokens exceed this node's max_seq_len {terms.max_seq_len}",
         )
     if not 0 <= req.sender_rank < req.num_senders:
         return _Refuse(
             RejectReason.BAD_REQUEST, f"sender_rank {req.sender_rank} not in 0..{req.num_senders - 1}"
         )
-    if req.num_senders > node.layout.num_layers:
+    if req.num_senders > terms.layout.num_layers:
         return _Refuse(
             RejectReason.BAD_REQUEST,
-            f"num_senders {req.num_senders} exceeds the layout's {node.layout.num_layers} layers",
+            f"num_senders {req.num_senders} exceeds the layout's {terms.layout.num_layers} layers",
         )
     return None
 
@@ -542,7 +583,7 @@ def _check_layers(
 
 
 async def _receive(
-    node: DecodeNode,
+    node: ControlNode,
     reader: asyncio.StreamReader,
     writer: asyncio.StreamWriter,
     conn: _Conn,
@@ -554,8 +595,8 @@ async def _receive(
         request_id=req.request_id,
         slot=slot.index,
         generation=generation,
-        regions=node.buffers.regions(slot.index),
-        max_tokens=node.config.max_seq_len,
+        regions=node.regions(slot.index),
+        max_tokens=node.terms.max_seq_len,
     )
     if writer.transport.is_closing():
         raise ConnectionResetError("the sender's connection closed before its Accept went out")
@@ -563,7 +604,7 @@ async def _receive(
     node.slots.regions_given(slot, generation, req.sender_rank)
     await write_message(writer, accept, conn.session)
     deadline = slot.deadline
-    mine = set(senders_layers(node.layout, req.sender_rank, req.num_senders))
+    mine = set(senders_layers(node.terms.layout, req.sender_rank, req.num_senders))
     reported: set[int] = set()
     while True:
         frame = await _read(
@@ -575,7 +616,7 @@ async def _receive(
         assert isinstance(frame, messages.LayersDone)
         _check_layers(frame, req, generation, mine, reported)
         reported.update(frame.layers)
-        node.layers_arrived(slot, generation, req.sender_rank, frame.layers, frame.nbytes, frame.digest)
+        node.layers_arrived(slot, generation, req.sender_rank, frame.layers, frame.digest)
     _check_handoff(done, req, generation)
     conn.slot = None  # reported: a later disconnect no longer fails the slot
     complete = node.slots.done(

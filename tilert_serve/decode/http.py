@@ -10,28 +10,72 @@
 /metrics are open and carry no request ids or addresses. Errors are {"error": {"type", "message"}}
 (aiohttp's own 404/405/413 too); once a stream has started, an error is an SSE `error` event that ends
 it, and a stream cancelled by its ticket ends with an `error` event of type "cancelled".
+
+The handlers see the node only through `NodeAPI` (node.py implements it): its phase, admission and
+the ticket's lifecycle, the stream, its status and metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
-from typing import Annotated, Any
+from collections.abc import AsyncGenerator, Callable
+from typing import Annotated, Any, Protocol
 
 from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
 from tilert_serve import httpserver, pydantic_errors
 from tilert_serve.bearer import TokenFile
+from tilert_serve.compat import Compat
 from tilert_serve.decode import api_auth
 from tilert_serve.decode.engines.base import InvalidRequest, Sampling
 from tilert_serve.decode.engines.sampling import vllm_temperature
-from tilert_serve.decode.node import DecodeNode, GenerateParams, HandoffFailed
-from tilert_serve.decode.slots import AlreadyClaimed, NodeFull, UnknownTicket
+from tilert_serve.decode.node import Admission, GenerateParams, NodePhase, NotReady, TooLong
+from tilert_serve.decode.pipeline import HandoffFailed
+from tilert_serve.decode.slots import AlreadyClaimed, NodeFull, Slot, UnknownTicket
+
+
+class NodeAPI(Protocol):
+    """What the HTTP API uses of the decode node."""
+
+    @property
+    def phase(self) -> NodePhase: ...
+
+    @property
+    def failed(self) -> str | None: ...
+
+    @property
+    def ended(self) -> str | None: ...
+
+    @property
+    def compat(self) -> Compat: ...
+
+    def admit(self, request_id: str, need: int) -> Admission: ...
+
+    def claim(self, ticket: str) -> Slot: ...
+
+    async def wait_for_state(self, slot: Slot) -> None: ...
+
+    def decode(self, slot: Slot, p: GenerateParams) -> AsyncGenerator[dict[str, Any], None]: ...
+
+    def cancel_ticket(self, ticket: str) -> bool: ...
+
+    def render_metrics(self) -> bytes: ...
+
+    def status(self, with_request_ids: bool) -> dict[str, Any]: ...
+
+    async def start(self) -> None: ...
+
+    def start_failed(self, why: str) -> None: ...
+
+    async def stop(self) -> None: ...
+
 
 log = logging.getLogger(__name__)
-NODE = web.AppKey("node", DecodeNode)
+NODE: web.AppKey[NodeAPI] = web.AppKey("node")
 MAX_BODY = 1 << 20
 #: A body must arrive this long after its headers: one sent a byte at a time holds a handler for nothing.
 BODY_TIMEOUT_S = 30.0
@@ -122,39 +166,22 @@ async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
 async def admit(request: web.Request) -> web.Response:
     node = request.app[NODE]
     body: AdmitBody = await _parse(request, AdmitBody)
-    if not node.ready:
-        return _error(503, "not_ready", "the decode node is still starting; retry on another node")
-    need = (body.prompt_tokens or 0) + (body.max_tokens or 0)
-    if need > node.config.max_seq_len:
-        node.metrics.admissions.labels("too_long").inc()
-        return _error(
-            400,
-            "too_long",
-            f"prompt_tokens + max_tokens = {need} exceeds this node's max_seq_len "
-            f"{node.config.max_seq_len}; send it to the native pool",
-        )
     try:
-        slot = node.slots.admit(body.request_id)
+        admission = node.admit(body.request_id, (body.prompt_tokens or 0) + (body.max_tokens or 0))
+    except NotReady as exc:
+        return _error(503, "not_ready", str(exc))
+    except TooLong as exc:
+        return _error(400, "too_long", str(exc))
     except NodeFull as exc:
-        node.metrics.admissions.labels("full").inc()
         return _error(429, "node_full", str(exc), headers={"Retry-After": "1"})
-    node.metrics.admissions.labels("admitted").inc()
-    return web.json_response(
-        {
-            "ticket": slot.ticket,
-            "slot": slot.index,
-            "expires_in_s": node.config.ticket_ttl_s,
-            "ctrl_host": node.config.advertise_host,
-            "ctrl_port": node.ctrl_port,
-        }
-    )
+    return web.json_response(dataclasses.asdict(admission))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
     node = request.app[NODE]
     body: GenerateBody = await _parse(request, GenerateBody)
     try:
-        slot = node.slots.claim(body.ticket)
+        slot = node.claim(body.ticket)
     except UnknownTicket as exc:
         return _error(404, "unknown_ticket", str(exc))
     except AlreadyClaimed as exc:
@@ -223,12 +250,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
 async def cancel(request: web.Request) -> web.Response:
     node = request.app[NODE]
     body: CancelBody = await _parse(request, CancelBody)
-    try:
-        slot = node.slots.by_ticket(body.ticket)
-    except UnknownTicket:
-        return web.json_response({"cancelled": False})
-    node.cancel(slot)
-    return web.json_response({"cancelled": True})
+    return web.json_response({"cancelled": node.cancel_ticket(body.ticket)})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -242,52 +264,32 @@ async def health(request: web.Request) -> web.Response:
 
 async def ready(request: web.Request) -> web.Response:
     node = request.app[NODE]
-    if node.ready:
+    if node.phase is NodePhase.READY:
         # The compatibility generation (tilert_serve/compat.py): what the router checks against the
         # generation it was configured with for this node.
         return web.json_response({"ready": True, "compat": node.compat.fingerprint})
     reason = (
         api_auth.public_reason(node.failed)
         if node.failed
-        else ("stopping" if node.stopping else "engine loading or buffers not registered yet")
+        else (
+            "stopping"
+            if node.phase in (NodePhase.STOPPING, NodePhase.STOPPED)
+            else "engine loading or buffers not registered yet"
+        )
     )
     return web.json_response({"ready": False, "reason": reason}, status=503)
 
 
 async def metrics(request: web.Request) -> web.Response:
-    return web.Response(body=request.app[NODE].metrics.render(), content_type="text/plain")
+    return web.Response(body=request.app[NODE].render_metrics(), content_type="text/plain")
 
 
 async def status(request: web.Request) -> web.Response:
-    node = request.app[NODE]
     # Request ids only to a caller that showed the node's token (never on a node without one).
-    ids = request.get(api_auth.AUTHENTICATED, False)
-    return web.json_response(
-        {
-            "name": node.config.name,
-            "ready": node.ready,
-            # The compatibility generation (tilert_serve/compat.py): a prefill's handoff is taken only
-            # from a sender of this one; the router routes here only while it is the configured one.
-            "compat": node.compat.fingerprint,
-            "model": {"name": node.compat.model, "revision": node.compat.revision},
-            "failed": node.failed,
-            "layout": node.layout.describe(),
-            "engine": node.engine.name,
-            "transfer": node.transfer.name,
-            "max_seq_len": node.config.max_seq_len,
-            "slots": [
-                {"index": s.index, "state": s.state.value, **({"request_id": s.request_id} if ids else {})}
-                for s in node.slots.slots
-            ],
-            "ctrl": {"host": node.config.advertise_host, "port": node.ctrl_port},
-            # The data plane's record: the last handoff decoded from, the last failure and its reason, the
-            # transport and its measured bandwidth (the operator's HandoffReady reads it).
-            "handoff": node.handoff.as_dict(),
-        }
-    )
+    return web.json_response(request.app[NODE].status(request.get(api_auth.AUTHENTICATED, False)))
 
 
-def make_app(node: DecodeNode, api_tokens: TokenFile | None = None) -> web.Application:
+def make_app(node: NodeAPI, api_tokens: TokenFile | None = None) -> web.Application:
     """The node's app. `api_tokens`: the node-API token file /v1/* require; None = an open API (tests,
     or a node started with `--api-token-file ''`, which logs a warning)."""
     app = web.Application(client_max_size=MAX_BODY, middlewares=api_auth.middlewares(api_tokens))
@@ -317,10 +319,9 @@ def make_app(node: DecodeNode, api_tokens: TokenFile | None = None) -> web.Appli
     return app
 
 
-def _report_start_failure(node: DecodeNode):  # type: ignore[no-untyped-def]
+def _report_start_failure(node: NodeAPI) -> Callable[[asyncio.Task[None]], None]:
     def done(task: asyncio.Task[None]) -> None:
-        if not task.cancelled() and task.exception() is not None:
-            node.failed = f"start failed: {type(task.exception()).__name__}: {task.exception()}"
-            log.error("decode node %s could not start: %s", node.config.name, node.failed)
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            node.start_failed(f"start failed: {type(exc).__name__}: {exc}")
 
     return done

@@ -2,17 +2,20 @@
 admitted request (convert -> inject -> decode with MTP -> stop rules -> text).
 
 Threads: the event loop owns the slot table, the control plane and HTTP; engine work (inject,
-decode steps) runs in a pool with one worker per slot and reports back through the loop.
+decode steps) runs in a pool with one worker per slot and reports back through the loop. What lands
+in a slot becomes the engine's state in the handoff pipeline (pipeline.py), on the slot's converter
+thread, ahead of /generate; /generate waits only for what is still queued, injects and decodes.
 
-Conversion runs ahead of /generate, on one converter thread per slot (FIFO, so a slot's tasks run in
-the order they were queued): each layer a layer-wise sender reports done (LayersDone) is taken and
-converted as it lands, and once every rank reported done (READY) the rest is taken (Done's digests)
-and converted and the engine state assembled. Taking bytes means: copy them out of the receive
-region (which any data-plane peer can still write) into the slot's snapshot, which no peer can
-write, check the copy against the sender's digest, and convert only from the copy (`_take`).
-/generate then waits only for what is still queued, injects and decodes. A state whose digest is
-wrong or missing is refused there, before anything is injected. Converted tensors belong to one generation of a slot: the slot's
-failure, release or quarantine drops them (a task of a dropped generation does nothing).
+Each stateful part has one owner of its transitions: the slot table (slots.py) of every slot's, the
+pipeline of each slot generation's build, the recorder (record.py) of the data-plane record, and this
+node of its own phase:
+
+    STARTING -> READY (start: engine loaded, buffers registered, control port open)
+    STARTING -> FAILED (start_failed)
+    any -> STOPPING -> STOPPED (stop)
+
+The servers see the node through narrow interfaces: the control server through `ctrl.ControlNode`,
+the HTTP API through `http.NodeAPI`; neither reaches into the node's parts.
 """
 
 from __future__ import annotations
@@ -22,27 +25,38 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import AsyncGenerator, Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 import torch
 
 from tilert_serve import defaults
 from tilert_serve.compat import Compat
-from tilert_serve.decode import ctrl
+from tilert_serve.decode import ctrl, pipeline
 from tilert_serve.decode.buffers import ReceiveBuffers
 from tilert_serve.decode.detokenize import detokenizer
 from tilert_serve.decode.engines.base import DecodeEngine, InvalidRequest, Sampling
 from tilert_serve.decode.metrics import NodeMetrics
+from tilert_serve.decode.pipeline import HandoffFailed, HandoffPipeline, StateRefused
 from tilert_serve.decode.record import Recorder
-from tilert_serve.decode.slots import Slot, SlotState, SlotTable
+from tilert_serve.decode.slots import NodeFull, Slot, SlotState, SlotTable
 from tilert_serve.decode.stopping import cut
 from tilert_serve.handoff import auth, digest, messages
-from tilert_serve.layouts import Layout, convert, senders_layers
-from tilert_serve.layouts.state import InjectedState, LayerState
+from tilert_serve.layouts import Layout
 from tilert_serve.transfer import TransferEngine
+
+__all__ = [
+    "Admission",
+    "DecodeNode",
+    "GenerateParams",
+    "HandoffFailed",
+    "NodeConfig",
+    "NodePhase",
+    "StateRefused",
+]
 
 log = logging.getLogger(__name__)
 
@@ -86,65 +100,35 @@ class GenerateParams:
     ignore_eos: bool = False
 
 
-class HandoffFailed(Exception):
-    """The state did not arrive: the sender failed, vanished, or the deadline passed."""
-
-    def __init__(self, message: str, timeout: bool) -> None:
-        super().__init__(message)
-        self.timeout = timeout
+#: Slot states with a request between its admission and the end of its stream.
+_ACTIVE = frozenset({SlotState.RESERVED, SlotState.RECEIVING, SlotState.READY, SlotState.DECODING})
 
 
-class StateRefused(HandoffFailed):
-    """The state arrived but is not what its senders wrote (digest mismatch, or no digest)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(message, timeout=False)
-
-
-@dataclass
-class _Prepared:
-    """One slot generation's state as the converter thread builds it (see the module docstring)."""
-
-    generation: int
-    #: Converted layers (engine layers only), by layer id.
-    layers: dict[int, LayerState] = field(default_factory=dict)
-    #: Layers taken (copied into the snapshot and, digests on, checked there) by LayersDone, per sender rank.
-    taken: dict[int, set[int]] = field(default_factory=dict)
-    #: Why the state is refused (a layer's digest differs); raised at /generate, before injection.
-    refused: str | None = None
-    #: The assembled state (or StateRefused), queued when the slot became READY.
-    final: Future[InjectedState] | None = None
-    dropped: bool = False
-    #: Layers reported in LayersDone frames, the size of the last such frame, and when it came (slot clock).
-    layers_reported: int = 0
-    last_frame_layers: int = 0
-    t_last_layer: float | None = None
-    #: (kind "digest"|"convert", perf_counter start, end) of every converter task's work.
-    spans: list[tuple[str, float, float]] = field(default_factory=list)
-    #: Bytes of converted tensors this generation holds (counted in the converted_bytes gauge).
-    held_bytes: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock)
+class NodePhase(StrEnum):
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPING = "stopping"
+    STOPPED = "stopped"
 
 
-def _state_bytes(layers: Iterable[LayerState]) -> int:
-    return sum(
-        t.numel() * t.element_size()
-        for layer in layers
-        for t in (layer.kv, layer.pe, layer.ki)
-        if t is not None
-    )
+@dataclass(frozen=True)
+class Admission:
+    """A reserved slot, as /v1/admit answers it."""
+
+    ticket: str
+    slot: int
+    expires_in_s: float
+    ctrl_host: str
+    ctrl_port: int
 
 
-def _settle(views: list[torch.Tensor]) -> None:
-    """Wait for the conversion's kernels on a GPU (they run after the call returns), so a converter
-    span ends when the layers are converted, not when they were queued: convert_ms and
-    hidden_convert_ms tell the device's time. The converter thread waits, not the decode."""
-    for device in {v.device for v in views if v.is_cuda}:
-        torch.cuda.current_stream(device).synchronize()
+class NotReady(Exception):
+    """The node does not take admissions yet (its engine is loading) or any more (stopping)."""
 
 
-def _overlap(spans: list[tuple[str, float, float]], kind: str, lo: float, hi: float) -> float:
-    return sum(max(0.0, min(end, hi) - max(start, lo)) for k, start, end in spans if k == kind)
+class TooLong(Exception):
+    """The request would not fit this node's max_seq_len."""
 
 
 @dataclass
@@ -184,6 +168,8 @@ class DecodeNode:
         #: This node's compatibility generation: advertised in /v1/status, /ready and Hello; a
         #: sender's Request must name the same fingerprint (decode/ctrl.py).
         self.compat = Compat(config.model_name, config.model_revision, layout.fingerprint)
+        #: What a sender's Request is checked against (decode/ctrl.py).
+        self.terms = ctrl.Terms(config.name, config.max_seq_len, layout, self.compat)
         self.engine = engine
         self.transfer = transfer
         #: The accepted handoff secrets (a FileKeyring follows a rotated Secret without a restart).
@@ -201,6 +187,15 @@ class DecodeNode:
             shards=config.shards,
             devices=list(config.devices),
         )
+        self.pipeline = HandoffPipeline(
+            layout=layout,
+            buffers=self.buffers,
+            metrics=self.metrics,
+            engine_layers=engine.num_layers,
+            engine_dtype=getattr(engine, "dtype", torch.float32),
+            verify_digest=config.verify_digest,
+            clock=clock,
+        )
         self.slots = SlotTable(
             config.slots,
             ticket_ttl_s=config.ticket_ttl_s,
@@ -211,29 +206,44 @@ class DecodeNode:
             on_change=self._slot_changed,
         )
         self.ctrl = ctrl.ControlServer(self)
-        self.engine_dtype: torch.dtype = getattr(engine, "dtype", torch.float32)
         self._waiters = [_Waiters() for _ in range(config.slots)]
         self._pool = ThreadPoolExecutor(max_workers=config.slots, thread_name_prefix="decode")
-        #: One converter thread per slot, and what it builds for the slot's current generation.
-        self._converters = [
-            ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"convert-{i}") for i in range(config.slots)
-        ]
-        self._prepared: list[_Prepared | None] = [None] * config.slots
         self._server: asyncio.Server | None = None
         self._reaper: asyncio.Task[None] | None = None
         self.ctrl_port = config.ctrl_port
-        self.ready = False
-        self.stopping = False
+        self._phase = NodePhase.STARTING
+        #: Why start failed, if it did (reported by /health and /ready; kept through the stop).
+        self._failure: str | None = None
         #: Why every request was ended before it finished (the drain's time ran out), for the streams
         #: cut by it to say so; None while the node serves.
-        self.ended: str | None = None
-        #: Why start failed, if it did (reported by /health and /ready).
-        self.failed: str | None = None
+        self._ended: str | None = None
 
-    # -- lifecycle -------------------------------------------------------------------------------
+    # -- phase (this node is the only writer) ----------------------------------------------------
+
+    @property
+    def phase(self) -> NodePhase:
+        return self._phase
+
+    @property
+    def ready(self) -> bool:
+        return self._phase is NodePhase.READY
+
+    @property
+    def stopping(self) -> bool:
+        return self._phase in (NodePhase.STOPPING, NodePhase.STOPPED)
+
+    @property
+    def failed(self) -> str | None:
+        """Why start failed, or None."""
+        return self._failure
+
+    @property
+    def ended(self) -> str | None:
+        """Why every request was ended early (the drain's time ran out), or None."""
+        return self._ended
 
     async def start(self) -> None:
-        """Load the engine, register the buffers, open the control port. /ready turns true after."""
+        """STARTING -> READY: load the engine, register the buffers, open the control port."""
         await asyncio.to_thread(self.engine.load)
         if self.config.verify_digest:
             for device in sorted(set(self.config.devices)):
@@ -244,7 +254,8 @@ class DecodeNode:
         )
         self.ctrl_port = self._server.sockets[0].getsockname()[1]
         self._reaper = asyncio.create_task(self._reap(), name="slot-reaper")
-        self.ready = True
+        if self._phase is NodePhase.STARTING:  # not if stopped meanwhile
+            self._phase = NodePhase.READY
         log.info(
             "decode node %s ready: %d slots, layout %s, ctrl %s:%d, %.1f MB receive buffers (and as much again of snapshots)",
             self.config.name,
@@ -255,8 +266,16 @@ class DecodeNode:
             self.buffers.nbytes / 1e6,
         )
 
+    def start_failed(self, why: str) -> None:
+        """STARTING -> FAILED: /health and /ready report `why` from now on."""
+        self._failure = why
+        if self._phase is NodePhase.STARTING:
+            self._phase = NodePhase.FAILED
+        log.error("decode node %s could not start: %s", self.config.name, why)
+
     async def stop(self) -> None:
-        self.stopping, self.ready = True, False
+        """-> STOPPING -> STOPPED: streams end at their next step, then every part is closed."""
+        self._phase = NodePhase.STOPPING
         for w in self._waiters:
             w.cancel.set()
         if self._reaper:
@@ -265,11 +284,10 @@ class DecodeNode:
             self._server.close()
             await self._server.wait_closed()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for i, converter in enumerate(self._converters):
-            self._drop(i)
-            converter.shutdown(wait=True, cancel_futures=True)
+        self.pipeline.close()
         self.buffers.unregister()
         self.transfer.close()
+        self._phase = NodePhase.STOPPED
 
     async def _reap(self) -> None:
         while True:
@@ -287,13 +305,8 @@ class DecodeNode:
 
     def _slot_changed(self, slot: Slot, event: str) -> None:
         self.metrics.slots_busy.set(self.slots.busy)
-        prepared = self._prepared[slot.index]
-        if prepared is not None and (
-            prepared.generation != slot.generation or event in ("failed", "released", "quarantined")
-        ):
-            self._drop(slot.index)
+        self.pipeline.slot_changed(slot, event)
         if event == "complete":
-            self._queue_final(slot)
             self.metrics.handoffs.labels("complete").inc()
             self.metrics.handoff_bytes.inc(slot.nbytes)
             self.metrics.handoff_seconds.observe(slot.t_ready - slot.t_accept)
@@ -314,209 +327,7 @@ class DecodeNode:
         waiters.event.set()
         waiters.event = asyncio.Event()
 
-    # -- conversion ahead of /generate -----------------------------------------------------------
-
-    def _drop(self, index: int) -> None:
-        """Forget what was converted for the slot's generation; its queued tasks then do nothing."""
-        prepared, self._prepared[index] = self._prepared[index], None
-        if prepared is not None:
-            with prepared.lock:
-                prepared.dropped = True
-            self._let_go(prepared)
-
-    def _hold(self, prepared: _Prepared, nbytes: int) -> None:
-        """Count `nbytes` more of converted state for this generation (caller holds prepared.lock)."""
-        prepared.held_bytes += nbytes
-        self.metrics.converted_bytes.inc(nbytes)
-
-    def _let_go(self, prepared: _Prepared) -> None:
-        """Drop the generation's converted tensors: once injected the engine holds its own copy, and a
-        failed or released slot needs none. Without this they would live until the slot's next use."""
-        with prepared.lock:
-            prepared.layers.clear()
-            prepared.final = None
-            nbytes, prepared.held_bytes = prepared.held_bytes, 0
-        self.metrics.converted_bytes.dec(nbytes)
-
-    def _prepared_for(self, slot: Slot) -> _Prepared:
-        prepared = self._prepared[slot.index]
-        if prepared is None or prepared.generation != slot.generation:
-            self._drop(slot.index)
-            prepared = self._prepared[slot.index] = _Prepared(slot.generation)
-        return prepared
-
-    def layers_arrived(
-        self, slot: Slot, generation: int, rank: int, layers: list[int], nbytes: int, layer_digest: str
-    ) -> None:
-        """A sender rank reported `layers` written (ctrl.py checked they are its own, once each): queue
-        their digest check and conversion. Ignored unless the slot is still receiving this generation."""
-        if slot.generation != generation or slot.state is not SlotState.RECEIVING:
-            return
-        prepared = self._prepared_for(slot)
-        prepared.layers_reported += len(layers)
-        prepared.last_frame_layers = len(layers)
-        prepared.t_last_layer = self.slots.clock()
-        self.metrics.layers_received.inc(len(layers))
-        self._converters[slot.index].submit(
-            self._convert_layers,
-            prepared,
-            slot.index,
-            rank,
-            slot.ranks_expected,
-            slot.num_tokens,
-            list(layers),
-            layer_digest,
-        )
-
-    def _convert_layers(
-        self,
-        prepared: _Prepared,
-        index: int,
-        rank: int,
-        num_senders: int,
-        num_tokens: int,
-        layers: list[int],
-        layer_digest: str,
-    ) -> None:
-        """Converter thread: take these layers (snapshot and check), then convert them (engine layers
-        only) from the snapshot."""
-        if prepared.dropped or prepared.refused is not None:
-            return
-        snap = self.buffers.snapshot_views(index)
-        t0 = time.perf_counter()
-        problem = self._take(index, rank, num_senders, num_tokens, layers, layer_digest)
-        if problem is not None:
-            prepared.refused = f"sender rank {rank}, layers {layers}: {problem}"
-            return
-        t1 = time.perf_counter()
-        converted = {
-            lid: convert.to_layer_state(snap, self.buffers.placement, lid, num_tokens, self.engine_dtype)
-            for lid in layers
-            if lid < self.engine.num_layers
-        }
-        _settle(snap)
-        t2 = time.perf_counter()
-        with prepared.lock:
-            if prepared.dropped:
-                return
-            prepared.layers.update(converted)
-            self._hold(prepared, _state_bytes(converted.values()))
-            prepared.taken.setdefault(rank, set()).update(layers)
-            prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
-
-    def _queue_final(self, slot: Slot) -> None:
-        """The slot is READY: queue the check of what no LayersDone covered and the assembly."""
-        prepared = self._prepared_for(slot)
-        prepared.final = self._converters[slot.index].submit(
-            self._assemble,
-            prepared,
-            slot.index,
-            slot.ranks_expected,
-            slot.num_tokens,
-            slot.last_prompt_token,
-            dict(slot.digests),
-        )
-
-    def _assemble(
-        self,
-        prepared: _Prepared,
-        index: int,
-        num_senders: int,
-        num_tokens: int,
-        last_prompt_token: int,
-        digests: dict[int, str | None],
-    ) -> InjectedState:
-        """Converter thread: StateRefused unless every rank's bytes are covered by a digest that matches
-        (per layer, or Done's over the rest); else the engine's state, converted from the snapshot."""
-        if prepared.refused is not None:
-            raise StateRefused(prepared.refused)
-        snap = self.buffers.snapshot_views(index)
-        placement = self.buffers.placement
-        t0 = time.perf_counter()
-        self._take_rest(prepared, index, num_senders, num_tokens, digests)
-        t1 = time.perf_counter()
-        if not prepared.layers:
-            state = convert.to_injected_state(
-                snap, placement, num_tokens, last_prompt_token, self.engine_dtype
-            )
-            layers = state.layers[: self.engine.num_layers]
-        else:
-            layers = [
-                prepared.layers.get(lid)
-                or convert.to_layer_state(snap, placement, lid, num_tokens, self.engine_dtype)
-                for lid in range(self.engine.num_layers)
-            ]
-        _settle(snap)
-        t2 = time.perf_counter()
-        with prepared.lock:
-            prepared.spans += [("digest", t0, t1), ("convert", t1, t2)]
-            if not prepared.dropped:  # the layers converted ahead are counted already
-                self._hold(prepared, _state_bytes(layers) - prepared.held_bytes)
-        return InjectedState(layers=layers, seq_len=num_tokens, last_prompt_token=last_prompt_token)
-
-    def _take(
-        self,
-        index: int,
-        rank: int,
-        num_senders: int,
-        num_tokens: int,
-        layers: list[int],
-        expected: str | None,
-    ) -> str | None:
-        """Copy what sender `rank` wrote of `layers` out of the slot's receive region into its snapshot,
-        then (digests on) check the copy against `expected`: why it differs, or None. Snapshot first,
-        then check, then convert from the snapshot: the receive region stays writable by any data-plane
-        peer, so the bytes checked must be the bytes used (decode/buffers.py)."""
-        ranges = digest.receiver_ranges(self.buffers.placement, rank, num_senders, num_tokens, layers)
-        self.buffers.snapshot(index, ranges)
-        if not self.config.verify_digest:
-            return None
-        try:
-            digest.check(expected or "", self.buffers.snapshot_views(index), ranges)
-        except digest.DigestError as exc:
-            return str(exc)
-        return None
-
-    def _take_rest(
-        self,
-        prepared: _Prepared,
-        index: int,
-        num_senders: int,
-        num_tokens: int,
-        digests: dict[int, str | None],
-    ) -> None:
-        """Take every rank's layers no LayersDone covered (Done's digest covers them); StateRefused
-        when one is not covered or differs."""
-        rest = {
-            rank: sorted(
-                set(senders_layers(self.layout, rank, num_senders)) - prepared.taken.get(rank, set())
-            )
-            for rank in range(num_senders)
-        }
-        missing = [rank for rank, layers in rest.items() if layers and digests.get(rank) is None]
-        if missing and self.config.verify_digest:
-            raise StateRefused(
-                f"sender ranks {missing} sent no digest of their state and this node checks digests; "
-                "turn tilert_handoff_digest on in the prefill's connector (or the node's "
-                "--handoff-digest off)"
-            )
-
-        def take(rank: int) -> str | None:
-            if not rest[rank]:
-                return None
-            problem = self._take(index, rank, num_senders, num_tokens, rest[rank], digests.get(rank))
-            return None if problem is None else f"sender rank {rank}: {problem}"
-
-        # One thread per rank: with TP senders each rank's bytes sit on its own GPU shard, whose copies
-        # and hashing then run side by side (the hashing releases the GIL).
-        if num_senders == 1:
-            errors = [take(0)]
-        else:
-            with ThreadPoolExecutor(max_workers=min(num_senders, 8), thread_name_prefix="digest") as pool:
-                errors = list(pool.map(take, range(num_senders)))
-        problems = [e for e in errors if e]
-        if problems:
-            raise StateRefused("; ".join(problems))
+    # -- what the control server uses (ctrl.ControlNode) -----------------------------------------
 
     def hello(self, mac: str) -> messages.Hello:
         return messages.Hello(
@@ -533,10 +344,97 @@ class DecodeNode:
             compat=self.compat.fingerprint,
         )
 
+    def regions(self, index: int) -> list[messages.Region]:
+        """Slot `index`'s receive regions, as Accept hands them to a sender."""
+        return self.buffers.regions(index)
+
+    def layers_arrived(
+        self, slot: Slot, generation: int, rank: int, layers: list[int], layer_digest: str
+    ) -> None:
+        self.pipeline.layers_arrived(slot, generation, rank, layers, layer_digest)
+
+    # -- what the HTTP API uses (http.NodeAPI) ---------------------------------------------------
+
+    def admit(self, request_id: str, need: int) -> Admission:
+        """Reserve a slot for a request of `need` tokens (prompt and output): NotReady, TooLong or
+        slots.NodeFull when it cannot be (each counted)."""
+        if not self.ready:
+            raise NotReady("the decode node is still starting; retry on another node")
+        if need > self.config.max_seq_len:
+            self.metrics.admissions.labels("too_long").inc()
+            raise TooLong(
+                f"prompt_tokens + max_tokens = {need} exceeds this node's max_seq_len "
+                f"{self.config.max_seq_len}; send it to the native pool"
+            )
+        try:
+            slot = self.slots.admit(request_id)
+        except NodeFull:
+            self.metrics.admissions.labels("full").inc()
+            raise
+        self.metrics.admissions.labels("admitted").inc()
+        assert slot.ticket is not None
+        return Admission(
+            ticket=slot.ticket,
+            slot=slot.index,
+            expires_in_s=self.config.ticket_ttl_s,
+            ctrl_host=self.config.advertise_host,
+            ctrl_port=self.ctrl_port,
+        )
+
+    def claim(self, ticket: str) -> Slot:
+        """The slot a generate call takes (UnknownTicket, AlreadyClaimed)."""
+        return self.slots.claim(ticket)
+
+    def cancel_ticket(self, ticket: str) -> bool:
+        """End the request holding `ticket`; False when no live slot holds it."""
+        slot = self.slots.find(ticket)
+        if slot is None:
+            return False
+        self.cancel(slot)
+        return True
+
+    def render_metrics(self) -> bytes:
+        return self.metrics.render()
+
+    def status(self, with_request_ids: bool) -> dict[str, Any]:
+        """GET /v1/status's body; request ids only when `with_request_ids`."""
+        return {
+            "name": self.config.name,
+            "ready": self.ready,
+            # The compatibility generation (tilert_serve/compat.py): a prefill's handoff is taken only
+            # from a sender of this one; the router routes here only while it is the configured one.
+            "compat": self.compat.fingerprint,
+            "model": {"name": self.compat.model, "revision": self.compat.revision},
+            "failed": self.failed,
+            "layout": self.layout.describe(),
+            "engine": self.engine.name,
+            "transfer": self.transfer.name,
+            "max_seq_len": self.config.max_seq_len,
+            "slots": [
+                {
+                    "index": s.index,
+                    "state": s.state.value,
+                    **({"request_id": s.request_id} if with_request_ids else {}),
+                }
+                for s in self.slots.slots
+            ],
+            "ctrl": {"host": self.config.advertise_host, "port": self.ctrl_port},
+            # The data plane's record: the last handoff decoded from, the last failure and its reason, the
+            # transport and its measured bandwidth (the operator's HandoffReady reads it).
+            "handoff": self.handoff.as_dict(),
+        }
+
+    # -- requests --------------------------------------------------------------------------------
+
+    @property
+    def idle(self) -> bool:
+        """No request between its admission and the end of its stream (the drain waits for this)."""
+        return not any(s.state in _ACTIVE for s in self.slots.slots)
+
     def end_all(self, why: str) -> None:
         """End every request on the node now (the drain's time is up): a stream stops at its next step
         and ends with an error event saying `why`; a ticket not streaming yet fails with `why`."""
-        self.ended = why
+        self._ended = why
         for slot in self.slots.slots:
             if slot.state is SlotState.DECODING:
                 self._waiters[slot.index].cancel.set()
@@ -686,69 +584,23 @@ class DecodeNode:
         try:
             t0 = time.perf_counter()
             t_found = self.slots.clock()
-            prepared = self._prepared[slot.index]
-            final = (
-                prepared.final if prepared is not None and prepared.generation == slot.generation else None
-            )
-            if prepared is None or final is None:
-                # Not queued at READY (cannot happen through the slot table): build it here.
-                prepared = _Prepared(slot.generation)
-                final = Future()
-                try:
-                    final.set_result(
-                        self._assemble(
-                            prepared,
-                            slot.index,
-                            slot.ranks_expected,
-                            slot.num_tokens,
-                            slot.last_prompt_token,
-                            dict(slot.digests),
-                        )
-                    )
-                except Exception as exc:
-                    final.set_exception(exc)
+            build, final = self.pipeline.handed_over(slot)
             try:
                 state = final.result()
                 t1 = time.perf_counter()
                 seq = self.engine.start(state)
                 t2 = time.perf_counter()
             finally:
-                self._let_go(prepared)
+                self.pipeline.let_go(build)
             del state, final  # not kept through the decode
             # The engine holds its own copy now: neither the converted state nor the receive region
             # need keep the request's KV (the region is readable on the data plane) while it decodes.
             self.buffers.scrub(slot.index)
-            with prepared.lock:
-                spans = list(prepared.spans)
-            # On the critical path: the part of the converter's work after /generate found the state.
-            digest_s = _overlap(spans, "digest", t0, t1)
-            convert_s = max(0.0, (t1 - t0) - digest_s)
-            self.metrics.digest_seconds.observe(digest_s)
-            self.metrics.convert_seconds.observe(convert_s)
+            timings = pipeline.timings(build, slot, t0, t1, t_found)
+            self.metrics.digest_seconds.observe(timings["digest_ms"] / 1e3)
+            self.metrics.convert_seconds.observe(timings["convert_ms"] / 1e3)
             self.metrics.inject_seconds.observe(t2 - t1)
-            put(
-                (
-                    "timing",
-                    {
-                        "digest_ms": digest_s * 1e3,
-                        "convert_ms": convert_s * 1e3,
-                        "inject_ms": (t2 - t1) * 1e3,
-                        # Hidden: the converter's work done before /generate found the state.
-                        "hidden_digest_ms": _overlap(spans, "digest", float("-inf"), t0) * 1e3,
-                        "hidden_convert_ms": _overlap(spans, "convert", float("-inf"), t0) * 1e3,
-                        "layerwise": 1.0 if prepared.layers_reported else 0.0,
-                        "layers_layerwise": float(prepared.layers_reported),
-                        "layers_early": float(prepared.layers_reported - prepared.last_frame_layers),
-                        "last_layer_to_ready_ms": (
-                            (slot.t_ready - prepared.t_last_layer) * 1e3
-                            if prepared.t_last_layer is not None
-                            else 0.0
-                        ),
-                        "ready_to_generate_ms": max(0.0, t_found - slot.t_ready) * 1e3,
-                        "_decode_start": t2,
-                    },
-                )
-            )
+            put(("timing", timings | {"inject_ms": (t2 - t1) * 1e3, "_decode_start": t2}))
             try:
                 for step in seq.decode(p.first_token, p.sampling, p.max_tokens):
                     if cancel.is_set():
