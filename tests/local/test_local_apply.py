@@ -6,7 +6,11 @@ started as `up --observe` starts it (its Prometheus scraping every component), t
    prefill ready and in the router's config before the old one leaves it and is stopped), with the
    TileRT pool back to 1 (tilert-1, the highest ordinal, removed);
 3. a prefill that never becomes ready: apply fails naming it, the old prefill keeps serving, and the
-   next apply of a good spec resumes from there.
+   next apply of a good spec resumes from there;
+4. MTP off (prefill and TileRT): a new compatibility generation (the handoff layout loses its MTP
+   layer), so the operator's blue/green rollout: prefill-b-0 and tilert-b-0 come up in slot b beside
+   the old pods, all four in the router's list each with its generation's compat, and only once the new
+   node is HandoffReady do the old ones leave the list and stop.
 
 After each: the processes, the router's config file and the endpoints the router itself reports, every
 component ready; and no request of the stream failed.
@@ -30,6 +34,8 @@ import yaml
 
 from tests.local.load_stream import Load
 from tilert_operator import constants
+from tilert_operator.render.generations import generation
+from tilert_operator.spec import parse
 from tilert_serve.local import apply as applymod
 from tilert_serve.local import cli, runner
 
@@ -42,8 +48,11 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
 NAME = "tiny"
 
 
-def _doc(tilert: int, prefill_args: list[str] | None = None) -> dict[str, Any]:
+def _doc(tilert: int, prefill_args: list[str] | None = None, *, mtp: bool = True) -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    if not mtp:  # a new generation, and a cheaper one on CPU (no drafter)
+        doc["spec"]["prefill"]["mtp"] = {"enabled": False}
+        doc["spec"]["decode"]["tilert"]["mtp"] = False
     doc["spec"]["decode"]["tilert"]["replicas"] = tilert
     doc["spec"]["decode"]["native"]["replicas"] = 0
     doc["spec"]["prefill"]["extraArgs"] += prefill_args or []
@@ -199,8 +208,31 @@ def test_scale_roll_and_a_stalled_rollout_lose_no_request(
     _check_converged(home, {"prefill-1", "tilert-0", "router"})
     assert "remove prefill-2 (not running)" in capsys.readouterr().out
 
+    # 4. A new compatibility generation: blue/green through slot b.
+    old_fp, new_fp = (generation(parse(_doc(1, m, mtp=x)["spec"])) for m, x in ((None, True), (None, False)))
+    assert old_fp.fingerprint != new_fp.fingerprint
+    t0 = time.monotonic()
+    assert _apply(home, specs, _doc(1, ["--max-num-seqs", "32"], mtp=False), "f.yaml") == 0
+    took = time.monotonic() - t0
+    procs = _check_converged(home, {"prefill-b-0", "tilert-b-0", "router"})
+    out = capsys.readouterr().out
+    # Side by side: the new pods joined the old ones in the router's list (four endpoints), the new
+    # generation was ready and HandoffReady, and only then did the old pods leave and stop.
+    side_by_side = out.index("router has the new endpoints (4 endpoints")
+    assert out.index("generation phase 1/2") < side_by_side < out.index("ready and HandoffReady")
+    assert out.index("ready and HandoffReady") < out.index("remove prefill-1") < out.index("remove tilert-0")
+    for p in procs:
+        if p.kind != constants.ROUTER:
+            assert (p.slot, p.generation, p.compat) == ("b", new_fp.fingerprint, new_fp.compat), p
+    cfg = yaml.safe_load((home / NAME / "router.yaml").read_text())
+    assert {e["compat"] for e in cfg["prefill"]} | {n["compat"] for n in cfg["tilert"]} == {new_fp.compat}
+    meta, _ = _state(home)
+    assert set(meta["generations"]) == {"b"}  # type: ignore[arg-type]
+    with capsys.disabled():
+        print(f"\ngeneration change (MTP off) applied blue/green in {took:.0f} s")
+
     load.stop.set()
     with capsys.disabled():
-        print(f"\nrequest stream through four applies: {load.ok} ok, {len(load.failures)} failed")
+        print(f"\nrequest stream through five applies: {load.ok} ok, {len(load.failures)} failed")
     assert load.ok > 0
     assert load.failures == [], f"{len(load.failures)} of {load.ok + len(load.failures)} requests failed"

@@ -272,3 +272,29 @@ def test_each_endpoint_carries_its_own_generations_compat() -> None:
     assert {e.url: e.compat for e in cfg.prefill} == {pods[0].url: old, pods[2].url: new}
     assert {n.name: n.compat for n in cfg.tilert} == {"tilert-0": old, "tilert-b-0": new}
     assert old != new
+
+
+def test_a_new_generations_pods_all_start_before_the_first_wait() -> None:
+    _, phases = rollout.generation_phases(NEW, rollout.occupied({"a": _record(OLD, "a")}, {}))
+    steps = rollout.plan([r.workload for r in _rendered(NEW, phases[0])], _old_pods())
+    kinds = [type(s).__name__ for s in steps]
+    assert kinds == ["Create", "Create", "Wait", "Wait"], steps
+    assert {s.pod for s in steps if isinstance(s, rollout.Create)} == {"prefill-b-0", "tilert-b-0"}
+
+
+def test_phase_one_leaves_the_old_generation_as_it_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An old generation whose own rollout stalled before (its pods run another template than its
+    recorded spec renders) keeps serving untouched while the new one comes up; phase 2 removes it."""
+    monkeypatch.setattr(apply, "READINESS_POLL_S", 0.0)
+    pods = [
+        Pod(p.name, p.workload, "stale" if p.name == "prefill-0" else p.revision, p.ordinal)
+        for p in _old_pods()
+    ]
+    rt = Recorder(pods)
+    _run(rt)
+    phase1 = rt.calls[: rt.calls.index("use b")]
+    assert [c for c in phase1 if c.startswith(("create", "stop"))] == [
+        "create prefill-b-0",
+        "create tilert-b-0",
+    ]
+    assert "stop prefill-0" in rt.calls

@@ -109,7 +109,11 @@ def apply_generations(
             what = "beside the old one" if i == 0 else "alone; the old one leaves the endpoints, then drains"
             say(f"  generation phase {i + 1}/{len(phases)}: {names}: the new generation {what}")
         rendered = render(lives)
-        steps += converge(rt, rendered, timeout, say)
+        # Until the new generation takes over, the old one serves as it runs: a rollout of its own
+        # that stalled before (its recorded spec is the last applied) must not hold the new one back.
+        old = {g.slot for g in lives[:-1]}
+        keep = frozenset(r.workload.name for r in rendered if r.slot in old)
+        steps += converge(rt, rendered, timeout, say, keep)
         if i < len(phases) - 1:
             await_generation(rt, lives[-1], rendered, timeout, say)
     return steps
@@ -148,13 +152,18 @@ def await_generation(
 
 
 def converge(
-    rt: Runtime, rendered: Sequence[rollout.Rendered], timeout: float, say: Callable[[str], None]
+    rt: Runtime,
+    rendered: Sequence[rollout.Rendered],
+    timeout: float,
+    say: Callable[[str], None],
+    keep: frozenset[str] = frozenset(),
 ) -> int:
     """Run every step from what runs to `rendered`; the number of steps. Stalled when a new pod is
-    not ready within `timeout` seconds (what ran before it keeps serving)."""
+    not ready within `timeout` seconds (what ran before it keeps serving). The pods of the workloads
+    in `keep` are left as they run (an old generation serving while the new one comes up)."""
     by_name = {r.workload.name: r for r in rendered}
     pods = rt.pods()
-    steps = rollout.plan([r.workload for r in rendered], pods)
+    steps = [s for s in rollout.plan([r.workload for r in rendered], pods) if s.workload not in keep]
     if not steps:
         say("  nothing to change: every pod runs its workload's current template and count")
         return 0

@@ -27,7 +27,8 @@ The rules emulated:
   ready before the next.
 - A workload that disappears from the render (an old generation's) has its pods removed, highest
   ordinal first, after every workload still rendered has converged; a new one is created like a scale
-  up from nothing.
+  up from nothing, its pods started before any other step (every new workload's together, as their
+  controllers act at once) and waited for in render order.
 
 Not emulated: a pod created below a StatefulSet's partition gets the new revision here (Kubernetes
 gives it the current one; the local runtimes render only the new spec); several removals in one
@@ -248,8 +249,16 @@ def plan(workloads: Sequence[Workload], pods: Sequence[Pod]) -> list[Step]:
     if len(set(names)) != len(names):
         raise ValueError(f"workload names repeat: {names}")
     steps: list[Step] = []
+    # Brand-new workloads (a new generation's) are created by their controllers at once, not one after
+    # another's rollout: their pods start first, together, and are waited for in render order.
+    fresh: list[Step] = []
     for w in workloads:
         mine = [p for p in pods if p.workload == w.name]
+        if not mine:
+            first = _statefulset(w, []) if w.kind == "StatefulSet" else _deployment(w, [], 0)
+            fresh += [s for s in first if isinstance(s, Create)]
+            steps += [s for s in first if not isinstance(s, Create)]
+            continue
         # A pod whose process is gone is replaced (the kubelet would restart it in place).
         for p in mine:
             if not p.running:
@@ -262,7 +271,7 @@ def plan(workloads: Sequence[Workload], pods: Sequence[Pod]) -> list[Step]:
             steps += _deployment(w, live, max((p.ordinal for p in mine), default=-1) + 1)
     for p in sorted((p for p in pods if p.workload not in names), key=lambda p: (p.workload, -p.ordinal)):
         steps.append(Remove(p.workload, p.name, "its workload is no longer rendered"))
-    return steps
+    return fresh + steps
 
 
 def _name(w: Workload, ordinal: int) -> str:
