@@ -19,6 +19,10 @@ from pathlib import Path
 import openai
 import pytest
 
+from bench.load import references
+from bench.load.client import Target
+from bench.load.harness import Load
+from bench.load.plan import ROUTES, LoadPlan, Mix, PromptSet
 from tests.e2e.conftest import EXAMPLE, EXAMPLE_MODEL, Plain
 from tests.e2e.procs import PY
 from tilert_serve.local.runner import free_port
@@ -35,6 +39,8 @@ CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "cont
 class Clients:
     router: openai.OpenAI
     plain: openai.OpenAI
+    router_url: str
+    plain_url: str
 
 
 @pytest.fixture(scope="module")
@@ -57,6 +63,8 @@ def clients(tmp_path_factory: pytest.TempPathFactory, plain_vllm: Plain) -> Iter
         yield Clients(
             openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0),
             openai.OpenAI(base_url=f"{plain_vllm.url}/v1", api_key="none", max_retries=0),
+            f"http://127.0.0.1:{port}",
+            plain_vllm.url,
         )
     finally:
         subprocess.run(
@@ -131,3 +139,36 @@ def test_official_client_sees_which_route_served(clients: Clients) -> None:
     )
     assert raw.headers.get("x-pd-route") == "tilert"
     assert raw.parse().usage is not None and raw.parse().usage.completion_tokens >= 1
+
+
+async def test_the_load_harness_through_every_route_all_ok_and_equal_to_vllm_alone(
+    clients: Clients, tmp_path: Path
+) -> None:
+    """bench/load's harness through this stack, vLLM alone as the reference: a handful of requests
+    over every route, streamed and not, completions and chat, all answered and equal to vLLM alone's."""
+    prompts = PromptSet(seed=7, n=3, max_tokens=(4, 10))
+    plan = LoadPlan(rate=2.0, count=12, seed=7, prompts=prompts, mix=Mix(stream=0.5, chat=0.5))
+    refs = await references.cached(
+        tmp_path / "refs.json", Target("vLLM alone", clients.plain_url, MODEL, routes=False), prompts
+    )
+    assert (tmp_path / "refs.json").exists() and refs.covers(prompts)
+    load = Load(Target("router", clients.router_url, MODEL), plan, references=refs)
+    async with load:
+        await load.finished()
+    s = load.summary()
+    assert s.total.requests == 12 and s.failed == 0, s.total.failures
+    assert s.total.compared == 12 and s.mismatches == 0, [
+        (r.route_asked, r.route_served, r.text) for r in load.records if r.greedy_match is False
+    ]
+    # The router says which path served each. A native request is served native; a TileRT one is
+    # served by TileRT unless the router fell back (its policy may when no node can take it).
+    assert {r.route_asked for r in load.records} <= set(ROUTES)
+    for r in load.records:
+        assert r.route_served in ("tilert", "native")
+        if r.route_asked == "native":
+            assert r.route_served == "native"
+    assert s.total.served == {
+        p: sum(r.route_served == p for r in load.records) for p in {r.route_served for r in load.records}
+    }
+    assert any(r.stream for r in load.records) and any(not r.stream for r in load.records)
+    assert all(r.ttft is not None for r in load.records if r.stream)
