@@ -43,8 +43,9 @@ def test_sampling_a_step_never_fails(temperature: float) -> None:
     logits = _logits()
     verdict = smp.sample_verify(logits, torch.tensor([7, 2]), s, g)
     assert verdict.shape == (4,) and 0 <= int(verdict[-1]) <= 2
-    token = smp.sample_one(logits[0], s, g)
-    assert 0 <= int(token) < 50
+    # A step without drafts (no MTP, or the last token): what the engine samples its token with.
+    alone = smp.sample_verify(logits[:1], torch.empty(0, dtype=torch.long), s, g)
+    assert alone.shape == (2,) and 0 <= int(alone[0]) < 50 and int(alone[1]) == 0
 
 
 def test_a_tiny_temperature_samples_like_vllm_at_its_floor() -> None:

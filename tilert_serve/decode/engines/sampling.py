@@ -98,9 +98,3 @@ def sample_verify(
     emitted[:k] = torch.where(accept, drafts, choice[:k])
     return torch.cat([emitted, accepted])
 
-
-def sample_one(logits: torch.Tensor, sampling: Sampling, generator: torch.Generator | None) -> torch.Tensor:
-    """logits [V] -> token [1]: argmax when greedy, else a draw from the processed distribution."""
-    if greedy(sampling) or generator is None:
-        return logits.argmax(dim=-1, keepdim=True)
-    return torch.multinomial(probabilities(logits.unsqueeze(0), sampling), 1, generator=generator).view(1)
