@@ -25,6 +25,23 @@ def _probes(node) -> list[dict]:  # type: ignore[no-untyped-def]
     return [a for a in node.admits if a["request_id"].startswith(canary.PREFIX)]
 
 
+class _Timed(list):  # type: ignore[type-arg]
+    """A fake node's admissions, each with when it arrived (time.monotonic, the router's clock)."""
+
+    def __init__(self, items: list[dict]) -> None:
+        super().__init__(items)
+        self.at: list[float | None] = [None] * len(items)
+
+    def append(self, item: dict) -> None:  # type: ignore[override]
+        self.at.append(time.monotonic())
+        super().append(item)
+
+
+def _holder(s, request_id: str):  # type: ignore[no-untyped-def]
+    """The fake node whose slot `request_id` holds, or None."""
+    return next((n for n in s.nodes if any(t.request_id == request_id for t in n.tickets.values())), None)
+
+
 async def test_probe_pinned_to_each_node_then_ready(make_stack):
     s = await make_stack(
         node_slots=(1, 1), n_native=0, health_checks=True, health=HEALTH, handoff_probe=PROBE
@@ -43,10 +60,16 @@ async def test_probe_pinned_to_each_node_then_ready(make_stack):
     text = s.state.metrics.render().decode()
     assert 'tilert_router_handoff_probes_total{node="t0",outcome="ok"}' in text
     assert "tilert_router_requests_total{" not in text  # probes are not user traffic
-    # No probe again before the interval has passed since the last success.
-    n_before = len(_probes(s.nodes[0]))
-    await asyncio.sleep(0.1)
-    assert len(_probes(s.nodes[0])) == n_before
+    # The node is probed again, but only once the interval has passed since its last success.
+    fake, node = s.nodes[0], s.state.pools.tilert["t0"]
+    fake.admits = timed = _Timed(fake.admits)
+    ok_at = node.handoff_ok_at
+    assert ok_at is not None
+    n_before = len(timed)
+    await until(lambda: any(a["request_id"].startswith(canary.PREFIX) for a in timed[n_before:]))
+    again = next(i for i in range(n_before, len(timed)) if timed[i]["request_id"].startswith(canary.PREFIX))
+    at = timed.at[again]
+    assert at is not None and at - ok_at >= PROBE["interval_s"], (at, ok_at)
 
 
 async def test_not_ready_until_a_handoff_decoded_and_failures_named(make_stack):
@@ -83,12 +106,17 @@ async def test_native_pool_is_a_route_while_tilert_has_no_handoff(make_stack):
 
 
 async def test_no_probe_while_a_user_holds_the_slot(make_stack):
-    s = await make_stack(health_checks=True, health=HEALTH, handoff_probe={**PROBE, "interval_s": 1.0})
-    node = s.state.pools.tilert["t0"]
+    interval = 1.0
+    s = await make_stack(
+        node_slots=(1, 1), health_checks=True, health=HEALTH, handoff_probe={**PROBE, "interval_s": interval}
+    )
+    pools = s.state.pools.tilert
     client = s.client()
-    await until(lambda: node.handoff_ready and not node.probing)  # the first probe, at start
-    # The node is due again one interval after that probe: the user's request takes the slot before.
-    s.node.go.clear()  # the user's decode holds the node's only slot
+    # The first probes, at start.
+    await until(lambda: all(n.handoff_ready and not n.probing for n in pools.values()))
+    # The nodes are due again one interval after those probes: the user's request takes a slot before.
+    for fake in s.nodes:
+        fake.go.clear()  # the user's decode holds its node's only slot
     user = asyncio.create_task(
         client.completions.create(
             model=MODEL, prompt="a", max_tokens=4, extra_headers={"x-pd-route": "tilert"}
@@ -96,16 +124,26 @@ async def test_no_probe_while_a_user_holds_the_slot(make_stack):
     )
     await until(
         lambda: any(
-            t.generating and not t.request_id.startswith(canary.PREFIX) for t in s.node.tickets.values()
+            t.generating and not t.request_id.startswith(canary.PREFIX)
+            for n in s.nodes
+            for t in n.tickets.values()
         )
     )
-    probes = len(_probes(s.node))
-    await asyncio.sleep(2.2)  # two intervals
-    assert len(_probes(s.node)) == probes
-    s.node.go.set()
+    held = next(
+        n for n in s.nodes if any(not t.request_id.startswith(canary.PREFIX) for t in n.tickets.values())
+    )
+    witness = next(n for n in s.nodes if n is not held)
+    witness.go.set()  # the other node's probes decode
+    probes, seen = len(_probes(held)), len(_probes(witness))
+    # Two more probes of the idle node: the probe loop has run through two intervals meanwhile.
+    t0 = time.monotonic()
+    await until(lambda: len(_probes(witness)) >= seen + 2, timeout=30)
+    assert time.monotonic() - t0 >= interval
+    assert len(_probes(held)) == probes
+    held.go.set()
     await user
     # The user's handoff decoded: that counts as the node's handoff, no probe needed for an interval.
-    assert s.state.pools.tilert["t0"].handoff_ready
+    assert pools[held.name].handoff_ready
 
 
 async def test_due_rules(make_stack):
@@ -162,7 +200,19 @@ async def test_full_pool_marks_users_waiting(make_stack):
 async def test_probes_off_by_default(make_stack):
     s = await make_stack(health_checks=True, health=HEALTH)
     await until(lambda: all(e.healthy for e in s.state.pools.all()))
-    await asyncio.sleep(0.2)
+    st, node = s.state, s.state.pools.tilert["t0"]
+    # Healthy, idle, never handed off: what a probe is for, yet none is due with probes off...
+    assert not canary.due(st, node, time.monotonic())
+    # ...while the same node is due the moment probes are on (no await in between: the loop sees none
+    # of it).
+    off = st.config
+    st.config = off.model_copy(
+        update={"handoff_probe": off.handoff_probe.model_copy(update={"interval_s": PROBE["interval_s"]})}
+    )
+    try:
+        assert canary.due(st, node, time.monotonic())
+    finally:
+        st.config = off
     assert not _probes(s.node)
     status, _ = await _ready(s.router_url)
     assert status == 200  # probes off: a probed-healthy node counts, as before
