@@ -236,8 +236,10 @@ async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(
             return self.written.get((kind, ns, name))
 
     api = Api()
-    # Waits are for events (a reconcile arriving, with a generous bound); "nothing happens" checks
-    # wait past the window in which it would have happened. The rate limit is long enough that a
+    # Waits are for events (a reconcile arriving, with a generous bound). A "nothing happens" check
+    # waits for the decision that would have made it happen: the debounce timer that held the events
+    # has fired (`judged`), and the controller decides in the call that clears it, so a kick it would
+    # have given is visible by then. No check waits a fixed time. The rate limit is long enough that a
     # loaded machine's scheduling delays cannot make an allowed kick look like a limited one.
     interval = 2.0
     ctl = controller.Controller(
@@ -255,8 +257,17 @@ async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(
             await asyncio.sleep(0.02)
         assert len(runs) == n, f"{len(runs)} reconciles, waited for {n}"
 
+    async def judged(timeout: float = 30.0) -> None:
+        """Until the events given so far are decided: no debounce timer pending, no kick unserved."""
+        w = ctl._workers[("ns", "c")]
+        deadline = time.monotonic() + timeout
+        while (w.drift_timer, w.report_timer) != (None, None) or w.kick.is_set():
+            assert time.monotonic() < deadline, "the controller never decided on the events"
+            await asyncio.sleep(0.02)
+
     ctl.observe({"metadata": {"namespace": "ns", "name": "c", "uid": "u", "generation": 1}})
     await until(1)  # the first reconcile
+    worker = ctl._workers[("ns", "c")]
 
     def dep(replicas: int, rv: str, ready: int = 0) -> dict[str, Any]:
         return {
@@ -276,8 +287,9 @@ async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(
     # Status only: the controller reporting its rollout is read by one reconcile, and is no drift.
     ctl.child_event("Deployment", "MODIFIED", dep(2, "3", ready=1))
     ctl.child_event("Deployment", "MODIFIED", dep(2, "4", ready=1))  # nothing new in it
+    assert worker.drift_timer is not None, "the echo is held for the debounce, then judged"
     await until(2)
-    await asyncio.sleep(0.5)
+    await judged()
     assert len(runs) == 2 and ctl.drift_kicks == 0
 
     # Someone scales it by hand, ten times in a row: one reconcile after the debounce, then at most
@@ -285,11 +297,11 @@ async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(
     for i in range(10):
         ctl.child_event("Deployment", "MODIFIED", dep(5 + i, str(10 + i), ready=1))
     await until(3)
+    assert ctl.drift_kicks == 1
     ctl.child_event("Deployment", "MODIFIED", dep(99, "30", ready=1))
-    await asyncio.sleep(0.3)
-    assert len(runs) == 3, "rate limited"
+    # Rate limited: the kick waits for the interval since the last one (the timer's own clock says so).
     await until(4, timeout=interval + 30)
-    assert fired[3] - fired[2] >= interval
+    assert ctl.drift_kicks == 2 and fired[3] - fired[2] >= interval
 
     # Our own delete's echo does not count; a foreign delete does; a child of an unknown cluster is ignored.
     api.written[("Deployment", "ns", "c-router")] = "<deleted>"
@@ -297,8 +309,9 @@ async def test_drift_kicks_are_debounced_rate_limited_and_skip_our_own_echoes(
     other = dep(1, "41")
     other["metadata"]["labels"] = {constants.LABEL_CLUSTER: "nope"}
     ctl.child_event("Deployment", "DELETED", other)
-    await asyncio.sleep(max(0.0, runs[3] + interval - time.monotonic()) + 0.5)
-    assert len(runs) == 4
+    assert worker.drift_timer is not None, "the echo is held for the debounce, then judged"
+    await judged(timeout=interval + 30)
+    assert len(runs) == 4 and ctl.drift_kicks == 2
     ctl.child_event(
         "NetworkPolicy",
         "DELETED",
