@@ -12,7 +12,7 @@ import pdc_helpers as helpers
 import pytest
 from kopf.testing import KopfRunner
 
-from tilert_operator import reconcile
+from tilert_operator import reconcile, reconcile_failures
 from tilert_operator.kubeapi import ApiError
 
 T = TypeVar("T")
@@ -54,7 +54,7 @@ def test_a_refused_child_is_reported_with_the_servers_message_and_cleared_once_a
 
     out = h.run(apiserver, lambda api: reconcile.reconcile(api, h.body(apiserver, "f"), now=1000.0))
     assert [f.key for f in out.failed] == ["Deployment/f-router"]
-    assert out.requeue_at == 1000.0 + reconcile.FAILED_RETRY_S
+    assert out.requeue_at == 1000.0 + reconcile_failures.FAILED_RETRY_S
     # The other children were applied all the same.
     assert srv.get("deployments", "default", "f-prefill") and srv.get(
         "statefulsets", "default", "f-tilert-decode"
@@ -185,12 +185,15 @@ def test_the_api_servers_message_is_taken_from_the_status_even_after_retries_or_
         "/apis/apps/v1/namespaces/d/deployments/x",
         f"gave up after 6 attempts; last: HTTP 500: {status}",
     )
-    assert reconcile.api_message(gave_up) == (
+    assert reconcile_failures.api_message(gave_up) == (
         "HTTP 500: failed to create typed patch object (d/x; apps/v1, Kind=Deployment): "
         ".spec.template.spec.tolerations[0].foo: field not declared in schema"
     )
     cut = ApiError(422, "PATCH", "/p", status.replace("500", "422")[:150])
-    assert reconcile.api_message(cut).startswith("HTTP 422: failed to create") and reconcile.api_message(
-        cut
-    ).endswith("...")
-    assert reconcile.api_message(ApiError(403, "GET", "/p", "forbidden")) == "GET /p: HTTP 403: forbidden"
+    assert reconcile_failures.api_message(cut).startswith(
+        "HTTP 422: failed to create"
+    ) and reconcile_failures.api_message(cut).endswith("...")
+    assert (
+        reconcile_failures.api_message(ApiError(403, "GET", "/p", "forbidden"))
+        == "GET /p: HTTP 403: forbidden"
+    )

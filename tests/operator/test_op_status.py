@@ -7,7 +7,7 @@ from collections import Counter
 import pdc_harness as h
 import pdc_helpers as helpers
 
-from tilert_operator import constants, credentials, observe, reconcile, status
+from tilert_operator import constants, credentials, observe, reconcile_compare, status
 from tilert_operator import spec as specmod
 from tilert_operator.metrics import Metrics
 
@@ -115,8 +115,8 @@ def test_contains_tolerates_server_defaults_and_canonical_quantities() -> None:
             },
         }
     }
-    assert reconcile.contains(have, want)
-    assert not reconcile.contains({"spec": {"replicas": 2}}, {"spec": {"replicas": 1}})
+    assert reconcile_compare.contains(have, want)
+    assert not reconcile_compare.contains({"spec": {"replicas": 2}}, {"spec": {"replicas": 1}})
 
 
 def test_metrics_text() -> None:
@@ -140,10 +140,10 @@ def test_metrics_text() -> None:
 
 def test_applied_hash_changes_when_a_field_is_removed() -> None:
     """A removed field must still trigger an apply (SSA then drops it): the hash annotation differs."""
-    with_field = reconcile.stamp({"metadata": {"name": "a"}, "spec": {"x": 1, "y": 2}})
-    without = reconcile.stamp({"metadata": {"name": "a"}, "spec": {"x": 1}})
+    with_field = reconcile_compare.stamp({"metadata": {"name": "a"}, "spec": {"x": 1, "y": 2}})
+    without = reconcile_compare.stamp({"metadata": {"name": "a"}, "spec": {"x": 1}})
     key = constants.APPLIED_HASH_ANNOTATION
     assert with_field["metadata"]["annotations"][key] != without["metadata"]["annotations"][key]
-    assert not reconcile.contains(with_field, without), (
+    assert not reconcile_compare.contains(with_field, without), (
         "the live object (old hash) no longer contains the new intent"
     )

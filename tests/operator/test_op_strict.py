@@ -15,7 +15,7 @@ import pdc_k8s_semantics as sem
 import pytest
 import yaml
 
-from tilert_operator import constants, reconcile, render, validation
+from tilert_operator import constants, reconcile, reconcile_compare, render, validation
 from tilert_operator import spec as specmod
 from tilert_operator.kubeapi import KINDS, Client
 
@@ -245,7 +245,7 @@ def test_every_child_the_operator_renders_passes_the_strict_server(apiserver: An
 
         stored = h.run(apiserver, go)
         for want, have in zip(children, stored, strict=True):
-            assert reconcile.contains(have, want), (path.stem, want["kind"], want["metadata"]["name"])
+            assert reconcile_compare.contains(have, want), (path.stem, want["kind"], want["metadata"]["name"])
 
 
 def create(apiserver: Any, doc: dict[str, Any]) -> None:
@@ -290,7 +290,7 @@ def test_non_canonical_quantities_in_the_spec_cause_no_writes_on_resync(
 
     # Comparing the strings instead (what the operator did before) rewrites them every resync: the
     # test catches that regression.
-    monkeypatch.setattr(reconcile, "is_quantity", lambda path: False)
+    monkeypatch.setattr(reconcile_compare, "is_quantity", lambda path: False)
     _, third = h.run(apiserver, lambda api: _reconcile_twice(api, apiserver, "q"))
     assert f"Deployment/{constants.child_name('q', constants.PREFILL)}" in third.applied
 
