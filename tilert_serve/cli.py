@@ -21,6 +21,10 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     ),
     "operator": ("tilert_operator.cli_operator", "run the PDCluster operator"),
     "local": ("tilert_serve.local.cli", "run a PDCluster's components as local processes"),
+    "top": (
+        "tilert_serve.top.cli",
+        "watch a running stack live in a terminal (router and TileRT node metrics)",
+    ),
     "wait-idle": (
         "tilert_serve.pd_vllm.wait_idle",
         "wait until the local vLLM (prefill or native decode) is idle: the pods' preStop hook",
