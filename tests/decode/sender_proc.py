@@ -29,24 +29,18 @@ import torch
 
 from tilert_serve import transfer
 from tilert_serve.handoff import auth, messages
-from tilert_serve.handoff.framing import Session, SyncChannel
+from tilert_serve.handoff.framing import SyncChannel
 from tilert_serve.handoff.sender import HandoffRequest, LayerSourceFailed, Sender, Staged
 from tilert_serve.layouts import Placement, write_ranges
 
 sys.path.insert(0, os.path.dirname(__file__))
+import handshake
 import synthetic
 
 
 def die_after_accept(host: str, port: int, secret: bytes, req: HandoffRequest, fingerprint: str) -> None:
     chan = SyncChannel.connect(host, port, timeout=10)
-    challenge = chan.recv()
-    assert isinstance(challenge, messages.Challenge)
-    nonce = auth.new_nonce()
-    chan.send(
-        messages.Auth(mac=auth.sender_mac(secret, challenge.nonce, nonce), nonce=nonce, sender="doomed")
-    )
-    chan.session = Session.of_sender(secret, challenge.nonce, nonce)
-    chan.recv()
+    handshake.authenticate(chan, secret, "doomed")
     chan.send(
         messages.Request(
             request_id=req.request_id,

@@ -24,7 +24,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 import torch
 
-from tests.decode import synthetic
+from tests.decode import handshake, synthetic
 from tests.decode.attacker import DataPlaneWriter
 from tests.decode.conftest import SECRET, converter_held, running_node, two_rank_staging
 from tilert_serve import transfer
@@ -455,16 +455,7 @@ async def test_done_after_the_deadline_leaves_the_slot_quarantined(secret_file):
         def slow_sender() -> list[messages.Message]:
             with contextlib.closing(socket.create_connection(("127.0.0.1", n.ctrl_port), timeout=10)) as sock:
                 chan = framing.SyncChannel(sock)
-                challenge = chan.recv()
-                assert isinstance(challenge, messages.Challenge)
-                nonce = auth.new_nonce()
-                chan.send(
-                    messages.Auth(
-                        mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce, sender="slow"
-                    )
-                )
-                chan.session = framing.Session.of_sender(SECRET, challenge.nonce, nonce)
-                chan.recv()
+                handshake.authenticate(chan, SECRET, "slow")
                 chan.send(
                     messages.Request(
                         request_id="slow",

@@ -13,10 +13,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.decode import synthetic
+from tests.decode import handshake, synthetic
 from tests.decode.conftest import SECRET, running_node
 from tilert_serve.compat import Compat
-from tilert_serve.handoff import auth, framing, messages
+from tilert_serve.handoff import framing, messages
 from tilert_serve.handoff.errors import MessageError
 
 CASE = "mla-f32"
@@ -76,17 +76,8 @@ def _old_release_request(port: int, ticket: str) -> messages.Message:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     with contextlib.closing(sock):
         chan = framing.SyncChannel(sock)
-        challenge = chan.recv()
-        assert isinstance(challenge, messages.Challenge)
-        nonce = auth.new_nonce()
-        chan.send(
-            messages.Auth(mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce, sender="old")
-        )
-        chan.session = framing.Session.of_sender(SECRET, challenge.nonce, nonce)
-        hello = chan.recv()
-        assert isinstance(hello, messages.Hello) and hello.compat == synthetic.unnamed_compat(
-            LAYOUT.fingerprint
-        )
+        hello = handshake.hello(chan, SECRET, "old")
+        assert hello.compat == synthetic.unnamed_compat(LAYOUT.fingerprint)
         chan.send(
             messages.Request(
                 request_id="old",

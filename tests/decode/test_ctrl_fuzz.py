@@ -33,10 +33,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.decode import synthetic
+from tests.decode import handshake, synthetic
 from tests.decode.conftest import SECRET, RunningNode, running_node
 from tilert_serve import transfer
-from tilert_serve.handoff import auth, digest, framing, messages
+from tilert_serve.handoff import digest, framing, messages
 from tilert_serve.handoff.errors import HandoffError
 from tilert_serve.handoff.sender import HandoffRequest, Sender
 from tilert_serve.layouts import Placement
@@ -136,17 +136,10 @@ class Conn:
         self.mirror: framing.Session | None = None
 
     def authenticate(self) -> messages.Hello:
-        nonce = auth.new_nonce()
-        self.chan.send(
-            messages.Auth(
-                mac=auth.sender_mac(SECRET, self.challenge.nonce, nonce), nonce=nonce, sender="fuzz"
-            )
-        )
-        self.chan.session = framing.Session.of_sender(SECRET, self.challenge.nonce, nonce)
-        self.mirror = framing.Session.of_node(SECRET, self.challenge.nonce, nonce)
-        hello = self.chan.recv()
-        assert isinstance(hello, messages.Hello), hello
-        return hello
+        done = handshake.authenticate(self.chan, SECRET, "fuzz", self.challenge)
+        self.mirror = framing.Session.of_node(SECRET, self.challenge.nonce, done.nonce)
+        assert isinstance(done.reply, messages.Hello), done.reply
+        return done.reply
 
     def request(self, ticket: str | None, num_tokens: int) -> messages.Accept:
         self.chan.send(

@@ -8,10 +8,10 @@ import asyncio
 import contextlib
 import socket
 
-from tests.decode import synthetic
+from tests.decode import handshake, synthetic
 from tests.decode.conftest import SECRET, running_node
 from tests.decode.test_attacks import NUM_TOKENS, _send, _sender, relay
-from tilert_serve.handoff import auth, framing, messages
+from tilert_serve.handoff import framing, messages
 from tilert_serve.handoff.errors import RejectReason
 
 CASE = "mla-f32"
@@ -22,12 +22,7 @@ INJECTED = "relay-says-check-your-firewall"
 def _handshake(port: int) -> tuple[socket.socket, framing.SyncChannel]:
     sock = socket.create_connection(("127.0.0.1", port), timeout=10)
     chan = framing.SyncChannel(sock)
-    challenge = chan.recv()
-    assert isinstance(challenge, messages.Challenge)
-    nonce = auth.new_nonce()
-    chan.send(messages.Auth(mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce, sender="s"))
-    chan.session = framing.Session.of_sender(SECRET, challenge.nonce, nonce)
-    assert isinstance(chan.recv(), messages.Hello)
+    handshake.hello(chan, SECRET, "s")
     return sock, chan
 
 

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from tests.decode import synthetic
+from tests.decode import handshake, synthetic
 from tests.decode.conftest import (
     HERE,
     SECRET,
@@ -25,7 +25,7 @@ from tests.decode.conftest import (
     running_node,
     two_rank_staging,
 )
-from tilert_serve.handoff import auth, digest, framing, messages
+from tilert_serve.handoff import digest, framing, messages
 from tilert_serve.handoff.sender import HandoffRequest, Sender, Staged
 from tilert_serve.layouts import Placement, convert, write_ranges
 
@@ -277,15 +277,7 @@ class RawSender:
     def accept(
         self, layout_fingerprint: str, ticket: str, rank: int = 0, senders: int = 1
     ) -> messages.Accept:
-        challenge = self.chan.recv()
-        assert isinstance(challenge, messages.Challenge)
-        nonce = auth.new_nonce()
-        self.chan.send(
-            messages.Auth(mac=auth.sender_mac(SECRET, challenge.nonce, nonce), nonce=nonce, sender="raw")
-        )
-        self.chan.session = framing.Session.of_sender(SECRET, challenge.nonce, nonce)
-        hello = self.chan.recv()
-        assert isinstance(hello, messages.Hello) and hello.layerwise
+        assert handshake.hello(self.chan, SECRET, "raw").layerwise
         self.chan.send(
             messages.Request(
                 request_id="raw",

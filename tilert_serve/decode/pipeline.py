@@ -293,17 +293,6 @@ class HandoffPipeline:
         build.held_bytes += nbytes
         self.metrics.converted_bytes.inc(nbytes)
 
-    def _take(
-        self,
-        index: int,
-        rank: int,
-        num_senders: int,
-        num_tokens: int,
-        layers: list[int],
-        expected: str | None,
-    ) -> str | None:
-        return take(self.buffers, self.verify_digest, index, rank, num_senders, num_tokens, layers, expected)
-
     def _convert_layers(
         self,
         build: Build,
@@ -320,7 +309,9 @@ class HandoffPipeline:
             return
         snap = self.buffers.snapshot_views(index)
         t0 = time.perf_counter()
-        problem = self._take(index, rank, num_senders, num_tokens, layers, layer_digest)
+        problem = take(
+            self.buffers, self.verify_digest, index, rank, num_senders, num_tokens, layers, layer_digest
+        )
         if problem is not None:
             build.refused = f"sender rank {rank}, layers {layers}: {problem}"
             return
@@ -402,7 +393,16 @@ class HandoffPipeline:
         def take_rank(rank: int) -> str | None:
             if not rest[rank]:
                 return None
-            problem = self._take(index, rank, num_senders, num_tokens, rest[rank], digests.get(rank))
+            problem = take(
+                self.buffers,
+                self.verify_digest,
+                index,
+                rank,
+                num_senders,
+                num_tokens,
+                rest[rank],
+                digests.get(rank),
+            )
             return None if problem is None else f"sender rank {rank}: {problem}"
 
         # One thread per rank: with TP senders each rank's bytes sit on its own GPU shard, whose copies

@@ -97,4 +97,3 @@ def sample_verify(
     emitted = choice.clone()
     emitted[:k] = torch.where(accept, drafts, choice[:k])
     return torch.cat([emitted, accepted])
-
