@@ -66,6 +66,11 @@ def kill(state_dir: Path, component: str) -> str:
         raise RuntimeError(f"no running {component} pod to kill in {state_dir}")
     victim = max(pods, key=lambda p: p.ordinal)
     os.killpg(victim.pid, signal.SIGKILL)
+    # The kill is done when the group is gone: an apply that still saw it would wait for it to be
+    # ready (a kubelet restarts a killed container in place; the local runtime has no such loop).
+    deadline = time.monotonic() + 30
+    while runner.running(victim) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return victim.name
 
 
