@@ -41,6 +41,8 @@ from tilert_serve.local import cli, runner
 
 pytestmark = [
     pytest.mark.slow,
+    # Five applies, three of which start a vLLM (1-3 minutes each on a loaded 2-core box).
+    pytest.mark.timeout(1200),
     pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="process identity is read from /proc"),
 ]
 
@@ -209,7 +211,7 @@ def test_scale_roll_and_a_stalled_rollout_lose_no_request(
     assert "remove prefill-2 (not running)" in capsys.readouterr().out
 
     # 4. A new compatibility generation: blue/green through slot b.
-    old_fp, new_fp = (generation(parse(_doc(1, m, mtp=x)["spec"])) for m, x in ((None, True), (None, False)))
+    old_fp, new_fp = (generation(parse(_doc(1, mtp=mtp)["spec"])) for mtp in (True, False))
     assert old_fp.fingerprint != new_fp.fingerprint
     t0 = time.monotonic()
     assert _apply(home, specs, _doc(1, ["--max-num-seqs", "32"], mtp=False), "f.yaml") == 0

@@ -592,6 +592,10 @@ def status(args: argparse.Namespace) -> int:
                     "running": running,
                     "ready": running and runner.probe(p.ready_url),
                     "log": p.log,
+                    # A data-plane pod's compatibility generation and slot (both run during a
+                    # generation change's rollout).
+                    "generation": p.generation or None,
+                    "slot": p.slot or None,
                 }
             )
     if args.json:
