@@ -5,6 +5,7 @@ apply_generations runs against a recording runtime, and each endpoint's compat i
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -18,7 +19,7 @@ from tilert_operator import rollout as op_rollout
 from tilert_operator.observe import PoolState
 from tilert_operator.render.generations import Live, generation, spec_json
 from tilert_operator.spec import PDClusterSpec, parse
-from tilert_serve.local import apply, rollout, runner
+from tilert_serve.local import apply, cli, rollout, runner
 from tilert_serve.local.rollout import Pod, RecordedGeneration
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "tiny-cpu.yaml"
@@ -298,3 +299,58 @@ def test_phase_one_leaves_the_old_generation_as_it_runs(monkeypatch: pytest.Monk
         "create tilert-b-0",
     ]
     assert "stop prefill-0" in rt.calls
+
+
+def _old_state(tmp_path: Path, spec_file: Path) -> Path:
+    """A state.json as a tilert-pd from before generations wrote it (no slot, generation or compat)."""
+    comps = [
+        {
+            "name": n,
+            "kind": k,
+            "pid": 1,
+            "url": "http://127.0.0.1:1",
+            "ready_url": "",
+            "log": "",
+            "started": None,
+            "workload": w,
+            "revision": "r",
+            "ordinal": 0,
+            "ctrl_port": None,
+            "grace_s": 30.0,
+            "pre_stop": None,
+        }
+        for n, k, w in (
+            ("prefill-0", constants.PREFILL, "tiny-prefill"),
+            ("router", constants.ROUTER, "tiny-router"),
+        )
+    ]
+    meta = {"cluster": CLUSTER, "file": str(spec_file), "started": 0.0, "router": "http://127.0.0.1:2"}
+    (tmp_path / runner.STATE_FILE).write_text(json.dumps({**meta, "components": comps}))
+    return tmp_path
+
+
+def test_a_state_from_before_generations_loads_as_one_generation_in_slot_a(tmp_path: Path) -> None:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
+    meta, procs = runner.load(_old_state(tmp_path, spec_file))
+    cli.adopt_generations(meta, procs)
+    fp = generation(parse(doc["spec"])).fingerprint
+    assert {s: r.fingerprint for s, r in rollout.recorded(meta).items()} == {"a": fp}
+    assert [(p.name, p.slot, p.generation) for p in procs] == [("prefill-0", "a", fp), ("router", "", "")]
+    # So a changed generation is a blue/green rollout from slot a.
+    slots = rollout.occupied(rollout.recorded(meta), cli._pod_generations(procs))
+    assert [[g.slot for g in lives] for lives in rollout.generation_phases(NEW, slots)[1]] == [
+        ["a", "b"],
+        ["b"],
+    ]
+
+
+def test_a_state_from_before_generations_whose_spec_file_is_gone_rolls_in_place(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    meta, procs = runner.load(_old_state(tmp_path, tmp_path / "gone.yaml"))
+    cli.adopt_generations(meta, procs)
+    assert rollout.GENERATIONS_KEY not in meta and "rolling in place" in capsys.readouterr().out
+    slots = rollout.occupied(rollout.recorded(meta), cli._pod_generations(procs))
+    assert [[g.slot for g in lives] for lives in rollout.generation_phases(NEW, slots)[1]] == [["a"]]

@@ -288,14 +288,18 @@ class Processes:
     def use(self, lives: Sequence[Live]) -> None:
         before = rollout.recorded(self.meta)
         self.lives = {g.slot: g for g in lives}
-        records = {}
-        for g in lives:
+
+        def created(g: Live) -> str:
+            # A generation keeps the time it was first rendered (which of two came up last decides
+            # which one makes room when a third arrives: tilert_operator.rollout.choose).
             old = before.get(g.slot)
-            kept = old is not None and old.fingerprint == g.generation.fingerprint and old.created
-            records[g.slot] = asdict(
-                rollout.RecordedGeneration.of(g, old.created if kept and old else now_rfc3339())
-            )
-        self.meta[rollout.GENERATIONS_KEY] = records
+            if old is not None and old.created and old.fingerprint == g.generation.fingerprint:
+                return old.created
+            return now_rfc3339()
+
+        self.meta[rollout.GENERATIONS_KEY] = {
+            g.slot: asdict(rollout.RecordedGeneration.of(g, created(g))) for g in lives
+        }
         self.save()
 
     def _live(self, rendered: rollout.Rendered) -> Live | None:
