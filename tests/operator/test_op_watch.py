@@ -2,13 +2,22 @@
 NetworkPolicy, a hand-scaled Deployment, a deleted Secret and a deleted MultiNetworkPolicy come back
 within seconds; the operator's own writes cause no reconcile, and a workload controller's status report
 one reconcile that writes nothing (Ready follows rollouts). The children are watched by the
-operator's informers (cache.py), one per kind in the PDCluster's namespace; reconciles are counted
-from the operator's /metrics (they read the cache, not the API server). Timings are the
-benchmark's business (bench/operator/drift.py); here only the behaviour is checked."""
+operator's informers (cache.py), one per kind in the PDCluster's namespace. Timings are the
+benchmark's business (bench/operator/drift.py); here only the behaviour is checked.
+
+"Nothing happened" is never a quiet period: each such check waits for a positive event that must come
+after what must not happen. For the echoes of the operator's own writes, that is a marker: an edit
+of the same child, or of one child of each kind, made after the write (so its watch event comes after
+the echo's, on the same watch) that the controller must name in its drift log (`DriftLog`); the log
+then holds every drift decision made about the echo, and must name nothing but the foreign edits."""
 
 from __future__ import annotations
 
+import collections
+import logging
+import re
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import pdc_harness as h
@@ -26,38 +35,83 @@ UA = constants.FIELD_MANAGER
 RESYNC_S = "300"
 
 
-METRICS_PORT: list[int] = []
-
-
 @pytest.fixture(autouse=True)
 def slow_resync(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("TILERT_PD_RESYNC_S", RESYNC_S)
-    METRICS_PORT[:] = [free_port()]
-    monkeypatch.setenv("TILERT_PD_METRICS_PORT", str(METRICS_PORT[0]))
+    # A port of its own for the operator's /metrics, so tests running side by side do not collide.
+    monkeypatch.setenv("TILERT_PD_METRICS_PORT", str(free_port()))
     monkeypatch.setenv("TILERT_PD_METRICS_HOST", "127.0.0.1")
     monkeypatch.setenv("TILERT_PD_WATCH_TIMEOUT_S", "10")
 
 
-def reconciles(srv: Any) -> int:
-    """Reconciles run so far, from the operator's /metrics (pdc_harness.reconciles)."""
-    return h.reconciles(METRICS_PORT[0])
+class DriftLog(logging.Handler):
+    """The controller's drift kicks, each as the foreign changes its log line names ("Kind/name what")."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.kicks: list[list[str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        found = re.search(r"drift: (.*); reconciling$", record.getMessage())
+        if found:
+            self.kicks.append(found.group(1).split(", "))
+
+    def named(self, since: int = 0) -> list[str]:
+        return [c for kick in self.kicks[since:] for c in kick]
 
 
-def settle(srv: Any, quiet_s: float = 1.5, timeout: float = 20.0) -> int:
-    """Wait until no reconcile ran for quiet_s; return the count."""
-    deadline = time.monotonic() + timeout
-    n, since = reconciles(srv), time.monotonic()
-    while time.monotonic() < deadline:
-        time.sleep(0.1)
-        m = reconciles(srv)
-        if m != n:
-            n, since = m, time.monotonic()
-        elif time.monotonic() - since >= quiet_s:
-            return n
-    raise AssertionError("reconciles never settled")
+@pytest.fixture
+def drift_log() -> Iterator[DriftLog]:
+    logger = logging.getLogger("tilert_operator.controller")
+    handler, level = DriftLog(), logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    yield handler
+    logger.removeHandler(handler)
+    logger.setLevel(level)
 
 
-def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> None:
+#: A marker per watched kind: a child of tiny-cpu that no step below edits by hand (a marker's entry
+#: in the drift log must be told apart from the step's own edits).
+MARKERS = {
+    "deployments": ("Deployment", "tiny-native-decode"),
+    "statefulsets": ("StatefulSet", "tiny-tilert-decode"),
+    "services": ("Service", "tiny-native-decode"),
+    "configmaps": ("ConfigMap", "tiny-router"),
+    "secrets": ("Secret", "tiny-node-api"),
+    "networkpolicies": ("NetworkPolicy", "tiny-native-decode"),
+    "poddisruptionbudgets": ("PodDisruptionBudget", "tiny-router"),
+}
+MARKS = iter(range(1, 1000))
+
+
+def only_foreign_drift(
+    apiserver: Any, log: DriftLog, since: int, plurals: list[str], foreign: set[str], max_kicks: int = 1
+) -> None:
+    """That, from drift kick `since` on, the controller's drift log names the `foreign` edits ("Kind/name
+    changed|deleted") in at most `max_kicks` kicks, and no echo of the operator's own writes.
+
+    The positive event: a marker on each watch the operator's writes came back on (`plurals`), an
+    annotation on a child no step edits (someone else's edit that changes nothing the operator applies:
+    server-side apply keeps another manager's annotation), named by the drift log. A marker's watch
+    event comes after every earlier event of its kind, and the controller decides one PDCluster's
+    events in order, so by then every echo was decided. One marker at a time: the log line names five
+    changes at most."""
+    marks = set()
+    for plural in plurals:
+        kind, name = MARKERS[plural]
+        mark = f"{kind}/{name} changed"
+        kubectl(apiserver, "annotate", plural, name, f"test.example/marker={next(MARKS)}", "--overwrite")
+        h.wait_for(f"the drift log naming {mark}", lambda m=mark: m in log.named(since), timeout=30)
+        marks.add(mark)
+    named = log.named(since)
+    assert not [c for c in named if c not in foreign | marks], ("not someone else's edit", log.kicks[since:])
+    assert len(named) == len(set(named)), ("named twice: an echo of the operator's write", log.kicks[since:])
+    kicks = len([k for k in log.kicks[since:] if set(k) & foreign])
+    assert (1 if foreign else 0) <= kicks <= max_kicks, log.kicks[since:]
+
+
+def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any, drift_log: DriftLog) -> None:
     srv = apiserver.server
     h.install_crd(apiserver, h.MULTI_NETWORK_POLICY_CRD)
     doc = h.pdc(helpers.example("tiny-cpu"))
@@ -89,20 +143,25 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
             )
             assert {(c.label_selector, c.namespace) for c in watches} == {(SELECTOR, "default")}
             assert not [c for c in srv.calls if c.resource == plural and c.user_agent.startswith("kopf/")]
-        # Creating the children echoed back through those watches: no reconcile storm followed.
-        base = settle(srv)
+        # Creating the children echoed back through those watches: no drift kick (no reconcile storm).
+        h.wait_for("every child", lambda: all(srv.get(p, "default", n) for p, (_, n) in MARKERS.items()))
+        only_foreign_drift(apiserver, drift_log, 0, list(MARKERS), foreign=set(), max_kicks=0)
 
-        # A deleted NetworkPolicy is back long before the resync, after one reconcile.
+        # A deleted NetworkPolicy is back long before the resync, after one drift kick; the operator's
+        # own create coming back kicks nothing.
+        since = len(drift_log.kicks)
         kubectl(apiserver, "delete", "networkpolicies", "tiny-tilert-decode")
         h.wait_for(
             "NetworkPolicy back",
             lambda: srv.get("networkpolicies", "default", "tiny-tilert-decode"),
             timeout=10,
         )
-        after_np = settle(srv)
-        assert 1 <= after_np - base <= 2, (base, after_np)
+        only_foreign_drift(
+            apiserver, drift_log, since, ["networkpolicies"], {"NetworkPolicy/tiny-tilert-decode deleted"}
+        )
 
-        # A Deployment scaled by hand is scaled back.
+        # A Deployment scaled by hand is scaled back, after one drift kick.
+        since = len(drift_log.kicks)
         kubectl(
             apiserver, "patch", "deployments", "tiny-router", "--type=merge", "-p", '{"spec":{"replicas":5}}'
         )
@@ -111,34 +170,12 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
             lambda: srv.get("deployments", "default", "tiny-router")["spec"]["replicas"] == 1,
             timeout=10,
         )
-        after_scale = settle(srv)
-        # The repair, and the Deployment controller's report that it saw the new generation (Ready
-        # follows the workloads' rollouts); a report that came with the edit may cost one more.
-        assert 1 <= after_scale - after_np <= 3, (after_np, after_scale)
+        only_foreign_drift(apiserver, drift_log, since, ["deployments"], {"Deployment/tiny-router changed"})
 
-        # A controller reporting a rollout's progress is no drift: a reconcile reads it, writes nothing.
-        writes = len(
-            [
-                c
-                for c in srv.calls
-                if c.user_agent.startswith(UA)
-                and c.verb in ("create", "patch", "update", "delete")
-                and c.resource not in ("pdclusters/status", "events")
-            ]
-        )
-        srv.workload_controllers = False
-        dep = srv.get("deployments", "default", "tiny-prefill")
-        dep["status"] = {
-            "replicas": 1,
-            "readyReplicas": 1,
-            "observedGeneration": dep["metadata"]["generation"],
-        }
-        apiserver.call(srv.put(("apps", "v1", "deployments"), dep))
-        h.wait_for("the report read", lambda: reconciles(srv) > after_scale, timeout=10)
-        after_scale = settle(srv)
-        srv.workload_controllers = True
-        assert (
-            len(
+        # A controller reporting a rollout's progress is no drift: a reconcile reads it (the status
+        # follows it) and writes no child. The status write comes after that reconcile's applies.
+        def child_writes() -> int:
+            return len(
                 [
                     c
                     for c in srv.calls
@@ -147,10 +184,31 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
                     and c.resource not in ("pdclusters/status", "events")
                 ]
             )
-            == writes
-        )
+
+        def report(status: dict[str, Any]) -> None:
+            dep = srv.get("deployments", "default", "tiny-prefill")
+            apiserver.call(srv.put(("apps", "v1", "deployments"), dep | {"status": status}))
+
+        def prefill_ready() -> str:
+            return str(h.condition(srv.get("pdclusters", "default", "tiny"), "PrefillReady").get("message"))
+
+        since, writes = len(drift_log.kicks), child_writes()
+        srv.workload_controllers = False
+        dep = srv.get("deployments", "default", "tiny-prefill")
+        reported = dict(dep["status"])
+        before = prefill_ready()
+        # Its controller reports the new template's pod up (this server runs no pods: none is ready).
+        generation = dep["metadata"]["generation"]
+        report({"observedGeneration": generation, "replicas": 1, "updatedReplicas": 1})
+        h.wait_for("the report read", lambda: prefill_ready() != before, timeout=10)
+        report(reported)
+        h.wait_for("the next report read", lambda: prefill_ready() == before, timeout=10)
+        srv.workload_controllers = True
+        assert child_writes() == writes
+        assert drift_log.kicks[since:] == []
 
         # A deleted handoff Secret is recreated at once.
+        since = len(drift_log.kicks)
         old_uid = srv.get("secrets", "default", "tiny-handoff")["metadata"]["uid"]
         kubectl(apiserver, "delete", "secrets", "tiny-handoff")
         h.wait_for(
@@ -161,6 +219,7 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
             ),
             timeout=10,
         )
+        only_foreign_drift(apiserver, drift_log, since, ["secrets"], {"Secret/tiny-handoff deleted"})
 
         # MultiNetworkPolicies are watched once their CRD is served.
         apiserver.call(
@@ -173,15 +232,18 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
         )
         mnp = h.wait_for("MultiNetworkPolicies", lambda: srv.objects("multi-networkpolicies", "default"))
         name = mnp[0]["metadata"]["name"]
-        settle(srv)
         apiserver.call(srv.remove(("k8s.cni.cncf.io", "v1beta1", "multi-networkpolicies"), "default", name))
         h.wait_for(
             "MultiNetworkPolicy back", lambda: srv.get("multi-networkpolicies", "default", name), timeout=10
         )
 
-        # A burst of edits to one cluster's children is one (or two) reconciles, not one per edit.
-        before = settle(srv)
-        for plural in ("networkpolicies", "services", "configmaps"):
+        # A burst of edits to one cluster's children is one (or two) drift kicks, not one per edit.
+        since, burst = len(drift_log.kicks), set()
+        for plural, kind in (
+            ("networkpolicies", "NetworkPolicy"),
+            ("services", "Service"),
+            ("configmaps", "ConfigMap"),
+        ):
             for o in srv.objects(plural, "default"):
                 if o["metadata"]["labels"].get(constants.LABEL_CLUSTER) == "tiny":
                     apiserver.call(
@@ -193,6 +255,7 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
                             o["metadata"]["name"],
                         )
                     )
+                    burst.add(f"{kind}/{o['metadata']['name']} deleted")
         h.wait_for(
             "all back",
             lambda: (
@@ -202,7 +265,9 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any) -> N
             ),
             timeout=10,
         )
-        assert 1 <= settle(srv) - before <= 2
+        only_foreign_drift(
+            apiserver, drift_log, since, ["networkpolicies", "services", "configmaps"], burst, max_kicks=2
+        )
     assert runner.exception is None
 
 
