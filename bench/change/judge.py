@@ -94,7 +94,9 @@ def row(records: Sequence[Record], marks: Sequence[Mark], scenario: Scenario, st
                 f"{in_flight_failed - in_flight_clean} in-flight requests ended without a clean error"
             )
         rec = recovery(servable, Mark(name, start), _next(marks, after(name)))
-        served_again = rec.steady_from_s
+        # Nothing sent after the kill failed: served all along (steady_from_s would be the first
+        # request's start, which says when one was sent, not when serving came back).
+        served_again = 0.0 if rec.failed == 0 else rec.steady_from_s
         if served_again is None:
             problems.append(f"the last request sent after the kill still failed ({rec.failed} failed)")
         elif served_again > SERVE_WITHIN_S:

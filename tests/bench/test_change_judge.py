@@ -75,6 +75,8 @@ def test_a_kill_may_take_what_was_in_flight_and_must_serve_again_within_2_s() ->
     ]
     r = row(records, KILL, KILL_MARKS)
     assert r.met and (r.in_flight_failed, r.in_flight_clean) == (1, 1) and r.served_again_s == 1.5
+    clean = row([rec(22, 11.5, 12.0)], KILL, KILL_MARKS)
+    assert clean.met and clean.served_again_s == 0.0  # nothing failed after the kill: served all along
     cut = row([rec(20, 9.5, 10.5, "stream_cut"), *records[1:]], KILL, KILL_MARKS)
     assert cut.problems == ("1 in-flight requests ended without a clean error",)
     late = row([*records, rec(24, 13.0, 13.1, "connect_error"), rec(25, 14.0, 14.5)], KILL, KILL_MARKS)
