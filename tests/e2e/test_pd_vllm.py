@@ -82,7 +82,7 @@ def kv_usage(stack: Stack) -> float:
     return metric(stack.prefill_url, "vllm:kv_cache_usage_perc")
 
 
-def test_pd_output_equals_vllm_greedy_with_mtp_from_the_first_step(stack: Stack):
+def test_pd_output_equals_vllm_greedy_with_mtp(stack: Stack):
     want = [baseline(stack, p) for p in PROMPTS]
     drafted = accepted = 0
     for prompt, expected in zip(PROMPTS, want, strict=True):

@@ -69,6 +69,7 @@ def test_steps_report_drafts_and_tokens(make_engine) -> None:
         assert 0 <= s.accepted <= s.drafted <= 2
         assert 1 <= len(s.token_ids) <= s.accepted + 1
     assert any(s.accepted > 0 for s in steps)
+    assert steps[0].drafted > 0  # MTP drafts from the first step, with the prefill's hidden state
 
 
 def test_sequences_decode_independently(make_engine) -> None:

@@ -11,7 +11,7 @@ step's tokens staged layer by layer, the blocks a chunk ends inside staged again
 Node side: each layer lands in a CUDA receive buffer (a copy on
 another stream standing in for the NIC's write, finished before its LayersDone), and a converter
 thread per slot checks the layer's digest and converts it (convert.to_layer_state on the thread's
-stream, as decode/node.py's _convert_layers does); the layers must equal the whole-state conversion
+stream, as decode/pipeline.py's HandoffPipeline._convert_layers does); the layers must equal the whole-state conversion
 bit for bit.
 
 vLLM is not needed for this: when it is not installed (the GPU machine), the three vLLM names the
@@ -301,7 +301,7 @@ def test_gpu_staging_lands_and_converts_layer_by_layer_on_a_converter_thread():
     converted: dict[int, Any] = {}
 
     def convert_layer(lid: int, layer_digest_: str) -> None:
-        """decode/node.py's _convert_layers: check the layer's digest, then convert it on this thread."""
+        """decode/pipeline.py's HandoffPipeline._convert_layers: check the layer's digest, then convert it on this thread."""
         ranges = digest.receiver_ranges(staging, 0, 1, NUM_TOKENS, [lid])
         digest.check(layer_digest_, [received], ranges)
         converted[lid] = convert.to_layer_state([received], staging, lid, NUM_TOKENS, torch.bfloat16)
