@@ -146,7 +146,7 @@ def test_two_scrapes_give_rates_over_the_interval_and_the_pools_and_slots_now():
     assert _row(text, "native").split()[:4] == ["native", "DOWN", "0.5", "0.0"]
     assert _row(text, "t0").split()[:4] == ["t0", "3/4", "4.0", "1.0"]
     assert "3.0 MB/s" in _row(text, "t0") and "500.0 MB/s" in _row(text, "t0")
-    assert _row(text, "t1") == "t1           DOWN: [Errno 111] Connection refused"
+    assert _row(text, "t1").split(maxsplit=1) == ["t1", "DOWN: [Errno 111] Connection refused"]
     assert "router holds slots: t0 2  t1 0 (breaker open)" in text
 
 
@@ -233,6 +233,14 @@ def test_a_local_stacks_sources_come_from_its_recorded_state(tmp_path: Path):
 def test_bad_arguments_say_what_to_fix(tmp_path: Path):
     with pytest.raises(ValueError, match=r"--node 'localhost:5557' is not an http\(s\) URL"):
         cli.targets(_args(router="http://127.0.0.1:8000", node=["localhost:5557"]))
+    with pytest.raises(ValueError, match="--node '=http://x' has an empty name"):
+        cli.targets(_args(router="http://127.0.0.1:8000", node=["=http://x"]))
+    named = cli.targets(_args(router="http://r:1/", node=["t0=http://127.0.0.1:5557", "http://n:2"]))
+    assert [(t.source.name, t.source.url) for t in named] == [
+        ("router", "http://r:1"),
+        ("t0", "http://127.0.0.1:5557"),
+        ("n:2", "http://n:2"),
+    ]
     with pytest.raises(ValueError, match="not both"):
         cli.targets(_args(router="http://127.0.0.1:8000", home=tmp_path))
     with pytest.raises(ValueError, match="--node and --token-file go with --router"):

@@ -2,7 +2,7 @@
 
     tilert-pd top                                   # the local stack under ./.tilert-pd
     tilert-pd top --home DIR --name NAME            # one of several local stacks
-    tilert-pd top --router http://127.0.0.1:8000 --node http://127.0.0.1:5557 ...   # port-forwarded
+    tilert-pd top --router http://127.0.0.1:8000 --node t0=http://127.0.0.1:5557   # port-forwarded
     tilert-pd top --once                            # one screen on stdout, then exit
 
 The screen is drawn with rich's `Live` (in the venv through vLLM's CLI dependencies): it redraws in
@@ -39,10 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     remote.add_argument("--router", metavar="URL", help="the router's URL, e.g. http://127.0.0.1:8000")
     remote.add_argument(
         "--node",
-        metavar="URL",
+        metavar="[NAME=]URL",
         action="append",
         default=[],
-        help="a TileRT node's HTTP URL (repeat for each)",
+        help="a TileRT node's HTTP URL, repeated for each; NAME (the router config's tilert[].name) "
+        "defaults to the URL's host:port",
     )
     remote.add_argument(
         "--token-file",

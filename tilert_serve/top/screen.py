@@ -51,6 +51,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]], left: int = 1) 
     for row in rows:
         if len(row) == len(headers):
             widths = [max(w, len(c)) for w, c in zip(widths, row, strict=True)]
+        else:
+            widths[0] = max(widths[0], len(row[0]))
 
     def line(cells: Sequence[str]) -> str:
         out = [
@@ -124,10 +126,10 @@ def lines(view: View, clock: str) -> list[str]:
             )
         out += table(
             (
-                "TILERT NODE",
-                "SLOTS BUSY",
-                "HANDOFFS/S",
-                "FAILED/S",
+                "NODE",
+                "SLOTS",
+                "HANDOFF/S",
+                "FAIL/S",
                 "RECEIVED",
                 "LINK",
                 "TPOT p50",

@@ -63,14 +63,26 @@ def explicit(
     router: str, nodes: Sequence[str], node_token: Path | None = None, api_key: Path | None = None
 ) -> list[Target]:
     """A router (with its client API key, when it has keys) and TileRT nodes given by URL."""
-    nodes = [check_url(u, "--node") for u in nodes]
+    named = [node_name(n) for n in nodes]
     node_tokens = token_file(node_token, "--token-file")
     return [
         Target(
             Source("router", "router", check_url(router, "--router")), token_file(api_key, "--api-key-file")
         ),
-        *(Target(Source(urlsplit(u).netloc, "node", u), node_tokens) for u in nodes),
+        *(Target(Source(name, "node", u), node_tokens) for name, u in named),
     ]
+
+
+def node_name(value: str) -> tuple[str, str]:
+    """`--node [NAME=]URL` -> (name, URL); the name defaults to the URL's host:port. Naming a node as
+    the router's config does (tilert[].name) lines it up with the slots the router holds on it."""
+    name, sep, url = value.partition("=")
+    if not sep or "://" in name:
+        url = check_url(value, "--node")
+        return urlsplit(url).netloc, url
+    if not name:
+        raise ValueError(f"--node {value!r} has an empty name; give NAME=URL or just URL")
+    return name, check_url(url, "--node")
 
 
 def local_stack(home: Path, name: str | None, api_key: Path | None = None) -> list[Target]:
