@@ -196,8 +196,9 @@ def _args(**kw: object) -> argparse.Namespace:
 
 
 def test_a_local_stacks_sources_come_from_its_recorded_state(tmp_path: Path):
+    tmp_path.chmod(0o700)
     state = tmp_path / "tiny"
-    state.mkdir()
+    state.mkdir(mode=0o700)
     runner.write_secrets(state)
 
     def rec(name: str, kind: str, url: str) -> runner.Running:
@@ -221,13 +222,16 @@ def test_a_local_stacks_sources_come_from_its_recorded_state(tmp_path: Path):
     assert targets[1].token is not None and targets[1].token.first() == token
     assert targets[0].token is None  # the local router has no API keys
 
-    (tmp_path / "other").mkdir()
+    (tmp_path / "other").mkdir(mode=0o700)
     runner.save(tmp_path / "other", {"cluster": "other", "router": "http://127.0.0.1:9000"}, [])
     with pytest.raises(ValueError, match=r"2 local stacks .* pick one with --name"):
         cli.targets(_args(home=tmp_path))
     assert cli.targets(_args(home=tmp_path, name="other"))[0].source.url == "http://127.0.0.1:9000"
     with pytest.raises(ValueError, match="no local stack named 'gone'"):
         cli.targets(_args(home=tmp_path, name="gone"))
+    state.chmod(0o777)  # another user could point the node token elsewhere
+    with pytest.raises(ValueError, match="writable by group and others"):
+        cli.targets(_args(home=tmp_path, name="tiny"))
 
 
 def test_bad_arguments_say_what_to_fix(tmp_path: Path):

@@ -19,6 +19,7 @@ import time
 from datetime import UTC, datetime
 from pathlib import Path
 
+from tilert_serve.local.cli import DEFAULT_HOME
 from tilert_serve.top import screen, sources, view
 from tilert_serve.top.sources import Scraper, Target
 
@@ -81,11 +82,7 @@ def targets(args: argparse.Namespace) -> list[Target]:
         return sources.explicit(args.router, args.node, args.token_file, args.api_key_file)
     if args.node or args.token_file is not None:
         raise ValueError("--node and --token-file go with --router URL")
-    home = args.home
-    if home is None:
-        from tilert_serve.local.cli import DEFAULT_HOME  # the one default `tilert-pd local` uses
-
-        home = DEFAULT_HOME
+    home = DEFAULT_HOME if args.home is None else args.home
     return sources.local_stack(home, args.name, args.api_key_file)
 
 

@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 from tilert_operator import constants
 from tilert_serve.bearer import TokenFile, TokenFileError
 from tilert_serve.local import runner
+from tilert_serve.local.cli import private_dir
 from tilert_serve.top import samples
 from tilert_serve.top.view import Scrape, Source
 
@@ -88,6 +89,10 @@ def node_name(value: str) -> tuple[str, str]:
 def local_stack(home: Path, name: str | None, api_key: Path | None = None) -> list[Target]:
     """The router and TileRT nodes of the local stack `name` under `home` (the only one when `name` is
     None), as `tilert-pd local up` recorded them."""
+    # The state names where the node token is sent: refuse a directory another user could change, as
+    # `tilert-pd local` does.
+    if home.exists():
+        private_dir(home, create=False)
     stacks = sorted(p.parent for p in home.glob(f"*/{runner.STATE_FILE}"))
     if name is not None:
         stacks = [s for s in stacks if s.name == name]
@@ -102,7 +107,7 @@ def local_stack(home: Path, name: str | None, api_key: Path | None = None) -> li
             f"{len(stacks)} local stacks are recorded under {home} "
             f"({', '.join(s.name for s in stacks)}); pick one with --name"
         )
-    state_dir = stacks[0]
+    state_dir = private_dir(stacks[0], create=False)
     try:
         meta, procs = runner.load(state_dir)
     except (KeyError, TypeError) as exc:
