@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from tilert_serve import defaults
+from tilert_serve.router.prefill_choice import PrefillPolicy, Thresholds
 
 NativeConnector = Literal["NixlConnector", "MooncakeConnector"]
 
@@ -81,6 +82,32 @@ class RoutingPolicy(_Strict):
     retry_budget_ratio: float = Field(default=0.2, ge=0)
     retry_budget_min: int = Field(default=5, ge=0)
     retry_budget_window_s: float = Field(default=10.0, gt=0)
+    #: How a prefill is chosen among those that may serve the request (prefill_choice.py says how each
+    #: works): cache_aware (the one holding the longest prefix of the prompt, within the balance
+    #: thresholds), least_loaded (fewest prefills in flight) or round_robin.
+    prefill: PrefillPolicy = "cache_aware"
+    #: cache_aware: the best prefix match loses to the least loaded prefill when it has more than
+    #: `balance_abs` more prefills in flight AND more than `balance_rel` times as many.
+    balance_abs: int = Field(default=8, ge=0)
+    balance_rel: float = Field(default=1.5, ge=1.0)
+    #: cache_aware: a match covering less than this share of the prompt's whole blocks is ignored (the
+    #: least loaded prefill takes the request, and becomes the prompt's home).
+    min_match_ratio: float = Field(default=0.3, ge=0.0, le=1.0)
+    #: The prefix index's block: characters of a text prompt (a chat's rendered messages), token ids
+    #: of a prompt given as ids (vLLM's default block is 16 tokens; about 4 characters a token).
+    prefix_block_chars: int = Field(default=128, ge=1)
+    prefix_block_tokens: int = Field(default=16, ge=1)
+    #: The prefix index's memory bound, in block hashes (about 150 bytes each): per prefill (32768
+    #: blocks of 128 characters, about a million tokens, what one prefill's KV cache holds on a large
+    #: GPU) and over all prefills; the least recently sent are evicted first.
+    prefix_index_blocks_per_endpoint: int = Field(default=32768, ge=1)
+    prefix_index_blocks_total: int = Field(default=262144, ge=1)
+    #: How a native decode server is chosen: power_of_two (the less loaded of two drawn at random:
+    #: router replicas do not herd onto one server) or least_loaded.
+    native: Literal["power_of_two", "least_loaded"] = "power_of_two"
+
+    def thresholds(self) -> Thresholds:
+        return Thresholds(self.balance_abs, self.balance_rel, self.min_match_ratio)
 
 
 class Timeouts(_Strict):

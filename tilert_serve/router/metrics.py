@@ -14,6 +14,8 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from tilert_serve.metric_defs import Bounded, Registry, Unbounded, Values, counter, gauge, histogram, values
 from tilert_serve.router.policy import Label, Route
+from tilert_serve.router.pools import PrefillChoice
+from tilert_serve.router.prefill_choice import REASONS, PrefillPolicy
 
 # 0.5 ms .. 4 min: the router adds about a millisecond, prefills of long prompts take minutes.
 _LATENCY_BUCKETS = (
@@ -132,6 +134,9 @@ RETRY_REASONS = values(
 RELOAD_RESULTS = values({"ok", "error"})
 #: The HTTP status of a request the router refused.
 CODES = Values(frozenset(), "[45][0-9][0-9]", "NNN: the HTTP status, 400 to 599")
+#: The prefill policies (config.RoutingPolicy.prefill) and why a choice went where it did.
+PREFILL_POLICIES = values(get_args(PrefillPolicy), other=False)
+PREFILL_REASONS = values(REASONS, other=False)
 NODE = Unbounded("a TileRT node's name (router config tilert[].name): one per node")
 ENDPOINT = Unbounded("an endpoint's URL: one per prefill, native and TileRT endpoint")
 
@@ -340,6 +345,45 @@ class Metrics:
         self.config_reloads = Bounded(
             counter(r, p + "config_reloads_total", "Config reloads by result.", {"result": RELOAD_RESULTS})
         )
+
+        self.prefill_choices = Bounded(
+            counter(
+                r,
+                p + "prefill_choices_total",
+                "Prefills chosen for client requests, by prefill policy and why that prefill won: prefix "
+                "(it held the longest prefix), imbalance (the best match was too loaded), short_match "
+                "(no match covered policy.min_match_ratio of the prompt), least_loaded, round_robin.",
+                {"policy": PREFILL_POLICIES, "reason": PREFILL_REASONS},
+            )
+        )
+        self.prefix_prompt_blocks = counter(
+            r,
+            p + "prefix_prompt_blocks_total",
+            "Whole prompt blocks (policy.prefix_block_chars characters or prefix_block_tokens token ids) "
+            "of requests routed by cache_aware; prefix_matched_blocks_total over this is the share of "
+            "prompt blocks that hit a prefill's cache, as the router sees it.",
+        )
+        self.prefix_matched_blocks = counter(
+            r,
+            p + "prefix_matched_blocks_total",
+            "Whole prompt blocks of requests routed by cache_aware that the chosen prefill was already "
+            "sent, by the router's prefix index.",
+        )
+        self.prefix_index_blocks = gauge(
+            r,
+            p + "prefix_index_blocks",
+            "Block hashes the router's prefix index holds over all prefills (bounded by "
+            "policy.prefix_index_blocks_total).",
+        )
+
+    def observe_prefill_choice(self, c: PrefillChoice) -> None:
+        """pools.ChoiceObserver: count one prefill choice made for a client's request."""
+        self.prefill_choices.labels(c.policy, c.reason).inc()
+        self.prefix_index_blocks.set(c.index_blocks)
+        if c.policy != "cache_aware" or c.prompt_blocks == 0:
+            return
+        self.prefix_prompt_blocks.inc(c.prompt_blocks)
+        self.prefix_matched_blocks.inc(c.matched_blocks)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

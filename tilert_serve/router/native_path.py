@@ -154,7 +154,11 @@ async def serve(call: Call) -> web.StreamResponse:
     st, cfg = call.state, call.cfg
     # The decode first, among those a usable prefill can pair with; then a prefill of its generation.
     decode = st.pools.pick_native(call.exclude, cfg.limits.native_max_inflight)
-    prefill = st.pools.pick_prefill(call.exclude, decode.generation) if decode is not None else None
+    prefill = (
+        st.pools.pick_prefill(call.exclude, decode.generation, call.req, st.metrics.observe_prefill_choice)
+        if decode is not None
+        else None
+    )
     if prefill is None or decode is None:
         which = "prefill" if decode is not None else "native decode"
         raise UpstreamError(which, "-", "no_endpoint", f"no healthy {which} server", retryable=False)

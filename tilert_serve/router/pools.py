@@ -7,14 +7,16 @@ without an `await` in between, so two requests can never take the same last slot
 from __future__ import annotations
 
 import itertools
+import random
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
-from tilert_serve.router import pairing
-from tilert_serve.router.config import CircuitBreaker, HealthChecks, RouterConfig, TileRTNode
+from tilert_serve.router import pairing, prefill_choice, prefix_index
+from tilert_serve.router.config import CircuitBreaker, HealthChecks, RouterConfig, RoutingPolicy, TileRTNode
 from tilert_serve.router.config import Endpoint as EndpointSpec
+from tilert_serve.router.openai_request import ParsedRequest
 
 TileRTState = Literal["free", "full", "down"]
 BreakerState = Literal["closed", "open", "half-open"]
@@ -166,6 +168,23 @@ class Node(Endpoint):
         return max(self.spec.slots - self.in_use, 0)
 
 
+@dataclass(frozen=True)
+class PrefillChoice:
+    """What a prefill choice saw, for the metrics: the policy, why the winner won, the prompt's whole
+    blocks and how many of them the winner holds (by the prefix index)."""
+
+    policy: prefill_choice.PrefillPolicy
+    reason: prefill_choice.Reason
+    prompt_blocks: int
+    matched_blocks: int
+    #: Block hashes the prefix index holds after this choice was recorded.
+    index_blocks: int
+
+
+#: Told of every prefill choice made for a client's request (metrics.Metrics.observe_prefill_choice).
+ChoiceObserver = Callable[[PrefillChoice], None]
+
+
 def _live(eps: Iterable[Endpoint]) -> list[Endpoint]:
     """The routable endpoints not behind an open breaker; when a pool has none, all that do not run
     another generation than configured ("panic" routing, as Envoy does): probes that time out under
@@ -191,11 +210,18 @@ def _keep(
 
 
 class Pools:
-    def __init__(self, config: RouterConfig) -> None:
+    def __init__(self, config: RouterConfig, rng: random.Random | None = None) -> None:
         self.prefill: dict[str, Endpoint] = {}
         self.native: dict[str, Endpoint] = {}
         self.tilert: dict[str, Node] = {}
         self._rr = itertools.count()
+        #: Draws for the native decode's power of two choices (tests pass a seeded one).
+        self._rng = rng or random.Random()
+        self.policy: RoutingPolicy = config.policy
+        #: What each prefill was sent (cache_aware); its caps follow the config in force.
+        self.prefixes = prefix_index.PrefixIndex(
+            config.policy.prefix_index_blocks_per_endpoint, config.policy.prefix_index_blocks_total
+        )
         self.apply(config)
 
     def apply(self, config: RouterConfig) -> None:
@@ -205,6 +231,12 @@ class Pools:
         on that object and simply forgotten afterwards.
         """
         self.prefill = _keep(self.prefill, config.prefill, "prefill", config.endpoint_breaker)
+        self.policy = config.policy
+        self.prefixes.max_per_endpoint = config.policy.prefix_index_blocks_per_endpoint
+        self.prefixes.max_total = config.policy.prefix_index_blocks_total
+        # A prefill that left takes its cache with it (one that comes back at the same address starts
+        # cold too, and is relearnt).
+        self.prefixes.keep_only(self.prefill)
         self.native = _keep(self.native, config.native, "native", config.endpoint_breaker)
         # A node is its address: one found through DNS that the ConfigMap then names (another name, the
         # same pod) keeps the slots this router holds on it.
@@ -249,16 +281,71 @@ class Pools:
         """The generations of the prefills a request may use now."""
         return {e.generation for e in _live(self.prefill.values())}
 
-    def pick_prefill(self, exclude: set[str], decode: str | None = None) -> Endpoint | None:
-        """The least loaded usable prefill that may hand a request to a decode of generation `decode`."""
+    def prefix_key(self, req: ParsedRequest) -> prefix_index.PrefixKey:
+        """The request's chained block hashes, at the configured block sizes."""
+        p = self.policy
+        return prefix_index.request_key(
+            req.kind,
+            req.body,
+            block_chars=p.prefix_block_chars,
+            block_tokens=p.prefix_block_tokens,
+            limit=p.prefix_index_blocks_per_endpoint,
+        )
+
+    def pick_prefill(
+        self,
+        exclude: set[str],
+        decode: str | None = None,
+        req: ParsedRequest | None = None,
+        observe: ChoiceObserver | None = None,
+    ) -> Endpoint | None:
+        """The usable prefill, of those that may hand a request to a decode of generation `decode`, that
+        `policy.prefill` picks for `req` (prefill_choice.py). `exclude` (prefills that failed this
+        request) is a preference: with no other choice, a retry goes to the same one again. Without
+        `req` (a handoff probe) the least loaded one, and nothing is recorded.
+
+        The prompt is recorded as sent to the chosen prefill at once, not when its prefill succeeds: the
+        next request with the same prefix, arriving while this one computes it, should go there too
+        (vLLM shares the blocks, or finds them cached). A failed prefill leaves a false entry behind;
+        the retry excludes that prefill anyway, and the entry ages out of the LRU."""
         live = _live(self.prefill.values())
-        return self._least_loaded(pairing.for_decode(decode, ((e.generation, e) for e in live)), exclude)
+        up = pairing.for_decode(decode, ((e.generation, e) for e in live))
+        cands = [e for e in up if e.url not in exclude] or up
+        if not cands:
+            return None
+        policy = self.policy.prefill if req is not None else "least_loaded"
+        key = (
+            self.prefix_key(req) if req is not None and policy == "cache_aware" else prefix_index.PrefixKey()
+        )
+        matched = [self.prefixes.matched(key, e.url) for e in cands] if key.blocks else [0] * len(cands)
+        choice = prefill_choice.choose_prefill(
+            policy,
+            [prefill_choice.Candidate(e.inflight, m) for e, m in zip(cands, matched, strict=True)],
+            len(key),
+            next(self._rr),
+            self.policy.thresholds(),
+        )
+        ep = cands[choice.index]
+        ep.take()
+        self.prefixes.record(ep.url, key)
+        if observe is not None:
+            observe(PrefillChoice(policy, choice.reason, len(key), matched[choice.index], len(self.prefixes)))
+        return ep
 
     def pick_native(self, exclude: set[str], cap: int) -> Endpoint | None:
-        """The least loaded native server under `cap` that some usable prefill can pair with."""
+        """A native server under `cap` that some usable prefill can pair with, by `policy.native`:
+        the less loaded of two drawn at random, or the least loaded."""
         gens = self.prefill_generations()
         live = [e for e in _live(self.native.values()) if pairing.pairable(e.generation, gens)]
-        return self._least_loaded(live, exclude, cap)
+        if self.policy.native == "least_loaded":
+            return self._least_loaded(live, exclude, cap)
+        up = [e for e in live if e.inflight < cap]
+        cands = [e for e in up if e.url not in exclude] or up
+        if not cands:
+            return None
+        ep = cands[prefill_choice.power_of_two([e.inflight for e in cands], self._rng)]
+        ep.take()
+        return ep
 
     def native_pairing(self, cap: int) -> pairing.PoolState:
         up = _live(self.native.values())

@@ -223,7 +223,7 @@ async def serve(call: Call, node: Node, adm: Admission) -> web.StreamResponse:
 async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.StreamResponse:
     st, r = call.state, call.req
     m = st.metrics
-    prefill = st.pools.pick_prefill(call.exclude, node.generation)
+    prefill = st.pools.pick_prefill(call.exclude, node.generation, r, m.observe_prefill_choice)
     if prefill is None:
         raise UpstreamError(
             "prefill",
