@@ -14,6 +14,7 @@ from pydantic.alias_generators import to_camel
 
 from tilert_operator import constants
 from tilert_serve import defaults
+from tilert_serve.router.prefill_choice import PrefillPolicy
 
 TilertModel = Literal["glm5", "deepseek_v3_2", "mla"]
 KVCacheDtype = Literal["auto", "bfloat16", "float32", "fp8_ds_mla"]
@@ -227,6 +228,9 @@ class Policy(_Section):
     default: RoutePath = "auto"
     when_tilert_full: Fallback = "native"
     unsupported_on_tilert: Fallback = "native"
+    #: How the router picks a prefill (tilert_serve/router/prefill_choice.py); cache_aware's thresholds
+    #: and the prefix index's caps keep the router config's defaults.
+    prefill: PrefillPolicy = "cache_aware"
 
 
 class RouterService(_Section):
