@@ -97,7 +97,7 @@ class RoutingPolicy(_Strict):
     #: of a prompt given as ids (vLLM's default block is 16 tokens; about 4 characters a token).
     prefix_block_chars: int = Field(default=128, ge=1)
     prefix_block_tokens: int = Field(default=16, ge=1)
-    #: The prefix index's memory bound, in block hashes (about 150 bytes each): per prefill (32768
+    #: The prefix index's memory bound, in block hashes (about 90 bytes each in CPython): per prefill (32768
     #: blocks of 128 characters, about a million tokens, what one prefill's KV cache holds on a large
     #: GPU) and over all prefills; the least recently sent are evicted first.
     prefix_index_blocks_per_endpoint: int = Field(default=32768, ge=1)
