@@ -161,7 +161,7 @@ def test_the_first_round_shows_gauges_and_no_rates():
     v = view.build([scrape(ROUTER, 1.0, m.render())], None)
     (t,) = [r for r in v.routes if r.route == "tilert"]
     assert (t.requests_per_s, t.errors_per_s, v.interval_s) == (0.0, 0.0, 0.0)
-    assert "first scrape: no rates yet" in screen.lines(v, "x")[0]
+    assert "no rates yet (they need two scrapes in a row)" in screen.lines(v, "x")[0]
 
 
 def test_a_router_that_does_not_answer_shows_down_with_its_error():
@@ -253,6 +253,32 @@ def test_bad_arguments_say_what_to_fix(tmp_path: Path):
         cli.targets(_args(router="http://127.0.0.1:8000", token_file=tmp_path / "missing"))
     with pytest.raises(ValueError, match="above 0"):
         cli.targets(_args(router="http://127.0.0.1:8000", interval=0.0))
+
+
+def test_once_prints_one_screen_with_the_sources_down_and_exits_0(capsys: pytest.CaptureFixture[str]):
+    from tilert_serve.cli import main
+
+    assert (
+        main(
+            [
+                "top",
+                "--once",
+                "--interval",
+                "0.05",
+                "--router",
+                "http://127.0.0.1:1",
+                "--node",
+                "t9=http://127.0.0.1:2",
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("tilert-pd top  http://127.0.0.1:1  no rates yet")
+    assert "router DOWN: [Errno 111] Connection refused" in out
+    assert any(line.split()[:2] == ["t9", "DOWN:"] for line in out), out
+    assert main(["top", "--router", "localhost:8000"]) == 2
+    assert "--router 'localhost:8000' is not an http(s) URL" in capsys.readouterr().err
 
 
 def test_a_source_that_refuses_is_a_scrape_with_its_error():

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 import shutil
 import signal
 import socket
@@ -264,6 +263,3 @@ async def test_top_in_a_terminal_shows_the_stack_live_and_exits_0_on_ctrl_c(tmp_
             await router.wait()
         for fake in [*nodes, prefill, native]:
             await fake.stop()
-
-
-assert os.sep == "/"  # tmux and the pane's shell command: POSIX only

@@ -8,12 +8,13 @@
 The screen is drawn with rich's `Live` (in the venv through vLLM's CLI dependencies): it redraws in
 place without flicker, uses the terminal's alternate screen and gives it back on exit, follows
 resizes and works in any terminal an SSH session has, with no curses code of ours. `--once` and a
-stdout that is not a terminal print plain lines. Ctrl-C ends it with exit code 0.
+stdout that is not a terminal print plain lines. Ctrl-C (or SIGTERM, SIGHUP) ends it with exit code 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 import time
 from datetime import UTC, datetime
@@ -118,18 +119,28 @@ def watch(scraper: Scraper, interval_s: float) -> None:
             time.sleep(max(0.0, interval_s - (time.monotonic() - started)))
 
 
+def _interrupt(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         chosen = targets(args)
     except ValueError as exc:
         print(f"tilert-pd top: {exc}", file=sys.stderr)
         return 2
-    with Scraper(chosen, args.timeout) as scraper:
-        try:
+    # SIGTERM (kill) and SIGHUP (the SSH session went away) end it as Ctrl-C does, so that the terminal
+    # gets its screen back; the previous handlers come back after.
+    before = {sig: signal.signal(sig, _interrupt) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        with Scraper(chosen, args.timeout) as scraper:
             if args.once:
                 print("\n".join(once(scraper, args.interval)))
             else:
                 watch(scraper, args.interval)
-        except KeyboardInterrupt:
-            pass
+    except KeyboardInterrupt:
+        pass
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
     return 0

@@ -72,7 +72,7 @@ def lines(view: View, clock: str) -> list[str]:
     over = (
         f"rates over the last {view.interval_s:.1f} s"
         if view.interval_s > 0
-        else "first scrape: no rates yet"
+        else "no rates yet (they need two scrapes in a row)"
     )
     out = [f"tilert-pd top  {where}  {over}  {clock}", ""]
     if view.router is not None and view.router.error is not None:
