@@ -173,7 +173,17 @@ def _node(scrape: Scrape, prev: Samples | None, seconds: float) -> NodeRow:
     cur = scrape.samples
     if cur is None:
         return NodeRow(
-            scrape.source.name, scrape.source.url, scrape.error, None, None, 0, 0, 0, None, None, None
+            name=scrape.source.name,
+            url=scrape.source.url,
+            error=scrape.error or "no metrics",
+            slots_busy=None,
+            slots=None,
+            handoffs_per_s=0.0,
+            failed_per_s=0.0,
+            received_bytes_per_s=0.0,
+            link_bytes_per_s=None,
+            tpot_p50=None,
+            tpot_p99=None,
         )
     received = counter_increase(cur, prev, n.handoff_bytes)
     transfer_s = counter_increase(cur, prev, n.handoff_seconds + "_sum")
