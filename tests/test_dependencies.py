@@ -25,11 +25,15 @@ COMPONENTS = {
     "decode": ("decode", ["tilert_serve.decode"]),
     "connector": ("connector", ["tilert_serve.pd_vllm"]),
     "tinymodel": ("tinymodel", ["tilert_serve.tinymodel"]),
+    "top": ("top", ["tilert_serve.top"]),
 }
 # Imported, but provided by what hosts the component rather than by our extra: the byte movers
 # (`transfer` extra, or the CUDA wheels in the images), TileRT itself (its CUDA image only), Triton
 # (ships with CUDA torch), and vLLM for the connector that runs inside it.
 HOSTED = {"mooncake", "nixl", "nixl_cu12", "tilert", "triton", "vllm"}
+# Imported inside `try: ... except ImportError` with a fallback: used when present, never required
+# (bcrypt: observe/server.py hashes Prometheus' password with crypt(3) without it).
+OPTIONAL = {"bcrypt"}
 
 
 def _dist(requirement: str) -> str:
@@ -63,7 +67,7 @@ def test_every_import_of_a_component_is_declared_by_its_extra(
     dists = importlib.metadata.packages_distributions()
     declared = _declared(extra)
     missing = {}
-    for top in _external_imports(graph, roots) - set(sys.stdlib_module_names) - HOSTED:
+    for top in _external_imports(graph, roots) - set(sys.stdlib_module_names) - HOSTED - OPTIONAL:
         providers = {d.lower().replace("_", "-") for d in dists.get(top, [top])}
         if not providers & declared:
             missing[top] = sorted(providers)
