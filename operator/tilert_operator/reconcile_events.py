@@ -84,11 +84,7 @@ def failures(
                 tag=f"{RECONCILED}=True",
             )
         ]
-    if (before.get("status"), before.get("reason"), before.get("message")) == (
-        cond["status"],
-        cond["reason"],
-        cond["message"],
-    ):
+    if unchanged(before, cond):
         return []
     notes = []
     for f in failed:
@@ -108,6 +104,15 @@ def failures(
             )
         )
     return notes
+
+
+def unchanged(before: Mapping[str, Any], cond: status.Condition) -> bool:
+    """Whether a condition says what the status held (`before`): then it is no news, and no Event."""
+    return (before.get("status"), before.get("reason"), before.get("message")) == (
+        cond["status"],
+        cond["reason"],
+        cond["message"],
+    )
 
 
 def adopted(keys: Sequence[str]) -> list[Note]:

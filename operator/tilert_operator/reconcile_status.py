@@ -190,12 +190,7 @@ async def error(api: Client, body: Obj, cause: Exception) -> Written:
     else:
         failed = Failure("reconcile", f"{type(cause).__name__}: {cause}", RECONCILE_ERROR)
     cond = reconciled([failed._replace(message=failed.message[:800])])
-    before = previous(body, RECONCILED)
-    if (before.get("status"), before.get("reason"), before.get("message")) == (
-        cond["status"],
-        cond["reason"],
-        cond["message"],
-    ):
+    if reconcile_events.unchanged(previous(body, RECONCILED), cond):
         return Written(False, None, [])
     old = body.get("status") or {}
     conds = [c for c in old.get("conditions") or [] if c.get("type") != RECONCILED]
