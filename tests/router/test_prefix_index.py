@@ -181,10 +181,11 @@ def test_round_robin_ignores_load_and_least_loaded_ignores_matches() -> None:
 def test_power_of_two_picks_the_less_loaded_of_its_pair_and_spreads() -> None:
     rng = random.Random(3)
     assert pc.power_of_two([5], rng) == 0
-    assert all(pc.power_of_two([7, 2], rng) == 1 for _ in range(20))
+    assert all(pc.power_of_two([7, 2], rng, turn) == 1 for turn in range(20))
+    assert [pc.power_of_two([0, 0], rng, turn) for turn in range(4)] == [0, 1, 0, 1]  # ties take turns
     loads = [0] * 8
-    for _ in range(4000):
-        loads[pc.power_of_two(loads, rng)] += 1
+    for turn in range(4000):
+        loads[pc.power_of_two(loads, rng, turn)] += 1
     assert max(loads) - min(loads) <= 2  # two choices keep every server near the mean
     with pytest.raises(ValueError):
         pc.power_of_two([], rng)

@@ -4,9 +4,12 @@ retry's exclusion; round_robin and least_loaded as named; the metrics count what
 
 from __future__ import annotations
 
+import random
+
 from router_fakes import MODEL
 
-from tilert_serve.router.config import Endpoint
+from tilert_serve.router.config import Endpoint, RouterConfig, RoutingPolicy
+from tilert_serve.router.pools import Pools
 
 TILERT = {"x-pd-route": "tilert"}
 NATIVE = {"x-pd-route": "native"}
@@ -44,7 +47,7 @@ async def test_a_shared_prefix_stream_goes_to_the_prefill_that_got_it_first(make
     assert _count(m.prefix_index_blocks) == len(s.state.pools.prefixes) > 0
 
 
-async def test_a_chat_conversation_stays_on_its_prefill_and_another_system_prompt_may_not(make_stack):
+async def test_a_chat_conversation_stays_on_its_prefill(make_stack):
     s = await make_stack(n_prefill=2, node_slots=(2,))
     c = s.client()
     msgs = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is a router?"}]
@@ -121,3 +124,51 @@ async def test_a_prefill_removed_from_the_config_is_forgotten(make_stack):
     keep = [p.url for p in s.prefills if p.url != home]
     s.state.apply(s.cfg.model_copy(update={"prefill": [Endpoint(url=u) for u in keep]}))
     assert s.state.pools.prefixes.endpoints() == [] and len(s.state.pools.prefixes) == 0
+
+
+def _pools(policy: dict[str, object], natives: int = 4):
+    cfg = RouterConfig(
+        model=MODEL,
+        prefill=["http://p0", "http://p1"],
+        native=[f"http://n{i}" for i in range(natives)],
+        policy=RoutingPolicy(**policy),
+    )
+    return Pools(cfg, rng=random.Random(11))
+
+
+def test_native_power_of_two_spreads_keeps_the_cap_and_prefers_untried_servers():
+    pools = _pools({})
+    for _ in range(400):  # requests that stay in flight
+        ep = pools.pick_native(set(), cap=1000)
+        assert ep is not None
+        ep.inflight += 1
+    loads = sorted(e.inflight for e in pools.native.values())
+    assert loads[-1] - loads[0] <= 2 and sum(loads) == 400
+    # At the cap a server is never drawn; with every server at it there is none.
+    for e in pools.native.values():
+        e.inflight = 5
+    pools.native["http://n2"].inflight = 4
+    assert all(pools.pick_native(set(), cap=5).url == "http://n2" for _ in range(20))
+    pools.native["http://n2"].inflight = 5
+    assert pools.pick_native(set(), cap=5) is None
+    # A retry draws among the servers it has not tried while there are some.
+    for e in pools.native.values():
+        e.inflight = 0
+    tried = {"http://n0", "http://n1", "http://n2"}
+    assert all(pools.pick_native(tried, cap=5).url == "http://n3" for _ in range(20))
+
+
+def test_native_least_loaded_is_still_offered():
+    pools = _pools({"native": "least_loaded"})
+    pools.native["http://n0"].inflight = 3
+    pools.native["http://n1"].inflight = 1
+    pools.native["http://n2"].inflight = 2
+    pools.native["http://n3"].inflight = 2
+    assert pools.pick_native(set(), cap=10).url == "http://n1"
+
+
+def test_pick_prefill_without_a_request_is_least_loaded_and_learns_nothing():
+    pools = _pools({})
+    pools.prefill["http://p0"].inflight = 2
+    assert pools.pick_prefill(set()).url == "http://p1"
+    assert len(pools.prefixes) == 0

@@ -215,6 +215,9 @@ class Pools:
         self.native: dict[str, Endpoint] = {}
         self.tilert: dict[str, Node] = {}
         self._rr = itertools.count()
+        #: The native choice's own turn (ties between its two draws), apart from the prefill's: each
+        #: native request also picks a prefill, which would otherwise see every other turn only.
+        self._native_turn = itertools.count()
         #: Draws for the native decode's power of two choices (tests pass a seeded one).
         self._rng = rng or random.Random()
         self.policy: RoutingPolicy = config.policy
@@ -343,7 +346,9 @@ class Pools:
         cands = [e for e in up if e.url not in exclude] or up
         if not cands:
             return None
-        ep = cands[prefill_choice.power_of_two([e.inflight for e in cands], self._rng)]
+        ep = cands[
+            prefill_choice.power_of_two([e.inflight for e in cands], self._rng, next(self._native_turn))
+        ]
         ep.take()
         return ep
 

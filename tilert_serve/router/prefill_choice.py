@@ -91,13 +91,16 @@ def choose_prefill(
     return Choice(best, "prefix")
 
 
-def power_of_two(inflight: Sequence[int], rng: random.Random) -> int:
+def power_of_two(inflight: Sequence[int], rng: random.Random, turn: int = 0) -> int:
     """The index of the less loaded of two candidates drawn at random (distinct when there are two or
     more): the "power of two choices", which keeps the worst queue near the mean without herding every
-    router replica onto the same least loaded server between two updates of its count."""
+    router replica onto the same least loaded server between two updates of its count. A tie goes by
+    `turn` (a counter the caller advances), so two idle servers take requests in turn."""
     if not inflight:
         raise ValueError("power_of_two needs at least one candidate")
     if len(inflight) == 1:
         return 0
-    a, b = rng.sample(range(len(inflight)), 2)
-    return a if inflight[a] <= inflight[b] else b
+    a, b = sorted(rng.sample(range(len(inflight)), 2))
+    if inflight[a] == inflight[b]:
+        return (a, b)[turn % 2]
+    return a if inflight[a] < inflight[b] else b
