@@ -6,13 +6,29 @@ from __future__ import annotations
 
 import random
 
+import yaml
 from router_fakes import MODEL
 
 from tilert_serve.router.config import Endpoint, RouterConfig, RoutingPolicy
+from tilert_serve.router.config import dump as config_dump
 from tilert_serve.router.pools import Pools
 
 TILERT = {"x-pd-route": "tilert"}
 NATIVE = {"x-pd-route": "native"}
+#: RoutingPolicy's fields before the prefill choice existed: what a router of the previous release takes.
+PREVIOUS_POLICY_FIELDS = {
+    "header",
+    "tilert_aliases",
+    "native_aliases",
+    "default",
+    "when_tilert_full",
+    "unsupported_on_tilert",
+    "retry_after_s",
+    "retries",
+    "retry_budget_ratio",
+    "retry_budget_min",
+    "retry_budget_window_s",
+}
 SYSTEM = "You are a careful assistant who answers in one short sentence. " * 8  # ~15 blocks of 128
 
 
@@ -172,3 +188,12 @@ def test_pick_prefill_without_a_request_is_least_loaded_and_learns_nothing():
     pools.prefill["http://p0"].inflight = 2
     assert pools.pick_prefill(set()).url == "http://p1"
     assert len(pools.prefixes) == 0
+
+
+def test_a_config_at_the_default_choice_dumps_as_the_previous_release_reads_it():
+    plain = RouterConfig(model=MODEL, prefill=["http://p0"])
+    policy = yaml.safe_load(config_dump(plain))["policy"]
+    assert not set(policy) & set(RoutingPolicy.model_fields) - PREVIOUS_POLICY_FIELDS
+    tuned = plain.model_copy(update={"policy": RoutingPolicy(prefill="round_robin", balance_abs=3)})
+    back = RouterConfig.model_validate(yaml.safe_load(config_dump(tuned)))
+    assert back.policy == tuned.policy

@@ -110,6 +110,20 @@ class RoutingPolicy(_Strict):
         return Thresholds(self.balance_abs, self.balance_rel, self.min_match_ratio)
 
 
+#: RoutingPolicy's fields added with the prefill choice (issue 25); `dump` leaves them out at defaults.
+_CHOICE_FIELDS = (
+    "prefill",
+    "balance_abs",
+    "balance_rel",
+    "min_match_ratio",
+    "prefix_block_chars",
+    "prefix_block_tokens",
+    "prefix_index_blocks_per_endpoint",
+    "prefix_index_blocks_total",
+    "native",
+)
+
+
 class Timeouts(_Strict):
     connect_s: float = 5.0
     #: Prefill of the whole prompt, first token included.
@@ -298,4 +312,11 @@ def dump(config: RouterConfig) -> str:
             del item["compat"]
     found = data["tilert_discovery"]
     data["tilert_discovery"] = None if not found else found[0] if len(found) == 1 else found
+    # The prefill and native choice (issue 25) at their defaults are what the previous release did
+    # (least loaded, near enough): left out, a router of that release (which refuses unknown keys)
+    # still reads the file during a rolling upgrade.
+    defaults_ = RoutingPolicy()
+    for name in _CHOICE_FIELDS:
+        if data["policy"][name] == getattr(defaults_, name):
+            del data["policy"][name]
     return yaml.safe_dump(data, sort_keys=False)
