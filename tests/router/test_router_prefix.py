@@ -197,3 +197,33 @@ def test_a_config_at_the_default_choice_dumps_as_the_previous_release_reads_it()
     tuned = plain.model_copy(update={"policy": RoutingPolicy(prefill="round_robin", balance_abs=3)})
     back = RouterConfig.model_validate(yaml.safe_load(config_dump(tuned)))
     assert back.policy == tuned.policy
+
+
+async def test_a_prefill_that_was_ejected_or_refused_a_connection_starts_cold(make_stack):
+    s = await make_stack(n_prefill=2, node_slots=(2,))
+    c = s.client()
+    m, pools = s.state.metrics, s.state.pools
+
+    async def warm() -> str:
+        await c.completions.create(model=MODEL, prompt=SYSTEM + "warm", max_tokens=2, extra_headers=TILERT)
+        home = next(url for url, ep in pools.prefill.items() if pools.prefixes.size(url))
+        assert pools.prefixes.size(home) > 0
+        return home
+
+    home = await warm()
+    ep = pools.prefill[home]
+    for _ in range(s.cfg.health.failures_to_eject):  # ejected by its probes (health.py does this)
+        ep.record_failure(s.cfg.health, "probe timed out")
+    ep.record_ok(s.cfg.health)
+    short = _count(m.prefill_choices, "cache_aware", "short_match")
+    await c.completions.create(model=MODEL, prompt=SYSTEM + "after", max_tokens=2, extra_headers=TILERT)
+    assert _count(m.prefill_choices, "cache_aware", "short_match") == short + 1  # nothing matched
+
+    pools.prefixes.keep_only([])
+    home = await warm()
+    ep = pools.prefill[home]
+    ep.breaker_failed(0.0, "connect: refused", at_once=True)
+    ep.breaker_ok()
+    short = _count(m.prefill_choices, "cache_aware", "short_match")
+    await c.completions.create(model=MODEL, prompt=SYSTEM + "again", max_tokens=2, extra_headers=TILERT)
+    assert _count(m.prefill_choices, "cache_aware", "short_match") == short + 1

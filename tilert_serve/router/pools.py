@@ -51,6 +51,10 @@ class Endpoint:
     trial_at: float = 0.0
     #: Why the breaker last counted a failure (for /ready and /v1/status).
     breaker_error: str = ""
+    #: Bumped whenever the server may have lost its prefix cache (it was ejected, or refused a
+    #: connection: nothing listened, so a process that comes back there is a new one); the prefix
+    #: index forgets what it was sent when this moves.
+    cache_epoch: int = 0
 
     @property
     def routable(self) -> bool:
@@ -78,6 +82,8 @@ class Endpoint:
         self.fails += 1
         self.last_error = why
         if self.fails >= hc.failures_to_eject:
+            if self.healthy is not False:
+                self.cache_epoch += 1
             self.healthy = False
 
     def breaker_ok(self) -> None:
@@ -88,6 +94,8 @@ class Endpoint:
         whatever the count."""
         self.breaker_error = why[:300]
         self.breaker_fails += 1
+        if at_once:
+            self.cache_epoch += 1
         self.trial = False
         cfg = self.breaker_cfg
         if self.open_s == 0.0:
@@ -225,6 +233,8 @@ class Pools:
         self.prefixes = prefix_index.PrefixIndex(
             config.policy.prefix_index_blocks_per_endpoint, config.policy.prefix_index_blocks_total
         )
+        #: Each prefill's cache_epoch when the index last learnt about it.
+        self._epochs: dict[str, int] = {}
         self.apply(config)
 
     def apply(self, config: RouterConfig) -> None:
@@ -240,6 +250,7 @@ class Pools:
         # A prefill that left takes its cache with it (one that comes back at the same address starts
         # cold too, and is relearnt).
         self.prefixes.keep_only(self.prefill)
+        self._epochs = {url: n for url, n in self._epochs.items() if url in self.prefill}
         self.native = _keep(self.native, config.native, "native", config.endpoint_breaker)
         # A node is its address: one found through DNS that the ConfigMap then names (another name, the
         # same pod) keeps the slots this router holds on it.
@@ -320,6 +331,10 @@ class Pools:
         key = (
             self.prefix_key(req) if req is not None and policy == "cache_aware" else prefix_index.PrefixKey()
         )
+        for e in cands:
+            if self._epochs.setdefault(e.url, e.cache_epoch) != e.cache_epoch:
+                self.prefixes.forget(e.url)  # a restarted server has an empty cache
+                self._epochs[e.url] = e.cache_epoch
         matched = [self.prefixes.matched(key, e.url) for e in cands] if key.blocks else [0] * len(cands)
         choice = prefill_choice.choose_prefill(
             policy,
