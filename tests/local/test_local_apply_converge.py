@@ -8,7 +8,10 @@ from dataclasses import dataclass, field
 
 import pytest
 
+from tilert_operator import constants
+from tilert_operator import spec as specmod
 from tilert_serve.local import apply, rollout
+from tilert_serve.local import plan as planmod
 from tilert_serve.local.rollout import Pod, Rendered, Workload
 
 
@@ -87,9 +90,26 @@ def test_nothing_to_change_touches_nothing() -> None:
     assert rt.calls == [] and "nothing to change" in lines[0]
 
 
-def test_the_process_runtime_runs_one_router_replaced_in_place() -> None:
-    router = Rendered(Workload("c-router", "Deployment", 2, "r", "router", 1, 0), "router", 120, None)
-    lines: list[str] = []
-    (r,) = apply.for_processes([router], lines.append)
-    assert (r.workload.replicas, r.workload.max_surge, r.workload.max_unavailable) == (1, 0, 1)
-    assert "runs one" in lines[0]
+def test_router_replicas_share_the_stack_port_and_answer_probes_on_their_own() -> None:
+    """The process runtime's stand-in for a Service over router pods: every replica listens on the
+    stack's port with SO_REUSEPORT and is probed (and told its config was loaded) on a port of its own."""
+    spec = specmod.parse({"model": {"name": "m", "weights": {"tiny": True}, "tilertModel": "mla"}})
+    ports = planmod.Ports(router=8000, prefill=[9001], native=[], tilert=[], router_replicas=[7001, 7002])
+    p = planmod.plan(spec, ports=ports, model_dir="/m", secret_file="/s", router_config_file="/r")
+    routers = [c for c in p.components if c.kind == constants.ROUTER]
+    assert [c.name for c in routers] == ["router", "router-1"]
+    for c, own in zip(routers, (7001, 7002), strict=True):
+        assert c.url == "http://127.0.0.1:8000" and c.ready_url == f"http://127.0.0.1:{own}/ready"
+        assert c.argv[-3:] == ["--reuse-port", "--replica-port", str(own)]
+    (alone,) = [
+        c
+        for c in planmod.plan(
+            spec,
+            ports=planmod.Ports(8000, [9001], [], []),
+            model_dir="/m",
+            secret_file="/s",
+            router_config_file="/r",
+        ).components
+        if c.kind == constants.ROUTER
+    ]
+    assert "--reuse-port" not in alone.argv and alone.ready_url == "http://127.0.0.1:8000/ready"

@@ -203,9 +203,7 @@ def _old_pods() -> list[Pod]:
 def _run(rt: Recorder, timeout: float = 60.0) -> list[str]:
     _, phases = rollout.generation_phases(NEW, rollout.occupied({"a": _record(OLD, "a")}, {}))
     out: list[str] = []
-    apply.apply_generations(
-        rt, phases, lambda lives: apply.for_processes(_rendered(NEW, lives), out.append), timeout, out.append
-    )
+    apply.apply_generations(rt, phases, lambda lives: _rendered(NEW, lives), timeout, out.append)
     return out
 
 

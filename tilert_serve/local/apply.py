@@ -329,9 +329,10 @@ class Processes:
         live = self._live(rendered)
         port = self.router_port if kind == constants.ROUTER else runner.free_port()
         ctrl = runner.free_port() if kind == constants.TILERT else None
-        if kind == constants.ROUTER and runner.port_in_use(port):
-            raise Stalled(f"the router's port {port} is still taken; stop what holds it and apply again")
-        c = planmod.component(live.spec if live else self.spec, self.paths, kind, step.pod, port, ctrl)
+        # A router replica shares the stack's port with the others and is probed on its own.
+        own = runner.free_port() if kind == constants.ROUTER else None
+        spec = live.spec if live else self.spec
+        c = planmod.component(spec, self.paths, kind, step.pod, port, ctrl, replica_port=own)
         log = self.state_dir / f"{step.pod}.log"
         if log.exists():  # a StatefulSet pod created again under its name: keep the old one's log
             log.replace(log.with_suffix(".previous.log"))
@@ -360,11 +361,14 @@ class Processes:
             tmp = path.with_suffix(".tmp")
             tmp.write_text(text)
             tmp.replace(path)  # one rename: the router never reads half a file
-        router = next((p for p in self.procs if p.kind == constants.ROUTER), None)
-        if router is None or not runner.running(router):
+        routers = [p for p in self.procs if p.kind == constants.ROUTER and runner.running(p)]
+        if not routers:
             say("    (no router running: its next start reads the new config)")
             return
-        await_router(self.router, {p.url for p in pods}, f"{len(pods)} endpoints", say)
+        for r in routers:  # each replica, on its own port: every one must run the new config
+            await_router(
+                r.ready_url.removesuffix("/ready"), {p.url for p in pods}, f"{len(pods)} endpoints", say
+            )
 
     def stop(self, pod: str, say: Callable[[str], None]) -> None:
         p = self._proc(pod)
@@ -422,18 +426,3 @@ def endpoints_config(
         native_urls=[endpoint(p) for p in pods if p.kind == constants.NATIVE],
         api_token_file=api_token_file,
     )
-
-
-def for_processes(rendered: Sequence[rollout.Rendered], say: Callable[[str], None]) -> list[rollout.Rendered]:
-    """The process runtime's router is one process on the stack's fixed port: one replica, replaced
-    (stopped, then started) when its template changes, which drops what it has in flight."""
-    out = []
-    for r in rendered:
-        if r.component == constants.ROUTER:
-            if r.workload.replicas > 1:
-                say(
-                    f"  note: {r.workload.name} asks for {r.workload.replicas} replicas; the process runtime runs one"
-                )
-            r = replace(r, workload=replace(r.workload, replicas=1, max_surge=0, max_unavailable=1))
-        out.append(r)
-    return out

@@ -238,6 +238,7 @@ def launch(
         prefill=[runner.free_port() for _ in range(prefill_n)],
         native=[runner.free_port() for _ in range(native_n)],
         tilert=[(runner.free_port(), runner.free_port()) for _ in range(tilert_n)],
+        router_replicas=[runner.free_port() for _ in range(spec.router.replicas)],
     )
     p = planmod.plan(
         spec,
@@ -273,11 +274,12 @@ def launch(
             started.append(_as_pod(runner.start(runner.with_side_channel(c), state_dir), workloads, live))
         runner.save(state_dir, meta, started)
         runner.wait_ready(started, timeout, say)
-        router = next(c for c in p.components if c.kind == constants.ROUTER)
-        say(f"  start  {router.name:<10} {router.url}")
-        started.append(_as_pod(runner.start(router, state_dir), workloads, live))
+        routers = [c for c in p.components if c.kind == constants.ROUTER]
+        for router in routers:
+            say(f"  start  {router.name:<10} {router.url}")
+            started.append(_as_pod(runner.start(router, state_dir), workloads, live))
         runner.save(state_dir, meta, started)
-        runner.wait_ready(started[-1:], 60, say)
+        runner.wait_ready(started[-len(routers) :], 60, say)
         if warm_up:
             _warm_up(spec, meta["router"], say)
     except BaseException:
@@ -381,7 +383,7 @@ def apply(args: argparse.Namespace) -> int:
         )
 
     def render_lives(lives: Sequence[Live]) -> list[rollout.Rendered]:
-        return applymod.for_processes(_workloads_all(name, spec, lives), say)
+        return _workloads_all(name, spec, lives)
 
     steps = applymod.apply_generations(rt, phases, render_lives, args.timeout, say)
     meta["file"] = str(Path(args.filename).resolve())

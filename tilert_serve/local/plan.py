@@ -58,6 +58,9 @@ class Ports:
     native: list[int]
     #: (http, ctrl) per TileRT replica.
     tilert: list[tuple[int, int]]
+    #: One port of its own per router replica (probes, scrapes); the replicas share `router`
+    #: (component()). Empty: one router on `router` alone.
+    router_replicas: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -120,7 +123,9 @@ def plan(
         native_urls=[c.url for c in out if c.kind == constants.NATIVE],
         api_token_file=api_token_file,
     )
-    out.append(component(spec, base, constants.ROUTER, "router", ports.router))
+    for i, own in enumerate(ports.router_replicas or [None]):
+        name = "router" if i == 0 else f"router-{i}"
+        out.append(component(spec, base, constants.ROUTER, name, ports.router, replica_port=own))
     tiny = tiny_model_argv(spec, base) if spec.model.weights.tiny else None
     return Plan(out, cfg, model_dir, tiny)
 
@@ -149,10 +154,21 @@ def paths(
 
 
 def component(
-    spec: PDClusterSpec, base: commands.Paths, kind: str, name: str, port: int, ctrl_port: int | None = None
+    spec: PDClusterSpec,
+    base: commands.Paths,
+    kind: str,
+    name: str,
+    port: int,
+    ctrl_port: int | None = None,
+    *,
+    replica_port: int | None = None,
 ) -> Component:
     """One local process of `kind` named `name` (a pod of the pool), serving on `port` (and a TileRT
-    node's handoff control port on `ctrl_port`)."""
+    node's handoff control port on `ctrl_port`).
+
+    A router with a `replica_port` shares `port` with the stack's other router replicas (SO_REUSEPORT:
+    the kernel spreads connections over the live ones, as a Service does over ready pods, and a router
+    that stops or dies gets no new ones) and answers its readiness probe on the port of its own."""
     host = base.host
     if kind == constants.PREFILL:
         cmd = commands.prefill(spec, _with(base, vllm_port=port))
@@ -178,9 +194,12 @@ def component(
     if kind == constants.ROUTER:
         cmd = commands.router(spec, _with(base, router_port=port))
         env = {**LOCAL_ENV, **SINGLE_THREAD}
-        return Component(
-            name, kind, _local_argv(cmd.argv), env, f"http://{host}:{port}", f"http://{host}:{port}/ready"
-        )
+        argv = _local_argv(cmd.argv)
+        probed = port
+        if replica_port is not None:
+            argv += ["--reuse-port", "--replica-port", str(replica_port)]
+            probed = replica_port
+        return Component(name, kind, argv, env, f"http://{host}:{port}", f"http://{host}:{probed}/ready")
     raise ValueError(
         f"no local process for component kind {kind!r} (one of {', '.join(constants.COMPONENTS)})"
     )
