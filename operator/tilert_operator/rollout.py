@@ -212,10 +212,6 @@ class View:
     nodes: list[TileRTNode]
     unwired: list[Unwired]
 
-    def observed(self, cluster: str, pods: Sequence[Obj], live: Mapping[str, Obj]) -> View:
-        """This generation observed again, from pods and workloads (after this reconcile's applies)."""
-        return observe_view(self.live, cluster, pods, live)
-
 
 def observe_view(live_gen: Live, cluster: str, pods: Sequence[Obj], live: Mapping[str, Obj]) -> View:
     spec = live_gen.spec

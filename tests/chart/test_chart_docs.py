@@ -119,9 +119,10 @@ def test_security_doc_names_what_the_code_has() -> None:
         *credentials.NODE_API.phases,
     ):
         assert name in text, name
-    # Reasons come from status.py (observed state) or reconcile.py (what the API server answered).
+    # Reasons come from status.py (observed state) or reconcile_failures.py (what the API server answered).
     source = "".join(
-        (ROOT / "operator" / "tilert_operator" / f).read_text() for f in ("status.py", "reconcile.py")
+        (ROOT / "operator" / "tilert_operator" / f).read_text()
+        for f in ("status.py", "reconcile_failures.py")
     )
     for reason in re.findall(r"reason\s+`(\w+)`", text):
         assert f'"{reason}"' in source, f"{reason} is no reason the operator gives"

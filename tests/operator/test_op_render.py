@@ -219,6 +219,12 @@ def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:
     # A secondary network: the wired nodes listed here are all the router uses (no DNS discovery,
     # which would name every ready pod by its pod IP).
     assert spec.transfer.rdma.networks and cfg.discoveries() == []
+    # The spec's prefill policy reaches the router (cache-aware unless the spec says otherwise).
+    assert cfg.policy.prefill == "cache_aware"
+    doc = helpers.example("glm5-b200-rdma")["spec"]
+    doc["router"].setdefault("policy", {})["prefill"] = "round_robin"
+    cm = render.router.configmap(specmod.parse(doc), "glm5", "serving", [node])
+    assert yaml.safe_load(cm["data"]["config.yaml"])["policy"]["prefill"] == "round_robin"
 
 
 def test_without_a_secondary_network_new_nodes_are_found_through_dns() -> None:

@@ -59,6 +59,7 @@ def config(
             default=p.default,
             when_tilert_full=p.when_tilert_full,
             unsupported_on_tilert=p.unsupported_on_tilert,
+            prefill=p.prefill,
         ),
         api_keys_file=api_keys_file,
         metrics_public=spec.router.metrics_public,
