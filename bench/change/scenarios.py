@@ -32,11 +32,18 @@ PRE_STOP_S = 1
 GRACE_S = 20
 
 
+#: Router replicas: two, so that one can be killed while the other serves (locally they share the
+#: stack's port, as pods share a Service).
+ROUTERS = 2
+
+
 def base_doc(example: Path) -> Doc:
-    """The example PDCluster with short termination settings on every data-plane pool."""
+    """The example PDCluster with short termination settings on every data-plane pool, and two router
+    replicas."""
     doc: Doc = yaml.safe_load(example.read_text())
     for pool in _pools(doc).values():
         pool["termination"] = {"preStopSleepSeconds": PRE_STOP_S, "gracePeriodSeconds": GRACE_S}
+    doc["spec"]["router"]["replicas"] = ROUTERS
     return doc
 
 
