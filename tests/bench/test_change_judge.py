@@ -4,32 +4,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from bench.change import judge, scenarios
 from bench.load.record import Record
 from bench.load.stack import EXAMPLE
 from bench.load.summary import Mark, Stats
+from tests.bench.test_load_summary import rec
 from tilert_operator.render.generations import generation
 from tilert_operator.spec import parse
-
-
-def rec(seq: int, start: float, end: float, outcome: str = "ok", **kw: Any) -> Record:
-    return Record(
-        seq=seq,
-        kind="completions",
-        stream=True,
-        route_asked=kw.pop("route", "tilert"),
-        greedy=True,
-        prompt_index=0,
-        due=start,
-        start=start,
-        phase="",
-        end=end,
-        outcome=outcome,  # type: ignore[arg-type]
-        **kw,
-    )
-
 
 STEADY = [rec(i, float(i), float(i) + 1, ttft=0.1) for i in range(5)]
 ROLL = scenarios.Scenario("roll", "a rollout", edit=lambda d: None)

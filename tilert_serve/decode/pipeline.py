@@ -149,6 +149,11 @@ def timings(build: Build, slot: Slot, t0: float, t1: float, t_found: float) -> d
     }
 
 
+def _facts(slot: Slot) -> tuple[int, int, int, int, dict[int, str | None]]:
+    """What `_assemble` needs of a slot, read now on the event loop (the slot changes after)."""
+    return slot.index, slot.ranks_expected, slot.num_tokens, slot.last_prompt_token, dict(slot.digests)
+
+
 class HandoffPipeline:
     """Each slot's converter thread and the build of its current generation (one owner per transition:
     see the module docstring)."""
@@ -198,15 +203,7 @@ class HandoffPipeline:
             self._drop(slot.index)
         if event == "complete":
             build = self._build_for(slot)
-            build.final = self._converters[slot.index].submit(
-                self._assemble,
-                build,
-                slot.index,
-                slot.ranks_expected,
-                slot.num_tokens,
-                slot.last_prompt_token,
-                dict(slot.digests),
-            )
+            build.final = self._converters[slot.index].submit(self._assemble, build, *_facts(slot))
 
     def layers_arrived(
         self, slot: Slot, generation: int, rank: int, layers: list[int], layer_digest: str
@@ -263,16 +260,7 @@ class HandoffPipeline:
             return build, final
         build, final = Build(slot.generation), Future()
         try:
-            final.set_result(
-                self._assemble(
-                    build,
-                    slot.index,
-                    slot.ranks_expected,
-                    slot.num_tokens,
-                    slot.last_prompt_token,
-                    dict(slot.digests),
-                )
-            )
+            final.set_result(self._assemble(build, *_facts(slot)))
         except Exception as exc:
             final.set_exception(exc)
         return build, final
