@@ -1,6 +1,6 @@
 """Changes under steady load through the router, on the tiny CPU stack: rolling updates of each pool,
 scale steps, a generation change, a SIGKILL of each component and the router restarted. One table,
-one row per change, judged against issue 23's bar (judge.py).
+one row per change, judged against one bar (judge.py).
 
     .venv/bin/python -m bench.change [--rate 0.5] [--steady 12] [--settle 6] [--only NAME,...]
                                      [--references FILE] [--no-record] [--seed 0]

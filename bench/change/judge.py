@@ -1,6 +1,6 @@
 """Each scenario's row of the table and its verdict, from the load's records and marks (pure).
 
-The bar (issue 23):
+The bar:
 - a planned change: no request sent while it ran or in the settle window after it failed, every
   greedy output equals vLLM alone's, and TTFT p99 while it ran is within 2x of the steady state's;
 - an unplanned one (a kill): only the requests in flight on the killed component may fail (each with

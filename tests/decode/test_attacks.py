@@ -1,4 +1,4 @@
-"""The attacks of issue 10 that touch the control channel and the data plane, rerun against the node
+"""The attacks docs/security.md lists that touch the control channel and the data plane, rerun against the node
 and the sender: each is refused.
 
 - a relay without the secret rewrites Hello.peer or Accept.regions: the sender stops before writing;

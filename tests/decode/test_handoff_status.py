@@ -1,4 +1,4 @@
-"""The node's record of the data plane (issue 11, HandoffReady): the last handoff it decoded from, with
+"""The node's record of the data plane (HandoffReady): the last handoff it decoded from, with
 bytes, seconds, bandwidth and transport; the last data-plane failure with the wire's reason; on the
 authenticated /v1/status and as metrics without request ids."""
 

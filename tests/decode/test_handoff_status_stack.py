@@ -1,4 +1,4 @@
-"""HandoffReady's facts in a small stack (issue 11): a real decode node, the real router with handoff
+"""HandoffReady's facts in a small stack: a real decode node, the real router with handoff
 probes on, and a prefill stand-in (tests/netns/prefill_standin.py: the project's own Sender over a real
 Mooncake engine, answering the router as vLLM with TileRTConnector does; vLLM itself boots in minutes
 here). A prefill with the wrong handoff secret: the router's probe fails, the node counts the failed

@@ -1,4 +1,4 @@
-"""The decode node's HTTP API behind its bearer token (issue 10): anonymous callers take no slot, see no
+"""The decode node's HTTP API behind its bearer token: anonymous callers take no slot, see no
 request id and cancel nothing; only the ticket cancels, and a cancelled stream ends as an error; the
 token file rotates; aiohttp's own refusals (413, 404, 405) have the JSON error shape."""
 

@@ -1,4 +1,4 @@
-"""The decode node's HTTP server against a party holding nothing (issue 22, items 4 and 6): idle and
+"""The decode node's HTTP server against a party holding nothing: idle and
 slow-header connections are closed within the node's idle bound; a flood of connections past the
 node's open-file limit leaves /health and /ready answering and the log small; requests aiohttp's
 parser refuses (request-smuggling shapes) get the node's JSON error, quote nothing, log no traceback.

@@ -1,4 +1,4 @@
-"""Fuzzed calls on the decode node's HTTP API (issue 10, item 8), with a real oracle.
+"""Fuzzed calls on the decode node's HTTP API, with a real oracle.
 
 Each example is one call with a generated method, path, token and body: JSON objects built from the
 fields of admit, generate and cancel with values of any type and size (NaN, Infinity, 64-bit edges,

@@ -1,4 +1,4 @@
-"""Sampling parameters that overflow (issue 22, item 6.3): `"temperature": 5e-39` passed the router's
+"""Sampling parameters that overflow: `"temperature": 5e-39` passed the router's
 and the node's checks and turned the sampler's logits into inf/nan, failing the decode on every node.
 The node now takes temperatures as vLLM does (a positive one below 0.01 is 0.01: the prefill sampled the
 first token so), and the sampler yields a distribution for any temperature and any logits."""

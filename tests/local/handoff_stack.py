@@ -2,7 +2,7 @@
 the TileRTConnector and MTP, a TileRT decode node on the reference engine, the router with its handoff
 probes) with HandoffReady computed exactly as the operator computes it (tilert_operator.handoff reads
 each node's authenticated GET /v1/status, tilert_operator.status turns the reports into the condition),
-and the three faults of issue 11 with their repairs. Shared by tests/local/test_local_handoff_ready.py
+and three faults with their repairs. Shared by tests/local/test_local_handoff_ready.py
 and bench/operator/handoff_ready.py.
 
 The faults, each as a real cluster meets it:

@@ -1,5 +1,5 @@
 """A local stack's credentials: the handoff secret and the node API token are files only their owner
-can read from the moment they exist (issue 10: the secret file was written, then chmod-ed), and the
+can read from the moment they exist (they once were written, then chmod-ed), and the
 plan passes the token to the decode nodes and the router."""
 
 from __future__ import annotations

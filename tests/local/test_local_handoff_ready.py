@@ -1,4 +1,4 @@
-"""HandoffReady in the full local stack (issue 11): `tilert-pd local up`'s processes with the real vLLM
+"""HandoffReady in the full local stack: `tilert-pd local up`'s processes with the real vLLM
 prefill (TileRTConnector, MTP), a TileRT node on the reference engine and the router driving handoff
 probes, the condition computed by the operator's own code from the node's authenticated /v1/status.
 Each fault turns it False with the data plane's reason, and its repair turns it True again; Ready

@@ -154,7 +154,7 @@ def node_argv(spec: PDClusterSpec, model_dir: Path, secret: Path, status_file: P
         model_dir=str(model_dir), secret_file=str(secret), http_port=HTTP_PORT, ctrl_port=CTRL_PORT
     )
     argv = local_plan._local_argv(commands.tilert_decode(spec, paths).argv)
-    # Until the operator renders them (issue 9 item 1), the flags the pod would get.
+    # Until the operator renders them, the flags the pod would get.
     if "--data-plane-networks" not in argv:
         argv += ["--data-plane-networks", ",".join(spec.transfer.rdma.networks)]
     if "--network-status-file" in argv:

@@ -1,4 +1,4 @@
-"""HandoffReady's facts in the network test bed (issue 11): the decode node and the router from the
+"""HandoffReady's facts in the network test bed: the decode node and the router from the
 rendered commands in their own namespaces, the router with handoff probes on (as the operator renders
 them, at a test's interval), the prefill stand-in on the "rdma" network. A prefill with another handoff
 secret: the router's probe fails, the node's authenticated /v1/status counts the failed authentications

@@ -1,4 +1,4 @@
-"""Rollouts that change the compatibility generation (issue 23, item 3): the new generation comes up
+"""Rollouts that change the compatibility generation: the new generation comes up
 beside the old one under slot b's names, the router lists both with their fingerprints, the old one
 goes only once the new one is ready, and Progressing says where it stands. An image change stays an
 ordinary rolling update. Against the strict API test server (pdc_apiserver), which refuses status

@@ -1,4 +1,4 @@
-"""HandoffReady (issue 11): True only when a handoff reached every wired TileRT node recently and the
+"""HandoffReady: True only when a handoff reached every wired TileRT node recently and the
 node decoded from it, False with the data plane's reason, the node(s), the transport and bandwidth;
 Ready needs it. Pure condition tests, then the operator end to end against the API test server with a
 fake node serving its authenticated /v1/status."""

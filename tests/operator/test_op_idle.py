@@ -1,4 +1,4 @@
-"""Quiet at rest (issue 28, item 5): an idle, reconciled PDCluster costs no API call per resync.
+"""Quiet at rest: an idle, reconciled PDCluster costs no API call per resync.
 
 The operator's controller runs with its watch caches (controller.Settings.watch_cache, as wiring sets
 it) against the strict API test server. Five minutes of idling are simulated by shortening the resync

@@ -1,4 +1,4 @@
-"""What the operator renders and does for security (issue 10): the node API credential and its mounts,
+"""What the operator renders and does for security: the node API credential and its mounts,
 the handoff Secret's `accept` key and its rotation in phases without a pod restart, Secrets adopted
 only when owned, MultiNetworkPolicies on Multus networks, and the DataPlaneProtected warning.
 

@@ -121,7 +121,7 @@ BAD: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.transfer.rdma.networks[1]",
         "valid string (got 5)",
     ),
-    # What the API server and the controllers refuse in the children (issue 11).
+    # What the API server and the controllers refuse in the children.
     (
         "rdma-env-pod-ip",
         {"transfer": {"rdma": {"env": {"POD_IP": "10.0.0.1"}}}},

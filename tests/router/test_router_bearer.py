@@ -1,4 +1,4 @@
-"""tilert_serve.bearer: the token files of the router's API keys and of the node API (issue 10)."""
+"""tilert_serve.bearer: the token files of the router's API keys and of the node API."""
 
 from __future__ import annotations
 

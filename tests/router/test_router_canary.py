@@ -1,4 +1,4 @@
-"""Handoff probes (canary.py) and /ready as "can route" (issue 11, HandoffReady): a probe goes to each
+"""Handoff probes (canary.py) and /ready as "can route" (HandoffReady): a probe goes to each
 idle TileRT node without a recent handoff, pinned to it by its ticket, never while a user holds or
 wants a slot, and is not counted as user traffic."""
 

@@ -1,4 +1,4 @@
-"""TileRT nodes that cannot take a handoff (issue 22, item 6.4): their control port locked out, every
+"""TileRT nodes that cannot take a handoff: their control port locked out, every
 legitimate handoff answered `busy`. Before, `auto` clients got a 502 (each retry went to another TileRT
 node that failed the same way) with a healthy native pool beside, and /ready stayed 200.
 

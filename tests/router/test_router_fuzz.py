@@ -1,4 +1,4 @@
-"""Fuzzed requests on the router's OpenAI endpoints (issue 10, item 8), with a real oracle.
+"""Fuzzed requests on the router's OpenAI endpoints, with a real oracle.
 
 Each example is one HTTP request with a generated method, path, headers and body: JSON objects built
 from the fields the router reads, with values of any type and size (NaN, Infinity, 64-bit edges,

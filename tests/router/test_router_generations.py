@@ -1,4 +1,4 @@
-"""Compatibility generations (issue 23): the router pairs a prefill only with a decode server of its
+"""Compatibility generations: the router pairs a prefill only with a decode server of its
 generation; a node advertising another generation than configured takes no request; a prefill whose
 state is of another generation than the chosen decode's is retried on a compatible pair; a request
 with no compatible pair falls back as if the pool were full, and is counted."""

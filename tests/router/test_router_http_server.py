@@ -1,4 +1,4 @@
-"""The router's HTTP server against request-smuggling shapes and connection floods (issue 22, item 4):
+"""The router's HTTP server against request-smuggling shapes and connection floods:
 what aiohttp's parser refuses is a 400 in the OpenAI error shape that quotes nothing, with no traceback
 in the log; a body that breaks its chunked encoding after the headers is a 400 too, not a 500; past its
 connection cap the router closes idle connections to make room, so /health and /ready still answer."""

@@ -1,6 +1,6 @@
 """A decode that dies mid-stream ends the client's stream cleanly: vLLM's error event
 (`data: {"error": {...}}`, then `data: [DONE]`), never a silent cut; counted. A client that goes away
-cancels its upstream (issue 23, item 4)."""
+cancels its upstream."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""What the router passes upstream of a client's request (issue 22, items 6.3 and 6.5):
+"""What the router passes upstream of a client's request:
 
 - a temperature that overflows a sampler (5e-39) reaches the TileRT node as vLLM takes it (0.01, the
   floor the prefill sampled the first token with), not as sent;

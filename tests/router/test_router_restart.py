@@ -1,4 +1,4 @@
-"""The router restarted under load (issue 23, item 4): SIGKILL the router process while a request loop
+"""The router restarted under load: SIGKILL the router process while a request loop
 runs through it, start it again on the same port; only the requests in flight on the killed process
 fail, and the new one serves within 2 s of its start, counted from when it listens (the interpreter's
 own start and imports, about a second and more on a loaded 2-core box, are printed beside it). The

@@ -1,5 +1,5 @@
 """Retries before the first byte (policy.retries, within the retry budget) and circuit breakers on
-prefill and native servers (issue 23, item 4)."""
+prefill and native servers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The router against the attacks of issue 10: idle and half-sent-header connections, a revoked API key,
+"""The router against the attacks docs/security.md lists: idle and half-sent-header connections, a revoked API key,
 anonymous /metrics, client-chosen metric labels, non-finite and out-of-range numbers, a dead TileRT pool,
 a node stream cancelled under it; and the node-API token it sends to TileRT nodes (never to vLLM)."""
 

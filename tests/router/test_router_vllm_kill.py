@@ -1,6 +1,6 @@
 """A real vLLM (CPU) native decode SIGKILLed mid-stream: the client's stream through the router ends
 with vLLM's error event and [DONE] at once, not a silent cut, and new requests meet an open breaker
-instead of the dead server (issue 23, item 4). Slow: starts its own vLLM, which it kills."""
+instead of the dead server. Slow: starts its own vLLM, which it kills."""
 
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ with those layers' digest, so the node verifies and converts them while later la
 computed; the final Done then covers nothing more. A chunked prefill's source also gives the chunks
 before the last (`Staged.upto`): their token ranges are written as they are staged, with no frame,
 and the last chunk's batches complete the layers (LayersDone, digest over every token). A node whose
-Hello does not say `layerwise` (an older node), or a sender without digests, gets today's flow: every
+Hello does not say `layerwise` (an older node), or a sender without digests, gets the whole-state flow: every
 layer is waited for, written, and covered by Done's digest.
 """
 

@@ -1,4 +1,4 @@
-"""Handoff probes (issue 11, HandoffReady): a real, minimal handoff to each TileRT node that has had
+"""Handoff probes (HandoffReady): a real, minimal handoff to each TileRT node that has had
 none recently, so the data plane's health is known when traffic is not there to show it.
 
 Who drives it: the router, because it already knows the prefills and the nodes, holds the nodes' API

@@ -110,7 +110,7 @@ class RoutingPolicy(_Strict):
         return Thresholds(self.balance_abs, self.balance_rel, self.min_match_ratio)
 
 
-#: RoutingPolicy's fields added with the prefill choice (issue 25); `dump` leaves them out at defaults.
+#: RoutingPolicy's fields added with the prefill choice; `dump` leaves them out at defaults.
 _CHOICE_FIELDS = (
     "prefill",
     "balance_abs",
@@ -312,7 +312,7 @@ def dump(config: RouterConfig) -> str:
             del item["compat"]
     found = data["tilert_discovery"]
     data["tilert_discovery"] = None if not found else found[0] if len(found) == 1 else found
-    # The prefill and native choice (issue 25) at their defaults are what the previous release did
+    # The prefill and native choice at their defaults are what the previous release did
     # (least loaded, near enough): left out, a router of that release (which refuses unknown keys)
     # still reads the file during a rolling upgrade.
     defaults_ = RoutingPolicy()
