@@ -52,12 +52,12 @@ has nothing left to send.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import queue
 import re
 import threading
 import time
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -70,6 +70,7 @@ from tilert_serve.handoff.sender import HandoffRequest, HandoffResult, LayerSour
 from tilert_serve.layouts import Layout, Placement, write_ranges
 from tilert_serve.pd_vllm.config import ConnectorConfig
 from tilert_serve.pd_vllm.extract import Gatherer, PagedCache, check_cache
+from tilert_serve.pd_vllm.jobs import Job, JobState, JobTable, StepWork
 from tilert_serve.pd_vllm.logs import get_logger
 from tilert_serve.pd_vllm.metadata import SendJob
 from tilert_serve.pd_vllm.pending import PendingSends
@@ -239,6 +240,9 @@ class LayerFeed:
 
 @dataclass
 class _Work:
+    """A handoff given to the sender threads (queued once, read there; the step thread adds to
+    `extract_s` and feeds `feed` while the job stages)."""
+
     job: SendJob
     staging_index: int | None
     event: torch.Event | None
@@ -246,25 +250,16 @@ class _Work:
     error: str | None = None
     #: Layer-wise: the layers as they are staged (None: everything was staged before the work was queued).
     feed: LayerFeed | None = None
-    #: Chunk-wise: tokens of every layer of this rank in staging, by the steps before this one.
-    staged: int = 0
-
-
-@dataclass
-class _Active:
-    """A layer-wise job's work in this step: its chunk's tokens (or all the rest), staged layer by layer."""
-
-    work: _Work
-    #: This rank's layers not yet staged.
-    pending: set[int]
-    #: Tokens end (exclusive) staged this step; None: to the prompt's end (its last step).
-    upto: int | None
-    #: This step's block table (a chunked prompt's grows step by step).
-    block_ids: tuple[list[int], ...]
-    failed: bool = False
 
 
 _STOP = object()
+
+
+@functools.cache
+def _layer_id(cache_name: str) -> int | None:
+    """The layer number in a KV cache's name (None: none), looked up once per name."""
+    m = _LAYER_ID.search(cache_name)
+    return int(m.group(1)) if m else None
 
 
 class TileRTWorker:
@@ -298,30 +293,12 @@ class TileRTWorker:
         self._stats_lock = threading.Lock()  # guards stats: the sender thread records, the step thread takes
         #: Jobs waiting for the sender thread: _Work items, or _STOP.
         self._queue: queue.Queue[Any] = queue.Queue()
-        # Step-thread state (only wait_for_save and get_finished touch these):
-        #: jobs not yet gathered, oldest first, with the time they arrived.
-        self._waiting: deque[tuple[SendJob, float]] = deque()
-        #: ids of every job this rank received and has not reported yet.
-        self._expected: set[str] = set()
-        #: ids gathered (or given up): their blocks are no longer read.
-        self._copied: set[str] = set()
-        #: ids vLLM has reported finished (a sending id may only be reported after that).
-        self._finished: set[str] = set()
+        #: Every send job of this rank, by request (jobs.py: its states and transitions). Only vLLM's
+        #: step thread touches it: begin, layer_saved, step, finished.
+        self.jobs: JobTable[_Work] = JobTable()
         self._threads: list[threading.Thread] = []
         self._senders: list[Sender] = []
         self._mover: transfer.TransferEngine | None = None
-        #: Layer-wise jobs of the current step (begin -> save_kv_layer -> step), and layer ids by cache name.
-        self._active: list[_Active] = []
-        #: Ids of this step's last-step jobs that begin() took care of (step() leaves them be).
-        self._taken: set[str] = set()
-        self._layer_of: dict[str, int | None] = {}
-        #: Chunk-wise handoffs begun in an earlier step of a prompt still being computed, by request.
-        self._chunked: dict[str, _Work] = {}
-        #: Requests whose chunk-wise handoff ended before their prompt did (their last step sends nothing).
-        self._ended: set[str] = set()
-        #: Prompt tokens of requests seen in a chunk job, until their handoff begins (the scheduler sends
-        #: them once: a long prompt's ids are not pickled again every step).
-        self._prompts: dict[str, list[int]] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout, caches = classify(
@@ -411,142 +388,127 @@ class TileRTWorker:
         self.expect(jobs)
         if self.pool is None:
             return
-        blocked = bool(self._waiting)  # older jobs take staging first: they wait in step()
-        for job in jobs:
-            if job.upto is None:
-                self._prompts.pop(job.req_id, None)
-            elif job.prompt_token_ids:
-                self._prompts[job.req_id] = job.prompt_token_ids
-            work = self._chunked.get(job.req_id)
-            if work is not None:
-                self._go_on(work, job)
-            elif job.req_id in self._ended:
-                if job.upto is None:  # its handoff ended in an earlier step: nothing left to send
-                    self._ended.discard(job.req_id)
-                    self._copied.add(job.req_id)
-                    self._taken.add(job.req_id)
-            elif job.dest.wants_layerwise(self.config.layerwise) and not blocked:
-                blocked = not self._start(job) and job.upto is None
+        blocked = self.jobs.any_waiting()  # older jobs take staging first: they wait in step()
+        for send in jobs:
+            last = send.upto is None
+            job = self.jobs.arrive(send.req_id, last=last, prompt=send.prompt_token_ids)
+            if job.state is JobState.CHUNKING:
+                self._go_on(job, send)
+            elif job.state is JobState.ENDED:
+                if last:  # its handoff ended in an earlier step: nothing left to send
+                    self.jobs.handoff_over(job, last=True)
+            elif send.dest.wants_layerwise(self.config.layerwise) and not blocked:
+                blocked = not self._start(job, send) and last
 
-    def _start(self, job: SendJob) -> bool:
+    def _start(self, job: Job[_Work], send: SendJob) -> bool:
         """Begin `job`'s layer-wise handoff in this step, if staging has a region for it (a chunk, one
         that leaves another free)."""
         assert self.pool is not None
-        prompt = job.prompt_token_ids or self._prompts.get(job.req_id)
+        prompt = send.prompt_token_ids or job.prompt
         if not prompt:
             return False
-        index = self.pool.acquire(keep=0 if job.upto is None else 1)
+        index = self.pool.acquire(keep=0 if send.upto is None else 1)
         if index is None:
             return False
-        self._prompts.pop(job.req_id, None)
-        work = _Work(dataclasses.replace(job, prompt_token_ids=prompt), index, None, 0.0, feed=LayerFeed())
-        self._active.append(_Active(work, set(self._mine), job.upto, job.block_ids))
-        self._taken.add(job.req_id)
-        if job.upto is not None:
-            self._chunked[job.req_id] = work
+        work = _Work(dataclasses.replace(send, prompt_token_ids=prompt), index, None, 0.0, feed=LayerFeed())
+        self.jobs.start(job, work, StepWork(set(self._mine), send.upto, send.block_ids))
         self._queue_work(work)
         return True
 
-    def _go_on(self, work: _Work, job: SendJob) -> None:
+    def _go_on(self, job: Job[_Work], send: SendJob) -> None:
         """This step's chunk (or the prompt's rest) of a chunk-wise handoff begun earlier."""
-        assert work.feed is not None
-        if job.upto is None:
-            del self._chunked[job.req_id]
-            self._taken.add(job.req_id)
-        elif job.upto <= work.staged:
+        assert job.handoff is not None and job.handoff.feed is not None
+        if send.upto is not None and send.upto <= job.staged:
             return  # recomputing tokens already staged (the request was preempted and resumed)
-        if work.feed.claim():
-            self._active.append(_Active(work, set(self._mine), job.upto, job.block_ids))
-            return
-        # The handoff ended between steps (and said why): the region is no longer this job's.
-        self._chunked.pop(job.req_id, None)
-        if job.upto is None:
-            self._copied.add(job.req_id)
-        else:
-            self._ended.add(job.req_id)
+        if job.handoff.feed.claim():
+            self.jobs.go_on(job, StepWork(set(self._mine), send.upto, send.block_ids))
+        else:  # the handoff ended between steps (and said why): the region is no longer this job's
+            self.jobs.handoff_over(job, last=send.upto is None)
 
     @property
     def staging_layers(self) -> bool:
         """This step has layer-wise jobs whose layers save_kv_layer stages."""
-        return bool(self._active)
+        return bool(self.jobs.stepping)
 
     def layer_saved(self, layer_name: str) -> None:
         """save_kv_layer: the forward finished main layer `layer_name`; stage it for this step's
         layer-wise jobs. The MTP layers wait for wait_for_save (the drafter writes them). Never raises."""
-        if not self._active:
+        if not self.jobs.stepping:
             return
-        if layer_name not in self._layer_of:
-            m = _LAYER_ID.search(layer_name)
-            self._layer_of[layer_name] = int(m.group(1)) if m else None
-        layer = self._layer_of[layer_name]
+        layer = _layer_id(layer_name)
         if layer is None or layer >= self.num_hidden_layers:
             return
-        for active in self._active:
-            if layer in active.pending and not active.failed:
-                self._stage(active, [layer])
+        for job in self.jobs.stepping:
+            assert job.step is not None
+            if layer in job.step.pending and not job.step.failed:
+                self._stage(job, [layer])
 
-    def _stage(self, active: _Active, layers: list[int]) -> None:
-        work = active.work
-        assert self.pool is not None and work.staging_index is not None and work.feed is not None
-        end = work.job.num_tokens if active.upto is None else active.upto
+    def _stage(self, job: Job[_Work], layers: list[int]) -> None:
+        """Gather `layers` of this step's tokens into the job's staging region and hand them to its
+        feed; a failure marks the step failed and tells the sender. The only writer of a step's progress
+        (`pending`, `failed`)."""
+        work, step = job.handoff, job.step
+        assert self.pool is not None and work is not None and step is not None
+        assert work.staging_index is not None and work.feed is not None
+        end = work.job.num_tokens if step.upto is None else step.upto
         t0 = time.perf_counter()
         try:
             region = self.pool.gather_region(work.staging_index)
             for layer in layers:
-                self.gather(active.block_ids, end, region, layer=layer, start=work.staged)  # type: ignore[arg-type]
+                self.gather(step.block_ids, end, region, layer=layer, start=job.staged)  # type: ignore[arg-type]
             self.pool.publish(
-                work.staging_index, [lid for lid in layers if lid in self.gather.layers], end, work.staged
+                work.staging_index, [lid for lid in layers if lid in self.gather.layers], end, job.staged
             )
             event = None
             if self.pool.buffer.is_cuda:
                 event = torch.Event(device=self.pool.buffer.device)
                 event.record()
         except Exception as exc:  # a bug here must not take the forward pass down
-            log.exception("gathering layers %s of request %s into staging failed", layers, work.job.req_id)
-            active.failed = True
+            log.exception("gathering layers %s of request %s into staging failed", layers, job.req_id)
+            step.failed = True
             work.feed.fail(f"gather failed: {exc}")
             return
         finally:
             work.extract_s += time.perf_counter() - t0
-        active.pending.difference_update(layers)
-        work.feed.put(Staged(layers, work.staged, active.upto), event)
+        step.pending.difference_update(layers)
+        work.feed.put(Staged(layers, job.staged, step.upto), event)
 
-    def _finish_active(self) -> None:
+    def _finish_staging(self) -> None:
         """wait_for_save: stage what save_kv_layer did not (the MTP layers, after the drafter); a job
         in its prompt's last step then closes its feed and counts its blocks as copied, a chunk leaves
         the region until the request's next step."""
-        active_jobs, self._active = self._active, []
-        for active in active_jobs:
-            work = active.work
-            assert work.feed is not None
-            if not active.failed and active.pending:
-                self._stage(active, sorted(active.pending))
-            if active.upto is None:
-                if not active.failed:
+        for job in self.jobs.end_step():
+            work, step = job.handoff, job.step
+            assert work is not None and work.feed is not None and step is not None
+            if not step.failed and step.pending:
+                self._stage(job, sorted(step.pending))
+            if step.upto is None:
+                if not step.failed:
                     work.feed.finish()
-                self._copied.add(work.job.req_id)
-            elif active.failed:  # the feed told the sender, which gives the region back
-                del self._chunked[work.job.req_id]
-                self._ended.add(work.job.req_id)
+                self.jobs.copied(job)
+            elif step.failed:  # the feed told the sender, which gives the region back
+                self.jobs.handoff_over(job, last=False)
             else:
-                work.staged = active.upto
+                self.jobs.pause(job)
                 work.feed.pause()
 
     def step(self, jobs: list[SendJob]) -> None:
         """Called from every wait_for_save: finish this step's layer-wise jobs, then gather what staging
         has room for, oldest first. Never raises."""
-        taken, self._taken = self._taken, set()
-        self._finish_active()
+        self._finish_staging()
         now = time.monotonic()
-        self._waiting.extend((job, now) for job in jobs if job.upto is None and job.req_id not in taken)
+        for send in jobs:
+            job = self.jobs.get(send.req_id)
+            if send.upto is None and (job is None or job.state in (JobState.DUE, JobState.ANNOUNCED)):
+                self.jobs.wait(send, now)  # not begun layer-wise in begin()
         assert self.pool is not None
-        while self._waiting:
-            job, since = self._waiting[0]
+        for job in self.jobs.waiting():
+            assert job.send is not None
+            send = job.send
             index = self.pool.acquire()
             if index is None:
                 # Staging is busy: the oldest waits (blocks held), unless it has waited too long.
-                if now - since > self.config.timeout_s:
-                    self._waiting.popleft()
+                if now - job.since > self.config.timeout_s:
                     self._give_up(
                         job,
                         f"prefill staging stayed full for {self.config.timeout_s:.0f} s "
@@ -554,27 +516,28 @@ class TileRTWorker:
                     )
                     continue
                 return
-            self._waiting.popleft()
             t0 = time.perf_counter()
             try:
-                self.gather(job.block_ids, job.num_tokens, self.pool.gather_region(index))  # type: ignore[arg-type]
-                self.pool.publish(index, self._mine, job.num_tokens)
+                self.gather(send.block_ids, send.num_tokens, self.pool.gather_region(index))  # type: ignore[arg-type]
+                self.pool.publish(index, self._mine, send.num_tokens)
                 event = None
                 if self.pool.buffer.is_cuda:
                     event = torch.Event(device=self.pool.buffer.device)
                     event.record()
             except Exception as exc:  # a bug here must not take the forward pass down
-                log.exception("gathering request %s into staging failed", job.req_id)
+                log.exception("gathering request %s into staging failed", send.req_id)
                 self.pool.release(index)
                 self._give_up(job, f"gather failed: {exc}")
                 continue
-            self._copied.add(job.req_id)
-            self._queue_work(_Work(job, index, event, time.perf_counter() - t0))
+            self.jobs.copied(job)
+            self._queue_work(_Work(send, index, event, time.perf_counter() - t0))
 
-    def _give_up(self, job: SendJob, error: str) -> None:
+    def _give_up(self, job: Job[_Work], error: str) -> None:
         """The blocks are no longer needed; the node hears at once that the state will not come."""
-        self._copied.add(job.req_id)
-        self._queue_work(_Work(job, None, None, 0.0, error))
+        assert job.send is not None
+        send = job.send
+        self.jobs.copied(job)
+        self._queue_work(_Work(send, None, None, 0.0, error))
 
     def _queue_work(self, work: _Work) -> None:
         """Give a handoff to the sender threads, counted as pending until it ends (pending.py)."""
@@ -583,23 +546,17 @@ class TileRTWorker:
 
     def finished(self, finished_req_ids: set[str]) -> set[str] | None:
         """Ids whose blocks vLLM may free: copied out (or given up) and reported finished by vLLM."""
-        for req_id in finished_req_ids & self._chunked.keys():  # aborted before its prompt was computed
-            feed = self._chunked.pop(req_id).feed
-            assert feed is not None
-            feed.fail("the request ended before its prefill did")
-        self._ended -= finished_req_ids
-        for req_id in finished_req_ids:
-            self._prompts.pop(req_id, None)
-        self._finished |= finished_req_ids & self._expected
-        ready = self._copied & self._finished
-        self._copied -= ready
-        self._finished -= ready
-        self._expected -= ready
+        ready, aborted = self.jobs.finish(finished_req_ids)
+        for work in aborted:  # ended before its prompt was computed
+            assert work.feed is not None
+            work.feed.fail("the request ended before its prefill did")
         return ready or None
 
     def expect(self, jobs: list[SendJob]) -> None:
         """Jobs whose blocks the worker will report (a chunk's are never held)."""
-        self._expected.update(j.req_id for j in jobs if j.upto is None)
+        for send in jobs:
+            if send.upto is None:
+                self.jobs.arrive(send.req_id, last=True)
 
     def _run(self, sender: Sender) -> None:
         while True:
