@@ -1,38 +1,41 @@
 """The prefill worker's send jobs, one record per claimed request; the one owner of every transition.
 
-vLLM's step thread drives a rank's jobs through three hooks a step: `TileRTWorker.begin`
+vLLM's step thread drives a rank's jobs through its hooks, each a TileRTWorker method: `begin`
 (bind_connector_metadata, before the forward), `layer_saved` (save_kv_layer, after each main layer),
-`step` (wait_for_save, after the drafter), and then `finished` (get_finished). A job moves
+`step` (wait_for_save, after the drafter) and `finished` (get_finished). A job moves
 
-    (a chunk of its prompt computed)      ANNOUNCED   prompt ids kept until a handoff begins
-    ANNOUNCED -> CHUNKING                 begin: a chunk-wise handoff starts, the region is the job's
-    CHUNKING  -> CHUNKING                 begin: the next chunk is staged (go_on)
-    CHUNKING  -> ENDED                    the handoff ended between steps, or a chunk's gather failed
-    (the prompt's last step)              DUE         its blocks will be reported
-    ANNOUNCED | DUE -> STAGING            begin: a layer-wise handoff of the last step starts
-    CHUNKING  -> STAGING                  begin: the last step of a chunk-wise handoff
-    ANNOUNCED | DUE -> WAITING            step: no layer-wise start; waits for a region, oldest first
-    STAGING   -> COPIED                   step: every layer staged (or the gather failed)
-    WAITING   -> COPIED                   step: gathered whole into staging, or given up (timeout, error)
-    CHUNKING | ENDED -> COPIED            begin: the last step finds the handoff over: nothing to send
-    COPIED    -> reported                 finished: vLLM finished the request: its blocks may be freed
-    ANNOUNCED | CHUNKING | ENDED -> dropped   finished: the request ended before its prompt did
+    chunk job, no record     -> ANNOUNCED   arrive (begin): its prompt ids kept until a handoff begins
+    last-step job, no record -> DUE         arrive (begin, expect): its blocks will be reported
+    ANNOUNCED -> DUE                        arrive: the prompt's last step came before any handoff
+    ANNOUNCED -> CHUNKING                   start (begin/_start): a chunk-wise handoff takes a region
+    ANNOUNCED | DUE -> STAGING              start (begin/_start): the last step begins layer-wise
+    CHUNKING  -> CHUNKING | STAGING         go_on (begin/_go_on): the next chunk, or the last step
+    CHUNKING  -> ENDED                      handoff_over (begin/_go_on: the sender ended it between
+                                            steps; step/_finish_staging: a chunk's gather failed)
+    CHUNKING | ENDED -> COPIED              handoff_over(last) (begin): the last step finds it over
+    ANNOUNCED | DUE -> WAITING              wait (step): not begun layer-wise; waits for a region
+    STAGING   -> COPIED                     copied (step/_finish_staging): every layer staged or failed
+    WAITING   -> COPIED                     copied (step, _give_up): gathered whole, or given up
+    COPIED    -> reported                   finish (finished): vLLM finished it; its blocks may be freed
+    ANNOUNCED | CHUNKING | ENDED -> dropped finish (finished): the request ended before its prompt did
 
-and `finished` before COPIED only marks the job (its blocks stay held until it is copied). A job
+and `finish` before COPIED only marks the job (its blocks stay held until it is copied). A job
 staged in the current step (STAGING, or CHUNKING with a chunk to stage) carries a `StepWork`: the
-layers left to stage and the tokens they end at; `end_step` hands those back once, for wait_for_save.
+layers left to stage and the tokens they end at; `end_step` hands those back once, for wait_for_save,
+and each leaves it by `copied`, `handoff_over` or `pause` (CHUNKING, `staged` advanced). Every
+transition checks the state it leaves and raises IllegalTransition, naming the job and both states.
 
 Threads. Only vLLM's step thread touches the table (every hook above runs there), so it has no
 lock. The sender threads see a job only through the handoff the worker gave them (its LayerFeed and
 staging region, which have locks of their own): they never read or change a job's state here.
 
-The table holds the worker's handoff objects without looking into them (`H`), so it imports nothing
-of torch or vLLM and its transitions are tested alone (tests/pd_vllm/test_jobs.py).
+The table holds the worker's handoff objects without looking into them (`H`), so it needs nothing
+of torch or vLLM at run time (SendJob is a type hint here) and its transitions are tested alone (tests/pd_vllm/test_jobs.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import TYPE_CHECKING, Generic, TypeVar
@@ -120,9 +123,6 @@ class JobTable(Generic[H]):
 
     def __len__(self) -> int:
         return len(self._jobs)
-
-    def __iter__(self) -> Iterator[Job[H]]:
-        return iter(list(self._jobs.values()))
 
     @property
     def stepping(self) -> list[Job[H]]:
