@@ -123,6 +123,7 @@ class Controller:
                 self._detaching.add(task)
                 task.add_done_callback(self._detaching.discard)
             self.metrics.states.pop(key, None)
+            self.metrics.conditions.pop(key, None)
             return
         if worker is None or worker.body["metadata"].get("uid") != meta.get("uid"):
             if worker is not None and worker.task is not None:
@@ -297,6 +298,8 @@ class Controller:
             worker.requeue_at = outcome.requeue_at
             self.metrics.writes.inc(outcome.writes)
             self.metrics.states[key] = outcome.state
+            if outcome.conditions:
+                self.metrics.conditions[key] = dict(outcome.conditions)
             if outcome.written is not None and outcome.written.get("metadata", {}).get("uid") == worker.body[
                 "metadata"
             ].get("uid"):

@@ -84,6 +84,9 @@ class Outcome:
     failed: list[Failure] = field(default_factory=list)
     #: Children taken over because they were marked for adoption (Kind/name).
     adopted: list[str] = field(default_factory=list)
+    #: (type, status) of the conditions the PDCluster holds after this reconcile; empty when no
+    #: status was decided (it is being deleted).
+    conditions: tuple[tuple[str, str], ...] = ()
 
     @property
     def writes(self) -> int:
@@ -188,6 +191,7 @@ async def _not_applied(
 
 
 async def _write_status(api: Client, body: Obj, out: Outcome, written: reconcile_status.Written) -> None:
+    out.conditions = written.conditions
     if written.patched:
         out.written = written.obj
         out.status_written = True

@@ -164,13 +164,19 @@ class Written:
     patched: bool
     obj: Obj | None
     notes: list[Note]
+    #: (type, status) of every condition the PDCluster holds after it (the operator's condition gauge).
+    conditions: tuple[tuple[str, str], ...] = ()
+
+
+def held(conditions: list[Obj]) -> tuple[tuple[str, str], ...]:
+    return tuple((str(c.get("type")), str(c.get("status"))) for c in conditions)
 
 
 async def write(api: Client, body: Obj, new: dict[str, Any]) -> Written:
     """Patch the status when it differs from what the PDCluster holds; its transitions' Events."""
     old = body.get("status") or {}
     if status.same(new, old):
-        return Written(False, None, [])
+        return Written(False, None, [], held(new["conditions"]))
     meta = body["metadata"]
     # A merge patch keeps what it does not name: a key the status no longer has (a finished
     # rotation's nextPhaseAt) is removed explicitly, or every resync would find it and write again.
@@ -178,7 +184,10 @@ async def write(api: Client, body: Obj, new: dict[str, Any]) -> Written:
         constants.KIND, meta["namespace"], meta["name"], status.merge_patch(old, new)
     )
     return Written(
-        True, written, reconcile_events.transitions(new["conditions"], old.get("conditions") or [])
+        True,
+        written,
+        reconcile_events.transitions(new["conditions"], old.get("conditions") or []),
+        held(new["conditions"]),
     )
 
 
@@ -190,9 +199,9 @@ async def error(api: Client, body: Obj, cause: Exception) -> Written:
     else:
         failed = Failure("reconcile", f"{type(cause).__name__}: {cause}", RECONCILE_ERROR)
     cond = reconciled([failed._replace(message=failed.message[:800])])
-    if reconcile_events.unchanged(previous(body, RECONCILED), cond):
-        return Written(False, None, [])
     old = body.get("status") or {}
+    if reconcile_events.unchanged(previous(body, RECONCILED), cond):
+        return Written(False, None, [], held(old.get("conditions") or []))
     conds = [c for c in old.get("conditions") or [] if c.get("type") != RECONCILED]
     conds = status.with_transition_times(
         [*conds, cond], old.get("conditions") or [], body["metadata"].get("generation")
@@ -202,4 +211,4 @@ async def error(api: Client, body: Obj, cause: Exception) -> Written:
     note = Note(
         ok=False, reason=cond["reason"], message=f"reconcile failed: {failed.message}", tag=cond["reason"]
     )
-    return Written(True, written, [note])
+    return Written(True, written, [note], held(conds))

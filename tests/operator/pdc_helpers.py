@@ -47,11 +47,11 @@ def cr(spec: dict[str, Any], name: str = "t") -> dict[str, Any]:
     }
 
 
-def sample(text: str, name: str, **labels: str) -> float | None:
+def sample(text: str, metric: str, /, **labels: str) -> float | None:
     """The value of one series in Prometheus text, read with prometheus_client's own parser; None
-    when the series is absent."""
+    when the series is absent. (Positional-only: a series may have a `name` label.)"""
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            if s.name == name and s.labels == labels:
+            if s.name == metric and s.labels == labels:
                 return s.value
     return None

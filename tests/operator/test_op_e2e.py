@@ -359,6 +359,28 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         assert {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in snapshot} == snapshot
         text = _http(f"http://127.0.0.1:{metrics_port}/metrics")
         assert helpers.sample(text, "tilert_pd_pdclusters", state="ready") == 1
+        assert (
+            helpers.sample(
+                text,
+                "tilert_pd_pdcluster_condition",
+                namespace="default",
+                name="tiny",
+                type="Ready",
+                status="True",
+            )
+            == 1
+        )
+        assert (
+            helpers.sample(
+                text,
+                "tilert_pd_pdcluster_condition",
+                namespace="default",
+                name="tiny",
+                type="Ready",
+                status="False",
+            )
+            == 0
+        )
         assert (helpers.sample(text, "tilert_pd_reconcile_duration_seconds_count") or 0) > 0
         assert (helpers.sample(text, "tilert_pd_api_calls_total", verb="list") or 0) > 0
         h.wait_for("liveness", lambda: _http(f"http://127.0.0.1:{live_port}/healthz"))

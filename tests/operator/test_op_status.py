@@ -136,6 +136,26 @@ def test_metrics_text() -> None:
     assert helpers.sample(text, "tilert_pd_pdclusters", state="ready") == 1
     assert helpers.sample(text, "tilert_pd_pdclusters", state="invalid") == 0
     assert helpers.sample(text, "tilert_pd_api_calls_total", verb="list") == 3
+    # Conditions as the last reconcile left them: 1 for the status held, 0 for the others.
+    m.conditions[("ns", "a")] = {"Ready": "True", "HandoffReady": "False", "NotOurs": "True"}
+    text = m.render().decode()
+    cond = "tilert_pd_pdcluster_condition"
+    assert (
+        helpers.sample(
+            text, cond, pdcluster_namespace="ns", pdcluster="a", type="HandoffReady", status="False"
+        )
+        == 1
+    )
+    assert (
+        helpers.sample(
+            text, cond, pdcluster_namespace="ns", pdcluster="a", type="HandoffReady", status="True"
+        )
+        == 0
+    )
+    assert (
+        helpers.sample(text, cond, pdcluster_namespace="ns", pdcluster="a", type="Ready", status="True") == 1
+    )
+    assert helpers.sample(text, cond, type="NotOurs", status="True") is None  # not a condition we set
 
 
 def test_applied_hash_changes_when_a_field_is_removed() -> None:
