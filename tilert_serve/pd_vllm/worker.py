@@ -16,6 +16,14 @@ the node told at once. With TP > 1 every rank gathers and reports its own layers
 get_finished_count (all ranks) is right. On CUDA the gather is enqueued on the current stream
 before the blocks can be reused, and the sender waits on an event before writing.
 
+Jobs and threads. Each claimed request of a rank is one record in a JobTable (jobs.py, whose docstring
+draws its states: ANNOUNCED, CHUNKING, ENDED, DUE, WAITING, STAGING, COPIED). vLLM's step thread is the
+table's only caller, from begin (bind_connector_metadata), layer_saved (save_kv_layer), step
+(wait_for_save) and finished (get_finished); no lock. What a job shares with a sender thread is its
+handoff (`_Work`): the sender thread owns the rest of it, giving the staging region back
+(StagingPool, locked) once the step thread has closed the job's LayerFeed (locked: claim/pause on the
+step thread against abandon on the sender thread), and recording stats (locked) and the pending count.
+
 Sender threads: one per staging region plus one, each with its own Sender (sharing the transfer
 engine), taking jobs oldest first. A job holds its region until its handoff ends, so every staged
 job has a thread of its own: a slow or dead node, or a layer-wise job waiting on the forward, never
@@ -39,7 +47,7 @@ Chunk-wise handoff (chunked prefill, layer-wise on). A request whose prompt span
 job in each step before its last too (SendJob.upto: the tokens computed by the end of that step). The
 first such step that finds a staging region (leaving one free, so a prompt completing in a step never
 waits behind a long prompt still being computed) begins the handoff there, and every later step stages
-and sends, layer by layer, the tokens from where the last step stopped (`_Work.staged`; a page split
+and sends, layer by layer, the tokens from where the last step stopped (`Job.staged`; a page split
 by the chunk boundary is gathered and sent again, whole); the node hears of a layer (LayersDone, with
 the digest of all its tokens) only in the prompt's last step, and so converts only finished layers of
 finished chunks. A job that finds no region before its last step gathers everything then, as above.
