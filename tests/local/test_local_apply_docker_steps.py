@@ -15,8 +15,10 @@ from typing import Any
 import pytest
 import yaml
 
-from tilert_operator import validation
+from tilert_operator import handoff as handoff_check
+from tilert_operator import observe, validation
 from tilert_operator.cli_render import render_document
+from tilert_serve import defaults
 from tilert_serve.local import apply as applymod
 from tilert_serve.local import docker, docker_apply, docker_runtime, pods, rollout
 
@@ -50,7 +52,7 @@ class Engine:
     def connect(self, network: str, name: str, ip: str, aliases: Sequence[str] = ()) -> None:
         assert ip == self.containers[name]["ip"], "reconnected under another address"
         self.containers[name]["aliases"] = list(aliases)
-        self.calls.append(f"connect {name} {'published' if PREFILL_SVC in aliases else 'unpublished'}")
+        self.calls.append(f"connect {name} {'published' if aliases else 'unpublished'}")
 
     def exec_(self, name: str, argv: Sequence[str], timeout: float) -> subprocess.CompletedProcess[str]:
         if argv[:2] == ["python3", "-c"]:  # the router pod's lookup
@@ -80,6 +82,12 @@ def _manifests(prefill_args: list[str]) -> list[dict[str, Any]]:
     return render_document(doc, None, with_secret=True)
 
 
+def _url(pod: pods.Pod) -> str:
+    """The pod's URL as docker_runtime.start_pods records it (its port named http, else its first)."""
+    main = pod.containers[0]
+    return f"http://{pod.ip}:{main.ports.get('http') or next(iter(main.ports.values()))}"
+
+
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Engine:
     e = Engine()
@@ -103,16 +111,24 @@ def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Engine:
         "ready",
         lambda rec: (e.containers.get(rec.containers[0]) or {}).get("running") or None,
     )
-    # The router's discovered TileRT nodes: those the headless Service's name answers with.
-    monkeypatch.setattr(
-        applymod,
-        "router_endpoints",
-        lambda url, timeout=5.0, pool=None: {
-            f"http://{c['ip']}:8000"
-            for c in e.containers.values()
-            if c["running"] and "tiny-tilert-decode.default.svc" in c["aliases"]
-        },
-    )
+
+    # The router's endpoints: the TileRT nodes its discovery names answer with (a headless Service per
+    # generation), and the prefill and native Services its config file (in its pod's volume) lists.
+    def endpoints(url: str, timeout: float = 5.0, pool: str | None = None) -> set[str]:
+        if pool == "tilert":
+            return {
+                f"http://{c['ip']}:{defaults.DECODE_HTTP_PORT}"
+                for c in e.containers.values()
+                if c["running"]
+                and any(a.startswith("tiny-tilert-") and a.endswith(".default.svc") for a in c["aliases"])
+            }
+        out: set[str] = set()
+        for path in tmp_path.glob("pods/tiny-router-*/volumes/config/config.yaml"):
+            cfg = yaml.safe_load(path.read_text())
+            out |= {ep["url"] if isinstance(ep, dict) else ep for ep in cfg.get(pool or "prefill") or []}
+        return out
+
+    monkeypatch.setattr(applymod, "router_endpoints", endpoints)
     monkeypatch.setattr(docker_runtime, "_write_files", lambda pod, pod_dir: None)
     return e
 
@@ -135,7 +151,7 @@ def test_a_prefill_rollout_publishes_the_new_pod_before_the_old_one_leaves(
                 pod.ip,
                 pod.containers[0].image,
                 names,
-                f"http://{pod.ip}:8000",
+                _url(pod),
                 workload=pod.owner,
                 ordinal=0,
                 aliases=list(pod.aliases),
@@ -168,3 +184,98 @@ def test_a_prefill_rollout_publishes_the_new_pod_before_the_old_one_leaves(
     (rec,) = [p for p in saved["pods"] if p["name"] == "tiny-prefill-1"]
     assert rec["published"] and PREFILL_SVC in rec["aliases"] and rec["ip"] not in {r.ip for r in records}
     assert "tiny-prefill: 1/1 updated, waiting for tiny-prefill-1 ready" in " ".join(lines)
+
+
+def _doc(mtp: bool) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["decode"]["tilert"]["replicas"] = 1
+    doc["spec"]["decode"]["native"]["replicas"] = 0
+    doc["spec"]["prefill"].setdefault("mtp", {})["enabled"] = mtp
+    doc["spec"]["decode"]["tilert"]["mtp"] = mtp
+    return doc
+
+
+def test_a_generation_change_runs_blue_green_in_containers(
+    engine: Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = tmp_path / "a.yaml"
+    first.write_text(yaml.safe_dump(_doc(True)))
+    before = render_document(_doc(True), None, with_secret=True)
+    docker_apply.save_secrets(tmp_path, before)
+    records = []
+    for pod in pods.pods(before, docker_runtime.addresses(NET, set())):
+        names = [docker_runtime.container_name("tiny", pod.name, c.name) for c in pod.containers]
+        for n in names:
+            engine.containers[n] = {"ip": pod.ip, "aliases": list(pod.aliases), "running": True}
+        records.append(
+            docker_runtime.PodRecord(
+                pod.name,
+                pod.labels["pd.tilert.ai/component"],
+                pod.ip,
+                pod.containers[0].image,
+                names,
+                _url(pod),
+                workload=pod.owner,
+                aliases=list(pod.aliases),
+            )
+        )
+    records = docker_apply.with_revisions(records, rollout.rendered(before, "tiny", local_names=False))
+    # What `up` records (no generation: apply adopts the file's as slot a's).
+    state: dict[str, Any] = {
+        "cluster": "tiny",
+        "file": str(first),
+        "router": "http://10.77.0.99:8000",
+        "runtime": "docker",
+        "pods": docker_runtime.dump(records),
+    }
+    monkeypatch.setattr(docker, "unavailable", lambda: None)
+    monkeypatch.setattr(docker, "image_exists", lambda image: True)
+    monkeypatch.setattr(applymod, "READINESS_POLL_S", 0.0)
+    # The new nodes report no handoff on the first read, then one that succeeded (the router's probe).
+    polled: list[list[str]] = []
+    configs: list[dict[str, Any]] = []
+
+    async def poll(nodes: Sequence[Any], secret: dict[str, Any] | None) -> list[observe.NodeReport]:
+        assert handoff_check.node_token(secret), "the node-API token was not passed"
+        polled.append([n.name for n in nodes])
+        engine.calls.append("poll")
+        (config,) = tmp_path.glob("pods/tiny-router-*/volumes/config/config.yaml")
+        configs.append(yaml.safe_load(config.read_text()))
+        ok = {"last_success": {"age_s": 1.0}} if len(polled) > 1 else None
+        return [observe.NodeReport(n.name, ok, error=None if ok else "no handoff yet") for n in nodes]
+
+    monkeypatch.setattr(handoff_check, "poll", poll)
+    lines: list[str] = []
+    assert docker_apply.apply(_doc(False), "tiny", tmp_path, state, 60, lines.append) == 0
+    out = "\n".join(lines)
+    assert "blue/green" in out and "generation phase 2/2" in out
+    # Only the new generation's nodes are read; the first read (no handoff yet) held the old one serving.
+    assert polled == [["tiny-tilert-b-0"], ["tiny-tilert-b-0"]], polled
+    # While the new generation waited, the router listed both generations' Services, each with its compat.
+    prefills = {ep["url"]: ep["compat"] for ep in configs[0]["prefill"]}
+    assert set(prefills) == {"http://tiny-prefill.default.svc:8100", "http://tiny-prefill-b.default.svc:8100"}
+    assert len(set(prefills.values())) == 2 and None not in prefills.values()
+    assert {d["service"] for d in configs[0]["tilert_discovery"]} == {
+        "tiny-tilert-decode.default.svc",
+        "tiny-tilert-b.default.svc",
+    }
+    # The new pods answer slot b's Service names (once ready), the old ones left after.
+    calls = engine.calls
+    new_prefill, old_prefill = "tpd-tiny-tiny-prefill-b-0-vllm", "tpd-tiny-tiny-prefill-0-vllm"
+    assert calls.index(f"create {new_prefill} aliases=0") < calls.index(f"connect {new_prefill} published")
+    assert "tiny-prefill-b.default.svc" in engine.containers[new_prefill]["aliases"]
+    assert calls.index(f"connect {new_prefill} published") < calls.index(f"connect {old_prefill} unpublished")
+    assert calls.index(f"connect {old_prefill} unpublished") < calls.index(f"stop {old_prefill}")
+    # The old generation left the endpoints only after the new nodes read HandoffReady.
+    last_poll = len(calls) - 1 - calls[::-1].index("poll")
+    assert last_poll < calls.index(f"connect {old_prefill} unpublished")
+    saved = json.loads((tmp_path / "state.json").read_text())
+    assert {p["name"] for p in saved["pods"]} == {"tiny-prefill-b-0", "tiny-tilert-b-0", "tiny-router-0"}
+    slot_b = {p["name"]: (p["slot"], p["generation"]) for p in saved["pods"] if p["slot"]}
+    assert set(slot_b) == {"tiny-prefill-b-0", "tiny-tilert-b-0"}
+    assert {s for s, _ in slot_b.values()} == {"b"}
+    assert set(saved[rollout.GENERATIONS_KEY]) == {"b"}
+    assert {g for _, g in slot_b.values()} == {saved[rollout.GENERATIONS_KEY]["b"]["fingerprint"]}
+    (config,) = tmp_path.glob("pods/tiny-router-*/volumes/config/config.yaml")
+    final = yaml.safe_load(config.read_text())
+    assert [ep["url"] for ep in final["prefill"]] == ["http://tiny-prefill-b.default.svc:8100"]

@@ -36,11 +36,11 @@ import urllib.request
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tilert_operator import constants, status
+from tilert_operator import constants, observe, status
 from tilert_operator import handoff as handoff_check
 from tilert_operator import rollout as op_rollout
 from tilert_operator.render import commands
@@ -319,10 +319,7 @@ class Processes:
         ]
         token = Path(self.api_token_file).read_bytes() if self.api_token_file else b""
         secret = {"data": {constants.NODE_API_TOKEN_KEY: base64.b64encode(token).decode()}}
-        reports = asyncio.run(handoff_check.poll(nodes, secret))
-        verdicts = [(r.pod, *status.node_handoff(r)) for r in reports]
-        detail = "; ".join(f"{pod}: {reason}" for pod, reason, _ in verdicts)
-        return op_rollout.readiness(pools, [(pod, reason) for pod, reason, _ in verdicts]), detail
+        return generation_readiness(pools, nodes, secret)
 
     def create(self, step: rollout.Create, rendered: rollout.Rendered) -> None:
         kind = rendered.component
@@ -389,6 +386,20 @@ class Processes:
 
     def save(self) -> None:
         runner.save(self.state_dir, self.meta, self.procs)
+
+
+def generation_readiness(
+    pools: dict[str, observe.PoolState],
+    nodes: Sequence[router_config.TileRTNode],
+    secret: dict[str, Any],
+) -> tuple[op_rollout.Readiness, str]:
+    """Whether a generation can take over, as the operator decides it: its pools (rollout.pool_states)
+    and its TileRT `nodes`' handoff verdicts, read from each node's /v1/status with the node-API token
+    in `secret` (a Secret's data); and what the nodes report, for progress. Both runtimes call this."""
+    reports = asyncio.run(handoff_check.poll(nodes, secret))
+    verdicts = [(r.pod, *status.node_handoff(r)) for r in reports]
+    detail = "; ".join(f"{pod}: {reason}" for pod, reason, _ in verdicts)
+    return op_rollout.readiness(pools, [(pod, reason) for pod, reason, _ in verdicts]), detail
 
 
 def tilert_node(spec: PDClusterSpec, p: runner.Running) -> router_config.TileRTNode:

@@ -13,25 +13,43 @@ the TileRT nodes it discovered (one series per node), and the pod network's DNS,
 router's container, for each Service name. The router's HTTP client caches a lookup for up to 10 s
 and reuses open connections; the preStop sleep and the servers' drain on SIGTERM cover that window,
 as they cover kube-proxy's in a cluster.
+
+A change of compatibility generation plays the operator's blue/green rollout, decided by the same code
+as the process runtime's (rollout.generation_phases, apply.apply_generations): each phase is rendered
+with the operator's own renderer given the live generations, so the new generation's workloads and
+Services are slot b's (`<cluster>-prefill-b`, `<cluster>-tilert-b`, ...) and its pods answer those
+names; the router's ConfigMap, rewritten into the router pod's volume as the kubelet syncs it, lists
+both generations' Services each with its compat; the new TileRT nodes' /v1/status is read from the
+host at their pod addresses (HandoffReady) before the old generation leaves the router's list.
 """
 
 from __future__ import annotations
 
 import copy
 import json
+import os
+import posixpath
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from tilert_operator import constants
-from tilert_operator.cli_render import render_document
+import yaml
+
+from tilert_operator import constants, render, validation
+from tilert_operator import rollout as op_rollout
+from tilert_operator.render import generations
+from tilert_operator.render.generations import Live
+from tilert_operator.spec import PDClusterSpec
 from tilert_serve.local import apply as applymod
 from tilert_serve.local import docker, docker_runtime, pods, rollout, runner
+from tilert_serve.router import config as router_config
 
 #: The rendered Secrets a docker run was started with (owner-only, in its state directory).
 SECRETS_FILE = "secrets.json"
+#: The router ConfigMap's key that holds the router's config.
+ROUTER_CONFIG_KEY = posixpath.basename(constants.ROUTER_CONFIG_FILE)
 #: Asked inside the router's container: the addresses a name resolves to there.
 _RESOLVE = (
     "import socket, sys, json\n"
@@ -80,20 +98,53 @@ def apply(
             f"{state_dir} does not hold the credentials the running pods were started with (an `up` "
             "from before `apply`); `tilert-pd local down` and `up` again"
         )
-    saved = {s["metadata"]["name"]: s for s in json.loads(secrets_file.read_text())}
-    manifests = [
-        saved.get(m["metadata"]["name"], m) if m.get("kind") == "Secret" else m
-        for m in render_document(doc, None, with_secret=True)
-    ]
-    missing = docker_runtime.missing_images(manifests)
+    spec = _spec(doc, name)
+    namespace = str((doc.get("metadata") or {}).get("namespace") or "default")
+    rt = Containers(
+        name,
+        state_dir,
+        state,
+        [],
+        spec=spec,
+        namespace=namespace,
+        secrets=list(json.loads(secrets_file.read_text())),
+    )
+    rt.adopt_generations(say)
+    slots = rollout.occupied(rollout.recorded(state), rt.pod_generations())
+    choice, phases = rollout.generation_phases(spec, slots)
+    missing = docker_runtime.missing_images([m for lives in phases for m in rt.render(lives)])
     if missing:
         raise docker.DockerError(f"images not built: {', '.join(missing)}; build them with `make images`")
     say(f"tilert-pd local apply: {name} as containers (state in {state_dir})")
-    rt = Containers(name, state_dir, state, manifests)
-    steps = applymod.converge(rt, rollout.rendered(manifests, name, local_names=False), timeout, say)
+    if len(phases) > 1:
+        old = phases[0][0]
+        say(
+            f"  a new compatibility generation: {old.generation.fingerprint} (slot {old.slot}) -> "
+            f"{phases[-1][-1].generation.fingerprint} (slot {choice.current}); blue/green, as the operator "
+            "rolls it: the new one beside the old, then the old one drained"
+        )
+
+    def render_lives(lives: Sequence[Live]) -> list[rollout.Rendered]:
+        return rollout.rendered(rt.render(lives), name, local_names=False)
+
+    steps = applymod.apply_generations(rt, phases, render_lives, timeout, say)
+    state["applied"] = time.time()
     rt.save()
     say(f"applied: {steps} steps; the OpenAI API is at {state['router']}/v1; `tilert-pd local status`")
     return 0
+
+
+def _spec(doc: dict[str, Any], name: str) -> PDClusterSpec:
+    parsed, problems = validation.validate(doc.get("spec") or {}, name)
+    if problems or parsed is None:
+        raise ValueError("\n".join(str(p) for p in problems) or f"PDCluster {name}: no spec")
+    return parsed
+
+
+def _file_spec(path: str) -> PDClusterSpec:
+    """The spec of the PDCluster file a run was started or last applied from."""
+    doc = yaml.safe_load(Path(path).read_text()) or {}
+    return _spec(doc, str((doc.get("metadata") or {}).get("name") or ""))
 
 
 @dataclass
@@ -103,7 +154,15 @@ class Containers:
     run: str
     state_dir: Path
     state: dict[str, Any]
+    #: What is rendered now: the Secrets the run started with and the children of the live generations.
     manifests: list[pods.Manifest]
+    #: The spec being applied (the router's own settings follow it) and its namespace.
+    spec: PDClusterSpec | None = None
+    namespace: str = "default"
+    #: The rendered Secrets the run was started with (a new render would lock the running pods out).
+    secrets: list[pods.Manifest] = field(default_factory=list)
+    #: The generations rendered now, by slot (`use`).
+    lives: dict[str, Live] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.records = docker_runtime.records_from(self.state)
@@ -111,6 +170,71 @@ class Containers:
 
     def _rec(self, name: str) -> docker_runtime.PodRecord:
         return next(r for r in self.records if r.name == name)
+
+    def render(self, lives: Sequence[Live]) -> list[pods.Manifest]:
+        """The Secrets and the operator's children with the generations `lives`, oldest first."""
+        if self.spec is None:
+            raise ValueError("Containers.render needs the spec being applied")
+        children = render.children(self.spec, self.run, self.namespace, lives=lives)
+        return [*self.secrets, *children]
+
+    def adopt_generations(self, say: Callable[[str], None]) -> None:
+        """A state from an `up` that recorded no generation: one generation in slot a, the spec of the
+        file the run was started from, its data-plane pods that generation's (as the operator takes
+        workloads without a generation label). A file that no longer loads: rolled in place."""
+        if rollout.GENERATIONS_KEY in self.state:
+            return
+        try:
+            live = Live(_file_spec(str(self.state.get("file") or "")))
+        except (OSError, ValueError, yaml.YAMLError) as exc:
+            say(
+                f"  note: the state records no generation and its spec file does not load ({exc}); rolling in place"
+            )
+            return
+        self.state[rollout.GENERATIONS_KEY] = {
+            live.slot: asdict(rollout.RecordedGeneration.of(live, applymod.now_rfc3339()))
+        }
+        for rec in self.records:
+            if rec.component in generations.DATA_PLANE and not rec.slot:
+                rec.slot, rec.generation = live.slot, live.generation.fingerprint
+
+    def pod_generations(self) -> dict[str, str | None]:
+        """slot -> the fingerprint its data-plane pods recorded (None: from before generations)."""
+        out: dict[str, str | None] = {}
+        for rec in self.records:
+            if rec.component in generations.DATA_PLANE:
+                out.setdefault(rec.slot or constants.SLOT_A, rec.generation or None)
+        return out
+
+    def use(self, lives: Sequence[Live]) -> None:
+        before = rollout.recorded(self.state)
+        self.lives = {g.slot: g for g in lives}
+        self.manifests = self.render(lives)
+
+        def created(g: Live) -> str:
+            # A generation keeps the time it was first rendered (tilert_operator.rollout.choose reads it).
+            old = before.get(g.slot)
+            if old is not None and old.created and old.fingerprint == g.generation.fingerprint:
+                return old.created
+            return applymod.now_rfc3339()
+
+        self.state[rollout.GENERATIONS_KEY] = {
+            g.slot: asdict(rollout.RecordedGeneration.of(g, created(g))) for g in lives
+        }
+        self.save()
+
+    def readiness(self, live: Live, rendered: Sequence[rollout.Rendered]) -> tuple[op_rollout.Readiness, str]:
+        pools = rollout.pool_states(rendered, self.pods(), live.slot)
+        # Read from the host at each node's pod address, as the readiness probes are.
+        nodes = [
+            router_config.TileRTNode(
+                name=r.name, http_url=r.url, ctrl_host=r.ip, compat=live.generation.compat
+            )
+            for r in self.records
+            if r.component == constants.TILERT and (r.slot or constants.SLOT_A) == live.slot
+        ]
+        secret = next((s for s in self.secrets if constants.NODE_API_TOKEN_KEY in (s.get("data") or {})), {})
+        return applymod.generation_readiness(pools, nodes, secret)
 
     def pods(self) -> list[rollout.Pod]:
         out = []
@@ -147,8 +271,11 @@ class Containers:
         (rec,) = docker_runtime.start_pods(
             [pod], self.run, self.state_dir, self.net, secondary, lambda _m: None
         )
+        live = self.lives.get(rendered.slot) if rendered.slot else None
         rec = replace(
             rec,
+            slot=rendered.slot,
+            generation=live.generation.fingerprint if live is not None else "",
             workload=step.workload,
             revision=step.revision,
             ordinal=step.ordinal,
@@ -203,19 +330,71 @@ class Containers:
             say("    (no router ready: it finds the endpoints when it starts)")
             return
         self.state["router"] = router.url
+        configured = self._write_router_config()
         self._await_dns(router, serving, say)
         nodes = {r.url for r in self.records if r.component == constants.TILERT and r.name in serving}
         t0 = time.monotonic()
         while time.monotonic() - t0 < applymod.ROUTER_RELOAD_TIMEOUT_S:
-            if applymod.router_endpoints(router.url, pool="tilert") == nodes:
+            tilert = applymod.router_endpoints(router.url, pool="tilert")
+            prefill = applymod.router_endpoints(router.url, pool="prefill")
+            native = applymod.router_endpoints(router.url, pool="native")
+            if (
+                tilert == nodes
+                and prefill is not None
+                and native is not None
+                and prefill | native == configured
+            ):
                 say(
-                    f"    router has the new endpoints ({len(nodes)} TileRT nodes; {time.monotonic() - t0:.1f} s)"
+                    f"    router has the new endpoints ({len(nodes)} TileRT nodes, {len(configured)} "
+                    f"Services; {time.monotonic() - t0:.1f} s)"
                 )
                 return
             time.sleep(0.5)
         raise applymod.Stalled(
-            f"the router at {router.url} did not find the TileRT nodes {sorted(nodes)} in time"
+            f"the router at {router.url} did not load its config ({sorted(configured)}) or find the TileRT "
+            f"nodes {sorted(nodes)} within {applymod.ROUTER_RELOAD_TIMEOUT_S:.0f} s; its log: `docker logs "
+            f"{router.containers[0]}`. Nothing was stopped."
         )
+
+    def _write_router_config(self) -> set[str]:
+        """Write the rendered router ConfigMap into every router pod's volume, as the kubelet syncs a
+        mounted ConfigMap (one rename: the router never reads half a file); the prefill and native
+        endpoints it lists."""
+        configmaps = {m["metadata"]["name"]: m for m in self.manifests if m.get("kind") == "ConfigMap"}
+        listed: set[str] = set()
+        for rec in self.records:
+            if rec.component != constants.ROUTER:
+                continue
+            workload = next(
+                (
+                    m
+                    for m in self.manifests
+                    if m.get("kind") == "Deployment" and m["metadata"]["name"] == rec.workload
+                ),
+                None,
+            )
+            if workload is None:
+                continue
+            for volume in workload["spec"]["template"]["spec"].get("volumes") or []:
+                cm = configmaps.get((volume.get("configMap") or {}).get("name", ""))
+                if cm is None:
+                    continue
+                for key, text in (cm.get("data") or {}).items():
+                    if key == ROUTER_CONFIG_KEY:
+                        cfg = router_config.RouterConfig.model_validate(yaml.safe_load(text))
+                        listed |= {e.url for e in [*cfg.prefill, *cfg.native]}
+                    path = self.state_dir / "pods" / rec.name / "volumes" / volume["name"] / key
+                    if not path.exists() or path.read_text() != text:
+                        path.parent.mkdir(parents=True, exist_ok=True)
+                        st = path.stat() if path.exists() else None
+                        tmp = path.with_suffix(".tmp")
+                        tmp.write_text(text)
+                        # The file's group and mode as `up` made them (the router runs as another user).
+                        if st is not None:
+                            os.chown(tmp, -1, st.st_gid)
+                        os.chmod(tmp, st.st_mode & 0o777 if st is not None else 0o644)
+                        tmp.replace(path)
+        return listed
 
     def _await_dns(
         self, router: docker_runtime.PodRecord, serving: set[str], say: Callable[[str], None]

@@ -51,6 +51,11 @@ class PodRecord:
     aliases: list[str] = field(default_factory=list)
     #: Whether the Service names resolve to it now (an endpoint); apply takes them away first.
     published: bool = True
+    #: A data-plane pod's generation slot (a or b: its workload's names, `<cluster>-prefill-b`, and its
+    #: Services') and the fingerprint of the generation it was rendered for; "" for the router, and
+    #: for a pod `up` started before these were recorded (apply adopts it as slot a's).
+    slot: str = ""
+    generation: str = ""
 
 
 def container_name(run: str, pod: str, container: str) -> str:
