@@ -1,20 +1,29 @@
-"""`tilert-pd local apply` on the docker runtime: the tiny stack (one prefill, one TileRT node) as
-containers of the images, its prefill rolled by a changed argument under a stream of requests through
-the router. The new pod is created without its Service name and published once ready, the old one is
-taken off the Service's name (checked from inside the router's pod) before preStop and SIGTERM; no
-request fails. Skipped without a Docker engine (CI starts one: scripts/docker-engine.sh).
+"""`tilert-pd local apply` on the docker runtime: the tiny stack (one prefill, two TileRT nodes) as
+containers of the images, put through three changes under one stream of requests through the router
+(one `up` for all three, to keep `make test` short):
 
-NOT PASSING YET, so out of `make test` unless TILERT_PD_DOCKER_APPLY=1: its first CI run lost 1 of 2,908
-requests, a 503 "no TileRT decode node is available" while the old prefill left (this stack has no
-native pool to fall back on). The suspect is a handoff through the leaving prefill being counted
-against the node; until that is found and fixed this test would fail CI, and the skip says why.
+1. the prefill rolled by a changed argument: the new pod is created without its Service name and
+   published once ready, the old one taken off the Service's name (checked from inside the router's
+   pod) before preStop and SIGTERM; no request fails;
+2. a TileRT node SIGKILLed (`docker kill` of its container), the other one serving; `apply` of the same
+   spec brings it back (its pod is not running: removed and created again under its name); only the
+   request in flight on the killed node may fail;
+3. a change of compatibility generation (MTP off: another handoff layout) played blue/green: the new
+   generation comes up in slot b beside the old one, both in the router's list each with its compat,
+   the new nodes HandoffReady before the old generation leaves and drains; no request fails.
+
+Skipped without a Docker engine (CI starts one: scripts/docker-engine.sh).
 """
 
 from __future__ import annotations
 
-import os
+import json
 import subprocess
 import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +34,56 @@ from tests.docker.conftest import Images, docker_engine, images  # noqa: F401  (
 from tests.local.load_stream import Load
 from tilert_serve.local import docker
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.docker,
-    pytest.mark.skipif(
-        os.environ.get("TILERT_PD_DOCKER_APPLY") != "1",
-        reason="known failure (1 of 2,908 requests answered 503 during the prefill rollout in CI): "
-        "run with TILERT_PD_DOCKER_APPLY=1; see the module docstring",
-    ),
-]
+pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
 LOCAL = [str(ROOT / ".venv" / "bin" / "python"), "-m", "tilert_serve.cli", "local"]
+KILLED = "tiny-tilert-decode-1"
 
 
-def _doc(prefill_args: list[str]) -> dict[str, Any]:
+@dataclass
+class TimedLoad(Load):
+    """Load's stream, each failure kept with when its request started and ended (monotonic s), so that
+    a failure can be told to be the request in flight when a node was killed, or a later one."""
+
+    timed: list[tuple[float, float, str]] = field(default_factory=list)
+
+    def run(self) -> None:
+        body = json.dumps({"model": "tiny-mla", "prompt": "hello there", "max_tokens": 4}).encode()
+        while not self.stop.is_set():
+            req = urllib.request.Request(
+                f"{self.router}/v1/completions", data=body, headers={"Content-Type": "application/json"}
+            )
+            t0 = time.monotonic()
+            try:
+                with urllib.request.urlopen(req, timeout=120) as r:
+                    out = json.loads(r.read())
+                assert out["choices"][0]["text"] is not None
+                self.ok += 1
+            except (urllib.error.URLError, OSError, AssertionError, KeyError, ValueError) as exc:
+                detail = (
+                    exc.read().decode(errors="replace")[:300]
+                    if isinstance(exc, urllib.error.HTTPError)
+                    else ""
+                )
+                text = f"{type(exc).__name__}: {exc} {detail}"
+                self.failures.append(text)
+                self.timed.append((t0, time.monotonic(), text))
+
+    def window(self) -> tuple[int, int]:
+        """(ok, failed) so far."""
+        return self.ok, len(self.failures)
+
+
+def _doc(prefill_args: list[str], *, mtp: bool = True) -> dict[str, Any]:
     doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
-    doc["spec"]["decode"]["tilert"]["replicas"] = 1
+    doc["spec"]["decode"]["tilert"]["replicas"] = 2
     doc["spec"]["decode"]["native"]["replicas"] = 0
     doc["spec"]["prefill"]["extraArgs"] += prefill_args
     doc["spec"]["prefill"]["termination"] = {"preStopSleepSeconds": 2, "gracePeriodSeconds": 30}
+    doc["spec"]["prefill"].setdefault("mtp", {})["enabled"] = mtp
+    doc["spec"]["decode"]["tilert"]["mtp"] = mtp
     return doc
 
 
@@ -53,33 +91,90 @@ def _local(*args: str, timeout: float = 1500) -> subprocess.CompletedProcess[str
     return subprocess.run([*LOCAL, *args], capture_output=True, text=True, timeout=timeout, cwd=ROOT)
 
 
-def test_a_prefill_rollout_in_containers_loses_no_request(images: Images, tmp_path: Path) -> None:  # noqa: F811
+def _state(home: Path) -> dict[str, Any]:
+    state: dict[str, Any] = json.loads((home / "tiny" / "state.json").read_text())
+    return state
+
+
+def _apply(home: Path, spec: Path, load: TimedLoad, what: str) -> tuple[str, int, list[str], float]:
+    """Apply `spec` under the load; (its output, requests ok, failures, seconds) in that window."""
+    ok0, failed0 = load.window()
+    t0 = time.monotonic()
+    applied = _local("apply", "-f", str(spec), "--home", str(home), "--timeout", "900")
+    took = time.monotonic() - t0
+    assert applied.returncode == 0, f"{what}: " + applied.stdout[-4000:] + applied.stderr[-4000:]
+    print(f"{what}: {took:.0f} s, {load.ok - ok0} ok, {len(load.failures) - failed0} failed")
+    return applied.stdout, load.ok - ok0, load.failures[failed0:], took
+
+
+def test_three_changes_in_containers_lose_no_request(images: Images, tmp_path: Path) -> None:  # noqa: F811
     home = tmp_path / "home"
-    first, second = tmp_path / "a.yaml", tmp_path / "b.yaml"
+    first, second, third = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "c.yaml"
     first.write_text(yaml.safe_dump(_doc([])))
     second.write_text(yaml.safe_dump(_doc(["--max-num-seqs", "32"])))
+    third.write_text(yaml.safe_dump(_doc(["--max-num-seqs", "32"], mtp=False)))
     up = _local("up", "-f", str(first), "--runtime", "docker", "--home", str(home), "--timeout", "900")
+    load = TimedLoad("")
+    thread: threading.Thread | None = None
     try:
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]
-        state = yaml.safe_load((home / "tiny" / "state.json").read_text())
-        load = Load(str(state["router"]))
+        load.router = str(_state(home)["router"])
         thread = threading.Thread(target=load.run, daemon=True)
         thread.start()
-        applied = _local("apply", "-f", str(second), "--home", str(home), "--timeout", "900")
-        load.stop.set()
-        thread.join(timeout=150)
-        assert applied.returncode == 0, applied.stdout[-4000:] + applied.stderr[-4000:]
-        out = applied.stdout
+
+        # (1) The prefill rolled.
+        out, ok, failed, _ = _apply(home, second, load, "prefill rollout")
         assert out.index("waiting for tiny-prefill-1 ready") < out.index("remove tiny-prefill-0")
-        state = yaml.safe_load((home / "tiny" / "state.json").read_text())
-        names = {p["name"] for p in state["pods"]}
-        assert names == {"tiny-prefill-1", "tiny-tilert-decode-0", "tiny-router-0"}
+        names = {p["name"] for p in _state(home)["pods"]}
+        assert names == {"tiny-prefill-1", "tiny-tilert-decode-0", KILLED, "tiny-router-0"}
         running = set(docker.containers("tiny", running_only=True))
         assert not any("tiny-prefill-0" in c for c in running)
-        (new,) = [p for p in state["pods"] if p["name"] == "tiny-prefill-1"]
-        info = docker.inspect(new["containers"][0]) or {}
-        assert "--max-num-seqs" in (info.get("Args") or [])
-        assert load.ok > 0
-        assert load.failures == [], f"{len(load.failures)} of {load.ok + len(load.failures)} requests failed"
+        (new,) = [p for p in _state(home)["pods"] if p["name"] == "tiny-prefill-1"]
+        assert "--max-num-seqs" in ((docker.inspect(new["containers"][0]) or {}).get("Args") or [])
+        assert ok > 0 and failed == [], (
+            f"prefill rollout: {len(failed)} of {ok + len(failed)} failed: {failed}"
+        )
+
+        # (2) A TileRT node SIGKILLed; the other serves; apply brings it back.
+        (victim,) = [p for p in _state(home)["pods"] if p["name"] == KILLED]
+        ok0, failed0 = load.window()
+        killed_at = time.monotonic()
+        subprocess.run(
+            ["docker", "kill", victim["containers"][0]], check=True, capture_output=True, timeout=60
+        )
+        out, ok, failed, _ = _apply(home, second, load, "TileRT node killed, applied back")
+        assert f"remove {KILLED} (not running)" in out and f"create {KILLED}" in out
+        (back,) = [p for p in _state(home)["pods"] if p["name"] == KILLED]
+        assert (docker.inspect(back["containers"][0]) or {}).get("State", {}).get("Running")
+        # Only a request in flight when the node died may fail (one at a time: at most one).
+        timed = [t for t in load.timed if t[1] >= killed_at]
+        later = [text for start, _, text in timed if start > killed_at]
+        assert load.ok - ok0 > 0
+        assert later == [] and len(load.failures) - failed0 <= 1, (
+            f"after the kill: {len(later)} requests started after it failed: {later}; all failures since: "
+            f"{load.failures[failed0:]}"
+        )
+
+        # (3) A new compatibility generation, blue/green.
+        out, ok, failed, _ = _apply(home, third, load, "generation change")
+        assert "blue/green" in out and "generation phase 2/2" in out, out[-4000:]
+        assert out.index("HandoffReady") < out.index("remove tiny-prefill-1")
+        state = _state(home)
+        assert {p["name"] for p in state["pods"]} == {
+            "tiny-prefill-b-0",
+            "tiny-tilert-b-0",
+            "tiny-tilert-b-1",
+            "tiny-router-0",
+        }
+        assert set(state["generations"]) == {"b"}
+        assert {p["slot"] for p in state["pods"] if p["name"] != "tiny-router-0"} == {"b"}
+        running = set(docker.containers("tiny", running_only=True))
+        assert not any("tiny-prefill-1" in c or "tiny-tilert-decode-" in c for c in running), running
+        assert ok > 0 and failed == [], (
+            f"generation change: {len(failed)} of {ok + len(failed)} failed: {failed}"
+        )
     finally:
+        load.stop.set()
+        if thread is not None:
+            thread.join(timeout=150)
         _local("down", "--home", str(home), timeout=300)
