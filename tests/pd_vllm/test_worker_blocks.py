@@ -151,7 +151,9 @@ def test_a_hung_node_holds_up_no_other_request(tmp_path):
         w.step([b])
         _until(lambda: node.sent == [("b", None)])
         assert w.finished({"a", "b"}) == {"a", "b"}  # both were copied out; a's handoff still hangs
-        assert w.pool.free == 1  # a holds its region, b gave its back
+        # b's sender gives its region back after its send returns (after node.sent): wait for that.
+        _until(lambda: w.pool.free == 1)  # a holds its region, b gave its back
+        assert node.sent == [("b", None)]
     finally:
         node.release.set()
         w.shutdown()

@@ -394,7 +394,7 @@ class TileRTWorker:
         job that finds a staging region (and no older job waiting for one) goes to the sender thread
         now, which connects while the forward runs. Never raises."""
         self.expect(jobs)
-        if self.pool is None:
+        if self.pool is None or not jobs:
             return
         blocked = self.jobs.any_waiting()  # older jobs take staging first: they wait in step()
         for send in jobs:
@@ -405,7 +405,11 @@ class TileRTWorker:
             elif job.state is JobState.ENDED:
                 if last:  # its handoff ended in an earlier step: nothing left to send
                     self.jobs.handoff_over(job, last=True)
-            elif send.dest.wants_layerwise(self.config.layerwise) and not blocked:
+            elif (
+                job.state in (JobState.ANNOUNCED, JobState.DUE)  # not begun yet
+                and send.dest.wants_layerwise(self.config.layerwise)
+                and not blocked
+            ):
                 blocked = not self._start(job, send) and last
 
     def _start(self, job: Job[_Work], send: SendJob) -> bool:
