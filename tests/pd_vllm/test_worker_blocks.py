@@ -401,3 +401,23 @@ def test_a_handoff_that_ends_between_steps_frees_its_region_and_its_last_step_se
         assert stats is not None and stats.data["handoffs"] == {"unreachable": 1}
     finally:
         w.shutdown()
+
+
+def test_a_step_whose_hooks_run_twice_starts_and_sends_each_job_once(chunk_worker):
+    """Each job's record says how far it got, so metadata bound (or saved) again in one step neither
+    takes a second staging region nor queues a second handoff under the same ticket."""
+    w, rec = chunk_worker, chunk_worker.recorder
+    a, b = (
+        job("a", free_port()),
+        dataclasses.replace(job("b", free_port()), dest=Destination("127.0.0.1", 1, None, False)),
+    )
+    w.begin([a, b])
+    w.begin([a, b])
+    assert w.pool.free == 1  # a took one region, once; b (whole state) waits for wait_for_save
+    for i in range(2):
+        w.layer_saved(f"model.layers.{i}.self_attn.attn")
+    w.step([a, b])
+    w.step([a, b])
+    _until(lambda: w.pool.free == 2)
+    assert rec.batches == [[0], [1], [2]] and rec.whole == ["b"]
+    assert w.finished({"a", "b"}) == {"a", "b"}
