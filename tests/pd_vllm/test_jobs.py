@@ -185,3 +185,15 @@ def test_an_illegal_transition_raises_naming_the_job_and_both_states(
         call(t, job)
     assert str(err.value) == f"request r1: {transition} leaves {leaves}, but the job is {state.value}"
     assert job.state is state  # a refused transition changes nothing
+
+
+def test_a_job_is_staged_at_most_once_a_step() -> None:
+    t: JobTable[str] = JobTable()
+    job = t.arrive("r1", last=False, prompt=[1])
+    t.start(job, "h", step(7))
+    t.end_step()
+    t.pause(job)
+    t.go_on(job, step(14))
+    with pytest.raises(IllegalTransition, match=r"request r1: already staged in this step \(chunking\)"):
+        t.go_on(job, step(14))
+    assert t.stepping == [job]

@@ -421,3 +421,16 @@ def test_a_step_whose_hooks_run_twice_starts_and_sends_each_job_once(chunk_worke
     _until(lambda: w.pool.free == 2)
     assert rec.batches == [[0], [1], [2]] and rec.whole == ["b"]
     assert w.finished({"a", "b"}) == {"a", "b"}
+
+
+def test_a_chunk_step_whose_metadata_is_bound_twice_stages_it_once(chunk_worker):
+    w, rec = chunk_worker, chunk_worker.recorder
+    a = job("a", free_port())
+    forward(w, [chunk(a, 7, [1], first=True)])
+    second = chunk(a, 14, [1], first=False)
+    w.begin([second])
+    forward(w, [second])
+    forward(w, [a])
+    _until(lambda: w.pool.free == 2)
+    assert rec.ranges == [(0, 7)] * 3 + [(7, 14)] * 3 + [(14, None)] * 3
+    assert w.finished({"a"}) == {"a"}

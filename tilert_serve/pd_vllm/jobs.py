@@ -225,6 +225,8 @@ class JobTable(Generic[H]):
     # -- internals ---------------------------------------------------------------------------------
 
     def _stage_now(self, job: Job[H], step: StepWork) -> None:
+        if job.step is not None:
+            raise IllegalTransition(f"request {job.req_id}: already staged in this step ({job.state.value})")
         job.step = step
         self._stepping.append(job)
 

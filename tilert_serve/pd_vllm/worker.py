@@ -400,6 +400,8 @@ class TileRTWorker:
         for send in jobs:
             last = send.upto is None
             job = self.jobs.arrive(send.req_id, last=last, prompt=send.prompt_token_ids)
+            if job.step is not None:
+                continue  # the metadata was bound again in this step: the job is under way already
             if job.state is JobState.CHUNKING:
                 self._go_on(job, send)
             elif job.state is JobState.ENDED:
