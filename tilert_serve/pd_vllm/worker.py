@@ -392,7 +392,8 @@ class TileRTWorker:
         """Called when vLLM binds the step's metadata, before the forward. With tilert_layerwise, a
         chunk-wise handoff begun in an earlier step goes on with this step's tokens, and any other
         job that finds a staging region (and no older job waiting for one) goes to the sender thread
-        now, which connects while the forward runs. Never raises."""
+        now, which connects while the forward runs. A failed gather or send never raises here
+        (only a bug does: jobs.IllegalTransition)."""
         self.expect(jobs)
         if self.pool is None or not jobs:
             return
@@ -446,7 +447,8 @@ class TileRTWorker:
 
     def layer_saved(self, layer_name: str) -> None:
         """save_kv_layer: the forward finished main layer `layer_name`; stage it for this step's
-        layer-wise jobs. The MTP layers wait for wait_for_save (the drafter writes them). Never raises."""
+        layer-wise jobs. The MTP layers wait for wait_for_save (the drafter writes them). A failed gather
+        never raises here."""
         if not self.jobs.stepping:
             return
         layer = _layer_id(layer_name)
@@ -508,7 +510,7 @@ class TileRTWorker:
 
     def step(self, jobs: list[SendJob]) -> None:
         """Called from every wait_for_save: finish this step's layer-wise jobs, then gather what staging
-        has room for, oldest first. Never raises."""
+        has room for, oldest first. A failed gather never raises here."""
         self._finish_staging()
         now = time.monotonic()
         for send in jobs:
