@@ -105,6 +105,14 @@ FIGURES: tuple[Figure, ...] = (
         "ratio",
         "{0}",
     ),
+    Figure(
+        "requests failed under load while the prefill rolled / a TileRT node was SIGKILLed / a new "
+        "generation (handoff layout) rolled blue/green, tiny stack",
+        "change",
+        ("roll prefill", "kill tilert", "generation (MTP off)"),
+        "failed (by class)",
+        "{0} / {1} / {2}",
+    ),
 )
 
 

@@ -122,7 +122,9 @@ def sequence() -> list[Scenario]:
         Scenario("kill native", "SIGKILL of a native decode (of 2), then restored", kill=constants.NATIVE),
         Scenario("kill prefill", "SIGKILL of a prefill (of 2), then restored", kill=constants.PREFILL),
         Scenario(
-            "kill router", "SIGKILL of the router (its only replica), then restarted", kill=constants.ROUTER
+            "kill router",
+            "SIGKILL of a router (of 2 sharing the port), then restarted",
+            kill=constants.ROUTER,
         ),
         Scenario("tilert 3->1", "TileRT pool scaled down", edit=_replicas(constants.TILERT, 1)),
         Scenario("prefill 2->1", "prefill pool scaled down", edit=_replicas(constants.PREFILL, 1)),
