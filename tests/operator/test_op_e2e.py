@@ -363,8 +363,8 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             helpers.sample(
                 text,
                 "tilert_pd_pdcluster_condition",
-                namespace="default",
-                name="tiny",
+                pdcluster_namespace="default",
+                pdcluster="tiny",
                 type="Ready",
                 status="True",
             )
@@ -374,8 +374,8 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             helpers.sample(
                 text,
                 "tilert_pd_pdcluster_condition",
-                namespace="default",
-                name="tiny",
+                pdcluster_namespace="default",
+                pdcluster="tiny",
                 type="Ready",
                 status="False",
             )
