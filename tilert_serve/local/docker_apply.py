@@ -50,13 +50,23 @@ from tilert_serve.router import config as router_config
 SECRETS_FILE = "secrets.json"
 #: The router ConfigMap's key that holds the router's config.
 ROUTER_CONFIG_KEY = posixpath.basename(constants.ROUTER_CONFIG_FILE)
-#: Asked inside the router's container: the addresses a name resolves to there.
+#: Asked inside the router's container: the addresses a name resolves to there. Docker's embedded DNS
+#: answers a name a container holds at once and forwards any other to the host's resolvers, which on an
+#: offline host never answer (a lookup then outlasts `docker exec`'s timeout): so a name that has not
+#: answered within a few seconds reads as naming no pod, which is what it means there.
 _RESOLVE = (
-    "import socket, sys, json\n"
-    "try:\n"
-    "    print(json.dumps(sorted({a[4][0] for a in socket.getaddrinfo(sys.argv[1], None)})))\n"
-    "except socket.gaierror:\n"
-    "    print('[]')\n"
+    "import json, os, socket, sys, threading\n"
+    "found = []\n"
+    "def look():\n"
+    "    try:\n"
+    "        found.append(sorted({a[4][0] for a in socket.getaddrinfo(sys.argv[1], None)}))\n"
+    "    except socket.gaierror:\n"
+    "        found.append([])\n"
+    "t = threading.Thread(target=look, daemon=True)\n"
+    "t.start()\n"
+    "t.join(3)\n"
+    "print(json.dumps(found[0] if found else []), flush=True)\n"
+    "os._exit(0)\n"
 )
 
 
