@@ -339,6 +339,8 @@ class FakePrefill(FakeVLLM):
         self.nodes = nodes or []
         self.bodies: list[dict[str, Any]] = []
         self.headers: list[dict[str, str]] = []
+        #: The client address of each request (a new port: a new connection).
+        self.peers: list[Any] = []
         self.fail_status: int | None = None
         self.fail_count = 0  # fail this many requests, then succeed (0 with fail_status = always)
         self.stall_s = 0.0
@@ -364,6 +366,7 @@ class FakePrefill(FakeVLLM):
         body = await request.json()
         self.bodies.append(body)
         self.headers.append({k.lower(): v for k, v in request.headers.items()})
+        self.peers.append(request.transport.get_extra_info("peername") if request.transport else None)
         if self.fail_status is not None and (self.fail_count == 0 or len(self.bodies) <= self.fail_count):
             return web.json_response(
                 {"error": {"message": "scripted prefill failure", "type": "internal"}},

@@ -103,6 +103,22 @@ async def test_a_prefill_that_ended_the_request_itself_is_retried_without_blamin
     assert _count(s.state.metrics.retries, "tilert", "handoff_failed") == 1
 
 
+async def test_a_retry_on_the_endpoint_that_failed_opens_a_new_connection(make_stack):
+    """One prefill URL (a Service name in a cluster) whose pod answers 5xx while it shuts down: the
+    retry must not reuse the pooled keep-alive connection to that pod (it would get the same 500), but
+    open a new one (and resolve the name again), which a Service sends to a pod that serves."""
+    s = await make_stack(n_prefill=1)
+    c = s.client()
+    await c.completions.create(model=MODEL, prompt="a", max_tokens=2, extra_headers=TILERT)  # pools one
+    s.prefill.fail_status, s.prefill.fail_count = 500, 2  # this request's first attempt only
+    r = await c.completions.create(model=MODEL, prompt="a", max_tokens=3, extra_headers=TILERT)
+    assert r.choices[0].text == " hello w0 w1"
+    warm, failed, retried = s.prefill.peers
+    assert failed == warm  # the pooled connection served the first attempt
+    assert retried != failed  # the retry came on a connection of its own
+    assert _count(s.state.metrics.retries, "tilert", "http_5xx") == 1
+
+
 async def test_the_retry_budget_stops_retries_when_spent(make_stack):
     s = await make_stack(n_prefill=2, policy={"retry_budget_min": 1, "retry_budget_ratio": 0.0})
     for p in s.prefills:

@@ -28,12 +28,14 @@ log = logging.getLogger(__name__)
 async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     state = app[STATE]
     state.session = upstream.new_session(state.config.limits)
+    state.fresh = upstream.fresh_session()
     yield
     # Let cancels already sent finish (they free TileRT slots), then close the pool.
     if state.background:
         await asyncio.wait(list(state.background), timeout=state.config.timeouts.cancel_s)
     await state.session.close()
-    state.session = None
+    await state.fresh.close()
+    state.session = state.fresh = None
 
 
 def make_app(

@@ -104,7 +104,7 @@ class Call:
         ep.inflight += 1
         try:
             status, answer = await post_json(
-                self.state.http,
+                self.state.http_for(ep.url, self.exclude),
                 "prefill",
                 ep.url,
                 self.api_path,

@@ -183,7 +183,7 @@ async def _decode(
     url = decode.url + call.api_path
     try:
         async with asyncio.timeout(t.decode_start_s):
-            resp = await st.http.post(
+            resp = await st.http_for(decode.url, call.exclude).post(
                 url,
                 json=body,
                 headers=call.upstream_headers,

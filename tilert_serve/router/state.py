@@ -51,6 +51,9 @@ class RouterState:
     node_token: TokenFile | None = None
     #: Set by the session cleanup_ctx; every upstream call goes through this one pooled session.
     session: aiohttp.ClientSession | None = None
+    #: Set beside it: no pooled connections, no DNS cache (upstream.fresh_session), for a retry on the
+    #: endpoint that failed the same request.
+    fresh: aiohttp.ClientSession | None = None
     #: Fire-and-forget work (TileRT cancels) that must outlive the request that started it.
     background: set[asyncio.Task[Any]] = field(default_factory=set)
     #: Wall-clock start, for /v1/models' `created`.
@@ -78,6 +81,12 @@ class RouterState:
     def http(self) -> aiohttp.ClientSession:
         assert self.session is not None, "router used outside its app's lifetime"
         return self.session
+
+    def http_for(self, url: str, failed: set[str]) -> aiohttp.ClientSession:
+        """The session for a call to `url`: the fresh one when `url` already failed this request."""
+        if url in failed and self.fresh is not None:
+            return self.fresh
+        return self.http
 
     def apply(self, config: RouterConfig) -> None:
         """Swap in a new config; the pools keep the state of endpoints that stay."""

@@ -34,10 +34,24 @@ class UpstreamError(Exception):
 def new_session(limits: Limits) -> aiohttp.ClientSession:
     # One pooled session for every upstream: keep-alive connections are what makes the router cheap
     # (vLLM's demo proxy opened a session per request; vllm #26122). limit=0: the pools' own caps
-    # (TileRT slots, native in-flight cap) bound concurrency, not the connector.
+    # (TileRT slots, native in-flight cap) bound concurrency, not the connector. DNS answers are kept
+    # 5 s: a Service name that resolves to pod addresses (a headless Service) drops a leaving pod
+    # within seconds, and a longer cache would keep sending new connections to it.
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=limits.connections_per_host, keepalive_timeout=60, ttl_dns_cache=60
+        limit=0, limit_per_host=limits.connections_per_host, keepalive_timeout=60, ttl_dns_cache=5
     )
+    return _session(connector)
+
+
+def fresh_session() -> aiohttp.ClientSession:
+    """For a retry on the endpoint that just failed the same request: a new connection each time and
+    a new DNS answer, never a pooled connection to the pod that answered 5xx or reset (a vLLM shutting
+    down still answers on its open keep-alive connections: "cannot schedule new futures after
+    shutdown"), so that behind a Service name the retry reaches a pod that serves."""
+    return _session(aiohttp.TCPConnector(limit=0, force_close=True, use_dns_cache=False))
+
+
+def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
     # No session-wide timeout: each call sets its own per phase.
     return aiohttp.ClientSession(
         connector=connector,
