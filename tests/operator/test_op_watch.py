@@ -236,6 +236,10 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any, drif
         h.wait_for(
             "MultiNetworkPolicy back", lambda: srv.get("multi-networkpolicies", "default", name), timeout=10
         )
+        # The deletion is someone else's edit, named by a drift kick; wait for it, or a kick decided
+        # late (the cluster's first reconcile may have put the object back first) lands in the next step.
+        gone = f"MultiNetworkPolicy/{name} deleted"
+        h.wait_for(f"the drift log naming {gone}", lambda: gone in drift_log.named(), timeout=30)
 
         # A burst of edits to one cluster's children is one (or two) drift kicks, not one per edit.
         since, burst = len(drift_log.kicks), set()
