@@ -437,3 +437,14 @@ def endpoints_config(
         native_urls=[endpoint(p) for p in pods if p.kind == constants.NATIVE],
         api_token_file=api_token_file,
     )
+
+
+def say_phases(current: str, phases: Sequence[Sequence[Live]], say: Callable[[str], None]) -> None:
+    """Announce a blue/green rollout (more than one phase); both runtimes' `apply` say the same."""
+    if len(phases) > 1:
+        old = phases[0][0]
+        say(
+            f"  a new compatibility generation: {old.generation.fingerprint} (slot {old.slot}) -> "
+            f"{phases[-1][-1].generation.fingerprint} (slot {current}); blue/green, as the operator "
+            "rolls it: the new one beside the old, then the old one drained"
+        )

@@ -374,13 +374,7 @@ def apply(args: argparse.Namespace) -> int:
     adopt_generations(meta, procs)
     slots = rollout.occupied(rollout.recorded(meta), _pod_generations(procs))
     choice, phases = rollout.generation_phases(spec, slots)
-    if len(phases) > 1:
-        old = phases[0][0]
-        say(
-            f"  a new compatibility generation: {old.generation.fingerprint} (slot {old.slot}) -> "
-            f"{phases[-1][-1].generation.fingerprint} (slot {choice.current}); blue/green, as the operator "
-            "rolls it: the new one beside the old, then the old one drained"
-        )
+    applymod.say_phases(choice.current, phases, say)
 
     def render_lives(lives: Sequence[Live]) -> list[rollout.Rendered]:
         return _workloads_all(name, spec, lives)

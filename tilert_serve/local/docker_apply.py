@@ -126,13 +126,7 @@ def apply(
     if missing:
         raise docker.DockerError(f"images not built: {', '.join(missing)}; build them with `make images`")
     say(f"tilert-pd local apply: {name} as containers (state in {state_dir})")
-    if len(phases) > 1:
-        old = phases[0][0]
-        say(
-            f"  a new compatibility generation: {old.generation.fingerprint} (slot {old.slot}) -> "
-            f"{phases[-1][-1].generation.fingerprint} (slot {choice.current}); blue/green, as the operator "
-            "rolls it: the new one beside the old, then the old one drained"
-        )
+    applymod.say_phases(choice.current, phases, say)
 
     def render_lives(lives: Sequence[Live]) -> list[rollout.Rendered]:
         return rollout.rendered(rt.render(lives), name, local_names=False)
