@@ -289,6 +289,19 @@ class GenerationRollout(_Section):
     progress_deadline_seconds: int = Field(default=3600, ge=60, le=86400)
 
 
+class Tracing(_Section):
+    #: OTLP/HTTP traces URL of the collector; empty = no tracing.
+    endpoint: str = Field(
+        default="", max_length=512, pattern=r"^(|https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._/-]*)?)$"
+    )
+    #: Share of the requests the router starts a trace for; a client's sampled traceparent is followed.
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+
+
+class Observability(_Section):
+    tracing: Tracing = Tracing()
+
+
 class PDClusterSpec(_Section):
     model: Model
     transfer: Transfer = Transfer()
@@ -297,6 +310,7 @@ class PDClusterSpec(_Section):
     router: Router = Router()
     network_policies: NetworkPolicies = NetworkPolicies()
     generation_rollout: GenerationRollout = GenerationRollout()
+    observability: Observability = Observability()
 
 
 def parse(spec: dict[str, Any]) -> PDClusterSpec:

@@ -20,7 +20,9 @@ def test_crd_is_a_valid_small_crd() -> None:
     text = crd_validator.CRD_PATH.read_text()
     crd = yaml.safe_load(text)
     kubernetes_validate.validate(crd, helpers.K8S_VERSION, strict=True)
-    assert len(text) < 40_000, "keep the CRD small: no embedded PodTemplate"
+    # Embedding a PodTemplate would take ~600k characters (and kubectl's client-side apply annotation
+    # caps an object at 256 KiB); our own sections stay well below this.
+    assert len(text) < 60_000, "keep the CRD small: no embedded PodTemplate"
     names = crd["spec"]["names"]
     assert (crd["spec"]["group"], names["kind"], names["plural"], names["shortNames"]) == (
         constants.GROUP,
