@@ -104,3 +104,39 @@ def test_free_ports_avoid_the_ephemeral_range() -> None:
     for p in ports:
         with socket.socket() as s:
             s.bind(("127.0.0.1", p))  # still free
+
+
+def test_a_booting_pod_runs_idle_with_its_children_until_promoted(
+    tmp_path: Path, started: list[runner.Running]
+) -> None:
+    # The leader starts a worker (as vLLM starts its engine core) and a thread of its own, then waits.
+    child_pid_file = tmp_path / "child"
+    code = (
+        "import subprocess, sys, pathlib, threading, time; "
+        "c = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+        "threading.Thread(target=time.sleep, args=(60,), daemon=True).start(); "
+        f"pathlib.Path({str(child_pid_file)!r}).write_text(str(c.pid)); time.sleep(60)"
+    )
+    p = runner.start(_component(code), tmp_path, boot_idle=True)
+    started.append(p)
+    _wait(lambda: child_pid_file.exists() and child_pid_file.read_text() != "")
+    child = int(child_pid_file.read_text())
+    tids = runner.session_threads(p)
+    assert {p.pid, child} <= set(tids) and len(tids) >= 3
+    if not runner.can_promote():  # not root and RLIMIT_NICE too low: it must not start idle for good
+        assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_OTHER}
+        return
+    # The leader's two threads and the worker's: all inherited the idle policy.
+    assert {os.sched_getscheduler(t) for t in tids} == {os.SCHED_IDLE}
+    assert runner.promote(p) == len(tids)
+    assert {os.sched_getscheduler(t) for t in runner.session_threads(p)} == {os.SCHED_OTHER}
+    assert runner.promote(p) == 0  # nothing idle is left
+
+
+def test_a_pod_started_for_up_runs_at_the_normal_policy(
+    tmp_path: Path, started: list[runner.Running]
+) -> None:
+    p = runner.start(_component("import time; time.sleep(60)"), tmp_path)
+    started.append(p)
+    assert os.sched_getscheduler(p.pid) == os.SCHED_OTHER
+    assert runner.promote(p) == 0

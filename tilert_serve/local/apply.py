@@ -333,7 +333,7 @@ class Processes:
         log = self.state_dir / f"{step.pod}.log"
         if log.exists():  # a StatefulSet pod created again under its name: keep the old one's log
             log.replace(log.with_suffix(".previous.log"))
-        run = runner.start(runner.with_side_channel(c), self.state_dir)
+        run = runner.start(runner.with_side_channel(c), self.state_dir, boot_idle=True)
         self.procs.append(record(run, rendered, step.ordinal, step.revision, live))
 
     def wait(self, pods: Sequence[str], timeout: float, say: Callable[[str], None]) -> None:
@@ -346,6 +346,8 @@ class Processes:
                 "stalled Kubernetes rollout leaves them). Fix the spec and `tilert-pd local apply` again, "
                 "or `tilert-pd local down`."
             ) from exc
+        for p in procs:  # ready: it serves now, at the normal CPU policy
+            runner.promote(p)
 
     def publish(self, serving: set[str], say: Callable[[str], None]) -> None:
         pods = [p for p in self.procs if p.name in serving and p.kind != constants.ROUTER]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import resource
 import secrets
 import signal
 import socket
@@ -136,7 +137,10 @@ def with_side_channel(c: Component) -> Component:
     return c
 
 
-def start(component: Component, state_dir: Path) -> Running:
+def start(component: Component, state_dir: Path, *, boot_idle: bool = False) -> Running:
+    """Start `component` in a session of its own. `boot_idle`: at idle CPU priority until `promote`
+    (a pod added by a change: on a cluster it boots on CPUs of its own; here its minute of vLLM
+    start-up would otherwise take the two cores from the pods serving meanwhile)."""
     log = state_dir / f"{component.name}.log"
     env = {**os.environ, **component.env}
     if "PYTHONPATH" in component.env and os.environ.get("PYTHONPATH"):
@@ -150,6 +154,10 @@ def start(component: Component, state_dir: Path) -> Running:
             start_new_session=True,
             env=env,
         )
+    if boot_idle and can_promote():
+        # Popen returns once the exec succeeded: the interpreter has no other thread yet, and every
+        # thread and process it makes inherits the policy.
+        _set_policy(proc.pid, os.SCHED_IDLE)
     return Running(
         component.name,
         component.kind,
@@ -162,14 +170,77 @@ def start(component: Component, state_dir: Path) -> Running:
     )
 
 
-def start_time(pid: int) -> int | None:
-    """When the process started (clock ticks after boot), or None if there is no such process."""
+def can_promote() -> bool:
+    """Whether this process may give an idle thread the normal policy back: with CAP_SYS_NICE (root
+    here), or where RLIMIT_NICE allows nice 0 (sched(7)); elsewhere pods boot at the normal policy,
+    as a pod left idle for good would serve at the mercy of every other process."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NICE)
+    return (
+        os.geteuid() == 0 or soft == resource.RLIM_INFINITY or soft >= 20 - os.getpriority(os.PRIO_PROCESS, 0)
+    )
+
+
+def _set_policy(tid: int, policy: int) -> bool:
+    try:
+        os.sched_setscheduler(tid, policy, os.sched_param(0))
+    except (ProcessLookupError, PermissionError):  # gone, or not ours to change
+        return False
+    return True
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields from the third (state) on, or None if there is no such process."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
     except OSError:
         return None
     # Field 2 (the command name) is in parentheses and may hold spaces: count fields after its end.
-    return int(stat[stat.rindex(")") + 2 :].split()[19])
+    return stat[stat.rindex(")") + 2 :].split()
+
+
+def _session(pid: int) -> int | None:
+    fields = _stat(pid)
+    return int(fields[3]) if fields else None
+
+
+def session_threads(p: Running) -> list[int]:
+    """The threads of every process in the session p leads (vLLM's engine core and workers too)."""
+    if not ours(p):
+        return []
+    tids: list[int] = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit() and _session(int(proc.name)) == p.pid:
+            try:
+                tids += [int(t.name) for t in (proc / "task").iterdir()]
+            except OSError:  # exited meanwhile
+                continue
+    return tids
+
+
+def promote(p: Running) -> int:
+    """Give every thread of p's session the normal CPU policy again (its pod is ready: it serves
+    now); the number of threads changed. Repeats while it finds idle ones, as a thread started
+    during a pass may have copied the idle policy from its creator."""
+    changed = 0
+    for _ in range(3):
+        idle = [t for t in session_threads(p) if _policy(t) == os.SCHED_IDLE]
+        if not idle:
+            break
+        changed += sum(_set_policy(t, os.SCHED_OTHER) for t in idle)
+    return changed
+
+
+def _policy(tid: int) -> int | None:
+    try:
+        return os.sched_getscheduler(tid)
+    except (ProcessLookupError, PermissionError):
+        return None
+
+
+def start_time(pid: int) -> int | None:
+    """When the process started (clock ticks after boot), or None if there is no such process."""
+    fields = _stat(pid)
+    return int(fields[19]) if fields else None
 
 
 def ours(p: Running) -> bool:
