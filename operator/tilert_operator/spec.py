@@ -180,6 +180,37 @@ class Pool(_Section):
     overrides: dict[str, Any] = {}
 
 
+#: The HPA's defaults: scale up at once, scale down only to the highest recommendation of the last
+#: five minutes (a replica that starts in minutes must not go on the first quiet interval).
+SCALE_UP_STABILIZATION_S = 0
+SCALE_DOWN_STABILIZATION_S = 300
+
+
+class PoolAutoscaling(_Section):
+    """A pool's bounds under the planner (tilert_operator/autoscale/). When enabled, the pool's
+    `replicas` is where it starts; the planner's decision (held in status) is what is rendered."""
+
+    enabled: bool = False
+    min_replicas: int = Field(default=1, ge=0, le=1024)
+    #: None = not set; required when enabled (validation says so).
+    max_replicas: int | None = Field(default=None, ge=1, le=1024)
+    #: A rise is taken at once when 0; else the lowest recommendation of this window (as the HPA does).
+    scale_up_stabilization_seconds: int = Field(default=SCALE_UP_STABILIZATION_S, ge=0, le=3600)
+    #: A fall takes the highest recommendation of this window: no flapping on a noisy signal.
+    scale_down_stabilization_seconds: int = Field(default=SCALE_DOWN_STABILIZATION_S, ge=0, le=3600)
+
+    def bounds(self, replicas: int) -> tuple[int, int]:
+        """[min, max] the pool may take: its bounds when enabled, else its fixed `replicas`."""
+        if not self.enabled:
+            return replicas, replicas
+        return self.min_replicas, self.max_replicas if self.max_replicas is not None else replicas
+
+
+class PrefillAutoscaling(PoolAutoscaling):
+    #: A stack always has a prefill.
+    min_replicas: int = Field(default=1, ge=1, le=1024)
+
+
 class Prefill(Pool):
     replicas: int = Field(default=1, ge=1, le=1024)
     termination: PrefillTermination = PrefillTermination()
@@ -190,6 +221,7 @@ class Prefill(Pool):
     mtp: Mtp = Mtp()
     native_connector: NativeConnector = "NixlConnector"
     extra_args: list[str] = []
+    autoscaling: PrefillAutoscaling = PrefillAutoscaling()
 
 
 class TileRTDecode(Pool):
@@ -202,6 +234,7 @@ class TileRTDecode(Pool):
     gpus: int = Field(default=constants.TILERT_GPUS, ge=0, le=64)
     #: Decode with multi-token prediction from the first step (needs prefill.mtp.enabled).
     mtp: bool = True
+    autoscaling: PoolAutoscaling = PoolAutoscaling()
 
 
 class NativeDecode(Pool):
@@ -210,6 +243,7 @@ class NativeDecode(Pool):
     tensor_parallel_size: int = Field(default=1, ge=1, le=64)
     gpus: int = Field(default=0, ge=0, le=64)
     extra_args: list[str] = []
+    autoscaling: PoolAutoscaling = PoolAutoscaling()
 
 
 #: The pools of model servers (an image, GPUs per replica, replicas), as the data-plane renderers take them.
@@ -302,6 +336,41 @@ class Observability(_Section):
     tracing: Tracing = Tracing()
 
 
+AutoscalingActuator = Literal["Operator", "HPA"]
+
+
+class Objective(_Section):
+    """The latency the planner holds (docs/autoscaling.md): a pool whose observed percentile misses
+    it is scaled up whatever its utilization says. 0 = no objective on that latency."""
+
+    ttft_seconds: float = Field(default=2.0, ge=0.0, le=600.0)
+    tpot_seconds: float = Field(default=0.1, ge=0.0, le=60.0)
+    #: The percentile of TTFT and TPOT that is held (0.95 = p95).
+    percentile: float = Field(default=0.95, ge=0.5, le=0.999)
+
+
+class RatioBounds(_Section):
+    """Prefill replicas per decode replica (TileRT + native). None = no bound on that side."""
+
+    min: float | None = Field(default=None, ge=0.0, le=1024.0)
+    max: float | None = Field(default=None, ge=0.0, le=1024.0)
+
+
+class Autoscaling(_Section):
+    """What the planner aims at, for the pools whose `autoscaling.enabled` is true."""
+
+    objective: Objective = Objective()
+    #: The share of a pool's capacity the planner sizes for (TileRT slots busy, native KV cache used,
+    #: prefill queue per replica against its batch): the headroom that absorbs a rise while a replica starts.
+    target_utilization: float = Field(default=0.7, ge=0.05, le=1.0)
+    prefill_to_decode_ratio: RatioBounds = RatioBounds()
+    #: Operator: the operator sets the pools' replicas from the planner's decision. HPA: it renders
+    #: HorizontalPodAutoscalers on external metrics (KEDA or a metrics adapter) and leaves replicas to them.
+    actuator: AutoscalingActuator = "Operator"
+    #: Seconds between two runs of the planner.
+    interval_seconds: int = Field(default=15, ge=5, le=600)
+
+
 class PDClusterSpec(_Section):
     model: Model
     transfer: Transfer = Transfer()
@@ -311,6 +380,7 @@ class PDClusterSpec(_Section):
     network_policies: NetworkPolicies = NetworkPolicies()
     generation_rollout: GenerationRollout = GenerationRollout()
     observability: Observability = Observability()
+    autoscaling: Autoscaling = Autoscaling()
 
 
 def parse(spec: dict[str, Any]) -> PDClusterSpec:

@@ -56,15 +56,21 @@ def _no_gpu_in_resources(pool: str, resources: dict[str, Any]) -> Iterable[Probl
             )
 
 
+def may_run(pool: specmod.ServingPool) -> bool:
+    """The pool has replicas now, or the planner may give it some (its autoscaling bound): the rules
+    about what its pods need apply either way."""
+    return most_replicas(pool) > 0
+
+
 def rule_gpus(s: PDClusterSpec) -> Iterable[Problem]:
     yield from _gpus_vs_tp("prefill", s.prefill.gpus, s.prefill.tensor_parallel_size)
     yield from _no_gpu_in_resources("prefill", s.prefill.resources)
-    if s.decode.native.replicas:
+    if may_run(s.decode.native):
         yield from _gpus_vs_tp("decode.native", s.decode.native.gpus, s.decode.native.tensor_parallel_size)
     yield from _no_gpu_in_resources("decode.native", s.decode.native.resources)
     yield from _no_gpu_in_resources("decode.tilert", s.decode.tilert.resources)
     t = s.decode.tilert
-    if t.replicas and t.engine == "tilert" and t.gpus != constants.TILERT_GPUS:
+    if may_run(t) and t.engine == "tilert" and t.gpus != constants.TILERT_GPUS:
         yield Problem(
             "spec.decode.tilert.gpus",
             f"engine tilert shards the model over exactly {constants.TILERT_GPUS} GPUs, got {t.gpus}; "
@@ -74,7 +80,7 @@ def rule_gpus(s: PDClusterSpec) -> Iterable[Problem]:
 
 def rule_engine_model(s: PDClusterSpec) -> Iterable[Problem]:
     t = s.decode.tilert
-    if t.replicas and t.engine == "tilert" and s.model.tilert_model not in specmod.DSA_MODELS:
+    if may_run(t) and t.engine == "tilert" and s.model.tilert_model not in specmod.DSA_MODELS:
         yield Problem(
             "spec.decode.tilert.engine",
             f"engine tilert runs only glm5 and deepseek_v3_2, not tilertModel {s.model.tilert_model}; "
@@ -99,7 +105,7 @@ def rule_kv_dtype(s: PDClusterSpec) -> Iterable[Problem]:
 
 def rule_mtp(s: PDClusterSpec) -> Iterable[Problem]:
     t = s.decode.tilert
-    if t.replicas and t.mtp and not s.prefill.mtp.enabled:
+    if may_run(t) and t.mtp and not s.prefill.mtp.enabled:
         yield Problem(
             "spec.prefill.mtp.enabled",
             "the TileRT pool decodes with MTP (spec.decode.tilert.mtp), whose draft-layer KV is filled "
@@ -143,11 +149,12 @@ def rule_decode_pools(s: PDClusterSpec) -> Iterable[Problem]:
             "both decode pools have 0 replicas; set spec.decode.tilert.replicas or "
             "spec.decode.native.replicas above 0",
         )
-    if s.decode.native.replicas and s.prefill.native_connector == "none":
+    if may_run(s.decode.native) and s.prefill.native_connector == "none":
         yield Problem(
             "spec.prefill.nativeConnector",
-            f"is none but spec.decode.native.replicas is {s.decode.native.replicas}: the native pool "
-            "reads KV through it; set NixlConnector",
+            f"is none but the native pool may have replicas (replicas {s.decode.native.replicas}, "
+            f"autoscaling up to {s.decode.native.autoscaling.bounds(s.decode.native.replicas)[1]}): "
+            "it reads KV through it; set NixlConnector",
         )
 
 
@@ -195,6 +202,121 @@ def rule_weights(s: PDClusterSpec) -> Iterable[Problem]:
             "spec.model.weights",
             "set exactly one of volume (a volume source such as persistentVolumeClaim) or tiny: true",
         )
+
+
+# ---- autoscaling -------------------------------------------------------------------------------
+
+#: The pools the planner sizes, with their spec field.
+AUTOSCALED_POOLS = ("prefill", "decode.tilert", "decode.native")
+
+
+def _autoscaled(s: PDClusterSpec) -> list[tuple[str, specmod.ServingPool]]:
+    return [("prefill", s.prefill), ("decode.tilert", s.decode.tilert), ("decode.native", s.decode.native)]
+
+
+def rule_autoscaling(s: PDClusterSpec) -> Iterable[Problem]:
+    """Bounds the planner can honour: each pool's [min, max] holds its starting replicas, a decode
+    pool always remains, the ratio bounds can be met inside the pools' bounds, and the pools at
+    their maximum still fit a blue/green rollout's GPU bound."""
+    from tilert_operator.render import generations
+
+    for field, pool in _autoscaled(s):
+        a = pool.autoscaling
+        if not a.enabled:
+            continue
+        base = f"spec.{field}.autoscaling"
+        if a.max_replicas is None:
+            yield Problem(
+                f"{base}.maxReplicas",
+                f"is needed when autoscaling is enabled; set it (at least minReplicas, {a.min_replicas})",
+            )
+            continue
+        if a.min_replicas > a.max_replicas:
+            yield Problem(
+                f"{base}.minReplicas",
+                f"{a.min_replicas} is above maxReplicas {a.max_replicas}; lower minReplicas or raise maxReplicas",
+            )
+            continue
+        if not a.min_replicas <= pool.replicas <= a.max_replicas:
+            yield Problem(
+                f"spec.{field}.replicas",
+                f"{pool.replicas} (the starting point) is outside autoscaling's [{a.min_replicas}, "
+                f"{a.max_replicas}]; set replicas within it, or change the bounds",
+            )
+    t, n = s.decode.tilert, s.decode.native
+    (t_lo, t_hi), (n_lo, n_hi) = t.autoscaling.bounds(t.replicas), n.autoscaling.bounds(n.replicas)
+    if (t.autoscaling.enabled or n.autoscaling.enabled) and t_lo + n_lo == 0:
+        yield Problem(
+            "spec.decode",
+            "the planner may take both decode pools to 0 (TileRT and native minReplicas, or fixed replicas, "
+            "are 0); set spec.decode.tilert.autoscaling.minReplicas or spec.decode.native.autoscaling."
+            "minReplicas to 1",
+        )
+    default = s.router.policy.default
+    if default != "auto" and (t if default == "tilert" else n).autoscaling.enabled:
+        lo = t_lo if default == "tilert" else n_lo
+        if lo == 0:
+            yield Problem(
+                f"spec.decode.{default}.autoscaling.minReplicas",
+                f"is 0 but spec.router.policy.default is {default}: requests with no header would find no "
+                "pool; set minReplicas to 1, or the default to auto",
+            )
+    r = s.autoscaling.prefill_to_decode_ratio
+    if r.min is not None and r.max is not None and r.min > r.max:
+        yield Problem(
+            "spec.autoscaling.prefillToDecodeRatio.min",
+            f"{r.min:g} is above max {r.max:g}; lower min or raise max",
+        )
+    else:
+        p_lo, p_hi = s.prefill.autoscaling.bounds(s.prefill.replicas)
+        d_lo, d_hi = t_lo + n_lo, t_hi + n_hi
+        # The ratio can be met iff some prefill count in [p_lo, p_hi] over some decode count in
+        # [d_lo, d_hi] falls in [min, max]: the extremes p_lo/d_hi and p_hi/d_lo bound what is reachable.
+        if r.max is not None and d_hi > 0 and p_lo > r.max * d_hi:
+            yield Problem(
+                "spec.autoscaling.prefillToDecodeRatio.max",
+                f"{r.max:g} cannot be met: even at the fewest prefills ({p_lo}) and the most decode replicas "
+                f"({d_hi}) the ratio is {p_lo / d_hi:.3g}; raise max, lower spec.prefill.autoscaling.minReplicas "
+                "or raise the decode pools' maxReplicas",
+            )
+        if r.min is not None and d_lo > 0 and p_hi < r.min * d_lo:
+            yield Problem(
+                "spec.autoscaling.prefillToDecodeRatio.min",
+                f"{r.min:g} cannot be met: even at the most prefills ({p_hi}) and the fewest decode replicas "
+                f"({d_lo}) the ratio is {p_hi / d_lo:.3g}; lower min, raise spec.prefill.autoscaling.maxReplicas "
+                "or lower the decode pools' minReplicas",
+            )
+    g = s.generation_rollout
+    if (
+        g.strategy == "BlueGreen"
+        and g.max_surge_gpus is not None
+        and any(p.autoscaling.enabled for _, p in _autoscaled(s))
+    ):
+        at_max = s.model_copy(
+            update={
+                "prefill": s.prefill.model_copy(update={"replicas": most_replicas(s.prefill)}),
+                "decode": s.decode.model_copy(
+                    update={
+                        "tilert": t.model_copy(update={"replicas": most_replicas(t)}),
+                        "native": n.model_copy(update={"replicas": most_replicas(n)}),
+                    }
+                ),
+            }
+        )
+        need = generations.surge_gpus(at_max)
+        if need > g.max_surge_gpus:
+            yield Problem(
+                "spec.generationRollout.maxSurgeGpus",
+                f"at the pools' autoscaling maxReplicas (prefill {most_replicas(s.prefill)}x{s.prefill.gpus}, TileRT "
+                f"{most_replicas(t)}x{t.gpus}, native {most_replicas(n)}x{n.gpus} GPUs) a new generation starts {need} GPUs "
+                f"beside the running one but maxSurgeGpus is {g.max_surge_gpus}: raise it to {need}, lower the "
+                "maxReplicas, or set spec.generationRollout.strategy: Recreate",
+            )
+
+
+def most_replicas(pool: specmod.ServingPool) -> int:
+    """The most replicas the pool may have: its autoscaling maximum, or its fixed replicas."""
+    return pool.autoscaling.bounds(pool.replicas)[1]
 
 
 # ---- what the API server and the controllers will accept -------------------------------------
@@ -847,6 +969,7 @@ RULES: tuple[Callable[[PDClusterSpec], Iterable[Problem]], ...] = (
     rule_kv_dtype,
     rule_mtp,
     rule_generation_rollout,
+    rule_autoscaling,
     rule_decode_pools,
     rule_transfer,
     rule_ports,
