@@ -2,7 +2,7 @@
 scale steps, a generation change, a SIGKILL of each component and the router restarted. One table,
 one row per change, judged against one bar (judge.py).
 
-    .venv/bin/python -m bench.change [--rate 0.5] [--steady 12] [--settle 6] [--only NAME,...]
+    .venv/bin/python -m bench.change [--rate 0.5] [--steady 40] [--settle 6] [--only NAME,...]
                                      [--references FILE] [--no-record] [--seed 0]
 
 Starts examples/tiny-cpu.yaml with short termination settings (scenarios.base_doc) as `tilert-pd local
@@ -146,7 +146,7 @@ def render(rows: list[judge.Row]) -> str:
             "failed (by class)",
             "retried",
             "greedy mismatches / compared",
-            "TTFT p99 while it ran vs steady",
+            "TTFT p99 of requests in flight while it ran vs steady",
             "failed in flight at the kill",
             "all served again after (s)",
             "bar",
@@ -158,7 +158,7 @@ def render(rows: list[judge.Row]) -> str:
 def cli() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rate", type=float, default=0.5, help="Poisson arrivals, req/s (default %(default)s)")
-    p.add_argument("--steady", type=int, default=12, help="successful requests before the first change")
+    p.add_argument("--steady", type=int, default=40, help="successful requests before the first change")
     p.add_argument(
         "--settle", type=int, default=6, help="requests answered after each change before the next"
     )
@@ -189,8 +189,10 @@ def cli() -> None:
         f"{met} of {len(rows)} changes met the bar. Load: {a.rate:g} req/s Poisson through the router for the "
         "whole run, a third each asking for `tilert`, `native` and `auto`, half streamed, half chat, all "
         "greedy and compared with vLLM alone's text. Each row counts the requests sent from its change's "
-        f"start until the next change (the settle window: {a.settle} answered). TTFT ratios are against the "
-        f"{a.steady} steady requests before the first change. Once the native pool is at zero, requests "
+        f"start until the next change (the settle window: {a.settle} answered). TTFT while a change ran is over the streamed "
+        "requests in flight at some time between its start and its apply's end; ratios are against the "
+        f"{a.steady} steady requests before the first change. Pods a change creates boot at idle CPU priority "
+        "until ready (docs/local.md), as a cluster boots them on CPUs of their own. Once the native pool is at zero, requests "
         "asking for `native` get 503 `no_native_pool` by design and are left out. A kill's in-flight "
         "failures count every request in flight at the kill that failed, whatever it was on. Load average "
         f"(1 min) at the end: {os.getloadavg()[0]:.1f}. Total {time.monotonic() - t0:.0f} s. {stopped}\n\n"

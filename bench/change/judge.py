@@ -2,7 +2,8 @@
 
 The bar:
 - a planned change: no request sent while it ran or in the settle window after it failed, every
-  greedy output equals vLLM alone's, and TTFT p99 while it ran is within 2x of the steady state's;
+  greedy output equals vLLM alone's, and TTFT p99 of the requests in flight while it ran is within 2x
+  of the steady state's;
 - an unplanned one (a kill): only the requests in flight on the killed component may fail (each with
   a clean error: an HTTP error or an error event, never a cut stream), requests sent after the kill all
   succeed from within 2 s of it (the pod is restored at once, as the kubelet restarts a killed
@@ -61,6 +62,20 @@ def _between(records: Sequence[Record], start: float, end: float, scenario: Scen
     ]
 
 
+def _overlapping(records: Sequence[Record], start: float, end: float, scenario: Scenario) -> list[Record]:
+    """The requests in flight at some time in [start, end): the ones a change can have slowed, those
+    sent just before it included (a change of a few seconds may see no request sent within it)."""
+    return [
+        r
+        for r in records
+        if r.start < end
+        and r.end is not None
+        and r.end > start
+        and r.outcome is not None
+        and r.route_asked not in scenario.unservable
+    ]
+
+
 def _at(marks: Sequence[Mark], name: str) -> float:
     return next(m.at for m in marks if m.name == name)
 
@@ -80,7 +95,7 @@ def row(records: Sequence[Record], marks: Sequence[Mark], scenario: Scenario, st
     problems: list[str] = []
     in_flight_failed = in_flight_clean = None
     served_again = None
-    during = Stats.of(_between(records, start, settled, scenario))
+    during = Stats.of(_overlapping(records, start, settled, scenario))
     failed = stats.failures
     if not scenario.planned:
         # The pod is brought back at once, as the kubelet restarts a killed container: the requests

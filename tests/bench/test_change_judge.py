@@ -86,3 +86,13 @@ def test_the_sequence_scales_a_pool_to_two_before_killing_one_of_its_pods() -> N
     last = parse(doc["spec"])
     assert (last.prefill.replicas, last.decode.tilert.replicas, last.decode.native.replicas) == (1, 1, 0)
     assert generation(last) != first
+
+
+def test_ttft_while_a_change_ran_counts_the_requests_in_flight_during_it() -> None:
+    # A change of 2 s with no request sent within it: the one sent just before and still running is
+    # what it slowed; the one that ended before it started, and the one sent after it, are not.
+    marks = [Mark("roll", 10.0), Mark(judge.after("roll"), 12.0)]
+    records = [rec(10, 8.0, 9.0, ttft=0.9), rec(11, 9.5, 11.0, ttft=0.3), rec(12, 13.0, 14.0, ttft=0.9)]
+    r = row(records, ROLL, marks)
+    assert r.ttft_ratio is not None and abs(r.ttft_ratio - 3.0) < 1e-9
+    assert r.stats.requests == 1  # the counts stay those sent from the change's start on
