@@ -26,6 +26,7 @@ from tests.e2e.procs import PY, Proc
 from tilert_operator.cli_render import render_document
 from tilert_serve.local import docker, docker_runtime
 from tilert_serve.local.runner import free_port
+from tilert_serve.router import config as router_config
 
 pytestmark = [pytest.mark.slow, pytest.mark.docker]
 
@@ -181,7 +182,8 @@ def _manifests() -> list[dict[str, Any]]:
 
 def test_secondary_network_carries_the_handoff(images: Images, tmp_path: Path) -> None:
     """With `transfer.rdma.networks` named, each pod gets a second network (the Multus one), the node
-    finds its data-plane address in the network-status file written as Multus would, and the KV
+    finds its data-plane address in the network-status file written as Multus would, the router's
+    config lists it at that address (no DNS discovery: the list is all the router routes), and the KV
     state crosses that network, not the pod network (interface counters of the decode pod)."""
     doc = yaml.safe_load(EXAMPLE.read_text())
     doc["metadata"]["name"] = "mnet"
@@ -219,6 +221,15 @@ def test_secondary_network_carries_the_handoff(images: Images, tmp_path: Path) -
             (home / "mnet" / "pods" / node["name"] / "volumes" / "podinfo" / "network-status").read_text()
         )
         rdma = next(e for e in status if e["name"] == "default/rdma-a")
+        # The router's config lists the node at its address on that network, as the operator wires it,
+        # and finds no node through DNS (which would name it by its pod IP).
+        cfg = router_config.load(
+            home / "mnet" / "pods" / "mnet-router-0" / "volumes" / "config" / "config.yaml"
+        )
+        assert [(n.name, n.http_url, n.ctrl_host) for n in cfg.tilert] == [
+            (node["name"], node["url"], rdma["ips"][0])
+        ] and cfg.discoveries() == [], cfg
+        assert f"{node['name']} (data plane {rdma['ips'][0]})" in up.stdout
         container = node["containers"][0]
         before = docker.received_bytes(container)
         client = openai.OpenAI(base_url=f"{state['router']}/v1", api_key="none", max_retries=0, timeout=300)

@@ -8,15 +8,17 @@ import json
 from typing import Any
 
 import kubernetes_validate
+import pdc_harness as h
 import pdc_helpers as helpers
 import pytest
 import yaml
 
-from tilert_operator import cli_render, constants, render, validation
+from tilert_operator import cli_render, constants, observe, render, validation
 from tilert_operator import spec as specmod
 from tilert_operator.render import commands, prefill
 from tilert_serve import defaults
 from tilert_serve.router import config as router_config
+from tilert_serve.router import discovery
 
 
 def _render(spec: dict[str, Any], name: str = "t", ns: str = "ns") -> list[dict[str, Any]]:
@@ -220,15 +222,53 @@ def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:
     doc["router"].setdefault("policy", {})["prefill"] = "round_robin"
     cm = render.router.configmap(specmod.parse(doc), "glm5", "serving", [node])
     assert yaml.safe_load(cm["data"]["config.yaml"])["policy"]["prefill"] == "round_robin"
+    # A secondary network: the wired nodes listed here are all the router uses (no DNS discovery,
+    # which would name every ready pod by its pod IP).
+    assert spec.transfer.rdma.networks and cfg.discoveries() == []
+
+
+def test_without_a_secondary_network_new_nodes_are_found_through_dns() -> None:
+    spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
+    assert not spec.transfer.rdma.networks
+    cfg = render.router.pod_config(spec, "tiny", "ns", [])
     # New TileRT pods reach the router through the headless Service's DNS within seconds.
     (d,) = cfg.discoveries()
-    assert d.service == "glm5-tilert-decode.serving.svc" and d.compat == compat
+    assert d.service == "tiny-tilert-decode.ns.svc" and d.compat == render.generations.generation(spec).compat
     assert (d.http_port, d.ctrl_port, d.slots, d.max_seq_len) == (
         spec.decode.tilert.http_port,
         spec.decode.tilert.ctrl_port,
         spec.decode.tilert.slots,
         spec.model.max_seq_len,
     )
+
+
+def test_a_ready_node_without_its_data_plane_address_is_not_routed() -> None:
+    """EndpointsWired=False (DataPlaneAddressMissing) means the router does not use the node: not in
+    the endpoint list, and not added by the router's DNS discovery either, though DNS names it (the
+    headless Service names every ready pod)."""
+    spec = specmod.parse(helpers.example("glm5-b200-rdma")["spec"])
+    wired = h.pod(
+        "glm5",
+        constants.TILERT,
+        0,
+        "serving",
+        ip="10.0.0.1",
+        rdma_net="serving/rdma-net",
+        rdma_ip="192.168.0.1",
+    )
+    unwired = h.pod("glm5", constants.TILERT, 1, "serving", ip="10.0.0.2")
+    nodes, left_out = observe.tilert_nodes(spec, [wired, unwired])
+    assert [u.pod for u in left_out] == ["glm5-tilert-decode-1"]
+    cfg = router_config.RouterConfig.model_validate(
+        yaml.safe_load(render.router.configmap(spec, "glm5", "serving", nodes)["data"]["config.yaml"])
+    )
+    # What the router routes to: the configured nodes plus what its discovery finds, with DNS
+    # answering both ready pods' IPs.
+    found = [n for d in cfg.discoveries() for n in discovery.nodes_from(["10.0.0.1", "10.0.0.2"], d)]
+    routed = router_config.with_discovered(cfg, found).tilert
+    assert [(n.name, n.http_url, n.ctrl_host) for n in routed] == [
+        ("glm5-tilert-decode-0", "http://10.0.0.1:5557", "192.168.0.1")
+    ]
 
 
 def test_secret_and_multus_wiring() -> None:

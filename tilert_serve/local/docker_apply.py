@@ -1,15 +1,18 @@
 """`tilert-pd local apply` for the docker runtime: the steps of rollout.py against containers.
 
 A pod's endpoints here are the DNS names of its Services on the pod network (the router reaches the
-prefill and native pools through their Service names, and finds TileRT nodes through the headless
-Service's name). Docker cannot take a name away from a connected container, so a pod leaves the
+prefill and native pools through their Service names, and, without a secondary network, also finds
+TileRT nodes through the headless Service's name), and for a TileRT node its entry in the router's
+ConfigMap: every step that changes the endpoints rewrites that list with the wired nodes, as the
+operator does (docker_runtime.wired_nodes: each node at its data-plane address; with a secondary
+network the list is all the router routes). Docker cannot take a name away from a connected container, so a pod leaves the
 endpoints by being disconnected from the pod network and connected again at once with the same
 address and only its own hostname: its connections in flight keep their addresses (TCP retransmits
 over the new link), while no lookup names it any more. A new pod starts without its Service names and
 gets them once its readiness probes pass, as the endpoints controller publishes only ready pods.
 
 "The router has the new endpoints" is read where the router reads them: the router's own metrics for
-the TileRT nodes it discovered (one series per node), and the pod network's DNS, asked from inside the
+its TileRT nodes (one series per node), and the pod network's DNS, asked from inside the
 router's container, for each Service name. The router's HTTP client caches a lookup for up to 10 s
 and reuses open connections; the preStop sleep and the servers' drain on SIGTERM cover that window,
 as they cover kube-proxy's in a cluster.
@@ -27,8 +30,6 @@ from __future__ import annotations
 
 import copy
 import json
-import os
-import posixpath
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -48,8 +49,6 @@ from tilert_serve.router import config as router_config
 
 #: The rendered Secrets a docker run was started with (owner-only, in its state directory).
 SECRETS_FILE = "secrets.json"
-#: The router ConfigMap's key that holds the router's config.
-ROUTER_CONFIG_KEY = posixpath.basename(constants.ROUTER_CONFIG_FILE)
 #: Asked inside the router's container: the addresses a name resolves to there. Docker's embedded DNS
 #: answers a name a container holds at once and forwards any other to the host's resolvers, which on an
 #: offline host never answer (a lookup then outlasts `docker exec`'s timeout): so a name that has not
@@ -167,6 +166,8 @@ class Containers:
     secrets: list[pods.Manifest] = field(default_factory=list)
     #: The generations rendered now, by slot (`use`).
     lives: dict[str, Live] = field(default_factory=dict)
+    #: The pods that are endpoints now (the last `publish`).
+    serving: set[str] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self.records = docker_runtime.records_from(self.state)
@@ -289,6 +290,10 @@ class Containers:
             published=False,
         )
         self.records.append(rec)
+        if rec.component == constants.ROUTER:
+            # It started with the ConfigMap as rendered, which lists no TileRT node: the wired ones now
+            # (with a secondary network it finds none through DNS).
+            self._write_router_config(self.serving, say=lambda _m: None)
 
     def wait(self, names: Sequence[str], timeout: float, say: Callable[[str], None]) -> None:
         t0 = time.monotonic()
@@ -327,16 +332,16 @@ class Containers:
                 docker.network_disconnect(self.net.name, container)
                 docker.network_connect(self.net.name, container, rec.ip, rec.aliases if want else ())
                 rec.published = want
+        self.serving = set(serving)
+        configured, nodes = self._write_router_config(serving, say)
         router = next(
             (r for r in self.records if r.component == constants.ROUTER and docker_runtime.ready(r)), None
         )
         if router is None:
-            say("    (no router ready: it finds the endpoints when it starts)")
+            say("    (no router ready: it reads the endpoints when it starts)")
             return
         self.state["router"] = router.url
-        configured = self._write_router_config()
         self._await_dns(router, serving, say)
-        nodes = {r.url for r in self.records if r.component == constants.TILERT and r.name in serving}
         t0 = time.monotonic()
         while time.monotonic() - t0 < applymod.ROUTER_RELOAD_TIMEOUT_S:
             tilert = applymod.router_endpoints(router.url, pool="tilert")
@@ -360,45 +365,18 @@ class Containers:
             f"{router.containers[0]}`. Nothing was stopped."
         )
 
-    def _write_router_config(self) -> set[str]:
-        """Write the rendered router ConfigMap into every router pod's volume, as the kubelet syncs a
-        mounted ConfigMap (one rename: the router never reads half a file); the prefill and native
-        endpoints it lists."""
-        configmaps = {m["metadata"]["name"]: m for m in self.manifests if m.get("kind") == "ConfigMap"}
-        listed: set[str] = set()
-        for rec in self.records:
-            if rec.component != constants.ROUTER:
-                continue
-            workload = next(
-                (
-                    m
-                    for m in self.manifests
-                    if m.get("kind") == "Deployment" and m["metadata"]["name"] == rec.workload
-                ),
-                None,
-            )
-            if workload is None:
-                continue
-            for volume in workload["spec"]["template"]["spec"].get("volumes") or []:
-                cm = configmaps.get((volume.get("configMap") or {}).get("name", ""))
-                if cm is None:
-                    continue
-                for key, text in (cm.get("data") or {}).items():
-                    if key == ROUTER_CONFIG_KEY:
-                        cfg = router_config.RouterConfig.model_validate(yaml.safe_load(text))
-                        listed |= {e.url for e in [*cfg.prefill, *cfg.native]}
-                    path = self.state_dir / "pods" / rec.name / "volumes" / volume["name"] / key
-                    if not path.exists() or path.read_text() != text:
-                        path.parent.mkdir(parents=True, exist_ok=True)
-                        st = path.stat() if path.exists() else None
-                        tmp = path.with_suffix(".tmp")
-                        tmp.write_text(text)
-                        # The file's group and mode as `up` made them (the router runs as another user).
-                        if st is not None:
-                            os.chown(tmp, -1, st.st_gid)
-                        os.chmod(tmp, st.st_mode & 0o777 if st is not None else 0o644)
-                        tmp.replace(path)
-        return listed
+    def _write_router_config(
+        self, serving: set[str], say: Callable[[str], None]
+    ) -> tuple[set[str], set[str]]:
+        """The router ConfigMap with the wired TileRT nodes among `serving` (docker_runtime.wired_nodes,
+        as the operator lists them), written into the router pods' volumes; (the prefill and native
+        endpoints it lists, the TileRT nodes' URLs)."""
+        nodes, unwired = docker_runtime.wired_nodes(
+            self.manifests, [r for r in self.records if r.name in serving]
+        )
+        listed = docker_runtime.write_router_config(self.state_dir, self.manifests, self.records, nodes)
+        say(docker_runtime.describe_nodes(nodes, unwired))
+        return listed, {n.http_url for n in nodes}
 
     def _await_dns(
         self, router: docker_runtime.PodRecord, serving: set[str], say: Callable[[str], None]

@@ -6,12 +6,20 @@ the network-status file written once the pod's interfaces exist, as Multus and t
 Readiness is each container's own readiness probe (after its startup probe), run from the host
 against the pod's address, as the kubelet runs it. Everything created carries the run's label, so
 `down` removes it all, logs saved first.
+
+The router's TileRT nodes are written as the operator writes them: when a TileRT pod turns ready, the
+router's ConfigMap file in the router pod's volume is rewritten with the ready nodes that
+`tilert_operator.observe.tilert_nodes` wires (each at its data-plane address, read from the pod's
+network-status; a node without one is left out), and the router reloads it. With a secondary network
+the rendered config has no DNS discovery (render/router.py `discovers`), so that list is all the
+router routes.
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
+import posixpath
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -20,9 +28,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tilert_operator import constants
+import yaml
+
+from tilert_operator import constants, observe
+from tilert_operator.render import generations
+from tilert_operator.spec import PDClusterSpec
 from tilert_serve import dataplane
 from tilert_serve.local import docker, pods, probes
+from tilert_serve.router import config as router_config
 
 
 class StartFailed(RuntimeError):
@@ -56,6 +69,15 @@ class PodRecord:
     #: for a pod `up` started before these were recorded (apply adopts it as slot a's).
     slot: str = ""
     generation: str = ""
+    namespace: str = "default"
+    #: The pod's Multus network-status as written once its interfaces existed ("" for a pod on no
+    #: secondary network, or one started before it was recorded): where the operator reads a TileRT
+    #: node's data-plane address.
+    network_status: str = ""
+
+
+#: The router ConfigMap's key that holds the router's config.
+ROUTER_CONFIG_KEY = posixpath.basename(constants.ROUTER_CONFIG_FILE)
 
 
 def container_name(run: str, pod: str, container: str) -> str:
@@ -120,7 +142,14 @@ def up(
             )
         )
         records = start_pods(plan, run, state_dir, net, secondary, say)
-        _wait_ready(plan, records, run, timeout, say)
+
+        def route(ready: set[str]) -> None:
+            # As the operator: a TileRT pod turned ready, so the router's ConfigMap lists the wired ones.
+            nodes, unwired = wired_nodes(manifests, [r for r in records if r.name in ready])
+            write_router_config(state_dir, manifests, records, nodes)
+            say(describe_nodes(nodes, unwired))
+
+        _wait_ready(plan, records, run, timeout, say, route)
     except BaseException:
         say("  removing what was started ...")
         cleanup(run, state_dir)
@@ -183,8 +212,9 @@ def start_pods(
             docker.network_connect(secondary[network][0].name, names[0], address)
         for name in names:
             docker.start(name)
+        status = _network_status(pod, names[0], addresses[pod.name]) if pod.networks or pod.late_files else ""
         if pod.late_files:
-            _write_late_files(pod, pod_dir, names[0], addresses[pod.name])
+            _write_late_files(pod, pod_dir, status)
         main = pod.containers[0]
         # The pod's HTTP port (a decode node declares its control port first).
         port = main.ports.get("http") or next(iter(main.ports.values()), None)
@@ -202,6 +232,8 @@ def start_pods(
             ordinal=int(pod.name.rsplit("-", 1)[1]),
             aliases=list(pod.aliases),
             published=bool(pod.aliases),
+            namespace=pod.namespace,
+            network_status=status,
         )
 
     with ThreadPoolExecutor(max_workers=max(1, len(plan))) as pool:
@@ -263,13 +295,17 @@ def _write_files(pod: pods.Pod, pod_dir: Path) -> None:
             fh.write(f.content)
 
 
-def _write_late_files(pod: pods.Pod, pod_dir: Path, container: str, addresses: dict[str, str]) -> None:
-    """Multus's part: the pod's network-status, once its interfaces exist, into the downward-API
-    file that mounts the annotation (the node waits for it: --network-status-timeout)."""
+def _network_status(pod: pods.Pod, container: str, addresses: dict[str, str]) -> str:
+    """Multus's part: the pod's network-status annotation, once its interfaces exist."""
     by_address = {address: iface for iface, address in docker.interfaces(container)}
     entries = [("", by_address.get(pod.ip, "eth0"), pod.ip)]
     entries += [(net, by_address.get(address, ""), address) for net, address in addresses.items()]
-    status = pods.network_status(pod, entries)
+    return pods.network_status(pod, entries)
+
+
+def _write_late_files(pod: pods.Pod, pod_dir: Path, status: str) -> None:
+    """The network-status into the downward-API file that mounts the annotation (the node waits for
+    it: --network-status-timeout)."""
     annotations = {**pod.annotations, dataplane.MULTUS_STATUS_ANNOTATION: status}
     live = pods.Pod(**{**pod.__dict__, "annotations": annotations})
     for path, field_path in pod.late_files:
@@ -291,8 +327,15 @@ def _save_log(state_dir: Path, container: str) -> None:
 
 
 def _wait_ready(
-    plan: Sequence[pods.Pod], records: list[PodRecord], run: str, timeout: float, say: Callable[[str], None]
+    plan: Sequence[pods.Pod],
+    records: list[PodRecord],
+    run: str,
+    timeout: float,
+    say: Callable[[str], None],
+    on_tilert_ready: Callable[[set[str]], None],
 ) -> None:
+    """Wait until every pod of `plan` passes its probes; each time TileRT pods turn ready,
+    `on_tilert_ready` gets the names of every pod ready so far."""
     t0 = probes.now()
     trackers = {
         (p.name, c.name): (_trackers(c, t0), container_name(run, p.name, c.name))
@@ -325,10 +368,14 @@ def _wait_ready(
                             f"{t.failures} times (last: {t.last}); the kubelet would restart it. "
                             f"Its log ends with:\n{docker.logs(container, 40)}"
                         )
+        turned = set()
         for pod in sorted(pending):
             if all(r is None or r.passed for (p, _), ((_, r), _) in trackers.items() if p == pod):
                 pending.discard(pod)
+                turned.add(pod)
                 say(f"  ready  {pod:<26} ({probes.now() - t0:.0f} s)")
+        if any(r.component == constants.TILERT for r in records if r.name in turned):
+            on_tilert_ready({p.name for p in plan} - pending)
         elapsed = probes.now() - t0
         if pending and elapsed > timeout:
             detail = "; ".join(
@@ -347,6 +394,113 @@ def _wait_ready(
             for c in p.containers
             if c.readiness is not None
         ]
+
+
+def as_api_pod(rec: PodRecord) -> dict[str, Any]:
+    """A ready pod as the API server shows it to the operator (what tilert_operator.observe reads): its
+    IP, component label, Multus network-status annotation and Ready condition."""
+    annotations = {dataplane.MULTUS_STATUS_ANNOTATION: rec.network_status} if rec.network_status else {}
+    return {
+        "metadata": {
+            "name": rec.name,
+            "namespace": rec.namespace,
+            "labels": {constants.LABEL_COMPONENT: rec.component},
+            "annotations": annotations,
+        },
+        "status": {"podIP": rec.ip, "conditions": [{"type": "Ready", "status": "True"}]},
+    }
+
+
+def generation_specs(manifests: Sequence[pods.Manifest]) -> dict[str, PDClusterSpec]:
+    """slot -> the data-plane spec of each generation rendered in `manifests` (oldest first), as its
+    prefill Deployment records it (every generation has one)."""
+    out: dict[str, PDClusterSpec] = {}
+    for m in manifests:
+        labels = m["metadata"].get("labels") or {}
+        if m.get("kind") != "Deployment" or labels.get(constants.LABEL_COMPONENT) != constants.PREFILL:
+            continue
+        spec = generations.recorded_spec(m)
+        if spec is None:
+            raise ValueError(
+                f"Deployment {m['metadata']['name']} records no generation spec "
+                f"({constants.GENERATION_SPEC_ANNOTATION}): it was not rendered by this tilert-pd; "
+                "`tilert-pd local down` and `up` again"
+            )
+        out[labels.get(constants.LABEL_SLOT, constants.SLOT_A)] = spec
+    return out
+
+
+def wired_nodes(
+    manifests: Sequence[pods.Manifest], ready: Sequence[PodRecord]
+) -> tuple[list[router_config.TileRTNode], list[observe.Unwired]]:
+    """The router's TileRT entries for the `ready` pods, decided by the operator's own code
+    (observe.tilert_nodes: each node at its data-plane address, a node without one left out), each
+    with its generation's compat as render/router.py gives it; and the nodes left out, with why. A pod
+    of a generation `manifests` no longer render is no endpoint."""
+    nodes: list[router_config.TileRTNode] = []
+    unwired: list[observe.Unwired] = []
+    tilert = [r for r in ready if r.component == constants.TILERT]
+    for slot, spec in generation_specs(manifests).items():
+        found, left_out = observe.tilert_nodes(
+            spec, [as_api_pod(r) for r in tilert if (r.slot or constants.SLOT_A) == slot]
+        )
+        compat = generations.generation(spec).compat
+        nodes += [n.model_copy(update={"compat": compat}) for n in found]
+        unwired += left_out
+    return nodes, unwired
+
+
+def describe_nodes(nodes: Sequence[router_config.TileRTNode], unwired: Sequence[observe.Unwired]) -> str:
+    """One progress line: which TileRT nodes the router's config lists, and which are left out."""
+    listed = ", ".join(f"{n.name} (data plane {n.ctrl_host})" for n in nodes) or "none"
+    out = f"    router config: TileRT nodes {listed}"
+    if unwired:
+        out += "; left out: " + "; ".join(f"{u.pod}: {u.problem}" for u in unwired)
+    return out
+
+
+def write_router_config(
+    state_dir: Path,
+    manifests: Sequence[pods.Manifest],
+    records: Sequence[PodRecord],
+    nodes: Sequence[router_config.TileRTNode],
+) -> set[str]:
+    """Write the rendered router ConfigMap, listing `nodes` as its TileRT nodes (as the operator renders
+    it with the wired nodes), into every router pod's volume, as the kubelet syncs a mounted ConfigMap
+    (one rename: the router never reads half a file); the prefill and native endpoints it lists."""
+    configmaps = {m["metadata"]["name"]: m for m in manifests if m.get("kind") == "ConfigMap"}
+    listed: set[str] = set()
+    for rec in records:
+        if rec.component != constants.ROUTER:
+            continue
+        workload = next(
+            (m for m in manifests if m.get("kind") == "Deployment" and m["metadata"]["name"] == rec.workload),
+            None,
+        )
+        if workload is None:
+            continue
+        for volume in workload["spec"]["template"]["spec"].get("volumes") or []:
+            cm = configmaps.get((volume.get("configMap") or {}).get("name", ""))
+            if cm is None:
+                continue
+            for key, text in (cm.get("data") or {}).items():
+                if key == ROUTER_CONFIG_KEY:
+                    cfg = router_config.RouterConfig.model_validate(yaml.safe_load(text))
+                    cfg = cfg.model_copy(update={"tilert": list(nodes)})
+                    text = router_config.dump(cfg)
+                    listed |= {e.url for e in [*cfg.prefill, *cfg.native]}
+                path = state_dir / "pods" / rec.name / "volumes" / volume["name"] / key
+                if not path.exists() or path.read_text() != text:
+                    path.parent.mkdir(parents=True, exist_ok=True)
+                    st = path.stat() if path.exists() else None
+                    tmp = path.with_suffix(".tmp")
+                    tmp.write_text(text)
+                    # The file's group and mode as `up` made them (the router runs as another user).
+                    if st is not None:
+                        os.chown(tmp, -1, st.st_gid)
+                    os.chmod(tmp, st.st_mode & 0o777 if st is not None else 0o644)
+                    tmp.replace(path)
+    return listed
 
 
 def _pending(startup: probes.Tracker | None, readiness: probes.Tracker | None) -> str:

@@ -5,7 +5,20 @@ it without a restart, so nothing on the pod template depends on the endpoint lis
 The endpoint list names every live generation's prefill and native Services, TileRT nodes and TileRT
 discovery with the generation's compatibility fingerprint (render/generations.py): the router pairs a
 prefill only with a decode of its generation, so while a new generation comes up beside the old one
-each request is served by a pair of one generation."""
+each request is served by a pair of one generation.
+
+DNS discovery of TileRT nodes (the headless Service's name, tilert_serve/router/discovery.py) is
+rendered only for a generation whose data plane is the pod network (no `spec.transfer.rdma.networks`).
+With a secondary network the endpoint list alone says which nodes the router uses: it holds only the
+wired nodes, each with its address on that network (observe.tilert_nodes), and a ready node without
+one is left out (EndpointsWired=False, DataPlaneAddressMissing). Discovery cannot do that: DNS names
+every ready pod by its pod IP, where such a node's control port does not listen, and the router sees
+no network-status to tell a wired node from an unwired one, so it would route to every ready pod at
+an address no handoff can reach. Rendering no discovery there (rather than teaching the router to
+skip) keeps the decision in the one place that reads the network-status; the cost is that a new node
+joins when the kubelet syncs the ConfigMap (up to a minute), not within seconds. `tilert-pd local`
+with the docker runtime writes that list the same way (tilert_serve/local/docker_runtime.py
+`wired_nodes`), so it needs no discovery either."""
 
 from __future__ import annotations
 
@@ -57,6 +70,12 @@ def config(
     )
 
 
+def discovers(spec: PDClusterSpec) -> bool:
+    """Whether the router may find this generation's TileRT nodes through DNS: only when a pod's IP is
+    its data-plane address, so every ready pod DNS names is a wired node (see the module docstring)."""
+    return not spec.transfer.rdma.networks
+
+
 def _endpoint(url: str | router_config.Endpoint) -> router_config.Endpoint:
     return url if isinstance(url, router_config.Endpoint) else router_config.Endpoint(url=url)
 
@@ -90,7 +109,7 @@ def pod_config(
             )
         nodes += [n.model_copy(update={"compat": compat}) for n in live.tilert_nodes]
         t = g.decode.tilert
-        if t.replicas:
+        if t.replicas and discovers(g):
             # The headless Service's name resolves to the ready TileRT pods within seconds; the endpoint
             # list in this ConfigMap reaches the router only when the kubelet syncs the volume (up to a
             # minute).
