@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tilert_serve import dataplane, defaults, draining, layouts, transfer
+from tilert_serve import dataplane, defaults, draining, layouts, tracing, transfer
 from tilert_serve.bearer import TokenFile, TokenFileError
 from tilert_serve.decode import engines
 
@@ -144,6 +144,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         f"or request headers still arriving; default {HTTP_IDLE_S:g})",
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        "--otlp-traces-endpoint",
+        default="",
+        help="the collector's OTLP/HTTP traces URL (http://collector:4318/v1/traces): spans of each "
+        "traced request's admission and handoff stages go there; '' (default) = no tracing",
+    )
 
 
 def _layout(args: argparse.Namespace, hf_config: dict[str, Any] | None) -> layouts.Layout:
@@ -183,6 +189,10 @@ def run(args: argparse.Namespace) -> int:
         layout = _layout(args, hf_config)
         secret = FileKeyring(args.secret_file)
         api_tokens = api_token_file(args.api_token_file)
+        # Checked before the engine loads: a bad URL fails the start at once, naming the flag.
+        trace_config = tracing.TracingConfig(args.otlp_traces_endpoint, service_name="tilert-decode")
+    except tracing.TracingConfigError as exc:
+        raise SystemExit(f"decode-node: --otlp-traces-endpoint: {exc}") from exc
     except (ValueError, OSError, TokenFileError, AuthError) as exc:
         raise SystemExit(f"decode-node: {exc}") from exc
     where = find_data_plane(args)
@@ -236,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     )
     asyncio.run(
         serve(
-            make_app(node, api_tokens),
+            make_app(node, api_tokens, tracing.make_tracer(trace_config)),
             node,
             args.host,
             args.http_port,

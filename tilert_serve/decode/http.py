@@ -21,13 +21,14 @@ import asyncio
 import dataclasses
 import json
 import logging
+import time
 from collections.abc import AsyncGenerator, Callable
 from typing import Annotated, Any, Protocol
 
 from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from tilert_serve import httpserver, pydantic_errors
+from tilert_serve import httpserver, pydantic_errors, tracing
 from tilert_serve.bearer import TokenFile
 from tilert_serve.compat import Compat
 from tilert_serve.decode import api_auth
@@ -35,6 +36,7 @@ from tilert_serve.decode.engines.base import InvalidRequest, Sampling
 from tilert_serve.decode.engines.sampling import vllm_temperature
 from tilert_serve.decode.node import Admission, GenerateParams, NodePhase, NotReady, TooLong
 from tilert_serve.decode.pipeline import HandoffFailed
+from tilert_serve.decode.record import GenerateStamps, stage_spans
 from tilert_serve.decode.slots import AlreadyClaimed, NodeFull, Slot, UnknownTicket
 
 
@@ -76,6 +78,9 @@ class NodeAPI(Protocol):
 
 log = logging.getLogger(__name__)
 NODE: web.AppKey[NodeAPI] = web.AppKey("node")
+#: The node's tracer (None: no tracing). A call's spans are made only when the router sent a valid
+#: traceparent: the node starts no trace of its own (its calls are always one leg of a router's request).
+TRACER: web.AppKey[tracing.Tracer | None] = web.AppKey("tracer")
 MAX_BODY = 1 << 20
 #: A body must arrive this long after its headers: one sent a byte at a time holds a handler for nothing.
 BODY_TIMEOUT_S = 30.0
@@ -163,21 +168,71 @@ async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
         ) from exc
 
 
+def _traced(request: web.Request) -> tuple[tracing.Tracer, tracing.TraceParent] | None:
+    """The tracer and the router's span this call belongs to; None when either is missing (a malformed
+    traceparent is ignored, never an error: it is used for nothing but the trace)."""
+    tracer = request.app[TRACER]
+    if tracer is None:
+        return None
+    parent = tracing.parent_of(request.headers)
+    return None if parent is None else (tracer, parent)
+
+
 async def admit(request: web.Request) -> web.Response:
+    traced = _traced(request)
+    start_ns = time.time_ns() if traced is not None else 0
     node = request.app[NODE]
     body: AdmitBody = await _parse(request, AdmitBody)
+    outcome = "admitted"
     try:
         admission = node.admit(body.request_id, (body.prompt_tokens or 0) + (body.max_tokens or 0))
     except NotReady as exc:
+        outcome = "not_ready"
         return _error(503, "not_ready", str(exc))
     except TooLong as exc:
+        outcome = "too_long"
         return _error(400, "too_long", str(exc))
     except NodeFull as exc:
+        outcome = "full"
         return _error(429, "node_full", str(exc), headers={"Retry-After": "1"})
+    finally:
+        if traced is not None:
+            tracer, parent = traced
+            tracer.record(
+                "tilert.admit", parent, start_ns, time.time_ns(), {"tilert.outcome": outcome}, kind="server"
+            )
     return web.json_response(dataclasses.asdict(admission))
 
 
 async def generate(request: web.Request) -> web.StreamResponse:
+    traced = _traced(request)
+    stamps = GenerateStamps(time.perf_counter()) if traced is not None else None
+    try:
+        return await _generate(request, stamps)
+    finally:
+        if traced is not None and stamps is not None:
+            stamps.ended = stamps.ended or time.perf_counter()
+            _export(*traced, stamps)
+
+
+def _export(tracer: tracing.Tracer, parent: tracing.TraceParent, stamps: GenerateStamps) -> None:
+    """The call's stage spans (record.stage_spans), from the stamps taken on the way."""
+    perf, wall = tracing.now()
+    spans: list[Any] = []
+    for st in stage_spans(stamps):
+        spans.append(
+            tracer.record(
+                st.name,
+                parent if st.parent is None else spans[st.parent],
+                tracing.wall_ns(st.start, perf, wall),
+                tracing.wall_ns(st.end, perf, wall),
+                st.attributes,
+                kind="server" if st.parent is None else "internal",
+            )
+        )
+
+
+async def _generate(request: web.Request, stamps: GenerateStamps | None) -> web.StreamResponse:
     node = request.app[NODE]
     body: GenerateBody = await _parse(request, GenerateBody)
     try:
@@ -192,12 +247,20 @@ async def generate(request: web.Request) -> web.StreamResponse:
         return _error(
             504 if exc.timeout else 502, "handoff_timeout" if exc.timeout else "handoff_failed", str(exc)
         )
+    if stamps is not None:
+        stamps.landed = time.perf_counter()
+        # Before this call, on the slot's clock: admission to Accept, Accept to the last Done.
+        stamps.before = {
+            "admit_to_accept_ms": max(slot.t_accept - slot.t_admit, 0.0) * 1e3,
+            "accept_to_ready_ms": max(slot.t_ready - slot.t_accept, 0.0) * 1e3,
+        }
     params = GenerateParams(
         first_token=body.first_token,
         max_tokens=body.max_tokens,
         sampling=Sampling(**(body.sampling.model_dump() | {"top_k": max(body.sampling.top_k, 0)})),
         stop_token_ids=frozenset(body.stop_token_ids),
         ignore_eos=body.ignore_eos,
+        stamps=stamps,
     )
     events = node.decode(slot, params)
     try:
@@ -229,6 +292,8 @@ async def generate(request: web.Request) -> web.StreamResponse:
                 await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
             else:
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+            if stamps is not None and event.get("done"):
+                stamps.ended = time.perf_counter()  # the caller's stream is complete from here
             event = await anext(events, None)
     except (ConnectionResetError, ConnectionError):
         log.info("client of slot %d went away; decode cancelled", slot.index)
@@ -289,11 +354,15 @@ async def status(request: web.Request) -> web.Response:
     return web.json_response(request.app[NODE].status(request.get(api_auth.AUTHENTICATED, False)))
 
 
-def make_app(node: NodeAPI, api_tokens: TokenFile | None = None) -> web.Application:
+def make_app(
+    node: NodeAPI, api_tokens: TokenFile | None = None, tracer: tracing.Tracer | None = None
+) -> web.Application:
     """The node's app. `api_tokens`: the node-API token file /v1/* require; None = an open API (tests,
-    or a node started with `--api-token-file ''`, which logs a warning)."""
+    or a node started with `--api-token-file ''`, which logs a warning). `tracer`: where the spans of
+    traced calls go (None: none); the app shuts it down when it stops."""
     app = web.Application(client_max_size=MAX_BODY, middlewares=api_auth.middlewares(api_tokens))
     app[NODE] = node
+    app[TRACER] = tracer
     app.add_routes(
         [
             web.post("/v1/admit", admit),
@@ -314,6 +383,8 @@ def make_app(node: NodeAPI, api_tokens: TokenFile | None = None) -> web.Applicat
         if not starting.done():
             starting.cancel()
         await node.stop()
+        if tracer is not None:
+            await asyncio.to_thread(tracer.shutdown)  # exports what is queued
 
     app.cleanup_ctx.append(lifecycle)
     return app

@@ -41,7 +41,7 @@ from tilert_serve.decode.detokenize import detokenizer
 from tilert_serve.decode.engines.base import DecodeEngine, InvalidRequest, Sampling
 from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.decode.pipeline import HandoffFailed, HandoffPipeline, StateRefused
-from tilert_serve.decode.record import Recorder
+from tilert_serve.decode.record import GenerateStamps, Recorder
 from tilert_serve.decode.slots import NodeFull, Slot, SlotState, SlotTable
 from tilert_serve.decode.stopping import cut
 from tilert_serve.handoff import auth, digest, messages
@@ -98,6 +98,8 @@ class GenerateParams:
     sampling: Sampling = field(default_factory=Sampling)
     stop_token_ids: frozenset[int] = frozenset()
     ignore_eos: bool = False
+    #: Filled on the way when the call is traced (record.GenerateStamps); None = not traced.
+    stamps: GenerateStamps | None = None
 
 
 #: Slot states with a request between its admission and the end of its stream.
@@ -601,10 +603,18 @@ class DecodeNode:
             self.metrics.convert_seconds.observe(timings["convert_ms"] / 1e3)
             self.metrics.inject_seconds.observe(t2 - t1)
             put(("timing", timings | {"inject_ms": (t2 - t1) * 1e3, "_decode_start": t2}))
+            stamps = p.stamps
+            if stamps is not None:
+                # Read by the HTTP handler once the stream has ended (after the queue's hand-over).
+                stamps.found, stamps.assembled, stamps.injected = t0, t1, t2
+                with build.lock:
+                    stamps.work = list(build.spans)
             try:
                 for step in seq.decode(p.first_token, p.sampling, p.max_tokens):
                     if cancel.is_set():
                         break
+                    if stamps is not None and not stamps.first_step:
+                        stamps.first_step = time.perf_counter()
                     put(("step", step))
             finally:
                 seq.close()

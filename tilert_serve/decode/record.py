@@ -298,3 +298,79 @@ class Recorder:
         bandwidth = self.record.bandwidth
         if bandwidth is not None:
             self._m_bandwidth.set(bandwidth)
+
+
+@dataclass
+class GenerateStamps:
+    """perf_counter readings of one traced generate call, taken on the way (the HTTP handler and the
+    decode thread fill them; nothing is read until the stream has ended), and the handoff's earlier
+    facts, which happened before the call and so are attributes rather than spans of it."""
+
+    received: float
+    #: The handoff's state had landed (every rank's Done): the wait for it ended.
+    landed: float = 0.0
+    #: The decode thread found the slot (pipeline.timings' t0), had the assembled state, injected it.
+    found: float = 0.0
+    assembled: float = 0.0
+    injected: float = 0.0
+    first_step: float = 0.0
+    ended: float = 0.0
+    #: The converter's work: (kind "digest"|"convert", start, end), as pipeline.Build.spans.
+    work: list[tuple[str, float, float]] = field(default_factory=list)
+    #: Milliseconds of what happened before the call: admission to Accept (the prefill's start and the
+    #: handshake: Challenge, Auth, Hello, Request), Accept to the last Done (the bytes landing).
+    before: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Stage:
+    """One span the node reports for a generate call: `parent` indexes the list (None: the span the
+    router's traceparent names)."""
+
+    name: str
+    start: float
+    end: float
+    parent: int | None
+    attributes: dict[str, float | int | str] = field(default_factory=dict)
+
+
+#: What each stage span covers (docs/observability.md, "Traces", lists them).
+STAGE_NAMES = (
+    "tilert.generate",
+    "tilert.layers",
+    "tilert.state",
+    "tilert.digest",
+    "tilert.conversion",
+    "tilert.injection",
+    "tilert.first_step",
+    "tilert.decode",
+)
+
+
+def stage_spans(s: GenerateStamps) -> list[Stage]:
+    """The spans of one generate call, from its stamps: one `tilert.generate` from the call to the end
+    of its stream, with its stages in order inside it (the wait for the state to land, the state's
+    remaining digest check and conversion and their pieces, the injection, the first engine step, the
+    rest of the decode). A stage not reached (a refused state, max_tokens 0) is left out. Pure."""
+    end = max(s.ended, s.received)
+    out = [Stage("tilert.generate", s.received, end, None, {f"tilert.{k}": v for k, v in s.before.items()})]
+
+    def stage(name: str, lo: float, hi: float, parent: int = 0) -> int:
+        lo, hi = max(lo, out[parent].start), min(hi, out[parent].end)
+        out.append(Stage(name, lo, max(hi, lo), parent))
+        return len(out) - 1
+
+    if s.landed:
+        stage("tilert.layers", s.received, s.landed)
+    if s.found and s.assembled:
+        state = stage("tilert.state", s.found, s.assembled)
+        lo, hi = out[state].start, out[state].end
+        for kind, a, b in sorted(s.work, key=lambda w: w[1]):
+            if b > lo and a < hi:  # the converter's work still on the critical path
+                stage("tilert.digest" if kind == "digest" else "tilert.conversion", a, b, state)
+    if s.assembled and s.injected:
+        stage("tilert.injection", s.assembled, s.injected)
+    if s.injected and s.first_step:
+        stage("tilert.first_step", s.injected, s.first_step)
+        stage("tilert.decode", s.first_step, end)
+    return out

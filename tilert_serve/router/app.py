@@ -14,8 +14,9 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tilert_serve import httpserver
+from tilert_serve import httpserver, tracing
 from tilert_serve.router import canary, discovery, handlers, health, reload, upstream
+from tilert_serve.router.call import TRACER
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import error_middleware
 from tilert_serve.router.metrics import Metrics
@@ -38,6 +39,14 @@ async def _session_ctx(app: web.Application) -> AsyncIterator[None]:
     state.session = state.fresh = None
 
 
+async def _tracer_ctx(app: web.Application) -> AsyncIterator[None]:
+    yield
+    tracer = app[TRACER]
+    if tracer is not None:
+        # Exports what the last requests left queued; off the loop (it waits on the network).
+        await asyncio.to_thread(tracer.shutdown)
+
+
 def make_app(
     config: RouterConfig,
     *,
@@ -58,7 +67,10 @@ def make_app(
     )
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     app[STATE] = state
+    t = config.tracing
+    app[TRACER] = tracing.make_tracer(tracing.TracingConfig(t.endpoint, t.sample_ratio, t.service_name))
     app.cleanup_ctx.append(_session_ctx)
+    app.cleanup_ctx.append(_tracer_ctx)
     if health_checks:
         app.cleanup_ctx.append(health.health_ctx)
         # Probes need probed endpoints (they run on healthy nodes only); off unless the config asks.

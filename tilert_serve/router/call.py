@@ -11,11 +11,13 @@ import json
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
 
+from tilert_serve import tracing
 from tilert_serve.compat import compatible
 from tilert_serve.router import sse
 from tilert_serve.router.config import RouterConfig
@@ -26,7 +28,61 @@ from tilert_serve.router.pools import Endpoint
 from tilert_serve.router.state import RouterState
 from tilert_serve.router.upstream import UpstreamError, client_error, post_json
 
+if TYPE_CHECKING:
+    from opentelemetry.trace import Span
+
 log = logging.getLogger(__name__)
+#: The router's tracer (None: no tracing), made once from the config the router started with.
+TRACER: web.AppKey[tracing.Tracer | None] = web.AppKey("tracer")
+_NO_HEADERS: dict[str, str] = {}
+
+
+@dataclass
+class RequestTrace:
+    """The router's spans of one request: the server span every leg is a child of."""
+
+    tracer: tracing.Tracer
+    root: Span
+
+
+class Leg:
+    """One leg of a request as a child span (admission, prefill, decode) for the `with` block; while
+    it runs, `call.trace_headers` carry its traceparent to the upstream it calls."""
+
+    def __init__(self, call: Call, name: str, attributes: dict[str, str | int]) -> None:
+        self.call = call
+        self.name = name
+        self.attributes = attributes
+        self.span: Span | None = None
+
+    def __enter__(self) -> Leg:
+        trace = self.call.trace
+        assert trace is not None
+        self.span = trace.tracer.start(self.name, trace.root, attributes=self.attributes)
+        self.call.trace_headers = {tracing.TRACEPARENT: tracing.header_of(self.span)}
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        assert self.span is not None
+        if exc is not None:
+            self.span.set_attribute("error.type", type(exc).__name__)
+        self.span.end()
+        self.call.trace_headers = _NO_HEADERS
+
+
+class _NoLeg:
+    """What `Call.leg` gives without tracing: nothing to do, nothing allocated."""
+
+    def __enter__(self) -> _NoLeg:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NO_LEG = _NoLeg()
 
 #: On every answer the router gives a routed request: how many attempts it took (1 when the first
 #: served it; retries ran the request again from the prefill).
@@ -53,7 +109,15 @@ class Call:
     unpaired_counted: bool = False
     #: Attempts so far (handlers._route counts them); sent as ATTEMPTS_HEADER.
     attempts: int = 0
+    #: This request's spans; None when the router does not trace.
+    trace: RequestTrace | None = None
+    #: The traceparent of the leg running now (Call.leg), for the upstream call it makes; {} otherwise.
+    trace_headers: dict[str, str] = field(default_factory=lambda: _NO_HEADERS)
     _last_write: float = 0.0
+
+    def leg(self, name: str, **attributes: str | int) -> Leg | _NoLeg:
+        """`with call.leg("router.prefill"):` times that leg as a child of the request's span."""
+        return _NO_LEG if self.trace is None else Leg(self, name, attributes)
 
     @property
     def upstream_headers(self) -> dict[str, str]:
@@ -98,20 +162,12 @@ class Call:
         """Run the prefill leg on `ep` (counted in flight while it runs, so the next pick sees it) and
         return vLLM's answer. A refusal by vLLM is the client's error (RouterError); transport failures
         and 5xx raise UpstreamError, for a retry elsewhere."""
-        t = self.cfg.timeouts
         t0 = time.perf_counter()
         self.prefill_url = ep.url
         ep.inflight += 1
         try:
-            status, answer = await post_json(
-                self.state.http_for(ep.url, self.exclude),
-                "prefill",
-                ep.url,
-                self.api_path,
-                body,
-                headers={**self.upstream_headers, **(headers or {})},
-                timeout=aiohttp.ClientTimeout(total=t.prefill_s, sock_connect=t.connect_s),
-            )
+            with self.leg("router.prefill", endpoint=ep.url):
+                status, answer = await self._post_prefill(ep, body, headers)
         finally:
             ep.inflight -= 1
         self.state.metrics.prefill.labels(self.path).observe(time.perf_counter() - t0)
@@ -119,6 +175,20 @@ class Call:
         if status != 200:
             raise client_error(status, answer)
         return answer
+
+    async def _post_prefill(
+        self, ep: Endpoint, body: dict[str, Any], headers: dict[str, str] | None
+    ) -> tuple[int, dict[str, Any]]:
+        t = self.cfg.timeouts
+        return await post_json(
+            self.state.http_for(ep.url, self.exclude),
+            "prefill",
+            ep.url,
+            self.api_path,
+            body,
+            headers={**self.upstream_headers, **self.trace_headers, **(headers or {})},
+            timeout=aiohttp.ClientTimeout(total=t.prefill_s, sock_connect=t.connect_s),
+        )
 
     def check_generation(self, prefill: Endpoint, answer: dict[str, Any], decode: Endpoint) -> None:
         """The prefill's answer names its generation (kv_transfer_params `compat`): a state of another

@@ -222,6 +222,26 @@ class TileRTDiscovery(_Strict):
     compat: CompatField = None
 
 
+class Tracing(_Strict):
+    """OpenTelemetry traces of each request (tilert_serve/tracing.py; docs/observability.md, "Traces").
+    Read when the router starts: a reload does not change them."""
+
+    #: The collector's OTLP/HTTP traces URL (http://collector:4318/v1/traces); "" = no tracing.
+    endpoint: str = ""
+    #: Share of requests without a client's sampled traceparent that start a trace.
+    sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
+    #: The service.name the router's spans carry.
+    service_name: str = "tilert-router"
+
+    @field_validator("endpoint")
+    @classmethod
+    def _url(cls, value: str) -> str:
+        from tilert_serve.tracing import TracingConfig
+
+        TracingConfig(endpoint=value)  # raises with what to give instead
+        return value
+
+
 class RouterConfig(_Strict):
     #: The served model name clients use.
     model: str
@@ -262,6 +282,7 @@ class RouterConfig(_Strict):
     #: Where each prefill server's MooncakeConnector serves its bootstrap registry: vLLM's
     #: VLLM_MOONCAKE_BOOTSTRAP_PORT (default 8998) on the prefill's host.
     mooncake_bootstrap_port: int = Field(default=8998, ge=1, le=65535)
+    tracing: Tracing = Tracing()
 
     @field_validator("tilert_discovery", mode="before")
     @classmethod
@@ -319,4 +340,7 @@ def dump(config: RouterConfig) -> str:
     for name in _CHOICE_FIELDS:
         if data["policy"][name] == getattr(defaults_, name):
             del data["policy"][name]
+    if data["tracing"] == Tracing().model_dump(mode="json"):
+        # Off: left out, as the choice's defaults are, so that a router of the previous release reads it.
+        del data["tracing"]
     return yaml.safe_dump(data, sort_keys=False)

@@ -9,11 +9,11 @@ import time
 
 from aiohttp import web
 
-from tilert_serve import httpserver
+from tilert_serve import httpserver, tracing
 from tilert_serve.bearer import bearer_token
 from tilert_serve.router import metrics as metrics_mod
 from tilert_serve.router import native_path, openai_request, policy, tilert_path
-from tilert_serve.router.call import ATTEMPTS_HEADER, Call
+from tilert_serve.router.call import ATTEMPTS_HEADER, TRACER, Call, RequestTrace
 from tilert_serve.router.errors import REQUEST_ID, ClientGone, RouterError
 from tilert_serve.router.metrics import CONTENT_TYPE
 from tilert_serve.router.openai_request import Kind
@@ -67,6 +67,8 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
     state = request.app[STATE]
     cfg = state.config
     rid = request[REQUEST_ID]
+    tracer = request.app[TRACER]
+    arrived = time.time_ns() if tracer is not None else 0
     try:
         check_api_key(state, request)
         raw = await read_body(request, cfg.timeouts.client_body_s)
@@ -75,6 +77,8 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
         state.metrics.rejections.labels(str(err.status)).inc()
         raise
     call = Call(request=request, state=state, cfg=cfg, req=req, request_id=rid)
+    if tracer is not None:
+        call.trace = _begin_trace(tracer, request, kind, rid, arrived)
     outcome = "error"
     try:
         resp = await _route(call)
@@ -98,6 +102,26 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
     finally:
         if call.path:
             state.metrics.requests.labels(call.path, outcome).inc()
+        if call.trace is not None:
+            root = call.trace.root
+            root.set_attributes({"tilert_pd.route": call.path, "tilert_pd.outcome": outcome})
+            root.set_attribute("tilert_pd.attempts", call.attempts)
+            root.end()
+
+
+def _begin_trace(
+    tracer: tracing.Tracer, request: web.Request, kind: Kind, rid: str, at_ns: int
+) -> RequestTrace:
+    """The request's server span, from its arrival: a child of the client's traceparent when it sent a
+    valid one (a malformed one is ignored), else a new root that the sample ratio may sample."""
+    root = tracer.start(
+        "router.request",
+        tracing.parent_of(request.headers),
+        "server",
+        start_ns=at_ns,
+        attributes={"http.route": request.path, "tilert_pd.kind": kind, "tilert_pd.request_id": rid},
+    )
+    return RequestTrace(tracer, root)
 
 
 async def _route(call: Call) -> web.StreamResponse:
@@ -112,7 +136,8 @@ async def _route(call: Call) -> web.StreamResponse:
     last: UpstreamError | None = None
     for attempt in range(attempts):
         call.attempts = attempt + 1
-        node, adm, decision = await _choose(call, want)
+        with call.leg("router.admission", attempt=attempt + 1):
+            node, adm, decision = await _choose(call, want)
         call.path = decision.route
         m.routes.labels(decision.route, decision.label).inc()
         m.inflight.labels(decision.route).inc()

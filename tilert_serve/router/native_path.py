@@ -171,7 +171,8 @@ async def serve(call: Call) -> web.StreamResponse:
         body = call.upstream_body()
         if kvp is not None:
             body["kv_transfer_params"] = kvp
-        return await _decode(call, decode, body, cached)
+        with call.leg("router.decode", endpoint=decode.url):
+            return await _decode(call, decode, body, cached)
     finally:
         decode.inflight -= 1
 
@@ -186,7 +187,8 @@ async def _decode(
             resp = await st.http_for(decode.url, call.exclude).post(
                 url,
                 json=body,
-                headers=call.upstream_headers,
+                # vLLM's own span of the decode is the decode leg's child (when traced).
+                headers={**call.upstream_headers, **call.trace_headers},
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s
                 ),

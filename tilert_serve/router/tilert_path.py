@@ -114,7 +114,8 @@ async def admit(call: Call, node: Node) -> Admission:
         # prompt + max_tokens past the node's max_seq_len ends as "length" on the node, as vLLM's own
         # get_max_tokens clamps it on the native pool; a prompt past it fails the handoff (retried).
         {"request_id": call.request_id, "prompt_tokens": None, "max_tokens": call.req.max_tokens},
-        headers=call.state.node_headers(call.upstream_headers),
+        # The admission leg's traceparent (when traced): the node's admit span is its child.
+        headers=call.state.node_headers({**call.upstream_headers, **call.trace_headers}),
         timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s),
     )
     if status == 429:
@@ -278,9 +279,10 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
         finish_reason = "stop" if (finish == "stop" or stops.stopped) else "length"
     else:
         assert isinstance(first_token, int)
-        finish_reason, n = await _generate(
-            call, node, adm, first_token, prompt_tokens, stops, out, slot, t_first
-        )
+        with call.leg("router.decode", node=node.spec.name):
+            finish_reason, n = await _generate(
+                call, node, adm, first_token, prompt_tokens, stops, out, slot, t_first
+            )
         completion_tokens += n
         if finish_reason == "error":
             assert call.response is not None  # the stream already ends with an error event
@@ -322,7 +324,8 @@ async def _generate(
             resp = await st.http.post(
                 node.url + "/v1/generate",
                 json=generate_body(call, node, adm, first_token, prompt_tokens),
-                headers=call.state.node_headers(call.upstream_headers),
+                # The decode leg's traceparent (when traced): the node's stage spans are its children.
+                headers=call.state.node_headers({**call.upstream_headers, **call.trace_headers}),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s
                 ),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from tilert_operator import constants
 from tilert_operator.spec import PDClusterSpec
 from tilert_serve import dataplane, defaults, vllm_cpu
+from tilert_serve.tracing import OTLP_HTTP_PROTOCOL, VLLM_PROTOCOL_ENV
 
 #: Module vLLM loads TileRTConnector from.
 TILERT_CONNECTOR_MODULE = "tilert_serve.pd_vllm.prefill_connector"
@@ -139,7 +140,20 @@ def _vllm(
     if spec_cfg is not None:
         argv += ["--speculative-config", _json(spec_cfg)]
     env = {**vllm_cpu.serve_env(tp), **spec.transfer.rdma.env} if on_cpu else dict(spec.transfer.rdma.env)
+    argv, env = _vllm_tracing(spec, argv, env)
     return ContainerCommand(argv + extra_args, env)
+
+
+def _vllm_tracing(
+    spec: PDClusterSpec, argv: list[str], env: dict[str, str]
+) -> tuple[list[str], dict[str, str]]:
+    """vLLM's own OTLP tracing when the spec sets an endpoint: a span per request that carries a
+    traceparent (the router's prefill or decode leg), a child of that leg. The endpoint is an OTLP/HTTP
+    URL, and vLLM's exporter speaks gRPC unless this variable of its container says otherwise."""
+    endpoint = spec.observability.tracing.endpoint
+    if not endpoint:
+        return argv, env
+    return [*argv, "--otlp-traces-endpoint", endpoint], {**env, VLLM_PROTOCOL_ENV: OTLP_HTTP_PROTOCOL}
 
 
 def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
@@ -223,6 +237,9 @@ def tilert_decode(spec: PDClusterSpec, paths: Paths) -> ContainerCommand:
     if t.gpus:
         # One receive-buffer shard per GPU (cuda:0..N-1); the engine's own device is the first.
         argv += ["--device", "cuda:0", "--shards", str(t.gpus)]
+    if spec.observability.tracing.endpoint:
+        # Spans of each traced request's admission and handoff stages (tilert_serve/tracing.py).
+        argv += ["--otlp-traces-endpoint", spec.observability.tracing.endpoint]
     if spec.transfer.rdma.networks:
         # The node finds its own address on these in the Multus network-status file (dataplane.py).
         argv += [
