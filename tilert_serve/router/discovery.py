@@ -1,6 +1,11 @@
 """TileRT nodes from DNS: resolve the pool's headless Service name every few seconds and add the
 ready pods it names to the configured endpoint list (config.TileRTDiscovery says why).
 
+A node found here is reached at the address DNS gives, its pod IP, so discovery is right only where
+the pod IP is the data-plane address: the operator (and `tilert-pd local`) renders no discovery entry
+for a generation on a secondary network (tilert_operator/render/router.py `discovers`), whose nodes
+the router then takes from the configured list alone, each at its address on that network.
+
 The merge is config.with_discovered (pure); the resolver is an argument, so tests drive the loop without a DNS server.
 """
 
