@@ -7,12 +7,25 @@ and endpoint URLs from the config): no value comes from a client, and an upstrea
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
 from typing import get_args
 
-from prometheus_client import generate_latest
+from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from tilert_serve.metric_defs import Bounded, Registry, Unbounded, Values, counter, gauge, histogram, values
+from tilert_serve.metric_defs import (
+    Bounded,
+    Domain,
+    Registry,
+    Unbounded,
+    Values,
+    counter,
+    gauge,
+    histogram,
+    values,
+)
 from tilert_serve.router.policy import Label, Route
 from tilert_serve.router.pools import PrefillChoice
 from tilert_serve.router.prefill_choice import REASONS, PrefillPolicy
@@ -147,234 +160,141 @@ def bounded_kind(kind: str) -> str:
 
 
 PREFIX = "tilert_router_"
+_HEALTHY = "endpoint_healthy"
 #: Read by `tilert-pd local apply`, which waits until the router lists the endpoints it published.
-ENDPOINT_HEALTHY = PREFIX + "endpoint_healthy"
+ENDPOINT_HEALTHY = PREFIX + _HEALTHY
+
+_latency = partial(histogram, buckets=_LATENCY_BUCKETS)
+_itl = partial(histogram, buckets=_ITL_BUCKETS)
+_PATH: Mapping[str, Domain] = {"path": PATHS}
+
+
+@dataclass(frozen=True)
+class _Decl:
+    """One of the router's metrics: the Metrics attribute that holds it, how it is declared, its name
+    after PREFIX, its labels (none: the bare metric, else held to them by Bounded) and its help."""
+
+    attr: str
+    make: Callable[..., Counter | Gauge | Histogram]
+    name: str
+    labels: Mapping[str, Domain]
+    doc: str
+
+
+#: Every metric, in the order docs/metrics.md lists them (the registry's).
+# fmt: off
+_DECLS = (
+    _Decl("ttft", _latency, "ttft_seconds", _PATH,
+          "Seconds from a request's arrival to its first token written to the client, by decode path."),
+    _Decl("itl", _itl, "inter_token_seconds", _PATH,
+          "Seconds between two chunks written to a client, by decode path."),
+    _Decl("e2e", _latency, "request_duration_seconds", _PATH,
+          "Seconds from a request's arrival to its last byte written, by decode path."),
+    _Decl("prefill", _latency, "prefill_seconds", _PATH, "Seconds of the prefill call, by decode path."),
+    _Decl("handoff", _latency, "handoff_seconds", {},
+          "Seconds from the prefill's answer to the first token "
+          "from the TileRT node (the KV handoff, as the router sees it)."),
+    _Decl("requests", counter, "requests_total", {"path": PATHS, "outcome": OUTCOMES},
+          "Finished requests by decode path and outcome."),
+    _Decl("routes", counter, "routes_total", {"path": PATHS, "reason": values(get_args(Label))},
+          "Routing decisions by decode path and reason."),
+    _Decl("admissions", counter, "admissions_total", {"node": NODE, "result": ADMISSION_RESULTS},
+          "TileRT admission calls by node and result."),
+    _Decl("rejections", counter, "rejections_total", {"code": CODES},
+          "Requests the router answered with a 4xx or 5xx status, by status."),
+    _Decl("upstream_errors", counter, "upstream_errors_total", {"pool": POOLS, "kind": KINDS},
+          "Failed upstream calls by pool and kind."),
+    _Decl("probes", counter, "handoff_probes_total", {"node": NODE, "outcome": PROBE_OUTCOMES},
+          "Handoff probes (canary requests to idle TileRT nodes) by node and outcome."),
+    _Decl("retries", counter, "retries_total", {"route": PATHS, "reason": RETRY_REASONS},
+          "Retries of requests that failed before their first byte reached the client, by the "
+          "route of the failed attempt and why it failed (admit_failed: another node asked for a "
+          "slot; the others re-run the prefill)."),
+    _Decl("retries_denied", counter, "retries_denied_total", {"route": PATHS},
+          "Failed attempts not retried because the retry budget (policy.retry_budget_*) was "
+          "spent, by route."),
+    _Decl("no_pair", counter, "no_compatible_pair_total", {"route": PATHS},
+          "Requests for which a decode pool had a server that could take them but none of a "
+          "generation (compatibility fingerprint) any usable prefill has, by that pool; they "
+          "were routed as if the pool were full."),
+    _Decl("compat_mismatches", counter, "compat_mismatches_total", {"pool": POOLS},
+          "Endpoints found advertising another generation than their configured one (each "
+          "change counted once); they take no requests while it lasts."),
+    _Decl("stream_errors", counter, "stream_errors_total", {"path": PATHS, "kind": KINDS},
+          "Client streams ended with an error event because the decode failed mid-stream, by "
+          "decode path and kind."),
+    _Decl("cancels", counter, "tilert_cancels_total", {"reason": CANCEL_REASONS},
+          "Ticket cancels sent to TileRT nodes, by reason."),
+    _Decl("inflight", gauge, "inflight_requests", _PATH, "Requests in flight, by decode path."),
+    _Decl("slots", gauge, "tilert_slots_in_use", {"node": NODE}, "TileRT slots this router holds, by node."),
+    _Decl("healthy", gauge, _HEALTHY, {"pool": POOLS, "endpoint": ENDPOINT},
+          "Endpoint health: 1 healthy, 0 ejected, -1 not probed yet."),
+    _Decl("breaker_open", gauge, "breaker_open", {"node": NODE},
+          "1 while a TileRT node's circuit breaker is open "
+          "or half-open (after failed handoffs), 0 while closed."),
+    _Decl("endpoint_breaker_open", gauge, "endpoint_breaker_open", {"pool": POOLS, "endpoint": ENDPOINT},
+          "1 while an endpoint's circuit breaker is open or half-open, 0 while closed (prefill "
+          "and native servers: refused connections, resets, 5xx; TileRT nodes: failed handoffs)."),
+    _Decl("path_up", gauge, "path_up", _PATH,
+          "1 when a decode path can take a request, 0 when it is down, -1 when it is not configured."),
+    _Decl("config_reloads", counter, "config_reloads_total", {"result": RELOAD_RESULTS},
+          "Config reloads by result."),
+    _Decl("prefill_choices", counter, "prefill_choices_total",
+          {"policy": PREFILL_POLICIES, "reason": PREFILL_REASONS},
+          "Prefills chosen for client requests, by prefill policy and why that prefill won: prefix "
+          "(it held the longest prefix), imbalance (the best match was too loaded), short_match "
+          "(no match covered policy.min_match_ratio of the prompt), least_loaded, round_robin."),
+    _Decl("prefix_prompt_blocks", counter, "prefix_prompt_blocks_total", {},
+          "Whole prompt blocks (policy.prefix_block_chars characters or prefix_block_tokens token ids) "
+          "of requests routed by cache_aware; prefix_matched_blocks_total over this is the share of "
+          "prompt blocks that hit a prefill's cache, as the router sees it."),
+    _Decl("prefix_matched_blocks", counter, "prefix_matched_blocks_total", {},
+          "Whole prompt blocks of requests routed by cache_aware that the chosen prefill was already "
+          "sent, by the router's prefix index."),
+    _Decl("prefix_index_blocks", gauge, "prefix_index_blocks", {},
+          "Block hashes the router's prefix index holds over all prefills (bounded by "
+          "policy.prefix_index_blocks_total)."),
+)
+# fmt: on
 
 
 class Metrics:
-    def __init__(self) -> None:
-        self.registry = r = Registry()
-        p = PREFIX
-        path = {"path": PATHS}
-        self.ttft = Bounded(
-            histogram(
-                r,
-                p + "ttft_seconds",
-                "Seconds from a request's arrival to its first token written to the client, by decode path.",
-                _LATENCY_BUCKETS,
-                path,
-            )
-        )
-        self.itl = Bounded(
-            histogram(
-                r,
-                p + "inter_token_seconds",
-                "Seconds between two chunks written to a client, by decode path.",
-                _ITL_BUCKETS,
-                path,
-            )
-        )
-        self.e2e = Bounded(
-            histogram(
-                r,
-                p + "request_duration_seconds",
-                "Seconds from a request's arrival to its last byte written, by decode path.",
-                _LATENCY_BUCKETS,
-                path,
-            )
-        )
-        self.prefill = Bounded(
-            histogram(
-                r,
-                p + "prefill_seconds",
-                "Seconds of the prefill call, by decode path.",
-                _LATENCY_BUCKETS,
-                path,
-            )
-        )
-        self.handoff = histogram(
-            r,
-            p + "handoff_seconds",
-            "Seconds from the prefill's answer to the first token "
-            "from the TileRT node (the KV handoff, as the router sees it).",
-            _LATENCY_BUCKETS,
-        )
-        self.requests = Bounded(
-            counter(
-                r,
-                p + "requests_total",
-                "Finished requests by decode path and outcome.",
-                {"path": PATHS, "outcome": OUTCOMES},
-            )
-        )
-        self.routes = Bounded(
-            counter(
-                r,
-                p + "routes_total",
-                "Routing decisions by decode path and reason.",
-                {"path": PATHS, "reason": values(get_args(Label))},
-            )
-        )
-        self.admissions = Bounded(
-            counter(
-                r,
-                p + "admissions_total",
-                "TileRT admission calls by node and result.",
-                {"node": NODE, "result": ADMISSION_RESULTS},
-            )
-        )
-        self.rejections = Bounded(
-            counter(
-                r,
-                p + "rejections_total",
-                "Requests the router answered with a 4xx or 5xx status, by status.",
-                {"code": CODES},
-            )
-        )
-        self.upstream_errors = Bounded(
-            counter(
-                r,
-                p + "upstream_errors_total",
-                "Failed upstream calls by pool and kind.",
-                {"pool": POOLS, "kind": KINDS},
-            )
-        )
-        self.probes = Bounded(
-            counter(
-                r,
-                p + "handoff_probes_total",
-                "Handoff probes (canary requests to idle TileRT nodes) by node and outcome.",
-                {"node": NODE, "outcome": PROBE_OUTCOMES},
-            )
-        )
-        self.retries = Bounded(
-            counter(
-                r,
-                p + "retries_total",
-                "Retries of requests that failed before their first byte reached the client, by the "
-                "route of the failed attempt and why it failed (admit_failed: another node asked for a "
-                "slot; the others re-run the prefill).",
-                {"route": PATHS, "reason": RETRY_REASONS},
-            )
-        )
-        self.retries_denied = Bounded(
-            counter(
-                r,
-                p + "retries_denied_total",
-                "Failed attempts not retried because the retry budget (policy.retry_budget_*) was "
-                "spent, by route.",
-                {"route": PATHS},
-            )
-        )
-        self.no_pair = Bounded(
-            counter(
-                r,
-                p + "no_compatible_pair_total",
-                "Requests for which a decode pool had a server that could take them but none of a "
-                "generation (compatibility fingerprint) any usable prefill has, by that pool; they "
-                "were routed as if the pool were full.",
-                {"route": PATHS},
-            )
-        )
-        self.compat_mismatches = Bounded(
-            counter(
-                r,
-                p + "compat_mismatches_total",
-                "Endpoints found advertising another generation than their configured one (each "
-                "change counted once); they take no requests while it lasts.",
-                {"pool": POOLS},
-            )
-        )
-        self.stream_errors = Bounded(
-            counter(
-                r,
-                p + "stream_errors_total",
-                "Client streams ended with an error event because the decode failed mid-stream, by "
-                "decode path and kind.",
-                {"path": PATHS, "kind": KINDS},
-            )
-        )
-        self.cancels = Bounded(
-            counter(
-                r,
-                p + "tilert_cancels_total",
-                "Ticket cancels sent to TileRT nodes, by reason.",
-                {"reason": CANCEL_REASONS},
-            )
-        )
-        self.inflight = Bounded(
-            gauge(r, p + "inflight_requests", "Requests in flight, by decode path.", path)
-        )
-        self.slots = Bounded(
-            gauge(r, p + "tilert_slots_in_use", "TileRT slots this router holds, by node.", {"node": NODE})
-        )
-        self.healthy = Bounded(
-            gauge(
-                r,
-                ENDPOINT_HEALTHY,
-                "Endpoint health: 1 healthy, 0 ejected, -1 not probed yet.",
-                {"pool": POOLS, "endpoint": ENDPOINT},
-            )
-        )
-        self.breaker_open = Bounded(
-            gauge(
-                r,
-                p + "breaker_open",
-                "1 while a TileRT node's circuit breaker is open "
-                "or half-open (after failed handoffs), 0 while closed.",
-                {"node": NODE},
-            )
-        )
-        self.endpoint_breaker_open = Bounded(
-            gauge(
-                r,
-                p + "endpoint_breaker_open",
-                "1 while an endpoint's circuit breaker is open or half-open, 0 while closed (prefill "
-                "and native servers: refused connections, resets, 5xx; TileRT nodes: failed handoffs).",
-                {"pool": POOLS, "endpoint": ENDPOINT},
-            )
-        )
-        self.path_up = Bounded(
-            gauge(
-                r,
-                p + "path_up",
-                "1 when a decode path can take a request, 0 when it is down, -1 when it is not configured.",
-                path,
-            )
-        )
-        self.config_reloads = Bounded(
-            counter(r, p + "config_reloads_total", "Config reloads by result.", {"result": RELOAD_RESULTS})
-        )
+    """The router's metrics, one attribute each (_DECLS), in a registry of their own."""
 
-        self.prefill_choices = Bounded(
-            counter(
-                r,
-                p + "prefill_choices_total",
-                "Prefills chosen for client requests, by prefill policy and why that prefill won: prefix "
-                "(it held the longest prefix), imbalance (the best match was too loaded), short_match "
-                "(no match covered policy.min_match_ratio of the prompt), least_loaded, round_robin.",
-                {"policy": PREFILL_POLICIES, "reason": PREFILL_REASONS},
-            )
-        )
-        self.prefix_prompt_blocks = counter(
-            r,
-            p + "prefix_prompt_blocks_total",
-            "Whole prompt blocks (policy.prefix_block_chars characters or prefix_block_tokens token ids) "
-            "of requests routed by cache_aware; prefix_matched_blocks_total over this is the share of "
-            "prompt blocks that hit a prefill's cache, as the router sees it.",
-        )
-        self.prefix_matched_blocks = counter(
-            r,
-            p + "prefix_matched_blocks_total",
-            "Whole prompt blocks of requests routed by cache_aware that the chosen prefill was already "
-            "sent, by the router's prefix index.",
-        )
-        self.prefix_index_blocks = gauge(
-            r,
-            p + "prefix_index_blocks",
-            "Block hashes the router's prefix index holds over all prefills (bounded by "
-            "policy.prefix_index_blocks_total).",
-        )
+    ttft: Bounded
+    itl: Bounded
+    e2e: Bounded
+    prefill: Bounded
+    handoff: Histogram
+    requests: Bounded
+    routes: Bounded
+    admissions: Bounded
+    rejections: Bounded
+    upstream_errors: Bounded
+    probes: Bounded
+    retries: Bounded
+    retries_denied: Bounded
+    no_pair: Bounded
+    compat_mismatches: Bounded
+    stream_errors: Bounded
+    cancels: Bounded
+    inflight: Bounded
+    slots: Bounded
+    healthy: Bounded
+    breaker_open: Bounded
+    endpoint_breaker_open: Bounded
+    path_up: Bounded
+    config_reloads: Bounded
+    prefill_choices: Bounded
+    prefix_prompt_blocks: Counter
+    prefix_matched_blocks: Counter
+    prefix_index_blocks: Gauge
+
+    def __init__(self) -> None:
+        self.registry = Registry()
+        for d in _DECLS:
+            metric = d.make(self.registry, PREFIX + d.name, d.doc, labels=d.labels or None)
+            setattr(self, d.attr, Bounded(metric) if d.labels else metric)
 
     def observe_prefill_choice(self, c: PrefillChoice) -> None:
         """pools.ChoiceObserver: count one prefill choice made for a client's request."""
@@ -387,3 +307,8 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+# The attribute annotations above are what mypy checks callers against; the table is what is declared.
+if set(Metrics.__annotations__) != {d.attr for d in _DECLS}:
+    raise ImportError("router.metrics: Metrics' attribute annotations and _DECLS name different metrics")
