@@ -24,9 +24,6 @@ import os
 import subprocess
 import threading
 import time
-import urllib.error
-import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -43,40 +40,6 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "tiny-cpu.yaml"
 LOCAL = [str(ROOT / ".venv" / "bin" / "python"), "-m", "tilert_serve.cli", "local"]
 KILLED = "tiny-tilert-decode-1"
-
-
-@dataclass
-class TimedLoad(Load):
-    """Load's stream, each failure kept with when its request started and ended (monotonic s), so that
-    a failure can be told to be the request in flight when a node was killed, or a later one."""
-
-    timed: list[tuple[float, float, str]] = field(default_factory=list)
-
-    def run(self) -> None:
-        body = json.dumps({"model": "tiny-mla", "prompt": "hello there", "max_tokens": 4}).encode()
-        while not self.stop.is_set():
-            req = urllib.request.Request(
-                f"{self.router}/v1/completions", data=body, headers={"Content-Type": "application/json"}
-            )
-            t0 = time.monotonic()
-            try:
-                with urllib.request.urlopen(req, timeout=120) as r:
-                    out = json.loads(r.read())
-                assert out["choices"][0]["text"] is not None
-                self.ok += 1
-            except (urllib.error.URLError, OSError, AssertionError, KeyError, ValueError) as exc:
-                detail = (
-                    exc.read().decode(errors="replace")[:300]
-                    if isinstance(exc, urllib.error.HTTPError)
-                    else ""
-                )
-                text = f"{type(exc).__name__}: {exc} {detail}"
-                self.failures.append(text)
-                self.timed.append((t0, time.monotonic(), text))
-
-    def window(self) -> tuple[int, int]:
-        """(ok, failed) so far."""
-        return self.ok, len(self.failures)
 
 
 def _doc(prefill_args: list[str], *, mtp: bool = True) -> dict[str, Any]:
@@ -99,7 +62,7 @@ def _state(home: Path) -> dict[str, Any]:
     return state
 
 
-def _apply(home: Path, spec: Path, load: TimedLoad, what: str) -> tuple[str, int, list[str], float]:
+def _apply(home: Path, spec: Path, load: Load, what: str) -> tuple[str, int, list[str], float]:
     """Apply `spec` under the load; (its output, requests ok, failures, seconds) in that window."""
     ok0, failed0 = load.window()
     t0 = time.monotonic()
@@ -127,7 +90,7 @@ def test_changes_in_containers_lose_no_request(images: Images, tmp_path: Path) -
     t0 = time.monotonic()
     up = _local("up", "-f", str(first), "--runtime", "docker", "--home", str(home), "--timeout", "900")
     print(f"up: {time.monotonic() - t0:.0f} s")
-    load = TimedLoad("")
+    load = Load("")
     thread: threading.Thread | None = None
     try:
         assert up.returncode == 0, up.stdout[-4000:] + up.stderr[-4000:]

@@ -88,6 +88,29 @@ def _url(pod: pods.Pod) -> str:
     return f"http://{pod.ip}:{main.ports.get('http') or next(iter(main.ports.values()))}"
 
 
+def _up_records(engine: Engine, manifests: list[dict[str, Any]]) -> list[docker_runtime.PodRecord]:
+    """What `up` recorded for `manifests`: one pod per workload, its containers running in `engine`,
+    each answering its Service's names."""
+    records = []
+    for pod in pods.pods(manifests, docker_runtime.addresses(NET, set())):
+        names = [docker_runtime.container_name("tiny", pod.name, c.name) for c in pod.containers]
+        for n in names:
+            engine.containers[n] = {"ip": pod.ip, "aliases": list(pod.aliases), "running": True}
+        records.append(
+            docker_runtime.PodRecord(
+                pod.name,
+                pod.labels["pd.tilert.ai/component"],
+                pod.ip,
+                pod.containers[0].image,
+                names,
+                _url(pod),
+                workload=pod.owner,
+                aliases=list(pod.aliases),
+            )
+        )
+    return docker_apply.with_revisions(records, rollout.rendered(manifests, "tiny", local_names=False))
+
+
 @pytest.fixture
 def engine(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Engine:
     e = Engine()
@@ -137,27 +160,7 @@ def test_a_prefill_rollout_publishes_the_new_pod_before_the_old_one_leaves(
     engine: Engine, tmp_path: Path
 ) -> None:
     before = _manifests([])
-    # What `up` recorded: one pod per workload, each answering its Service's names.
-    ips = docker_runtime.addresses(NET, set())
-    records = []
-    for pod in pods.pods(before, ips):
-        names = [docker_runtime.container_name("tiny", pod.name, c.name) for c in pod.containers]
-        for n in names:
-            engine.containers[n] = {"ip": pod.ip, "aliases": list(pod.aliases), "running": True}
-        records.append(
-            docker_runtime.PodRecord(
-                pod.name,
-                pod.labels["pd.tilert.ai/component"],
-                pod.ip,
-                pod.containers[0].image,
-                names,
-                _url(pod),
-                workload=pod.owner,
-                ordinal=0,
-                aliases=list(pod.aliases),
-            )
-        )
-    records = docker_apply.with_revisions(records, rollout.rendered(before, "tiny", local_names=False))
+    records = _up_records(engine, before)
     state: dict[str, Any] = {
         "cluster": "tiny",
         "router": "",
@@ -202,24 +205,7 @@ def test_a_generation_change_runs_blue_green_in_containers(
     first.write_text(yaml.safe_dump(_doc(True)))
     before = render_document(_doc(True), None, with_secret=True)
     docker_apply.save_secrets(tmp_path, before)
-    records = []
-    for pod in pods.pods(before, docker_runtime.addresses(NET, set())):
-        names = [docker_runtime.container_name("tiny", pod.name, c.name) for c in pod.containers]
-        for n in names:
-            engine.containers[n] = {"ip": pod.ip, "aliases": list(pod.aliases), "running": True}
-        records.append(
-            docker_runtime.PodRecord(
-                pod.name,
-                pod.labels["pd.tilert.ai/component"],
-                pod.ip,
-                pod.containers[0].image,
-                names,
-                _url(pod),
-                workload=pod.owner,
-                aliases=list(pod.aliases),
-            )
-        )
-    records = docker_apply.with_revisions(records, rollout.rendered(before, "tiny", local_names=False))
+    records = _up_records(engine, before)
     # What `up` records (no generation: apply adopts the file's as slot a's).
     state: dict[str, Any] = {
         "cluster": "tiny",
