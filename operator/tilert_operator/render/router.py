@@ -67,6 +67,11 @@ def config(
         metrics_public=spec.router.metrics_public,
         # Probe idle TileRT nodes with a real handoff (HandoffReady; tilert_serve/router/canary.py).
         handoff_probe=router_config.HandoffProbe(interval_s=router_config.HANDOFF_PROBE_INTERVAL_S),
+        # Traces of each request (tilert_serve/tracing.py): off ("" endpoint) unless the spec sets one.
+        tracing=router_config.Tracing(
+            endpoint=spec.observability.tracing.endpoint,
+            sample_ratio=spec.observability.tracing.sample_ratio,
+        ),
     )
 
 
