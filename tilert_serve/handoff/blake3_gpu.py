@@ -88,43 +88,16 @@ def _g(a, b, c, d, mx, my):
 
 
 @triton.jit
-def _compress(
-    h0,
-    h1,
-    h2,
-    h3,
-    h4,
-    h5,
-    h6,
-    h7,
-    m0,
-    m1,
-    m2,
-    m3,
-    m4,
-    m5,
-    m6,
-    m7,
-    m8,
-    m9,
-    m10,
-    m11,
-    m12,
-    m13,
-    m14,
-    m15,
-    t_lo,
-    t_hi,
-    blen,
-    flags,
-):
-    """The first 8 output words of BLAKE3's compression; every argument a uint32 tensor of one shape
-    (or broadcastable to it)."""
-    s0, s1, s2, s3, s4, s5, s6, s7 = h0, h1, h2, h3, h4, h5, h6, h7
-    s8 = tl.full(h0.shape, 0x6A09E667, tl.uint32)
-    s9 = tl.full(h0.shape, 0xBB67AE85, tl.uint32)
-    s10 = tl.full(h0.shape, 0x3C6EF372, tl.uint32)
-    s11 = tl.full(h0.shape, 0xA54FF53A, tl.uint32)
+def _compress(h, m, t_lo, t_hi, blen, flags):
+    """The first 8 output words of BLAKE3's compression: `h` the 8-word chaining value and `m` the
+    16-word block, as tuples, every word (and t_lo, t_hi, blen, flags) a uint32 tensor of one shape (or
+    broadcastable to it). Tuples are a compile-time grouping: they cost no instructions."""
+    s0, s1, s2, s3, s4, s5, s6, s7 = h
+    m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = m
+    s8 = tl.full(s0.shape, 0x6A09E667, tl.uint32)
+    s9 = tl.full(s0.shape, 0xBB67AE85, tl.uint32)
+    s10 = tl.full(s0.shape, 0x3C6EF372, tl.uint32)
+    s11 = tl.full(s0.shape, 0xA54FF53A, tl.uint32)
     s12, s13, s14, s15 = t_lo, t_hi, blen, flags
     for _ in tl.static_range(7):
         s0, s4, s8, s12 = _g(s0, s4, s8, s12, m0, m1)
@@ -137,45 +110,24 @@ def _compress(
         s3, s4, s9, s14 = _g(s3, s4, s9, s14, m14, m15)
         # BLAKE3's message permutation, applied between rounds (a renaming: no instructions).
         m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = (
-            m2,
-            m6,
-            m3,
-            m10,
-            m7,
-            m0,
-            m4,
-            m13,
-            m1,
-            m11,
-            m12,
-            m5,
-            m9,
-            m14,
-            m15,
-            m8,
-        )
+            m2, m6, m3, m10, m7, m0, m4, m13, m1, m11, m12, m5, m9, m14, m15, m8,
+        )  # fmt: skip
     return s0 ^ s8, s1 ^ s9, s2 ^ s10, s3 ^ s11, s4 ^ s12, s5 ^ s13, s6 ^ s14, s7 ^ s15
 
 
 @triton.jit
-def _iv(like, i: tl.constexpr):
-    if i == 0:
-        v = tl.full(like.shape, 0x6A09E667, tl.uint32)
-    elif i == 1:
-        v = tl.full(like.shape, 0xBB67AE85, tl.uint32)
-    elif i == 2:
-        v = tl.full(like.shape, 0x3C6EF372, tl.uint32)
-    elif i == 3:
-        v = tl.full(like.shape, 0xA54FF53A, tl.uint32)
-    elif i == 4:
-        v = tl.full(like.shape, 0x510E527F, tl.uint32)
-    elif i == 5:
-        v = tl.full(like.shape, 0x9B05688C, tl.uint32)
-    elif i == 6:
-        v = tl.full(like.shape, 0x1F83D9AB, tl.uint32)
-    else:
-        v = tl.full(like.shape, 0x5BE0CD19, tl.uint32)
-    return v
+def _iv(like):
+    """BLAKE3's IV as a tuple of 8 uint32 tensors of `like`'s shape."""
+    return (
+        tl.full(like.shape, 0x6A09E667, tl.uint32),
+        tl.full(like.shape, 0xBB67AE85, tl.uint32),
+        tl.full(like.shape, 0x3C6EF372, tl.uint32),
+        tl.full(like.shape, 0xA54FF53A, tl.uint32),
+        tl.full(like.shape, 0x510E527F, tl.uint32),
+        tl.full(like.shape, 0x9B05688C, tl.uint32),
+        tl.full(like.shape, 0x1F83D9AB, tl.uint32),
+        tl.full(like.shape, 0x5BE0CD19, tl.uint32),
+    )
 
 
 @triton.jit
@@ -222,45 +174,11 @@ def _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, single, N: tl.constexpr, LOG2N: t
         zero = tl.zeros(l0.shape, tl.uint32)
         root = (single & (cnt == 2)).to(tl.uint32)
         flags = zero + (4 + 8 * root)
-        p0, p1, p2, p3, p4, p5, p6, p7 = _compress(
-            _iv(l0, 0),
-            _iv(l0, 1),
-            _iv(l0, 2),
-            _iv(l0, 3),
-            _iv(l0, 4),
-            _iv(l0, 5),
-            _iv(l0, 6),
-            _iv(l0, 7),
-            l0,
-            l1,
-            l2,
-            l3,
-            l4,
-            l5,
-            l6,
-            l7,
-            r0,
-            r1,
-            r2,
-            r3,
-            r4,
-            r5,
-            r6,
-            r7,
-            zero,
-            zero,
-            zero + 64,
-            flags,
-        )
+        left = (l0, l1, l2, l3, l4, l5, l6, l7)
+        m = (l0, l1, l2, l3, l4, l5, l6, l7, r0, r1, r2, r3, r4, r5, r6, r7)
+        p = _compress(_iv(l0), m, zero, zero, zero + 64, flags)
         pair = 2 * tl.arange(0, N >> (lvl + 1)) + 1 < cnt
-        h0 = tl.where(pair, p0, l0)
-        h1 = tl.where(pair, p1, l1)
-        h2 = tl.where(pair, p2, l2)
-        h3 = tl.where(pair, p3, l3)
-        h4 = tl.where(pair, p4, l4)
-        h5 = tl.where(pair, p5, l5)
-        h6 = tl.where(pair, p6, l6)
-        h7 = tl.where(pair, p7, l7)
+        h0, h1, h2, h3, h4, h5, h6, h7 = _where8(pair, p, left)
         cnt = (cnt + 1) // 2
     return (
         tl.sum(h0, axis=0),
@@ -275,16 +193,26 @@ def _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, single, N: tl.constexpr, LOG2N: t
 
 
 @triton.jit
-def _store8(out, i, h0, h1, h2, h3, h4, h5, h6, h7):
-    o = out.to(tl.pointer_type(tl.uint32), bitcast=True) + i * 8
-    tl.store(o + 0, h0)
-    tl.store(o + 1, h1)
-    tl.store(o + 2, h2)
-    tl.store(o + 3, h3)
-    tl.store(o + 4, h4)
-    tl.store(o + 5, h5)
-    tl.store(o + 6, h6)
-    tl.store(o + 7, h7)
+def _where8(c, a, b):
+    """tl.where over two 8-word tuples."""
+    return (
+        tl.where(c, a[0], b[0]),
+        tl.where(c, a[1], b[1]),
+        tl.where(c, a[2], b[2]),
+        tl.where(c, a[3], b[3]),
+        tl.where(c, a[4], b[4]),
+        tl.where(c, a[5], b[5]),
+        tl.where(c, a[6], b[6]),
+        tl.where(c, a[7], b[7]),
+    )
+
+
+@triton.jit
+def _store_cvs(out, idx, mask, h):
+    """The 8 words of `h` as CV `idx` of `out` (a uint32 [n, 8] array), where `mask`."""
+    o = out.to(tl.pointer_type(tl.uint32), bitcast=True) + idx * 8
+    for k in tl.static_range(8):
+        tl.store(o + k, h[k], mask=mask)
 
 
 @triton.jit
@@ -377,57 +305,14 @@ def _fast_kernel(
     t_lo = chunk.to(tl.uint32)
     t_hi = (chunk >> 32).to(tl.uint32)
     zero = tl.zeros([C], tl.uint32)
-    h0, h1, h2, h3 = _iv(zero, 0), _iv(zero, 1), _iv(zero, 2), _iv(zero, 3)
-    h4, h5, h6, h7 = _iv(zero, 4), _iv(zero, 5), _iv(zero, 6), _iv(zero, 7)
+    h0, h1, h2, h3, h4, h5, h6, h7 = _iv(zero)
     for b in range(16):
-        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _block_words(
-            rows, b, ok, C, ROW_LOADS
-        )
+        m = _block_words(rows, b, ok, C, ROW_LOADS)
         flags = zero + (tl.where(b == 0, 1, 0) + tl.where(b == 15, 2, 0)).to(tl.uint32)
         h0, h1, h2, h3, h4, h5, h6, h7 = _compress(
-            h0,
-            h1,
-            h2,
-            h3,
-            h4,
-            h5,
-            h6,
-            h7,
-            m0,
-            m1,
-            m2,
-            m3,
-            m4,
-            m5,
-            m6,
-            m7,
-            m8,
-            m9,
-            m10,
-            m11,
-            m12,
-            m13,
-            m14,
-            m15,
-            t_lo,
-            t_hi,
-            zero + 64,
-            flags,
+            (h0, h1, h2, h3, h4, h5, h6, h7), m, t_lo, t_hi, zero + 64, flags
         )
-    _store_cvs(out, chunk, ok, h0, h1, h2, h3, h4, h5, h6, h7)
-
-
-@triton.jit
-def _store_cvs(out, idx, mask, h0, h1, h2, h3, h4, h5, h6, h7):
-    o = out.to(tl.pointer_type(tl.uint32), bitcast=True) + idx * 8
-    tl.store(o + 0, h0, mask=mask)
-    tl.store(o + 1, h1, mask=mask)
-    tl.store(o + 2, h2, mask=mask)
-    tl.store(o + 3, h3, mask=mask)
-    tl.store(o + 4, h4, mask=mask)
-    tl.store(o + 5, h5, mask=mask)
-    tl.store(o + 6, h6, mask=mask)
-    tl.store(o + 7, h7, mask=mask)
+    _store_cvs(out, chunk, ok, (h0, h1, h2, h3, h4, h5, h6, h7))
 
 
 @triton.jit(
@@ -452,8 +337,7 @@ def _general_kernel(
     t_lo = chunk.to(tl.uint32)
     t_hi = (chunk >> 32).to(tl.uint32)
     zero = tl.zeros([C], tl.uint32)
-    h0, h1, h2, h3 = _iv(zero, 0), _iv(zero, 1), _iv(zero, 2), _iv(zero, 3)
-    h4, h5, h6, h7 = _iv(zero, 4), _iv(zero, 5), _iv(zero, 6), _iv(zero, 7)
+    h0, h1, h2, h3, h4, h5, h6, h7 = _iv(zero)
     j = tl.arange(0, 16)
     only_chunk = num_chunks == 1
     for b in range(16):
@@ -471,52 +355,16 @@ def _general_kernel(
                 addr = tl.where(sel, delta[:, None] + p, addr)
             byte = tl.load(base + addr, mask=(p < clen[:, None]) & valid[:, None], other=0)
             w = w | (byte.to(tl.uint32) << (8 * q))
-        m0, m1, m2, m3, m4, m5, m6, m7, m8, m9, m10, m11, m12, m13, m14, m15 = _split16(w, C)
         is_last = b == last_block
         flags = (tl.where(b == 0, 1, 0) + tl.where(is_last, 2, 0) + tl.where(is_last & only_chunk, 8, 0)).to(
             tl.uint32
         )
         blen = tl.minimum(tl.maximum(clen - b * 64, 0), 64).to(tl.uint32)
-        n0, n1, n2, n3, n4, n5, n6, n7 = _compress(
-            h0,
-            h1,
-            h2,
-            h3,
-            h4,
-            h5,
-            h6,
-            h7,
-            m0,
-            m1,
-            m2,
-            m3,
-            m4,
-            m5,
-            m6,
-            m7,
-            m8,
-            m9,
-            m10,
-            m11,
-            m12,
-            m13,
-            m14,
-            m15,
-            t_lo,
-            t_hi,
-            blen,
-            flags,
-        )
+        h = (h0, h1, h2, h3, h4, h5, h6, h7)
+        n = _compress(h, _split16(w, C), t_lo, t_hi, blen, flags)
         live = (b * 64 < clen) | tl.where(b == 0, True, False)
-        h0 = tl.where(live, n0, h0)
-        h1 = tl.where(live, n1, h1)
-        h2 = tl.where(live, n2, h2)
-        h3 = tl.where(live, n3, h3)
-        h4 = tl.where(live, n4, h4)
-        h5 = tl.where(live, n5, h5)
-        h6 = tl.where(live, n6, h6)
-        h7 = tl.where(live, n7, h7)
-    _store_cvs(out, chunk, valid, h0, h1, h2, h3, h4, h5, h6, h7)
+        h0, h1, h2, h3, h4, h5, h6, h7 = _where8(live, n, h)
+    _store_cvs(out, chunk, valid, (h0, h1, h2, h3, h4, h5, h6, h7))
 
 
 @triton.jit(do_not_specialize=["in_at", "count", "out_at"])
@@ -537,8 +385,8 @@ def _parent_kernel(ws, in_at, count, out_at, N: tl.constexpr, LOG2N: tl.constexp
     h1, h5 = tl.split(oe)
     h3, h7 = tl.split(oo)
     cnt = tl.minimum(count - first, N)
-    g0, g1, g2, g3, g4, g5, g6, g7 = _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, count <= N, N, LOG2N)
-    _store8(ws.to(tl.pointer_type(tl.uint32), bitcast=True) + out_at, pid, g0, g1, g2, g3, g4, g5, g6, g7)
+    g = _tree(h0, h1, h2, h3, h4, h5, h6, h7, cnt, count <= N, N, LOG2N)
+    _store_cvs(ws.to(tl.pointer_type(tl.uint32), bitcast=True) + out_at, pid, pid >= 0, g)
 
 
 _fast = Launcher(_fast_kernel)
