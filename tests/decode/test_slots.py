@@ -41,18 +41,22 @@ class Table:
             on_change=lambda s, e: self.events.append((s.index, e)),
         )
 
+    def accept(self, slot: Slot, rank: int, senders: int, prompt: list[int], request_id: str = "r") -> None:
+        """Sender `rank` of `senders` announces a 7-token prompt for `slot`'s ticket."""
+        self.t.accept(
+            ticket=slot.ticket,
+            request_id=request_id,
+            rank=rank,
+            num_senders=senders,
+            num_tokens=7,
+            last_prompt_token=3,
+            prompt_token_ids=prompt,
+        )
+
     def receiving(self, request_id: str = "r", senders: int = 1) -> Slot:
         slot = self.t.admit(request_id)
         for rank in range(senders):
-            self.t.accept(
-                ticket=slot.ticket,
-                request_id=request_id,
-                rank=rank,
-                num_senders=senders,
-                num_tokens=7,
-                last_prompt_token=3,
-                prompt_token_ids=list(range(7)),
-            )
+            self.accept(slot, rank, senders, list(range(7)), request_id)
             self.t.regions_given(slot, slot.generation, rank)
         return slot
 
@@ -109,27 +113,11 @@ def test_duplicate_and_inconsistent_ranks_are_refused():
     tb = Table()
     slot = tb.receiving(senders=2)
     with pytest.raises(DuplicateSender, match="already writing"):
-        tb.t.accept(
-            ticket=slot.ticket,
-            request_id="r",
-            rank=0,
-            num_senders=2,
-            num_tokens=7,
-            last_prompt_token=3,
-            prompt_token_ids=[],
-        )
+        tb.accept(slot, 0, 2, [])
     tb.t.done(slot, slot.generation, 0, ok=True, nbytes=1, error=None)
     tb.t.done(slot, slot.generation, 1, ok=True, nbytes=1, error=None)
     with pytest.raises(DuplicateSender, match="not waiting for state"):
-        tb.t.accept(
-            ticket=slot.ticket,
-            request_id="r",
-            rank=2,
-            num_senders=3,
-            num_tokens=7,
-            last_prompt_token=3,
-            prompt_token_ids=[],
-        )
+        tb.accept(slot, 2, 3, [])
 
 
 def test_failed_write_fails_the_request_and_quarantines_the_slot_until_the_bound():
@@ -234,15 +222,7 @@ def test_a_writer_lost_before_its_regions_were_given_frees_the_slot_at_once():
     connection ended before that leaves nothing in flight, so the slot is not quarantined."""
     tb = Table(1)
     slot = tb.t.admit("r")
-    tb.t.accept(
-        ticket=slot.ticket,
-        request_id="r",
-        rank=0,
-        num_senders=1,
-        num_tokens=7,
-        last_prompt_token=3,
-        prompt_token_ids=[],
-    )
+    tb.accept(slot, 0, 1, [])
     assert slot.state is SlotState.RECEIVING and slot.in_flight == set()
     tb.t.writer_lost(slot, slot.generation, 0, "protocol error before the Accept went out")
     tb.t.release(slot)
