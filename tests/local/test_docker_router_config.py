@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from tilert_operator import constants
@@ -137,3 +138,12 @@ def test_only_ready_pods_of_a_rendered_generation_are_listed() -> None:
     # A pod of slot b, which these manifests no longer render (a drained generation): not listed.
     node.slot = constants.SLOT_B
     assert docker_runtime.wired_nodes(manifests, [node])[0] == []
+
+
+def test_a_state_without_the_network_status_is_refused_with_what_to_do() -> None:
+    manifests = _manifests(["rdma-a"])
+    plan = {p.name: p for p in pods.pods(manifests, _ips())}
+    node = _record(plan["tiny-tilert-decode-0"], f"{RDMA_NET}.11")
+    node.network_status = ""  # a state.json written before the field existed
+    with pytest.raises(ValueError, match=r"tiny-tilert-decode-0: .*`tilert-pd local down` and `up` again"):
+        docker_runtime.wired_nodes(manifests, [node])

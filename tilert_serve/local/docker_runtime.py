@@ -441,6 +441,14 @@ def wired_nodes(
     unwired: list[observe.Unwired] = []
     tilert = [r for r in ready if r.component == constants.TILERT]
     for slot, spec in generation_specs(manifests).items():
+        if spec.transfer.rdma.networks:
+            old = [r.name for r in tilert if not r.network_status]
+            if old:
+                raise ValueError(
+                    f"{', '.join(old)}: the run's state records no network-status for these TileRT pods "
+                    "(started by a tilert-pd from before it was recorded), so their data-plane addresses "
+                    "are unknown; `tilert-pd local down` and `up` again"
+                )
         found, left_out = observe.tilert_nodes(
             spec, [as_api_pod(r) for r in tilert if (r.slot or constants.SLOT_A) == slot]
         )
