@@ -5,9 +5,9 @@ prefill and native pools through their Service names, and, without a secondary n
 TileRT nodes through the headless Service's name), and for a TileRT node its entry in the router's
 ConfigMap: every step that changes the endpoints rewrites that list with the wired nodes, as the
 operator does (docker_runtime.wired_nodes: each node at its data-plane address; with a secondary
-network the list is all the router routes). Docker cannot take a name away from a connected container, so a pod leaves the
-endpoints by being disconnected from the pod network and connected again at once with the same
-address and only its own hostname: its connections in flight keep their addresses (TCP retransmits
+network the list is all the router routes). Docker cannot take a name away from a connected
+container, so a pod leaves the endpoints by being disconnected from the pod network and connected
+again at once with the same address and only its own hostname: its connections in flight keep their addresses (TCP retransmits
 over the new link), while no lookup names it any more. A new pod starts without its Service names and
 gets them once its readiness probes pass, as the endpoints controller publishes only ready pods.
 
