@@ -21,7 +21,7 @@ from tests.e2e.conftest import EXAMPLE
 from tilert_operator import constants
 from tilert_operator import spec as specmod
 from tilert_operator.render import commands
-from tilert_serve import tracing
+from tilert_serve import tracing, tracing_otel
 from tilert_serve.decode.record import GenerateStamps, stage_spans
 from tilert_serve.router import config as router_config
 
@@ -67,7 +67,7 @@ def _decide(ratio: float, parent: tracing.TraceParent | None, trace_id: int) -> 
     if parent is not None:
         flags = TraceFlags(TraceFlags.SAMPLED if parent.sampled else TraceFlags.DEFAULT)
         ctx = set_span_in_context(NonRecordingSpan(SpanContext(parent.trace_id, parent.span_id, True, flags)))
-    return tracing.sampler(ratio).should_sample(ctx, trace_id, "router.request").decision
+    return tracing_otel.sampler(ratio).should_sample(ctx, trace_id, "router.request").decision
 
 
 def test_sampling_follows_a_parent_else_the_ratio() -> None:
@@ -90,15 +90,15 @@ def test_settings_errors_say_what_to_give() -> None:
         tracing.TracingConfig(endpoint="http://c:4318/v1/traces", sample_ratio=1.5)
     with pytest.raises(pydantic.ValidationError, match="not an http"):
         router_config.Tracing(endpoint="grpc://c:4317")
-    assert tracing.make_tracer(tracing.TracingConfig()) is None
+    assert tracing_otel.make_tracer(tracing.TracingConfig()) is None
 
 
 def test_no_endpoint_imports_nothing_and_costs_an_attribute_check() -> None:
     """Without an endpoint no OpenTelemetry module is loaded by the router's or the node's path."""
     code = (
-        "import sys; from tilert_serve import tracing; from tilert_serve.router import app; "
+        "import sys; from tilert_serve import tracing, tracing_otel; from tilert_serve.router import app; "
         "from tilert_serve.decode import http; "
-        "assert tracing.make_tracer(tracing.TracingConfig()) is None; "
+        "assert tracing_otel.make_tracer(tracing.TracingConfig()) is None; "
         "print(sorted(m for m in sys.modules if m.startswith('opentelemetry')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -16,7 +16,7 @@ import socket
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tilert_serve import dataplane, defaults, draining, layouts, tracing, transfer
+from tilert_serve import dataplane, defaults, draining, layouts, tracing, tracing_otel, transfer
 from tilert_serve.bearer import TokenFile, TokenFileError
 from tilert_serve.decode import engines
 
@@ -246,7 +246,7 @@ def run(args: argparse.Namespace) -> int:
     )
     asyncio.run(
         serve(
-            make_app(node, api_tokens, tracing.make_tracer(trace_config)),
+            make_app(node, api_tokens, tracing_otel.make_tracer(trace_config)),
             node,
             args.host,
             args.http_port,

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Protocol
 from aiohttp import web
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError
 
-from tilert_serve import httpserver, pydantic_errors, tracing
+from tilert_serve import httpserver, pydantic_errors, tracing, tracing_otel
 from tilert_serve.bearer import TokenFile
 from tilert_serve.compat import Compat
 from tilert_serve.decode import api_auth
@@ -80,7 +80,7 @@ log = logging.getLogger(__name__)
 NODE: web.AppKey[NodeAPI] = web.AppKey("node")
 #: The node's tracer (None: no tracing). A call's spans are made only when the router sent a valid
 #: traceparent: the node starts no trace of its own (its calls are always one leg of a router's request).
-TRACER: web.AppKey[tracing.Tracer | None] = web.AppKey("tracer")
+TRACER: web.AppKey[tracing_otel.Tracer | None] = web.AppKey("tracer")
 MAX_BODY = 1 << 20
 #: A body must arrive this long after its headers: one sent a byte at a time holds a handler for nothing.
 BODY_TIMEOUT_S = 30.0
@@ -168,7 +168,7 @@ async def _parse(request: web.Request, model: type[BaseModel]) -> Any:
         ) from exc
 
 
-def _traced(request: web.Request) -> tuple[tracing.Tracer, tracing.TraceParent] | None:
+def _traced(request: web.Request) -> tuple[tracing_otel.Tracer, tracing.TraceParent] | None:
     """The tracer and the router's span this call belongs to; None when either is missing (a malformed
     traceparent is ignored, never an error: it is used for nothing but the trace)."""
     tracer = request.app[TRACER]
@@ -215,7 +215,7 @@ async def generate(request: web.Request) -> web.StreamResponse:
             _export(*traced, stamps)
 
 
-def _export(tracer: tracing.Tracer, parent: tracing.TraceParent, stamps: GenerateStamps) -> None:
+def _export(tracer: tracing_otel.Tracer, parent: tracing.TraceParent, stamps: GenerateStamps) -> None:
     """The call's stage spans (record.stage_spans), from the stamps taken on the way."""
     perf, wall = tracing.now()
     spans: list[Any] = []
@@ -355,7 +355,7 @@ async def status(request: web.Request) -> web.Response:
 
 
 def make_app(
-    node: NodeAPI, api_tokens: TokenFile | None = None, tracer: tracing.Tracer | None = None
+    node: NodeAPI, api_tokens: TokenFile | None = None, tracer: tracing_otel.Tracer | None = None
 ) -> web.Application:
     """The node's app. `api_tokens`: the node-API token file /v1/* require; None = an open API (tests,
     or a node started with `--api-token-file ''`, which logs a warning). `tracer`: where the spans of

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from tilert_serve import httpserver, tracing
+from tilert_serve import httpserver, tracing, tracing_otel
 from tilert_serve.router import canary, discovery, handlers, health, reload, upstream
 from tilert_serve.router.call import TRACER
 from tilert_serve.router.config import RouterConfig
@@ -68,7 +68,7 @@ def make_app(
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     app[STATE] = state
     t = config.tracing
-    app[TRACER] = tracing.make_tracer(tracing.TracingConfig(t.endpoint, t.sample_ratio, t.service_name))
+    app[TRACER] = tracing_otel.make_tracer(tracing.TracingConfig(t.endpoint, t.sample_ratio, t.service_name))
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_tracer_ctx)
     if health_checks:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 import aiohttp
 from aiohttp import web
 
-from tilert_serve import tracing
+from tilert_serve import tracing, tracing_otel
 from tilert_serve.compat import compatible
 from tilert_serve.router import sse
 from tilert_serve.router.config import RouterConfig
@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 #: The router's tracer (None: no tracing), made once from the config the router started with.
-TRACER: web.AppKey[tracing.Tracer | None] = web.AppKey("tracer")
+TRACER: web.AppKey[tracing_otel.Tracer | None] = web.AppKey("tracer")
 _NO_HEADERS: dict[str, str] = {}
 
 
@@ -41,7 +41,7 @@ _NO_HEADERS: dict[str, str] = {}
 class RequestTrace:
     """The router's spans of one request: the server span every leg is a child of."""
 
-    tracer: tracing.Tracer
+    tracer: tracing_otel.Tracer
     root: Span
 
 
@@ -59,7 +59,7 @@ class Leg:
         trace = self.call.trace
         assert trace is not None
         self.span = trace.tracer.start(self.name, trace.root, attributes=self.attributes)
-        self.call.trace_headers = {tracing.TRACEPARENT: tracing.header_of(self.span)}
+        self.call.trace_headers = {tracing.TRACEPARENT: tracing_otel.header_of(self.span)}
         return self
 
     def __exit__(

@@ -9,7 +9,7 @@ import time
 
 from aiohttp import web
 
-from tilert_serve import httpserver, tracing
+from tilert_serve import httpserver, tracing, tracing_otel
 from tilert_serve.bearer import bearer_token
 from tilert_serve.router import metrics as metrics_mod
 from tilert_serve.router import native_path, openai_request, policy, tilert_path
@@ -110,7 +110,7 @@ async def _serve(request: web.Request, kind: Kind) -> web.StreamResponse:
 
 
 def _begin_trace(
-    tracer: tracing.Tracer, request: web.Request, kind: Kind, rid: str, at_ns: int
+    tracer: tracing_otel.Tracer, request: web.Request, kind: Kind, rid: str, at_ns: int
 ) -> RequestTrace:
     """The request's server span, from its arrival: a child of the client's traceparent when it sent a
     valid one (a malformed one is ignored), else a new root that the sample ratio may sample."""
