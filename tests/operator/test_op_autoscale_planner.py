@@ -113,7 +113,8 @@ def test_overflow_drives_tilert_first_and_native_does_not_grow_for_it() -> None:
     )
     d = _plan(spec, obs)
     assert d.tilert.desired == 5
-    assert d.native.desired <= 1 and d.native.recommended == 0
+    # Without TileRT first, KV 90 % of 1 replica at 0.7 would ask for 2 (the next test).
+    assert d.native.desired == 1 and "TileRT takes over" in d.native.reason
 
 
 def test_overflow_tilert_cannot_take_goes_to_native() -> None:
@@ -155,14 +156,35 @@ def test_prefill_is_sized_from_arrivals_times_prefill_time() -> None:
     assert (d.prefill.recommended, d.prefill.desired) == (3, 3)
 
 
-def test_a_missed_ttft_adds_a_prefill_unless_the_prefill_is_idle() -> None:
-    spec = _spec(prefill=(2, 1, 4))
-    busy = _obs(current={"prefill": 2}, p_rate=6.0, p_s=0.2, ttft=3.0)  # 1.2 busy of 2
-    assert _plan(spec, busy).prefill.desired == 3
-    idle = _obs(current={"prefill": 2}, p_rate=1.0, p_s=0.2, ttft=3.0)  # 0.2 busy of 2
+def test_a_missed_ttft_adds_a_prefill_only_when_the_prefill_queue_explains_it() -> None:
+    spec = _spec(prefill=(2, 1, 4), autoscaling={"targetUtilization": 0.95})
+    # 9/s x 0.2 s = 1.8 busy of 2: an M/M/2 queue waits seconds at p95; the TTFT miss is the prefill's.
+    busy = _obs(current={"prefill": 2}, p_rate=9.0, p_s=0.2, ttft=3.0)
+    d = _plan(spec, busy)
+    assert d.prefill.recommended == 3 and "TTFT 3.00 s above 2 s: 3" in d.prefill.reason
+    # 1/s x 0.2 s: the prefill's own p95 is 0.2 s; the time went to the native queue, which grows.
+    idle = _obs(current={"prefill": 2, "native": 0}, p_rate=1.0, p_s=0.2, ttft=3.0)
     d = _plan(spec, idle)
-    assert d.prefill.desired == 1
     assert d.prefill.recommended == 1 and "not the prefill's" in d.prefill.reason
+    assert d.native.desired == 1 and "TTFT missed in the native queue" in d.native.reason
+
+
+def test_a_missed_ttft_while_tilert_overflows_grows_tilert_first() -> None:
+    spec = _spec(tilert=(1, 1, 4), native=(1, 1, 4))
+    obs = _obs(
+        current={"prefill": 1, "tilert": 1, "native": 1},
+        p_rate=1.0,
+        ttft=3.0,
+        busy=(1,),
+        admit=1.0,
+        overflow=0.001,
+        kv=0.3,
+        n_ready=1,
+        n_rate=0.5,
+    )
+    d = _plan(spec, obs)
+    assert d.tilert.desired == 2 and "TTFT missed while overflowing" in d.tilert.reason
+    assert d.native.desired == 1
 
 
 def test_a_tilert_tpot_miss_adds_a_node() -> None:

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 class PrefillObserved:
     #: Ready prefill pods (the operator's own pod watch).
     ready: int
-    #: Prefills started per second: rate of the router's `tilert_router_prefill_seconds_count`.
+    #: Requests arriving per second, each of which needs a prefill: rate of the router's
+    #: `tilert_router_requests_total` (arrivals, not completions: it does not saturate with the pool).
     arrival_rate: float
     #: Mean seconds one prefill takes: rate(`tilert_router_prefill_seconds_sum`) / rate(`..._count`).
     mean_prefill_s: float
@@ -62,6 +63,12 @@ class NativeObserved:
     arrival_rate: float = 0.0
     #: TPOT at the objective's percentile: the router's `tilert_router_inter_token_seconds{path="native"}`.
     tpot_s: float | None = None
+    #: Streams decoding: sum of vLLM's `vllm:num_requests_running`. With `kv_usage` it gives how many
+    #: streams a full replica holds, so demand can be sized beyond what the pool serves today.
+    running: float = 0.0
+    #: Mean seconds a native stream lasts: the router's `tilert_router_request_duration_seconds`
+    #: {path="native"}, sum / count.
+    mean_stream_s: float = 0.0
 
 
 @dataclass(frozen=True)

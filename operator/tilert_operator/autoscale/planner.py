@@ -34,8 +34,9 @@ from tilert_operator.spec import Autoscaling, PDClusterSpec, ServingPool
 #: Prefill requests waiting per ready replica above which the prefill is short of replicas: vLLM batches
 #: the prefills it runs, so one or two waiting per replica is its normal state under load.
 PREFILL_WAITING_PER_REPLICA = 2.0
-#: Below this share of its target utilization a prefill without a queue is not why TTFT is missed.
-PREFILL_IDLE_SHARE = 0.5
+#: A missed TTFT is taken as the prefill's when its own modelled share (service + queue wait at the
+#: percentile) exceeds this share of the objective; otherwise a decode pool's queue took the time.
+PREFILL_TTFT_SHARE = 0.5
 #: Longest a stream is taken to hold a slot: a few admissions over many busy slots (an interval's
 #: rates are noisy) must not make the overflow's demand unbounded.
 MAX_HOLD_S = 3600.0
@@ -108,29 +109,62 @@ def recommend_tilert(t: TileRTObserved, a: Autoscaling, hi: int, mean_stream_s: 
     if _missed(t.tpot_s, a.objective.tpot_seconds) and t.busy > 0 and rec <= t.ready:
         rec = t.ready + 1
         why += f"; TPOT {t.tpot_s:.3f} s above {a.objective.tpot_seconds:g} s: {rec}"
+    # What still overflows with the planned nodes: the router never queues at a node, so a TileRT pool
+    # is a loss system and its overflow is Erlang B's blocking at the wanted load (a pool that stays as
+    # it is keeps overflowing as now).
+    if t.overflow_rate > 0:
+        # Requests want TileRT and some find it full: a loss system's overflow falls with more slots as
+        # Erlang B says; enough nodes that at most 1 - percentile of them overflow, within the maximum.
+        n = rec
+        while n < hi and erlang_b(n * t.slots_per_node, wanted) > 1 - a.objective.percentile:
+            n += 1
+        if n > rec:
+            rec = n
+            why += f"; overflow at most {1 - a.objective.percentile:.0%} of TileRT's requests: {rec}"
     planned = min(rec, hi)
-    residual_slots = max(0.0, wanted - planned * t.slots_per_node)
-    residual = residual_slots / hold_s if hold_s > 0 else (t.overflow_rate if planned == 0 else 0.0)
-    return TileRTNeed(rec, residual, why)
+    if planned <= t.ready:
+        residual = t.overflow_rate
+    else:
+        residual = (t.admit_rate + t.overflow_rate) * erlang_b(planned * t.slots_per_node, wanted)
+    return TileRTNeed(rec, min(residual, t.overflow_rate), why)
+
+
+def erlang_b(servers: int, load: float) -> float:
+    """The share of arrivals that find every one of `servers` busy at `load` erlangs (M/M/c/c)."""
+    if servers <= 0:
+        return 1.0
+    b = 1.0
+    for k in range(1, servers + 1):
+        b = load * b / (k + load * b)
+    return b
 
 
 def recommend_native(
     n: NativeObserved, a: Autoscaling, overflow_now: float, overflow_after: float
 ) -> tuple[int, str]:
-    units = n.kv_usage * n.ready
-    why = f"KV cache {n.kv_usage:.0%} of {n.ready}"
+    # TileRT first: the share of native's arrivals that is TileRT's overflow and that the TileRT plan
+    # takes over does not count here. What already waits in native's queue stays native's.
+    keep = 1.0
     if overflow_now > 0 and n.arrival_rate > 0:
         share = min(1.0, overflow_now / n.arrival_rate)
-        absorbed = 1.0 - min(1.0, overflow_after / overflow_now)
-        if absorbed > 0:
-            units *= 1.0 - share * absorbed
-            why += f", less {share * absorbed:.0%} that TileRT takes over"
+        keep = 1.0 - share * (1.0 - min(1.0, overflow_after / overflow_now))
+    units = n.kv_usage * n.ready * keep
+    why = f"KV cache {n.kv_usage:.0%} of {n.ready}"
+    if n.kv_usage > 0 and n.running > 0 and n.mean_stream_s > 0:
+        # KV use saturates at 100 % however much is asked: size from the offered streams (arrivals x
+        # stream length, plus the queue) over the streams a full replica holds, when that is known.
+        per_replica = n.running / (n.kv_usage * n.ready)
+        offered = n.arrival_rate * n.mean_stream_s * keep + n.waiting
+        units = max(units, offered / per_replica)
+        why = f"{offered:.0f} streams offered at {per_replica:.0f} a replica"
+    if keep < 1:
+        why += f", less {1 - keep:.0%} of arrivals that TileRT takes over"
     rec = _ceil(units / a.target_utilization)
     why += f" at {a.target_utilization:g}: {rec}"
     if overflow_after > 0 and rec == 0:
         rec = 1
         why += f"; {overflow_after:.2f}/s TileRT cannot take: 1"
-    if n.waiting > 0 and rec <= n.ready:
+    if n.waiting >= 1 and rec <= n.ready:
         rec = n.ready + 1
         why += f"; {n.waiting:g} waiting for KV: {rec}"
     if _missed(n.tpot_s, a.objective.tpot_seconds) and rec <= n.ready:
@@ -139,24 +173,49 @@ def recommend_native(
     return rec, why
 
 
-def recommend_prefill(p: PrefillObserved, a: Autoscaling) -> tuple[int, str]:
-    busy = p.arrival_rate * p.mean_prefill_s
+def recommend_prefill(p: PrefillObserved, a: Autoscaling) -> tuple[int, str, bool]:
+    """(replicas, why, whether a missed TTFT is the prefill's doing)."""
+    # The queue is work too: clearing it within the next interval takes waiting x prefill time.
+    busy = p.arrival_rate * p.mean_prefill_s + p.waiting * p.mean_prefill_s / a.interval_seconds
     rec = max(1, _ceil(busy / a.target_utilization))
     why = f"{p.arrival_rate:.2f}/s x {p.mean_prefill_s:.3f} s = {busy:.2f} busy at {a.target_utilization:g}: {rec}"
     queued = p.waiting > PREFILL_WAITING_PER_REPLICA * max(1, p.ready)
     if queued and rec <= p.ready:
         rec = p.ready + 1
         why += f"; {p.waiting:g} waiting: {rec}"
-    if _missed(p.ttft_s, a.objective.ttft_seconds) and rec <= p.ready:
-        idle = p.ready > 0 and busy / p.ready < PREFILL_IDLE_SHARE * a.target_utilization and not queued
-        if idle:
-            why += (
-                f"; TTFT {p.ttft_s:.2f} s above {a.objective.ttft_seconds:g} s, but not the prefill's (idle)"
-            )
-        else:
+    mine = False
+    if _missed(p.ttft_s, a.objective.ttft_seconds):
+        # The prefill's own share of TTFT at the percentile, as an M/M/c queue would have it: when
+        # that is well inside the objective, the time went elsewhere (a decode pool's queue).
+        own = p.mean_prefill_s + wait_quantile(
+            max(1, p.ready), p.arrival_rate, p.mean_prefill_s, a.objective.percentile
+        )
+        mine = queued or own > PREFILL_TTFT_SHARE * a.objective.ttft_seconds
+        if not mine:
+            why += f"; TTFT {p.ttft_s:.2f} s above {a.objective.ttft_seconds:g} s, not the prefill's ({own:.2f} s)"
+        elif rec <= p.ready:
             rec = p.ready + 1
             why += f"; TTFT {p.ttft_s:.2f} s above {a.objective.ttft_seconds:g} s: {rec}"
-    return rec, why
+    return rec, why, mine
+
+
+def erlang_c(servers: int, load: float) -> float:
+    """The share of arrivals that wait in an M/M/c queue at `load` erlangs."""
+    if servers <= 0 or load >= servers:
+        return 1.0
+    b = erlang_b(servers, load)
+    return servers * b / (servers - load * (1 - b))
+
+
+def wait_quantile(servers: int, rate: float, service_s: float, p: float) -> float:
+    """The p-quantile of an M/M/c queue's wait: P(W > t) = C exp(-(c mu - lambda) t)."""
+    if rate <= 0 or service_s <= 0:
+        return 0.0
+    slack = servers / service_s - rate
+    if slack <= 0:
+        return math.inf
+    c = erlang_c(servers, rate * service_s)
+    return math.log(c / (1 - p)) / slack if c > 1 - p else 0.0
 
 
 # -- 2. stabilization ---------------------------------------------------------------------------------
@@ -245,12 +304,24 @@ def plan(spec: PDClusterSpec, observed: Observed, history: History, now: float) 
     )
     overflow_after = t_need.residual_overflow if bounds["tilert"].enabled else observed.tilert.overflow_rate
     n_rec, n_why = recommend_native(observed.native, a, observed.tilert.overflow_rate, overflow_after)
-    p_rec, p_why = recommend_prefill(observed.prefill, a)
+    p_rec, p_why, prefill_late = recommend_prefill(observed.prefill, a)
     recs: dict[PoolName, tuple[int, str]] = {
         "prefill": (p_rec, p_why),
         "tilert": (t_need.replicas, t_need.reason),
         "native": (n_rec, n_why),
     }
+    if _missed(observed.prefill.ttft_s, a.objective.ttft_seconds) and not prefill_late:
+        # The time went to a decode pool's queue: requests overflowing TileRT wait there, so TileRT
+        # first while it can grow, else native.
+        t, n = observed.tilert, observed.native
+        if t.overflow_rate > 0 and bounds["tilert"].enabled and t_need.replicas < bounds["tilert"].hi:
+            if t_need.replicas <= t.ready:
+                recs["tilert"] = (
+                    t.ready + 1,
+                    t_need.reason + f"; TTFT missed while overflowing: {t.ready + 1}",
+                )
+        elif n_rec <= n.ready:
+            recs["native"] = (n.ready + 1, n_why + f"; TTFT missed in the native queue: {n.ready + 1}")
     desired: dict[PoolName, int] = {}
     reasons: dict[PoolName, str] = {}
     for p in POOLS:

@@ -1,0 +1,1 @@
+"""Autoscaling simulator: load traces through the planner and three baselines (python -m bench.autoscale)."""
