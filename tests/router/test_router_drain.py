@@ -7,12 +7,12 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-import sys
 import time
 from typing import Any
 
 import aiohttp
 from router_fakes import until
+from test_router_cli import start_router
 
 from tilert_serve import draining
 from tilert_serve.local.runner import free_port
@@ -24,21 +24,13 @@ async def _router(s: Any, tmp_path: Any, drain_timeout: float) -> tuple[asyncio.
     path = tmp_path / "config.yaml"
     path.write_text(config.dump(s.cfg))
     port = free_port()
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tilert_serve.router.cli",
-        "--config",
-        str(path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "INFO",
+    proc = await start_router(
+        path,
+        port,
         "--no-health-checks",
         "--drain-timeout",
         str(drain_timeout),
+        log_level="INFO",
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
