@@ -227,53 +227,54 @@ def _full(pattern: str, text: str) -> bool:
     return re.fullmatch(pattern, text) is not None
 
 
-def dns1123_label(v: str) -> list[str]:
-    out = []
-    if len(v) > 63:
-        out.append("must be no more than 63 characters")
-    if not _full(DNS1123_LABEL, v):
-        out.append(
-            "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
-            f"end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '{DNS1123_LABEL}')"
-        )
+def _length_and_form(v: str, most: int, pattern: str, form: str) -> list[str]:
+    """The API server's two checks of a name or value, in its order and words: its length, then its
+    form (`form`: what it says when `pattern` does not match)."""
+    out = [f"must be no more than {most} characters"] if len(v) > most else []
+    if not _full(pattern, v):
+        out.append(form)
     return out
+
+
+def dns1123_label(v: str) -> list[str]:
+    return _length_and_form(
+        v,
+        63,
+        DNS1123_LABEL,
+        "a lowercase RFC 1123 label must consist of lower case alphanumeric characters or '-', and must start and "
+        f"end with an alphanumeric character (e.g. 'my-name',  or '123-abc', regex used for validation is '{DNS1123_LABEL}')",
+    )
 
 
 def dns1123_subdomain(v: str) -> list[str]:
-    out = []
-    if len(v) > 253:
-        out.append("must be no more than 253 characters")
-    if not _full(DNS1123_SUBDOMAIN, v):
-        out.append(
-            "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
-            f"start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '{DNS1123_SUBDOMAIN}')"
-        )
-    return out
+    return _length_and_form(
+        v,
+        253,
+        DNS1123_SUBDOMAIN,
+        "a lowercase RFC 1123 subdomain must consist of lower case alphanumeric characters, '-' or '.', and must "
+        f"start and end with an alphanumeric character (e.g. 'example.com', regex used for validation is '{DNS1123_SUBDOMAIN}')",
+    )
 
 
 def dns1035_label(v: str) -> list[str]:
-    out = []
-    if len(v) > 63:
-        out.append("must be no more than 63 characters")
-    if not _full(DNS1035_LABEL, v):
-        out.append(
-            "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
-            f"character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for validation is '{DNS1035_LABEL}')"
-        )
-    return out
+    return _length_and_form(
+        v,
+        63,
+        DNS1035_LABEL,
+        "a DNS-1035 label must consist of lower case alphanumeric characters or '-', start with an alphabetic "
+        f"character, and end with an alphanumeric character (e.g. 'my-name',  or 'abc-123', regex used for validation is '{DNS1035_LABEL}')",
+    )
 
 
 def label_value(v: str) -> list[str]:
-    out = []
-    if len(v) > 63:
-        out.append("must be no more than 63 characters")
-    if not _full(LABEL_VALUE, v):
-        out.append(
-            "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must "
-            "start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for "
-            f"validation is '{LABEL_VALUE}')"
-        )
-    return out
+    return _length_and_form(
+        v,
+        63,
+        LABEL_VALUE,
+        "a valid label must be an empty string or consist of alphanumeric characters, '-', '_' or '.', and must "
+        "start and end with an alphanumeric character (e.g. 'MyValue',  or 'my_value',  or '12345', regex used for "
+        f"validation is '{LABEL_VALUE}')",
+    )
 
 
 def qualified_name(v: str) -> list[str]:

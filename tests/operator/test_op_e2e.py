@@ -43,6 +43,40 @@ def kubectl(apiserver: Any, *args: str, stdin: str | None = None) -> str:
     return out.stdout
 
 
+def patch_pdc(apiserver: Any, patch: dict[str, Any], name: str = "tiny") -> None:
+    """A merge patch of PDCluster `name` through kubectl, as a user makes one."""
+    kubectl(apiserver, "patch", "pdc", name, "--type=merge", "-p", json.dumps(patch))
+
+
+def wait_spec_valid(srv: Any, name: str = "tiny") -> None:
+    """Until the operator has checked PDCluster `name`'s spec and found it valid."""
+    h.wait_for(
+        f"{name} SpecValid",
+        lambda: h.condition(srv.get("pdclusters", "default", name), "SpecValid").get("status") == "True",
+    )
+
+
+def decode_arg(srv: Any, cluster: str, flag: str) -> str | None:
+    """The value after `flag` in the command of `cluster`'s TileRT StatefulSet (None: no such flag)."""
+    pod = srv.get("statefulsets", "default", f"{cluster}-tilert-decode")["spec"]["template"]["spec"]
+    command: list[str] = pod["containers"][0]["command"]
+    return command[command.index(flag) + 1] if flag in command else None
+
+
+def deleted_and_recreated(apiserver: Any, plural: str, name: str, timeout: float) -> None:
+    """Delete the operator's child `name` through kubectl and wait until it is there again (another uid)."""
+    srv = apiserver.server
+    old_uid = srv.get(plural, "default", name)["metadata"]["uid"]
+    kubectl(apiserver, "delete", plural, name)
+    h.wait_for(
+        f"{name} created again",
+        lambda: (
+            (srv.get(plural, "default", name) or {}).get("metadata", {}).get("uid") not in (None, old_uid)
+        ),
+        timeout=timeout,
+    )
+
+
 def operator_writes(apiserver: Any) -> list[Any]:
     return [
         c
@@ -206,30 +240,12 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         assert refused.returncode != 0 and "at least one decode replica" in refused.stderr, refused.stderr
 
         # Edit the spec -> children change.
-        kubectl(
-            apiserver,
-            "patch",
-            "pdc",
-            "tiny",
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"prefill": {"replicas": 2}, "decode": {"tilert": {"slots": 8}}}}),
-        )
+        patch_pdc(apiserver, {"spec": {"prefill": {"replicas": 2}, "decode": {"tilert": {"slots": 8}}}})
         h.wait_for(
             "prefill scaled",
             lambda: srv.get("deployments", "default", "tiny-prefill")["spec"]["replicas"] == 2,
         )
-        h.wait_for(
-            "slots in args",
-            lambda: (
-                "8"
-                == (lambda a: a[a.index("--slots") + 1])(
-                    srv.get("statefulsets", "default", "tiny-tilert-decode")["spec"]["template"]["spec"][
-                        "containers"
-                    ][0]["command"]
-                )
-            ),
-        )
+        h.wait_for("slots in args", lambda: decode_arg(srv, "tiny", "--slots") == "8")
         h.wait_for(
             "slots in router config", lambda: router_nodes(apiserver, "default", "tiny")[0]["slots"] == 8
         )
@@ -249,16 +265,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             n: srv.get(p, "default", n)["spec"]["template"]
             for p, n in [("deployments", "tiny-prefill"), ("statefulsets", "tiny-tilert-decode")]
         }
-        old_uid = srv.get("secrets", "default", "tiny-handoff")["metadata"]["uid"]
-        kubectl(apiserver, "delete", "secrets", "tiny-handoff")
-        h.wait_for(
-            "new handoff Secret",
-            lambda: (
-                (srv.get("secrets", "default", "tiny-handoff") or {}).get("metadata", {}).get("uid")
-                not in (None, old_uid)
-            ),
-            timeout=5,
-        )
+        deleted_and_recreated(apiserver, "secrets", "tiny-handoff", timeout=5)
         # Two reconciles after the new Secret: the pods' templates are what they were (no roll).
         after_secret = h.reconciles(first_metrics)
         h.wait_for("two reconciles", lambda: h.reconciles(first_metrics) >= after_secret + 2)
@@ -359,28 +366,18 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         assert {p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in snapshot} == snapshot
         text = _http(f"http://127.0.0.1:{metrics_port}/metrics")
         assert helpers.sample(text, "tilert_pd_pdclusters", state="ready") == 1
-        assert (
-            helpers.sample(
+        ready = {
+            status: helpers.sample(
                 text,
                 "tilert_pd_pdcluster_condition",
                 pdcluster_namespace="default",
                 pdcluster="tiny",
                 type="Ready",
-                status="True",
+                status=status,
             )
-            == 1
-        )
-        assert (
-            helpers.sample(
-                text,
-                "tilert_pd_pdcluster_condition",
-                pdcluster_namespace="default",
-                pdcluster="tiny",
-                type="Ready",
-                status="False",
-            )
-            == 0
-        )
+            for status in ("True", "False")
+        }
+        assert ready == {"True": 1, "False": 0}, ready
         assert (helpers.sample(text, "tilert_pd_reconcile_duration_seconds_count") or 0) > 0
         assert (helpers.sample(text, "tilert_pd_api_calls_total", verb="list") or 0) > 0
         h.wait_for("liveness", lambda: _http(f"http://127.0.0.1:{live_port}/healthz"))
@@ -389,15 +386,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         srv.fail(409, times=2, verb="patch")
         srv.fail(500, times=3, verb="patch", resource="deployments")
         srv.fail(500, times=1, verb="delete")
-        kubectl(
-            apiserver,
-            "patch",
-            "pdc",
-            "tiny",
-            "--type=merge",
-            "-p",
-            json.dumps({"spec": {"decode": {"native": {"replicas": 0}}, "router": {"replicas": 2}}}),
-        )
+        patch_pdc(apiserver, {"spec": {"decode": {"native": {"replicas": 0}}, "router": {"replicas": 2}}})
         h.wait_for(
             "native pool removed",
             lambda: srv.get("deployments", "default", "tiny-native-decode") is None,
@@ -447,12 +436,7 @@ def test_api_timeouts_are_retried(apiserver: Any, monkeypatch: pytest.MonkeyPatc
                 and srv.get("statefulsets", "default", "tiny-tilert-decode")
             ),
         )
-        h.wait_for(
-            "status",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True"
-            ),
-        )
+        wait_spec_valid(srv)
         assert all(f.times == 0 for f in srv.faults)
     assert runner.exception is None
     assert "failed (TimeoutError" in runner.output or "failed (ServerTimeoutError" in runner.output, (

@@ -250,21 +250,29 @@ def test_the_chart_installed_operator_reconciles_every_example_without_a_403(
     assert _no_refusal_logged(runner.output)
 
 
+def _put_tiny_until_forbidden(apiserver: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Put the tiny example and wait for Reconciled=False; (the PDCluster, that condition), its reason
+    checked to be Forbidden."""
+    srv = apiserver.server
+    apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
+    body: dict[str, Any] = h.wait_for(
+        "Reconciled=False",
+        lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
+            srv.get("pdclusters", "default", "tiny")
+        ),
+    )
+    cond: dict[str, Any] = h.condition(body, "Reconciled")
+    assert cond["reason"] == "Forbidden", cond
+    return body, cond
+
+
 def test_a_role_without_a_rule_is_reported_as_forbidden_not_as_a_spec_error(apiserver: Any) -> None:
     """An install whose role lacks `create` on PodDisruptionBudgets (the chart before this was fixed):
     Reconciled=False names the verb, the resource and the fix, and does not blame the spec."""
     srv = apiserver.server
     chart = h.install_chart_rbac(apiserver, {}, without=("policy", "poddisruptionbudgets", "create"))
     with KopfRunner(chart.kopf_args, timeout=40) as runner:
-        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
-        body = h.wait_for(
-            "Reconciled=False",
-            lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
-                srv.get("pdclusters", "default", "tiny")
-            ),
-        )
-        cond = h.condition(body, "Reconciled")
-        assert cond["reason"] == "Forbidden", cond
+        body, cond = _put_tiny_until_forbidden(apiserver)
         assert "PodDisruptionBudget/tiny-prefill" in cond["message"]
         assert "the operator's role lacks create on poddisruptionbudgets" in cond["message"]
         assert "fix the chart's RBAC or install the chart's current version" in cond["message"]
@@ -293,18 +301,9 @@ def test_a_role_without_a_rule_is_reported_as_forbidden_not_as_a_spec_error(apis
 
 
 def test_a_403_outside_the_children_is_reported_as_forbidden(apiserver: Any) -> None:
-    srv = apiserver.server
     chart = h.install_chart_rbac(apiserver, {}, without=("", "secrets", "create"))
     with KopfRunner(chart.kopf_args, timeout=40) as runner:
-        apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
-        body = h.wait_for(
-            "Reconciled=False",
-            lambda: (lambda b: h.condition(b, "Reconciled").get("status") == "False" and b)(
-                srv.get("pdclusters", "default", "tiny")
-            ),
-        )
-        cond = h.condition(body, "Reconciled")
-        assert cond["reason"] == "Forbidden", cond
+        _, cond = _put_tiny_until_forbidden(apiserver)
         assert (
             "the operator's role lacks create on secrets" in cond["message"]
             and "fix the chart's RBAC" in cond["message"]

@@ -18,6 +18,7 @@ import pdc_harness as h
 import pdc_helpers as helpers
 import pytest
 from kopf.testing import KopfRunner
+from test_op_e2e import decode_arg
 
 from tilert_operator import constants, credentials, render, status
 from tilert_operator import spec as specmod
@@ -592,17 +593,7 @@ def test_multi_network_policies_applied_when_served_and_reported_when_not(apiser
                 == "MultiNetworkPolicyForbidden"
             ),
         )
-        h.wait_for(
-            "slots applied",
-            lambda: (
-                "2"
-                == (lambda a: a[a.index("--slots") + 1])(
-                    srv.get("statefulsets", "default", "nets-tilert-decode")["spec"]["template"]["spec"][
-                        "containers"
-                    ][0]["command"]
-                )
-            ),
-        )
+        h.wait_for("slots applied", lambda: decode_arg(srv, "nets", "--slots") == "2")
         srv.faults.clear()
         h.wait_for(
             "allowed again",

@@ -24,7 +24,7 @@ import pdc_harness as h
 import pdc_helpers as helpers
 import pytest
 from kopf.testing import KopfRunner
-from test_op_e2e import kubectl
+from test_op_e2e import deleted_and_recreated, kubectl, wait_spec_valid
 
 from tilert_operator import constants
 from tilert_operator.cache import SELECTOR
@@ -124,12 +124,7 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any, drif
                 and srv.get("deployments", "default", "tiny-router")
             ),
         )
-        h.wait_for(
-            "status",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "tiny"), "SpecValid").get("status") == "True"
-            ),
-        )
+        wait_spec_valid(srv)
         # The children's informers: per kind, in the PDCluster's namespace, filtered by the API server
         # with the cluster label; kopf does not watch them a second time.
         for plural in ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies"):
@@ -209,16 +204,7 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any, drif
 
         # A deleted handoff Secret is recreated at once.
         since = len(drift_log.kicks)
-        old_uid = srv.get("secrets", "default", "tiny-handoff")["metadata"]["uid"]
-        kubectl(apiserver, "delete", "secrets", "tiny-handoff")
-        h.wait_for(
-            "new handoff Secret",
-            lambda: (
-                (srv.get("secrets", "default", "tiny-handoff") or {}).get("metadata", {}).get("uid")
-                not in (None, old_uid)
-            ),
-            timeout=10,
-        )
+        deleted_and_recreated(apiserver, "secrets", "tiny-handoff", timeout=10)
         only_foreign_drift(apiserver, drift_log, since, ["secrets"], {"Secret/tiny-handoff deleted"})
 
         # MultiNetworkPolicies are watched once their CRD is served.
