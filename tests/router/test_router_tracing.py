@@ -105,3 +105,26 @@ async def test_without_an_endpoint_nothing_is_exported_and_nothing_goes_upstream
     await s.runner.cleanup()  # a tracer would flush what it holds here
     assert receiver.spans() == []
     assert "traceparent" not in s.prefill.headers[0]
+
+
+async def test_the_native_path_has_the_same_legs_and_each_vllm_gets_its_own(
+    make_stack, receiver: Receiver
+) -> None:
+    s = await make_stack(tracing={"endpoint": receiver.url})
+    stream = await s.client().completions.create(
+        model=MODEL,
+        prompt="hi",
+        max_tokens=4,
+        stream=True,
+        extra_headers={"x-pd-route": "native", "traceparent": SAMPLED},
+    )
+    assert [c async for c in stream]
+    spans = _by_name(receiver.wait_for("the router's spans", _has_root))
+    assert set(spans) == {"router.request", "router.admission", "router.prefill", "router.decode"}
+    root = spans["router.request"]
+    assert root.attributes["tilert_pd.route"] == "native" and root.parent_id == CLIENT_SPAN
+    for leg, fake in (("router.prefill", s.prefill), ("router.decode", s.native)):
+        sent = parse_traceparent(fake.headers[0]["traceparent"])
+        assert sent is not None and f"{sent.span_id:016x}" == spans[leg].span_id, leg
+        assert spans[leg].parent_id == root.span_id
+        assert root.start_ns <= spans[leg].start_ns <= spans[leg].end_ns <= root.end_ns
