@@ -190,7 +190,9 @@ def run(args: argparse.Namespace) -> int:
         secret = FileKeyring(args.secret_file)
         api_tokens = api_token_file(args.api_token_file)
         # Checked before the engine loads: a bad URL fails the start at once, naming the flag.
-        trace_config = tracing.TracingConfig(args.otlp_traces_endpoint, service_name="tilert-decode")
+        tracer = tracing_otel.make_tracer(
+            tracing.TracingConfig(args.otlp_traces_endpoint, service_name="tilert-decode")
+        )
     except tracing.TracingConfigError as exc:
         raise SystemExit(f"decode-node: --otlp-traces-endpoint: {exc}") from exc
     except (ValueError, OSError, TokenFileError, AuthError) as exc:
@@ -246,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
     )
     asyncio.run(
         serve(
-            make_app(node, api_tokens, tracing_otel.make_tracer(trace_config)),
+            make_app(node, api_tokens, tracer),
             node,
             args.host,
             args.http_port,

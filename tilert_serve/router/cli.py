@@ -12,6 +12,7 @@ from tilert_serve import defaults, draining
 from tilert_serve.bearer import TokenFileError
 from tilert_serve.router import config as config_mod
 from tilert_serve.router.app import make_app, start
+from tilert_serve.tracing import TracingConfigError
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -49,7 +50,7 @@ async def _main(args: argparse.Namespace) -> int:
     cfg = config_mod.load(args.config)
     try:
         app = make_app(cfg, config_path=args.config, health_checks=not args.no_health_checks)
-    except TokenFileError as exc:
+    except (TokenFileError, TracingConfigError) as exc:
         raise SystemExit(f"router: {exc}") from exc
     drain = draining.Drain(args.drain_timeout)
     app.middlewares.append(drain.middleware)
