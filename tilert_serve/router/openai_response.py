@@ -84,15 +84,9 @@ class ChunkWriter:
             }
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = _text_choice(text, finish_reason)
             obj = "text_completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [choice],
-        }
+        return self._envelope(obj, [choice])
 
     def content_chunk(self, text: str) -> bytes:
         """A whole SSE event carrying only text (every chunk after the first): the constant parts are
@@ -107,14 +101,7 @@ class ChunkWriter:
 
     def usage_chunk(self, u: dict[str, Any]) -> dict[str, Any]:
         obj = "chat.completion.chunk" if self.kind == "chat" else "text_completion"
-        return {
-            "id": self.id,
-            "object": obj,
-            "created": self.created,
-            "model": self.model,
-            "choices": [],
-            "usage": u,
-        }
+        return self._envelope(obj, [], usage=u)
 
     def whole(self, text: str, finish_reason: str | None, u: dict[str, Any]) -> dict[str, Any]:
         if self.kind == "chat":
@@ -126,13 +113,22 @@ class ChunkWriter:
             }
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = _text_choice(text, finish_reason)
             obj = "text_completion"
+        return self._envelope(obj, [choice], usage=u)
+
+    def _envelope(self, obj: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """The fields every response object of this request carries, in OpenAI's order."""
         return {
             "id": self.id,
             "object": obj,
             "created": self.created,
             "model": self.model,
-            "choices": [choice],
-            "usage": u,
+            "choices": choices,
+            **extra,
         }
+
+
+def _text_choice(text: str, finish_reason: str | None) -> dict[str, Any]:
+    """A completions choice (the same in a stream's chunk and in a whole answer)."""
+    return {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
