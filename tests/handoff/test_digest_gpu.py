@@ -29,6 +29,11 @@ def gpu(test: Callable[..., None]) -> Callable[..., None]:
     return pytest.mark.gpu(needs(test))  # type: ignore[no-any-return]
 
 
+#: Message sizes around BLAKE3's block (64 bytes) and chunk (1 KiB) boundaries, for both the host model
+#: and the kernels.
+AROUND_BLOCKS_AND_CHUNKS = (0, 1, 63, 64, 65, 1023, 1024, 1025, 2048, 3072, 4097)
+
+
 def want(data: bytes) -> str:
     return str(blake3.blake3(data).hexdigest())
 
@@ -40,17 +45,7 @@ def want(data: bytes) -> str:
 def test_the_kernels_tree_is_blake3s(fanin: int) -> None:
     rng = random.Random(fanin)
     for n in (
-        0,
-        1,
-        63,
-        64,
-        65,
-        1023,
-        1024,
-        1025,
-        2048,
-        3072,
-        4097,
+        *AROUND_BLOCKS_AND_CHUNKS,
         5 * 1024,
         7 * 1024 + 3,
         9 * 1024,
@@ -117,17 +112,7 @@ def _rand(n: int, gen: torch.Generator) -> torch.Tensor:
 @pytest.mark.parametrize(
     "n",
     [
-        0,
-        1,
-        63,
-        64,
-        65,
-        1023,
-        1024,
-        1025,
-        2048,
-        3072,
-        4097,
+        *AROUND_BLOCKS_AND_CHUNKS,
         5 * 1024 + 7,
         128 * 1024,
         128 * 1024 + 1,
