@@ -23,6 +23,11 @@ _TRACEPARENT = re.compile(r"([0-9a-f]{2})-([0-9a-f]{32})-([0-9a-f]{16})-([0-9a-f
 #: vLLM reads this to pick its exporter's protocol (vllm/tracing/otel.py; its default is grpc).
 VLLM_PROTOCOL_ENV = "OTEL_EXPORTER_OTLP_TRACES_PROTOCOL"
 OTLP_HTTP_PROTOCOL = "http/protobuf"
+#: vLLM's TracerProvider takes its sampler from this (the SDK's own variable): follow the caller's
+#: decision and start no trace of its own, so the router alone decides what is traced (the router's
+#: handoff probes, which carry no traceparent, then leave no root spans behind).
+VLLM_SAMPLER_ENV = "OTEL_TRACES_SAMPLER"
+FOLLOW_PARENT_ONLY = "parentbased_always_off"
 _URL = re.compile(r"https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._/-]*)?")
 
 

@@ -169,9 +169,12 @@ def test_the_operator_renders_tracing_only_when_the_spec_sets_an_endpoint() -> N
         assert argv[argv.index("--otlp-traces-endpoint") + 1] == url
         # vLLM's exporter speaks gRPC unless told: the endpoint is OTLP/HTTP.
         assert env[tracing.VLLM_PROTOCOL_ENV] == "http/protobuf"
-        assert (
-            "--otlp-traces-endpoint" not in off[pool].argv and tracing.VLLM_PROTOCOL_ENV not in off[pool].env
-        )
+        # vLLM follows the router's decision and starts no trace of its own.
+        assert env[tracing.VLLM_SAMPLER_ENV] == "parentbased_always_off"
+        assert "--otlp-traces-endpoint" not in off[pool].argv and not {
+            tracing.VLLM_PROTOCOL_ENV,
+            tracing.VLLM_SAMPLER_ENV,
+        } & set(off[pool].env)
         # Everything else is the same: turning tracing on changes nothing but tracing.
         rest = [a for a in argv if a not in ("--otlp-traces-endpoint", url)]
         assert json.dumps(rest) == json.dumps(off[pool].argv)

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from tilert_operator import constants
 from tilert_operator.spec import PDClusterSpec
 from tilert_serve import dataplane, defaults, vllm_cpu
-from tilert_serve.tracing import OTLP_HTTP_PROTOCOL, VLLM_PROTOCOL_ENV
+from tilert_serve.tracing import FOLLOW_PARENT_ONLY, OTLP_HTTP_PROTOCOL, VLLM_PROTOCOL_ENV, VLLM_SAMPLER_ENV
 
 #: Module vLLM loads TileRTConnector from.
 TILERT_CONNECTOR_MODULE = "tilert_serve.pd_vllm.prefill_connector"
@@ -147,13 +147,15 @@ def _vllm(
 def _vllm_tracing(
     spec: PDClusterSpec, argv: list[str], env: dict[str, str]
 ) -> tuple[list[str], dict[str, str]]:
-    """vLLM's own OTLP tracing when the spec sets an endpoint: a span per request that carries a
-    traceparent (the router's prefill or decode leg), a child of that leg. The endpoint is an OTLP/HTTP
-    URL, and vLLM's exporter speaks gRPC unless this variable of its container says otherwise."""
+    """vLLM's own OTLP tracing when the spec sets an endpoint: a span per request whose traceparent
+    (the router's prefill or decode leg) is sampled, a child of that leg, and none for a request
+    without one (the router decides). The endpoint is an OTLP/HTTP URL, and vLLM's exporter speaks gRPC
+    unless its container's env says otherwise."""
     endpoint = spec.observability.tracing.endpoint
     if not endpoint:
         return argv, env
-    return [*argv, "--otlp-traces-endpoint", endpoint], {**env, VLLM_PROTOCOL_ENV: OTLP_HTTP_PROTOCOL}
+    otel = {VLLM_PROTOCOL_ENV: OTLP_HTTP_PROTOCOL, VLLM_SAMPLER_ENV: FOLLOW_PARENT_ONLY}
+    return [*argv, "--otlp-traces-endpoint", endpoint], {**env, **otel}
 
 
 def _vllm_common(spec: PDClusterSpec, paths: Paths, tp: int) -> list[str]:
