@@ -280,20 +280,7 @@ class Sender:
             )
         except _WriteFailed as exc:
             return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
-        t2 = time.monotonic()
-        chan.send(
-            messages.Done(
-                request_id=req.request_id,
-                generation=accept.generation,
-                ok=True,
-                nbytes=nbytes,
-                digest=written,
-                write_s=busy_s,
-            )
-        )
-        result = self._await_ack(chan, nbytes, t0, t1, t2)
-        result.busy_s = busy_s
-        return result
+        return self._finish(chan, req, accept, nbytes, written, busy_s, (t0, t1, time.monotonic()))
 
     def _hash_and_write(
         self,
@@ -458,32 +445,46 @@ class Sender:
             nbytes += n
             busy_s += seconds
             t2 = time.monotonic()
+        result = self._finish(chan, req, accept, nbytes, rest if missing else None, busy_s, (t0, t1, t2))
+        result.layers_sent = len(sent)
+        result.layers_early = len(sent) - last_batch
+        result.chunk_bytes = chunk_bytes
+        return result
+
+    def _finish(
+        self,
+        chan: SyncChannel,
+        req: HandoffRequest,
+        accept: messages.Accept,
+        nbytes: int,
+        written: str | None,
+        busy_s: float,
+        times: tuple[float, float, float],
+    ) -> HandoffResult:
+        """Every write made: Done (with the digest of what was written, if any) and the node's Ack.
+        `times`: when the handshake started and ended and the writes ended (monotonic s)."""
+        t0, t1, t2 = times
         chan.send(
             messages.Done(
                 request_id=req.request_id,
                 generation=accept.generation,
                 ok=True,
                 nbytes=nbytes,
-                digest=rest if missing else None,
+                digest=written,
                 write_s=busy_s,
             )
         )
-        result = self._await_ack(chan, nbytes, t0, t1, t2)
-        result.layers_sent = len(sent)
-        result.layers_early = len(sent) - last_batch
-        result.chunk_bytes = chunk_bytes
-        result.busy_s = busy_s
-        return result
-
-    def _await_ack(self, chan: SyncChannel, nbytes: int, t0: float, t1: float, t2: float) -> HandoffResult:
         ack = self._expect(chan, messages.Ack)
         t3 = time.monotonic()
         if not isinstance(ack, messages.Ack) or ack.status == "failed":
             detail = ack.message if isinstance(ack, (messages.Ack, messages.Reject, messages.Error)) else ""
-            return HandoffResult(
+            result = HandoffResult(
                 False, "protocol", f"node did not take the state: {detail}", nbytes, t1 - t0, t2 - t1, t3 - t2
             )
-        return HandoffResult(True, None, "", nbytes, t1 - t0, t2 - t1, t3 - t2)
+        else:
+            result = HandoffResult(True, None, "", nbytes, t1 - t0, t2 - t1, t3 - t2)
+        result.busy_s = busy_s
+        return result
 
     def _digest(self, req: HandoffRequest, theirs: list[str]) -> str | None:
         if not self.send_digest or self.staging_buffers is None:
