@@ -16,8 +16,9 @@ from dataclasses import dataclass, field
 class PrefillObserved:
     #: Ready prefill pods (the operator's own pod watch).
     ready: int
-    #: Requests arriving per second, each of which needs a prefill: rate of the router's
-    #: `tilert_router_requests_total` (arrivals, not completions: it does not saturate with the pool).
+    #: Requests arriving per second, each of which needs a prefill: rate of the router's routing
+    #: decisions, `tilert_router_routes_total` summed over paths (taken at arrival; the finished-request
+    #: counter `tilert_router_requests_total` would saturate with the pool it is meant to size).
     arrival_rate: float
     #: Mean seconds one prefill takes: rate(`tilert_router_prefill_seconds_sum`) / rate(`..._count`).
     mean_prefill_s: float
