@@ -79,8 +79,16 @@ def simulate(
 
 
 def run_trace(
-    cap: Capacities, trace: str, mean_rate: float, hours: float, dt: float, seed: int
+    cap: Capacities,
+    trace: str,
+    mean_rate: float,
+    hours: float,
+    dt: float,
+    seed: int,
+    down_s: int | None = None,
 ) -> list[Result]:
+    """Every strategy over one trace. `down_s`: both autoscalers' scale-down window (default
+    `down_window_s`)."""
     n = int(hours * 3600 / dt)
     rates = traces.arrivals(traces.TRACES[trace](mean_rate, n, dt, seed), dt, seed)
     target = specmod.Autoscaling().target_utilization
@@ -93,12 +101,13 @@ def run_trace(
         "tilert": (1, max(2, 2 * at_peak.tilert)),
         "native": (0 if cap.tilert_share >= 1 else 1, max(2, 2 * at_peak.native)),
     }
+    window = down_s if down_s is not None else down_window_s(cap)
     start = Ready(*(min(max(getattr(at_mean, p), bounds[p][0]), bounds[p][1]) for p in POOLS))
     strategies: list[tuple[Strategy, Ready]] = [
-        (Planned(planner_spec(cap, start, bounds), cap), start),
+        (Planned(planner_spec(cap, start, bounds, window), cap), start),
         (Static("static at peak", at_peak), at_peak),
         (Static("static at mean", at_mean), at_mean),
-        (CpuHpa(bounds, float(down_window_s(cap))), start),
+        (CpuHpa(bounds, float(window)), start),
     ]
     return [simulate(cap, trace, rates, s, r, dt) for s, r in strategies]
 

@@ -158,7 +158,7 @@ class Planned:
 
 
 def planner_spec(
-    cap: Capacities, start: Ready, bounds: dict[PoolName, tuple[int, int]]
+    cap: Capacities, start: Ready, bounds: dict[PoolName, tuple[int, int]], down_s: int
 ) -> specmod.PDClusterSpec:
     """A PDCluster spec for the planner: every pool autoscaled within `bounds`, the capacities' SLO."""
 
@@ -170,7 +170,7 @@ def planner_spec(
                 "enabled": True,
                 "minReplicas": lo,
                 "maxReplicas": hi,
-                "scaleDownStabilizationSeconds": down_window_s(cap),
+                "scaleDownStabilizationSeconds": down_s,
             },
         }
 
