@@ -279,6 +279,9 @@ async def _generate(request: web.Request, stamps: GenerateStamps | None) -> web.
     try:
         event = first
         while event is not None:
+            if stamps is not None and event.get("done"):
+                # The call's span ends as its done event leaves: the caller's leg ends once it has read it.
+                stamps.ended = time.perf_counter()
             if event.get("done") and event.get("finish_reason") == "cancelled":
                 # Not an OpenAI finish reason: the stream was cancelled by its ticket, or cut because the
                 # node's drain period ended; it did not finish.
@@ -292,8 +295,6 @@ async def _generate(request: web.Request, stamps: GenerateStamps | None) -> web.
                 await resp.write(f"event: error\ndata: {json.dumps(err)}\n\n".encode())
             else:
                 await resp.write(f"data: {json.dumps(event)}\n\n".encode())
-            if stamps is not None and event.get("done"):
-                stamps.ended = time.perf_counter()  # the caller's stream is complete from here
             event = await anext(events, None)
     except (ConnectionResetError, ConnectionError):
         log.info("client of slot %d went away; decode cancelled", slot.index)
