@@ -176,3 +176,24 @@ class Bounded:
             if values not in keep:
                 del self._children[values]
                 self.metric.remove(*values)
+
+
+# The names of the metrics read by more than the registry that exports them: the operator's
+# autoscaler reads them off each pod's /metrics (operator/tilert_operator/autoscale/observe.py), so
+# the registries and the operator take them from here, without the operator importing the router or
+# the decode node. Counters carry the `_total` their exposition has.
+ROUTER_ROUTES = "tilert_router_routes_total"
+ROUTER_REJECTIONS = "tilert_router_rejections_total"
+ROUTER_TTFT = "tilert_router_ttft_seconds"
+ROUTER_INTER_TOKEN = "tilert_router_inter_token_seconds"
+ROUTER_PREFILL = "tilert_router_prefill_seconds"
+ROUTER_REQUEST_DURATION = "tilert_router_request_duration_seconds"
+DECODE_SLOTS = "tilert_decode_slots"
+DECODE_SLOTS_BUSY = "tilert_decode_slots_busy"
+DECODE_TPOT = "tilert_decode_tpot_seconds"
+#: vLLM's own gauges (its /metrics, on the prefill and native decode pods).
+VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_KV_USAGE = "vllm:kv_cache_usage_perc"
+#: What vLLM before 0.10 called the KV-cache use.
+VLLM_KV_USAGE_OLD = "vllm:gpu_cache_usage_perc"

@@ -57,6 +57,7 @@ from tilert_operator import (
     status,
     validation,
 )
+from tilert_operator.autoscale import act
 from tilert_operator.kubeapi import Client, Obj
 from tilert_operator.reconcile_events import Note
 from tilert_operator.reconcile_failures import FAILED_RETRY_S, RECONCILED, Failure
@@ -130,6 +131,9 @@ async def _reconcile(
     if spec is None or problems:
         return await _not_applied(api, body, out, "invalid", status.invalid(problems))
     now = time.time() if now is None else now
+    # Autoscaled pools render the planner's decision held in status (autoscale/act.py), so a resync
+    # renders the number already decided.
+    spec = act.effective(spec, act.parse_status((body.get("status") or {}).get("autoscaling")))
 
     secrets = await reconcile_secrets.ensure(api, body)
     out.secrets += secrets.actions

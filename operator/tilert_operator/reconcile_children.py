@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from tilert_operator import constants, credentials, reconcile_status, render, rollout, status
 from tilert_operator import handoff as handoff_check
+from tilert_operator.autoscale import act
 from tilert_operator.credentials import owner_reference
 from tilert_operator.kubeapi import ApiError, Client, Obj
 from tilert_operator.reconcile_compare import contains, stamp
@@ -184,12 +185,32 @@ async def plan(
 
 
 def desired(spec: PDClusterSpec, body: Obj, lives: list[Live]) -> dict[str, Obj]:
-    """The rendered children (Kind/name -> object), owned by the PDCluster and stamped with their hash."""
+    """The rendered children (Kind/name -> object), owned by the PDCluster and stamped with their hash.
+    The workloads of pools an HPA scales are applied without `spec.replicas`, so server-side apply
+    leaves that field to the HPA (the operator never sets it back on a resync)."""
     meta = body["metadata"]
+    hpa = {_COMPONENT_OF[p] for p in act.hpa_pools(spec)}
     return {
         key_of(o): stamp(o | {"metadata": o["metadata"] | {"ownerReferences": [owner_reference(body)]}})
-        for o in render.children(spec, meta["name"], meta["namespace"], lives=lives)
+        for o in (
+            _without_replicas(r) if _component(r) in hpa else r
+            for r in render.children(spec, meta["name"], meta["namespace"], lives=lives)
+        )
     }
+
+
+_COMPONENT_OF = {"prefill": constants.PREFILL, "tilert": constants.TILERT, "native": constants.NATIVE}
+
+
+def _component(obj: Obj) -> str | None:
+    if obj["kind"] not in ("Deployment", "StatefulSet"):
+        return None
+    component: str | None = (obj["metadata"].get("labels") or {}).get(constants.LABEL_COMPONENT)
+    return component
+
+
+def _without_replicas(obj: Obj) -> Obj:
+    return obj | {"spec": {k: v for k, v in obj["spec"].items() if k != "replicas"}}
 
 
 def differences(owned: dict[str, dict[str, Obj]], want: dict[str, Obj]) -> list[Apply | Delete]:

@@ -134,3 +134,41 @@ def status_patch(
             "recommendations": [{"at": r.at, **r.replicas} for r in records],
         }
     }
+
+
+def effective(spec: PDClusterSpec, status: AutoscalingStatus | None) -> PDClusterSpec:
+    """The spec the renderers and the status see: each autoscaled pool's `replicas` replaced by
+    `current` (the decision in status, clamped; under the HPA actuator the last decision or the
+    pool's minimum, which only the status and the GPU sums read: the workload is applied without the
+    field). The one place where a pool's rendered replicas are decided; `spec` itself when nothing
+    is autoscaled."""
+    want = current(spec, status)
+    have = {
+        "prefill": spec.prefill.replicas,
+        "tilert": spec.decode.tilert.replicas,
+        "native": spec.decode.native.replicas,
+    }
+    if want == have:
+        return spec
+    decode = spec.decode.model_copy(
+        update={
+            "tilert": spec.decode.tilert.model_copy(update={"replicas": want["tilert"]}),
+            "native": spec.decode.native.model_copy(update={"replicas": want["native"]}),
+        }
+    )
+    return spec.model_copy(
+        update={"prefill": spec.prefill.model_copy(update={"replicas": want["prefill"]}), "decode": decode}
+    )
+
+
+def hpa_pools(spec: PDClusterSpec) -> tuple[PoolName, ...]:
+    """The pools whose replicas an HPA owns (the HPA actuator, autoscaling enabled)."""
+    if spec.autoscaling.actuator != "HPA":
+        return ()
+    bounds = pool_bounds(spec)
+    return tuple(p for p in POOLS if bounds[p].enabled)
+
+
+def operator_driven(spec: PDClusterSpec) -> bool:
+    """Whether the operator runs the planner for this spec: a pool is autoscaled and the operator acts."""
+    return spec.autoscaling.actuator == "Operator" and any(b.enabled for b in pool_bounds(spec).values())
