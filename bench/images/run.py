@@ -23,7 +23,6 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 import urllib.request
@@ -35,14 +34,10 @@ from typing import Any
 import yaml
 
 from bench.common import record, table
+from bench.operator.run import api_server
 from tilert_serve.local.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
-
-import conftest  # noqa: E402  (the API test server thread)
-import pdc_apiserver  # noqa: E402
-import pdc_harness  # noqa: E402
 
 LABEL = f"tilert-pd.bench=images-{uuid.uuid4().hex[:8]}"
 
@@ -165,14 +160,8 @@ def med(fn: Callable[[], float], reps: int) -> float:
 
 
 def operator_ready(image: str, reps: int) -> float:
-    st = conftest.ServerThread()
-    tmp = Path(tempfile.mkdtemp(prefix="bench-images-"))
-    cfg = tmp / "kubeconfig"
-    cfg.write_text(pdc_apiserver.kubeconfig(st.url))
+    st, cfg = api_server("bench-images-")
     cfg.chmod(0o644)
-    crd = yaml.safe_load(conftest.CRD.read_text())
-
-    pdc_harness.install_crd(st, crd)
     try:
 
         def once() -> float:

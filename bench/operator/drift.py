@@ -18,7 +18,6 @@ import os
 import random
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,14 +26,10 @@ from typing import Any
 import yaml
 
 from bench.common import record, table
+from bench.operator.run import api_server, stop
 from tilert_serve.local.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
-
-import conftest  # noqa: E402  (the test server thread and CRD install)
-import pdc_apiserver  # noqa: E402
-import pdc_harness  # noqa: E402
 
 PDC = ("pd.tilert.ai", "v1alpha1", "pdclusters")
 UA = "tilert-pd-operator"
@@ -102,13 +97,7 @@ def _faults(st: Any) -> dict[str, tuple[Callable[[], None], Callable[[], bool]]]
 
 
 def run_case(watch: bool, resync: float, samples: int) -> dict[str, dict[str, list[float]]]:
-    st = conftest.ServerThread()
-    tmp = tempfile.mkdtemp(prefix="bench-drift-")
-    cfg = Path(tmp) / "kubeconfig"
-    cfg.write_text(pdc_apiserver.kubeconfig(st.url))
-    crd = yaml.safe_load(conftest.CRD.read_text())
-
-    pdc_harness.install_crd(st, crd)
+    st, cfg = api_server("bench-drift-")
     env = os.environ | {
         "KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(free_port()),
         "TILERT_PD_METRICS_HOST": "127.0.0.1", "TILERT_PD_WATCH_TIMEOUT_S": "600", "TILERT_PD_WATCH_CHILDREN": "1" if watch else "0",
@@ -156,12 +145,7 @@ def run_case(watch: bool, resync: float, samples: int) -> dict[str, dict[str, li
             out[label] = rows
         return out
     finally:
-        op.terminate()
-        try:
-            op.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            op.kill()
-        st.stop()
+        stop(op, st)
 
 
 def _pct(values: list[float], q: float) -> float:

@@ -18,22 +18,14 @@ import copy
 import os
 import subprocess
 import sys
-import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import yaml
 
 from bench.common import record, table
-from bench.operator.run import PDC, ROOT, _metrics, _pct
+from bench.operator.run import PDC, ROOT, _metrics, _pct, api_server, stop
 from tilert_serve.local.runner import free_port
-
-sys.path.insert(0, str(ROOT / "tests" / "operator"))
-
-import conftest
-import pdc_apiserver
-import pdc_harness
 
 BAD_LABELS = {"spec": {"template": {"metadata": {"labels": {"team": "-ml-"}}}}}
 
@@ -46,13 +38,8 @@ def _reconciled(obj: dict[str, Any]) -> str | None:
 
 
 def measure(n: int, resync: float, timeout: float) -> dict[str, list[float]]:
-    st = conftest.ServerThread()
+    st, cfg = api_server("bench-failures-")
     srv = st.server
-    cfg = Path(tempfile.mkdtemp(prefix="bench-failures-")) / "kubeconfig"
-    cfg.write_text(pdc_apiserver.kubeconfig(st.url))
-    crd = yaml.safe_load(conftest.CRD.read_text())
-
-    pdc_harness.install_crd(st, crd)
     seen: dict[tuple[str, str], float] = {}  # (what, cluster) -> first time
 
     def hook(res: Any, kind: str, obj: dict[str, Any]) -> None:
@@ -163,12 +150,7 @@ def measure(n: int, resync: float, timeout: float) -> dict[str, list[float]]:
             "baseline": [seen[("status", g)] - created[g] for g in good],
         }
     finally:
-        op.terminate()
-        try:
-            op.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            op.kill()
-        st.stop()
+        stop(op, st)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,9 +33,8 @@ from tilert_serve.local.runner import free_port
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "operator"))
 
-import conftest  # noqa: E402  (the test server thread and CRD install)
 import pdc_apiserver  # noqa: E402
-import pdc_harness  # noqa: E402
+from pdc_server_thread import ServerThread  # noqa: E402  (the test server, the CRD installed)
 
 PDC = ("pd.tilert.ai", "v1alpha1", "pdclusters")
 #: Children of one tiny-cpu PDCluster: 3 Deployments, 1 StatefulSet, 4 Services, 1 ConfigMap,
@@ -90,14 +89,28 @@ def _op_calls(srv: Any) -> list[Any]:
     return [c for c in srv.calls if c.user_agent.startswith(UA)]
 
 
-def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
-    st = conftest.ServerThread()
-    tmp = tempfile.mkdtemp(prefix="bench-operator-")
-    cfg = Path(tmp) / "kubeconfig"
+def api_server(prefix: str) -> tuple[ServerThread, Path]:
+    """The operator suite's API test server (the CRD installed, its schema not checked: as these
+    benchmarks have always measured) and a kubeconfig file for it, in a new temporary folder named
+    `prefix`..."""
+    st = ServerThread(validate=False)
+    cfg = Path(tempfile.mkdtemp(prefix=prefix)) / "kubeconfig"
     cfg.write_text(pdc_apiserver.kubeconfig(st.url))
-    crd = yaml.safe_load(conftest.CRD.read_text())
+    return st, cfg
 
-    pdc_harness.install_crd(st, crd)
+
+def stop(op: subprocess.Popen[str], st: ServerThread) -> None:
+    """The operator (SIGTERM; SIGKILL if it has not exited 20 s later), then the API server."""
+    op.terminate()
+    try:
+        op.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        op.kill()
+    st.stop()
+
+
+def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
+    st, cfg = api_server("bench-operator-")
     metrics_port = free_port()
     env = os.environ | {
         "KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(metrics_port),
@@ -171,12 +184,7 @@ def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
             "peak_rss_mib": hwm / 1024,
         }
     finally:
-        op.terminate()
-        try:
-            op.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            op.kill()
-        st.stop()
+        stop(op, st)
 
 
 def _writes(srv: Any) -> int:

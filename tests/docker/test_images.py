@@ -8,13 +8,10 @@ of tests/operator. The CUDA images are not built here (tests/chart/test_chart_im
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import threading
 import urllib.request
-from collections.abc import Coroutine, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
 
 import pytest
 import yaml
@@ -24,15 +21,14 @@ from tests.docker.conftest import Containers, Images, docker
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "operator"))  # the API test server's modules
 
 import pdc_apiserver
-import pdc_crd_validator
 import pdc_harness as h
+from pdc_server_thread import ServerThread
 
 from tilert_operator import constants
 from tilert_serve.local.runner import free_port
 
 pytestmark = pytest.mark.docker
 ROOT = Path(__file__).resolve().parents[2]
-T = TypeVar("T")
 
 
 def run_in(image: str, *command: str, entrypoint: str | None = None, timeout: float = 300) -> str:
@@ -126,39 +122,6 @@ def test_vllm_prefill_cpu_image_loads_the_connector_and_vllm(images: Images) -> 
 
 
 # --- the operator image against the API test server -------------------------------------------------
-
-
-class ServerThread:
-    """The API test server of tests/operator in a thread of its own, with the CRD installed."""
-
-    def __init__(self) -> None:
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="apiserver", daemon=True)
-        self._thread.start()
-        self.server, self._srv = self.call(pdc_apiserver.serve())
-        self.url = str(self._srv.url).rstrip("/")
-        h.install_crd(self, yaml.safe_load((ROOT / "crds" / "pdcluster.yaml").read_text()))
-        schema = pdc_crd_validator.load_schema()
-        self.server.validators[(constants.GROUP, constants.VERSION, constants.PLURAL)] = lambda obj, old: (
-            pdc_crd_validator.validate(obj, old, schema)
-        )
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 10) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        async def down() -> None:
-            await self._srv.__aexit__(None, None, None)
-            try:
-                await self.server.__aexit__(None, None, None)
-            except Exception:  # kmock re-raises errors it served (e.g. cancelled watches): not ours
-                pass
-
-        try:
-            self.call(down(), timeout=10)
-        finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(timeout=5)
 
 
 @pytest.fixture()
