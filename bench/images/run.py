@@ -306,28 +306,11 @@ def main() -> None:
                 f"{what}: {secs:.2f} s",
             ]
         )
-    if serve_error:
-        rows.append(
-            [
-                f"`{tags['vllm-prefill-cpu']}`",
-                "",
-                "",
-                "",
-                "",
-                f"`vllm serve` tiny model: failed ({serve_error})",
-            ]
-        )
+    # The prefill image's `vllm serve` rows: only the first and last columns.
+    serve_rows = [f"`vllm serve` tiny model: failed ({serve_error})"] if serve_error else []
     if serve_s is not None:
-        rows.append(
-            [
-                f"`{tags['vllm-prefill-cpu']}`",
-                "",
-                "",
-                "",
-                "",
-                f"`vllm serve` tiny model (float32, no connector) /health: {serve_s:.1f} s",
-            ]
-        )
+        serve_rows.append(f"`vllm serve` tiny model (float32, no connector) /health: {serve_s:.1f} s")
+    rows += [[f"`{tags['vllm-prefill-cpu']}`", "", "", "", "", text] for text in serve_rows]
     load = os.getloadavg()
     base = warm[names[0]]["base"]
     notes = [
