@@ -6,18 +6,38 @@ baseline is a plain vLLM (no connector) on the same generated checkpoint. Short 
 that end anywhere (EOS allowed, max_tokens 1..8) catch a detokenizer that drops or adds the text of
 the last tokens; the TileRT route gets the whole matrix, the native route (slow on CPU: vLLM's NIXL
 connector costs it a step) a sample of it.
+
+The stack runs with `spec.observability.tracing.endpoint` set to an OTLP/HTTP receiver in the test
+(tests/observability/otlp_receiver.py), so the same rendering that traces in a cluster traces here,
+and one TileRT-route request with a client's traceparent must come back as one trace:
+
+    router.request (a child of the client's span)
+      router.admission -> tilert.admit                      (the node's admission)
+      router.prefill   -> llm_request                       (vLLM's own span)
+      router.decode    -> tilert.generate -> tilert.layers, tilert.state (-> its digest and
+                                             conversion pieces), tilert.injection,
+                                             tilert.first_step, tilert.decode
+
+each span inside its parent's interval and the children of each adding up to no more than it. The
+spans come from four processes on one host: their clocks are the same wall clock, read a few
+microseconds apart, so intervals are compared within CLOCK_SLACK_NS. What the router does without an
+endpoint (nothing exported, no traceparent upstream) is tests/router/test_router_tracing.py's.
 """
 
 from __future__ import annotations
 
+import copy
+import json
 import os
 import subprocess
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import openai
 import pytest
+import yaml
 
 from bench.load import references
 from bench.load.client import Target
@@ -25,6 +45,7 @@ from bench.load.harness import Load
 from bench.load.plan import ROUTES, LoadPlan, Mix, PromptSet
 from tests.e2e.conftest import EXAMPLE, EXAMPLE_MODEL, Plain
 from tests.e2e.procs import PY
+from tests.observability.otlp_receiver import Receiver, Span
 from tilert_serve.local.runner import free_port
 
 pytestmark = pytest.mark.slow
@@ -33,6 +54,12 @@ ROOT = Path(__file__).resolve().parents[2]
 MODEL = EXAMPLE_MODEL
 PROMPTS: list[str | list[int]] = [[10, 20, 30], "Prefill is compute-bound; de", "Once upon a time there"]
 CHAT = [{"role": "system", "content": "Answer briefly."}, {"role": "user", "content": "What is a token?"}]
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+CLIENT_SPAN = "b7ad6b7169203331"
+#: Cross-process comparisons of span times: the same host's wall clock, converted from perf_counter
+#: on the node (tilert_serve/tracing.wall_ns), a microsecond or so apart.
+CLOCK_SLACK_NS = 1_000_000
+NODE_STAGES = {"tilert.layers", "tilert.state", "tilert.injection", "tilert.first_step", "tilert.decode"}
 
 
 @dataclass
@@ -41,6 +68,7 @@ class Clients:
     plain: openai.OpenAI
     router_url: str
     plain_url: str
+    receiver: Receiver
 
 
 @pytest.fixture(scope="module")
@@ -48,11 +76,16 @@ def clients(tmp_path_factory: pytest.TempPathFactory, plain_vllm: Plain) -> Iter
     # The baseline is the session's plain vLLM (tests/e2e/conftest.py): the same checkpoint as the
     # stack's (`tilert-pd tiny-model` writes TinySpec()'s bytes) and dtype, also served under the stack's
     # model name. It boots beside the stack.
+    receiver = Receiver().start()
     home = tmp_path_factory.mktemp("stack-home")
+    doc = copy.deepcopy(yaml.safe_load(EXAMPLE.read_text()))
+    doc["spec"]["observability"] = {"tracing": {"endpoint": receiver.url}}
+    spec_file = home / "traced.yaml"
+    spec_file.write_text(yaml.safe_dump(doc))
     port = free_port()
     local = [PY, "-m", "tilert_serve.cli", "local"]
     up = subprocess.run(
-        [*local, "up", "-f", str(EXAMPLE), "--home", str(home), "--router-port", str(port)],
+        [*local, "up", "-f", str(spec_file), "--home", str(home), "--router-port", str(port)],
         capture_output=True,
         text=True,
         timeout=900,
@@ -65,6 +98,7 @@ def clients(tmp_path_factory: pytest.TempPathFactory, plain_vllm: Plain) -> Iter
             openai.OpenAI(base_url=f"{plain_vllm.url}/v1", api_key="none", max_retries=0),
             f"http://127.0.0.1:{port}",
             plain_vllm.url,
+            receiver,
         )
     finally:
         subprocess.run(
@@ -74,6 +108,7 @@ def clients(tmp_path_factory: pytest.TempPathFactory, plain_vllm: Plain) -> Iter
             cwd=ROOT,
             env={**os.environ},
         )
+        receiver.stop()
 
 
 def complete(
@@ -172,3 +207,95 @@ async def test_the_load_harness_through_every_route_all_ok_and_equal_to_vllm_alo
     }
     assert any(r.stream for r in load.records) and any(not r.stream for r in load.records)
     assert all(r.ttft is not None for r in load.records if r.stream)
+
+
+def _traced_complete(url: str, headers: dict[str, str]) -> dict:
+    body = {"model": MODEL, "prompt": "Once upon a time there", "max_tokens": 6, "temperature": 0}
+    req = urllib.request.Request(
+        url + "/v1/completions",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json", "x-pd-route": "tilert", **headers},
+    )
+    with urllib.request.urlopen(req, timeout=300) as resp:
+        assert resp.headers["X-PD-Route"] == "tilert"
+        return json.loads(resp.read())
+
+
+def _complete_tree(spans: list[Span]) -> bool:
+    names = {s.name for s in spans if s.trace_id == TRACE_ID}
+    return {"router.request", "tilert.admit", "tilert.generate", "llm_request"} <= names
+
+
+def test_one_request_is_one_trace_across_router_prefill_and_node(clients: Clients) -> None:
+    answer = _traced_complete(clients.router_url, {"traceparent": f"00-{TRACE_ID}-{CLIENT_SPAN}-01"})
+    assert answer["choices"][0]["text"]
+    got = clients.receiver.wait_for(
+        "the request's trace from router, vLLM and node", _complete_tree, timeout=120
+    )
+    assert not clients.receiver.errors
+    # vLLM starts no trace of its own (OTEL_TRACES_SAMPLER in its env): the router's handoff probes,
+    # which ran while the stack came up, left no root spans.
+    assert all(s.parent_id for s in got if s.name == "llm_request"), [s for s in got if not s.parent_id]
+    ours = [s for s in got if s.trace_id == TRACE_ID]
+    by_id = {s.span_id: s for s in ours}
+    assert len(by_id) == len(ours), "a span id was reused"
+    kids: dict[str, list[Span]] = {}
+    for s in ours:
+        kids.setdefault(s.parent_id, []).append(s)
+
+    def only(parent: Span, name: str) -> Span:
+        found = [k for k in kids.get(parent.span_id, []) if k.name == name]
+        assert len(found) == 1, f"{parent.name} has {[k.name for k in kids.get(parent.span_id, [])]}"
+        return found[0]
+
+    # The tree, by parent ids: every span of the trace hangs from the client's span.
+    (root,) = kids[CLIENT_SPAN]
+    assert root.name == "router.request" and root.service == "tilert-router"
+    assert sorted(k.name for k in kids[root.span_id]) == [
+        "router.admission",
+        "router.decode",
+        "router.prefill",
+    ]
+    admit = only(only(root, "router.admission"), "tilert.admit")
+    assert admit.service == "tilert-decode" and admit.attributes["tilert.outcome"] == "admitted"
+    vllm = only(only(root, "router.prefill"), "llm_request")
+    assert vllm.attributes["gen_ai.usage.completion_tokens"] == 1  # the prefill leg: one token
+    generate = only(only(root, "router.decode"), "tilert.generate")
+    assert generate.service == "tilert-decode"
+    stages = {k.name for k in kids[generate.span_id]}
+    assert stages == NODE_STAGES, stages
+    state = only(generate, "tilert.state")
+    assert {k.name for k in kids.get(state.span_id, [])} <= {"tilert.digest", "tilert.conversion"}
+    # What happened before the decode leg (the handshake, the bytes landing) is on the node's span.
+    assert generate.attributes["tilert.accept_to_ready_ms"] >= 0
+    assert generate.attributes["tilert.admit_to_accept_ms"] > 0
+    # Every span of the trace is reachable from the root: none is left dangling.
+    reach, todo = set(), [root.span_id]
+    while todo:
+        sid = todo.pop()
+        reach.add(sid)
+        todo += [k.span_id for k in kids.get(sid, [])]
+    assert reach == set(by_id), [by_id[s].name for s in set(by_id) - reach]
+
+    # Times: each child inside its parent, the children of each adding up to no more than it.
+    for s in ours:
+        if s is root:
+            continue
+        p = by_id[s.parent_id]
+        assert s.start_ns <= s.end_ns
+        assert p.start_ns - CLOCK_SLACK_NS <= s.start_ns and s.end_ns <= p.end_ns + CLOCK_SLACK_NS, (
+            f"{s.name} [{s.start_ns}, {s.end_ns}] not inside {p.name} [{p.start_ns}, {p.end_ns}]"
+        )
+    for pid, children in kids.items():
+        if pid == CLIENT_SPAN:
+            continue
+        p = by_id[pid]
+        total = sum(c.duration_ns for c in children)
+        assert total <= p.duration_ns + CLOCK_SLACK_NS, f"{p.name}: children {total} ns > {p.duration_ns} ns"
+    # The router's legs run one after the other, in order.
+    legs = sorted(kids[root.span_id], key=lambda s: s.start_ns)
+    assert [s.name for s in legs] == ["router.admission", "router.prefill", "router.decode"]
+    print(
+        "trace:",
+        ", ".join(f"{s.name} {s.duration_ns / 1e6:.1f} ms" for s in sorted(ours, key=lambda s: s.start_ns)),
+    )
