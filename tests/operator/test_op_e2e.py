@@ -48,12 +48,20 @@ def patch_pdc(apiserver: Any, patch: dict[str, Any], name: str = "tiny") -> None
     kubectl(apiserver, "patch", "pdc", name, "--type=merge", "-p", json.dumps(patch))
 
 
+def wait_condition(
+    srv: Any, name: str, ctype: str, want: str, key: str = "status", timeout: float = 20.0
+) -> None:
+    """Until PDCluster `name`'s condition `ctype` has `key` (status, reason) `want`."""
+    h.wait_for(
+        f"{name}: {ctype} {key} {want}",
+        lambda: h.condition(srv.get("pdclusters", "default", name), ctype).get(key) == want,
+        timeout=timeout,
+    )
+
+
 def wait_spec_valid(srv: Any, name: str = "tiny") -> None:
     """Until the operator has checked PDCluster `name`'s spec and found it valid."""
-    h.wait_for(
-        f"{name} SpecValid",
-        lambda: h.condition(srv.get("pdclusters", "default", name), "SpecValid").get("status") == "True",
-    )
+    wait_condition(srv, name, "SpecValid", "True")
 
 
 def decode_arg(srv: Any, cluster: str, flag: str) -> str | None:
@@ -207,12 +215,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         h.wait_for(
             "endpoint removal", lambda: router_nodes(apiserver, "default", "tiny") == [nodes[0]], timeout=5
         )
-        h.wait_for(
-            "Degraded",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "Degraded"
-            ),
-        )
+        wait_condition(srv, "tiny", "Ready", "Degraded", key="reason")
 
         # `kubectl get pdc` shows the printer columns.
         table = kubectl(apiserver, "get", "pdc")
@@ -250,12 +253,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
             "slots in router config", lambda: router_nodes(apiserver, "default", "tiny")[0]["slots"] == 8
         )
         # Not Ready until the new template is rolled out: play the controllers replacing the pods.
-        h.wait_for(
-            "RollingOut",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "tiny"), "Ready").get("reason") == "RollingOut"
-            ),
-        )
+        wait_condition(srv, "tiny", "Ready", "RollingOut", key="reason")
         h.roll(apiserver, "tiny", constants.PREFILL)
         h.roll(apiserver, "tiny", constants.TILERT, ips=("10.1.0.1", "10.1.0.2"))
 

@@ -23,6 +23,7 @@ import pdc_helpers as helpers
 import pdc_rbac
 import pytest
 from kopf.testing import KopfRunner
+from test_op_e2e import wait_condition
 
 from tilert_operator import constants, credentials
 from tilert_operator.kubeapi import ApiError, Client, Connection, Retry
@@ -198,12 +199,7 @@ def test_the_charts_rbac_allows_exactly_what_the_operator_does(apiserver: Any, m
         )
         bad = h.pdc(helpers.cr(helpers.minimal(prefill={"gpus": 3}), name="bad"))
         apiserver.call(srv.put(h.PDC, bad))
-        h.wait_for(
-            "SpecValid=False",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "bad"), "SpecValid").get("status") == "False"
-            ),
-        )
+        wait_condition(srv, "bad", "SpecValid", "False")
         apiserver.call(srv.remove(h.PDC, "default", "tiny"))
         assert not [
             d for d in srv.objects("deployments", "default") if d["metadata"]["name"].startswith("tiny-")
@@ -291,12 +287,7 @@ def test_a_role_without_a_rule_is_reported_as_forbidden_not_as_a_spec_error(apis
         )
         # The role fixed (the chart's current version installed): Reconciled=True without a restart.
         srv.rbac = pdc_rbac.Rbac(chart.objects)
-        h.wait_for(
-            "Reconciled=True",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "tiny"), "Reconciled").get("status") == "True"
-            ),
-        )
+        wait_condition(srv, "tiny", "Reconciled", "True")
     assert runner.exception is None
 
 

@@ -18,7 +18,7 @@ import pdc_harness as h
 import pdc_helpers as helpers
 import pytest
 from kopf.testing import KopfRunner
-from test_op_e2e import decode_arg
+from test_op_e2e import decode_arg, wait_condition
 
 from tilert_operator import constants, credentials, render, status
 from tilert_operator import spec as specmod
@@ -386,13 +386,7 @@ def test_rotations_go_through_their_phases_without_touching_a_pod_template(apise
     srv = apiserver.server
     with KopfRunner(h.ARGS, timeout=40) as runner:
         apiserver.call(srv.put(h.PDC, h.pdc(helpers.example("tiny-cpu"))))
-        h.wait_for(
-            "status",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "tiny"), "HandoffSecretRotating").get("reason")
-                == "NotRequested"
-            ),
-        )
+        wait_condition(srv, "tiny", "HandoffSecretRotating", "NotRequested", key="reason")
         body = srv.get("pdclusters", "default", "tiny")
         assert body["status"]["handoffSecret"] == {"phase": "Idle"} and body["status"]["nodeApiToken"] == {
             "phase": "Idle"
@@ -524,12 +518,7 @@ def test_a_foreign_secret_is_left_alone_and_reported_until_adopted(apiserver: An
         }
         fixed["metadata"]["annotations"] = {constants.ADOPT_ANNOTATION: "true"}
         apiserver.call(srv.put(("", "v1", "secrets"), fixed))
-        h.wait_for(
-            "adopted",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "tiny"), "SecretsOwned").get("status") == "True"
-            ),
-        )
+        wait_condition(srv, "tiny", "SecretsOwned", "True")
         adopted = srv.get("secrets", "default", "tiny-handoff")
         uid = srv.get("pdclusters", "default", "tiny")["metadata"]["uid"]
         assert [r["uid"] for r in adopted["metadata"]["ownerReferences"]] == [uid]
@@ -560,13 +549,7 @@ def test_multi_network_policies_applied_when_served_and_reported_when_not(apiser
 
         h.install_crd(apiserver, h.MULTI_NETWORK_POLICY_CRD)
         h.wait_for("MultiNetworkPolicies", lambda: len(srv.objects("multi-networkpolicies", "default")) == 2)
-        h.wait_for(
-            "DataPlaneProtected=True",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("reason")
-                == "MultiNetworkPolicy"
-            ),
-        )
+        wait_condition(srv, "nets", "DataPlaneProtected", "MultiNetworkPolicy", key="reason")
         uid = srv.get("pdclusters", "default", "nets")["metadata"]["uid"]
         assert all(
             m["metadata"]["ownerReferences"][0]["uid"] == uid
@@ -586,22 +569,10 @@ def test_multi_network_policies_applied_when_served_and_reported_when_not(apiser
                 body | {"metadata": body["metadata"] | {"generation": body["metadata"]["generation"] + 1}},
             )
         )
-        h.wait_for(
-            "Forbidden",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("reason")
-                == "MultiNetworkPolicyForbidden"
-            ),
-        )
+        wait_condition(srv, "nets", "DataPlaneProtected", "MultiNetworkPolicyForbidden", key="reason")
         h.wait_for("slots applied", lambda: decode_arg(srv, "nets", "--slots") == "2")
         srv.faults.clear()
-        h.wait_for(
-            "allowed again",
-            lambda: (
-                h.condition(srv.get("pdclusters", "default", "nets"), "DataPlaneProtected").get("reason")
-                == "MultiNetworkPolicy"
-            ),
-        )
+        wait_condition(srv, "nets", "DataPlaneProtected", "MultiNetworkPolicy", key="reason")
 
         # The spec stops naming networks: the policies go; hostNetwork instead: a warning.
         body = srv.get("pdclusters", "default", "nets")
