@@ -22,6 +22,8 @@ from tilert_operator.render import commands
 from tilert_serve.local.runner import free_port
 
 WRITES = ("create", "patch", "update", "delete")
+#: Kinds of the operator's children that the lifecycle and watch tests list.
+CHILD_PLURALS = ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies")
 
 
 @pytest.fixture(autouse=True)
@@ -315,16 +317,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
         idle_calls = operator_calls(three_reconciles())
         assert idle_calls == [], idle_calls
         snapshot = {
-            p: sorted(o["metadata"]["name"] for o in srv.objects(p))
-            for p in (
-                "deployments",
-                "statefulsets",
-                "services",
-                "configmaps",
-                "secrets",
-                "networkpolicies",
-                "events",
-            )
+            p: sorted(o["metadata"]["name"] for o in srv.objects(p)) for p in (*CHILD_PLURALS, "events")
         }
     assert runner.exception is None
 
@@ -405,15 +398,7 @@ def test_lifecycle(apiserver: Any, monkeypatch: pytest.MonkeyPatch) -> None:
 
         # Delete the PDCluster: every child goes (garbage collection by ownerReferences).
         kubectl(apiserver, "delete", "pdc", "tiny")
-        kinds = (
-            "deployments",
-            "statefulsets",
-            "services",
-            "configmaps",
-            "secrets",
-            "networkpolicies",
-            "pods",
-        )
+        kinds = (*CHILD_PLURALS, "pods")
         h.wait_for("all gone", lambda: not any(srv.objects(p, "default") for p in kinds) or None, timeout=5)
         assert srv.get("pdclusters", "default", "tiny") is None
     assert runner.exception is None

@@ -24,7 +24,7 @@ import pdc_harness as h
 import pdc_helpers as helpers
 import pytest
 from kopf.testing import KopfRunner
-from test_op_e2e import deleted_and_recreated, kubectl, wait_spec_valid
+from test_op_e2e import CHILD_PLURALS, deleted_and_recreated, kubectl, wait_spec_valid
 
 from tilert_operator import constants
 from tilert_operator.cache import SELECTOR
@@ -127,7 +127,7 @@ def test_children_are_watched_and_drift_is_repaired_at_once(apiserver: Any, drif
         wait_spec_valid(srv)
         # The children's informers: per kind, in the PDCluster's namespace, filtered by the API server
         # with the cluster label; kopf does not watch them a second time.
-        for plural in ("deployments", "statefulsets", "services", "configmaps", "secrets", "networkpolicies"):
+        for plural in CHILD_PLURALS:
             watches = h.wait_for(
                 f"{plural} watch",
                 lambda p=plural: [
