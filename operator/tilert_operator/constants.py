@@ -93,6 +93,9 @@ HANDOFF_SECRET_KEY: Final = "secret"
 HANDOFF_ACCEPT_KEY: Final = "accept"
 #: Key of the node API token inside the `<cluster>-node-api` Secret.
 NODE_API_TOKEN_KEY: Final = "token"
+#: Key of the router's metrics-only token in the same Secret: the operator reads the router's
+#: /metrics with it (autoscaling); the router accepts it for GET /metrics and nothing else.
+METRICS_TOKEN_KEY: Final = "metrics-token"
 
 #: MultiNetworkPolicy (k8snetworkplumbingwg's CRD): what fences the data plane on Multus networks.
 MULTI_NETWORK_POLICY_API_VERSION: Final = "k8s.cni.cncf.io/v1beta1"

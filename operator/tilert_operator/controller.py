@@ -36,7 +36,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from tilert_operator import constants, credentials, reconcile
+from tilert_operator import constants, credentials, reconcile, reconcile_events, validation
+from tilert_operator.autoscale import act, scrape
+from tilert_operator.autoscale import loop as autoscale_loop
 from tilert_operator.cache import Cache, CacheSettings
 from tilert_operator.kubeapi import DELETED, Client, Obj
 from tilert_operator.metrics import Metrics
@@ -66,6 +68,10 @@ class Settings:
     cache: CacheSettings = field(default_factory=CacheSettings)
     #: Longest wait for a namespace's first lists before a worker's first reconcile.
     cache_sync_timeout_s: float = 30.0
+    #: How the autoscaler reads the pods' /metrics (autoscale/scrape.py; tests give their own).
+    scraper: autoscale_loop.Scraper = field(default=scrape.scrape)
+    #: Seconds between two planner runs instead of `spec.autoscaling.intervalSeconds` (tests).
+    autoscale_interval_s: float | None = None
 
 
 @dataclass
@@ -83,6 +89,9 @@ class _Worker:
     drift_last: float = float("-inf")
     #: A kick waiting for the debounce after workloads reported rollout progress.
     report_timer: asyncio.TimerHandle | None = None
+    #: The autoscaler's memory (its last scrape) and when it runs next (monotonic; None: not autoscaled).
+    autoscale: autoscale_loop.State = field(default_factory=autoscale_loop.State)
+    autoscale_due: float | None = None
 
 
 class Controller:
@@ -124,6 +133,7 @@ class Controller:
                 task.add_done_callback(self._detaching.discard)
             self.metrics.states.pop(key, None)
             self.metrics.conditions.pop(key, None)
+            self.metrics.autoscale.pop(key, None)
             return
         if worker is None or worker.body["metadata"].get("uid") != meta.get("uid"):
             if worker is not None and worker.task is not None:
@@ -272,11 +282,15 @@ class Controller:
             wait = s.resync_s
             if worker.requeue_at is not None:
                 wait = max(0.0, min(wait, worker.requeue_at - time.time()))
+            if worker.autoscale_due is not None:
+                wait = max(0.0, min(wait, worker.autoscale_due - time.monotonic()))
             try:
                 await asyncio.wait_for(worker.kick.wait(), timeout=wait)
             except TimeoutError:
                 pass
             worker.kick.clear()
+            if worker.autoscale_due is not None and time.monotonic() >= worker.autoscale_due:
+                await self._autoscale(key, worker)
             async with self._slots:
                 started = time.perf_counter()
                 try:
@@ -305,6 +319,58 @@ class Controller:
             ].get("uid"):
                 # Compare the next resync against what we wrote, not a body the watch has not caught up to.
                 worker.body = worker.body | {"status": outcome.written.get("status") or {}}
+            self._schedule_autoscale(worker)
+
+    def _schedule_autoscale(self, worker: _Worker) -> None:
+        """Start, keep or stop a PDCluster's planner timer after a reconcile: it runs while a pool is
+        autoscaled and the operator is the actuator, every `spec.autoscaling.intervalSeconds`."""
+        spec, _ = validation.validate(worker.body.get("spec") or {}, worker.body["metadata"]["name"])
+        if spec is None or not act.operator_driven(spec):
+            worker.autoscale_due, worker.autoscale = None, autoscale_loop.State()
+            return
+        if worker.autoscale_due is None:
+            # The first run only takes the baseline scrape: the first decision comes an interval later.
+            worker.autoscale_due = time.monotonic()
+
+    async def _autoscale(self, key: Key, worker: _Worker) -> None:
+        """One planner run (autoscale/loop.py), in the worker, so that it never races the reconcile
+        that renders its decision; a failure is logged and the timer goes on."""
+        spec, problems = validation.validate(worker.body.get("spec") or {}, key[1])
+        if spec is None or problems or not act.operator_driven(spec):
+            worker.autoscale_due = None
+            return
+        interval = self.settings.autoscale_interval_s or float(spec.autoscaling.interval_seconds)
+        worker.autoscale_due = time.monotonic() + interval
+        async with self._slots:
+            try:
+                ran = await autoscale_loop.run(
+                    self.api, worker.body, spec, worker.autoscale, time.time(), self.settings.scraper
+                )
+            except asyncio.CancelledError:
+                raise
+            except Exception as e:
+                log.warning(
+                    "[%s/%s] autoscaling run failed (%s); next in %ds",
+                    *key,
+                    e,
+                    spec.autoscaling.interval_seconds,
+                )
+                return
+            if ran.written is not None and ran.written.get("metadata", {}).get("uid") == worker.body[
+                "metadata"
+            ].get("uid"):
+                worker.body = worker.body | {"status": ran.written.get("status") or {}}
+            if ran.notes:
+                try:
+                    await reconcile_events.post(self.api, worker.body, ran.notes)
+                except Exception as e:  # an Event is worth a retry of nothing
+                    log.warning("[%s/%s] autoscaling event not posted (%s)", *key, e)
+        if worker.autoscale.decision is not None:
+            self.metrics.autoscale[key] = (
+                worker.autoscale.decision,
+                worker.autoscale.observed,
+                len(worker.autoscale.missing),
+            )
 
 
 def _fingerprint(body: Obj) -> str:

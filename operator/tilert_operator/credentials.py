@@ -388,4 +388,17 @@ async def ensure_handoff(api: Client, body: Obj) -> SecretState:
 async def ensure_node_api(api: Client, body: Obj) -> SecretState:
     meta = body["metadata"]
     make = network.node_api_secret(meta["name"], meta["namespace"], new_token())
-    return await ensure(api, body, make, {constants.NODE_API_TOKEN_KEY: new_token()})
+    make["data"] = make["data"] | {
+        constants.METRICS_TOKEN_KEY: base64.b64encode(new_token().encode()).decode()
+    }
+    # The metrics-only token is added to a Secret made before it existed (the autoscaler reads the
+    # router's /metrics with it; it opens nothing else, so it is not rotated with the node token).
+    return await ensure(
+        api, body, make, {constants.NODE_API_TOKEN_KEY: new_token(), constants.METRICS_TOKEN_KEY: new_token()}
+    )
+
+
+def metrics_token(secret: Obj | None) -> str | None:
+    """The router's metrics-only token from the node-API Secret; None when it has none yet."""
+    token = _decode(secret, constants.METRICS_TOKEN_KEY).strip() if secret else ""
+    return token or None

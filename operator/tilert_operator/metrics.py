@@ -5,13 +5,15 @@ several operators in one process. docs/metrics.md lists them (tilert_serve.metri
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
 
+from tilert_operator.autoscale.decision import POOLS, Decision
+from tilert_operator.autoscale.inputs import Observed
 from tilert_operator.status import CONDITION_TYPES
 from tilert_serve.metric_defs import Domain, Registry, Unbounded, counter, histogram, values
 
@@ -31,6 +33,29 @@ CONTENT_TYPE = CONTENT_TYPE_LATEST
 _PDCLUSTERS = "tilert_pd_pdclusters"
 _API_CALLS = "tilert_pd_api_calls"
 _CONDITION = "tilert_pd_pdcluster_condition"
+_AS_DESIRED = "tilert_pd_autoscale_desired_replicas"
+_AS_RECOMMENDED = "tilert_pd_autoscale_recommended_replicas"
+_AS_INPUT = "tilert_pd_autoscale_input"
+_AS_MISSING = "tilert_pd_autoscale_unscraped_pods"
+#: The serving pools the planner sizes (autoscale/decision.py).
+AUTOSCALED_POOLS = values(POOLS, other=False)
+#: The planner's inputs the operator exports, each a function of one interval's `Observed`.
+AUTOSCALE_INPUTS: dict[str, Callable[[Observed], float | None]] = {
+    "prefill_arrival_rate": lambda o: o.prefill.arrival_rate,
+    "prefill_waiting": lambda o: o.prefill.waiting,
+    "prefill_mean_seconds": lambda o: o.prefill.mean_prefill_s,
+    "ttft_seconds": lambda o: o.prefill.ttft_s,
+    "tilert_busy_slots": lambda o: float(o.tilert.busy),
+    "tilert_admit_rate": lambda o: o.tilert.admit_rate,
+    "tilert_overflow_rate": lambda o: o.tilert.overflow_rate,
+    "tilert_tpot_seconds": lambda o: o.tilert.tpot_s,
+    "native_kv_usage": lambda o: o.native.kv_usage,
+    "native_waiting": lambda o: o.native.waiting,
+    "native_running": lambda o: o.native.running,
+    "native_arrival_rate": lambda o: o.native.arrival_rate,
+    "native_tpot_seconds": lambda o: o.native.tpot_s,
+}
+INPUTS = values(AUTOSCALE_INPUTS, other=False)
 
 
 class Metrics:
@@ -51,6 +76,8 @@ class Metrics:
         self.api_calls: collections.Counter[str] = (
             api_calls if api_calls is not None else collections.Counter()
         )
+        #: (namespace, name) -> the planner's last decision, its inputs and the pods it could not read.
+        self.autoscale: dict[tuple[str, str], tuple[Decision, Observed | None, int]] = {}
         r.register(_ScrapeTime(self))
 
     def render(self) -> bytes:
@@ -74,6 +101,10 @@ class _ScrapeTime(Collector):
                 "type": CONDITIONS,
                 "status": CONDITION_STATUS,
             },
+            _AS_DESIRED: {"pdcluster_namespace": NAMESPACE, "pdcluster": NAME, "pool": AUTOSCALED_POOLS},
+            _AS_RECOMMENDED: {"pdcluster_namespace": NAMESPACE, "pdcluster": NAME, "pool": AUTOSCALED_POOLS},
+            _AS_INPUT: {"pdcluster_namespace": NAMESPACE, "pdcluster": NAME, "input": INPUTS},
+            _AS_MISSING: {"pdcluster_namespace": NAMESPACE, "pdcluster": NAME},
         }
 
     def collect(self) -> Iterator[Metric]:
@@ -108,3 +139,37 @@ class _ScrapeTime(Collector):
         for verb, n in sorted(by_verb.items()):
             calls.add_metric([verb], n)
         yield calls
+        yield from self._autoscale()
+
+    def _autoscale(self) -> Iterator[Metric]:
+        """The planner's last decision per pool and the inputs it was made on (autoscale/loop.py)."""
+        labels = ["pdcluster_namespace", "pdcluster"]
+        desired = GaugeMetricFamily(
+            _AS_DESIRED, "Replicas the autoscaling planner decided for a pool.", labels=[*labels, "pool"]
+        )
+        recommended = GaugeMetricFamily(
+            _AS_RECOMMENDED,
+            "Replicas the load asked for, before the windows, the bounds and the prefill:decode balance.",
+            labels=[*labels, "pool"],
+        )
+        inputs = GaugeMetricFamily(
+            _AS_INPUT,
+            "The planner's inputs over its last interval (rates per second, latencies at the objective's "
+            "percentile; a latency is absent when no request ended in the interval).",
+            labels=[*labels, "input"],
+        )
+        missing = GaugeMetricFamily(
+            _AS_MISSING,
+            "Ready pods whose /metrics the planner could not read in its last run.",
+            labels=labels,
+        )
+        for (namespace, name), (decision, observed, unread) in sorted(self.metrics.autoscale.items()):
+            for pool in POOLS:
+                desired.add_metric([namespace, name, pool], decision.pool(pool).desired)
+                recommended.add_metric([namespace, name, pool], decision.pool(pool).recommended)
+            for key, read in AUTOSCALE_INPUTS.items():
+                value = read(observed) if observed is not None else None
+                if value is not None:
+                    inputs.add_metric([namespace, name, key], value)
+            missing.add_metric([namespace, name], unread)
+        yield from (desired, recommended, inputs, missing)
