@@ -64,6 +64,7 @@ def make_app(
         metrics=Metrics(),
         api_keys=token_file(config.api_keys_file),
         node_token=token_file(config.tilert_api_token_file),
+        metrics_token=token_file(config.metrics_token_file),
     )
     app = web.Application(middlewares=[error_middleware], client_max_size=config.limits.max_body_bytes)
     app[STATE] = state

@@ -262,6 +262,9 @@ class RouterConfig(_Strict):
     #: With API keys: whether /metrics (which names every endpoint's address) answers without a key.
     #: Default no: a scraper sends one of the keys. Without API keys everything is open anyway.
     metrics_public: bool = False
+    #: File with tokens (one a line) that open GET /metrics and nothing else: the operator's
+    #: metrics-only token (its autoscaler reads the router's load). None = none.
+    metrics_token_file: str | None = None
     #: The TileRT nodes' API token file (the `<cluster>-node-api` Secret, one token a line): the first
     #: token goes in `Authorization: Bearer` on every call to a node's /v1/*. None = send none.
     tilert_api_token_file: str | None = None

@@ -489,9 +489,11 @@ def _ready_routes(state: RouterState, full: bool) -> web.Response:
 
 async def metrics(request: web.Request) -> web.Response:
     """Prometheus metrics (they name every endpoint's address): with API keys, only for a caller with
-    a key unless the config says `metrics_public: true`."""
+    a key unless the config says `metrics_public: true`. The operator's metrics-only token opens this
+    endpoint and no other."""
     state = request.app[STATE]
-    if not state.config.metrics_public:
+    scraper = state.metrics_token is not None and state.metrics_token.accepts(bearer_token(request.headers))
+    if not state.config.metrics_public and not scraper:
         check_api_key(state, request)
     for ep in state.pools.all():
         state.metrics.healthy.labels(ep.pool, ep.url).set(-1 if ep.healthy is None else int(ep.healthy))

@@ -49,6 +49,8 @@ class RouterState:
     api_keys: TokenFile | None
     #: The TileRT nodes' API token (config.tilert_api_token_file); None = none sent.
     node_token: TokenFile | None = None
+    #: Tokens accepted for GET /metrics only (config.metrics_token_file); None = none.
+    metrics_token: TokenFile | None = None
     #: Set by the session cleanup_ctx; every upstream call goes through this one pooled session.
     session: aiohttp.ClientSession | None = None
     #: Set beside it: no pooled connections, no DNS cache (upstream.fresh_session), for a retry on the
@@ -92,6 +94,7 @@ class RouterState:
         """Swap in a new config; the pools keep the state of endpoints that stay."""
         keys = token_file(config.api_keys_file, self.api_keys)
         node_token = token_file(config.tilert_api_token_file, self.node_token)
+        self.metrics_token = token_file(config.metrics_token_file, self.metrics_token)
         effective = with_discovered(config, self.discovered)
         self.pools.apply(effective)
         self.api_keys = keys
