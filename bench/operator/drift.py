@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import os
 import random
-import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -26,7 +25,7 @@ from typing import Any
 import yaml
 
 from bench.common import record, table
-from bench.operator.run import api_server, stop
+from bench.operator.run import api_server, start_operator, stop
 from tilert_serve.local.runner import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -98,14 +97,11 @@ def _faults(st: Any) -> dict[str, tuple[Callable[[], None], Callable[[], bool]]]
 
 def run_case(watch: bool, resync: float, samples: int) -> dict[str, dict[str, list[float]]]:
     st, cfg = api_server("bench-drift-")
-    env = os.environ | {
-        "KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(free_port()),
-        "TILERT_PD_METRICS_HOST": "127.0.0.1", "TILERT_PD_WATCH_TIMEOUT_S": "600", "TILERT_PD_WATCH_CHILDREN": "1" if watch else "0",
-    }  # fmt: skip
-    op = subprocess.Popen(
-        [str(ROOT / ".venv" / "bin" / "kopf"), "run", "-m", "tilert_operator.wiring", "--all-namespaces", "--standalone", "--quiet"],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
+    try:
+        op = start_operator(cfg, resync, free_port(), TILERT_PD_WATCH_CHILDREN="1" if watch else "0")
+    except RuntimeError:
+        st.stop()
+        raise
     srv = st.server
     out: dict[str, dict[str, list[float]]] = {}
     try:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import subprocess
 import sys
 import time
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import yaml
 
 from bench.common import record, table
-from bench.operator.run import PDC, ROOT, _metrics, _pct, api_server, stop
+from bench.operator.run import PDC, ROOT, _pct, api_server, start_operator, stop
 from tilert_serve.local.runner import free_port
 
 BAD_LABELS = {"spec": {"template": {"metadata": {"labels": {"team": "-ml-"}}}}}
@@ -54,40 +53,12 @@ def measure(n: int, resync: float, timeout: float) -> dict[str, list[float]]:
             seen.setdefault(("event", obj["involvedObject"]["name"]), now)
 
     srv.on_change.append(hook)
-    port = free_port()
-    env = os.environ | {
-        "KUBECONFIG": str(cfg),
-        "TILERT_PD_RESYNC_S": str(resync),
-        "TILERT_PD_METRICS_PORT": str(port),
-        "TILERT_PD_METRICS_HOST": "127.0.0.1",
-        "TILERT_PD_WATCH_TIMEOUT_S": "600",
-    }
-    op = subprocess.Popen(
-        [
-            str(ROOT / ".venv" / "bin" / "kopf"),
-            "run",
-            "-m",
-            "tilert_operator.wiring",
-            "--all-namespaces",
-            "--standalone",
-            "--quiet",
-        ],
-        env=env,
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _metrics(port)
-                break
-            except OSError:
-                if time.monotonic() > deadline or op.poll() is not None:
-                    raise RuntimeError("operator did not start") from None
-                time.sleep(0.2)
-        time.sleep(1.0)
+        op = start_operator(cfg, resync, free_port())
+    except RuntimeError:
+        st.stop()
+        raise
+    try:
         base = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
         docs = []
         for i in range(2 * n):

@@ -99,7 +99,37 @@ def api_server(prefix: str) -> tuple[ServerThread, Path]:
     return st, cfg
 
 
-def stop(op: subprocess.Popen[str], st: ServerThread) -> None:
+def start_operator(cfg: Path, resync: float, port: int, **env: str) -> subprocess.Popen[bytes]:
+    """The operator (kopf run, as the chart runs it) against the kubeconfig `cfg`, resyncing every
+    `resync` s, its /metrics on 127.0.0.1:`port`, `env` added to its environment; returns once
+    /metrics answers and kopf's watches have had a second to start. Its log: operator.log beside `cfg`."""
+    log = cfg.with_name("operator.log")
+    with log.open("wb") as out:
+        op = subprocess.Popen(
+            [str(ROOT / ".venv" / "bin" / "kopf"), "run", "-m", "tilert_operator.wiring", "--all-namespaces", "--standalone", "--quiet"],
+            env=os.environ | {
+                "KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(port),
+                "TILERT_PD_METRICS_HOST": "127.0.0.1", "TILERT_PD_WATCH_TIMEOUT_S": "600", **env,
+            },
+            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=out,
+        )  # fmt: skip
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            _metrics(port)
+            break
+        except OSError:
+            if time.monotonic() > deadline or op.poll() is not None:
+                op.kill()
+                raise RuntimeError(
+                    f"operator did not start (its log, {log}):\n{log.read_text()[-4000:]}"
+                ) from None
+            time.sleep(0.2)
+    time.sleep(1.0)  # let kopf's watches start
+    return op
+
+
+def stop(op: subprocess.Popen[bytes], st: ServerThread) -> None:
     """The operator (SIGTERM; SIGKILL if it has not exited 20 s later), then the API server."""
     op.terminate()
     try:
@@ -112,27 +142,12 @@ def stop(op: subprocess.Popen[str], st: ServerThread) -> None:
 def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
     st, cfg = api_server("bench-operator-")
     metrics_port = free_port()
-    env = os.environ | {
-        "KUBECONFIG": str(cfg), "TILERT_PD_RESYNC_S": str(resync), "TILERT_PD_METRICS_PORT": str(metrics_port),
-        "TILERT_PD_METRICS_HOST": "127.0.0.1", "TILERT_PD_WATCH_TIMEOUT_S": "600",
-    }  # fmt: skip
-    op = subprocess.Popen(
-        [str(ROOT / ".venv" / "bin" / "kopf"), "run", "-m", "tilert_operator.wiring", "--all-namespaces", "--standalone", "--quiet"],
-        env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                _metrics(metrics_port)
-                break
-            except OSError:
-                if time.monotonic() > deadline or op.poll() is not None:
-                    raise RuntimeError(
-                        f"operator did not start: {op.stderr.read() if op.stderr else ''}"
-                    ) from None
-                time.sleep(0.2)
-        time.sleep(1.0)  # let kopf's watches start
+        op = start_operator(cfg, resync, metrics_port)
+    except RuntimeError:
+        st.stop()
+        raise
+    try:
         base = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
         docs = []
         for i in range(n):
