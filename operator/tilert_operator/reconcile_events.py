@@ -24,6 +24,7 @@ API_VERSIONS = {
     "Service": "v1",
     "ConfigMap": "v1",
     "PodDisruptionBudget": "policy/v1",
+    "HorizontalPodAutoscaler": "autoscaling/v2",
     "NetworkPolicy": "networking.k8s.io/v1",
     "MultiNetworkPolicy": constants.MULTI_NETWORK_POLICY_API_VERSION,
 }

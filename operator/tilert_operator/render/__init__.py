@@ -1,7 +1,8 @@
 """Pure renderers: parsed spec in, complete manifests (dicts) out. No API client, no I/O.
 
 One module per pool (prefill, tilert_decode, native_decode, router) plus network (Secrets,
-NetworkPolicies, MultiNetworkPolicies) and disruption (PodDisruptionBudgets); hygiene holds what every
+NetworkPolicies, MultiNetworkPolicies), disruption (PodDisruptionBudgets) and autoscaling
+(HorizontalPodAutoscalers under the HPA actuator); hygiene holds what every
 pool's pods get (spread, rollout, preStop and grace period, securityContext); `commands` holds every component's command line for pods and
 local runs alike.
 """
@@ -11,7 +12,15 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 
-from tilert_operator.render import disruption, native_decode, network, prefill, router, tilert_decode
+from tilert_operator.render import (
+    autoscaling,
+    disruption,
+    native_decode,
+    network,
+    prefill,
+    router,
+    tilert_decode,
+)
 from tilert_operator.render.generations import Live, single
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
@@ -40,6 +49,7 @@ def children(
         *network.network_policies(spec, cluster, namespace),
         *network.multi_network_policies(spec, cluster, namespace),
         *disruption.render(spec, cluster, namespace),
+        *autoscaling.render(spec, cluster, namespace, lives),
     ]
 
 
