@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import generate_latest
 
+from tilert_serve import metric_defs as names
 from tilert_serve.decode.slots import SlotState
 from tilert_serve.handoff.errors import RejectReason
 from tilert_serve.metric_defs import Bounded, Registry, counter, gauge, histogram, values
@@ -27,11 +28,11 @@ CTRL_ERROR_REASONS = values({*RejectReason, "peer_error", "auth_timeout", "disco
 class NodeMetrics:
     def __init__(self, slots: int) -> None:
         r = self.registry = Registry()
-        self.slots_total = gauge(r, "tilert_decode_slots", "Decode slots this node was started with.")
+        self.slots_total = gauge(r, names.DECODE_SLOTS, "Decode slots this node was started with.")
         self.slots_total.set(slots)
         self.slots_busy = gauge(
             r,
-            "tilert_decode_slots_busy",
+            names.DECODE_SLOTS_BUSY,
             "Slots reserved, receiving a state or decoding; at tilert_decode_slots the node "
             "answers admissions with full.",
         )
@@ -98,7 +99,7 @@ class NodeMetrics:
         )
         self.tpot_seconds = histogram(
             r,
-            "tilert_decode_tpot_seconds",
+            names.DECODE_TPOT,
             "Seconds per output token, one observation per finished request.",
             _MS_BUCKETS,
         )

@@ -15,6 +15,7 @@ from typing import get_args
 from prometheus_client import Counter, Gauge, Histogram, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from tilert_serve import metric_defs as names
 from tilert_serve.metric_defs import (
     Bounded,
     Domain,
@@ -181,26 +182,31 @@ class _Decl:
     doc: str
 
 
+def _short(name: str) -> str:
+    """A name the operator reads too (tilert_serve.metric_defs), without the prefix added here."""
+    return name.removeprefix(PREFIX)
+
+
 #: Every metric, in the order docs/metrics.md lists them (the registry's).
 # fmt: off
 _DECLS = (
-    _Decl("ttft", _latency, "ttft_seconds", _PATH,
+    _Decl("ttft", _latency, _short(names.ROUTER_TTFT), _PATH,
           "Seconds from a request's arrival to its first token written to the client, by decode path."),
-    _Decl("itl", _itl, "inter_token_seconds", _PATH,
+    _Decl("itl", _itl, _short(names.ROUTER_INTER_TOKEN), _PATH,
           "Seconds between two chunks written to a client, by decode path."),
-    _Decl("e2e", _latency, "request_duration_seconds", _PATH,
+    _Decl("e2e", _latency, _short(names.ROUTER_REQUEST_DURATION), _PATH,
           "Seconds from a request's arrival to its last byte written, by decode path."),
-    _Decl("prefill", _latency, "prefill_seconds", _PATH, "Seconds of the prefill call, by decode path."),
+    _Decl("prefill", _latency, _short(names.ROUTER_PREFILL), _PATH, "Seconds of the prefill call, by decode path."),
     _Decl("handoff", _latency, "handoff_seconds", {},
           "Seconds from the prefill's answer to the first token "
           "from the TileRT node (the KV handoff, as the router sees it)."),
     _Decl("requests", counter, "requests_total", {"path": PATHS, "outcome": OUTCOMES},
           "Finished requests by decode path and outcome."),
-    _Decl("routes", counter, "routes_total", {"path": PATHS, "reason": values(get_args(Label))},
+    _Decl("routes", counter, _short(names.ROUTER_ROUTES), {"path": PATHS, "reason": values(get_args(Label))},
           "Routing decisions by decode path and reason."),
     _Decl("admissions", counter, "admissions_total", {"node": NODE, "result": ADMISSION_RESULTS},
           "TileRT admission calls by node and result."),
-    _Decl("rejections", counter, "rejections_total", {"code": CODES},
+    _Decl("rejections", counter, _short(names.ROUTER_REJECTIONS), {"code": CODES},
           "Requests the router answered with a 4xx or 5xx status, by status."),
     _Decl("upstream_errors", counter, "upstream_errors_total", {"pool": POOLS, "kind": KINDS},
           "Failed upstream calls by pool and kind."),
