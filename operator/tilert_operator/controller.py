@@ -92,6 +92,8 @@ class _Worker:
     #: The autoscaler's memory (its last scrape) and when it runs next (monotonic; None: not autoscaled).
     autoscale: autoscale_loop.State = field(default_factory=autoscale_loop.State)
     autoscale_due: float | None = None
+    #: The spec generation the timer was last started or stopped for.
+    autoscale_generation: int | None = None
 
 
 class Controller:
@@ -323,7 +325,12 @@ class Controller:
 
     def _schedule_autoscale(self, worker: _Worker) -> None:
         """Start, keep or stop a PDCluster's planner timer after a reconcile: it runs while a pool is
-        autoscaled and the operator is the actuator, every `spec.autoscaling.intervalSeconds`."""
+        autoscaled and the operator is the actuator, every `spec.autoscaling.intervalSeconds`. Only a
+        new generation of the spec can change that: an idle resync validates nothing again."""
+        generation = worker.body["metadata"].get("generation")
+        if generation is not None and generation == worker.autoscale_generation:
+            return
+        worker.autoscale_generation = generation
         spec, _ = validation.validate(worker.body.get("spec") or {}, worker.body["metadata"]["name"])
         if spec is None or not act.operator_driven(spec):
             worker.autoscale_due, worker.autoscale = None, autoscale_loop.State()
