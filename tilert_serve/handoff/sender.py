@@ -269,71 +269,53 @@ class Sender:
                     pass
             except (LayerSourceFailed, TimeoutError) as exc:
                 return self._abandon(chan, req, accept, str(exc), t1 - t0, wrote=False)
+        h = _Handoff(chan, req, accept, key, dst)
         if layerwise:
             assert source is not None
-            return self._send_layers(chan, req, accept, dst, key, source, hello.digests, t0, t1)
+            return self._send_layers(h, source, hello.digests, t0, t1)
         # Hashed before the write: staging does not change while it is being sent.
         written = self._digest(req, hello.digests)
         try:
-            nbytes, busy_s = self._write(
-                chan, req, accept, key, dst, senders_layers(layout, req.rank, req.num_senders)
-            )
+            nbytes, busy_s = self._write(h, senders_layers(layout, req.rank, req.num_senders))
         except _WriteFailed as exc:
             return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
-        return self._finish(chan, req, accept, nbytes, written, busy_s, (t0, t1, time.monotonic()))
+        return self._finish(h, nbytes, written, busy_s, (t0, t1, time.monotonic()))
 
     def _hash_and_write(
-        self,
-        chan: SyncChannel,
-        req: HandoffRequest,
-        accept: messages.Accept,
-        key: str,
-        dst: Placement,
-        layers: list[int],
-        buffers: list[torch.Tensor],
-        algorithm: str,
-        start: int = 0,
+        self, h: _Handoff, layers: list[int], buffers: list[torch.Tensor], algorithm: str, start: int = 0
     ) -> tuple[str, int, float]:
         """The digest of `layers`' staged bytes, every token (hashed before the write: staging does not
         change while it is sent), then the write of tokens `start` on (earlier chunks went before):
         (digest, bytes, seconds)."""
         hashed = digest.of_ranges(
             buffers,
-            digest.sender_ranges(self.staging, req.rank, req.num_senders, req.num_tokens, layers),
+            digest.sender_ranges(self.staging, h.req.rank, h.req.num_senders, h.req.num_tokens, layers),
             algorithm,
         )
-        return (hashed, *self._write(chan, req, accept, key, dst, layers, start))
+        return (hashed, *self._write(h, layers, start))
 
     def _write(
-        self,
-        chan: SyncChannel,
-        req: HandoffRequest,
-        accept: messages.Accept,
-        key: str,
-        dst: Placement,
-        layers: list[int],
-        start: int = 0,
-        upto: int | None = None,
+        self, h: _Handoff, layers: list[int], start: int = 0, upto: int | None = None
     ) -> tuple[int, float]:
         """Write this rank's ranges of `layers`, tokens `start` to `upto` (None: the request's end), into
         the node's slot: (bytes, seconds the write call took). On a transfer error the node's handle is
         forgotten (it may have restarted with new buffers), the node told, and _WriteFailed raised."""
-        end = req.num_tokens if upto is None else upto
+        end = h.req.num_tokens if upto is None else upto
         ops = [
             WriteOp(
-                self.staging_addrs[r.src_shard] + r.src, accept.regions[r.dst_shard].addr + r.dst, r.nbytes
+                self.staging_addrs[r.src_shard] + r.src, h.accept.regions[r.dst_shard].addr + r.dst, r.nbytes
             )
-            for r in write_ranges(self.staging, dst, layers, end, start)
+            for r in write_ranges(self.staging, h.dst, layers, end, start)
         ]
         t = time.monotonic()
         try:
-            self.engine.write(self._peers[key], ops)
+            self.engine.write(self._peers[h.key], ops)
         except TransferError as exc:
-            self._peers.pop(key, None)
-            chan.send(
+            self._peers.pop(h.key, None)
+            h.chan.send(
                 messages.Done(
-                    request_id=req.request_id,
-                    generation=accept.generation,
+                    request_id=h.req.request_id,
+                    generation=h.accept.generation,
                     ok=False,
                     nbytes=0,
                     error=str(exc),
@@ -372,18 +354,9 @@ class Sender:
         )
 
     def _send_layers(
-        self,
-        chan: SyncChannel,
-        req: HandoffRequest,
-        accept: messages.Accept,
-        dst: Placement,
-        key: str,
-        source: LayerSource,
-        theirs: list[str],
-        t0: float,
-        t1: float,
+        self, h: _Handoff, source: LayerSource, theirs: list[str], t0: float, t1: float
     ) -> HandoffResult:
-        mine = set(senders_layers(self.staging.layout, req.rank, req.num_senders))
+        mine = set(senders_layers(self.staging.layout, h.req.rank, h.req.num_senders))
         sent: set[int] = set()
         nbytes = last_batch = chunk_bytes = 0
         busy_s = 0.0
@@ -397,7 +370,7 @@ class Sender:
                 staged = source.next_layers(self.timeout_s)
             except (LayerSourceFailed, TimeoutError) as exc:
                 return self._abandon(
-                    chan, req, accept, str(exc), t1 - t0, wrote=bool(sent) or chunk_bytes > 0
+                    h.chan, h.req, h.accept, str(exc), t1 - t0, wrote=bool(sent) or chunk_bytes > 0
                 )
             if staged is None:
                 break
@@ -406,14 +379,9 @@ class Sender:
                 continue
             try:
                 if staged.upto is None:
-                    written, n, seconds = self._hash_and_write(
-                        chan, req, accept, key, dst, layers, buffers, algorithm, staged.start
-                    )
+                    written, n, seconds = self._hash_and_write(h, layers, buffers, algorithm, staged.start)
                 else:
-                    written, (n, seconds) = (
-                        None,
-                        self._write(chan, req, accept, key, dst, layers, staged.start, staged.upto),
-                    )
+                    written, (n, seconds) = None, self._write(h, layers, staged.start, staged.upto)
             except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
             busy_s += seconds
@@ -421,10 +389,10 @@ class Sender:
             if written is None:  # a chunk of layers still being computed: written, nothing said
                 chunk_bytes += n
                 continue
-            chan.send(
+            h.chan.send(
                 messages.LayersDone(
-                    request_id=req.request_id,
-                    generation=accept.generation,
+                    request_id=h.req.request_id,
+                    generation=h.accept.generation,
                     layers=layers,
                     nbytes=n,
                     digest=written,
@@ -437,15 +405,13 @@ class Sender:
         if missing:
             # Layers the source never gave: written now and covered by Done's digest.
             try:
-                rest, n, seconds = self._hash_and_write(
-                    chan, req, accept, key, dst, missing, buffers, algorithm
-                )
+                rest, n, seconds = self._hash_and_write(h, missing, buffers, algorithm)
             except _WriteFailed as exc:
                 return HandoffResult(False, "transfer_failed", str(exc), handshake_s=t1 - t0)
             nbytes += n
             busy_s += seconds
             t2 = time.monotonic()
-        result = self._finish(chan, req, accept, nbytes, rest if missing else None, busy_s, (t0, t1, t2))
+        result = self._finish(h, nbytes, rest if missing else None, busy_s, (t0, t1, t2))
         result.layers_sent = len(sent)
         result.layers_early = len(sent) - last_batch
         result.chunk_bytes = chunk_bytes
@@ -453,9 +419,7 @@ class Sender:
 
     def _finish(
         self,
-        chan: SyncChannel,
-        req: HandoffRequest,
-        accept: messages.Accept,
+        h: _Handoff,
         nbytes: int,
         written: str | None,
         busy_s: float,
@@ -464,17 +428,17 @@ class Sender:
         """Every write made: Done (with the digest of what was written, if any) and the node's Ack.
         `times`: when the handshake started and ended and the writes ended (monotonic s)."""
         t0, t1, t2 = times
-        chan.send(
+        h.chan.send(
             messages.Done(
-                request_id=req.request_id,
-                generation=accept.generation,
+                request_id=h.req.request_id,
+                generation=h.accept.generation,
                 ok=True,
                 nbytes=nbytes,
                 digest=written,
                 write_s=busy_s,
             )
         )
-        ack = self._expect(chan, messages.Ack)
+        ack = self._expect(h.chan, messages.Ack)
         t3 = time.monotonic()
         if not isinstance(ack, messages.Ack) or ack.status == "failed":
             detail = ack.message if isinstance(ack, (messages.Ack, messages.Reject, messages.Error)) else ""
@@ -495,6 +459,19 @@ class Sender:
             digest.sender_ranges(self.staging, req.rank, req.num_senders, req.num_tokens),
             digest.preferred(theirs),
         )
+
+
+@dataclass(frozen=True)
+class _Handoff:
+    """One handoff the node has accepted, as the writes and the closing messages need it: the channel,
+    the request, the node's Accept (slot generation and regions), the key of the node's transfer
+    handle, and where the state goes in the node's buffers."""
+
+    chan: SyncChannel
+    req: HandoffRequest
+    accept: messages.Accept
+    key: str
+    dst: Placement
 
 
 def _refused(msg: messages.Message) -> HandoffResult:
