@@ -112,3 +112,14 @@ def test_ready_counts_and_ordinals_from_the_pods() -> None:
     ]
     r = loop.ready(pods)
     assert (r.prefill, r.tilert, r.native, r.tilert_ordinals) == (0, 2, 1, (0, 2))
+
+
+def test_the_router_token_is_sent_only_where_its_metrics_ask_for_a_key() -> None:
+    import base64
+
+    secret = {"data": {constants.METRICS_TOKEN_KEY: base64.b64encode(b"mt").decode()}}
+    keyed = parse(helpers.minimal(router={"apiKeysSecret": {"name": "keys"}}))
+    public = parse(helpers.minimal(router={"apiKeysSecret": {"name": "keys"}, "metricsPublic": True}))
+    assert loop.router_token(keyed, secret) == "mt"
+    assert loop.router_token(public, secret) is None and not loop.needs_token(public)
+    assert loop.router_token(parse(helpers.minimal()), secret) is None  # no keys: /metrics is open

@@ -97,9 +97,14 @@ def notes(before: act.AutoscalingStatus | None, decision: Decision) -> list[Note
     return out
 
 
+def needs_token(spec: PDClusterSpec) -> bool:
+    """Whether the router's /metrics asks for a credential (API keys, and not `metricsPublic`)."""
+    return spec.router.api_keys_secret is not None and not spec.router.metrics_public
+
+
 def router_token(spec: PDClusterSpec, node_api_secret: Obj | None) -> str | None:
     """The token the router's /metrics takes from the operator: none where it asks for no key."""
-    if spec.router.api_keys_secret is None or spec.router.metrics_public:
+    if not needs_token(spec):
         return None
     return credentials.metrics_token(node_api_secret)
 
@@ -115,7 +120,7 @@ async def run(
     meta = body["metadata"]
     ns, name = meta["namespace"], meta["name"]
     pods = await api.list("Pod", ns, f"{constants.LABEL_CLUSTER}={name}")
-    secret = await api.get("Secret", ns, constants.node_api_secret_name(name))
+    secret = await api.get("Secret", ns, constants.node_api_secret_name(name)) if needs_token(spec) else None
     snap = await scraper(scrape.targets(spec, pods, router_token(spec, secret)))
     state.missing = dict(snap.missing)
     if snap.missing:
