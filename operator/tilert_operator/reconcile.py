@@ -145,6 +145,8 @@ async def _reconcile(
     out.requeue_at = rotations.due
 
     observed = await reconcile_children.observe(api, body)
+    # Pools an HPA scales: the status's desired is what the HPA set on the workload.
+    spec = act.with_replicas(spec, reconcile_children.hpa_replicas(spec, meta["name"], observed))
     plan = await reconcile_children.plan(spec, body, observed, secrets.node_api.secret, now)
     desired = reconcile_children.desired(spec, body, plan.lives)
     done = await reconcile_children.apply(

@@ -206,6 +206,30 @@ def desired(spec: PDClusterSpec, body: Obj, lives: list[Live]) -> dict[str, Obj]
 _COMPONENT_OF = {"prefill": constants.PREFILL, "tilert": constants.TILERT, "native": constants.NATIVE}
 
 
+def hpa_replicas(spec: PDClusterSpec, cluster: str, observed: Observed) -> dict[str, int]:
+    """The replicas each HPA-scaled pool's workload has now (what its HPA decided), for the status's
+    desired counts; a pool whose workload is not there yet is left out (its minimum stands)."""
+    if not HPA_APPLIED:
+        return {}
+    kinds = {"prefill": "Deployment", "tilert": "StatefulSet", "native": "Deployment"}
+    out: dict[str, int] = {}
+    for p in act.hpa_pools(spec):
+        found = [
+            o["spec"].get("replicas")
+            for slot in (constants.SLOT_A, constants.SLOT_B)
+            if (
+                o := observed.owned.get(kinds[p], {}).get(
+                    f"{kinds[p]}/{constants.slot_child_name(cluster, _COMPONENT_OF[p], slot)}"
+                )
+            )
+            is not None
+        ]
+        counts = [n for n in found if isinstance(n, int)]
+        if counts:
+            out[p] = max(counts)
+    return out
+
+
 def _component(obj: Obj) -> str | None:
     if obj["kind"] not in ("Deployment", "StatefulSet"):
         return None

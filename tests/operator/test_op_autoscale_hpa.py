@@ -78,6 +78,8 @@ def test_workloads_under_an_hpa_are_applied_without_replicas_and_not_fought(
         out: reconcile.Outcome = h.reconcile_once(apiserver, "t")
         assert f"StatefulSet/{name}" not in out.applied, out.applied
     assert srv.get("statefulsets", "default", name)["spec"]["replicas"] == 4
+    # kubectl get pdc: desired is what the HPA decided, not the spec's starting point.
+    assert h.body(apiserver, "t")["status"]["pools"]["tilert"]["desired"] == 4
     # The prefill is not autoscaled: the operator keeps its replicas.
     prefill = srv.get("deployments", "default", constants.child_name("t", constants.PREFILL))
     assert prefill["spec"]["replicas"] == 1

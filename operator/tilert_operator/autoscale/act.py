@@ -10,6 +10,7 @@ to its HorizontalPodAutoscaler (None here: the workload is applied without the f
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -139,15 +140,19 @@ def status_patch(
 def effective(spec: PDClusterSpec, status: AutoscalingStatus | None) -> PDClusterSpec:
     """The spec the renderers and the status see: each autoscaled pool's `replicas` replaced by
     `current` (the decision in status, clamped; under the HPA actuator the last decision or the
-    pool's minimum, which only the status and the GPU sums read: the workload is applied without the
-    field). The one place where a pool's rendered replicas are decided; `spec` itself when nothing
-    is autoscaled."""
-    want = current(spec, status)
+    pool's minimum until the workload's own count is known: `with_replicas`). The one place where a
+    pool's rendered replicas are decided; `spec` itself when nothing is autoscaled."""
+    return with_replicas(spec, current(spec, status))
+
+
+def with_replicas(spec: PDClusterSpec, replicas: Mapping[str, int]) -> PDClusterSpec:
+    """`spec` with the named pools' `replicas` replaced (`spec` itself when nothing changes)."""
     have = {
         "prefill": spec.prefill.replicas,
         "tilert": spec.decode.tilert.replicas,
         "native": spec.decode.native.replicas,
     }
+    want = have | {p: n for p, n in replicas.items() if p in have}
     if want == have:
         return spec
     decode = spec.decode.model_copy(
