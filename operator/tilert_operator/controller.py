@@ -321,9 +321,9 @@ class Controller:
             ].get("uid"):
                 # Compare the next resync against what we wrote, not a body the watch has not caught up to.
                 worker.body = worker.body | {"status": outcome.written.get("status") or {}}
-            self._schedule_autoscale(worker)
+            self._schedule_autoscale(key, worker)
 
-    def _schedule_autoscale(self, worker: _Worker) -> None:
+    def _schedule_autoscale(self, key: Key, worker: _Worker) -> None:
         """Start, keep or stop a PDCluster's planner timer after a reconcile: it runs while a pool is
         autoscaled and the operator is the actuator, every `spec.autoscaling.intervalSeconds`. Only a
         new generation of the spec can change that: an idle resync validates nothing again."""
@@ -334,6 +334,7 @@ class Controller:
         spec, _ = validation.validate(worker.body.get("spec") or {}, worker.body["metadata"]["name"])
         if spec is None or not act.operator_driven(spec):
             worker.autoscale_due, worker.autoscale = None, autoscale_loop.State()
+            self.metrics.autoscale.pop(key, None)  # no decision stands any more
             return
         if worker.autoscale_due is None:
             # The first run only takes the baseline scrape: the first decision comes an interval later.
