@@ -6,7 +6,10 @@ the serving components share.
 
 from __future__ import annotations
 
+import posixpath
 from typing import Final
+
+from tilert_serve import defaults
 
 GROUP: Final = "pd.tilert.ai"
 VERSION: Final = "v1alpha1"
@@ -96,6 +99,10 @@ NODE_API_TOKEN_KEY: Final = "token"
 #: Key of the router's metrics-only token in the same Secret: the operator reads the router's
 #: /metrics with it (autoscaling); the router accepts it for GET /metrics and nothing else.
 METRICS_TOKEN_KEY: Final = "metrics-token"
+#: Where the router reads it: beside the node API token, in the router's mount of that Secret only.
+ROUTER_METRICS_TOKEN_PATH: Final = posixpath.join(
+    posixpath.dirname(defaults.NODE_API_TOKEN_PATH), METRICS_TOKEN_KEY
+)
 
 #: MultiNetworkPolicy (k8snetworkplumbingwg's CRD): what fences the data plane on Multus networks.
 MULTI_NETWORK_POLICY_API_VERSION: Final = "k8s.cni.cncf.io/v1beta1"

@@ -387,10 +387,7 @@ async def ensure_handoff(api: Client, body: Obj) -> SecretState:
 
 async def ensure_node_api(api: Client, body: Obj) -> SecretState:
     meta = body["metadata"]
-    make = network.node_api_secret(meta["name"], meta["namespace"], new_token())
-    make["data"] = make["data"] | {
-        constants.METRICS_TOKEN_KEY: base64.b64encode(new_token().encode()).decode()
-    }
+    make = network.node_api_secret(meta["name"], meta["namespace"], new_token(), new_token())
     # The metrics-only token is added to a Secret made before it existed (the autoscaler reads the
     # router's /metrics with it; it opens nothing else, so it is not rotated with the node token).
     return await ensure(

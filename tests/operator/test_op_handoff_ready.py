@@ -17,6 +17,7 @@ from kopf.testing import KopfRunner
 from tilert_operator import constants, observe, status
 from tilert_operator import spec as specmod
 from tilert_operator.render import network
+from tilert_serve import defaults
 from tilert_serve.router.config import TileRTNode
 
 NODES = [
@@ -162,6 +163,30 @@ def test_network_policy_admits_the_operator_on_the_http_port_only() -> None:
             "ports": [{"protocol": "TCP", "port": spec.decode.tilert.http_port}],
         }
     ]
+
+
+def test_the_operator_reaches_vllms_port_only_where_it_runs_the_autoscaler() -> None:
+    doc = helpers.example("tiny-cpu")["spec"]
+
+    def operator_rules(spec_doc: dict[str, Any]) -> dict[str, list[Any]]:
+        pols = network.network_policies(specmod.parse(spec_doc), "tiny", "default")
+        return {
+            p["metadata"]["name"]: [
+                r["ports"] for r in p["spec"]["ingress"] if network.OPERATOR_PEER in r["from"]
+            ]
+            for p in pols
+        }
+
+    vllm_port = [{"protocol": "TCP", "port": defaults.VLLM_PORT}]
+    fixed = operator_rules(doc)
+    assert fixed["tiny-prefill"] == [] and fixed.get("tiny-native-decode", []) == []
+    doc["decode"]["native"]["replicas"] = 1
+    doc["decode"]["native"]["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 2}
+    scaled = operator_rules(doc)
+    # On vLLM's API port only (its /metrics is there), never on the transfer ports the prefill opens.
+    assert scaled["tiny-prefill"] == [vllm_port] and scaled["tiny-native-decode"] == [vllm_port]
+    doc["autoscaling"] = {"actuator": "HPA"}  # the HPA acts: the operator scrapes nothing
+    assert operator_rules(doc)["tiny-prefill"] == []
 
 
 # -- end to end: the operator polls a fake node's authenticated /v1/status --------------------------------

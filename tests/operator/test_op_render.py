@@ -227,6 +227,36 @@ def test_router_configmap_holds_a_loadable_config(tmp_path: Any) -> None:
     assert spec.transfer.rdma.networks and cfg.discoveries() == []
 
 
+def test_only_the_router_gets_the_operators_metrics_token_and_only_where_a_key_guards_metrics() -> None:
+    doc = helpers.example("glm5-b200-rdma")["spec"]
+    assert doc["router"]["apiKeysSecret"]
+    cfg = render.router.pod_config(specmod.parse(doc), "glm5", "serving", [])
+    assert cfg.metrics_token_file == constants.ROUTER_METRICS_TOKEN_PATH
+    router = render.router.deployment(specmod.parse(doc), "glm5", "serving")
+    (vol,) = [v for v in router["spec"]["template"]["spec"]["volumes"] if v["name"] == "node-api-token"]
+    assert {i["key"]: i["path"] for i in vol["secret"]["items"]} == {
+        "token": "token",
+        "metrics-token": "metrics-token",
+    }
+    (mount,) = [
+        m
+        for m in router["spec"]["template"]["spec"]["containers"][0]["volumeMounts"]
+        if m["name"] == "node-api-token"
+    ]
+    assert f"{mount['mountPath']}/metrics-token" == cfg.metrics_token_file
+    # The decode pods mount the node API token alone.
+    node_vols = render.tilert_decode.statefulset(specmod.parse(doc), "glm5", "serving")["spec"]["template"][
+        "spec"
+    ]
+    (nvol,) = [v for v in node_vols["volumes"] if v["name"] == "node-api-token"]
+    assert [i["key"] for i in nvol["secret"]["items"]] == ["token"]
+    # Open metrics, or no keys at all: nothing to present a token to.
+    doc["router"]["metricsPublic"] = True
+    assert render.router.pod_config(specmod.parse(doc), "glm5", "serving", []).metrics_token_file is None
+    del doc["router"]["apiKeysSecret"], doc["router"]["metricsPublic"]
+    assert render.router.pod_config(specmod.parse(doc), "glm5", "serving", []).metrics_token_file is None
+
+
 def test_without_a_secondary_network_new_nodes_are_found_through_dns() -> None:
     spec = specmod.parse(helpers.example("tiny-cpu")["spec"])
     assert not spec.transfer.rdma.networks

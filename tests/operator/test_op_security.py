@@ -65,16 +65,19 @@ def _arg(argv: list[str], flag: str) -> str:
 def test_node_api_secret_is_mounted_on_decode_and_router_pods_only() -> None:
     objs = _render(helpers.example("tiny-cpu")["spec"], "tiny")
     secret = _by(objs, "Secret", "tiny-node-api")
-    assert _decoded(secret) == {"token": "api-token"}
+    decoded = _decoded(secret)
+    assert decoded.pop("token") == "api-token"
+    # The operator's metrics-only token: its own (64 hex digits), not the node token.
+    assert set(decoded) == {"metrics-token"} and len(decoded["metrics-token"]) == 64
     token_dir, token_file = posixpath.split(defaults.NODE_API_TOKEN_PATH)
-    for kind, name in [("StatefulSet", "tiny-tilert-decode"), ("Deployment", "tiny-router")]:
+    router_items = [{"key": "token", "path": token_file}, {"key": "metrics-token", "path": "metrics-token"}]
+    for kind, name, items in [
+        ("StatefulSet", "tiny-tilert-decode", router_items[:1]),
+        ("Deployment", "tiny-router", router_items),
+    ]:
         m = _mounts(_by(objs, kind, name))["node-api-token"]
         assert m["mount"] == {"name": "node-api-token", "mountPath": token_dir, "readOnly": True}
-        assert m["volume"]["secret"] == {
-            "secretName": "tiny-node-api",
-            "defaultMode": 0o400,
-            "items": [{"key": "token", "path": token_file}],
-        }
+        assert m["volume"]["secret"] == {"secretName": "tiny-node-api", "defaultMode": 0o400, "items": items}
     for name in ("tiny-prefill", "tiny-native-decode"):
         assert "node-api-token" not in _mounts(_by(objs, "Deployment", name)), (
             f"{name} has no business with the node API"

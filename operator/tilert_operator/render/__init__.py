@@ -64,14 +64,16 @@ def all_manifests(
 ) -> list[Manifest]:
     """What `tilert-pd render` prints: the Secrets first (pods mount them), then the children.
     Without `node_api_token`, one is derived from `secret_token` (deterministic output for tests;
-    `tilert-pd render` passes an independent random one)."""
+    `tilert-pd render` passes an independent random one). The metrics-only token is a one-way hash
+    of the node API token: holding it reveals nothing of the other."""
     api_token = (
         node_api_token
         if node_api_token is not None
         else hashlib.sha256(f"node-api:{secret_token}".encode()).hexdigest()
     )
+    metrics_token = hashlib.sha256(f"metrics:{api_token}".encode()).hexdigest()
     return [
         network.handoff_secret(cluster, namespace, secret_token),
-        network.node_api_secret(cluster, namespace, api_token),
+        network.node_api_secret(cluster, namespace, api_token, metrics_token),
         *children(spec, cluster, namespace, tilert_nodes),
     ]

@@ -24,6 +24,7 @@ import base64
 import copy
 
 from tilert_operator import constants
+from tilert_operator.autoscale.act import operator_driven
 from tilert_operator.render import pods
 from tilert_operator.render.pods import Manifest
 from tilert_operator.spec import PDClusterSpec
@@ -46,15 +47,16 @@ def handoff_secret(cluster: str, namespace: str, token: str, accept: str = "") -
     }
 
 
-def node_api_secret(cluster: str, namespace: str, token: str) -> Manifest:
-    """The decode nodes' HTTP API credential, shared by the nodes and the router."""
+def node_api_secret(cluster: str, namespace: str, token: str, metrics_token: str) -> Manifest:
+    """The decode nodes' HTTP API credential, shared by the nodes and the router, and the operator's
+    metrics-only token for the router's /metrics (the autoscaler's; it opens nothing else)."""
     meta = pods.metadata(cluster, namespace, "node-api", name=constants.node_api_secret_name(cluster))
     return {
         "apiVersion": "v1",
         "kind": "Secret",
         "metadata": meta,
         "type": "Opaque",
-        "data": {constants.NODE_API_TOKEN_KEY: _b64(token)},
+        "data": {constants.NODE_API_TOKEN_KEY: _b64(token), constants.METRICS_TOKEN_KEY: _b64(metrics_token)},
     }
 
 
@@ -77,7 +79,8 @@ def _policy(cluster: str, namespace: str, component: str, ingress: list[Manifest
 
 #: The operator's pods, in whatever namespace the chart installed them, by the two labels the chart
 #: gives its pod whatever the release is named or overridden to (nameOverride changes the name label):
-#: it reads each TileRT node's /v1/status (HandoffReady), with the node-API token the node requires.
+#: it reads each TileRT node's /v1/status (HandoffReady), with the node-API token the node requires,
+#: and, where it runs the autoscaler, the pods' /metrics (vLLM's on its API port, which it then admits).
 OPERATOR_PEER: Manifest = {
     "namespaceSelector": {},
     "podSelector": {
@@ -98,8 +101,10 @@ def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[
     native = _peer(cluster, constants.NATIVE)
     # Extra peers (a metrics scraper) on the HTTP ports only, never on the ctrl or transfer ports.
     scrapers = [copy.deepcopy(p) for p in spec.network_policies.metrics_from]
+    # The operator's autoscaler reads vLLM's /metrics (queue, KV use) where it runs the planner.
+    vllm_scrapers = [*scrapers, copy.deepcopy(OPERATOR_PEER)] if operator_driven(spec) else scrapers
     out = []
-    prefill_in = [{"from": [router, *scrapers], "ports": _tcp(defaults.VLLM_PORT)}]
+    prefill_in = [{"from": [router, *vllm_scrapers], "ports": _tcp(defaults.VLLM_PORT)}]
     if spec.decode.native.replicas:
         prefill_in.append({"from": [native]})
     out.append(_policy(cluster, namespace, constants.PREFILL, prefill_in))
@@ -116,7 +121,7 @@ def network_policies(spec: PDClusterSpec, cluster: str, namespace: str) -> list[
         out.append(_policy(cluster, namespace, constants.TILERT, tilert_in))
     if spec.decode.native.replicas:
         out.append(_policy(cluster, namespace, constants.NATIVE, [
-            {"from": [router, *scrapers], "ports": _tcp(defaults.VLLM_PORT)},
+            {"from": [router, *vllm_scrapers], "ports": _tcp(defaults.VLLM_PORT)},
             {"from": [prefill]},
         ]))  # fmt: skip
     return out

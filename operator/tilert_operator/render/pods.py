@@ -151,19 +151,23 @@ HANDOFF_SECRET_MOUNT: Manifest = {
 }
 
 
-def node_api_volume(cluster: str) -> Manifest:
-    """The node API token, for the TileRT decode pods and the router."""
+def node_api_volume(cluster: str, *, metrics_token: bool = False) -> Manifest:
+    """The node API token, for the TileRT decode pods and the router; `metrics_token`: with the
+    operator's metrics-only token too (the router's mount alone: it is what accepts it)."""
+    items = [{"key": constants.NODE_API_TOKEN_KEY, "path": posixpath.basename(defaults.NODE_API_TOKEN_PATH)}]
+    if metrics_token:
+        items.append(
+            {
+                "key": constants.METRICS_TOKEN_KEY,
+                "path": posixpath.basename(constants.ROUTER_METRICS_TOKEN_PATH),
+            }
+        )
     return {
         "name": "node-api-token",
         "secret": {
             "secretName": constants.node_api_secret_name(cluster),
             "defaultMode": 0o400,
-            "items": [
-                {
-                    "key": constants.NODE_API_TOKEN_KEY,
-                    "path": posixpath.basename(defaults.NODE_API_TOKEN_PATH),
-                }
-            ],
+            "items": items,
         },
     }
 

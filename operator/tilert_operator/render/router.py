@@ -136,7 +136,14 @@ def pod_config(
         api_keys_file=api_keys_file(spec),
         api_token_file=defaults.NODE_API_TOKEN_PATH,
     )
-    return cfg.model_copy(update={"tilert_discovery": discoveries})
+    # The operator's autoscaler reads /metrics with its metrics-only token where a key guards it.
+    guarded = cfg.api_keys_file is not None and not cfg.metrics_public
+    return cfg.model_copy(
+        update={
+            "tilert_discovery": discoveries,
+            "metrics_token_file": constants.ROUTER_METRICS_TOKEN_PATH if guarded else None,
+        }
+    )
 
 
 def configmap(
@@ -166,7 +173,7 @@ def deployment(spec: PDClusterSpec, cluster: str, namespace: str) -> Manifest:
     ]
     volumes: list[Manifest] = [
         {"name": "config", "configMap": {"name": constants.child_name(cluster, COMPONENT)}},
-        pods.node_api_volume(cluster),
+        pods.node_api_volume(cluster, metrics_token=True),
     ]
     if r.api_keys_secret:
         mounts.append({"name": "api-keys", "mountPath": constants.ROUTER_KEYS_DIR, "readOnly": True})
