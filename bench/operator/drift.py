@@ -97,11 +97,7 @@ def _faults(st: Any) -> dict[str, tuple[Callable[[], None], Callable[[], bool]]]
 
 def run_case(watch: bool, resync: float, samples: int) -> dict[str, dict[str, list[float]]]:
     st, cfg = api_server("bench-drift-")
-    try:
-        op = start_operator(cfg, resync, free_port(), TILERT_PD_WATCH_CHILDREN="1" if watch else "0")
-    except RuntimeError:
-        st.stop()
-        raise
+    op = start_operator(st, cfg, resync, free_port(), TILERT_PD_WATCH_CHILDREN="1" if watch else "0")
     srv = st.server
     out: dict[str, dict[str, list[float]]] = {}
     try:

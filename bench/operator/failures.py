@@ -53,11 +53,7 @@ def measure(n: int, resync: float, timeout: float) -> dict[str, list[float]]:
             seen.setdefault(("event", obj["involvedObject"]["name"]), now)
 
     srv.on_change.append(hook)
-    try:
-        op = start_operator(cfg, resync, free_port())
-    except RuntimeError:
-        st.stop()
-        raise
+    op = start_operator(st, cfg, resync, free_port())
     try:
         base = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
         docs = []

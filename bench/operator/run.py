@@ -99,10 +99,13 @@ def api_server(prefix: str) -> tuple[ServerThread, Path]:
     return st, cfg
 
 
-def start_operator(cfg: Path, resync: float, port: int, **env: str) -> subprocess.Popen[bytes]:
-    """The operator (kopf run, as the chart runs it) against the kubeconfig `cfg`, resyncing every
-    `resync` s, its /metrics on 127.0.0.1:`port`, `env` added to its environment; returns once
-    /metrics answers and kopf's watches have had a second to start. Its log: operator.log beside `cfg`."""
+def start_operator(
+    st: ServerThread, cfg: Path, resync: float, port: int, **env: str
+) -> subprocess.Popen[bytes]:
+    """The operator (kopf run, as the chart runs it) against `st` through the kubeconfig `cfg`,
+    resyncing every `resync` s, its /metrics on 127.0.0.1:`port`, `env` added to its environment;
+    returns once /metrics answers and kopf's watches have had a second to start. Its log:
+    operator.log beside `cfg`. If it does not start, `st` is stopped too and RuntimeError raised."""
     log = cfg.with_name("operator.log")
     with log.open("wb") as out:
         op = subprocess.Popen(
@@ -121,6 +124,7 @@ def start_operator(cfg: Path, resync: float, port: int, **env: str) -> subproces
         except OSError:
             if time.monotonic() > deadline or op.poll() is not None:
                 op.kill()
+                st.stop()
                 raise RuntimeError(
                     f"operator did not start (its log, {log}):\n{log.read_text()[-4000:]}"
                 ) from None
@@ -142,11 +146,7 @@ def stop(op: subprocess.Popen[bytes], st: ServerThread) -> None:
 def run_case(n: int, resync: float, timeout: float) -> dict[str, Any]:
     st, cfg = api_server("bench-operator-")
     metrics_port = free_port()
-    try:
-        op = start_operator(cfg, resync, metrics_port)
-    except RuntimeError:
-        st.stop()
-        raise
+    op = start_operator(st, cfg, resync, metrics_port)
     try:
         base = yaml.safe_load((ROOT / "examples" / "tiny-cpu.yaml").read_text())
         docs = []
