@@ -10,9 +10,7 @@ containers of the images, put through three changes under one stream of requests
    request in flight on the killed node may fail;
 3. a change of compatibility generation (MTP off: another handoff layout) played blue/green: the new
    generation comes up in slot b beside the old one, both in the router's list each with its compat,
-   the new nodes HandoffReady before the old generation leaves and drains; no request fails. It has
-   not passed in containers yet (its one run outlasted the test's time limit in phase 1), so it runs
-   only with TILERT_PD_DOCKER_GENERATION=1; changes 1 and 2 run in `make test`.
+   the new nodes HandoffReady before the old generation leaves and drains; no request fails.
 
 Skipped without a Docker engine (CI starts one: scripts/docker-engine.sh).
 """
@@ -20,7 +18,6 @@ Skipped without a Docker engine (CI starts one: scripts/docker-engine.sh).
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import threading
 import time
@@ -73,15 +70,10 @@ def _apply(home: Path, spec: Path, load: Load, what: str) -> tuple[str, int, lis
     return applied.stdout, load.ok - ok0, load.failures[failed0:], took
 
 
-#: The generation change in containers has not passed yet (its one run outlasted the test's limit in
-#: phase 1); until it has, it runs only when asked, and docs/what-has-run-where.md says so.
-GENERATION_IN_CONTAINERS = os.environ.get("TILERT_PD_DOCKER_GENERATION") == "1"
-
-
 @pytest.mark.timeout(1800)
 def test_changes_in_containers_lose_no_request(images: Images, tmp_path: Path) -> None:  # noqa: F811
-    """(1) the prefill rolled and (2) a TileRT node SIGKILLed and applied back, under the stream;
-    (3) the generation change blue/green with TILERT_PD_DOCKER_GENERATION=1."""
+    """(1) the prefill rolled, (2) a TileRT node SIGKILLed and applied back, (3) the generation change
+    blue/green, under one stream of requests."""
     home = tmp_path / "home"
     first, second, third = tmp_path / "a.yaml", tmp_path / "b.yaml", tmp_path / "c.yaml"
     first.write_text(yaml.safe_dump(_doc([])))
@@ -141,9 +133,6 @@ def test_changes_in_containers_lose_no_request(images: Images, tmp_path: Path) -
         )
 
         # (3) A new compatibility generation, blue/green.
-        if not GENERATION_IN_CONTAINERS:
-            print("generation change: not run (TILERT_PD_DOCKER_GENERATION=1 runs it)")
-            return
         out, ok, failed, _ = _apply(home, third, load, "generation change")
         assert "blue/green" in out and "generation phase 2/2" in out, out[-4000:]
         assert out.index("HandoffReady") < out.index("remove tiny-prefill-1")
