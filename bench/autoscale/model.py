@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 
 from tilert_operator.autoscale.decision import PoolName
+from tilert_operator.autoscale.queueing import erlang_b, erlang_c, wait_quantile
 
 
 @dataclass(frozen=True)
@@ -57,36 +58,6 @@ class Capacities:
     def native_tpot(self, occupancy: float) -> float:
         lo, hi = self.native_tpot_s
         return lo + (hi - lo) * min(1.0, max(0.0, occupancy))
-
-
-def erlang_b(servers: int, load: float) -> float:
-    """Blocking probability of an M/M/c/c system (the standard recursion)."""
-    if servers <= 0:
-        return 1.0
-    b = 1.0
-    for k in range(1, servers + 1):
-        b = load * b / (k + load * b)
-    return b
-
-
-def erlang_c(servers: int, load: float) -> float:
-    """Probability that an arrival waits in an M/M/c queue (load < servers)."""
-    if servers <= 0 or load >= servers:
-        return 1.0
-    b = erlang_b(servers, load)
-    return servers * b / (servers - load * (1 - b))
-
-
-def wait_at(servers: int, rate: float, service_s: float, p: float) -> float:
-    """The p-quantile of the wait in an M/M/c queue: P(W > t) = C e^(-(c mu - lambda) t)."""
-    if rate <= 0:
-        return 0.0
-    mu = 1.0 / service_s
-    c = erlang_c(servers, rate * service_s)
-    slack = servers * mu - rate
-    if slack <= 0:
-        return math.inf
-    return max(0.0, math.log(c / (1 - p)) / slack) if c > 1 - p else 0.0
 
 
 @dataclass(frozen=True)
@@ -142,7 +113,7 @@ def _queue(
     left = max(0.0, backlog + (rate - capacity) * dt)
     if left > 0 or backlog > 0:
         return (left / capacity if capacity > 0 else math.inf), left
-    return wait_at(servers, rate, service_s, p), 0.0
+    return wait_quantile(servers, rate, service_s, p), 0.0
 
 
 def step(cap: Capacities, rate: float, ready: Ready, backlog: Backlog, dt: float) -> Interval:
@@ -196,7 +167,7 @@ def static_size(cap: Capacities, rate: float, target_utilization: float) -> Read
     want_t = rate * cap.tilert_share
     t = math.ceil(want_t * cap.tilert_hold_s / (cap.tilert_slots * target_utilization) - 1e-9)
     p = 1
-    while cap.prefill_s + wait_at(p, rate, cap.prefill_s, cap.percentile) > cap.ttft_objective_s / 2:
+    while cap.prefill_s + wait_quantile(p, rate, cap.prefill_s, cap.percentile) > cap.ttft_objective_s / 2:
         p += 1
     n = 0
     while not _steady(step(cap, rate, Ready(p, t, n), Backlog(), 1.0)):

@@ -9,6 +9,7 @@ import pytest
 
 from bench.autoscale import model, run, strategies, traces
 from bench.autoscale.__main__ import glm5, tiny
+from tilert_operator.autoscale import queueing
 
 N, DT = 960, 15.0
 
@@ -43,13 +44,13 @@ def test_arrivals_are_poisson_around_the_rate() -> None:
 
 
 def test_erlang_formulas() -> None:
-    assert model.erlang_b(1, 2.0) == pytest.approx(2.0 / 3.0)
-    assert model.erlang_b(0, 1.0) == 1.0
+    assert queueing.erlang_b(1, 2.0) == pytest.approx(2.0 / 3.0)
+    assert queueing.erlang_b(0, 1.0) == 1.0
     # M/M/1: C = rho, and P(W > t) = rho e^-(mu - lambda) t.
-    assert model.erlang_c(1, 0.5) == pytest.approx(0.5)
-    assert model.wait_at(1, 5.0, 0.1, 0.95) == pytest.approx(math.log(0.5 / 0.05) / 5.0)
-    assert model.wait_at(2, 0.0, 0.1, 0.95) == 0.0
-    assert model.wait_at(1, 20.0, 0.1, 0.95) == math.inf
+    assert queueing.erlang_c(1, 0.5) == pytest.approx(0.5)
+    assert queueing.wait_quantile(1, 5.0, 0.1, 0.95) == pytest.approx(math.log(0.5 / 0.05) / 5.0)
+    assert queueing.wait_quantile(2, 0.0, 0.1, 0.95) == 0.0
+    assert queueing.wait_quantile(1, 20.0, 0.1, 0.95) == math.inf
 
 
 @pytest.mark.parametrize("cap", [glm5(), tiny()], ids=lambda c: c.name)

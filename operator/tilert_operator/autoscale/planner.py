@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from tilert_operator.autoscale.decision import POOLS, Decision, History, PoolDecision, PoolName
 from tilert_operator.autoscale.inputs import NativeObserved, Observed, PrefillObserved, TileRTObserved
+from tilert_operator.autoscale.queueing import erlang_b, wait_quantile
 from tilert_operator.spec import Autoscaling, PDClusterSpec, ServingPool
 
 #: Prefill requests waiting per ready replica above which the prefill is short of replicas: vLLM batches
@@ -129,16 +130,6 @@ def recommend_tilert(t: TileRTObserved, a: Autoscaling, hi: int, mean_stream_s: 
     return TileRTNeed(rec, min(residual, t.overflow_rate), why)
 
 
-def erlang_b(servers: int, load: float) -> float:
-    """The share of arrivals that find every one of `servers` busy at `load` erlangs (M/M/c/c)."""
-    if servers <= 0:
-        return 1.0
-    b = 1.0
-    for k in range(1, servers + 1):
-        b = load * b / (k + load * b)
-    return b
-
-
 def recommend_native(
     n: NativeObserved, a: Autoscaling, overflow_now: float, overflow_after: float
 ) -> tuple[int, str]:
@@ -197,25 +188,6 @@ def recommend_prefill(p: PrefillObserved, a: Autoscaling) -> tuple[int, str, boo
             rec = p.ready + 1
             why += f"; TTFT {p.ttft_s:.2f} s above {a.objective.ttft_seconds:g} s: {rec}"
     return rec, why, mine
-
-
-def erlang_c(servers: int, load: float) -> float:
-    """The share of arrivals that wait in an M/M/c queue at `load` erlangs."""
-    if servers <= 0 or load >= servers:
-        return 1.0
-    b = erlang_b(servers, load)
-    return servers * b / (servers - load * (1 - b))
-
-
-def wait_quantile(servers: int, rate: float, service_s: float, p: float) -> float:
-    """The p-quantile of an M/M/c queue's wait: P(W > t) = C exp(-(c mu - lambda) t)."""
-    if rate <= 0 or service_s <= 0:
-        return 0.0
-    slack = servers / service_s - rate
-    if slack <= 0:
-        return math.inf
-    c = erlang_c(servers, rate * service_s)
-    return math.log(c / (1 - p)) / slack if c > 1 - p else 0.0
 
 
 # -- 2. stabilization ---------------------------------------------------------------------------------
