@@ -25,7 +25,7 @@ from tests.decode.attacker import Scribbler
 from tests.decode.conftest import SECRET, RunningNode, running_node
 from tests.decode.sender_proc import OneByOne
 from tests.decode.test_layerwise import whole_state
-from tests.router.router_fakes import MODEL, FakeNative, FakePrefill
+from tests.router.router_fakes import MODEL, FakeNative, FakePrefill, stack_config
 from tilert_serve import transfer
 from tilert_serve.handoff.sender import HandoffRequest, Sender
 from tilert_serve.layouts import Placement
@@ -126,24 +126,16 @@ async def test_no_tampered_state_is_decoded_through_the_router(
         standins.append(prefill)
         await prefill.start()
         native = await FakeNative().start()
+        # Every request tries the node (a refused handoff would otherwise send the next ones straight
+        # to native for a while): this test is about what the node decodes.
         cfg = config.RouterConfig.model_validate(
-            {
-                "model": MODEL,
-                "prefill": [prefill.url],
-                "native": [native.url],
-                "tilert": [
-                    {
-                        "name": "t0",
-                        "http_url": n.url,
-                        "ctrl_host": "127.0.0.1",
-                        "slots": 1,
-                        "max_seq_len": 128,
-                    }
-                ],
-                # Every request tries the node (a refused handoff would otherwise send the next ones
-                # straight to native for a while): this test is about what the node decodes.
-                "breaker": {"failures_to_open": 1000},
-            }
+            stack_config(
+                [prefill.url],
+                [native.url],
+                [("t0", n.url, 1)],
+                max_seq_len=128,
+                breaker={"failures_to_open": 1000},
+            )
         )
         runner = await start(make_app(cfg, health_checks=False), "127.0.0.1", 0)
         client = openai.AsyncOpenAI(

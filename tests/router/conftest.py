@@ -9,7 +9,7 @@ from typing import Any
 import openai
 import pytest
 from aiohttp import web
-from router_fakes import MODEL, FakeNative, FakeNode, FakePrefill
+from router_fakes import FakeNative, FakeNode, FakePrefill, stack_config
 
 from tilert_serve.router import config
 from tilert_serve.router.app import bound_port, make_app, start
@@ -85,21 +85,12 @@ async def make_stack() -> AsyncIterator[StackFactory]:
         natives = [await FakeNative().start() for _ in range(n_native)]
         for v in [*prefills, *natives]:
             v.max_model_len = context
-        raw: dict[str, Any] = {
-            "model": MODEL,
-            "prefill": [p.url for p in prefills],
-            "tilert": [
-                {
-                    "name": n.name,
-                    "http_url": n.url,
-                    "ctrl_host": "127.0.0.1",
-                    "slots": n.slots,
-                    "max_seq_len": context,
-                }
-                for n in nodes
-            ],
-            "native": [n.url for n in natives],
-        }
+        raw = stack_config(
+            [p.url for p in prefills],
+            [n.url for n in natives],
+            [(n.name, n.url, n.slots) for n in nodes],
+            max_seq_len=context,
+        )
         for key, value in overrides.items():
             if isinstance(value, dict) and isinstance(raw.get(key), dict):
                 raw[key] = {**raw[key], **value}

@@ -13,6 +13,7 @@ import asyncio
 import json
 import time
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +46,28 @@ def vllm_max_tokens_check(
         f"output tokens. (parameter={param}, value={mt})",
         param,
     )
+
+
+def stack_config(
+    prefills: Sequence[str],
+    natives: Sequence[str],
+    nodes: Sequence[tuple[str, str, int]],
+    max_seq_len: int | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """A router config (as its YAML reads, before validation) over fakes on 127.0.0.1: `nodes` as
+    (name, HTTP URL, slots); `extra` adds top-level sections."""
+    limit = {"max_seq_len": max_seq_len} if max_seq_len else {}
+    return {
+        "model": MODEL,
+        "prefill": list(prefills),
+        "native": list(natives),
+        "tilert": [
+            {"name": name, "http_url": url, "ctrl_host": "127.0.0.1", "slots": slots, **limit}
+            for name, url, slots in nodes
+        ],
+        **extra,
+    }
 
 
 async def _start(app: web.Application) -> tuple[web.AppRunner, str]:

@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from router_fakes import MODEL, FakeNative, FakeNode, FakePrefill
+from router_fakes import MODEL, FakeNative, FakeNode, FakePrefill, stack_config
 
 from tilert_serve.router import config
 from tilert_serve.router.app import bound_port, make_app, start
@@ -57,24 +57,16 @@ def router_in_thread(tmp_path_factory: pytest.TempPathFactory) -> Iterator[_Runn
         native = await FakeNative().start()
         prefill.max_model_len = native.max_model_len = 64
         cfg = config.RouterConfig.model_validate(
-            {
-                "model": MODEL,
-                "prefill": [prefill.url],
-                "native": [native.url],
-                "tilert": [
-                    {
-                        "name": "t0",
-                        "http_url": node.url,
-                        "ctrl_host": "127.0.0.1",
-                        "slots": 2,
-                        "max_seq_len": 64,
-                    }
-                ],
-                "api_keys_file": str(tmp / "keys"),
-                "tilert_api_token_file": str(tmp / "node-token"),
-                "policy": {"tilert_aliases": ["tiny-fast"]},
-                "timeouts": {"client_idle_s": 5.0, "client_body_s": 5.0},
-            }
+            stack_config(
+                [prefill.url],
+                [native.url],
+                [("t0", node.url, 2)],
+                max_seq_len=64,
+                api_keys_file=str(tmp / "keys"),
+                tilert_api_token_file=str(tmp / "node-token"),
+                policy={"tilert_aliases": ["tiny-fast"]},
+                timeouts={"client_idle_s": 5.0, "client_body_s": 5.0},
+            )
         )
         app = make_app(cfg, health_checks=False)
         runner = await start(app, "127.0.0.1", 0)

@@ -23,7 +23,7 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from tests.router.router_fakes import MODEL, FakeNative, FakeNode, FakePrefill, until
+from tests.router.router_fakes import MODEL, FakeNative, FakeNode, FakePrefill, stack_config, until
 from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.router import config
 
@@ -146,12 +146,7 @@ async def test_top_in_a_terminal_shows_the_stack_live_and_exits_0_on_ctrl_c(tmp_
     prefill = await FakePrefill(nodes).start()
     native = await FakeNative().start()
     cfg = config.RouterConfig.model_validate(
-        {
-            "model": MODEL,
-            "prefill": [prefill.url],
-            "tilert": [{"name": "t0", "http_url": nodes[0].url, "ctrl_host": "127.0.0.1", "slots": 4}],
-            "native": [native.url],
-        }
+        stack_config([prefill.url], [native.url], [("t0", nodes[0].url, 4)])
     )
     (tmp_path / "router.yaml").write_text(config.dump(cfg))
     port, dead = _free_port(), _free_port()
