@@ -35,6 +35,21 @@ class _Claimed:
     announced: bool = False
 
 
+def _job(req_id: ReqId, claimed: _Claimed, n: int, *, with_prompt: bool, upto: int | None = None) -> SendJob:
+    """The send job of `claimed`'s prompt of `n` tokens (through `upto` for a chunk)."""
+    assert claimed.dest is not None
+    prompt = claimed.request.prompt_token_ids or []
+    return SendJob(
+        req_id=req_id,
+        dest=claimed.dest,
+        num_tokens=n,
+        last_prompt_token=prompt[n - 1],
+        prompt_token_ids=list(prompt) if with_prompt else [],
+        block_ids=claimed.block_ids,
+        upto=upto,
+    )
+
+
 class TileRTScheduler:
     def __init__(self, config: ConnectorConfig, compat: str) -> None:
         self.config = config
@@ -100,31 +115,12 @@ class TileRTScheduler:
             if claimed.queued or claimed.refused or claimed.dest is None:
                 continue
             upto = computed + out.num_scheduled_tokens.get(req_id, 0)
-            prompt = claimed.request.prompt_token_ids or []
             if upto >= n:
-                meta.jobs.append(
-                    SendJob(
-                        req_id=req_id,
-                        dest=claimed.dest,
-                        num_tokens=n,
-                        last_prompt_token=prompt[n - 1],
-                        prompt_token_ids=list(prompt),
-                        block_ids=claimed.block_ids,
-                    )
-                )
+                meta.jobs.append(_job(req_id, claimed, n, with_prompt=True))
                 claimed.queued = True
             elif claimed.dest.wants_layerwise(self.config.layerwise):
-                meta.jobs.append(
-                    SendJob(
-                        req_id=req_id,
-                        dest=claimed.dest,
-                        num_tokens=n,
-                        last_prompt_token=prompt[n - 1],
-                        prompt_token_ids=[] if claimed.announced else list(prompt),
-                        block_ids=claimed.block_ids,
-                        upto=upto,
-                    )
-                )
+                # A chunk: the prompt goes with the first one only (and the last, above).
+                meta.jobs.append(_job(req_id, claimed, n, with_prompt=not claimed.announced, upto=upto))
                 claimed.announced = True
         return meta
 

@@ -398,18 +398,7 @@ async def ready(request: web.Request) -> web.Response:
             "no decode route: every TileRT node's circuit breaker is open and no native decode "
             f"server is healthy ({'; '.join(degraded)})"
         )
-    body: dict[str, object] = {"ready": not reasons, "reasons": reasons, "degraded": degraded, "paths": paths}
-    if full:
-        body["tilert_slots"] = {
-            n.spec.name: {
-                "slots": n.spec.slots,
-                "in_use": n.in_use,
-                "healthy": n.healthy,
-                "breaker": n.breaker,
-            }
-            for n in pools.tilert.values()
-        }
-    return web.json_response(body, status=200 if not reasons else 503)
+    return _verdict(state, reasons, degraded, paths, full)
 
 
 def _paths(state: RouterState) -> dict[str, str]:
@@ -472,6 +461,20 @@ def _ready_routes(state: RouterState, full: bool) -> web.Response:
     paths = _paths(state)
     if paths["tilert"] == "up" and not handoff:
         paths["tilert"] = "down"  # no handoff decoded lately: the probes say what the breaker does not
+    return _verdict(state, reasons, degraded, paths, full, handoff_ready=True)
+
+
+def _verdict(
+    state: RouterState,
+    reasons: list[str],
+    degraded: list[str],
+    paths: dict[str, str],
+    full: bool,
+    *,
+    handoff_ready: bool = False,
+) -> web.Response:
+    """/ready's answer: 200 when nothing is wrong; a caller with a key also gets the slot table (with
+    each node's HandoffReady where the handoff probes run)."""
     body: dict[str, object] = {"ready": not reasons, "reasons": reasons, "degraded": degraded, "paths": paths}
     if full:
         body["tilert_slots"] = {
@@ -479,10 +482,10 @@ def _ready_routes(state: RouterState, full: bool) -> web.Response:
                 "slots": n.spec.slots,
                 "in_use": n.in_use,
                 "healthy": n.healthy,
-                "handoff_ready": n.handoff_ready,
+                **({"handoff_ready": n.handoff_ready} if handoff_ready else {}),
                 "breaker": n.breaker,
             }
-            for n in pools.tilert.values()
+            for n in state.pools.tilert.values()
         }
     return web.json_response(body, status=200 if not reasons else 503)
 
