@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sys
 import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
@@ -68,6 +70,28 @@ def stack_config(
         ],
         **extra,
     }
+
+
+async def start_router(
+    cfg_path: Path, port: int, *extra: str, log_level: str = "WARNING", **kwargs: Any
+) -> asyncio.subprocess.Process:
+    """`tilert-pd router` as a process serving `cfg_path` on 127.0.0.1:`port`; `extra`: more flags,
+    `kwargs`: create_subprocess_exec's (the output's pipes)."""
+    return await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "tilert_serve.router.cli",
+        "--config",
+        str(cfg_path),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--log-level",
+        log_level,
+        *extra,
+        **kwargs,
+    )
 
 
 async def _start(app: web.Application) -> tuple[web.AppRunner, str]:

@@ -4,36 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
-from pathlib import Path
-from typing import Any
 
 import aiohttp
+from router_fakes import start_router
 
 from tilert_serve.local.runner import free_port
 from tilert_serve.router import config
-
-
-async def start_router(
-    cfg_path: Path, port: int, *extra: str, log_level: str = "WARNING", **kwargs: Any
-) -> asyncio.subprocess.Process:
-    """`tilert-pd router` as a process serving `cfg_path` on 127.0.0.1:`port`; `extra`: more flags,
-    `kwargs`: create_subprocess_exec's (the output's pipes)."""
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tilert_serve.router.cli",
-        "--config",
-        str(cfg_path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        log_level,
-        *extra,
-        **kwargs,
-    )
 
 
 async def test_cli_serves_and_stops(make_stack, tmp_path):

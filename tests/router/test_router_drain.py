@@ -11,8 +11,7 @@ import time
 from typing import Any
 
 import aiohttp
-from router_fakes import until
-from test_router_cli import start_router
+from router_fakes import start_router, until
 
 from tilert_serve import draining
 from tilert_serve.local.runner import free_port

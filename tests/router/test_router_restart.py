@@ -11,13 +11,12 @@ import contextlib
 import os
 import signal
 import socket
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import aiohttp
-from router_fakes import MODEL, WORDS, until
+from router_fakes import MODEL, WORDS, start_router, until
 
 from tilert_serve.router import config
 
@@ -40,21 +39,7 @@ def _free_port() -> int:
 
 
 async def _router(cfg_path: Path, port: int, *extra: str) -> asyncio.subprocess.Process:
-    return await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tilert_serve.router.cli",
-        "--config",
-        str(cfg_path),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "WARNING",
-        *extra,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
+    return await start_router(cfg_path, port, *extra, env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
 async def _listening(port: int) -> float:

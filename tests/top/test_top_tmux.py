@@ -23,7 +23,15 @@ from pathlib import Path
 import aiohttp
 from aiohttp import web
 
-from tests.router.router_fakes import MODEL, FakeNative, FakeNode, FakePrefill, stack_config, until
+from tests.router.router_fakes import (
+    MODEL,
+    FakeNative,
+    FakeNode,
+    FakePrefill,
+    stack_config,
+    start_router,
+    until,
+)
 from tilert_serve.decode.metrics import NodeMetrics
 from tilert_serve.router import config
 
@@ -151,19 +159,7 @@ async def test_top_in_a_terminal_shows_the_stack_live_and_exits_0_on_ctrl_c(tmp_
     (tmp_path / "router.yaml").write_text(config.dump(cfg))
     port, dead = _free_port(), _free_port()
     url = f"http://127.0.0.1:{port}"
-    router = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "tilert_serve.router.cli",
-        "--config",
-        str(tmp_path / "router.yaml"),
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--log-level",
-        "WARNING",
-    )
+    router = await start_router(tmp_path / "router.yaml", port)
     pane = Pane(tmux, tmp_path / "tmux.sock")
     status = tmp_path / "top.status"
     tilert_pd = Path(sys.executable).with_name("tilert-pd")
