@@ -76,6 +76,7 @@ KINDS: Mapping[str, tuple[str, str]] = {
     "StatefulSet": ("/apis/apps/v1", "statefulsets"),
     "NetworkPolicy": ("/apis/networking.k8s.io/v1", "networkpolicies"),
     "PodDisruptionBudget": ("/apis/policy/v1", "poddisruptionbudgets"),
+    "HorizontalPodAutoscaler": ("/apis/autoscaling/v2", "horizontalpodautoscalers"),
     "MultiNetworkPolicy": ("/apis/k8s.cni.cncf.io/v1beta1", "multi-networkpolicies"),
     constants.KIND: (f"/apis/{constants.API_VERSION}", constants.PLURAL),
 }

@@ -26,7 +26,7 @@ from tilert_operator import constants, credentials, reconcile_status, render, ro
 from tilert_operator import handoff as handoff_check
 from tilert_operator.autoscale import act
 from tilert_operator.credentials import owner_reference
-from tilert_operator.kubeapi import KINDS, ApiError, Client, Obj
+from tilert_operator.kubeapi import ApiError, Client, Obj
 from tilert_operator.reconcile_compare import contains, stamp
 from tilert_operator.reconcile_failures import CHILD_NOT_OWNED, Failure, failure
 from tilert_operator.render.generations import Live
@@ -44,15 +44,10 @@ CHILD_KINDS = (
     "NetworkPolicy",
     "MultiNetworkPolicy",
     "PodDisruptionBudget",
-    *(("HorizontalPodAutoscaler",) if "HorizontalPodAutoscaler" in KINDS else ()),
+    "HorizontalPodAutoscaler",
 )
 #: Kinds served by an optional CRD: a 404 on listing them means "not installed", not a failure.
 OPTIONAL_KINDS = frozenset({"MultiNetworkPolicy"})
-#: Whether the API client applies HorizontalPodAutoscalers (the HPA actuator): until it does, a pool
-#: is not left to an HPA that would not exist, and its workload keeps the rendered replicas.
-HPA_APPLIED = "HorizontalPodAutoscaler" in CHILD_KINDS
-
-
 @dataclass(frozen=True)
 class Observed:
     """The cluster as listed before anything is applied."""
@@ -193,7 +188,7 @@ def desired(spec: PDClusterSpec, body: Obj, lives: list[Live]) -> dict[str, Obj]
     The workloads of pools an HPA scales are applied without `spec.replicas`, so server-side apply
     leaves that field to the HPA (the operator never sets it back on a resync)."""
     meta = body["metadata"]
-    hpa = {_COMPONENT_OF[p] for p in act.hpa_pools(spec)} if HPA_APPLIED else set()
+    hpa = {_COMPONENT_OF[p] for p in act.hpa_pools(spec)}
     return {
         key_of(o): stamp(o | {"metadata": o["metadata"] | {"ownerReferences": [owner_reference(body)]}})
         for o in (
@@ -209,8 +204,6 @@ _COMPONENT_OF = {"prefill": constants.PREFILL, "tilert": constants.TILERT, "nati
 def hpa_replicas(spec: PDClusterSpec, cluster: str, observed: Observed) -> dict[str, int]:
     """The replicas each HPA-scaled pool's workload has now (what its HPA decided), for the status's
     desired counts; a pool whose workload is not there yet is left out (its minimum stands)."""
-    if not HPA_APPLIED:
-        return {}
     kinds = {"prefill": "Deployment", "tilert": "StatefulSet", "native": "Deployment"}
     out: dict[str, int] = {}
     for p in act.hpa_pools(spec):

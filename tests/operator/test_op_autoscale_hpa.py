@@ -9,9 +9,8 @@ from typing import Any
 import kubernetes_validate
 import pdc_harness as h
 import pdc_helpers as helpers
-import pytest
 
-from tilert_operator import constants, reconcile, reconcile_children, render
+from tilert_operator import constants, reconcile, render
 from tilert_operator.render import autoscaling
 from tilert_operator.render.generations import single
 from tilert_operator.spec import parse
@@ -48,15 +47,7 @@ def test_hpa_actuator_renders_valid_hpas_from_the_spec() -> None:
     )
 
 
-@pytest.fixture()
-def hpa_applied(monkeypatch: pytest.MonkeyPatch) -> None:
-    # Workloads left to an HPA, as once the API client applies HorizontalPodAutoscalers.
-    monkeypatch.setattr(reconcile_children, "HPA_APPLIED", True)
-
-
-def test_workloads_under_an_hpa_are_applied_without_replicas_and_not_fought(
-    apiserver: Any, hpa_applied: None
-) -> None:
+def test_workloads_under_an_hpa_are_applied_without_replicas_and_not_fought(apiserver: Any) -> None:
     srv = apiserver.server
     apiserver.call(srv.put(h.PDC, h.pdc(helpers.cr(_spec()))))
     h.reconcile_once(apiserver, "t")

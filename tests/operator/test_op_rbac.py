@@ -197,6 +197,20 @@ def test_the_charts_rbac_allows_exactly_what_the_operator_does(apiserver: Any, m
         h.wait_for(
             "MultiNetworkPolicies removed", lambda: not srv.objects("multi-networkpolicies", "default")
         )
+        # The HPA actuator: an HPA for the autoscaled pool, deleted when the operator acts instead.
+        scaled = helpers.cr(
+            helpers.minimal(prefill={"autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2}}),
+            name="hpa",
+        )
+        scaled["spec"]["autoscaling"] = {"actuator": "HPA"}
+        apiserver.call(srv.put(h.PDC, h.pdc(scaled)))
+        h.wait_for("the prefill's HPA", lambda: srv.get("horizontalpodautoscalers", "default", "hpa-prefill"))
+        hpa = srv.get("pdclusters", "default", "hpa")
+        hpa["spec"]["autoscaling"] = {"actuator": "Operator"}
+        apiserver.call(srv.put(h.PDC, _bump(hpa)))
+        h.wait_for(
+            "HPA removed", lambda: srv.get("horizontalpodautoscalers", "default", "hpa-prefill") is None
+        )
         bad = h.pdc(helpers.cr(helpers.minimal(prefill={"gpus": 3}), name="bad"))
         apiserver.call(srv.put(h.PDC, bad))
         wait_condition(srv, "bad", "SpecValid", "False")
