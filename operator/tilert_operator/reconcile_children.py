@@ -48,6 +48,8 @@ CHILD_KINDS = (
 )
 #: Kinds served by an optional CRD: a 404 on listing them means "not installed", not a failure.
 OPTIONAL_KINDS = frozenset({"MultiNetworkPolicy"})
+
+
 @dataclass(frozen=True)
 class Observed:
     """The cluster as listed before anything is applied."""
