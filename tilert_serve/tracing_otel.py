@@ -37,8 +37,7 @@ def sampler(ratio: float) -> Sampler:
 class Tracer:
     """One component's tracer and the provider that exports its spans (see the module docstring)."""
 
-    def __init__(self, config: TracingConfig, provider: TracerProvider) -> None:
-        self.config = config
+    def __init__(self, provider: TracerProvider) -> None:
         self.provider = provider
         self._tracer = provider.get_tracer("tilert_serve")
 
@@ -76,9 +75,6 @@ class Tracer:
         span.end(end_time=max(end_ns, start_ns))
         return span
 
-    def flush(self, timeout_s: float = 5.0) -> bool:
-        return bool(self.provider.force_flush(int(timeout_s * 1000)))
-
     def shutdown(self) -> None:
         """Export what is queued and stop the exporter's thread (the component's own stop calls this)."""
         self.provider.shutdown()
@@ -87,7 +83,7 @@ class Tracer:
 def header_of(span: Span) -> str:
     """The traceparent a downstream call carries to be a child of `span`."""
     ctx = span.get_span_context()
-    return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+    return TraceParent(ctx.trace_id, ctx.span_id, ctx.trace_flags.sampled).header()
 
 
 def _context(parent: TraceParent | Span | None) -> Context | None:
@@ -127,4 +123,4 @@ def make_tracer(config: TracingConfig) -> Tracer | None:
     provider.add_span_processor(
         BatchSpanProcessor(OTLPSpanExporter(endpoint=config.endpoint, timeout=5), schedule_delay_millis=500)
     )
-    return Tracer(config, provider)
+    return Tracer(provider)

@@ -334,19 +334,6 @@ class Stage:
     attributes: dict[str, float | int | str] = field(default_factory=dict)
 
 
-#: What each stage span covers (docs/observability.md, "Traces", lists them).
-STAGE_NAMES = (
-    "tilert.generate",
-    "tilert.layers",
-    "tilert.state",
-    "tilert.digest",
-    "tilert.conversion",
-    "tilert.injection",
-    "tilert.first_step",
-    "tilert.decode",
-)
-
-
 def stage_spans(s: GenerateStamps) -> list[Stage]:
     """The spans of one generate call, from its stamps: one `tilert.generate` from the call to the end
     of its stream, with its stages in order inside it (the wait for the state to land, the state's

@@ -47,7 +47,7 @@ class RequestTrace:
 
 class Leg:
     """One leg of a request as a child span (admission, prefill, decode) for the `with` block; while
-    it runs, `call.trace_headers` carry its traceparent to the upstream it calls."""
+    it runs, `call.upstream_headers` carry its traceparent to the upstream it calls."""
 
     def __init__(self, call: Call, name: str, attributes: dict[str, str | int]) -> None:
         self.call = call
@@ -121,8 +121,9 @@ class Call:
 
     @property
     def upstream_headers(self) -> dict[str, str]:
-        # vLLM takes X-Request-Id as its own request id, so logs line up across router, prefill, decode.
-        return {"X-Request-Id": self.request_id}
+        # vLLM takes X-Request-Id as its own request id, so logs line up across router, prefill, decode;
+        # inside a leg, its traceparent makes the upstream's span that leg's child.
+        return {"X-Request-Id": self.request_id, **self.trace_headers}
 
     def upstream_body(self) -> dict[str, Any]:
         """A copy of the client's body with the model name vLLM serves, without the client's own
@@ -186,7 +187,7 @@ class Call:
             ep.url,
             self.api_path,
             body,
-            headers={**self.upstream_headers, **self.trace_headers, **(headers or {})},
+            headers={**self.upstream_headers, **(headers or {})},
             timeout=aiohttp.ClientTimeout(total=t.prefill_s, sock_connect=t.connect_s),
         )
 

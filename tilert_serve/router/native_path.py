@@ -188,7 +188,7 @@ async def _decode(
                 url,
                 json=body,
                 # vLLM's own span of the decode is the decode leg's child (when traced).
-                headers={**call.upstream_headers, **call.trace_headers},
+                headers=call.upstream_headers,
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s
                 ),

@@ -115,7 +115,7 @@ async def admit(call: Call, node: Node) -> Admission:
         # get_max_tokens clamps it on the native pool; a prompt past it fails the handoff (retried).
         {"request_id": call.request_id, "prompt_tokens": None, "max_tokens": call.req.max_tokens},
         # The admission leg's traceparent (when traced): the node's admit span is its child.
-        headers=call.state.node_headers({**call.upstream_headers, **call.trace_headers}),
+        headers=call.state.node_headers(call.upstream_headers),
         timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s),
     )
     if status == 429:
@@ -325,7 +325,7 @@ async def _generate(
                 node.url + "/v1/generate",
                 json=generate_body(call, node, adm, first_token, prompt_tokens),
                 # The decode leg's traceparent (when traced): the node's stage spans are its children.
-                headers=call.state.node_headers({**call.upstream_headers, **call.trace_headers}),
+                headers=call.state.node_headers(call.upstream_headers),
                 timeout=aiohttp.ClientTimeout(
                     total=None, sock_connect=t.connect_s, sock_read=t.idle_stream_s
                 ),
