@@ -28,7 +28,10 @@ OTLP_HTTP_PROTOCOL = "http/protobuf"
 #: handoff probes, which carry no traceparent, then leave no root spans behind).
 VLLM_SAMPLER_ENV = "OTEL_TRACES_SAMPLER"
 FOLLOW_PARENT_ONLY = "parentbased_always_off"
-_URL = re.compile(r"https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._/-]*)?")
+#: An OTLP/HTTP traces URL as every setting of it accepts one (the spec's field, the router's and the
+#: node's): no user:password part, no query.
+URL_PATTERN = r"https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._/-]*)?"
+_URL = re.compile(URL_PATTERN)
 
 
 class TracingConfigError(ValueError):

@@ -13,7 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
 from tilert_operator import constants
-from tilert_serve import defaults
+from tilert_serve import defaults, tracing
 from tilert_serve.router.prefill_choice import PrefillPolicy
 
 TilertModel = Literal["glm5", "deepseek_v3_2", "mla"]
@@ -325,9 +325,7 @@ class GenerationRollout(_Section):
 
 class Tracing(_Section):
     #: OTLP/HTTP traces URL of the collector; empty = no tracing.
-    endpoint: str = Field(
-        default="", max_length=512, pattern=r"^(|https?://[A-Za-z0-9.:\[\]_-]+(/[A-Za-z0-9._/-]*)?)$"
-    )
+    endpoint: str = Field(default="", max_length=512, pattern=f"^(|{tracing.URL_PATTERN})$")
     #: Share of the requests the router starts a trace for; a client's sampled traceparent is followed.
     sample_ratio: float = Field(default=1.0, ge=0.0, le=1.0)
 

@@ -98,11 +98,9 @@ def test_tilert_is_sized_from_busy_slots_at_the_target_utilization() -> None:
     assert "6.0 slots wanted" in d.tilert.reason
 
 
-def test_overflow_drives_tilert_first_and_native_does_not_grow_for_it() -> None:
-    # 2 full nodes admitting 2/s (hold 8 / 2 = 4 s), 1/s overflowing: 8 + 4 = 12 slots -> 5 nodes.
-    # The native pool's whole load is that overflow, which TileRT at 5 takes over: no native growth.
-    spec = _spec(tilert=(2, 1, 8), native=(1, 0, 4))
-    obs = _obs(
+def _overflowing() -> Observed:
+    """2 full nodes admitting 2/s (hold 8 / 2 = 4 s), 1/s overflowing to 1 native replica at KV 90 %."""
+    return _obs(
         current={"tilert": 2, "native": 1},
         busy=(4, 4),
         admit=2.0,
@@ -111,7 +109,12 @@ def test_overflow_drives_tilert_first_and_native_does_not_grow_for_it() -> None:
         n_ready=1,
         n_rate=1.0,
     )
-    d = _plan(spec, obs)
+
+
+def test_overflow_drives_tilert_first_and_native_does_not_grow_for_it() -> None:
+    # 8 busy + 1/s x 4 s overflowing = 12 slots -> 5 nodes. The native pool's whole load is that
+    # overflow, which TileRT at 5 takes over: no native growth.
+    d = _plan(_spec(tilert=(2, 1, 8), native=(1, 0, 4)), _overflowing())
     assert d.tilert.desired == 5
     # Without TileRT first, KV 90 % of 1 replica at 0.7 would ask for 2 (the next test).
     assert d.native.desired == 1 and "TileRT takes over" in d.native.reason
@@ -119,17 +122,7 @@ def test_overflow_drives_tilert_first_and_native_does_not_grow_for_it() -> None:
 
 def test_overflow_tilert_cannot_take_goes_to_native() -> None:
     # Same load, TileRT capped at 2 nodes: all the overflow stays native; KV 90 % of 1 -> 2 replicas.
-    spec = _spec(tilert=(2, 1, 2), native=(1, 0, 4))
-    obs = _obs(
-        current={"tilert": 2, "native": 1},
-        busy=(4, 4),
-        admit=2.0,
-        overflow=1.0,
-        kv=0.9,
-        n_ready=1,
-        n_rate=1.0,
-    )
-    d = _plan(spec, obs)
+    d = _plan(_spec(tilert=(2, 1, 2), native=(1, 0, 4)), _overflowing())
     assert d.tilert.desired == 2 and "maxReplicas 2" in d.tilert.reason
     assert d.native.desired == 2
 

@@ -13,7 +13,7 @@ import yaml
 
 from tilert_operator import constants
 from tilert_operator import spec as specmod
-from tilert_serve import defaults
+from tilert_serve import defaults, tracing
 
 
 def test_crd_is_a_valid_small_crd() -> None:
@@ -75,6 +75,13 @@ def test_crd_port_defaults_come_from_tilert_serve_defaults() -> None:
     assert tilert["properties"]["httpPort"]["default"] == defaults.DECODE_HTTP_PORT
     router = crd_validator.load_schema()["properties"]["spec"]["properties"]["router"]
     assert router["properties"]["service"]["properties"]["port"]["default"] == defaults.ROUTER_PORT
+
+
+def test_crd_tracing_endpoint_pattern_is_the_components_own() -> None:
+    # The router and the node check the URL with tracing.URL_PATTERN; the CRD refuses what they would.
+    spec = crd_validator.load_schema()["properties"]["spec"]["properties"]
+    endpoint = spec["observability"]["properties"]["tracing"]["properties"]["endpoint"]
+    assert endpoint["pattern"] == f"^(|{tracing.URL_PATTERN})$"
 
 
 @pytest.mark.parametrize("path", helpers.EXAMPLES, ids=lambda p: p.stem)
