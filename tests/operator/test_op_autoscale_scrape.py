@@ -44,6 +44,11 @@ def test_targets_are_the_ready_pods_and_only_the_router_gets_the_token() -> None
     assert got["t-tilert-decode-1"].ordinal == 1 and got["t-tilert-decode-1"].url.endswith(":5557/metrics")
     assert got["t-prefill-0"].url.endswith(":8100/metrics")
     assert "tok" not in repr(got["t-router-0"])  # never in a log
+    # The router is read on the port it listens on: its Service's, whatever the spec sets it to.
+    assert got["t-router-0"].url.endswith(f":{spec.router.service.port}/metrics")
+    moved = parse(helpers.minimal(router={"service": {"port": 9000}}))
+    routers = [t for t in scrape.targets(moved, pods, "tok") if t.role == "router"]
+    assert [t.url.rsplit(":", 1)[1] for t in routers] == ["9000/metrics"]
 
 
 async def test_a_stalled_erring_or_garbled_pod_is_left_out_within_the_timeout() -> None:

@@ -55,7 +55,8 @@ def targets(spec: PDClusterSpec, pods: list[dict[str, Any]], router_token: str |
     """The /metrics of every ready router, prefill, native and TileRT pod of the cluster."""
     out: list[Target] = []
     for component, role in _ROLES.items():
-        port = defaults.ROUTER_PORT if role == "router" else defaults.VLLM_PORT
+        # The router listens on its Service's port (commands.router), vLLM on its fixed one.
+        port = spec.router.service.port if role == "router" else defaults.VLLM_PORT
         for pod in pods_observe.pods_of(pods, component):
             ip = (pod.get("status") or {}).get("podIP")
             if not ip or not pods_observe.is_ready(pod):
