@@ -20,8 +20,12 @@ TICKET_TTL_S: Final = 30.0
 #: may hold `accept` (handoff.auth.ACCEPT_FILE): more secrets the nodes accept, one per line (rotation).
 SECRET_PATH: Final = "/etc/tilert-pd/handoff/secret"
 #: Longest a one-sided write may take before its transfer engine gives up, in seconds (Mooncake's
-#: MC_TRANSFER_TIMEOUT, NIXL's write timeout; set by tilert_serve.transfer).
-WRITE_BOUND_S: Final = 60.0
+#: MC_TRANSFER_TIMEOUT, NIXL's write timeout; set by tilert_serve.transfer; Mooncake bounds a whole
+#: write call by it). Twice a whole 128k-token GLM-5 state (8.2 GB) over 10 GbE TCP, where layer-wise
+#: writes are a layer each and RDMA takes well under a second, and half the node's admission deadline
+#: (TICKET_TTL_S): a write to a node gone silent holds one of the prefill's staging regions, which
+#: other requests' handoffs wait for, this long.
+WRITE_BOUND_S: Final = 15.0
 #: How long a decode slot released while a sender may still be writing stays out of use: the write
 #: bound plus a margin for bytes already on the wire (tilert_serve/decode/slots.py, Quarantine).
 WRITE_QUARANTINE_S: Final = WRITE_BOUND_S + 30.0

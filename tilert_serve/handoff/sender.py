@@ -21,6 +21,7 @@ layer is waited for, written, and covered by Done's digest.
 
 from __future__ import annotations
 
+import errno
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -158,7 +159,13 @@ class Sender:
             return HandoffResult(False, "unreachable", f"cannot reach decode node {host}:{port}: {exc}")
         try:
             return self._send(chan, req, t0, error, layers)
-        except TimeoutError:
+        except TimeoutError as exc:
+            if exc.errno == errno.ETIMEDOUT:  # the keepalive's verdict, not our message timeout
+                return HandoffResult(
+                    False,
+                    "unreachable",
+                    f"decode node {host}:{port} went silent (no answer to keepalive probes): it is gone",
+                )
             return HandoffResult(
                 False, "timeout", f"decode node {host}:{port} did not answer in {self.timeout_s} s"
             )
