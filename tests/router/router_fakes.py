@@ -14,7 +14,7 @@ import json
 import sys
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -172,6 +172,10 @@ class FakeNode(Fake):
         self.die_after: int | None = None  # drop the connection after this many token events
         self.stall_after: int | None = None  # stop sending (but keep the connection) after N events
         self.ready = True
+        #: Answer every admission with this error status, as a node does that stops (503 not_ready).
+        self.admit_status: int | None = None
+        #: Called on each admission before it is answered (a test changes the world meanwhile).
+        self.on_admit: Callable[[], None] | None = None
         #: Cleared, token streams wait before their first token until it is set again: a test holds a
         #: slot or a decode for as long as it needs instead of guessing with token intervals.
         self.go = asyncio.Event()
@@ -227,6 +231,12 @@ class FakeNode(Fake):
     async def admit(self, request: web.Request) -> web.Response:
         body = await request.json()
         self.admits.append(body)
+        if self.on_admit is not None:
+            self.on_admit()
+        if self.admit_status is not None:
+            return web.json_response(
+                {"error": {"type": "not_ready", "message": "the node is stopping"}}, status=self.admit_status
+            )
         mt = body.get("max_tokens") or 0
         pt = body.get("prompt_tokens") or 0
         if mt + pt > self.max_seq_len:

@@ -109,6 +109,9 @@ class Call:
     unpaired_counted: bool = False
     #: Attempts so far (handlers._route counts them); sent as ATTEMPTS_HEADER.
     attempts: int = 0
+    #: When this request stops waiting for a TileRT node to come back (monotonic; None: it has not
+    #: waited): one bound over all its attempts (policy.tilert_wait_s).
+    tilert_wait_until: float | None = None
     #: This request's spans; None when the router does not trace.
     trace: RequestTrace | None = None
     #: The traceparent of the leg running now (Call.leg), for the upstream call it makes; {} otherwise.

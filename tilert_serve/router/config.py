@@ -105,6 +105,13 @@ class RoutingPolicy(_Strict):
     #: How a native decode server is chosen: power_of_two (the less loaded of two drawn at random:
     #: router replicas do not herd onto one server) or least_loaded.
     native: Literal["power_of_two", "least_loaded"] = "power_of_two"
+    #: A request the TileRT path must serve (asked for by header or alias, or with no native pool to
+    #: fall back to) that finds no node it can use, while some node may come back soon (ejected by the
+    #: health checks, failing its admission, half-open: not behind an open breaker, not running another
+    #: generation), waits up to this many seconds for one before its 503: a generation change swaps
+    #: the node list while the new nodes may be ejected for a moment (a probe late on a loaded host).
+    #: The bound is per request, over all its attempts; 0 = the 503 at once.
+    tilert_wait_s: float = Field(default=5.0, ge=0)
 
     def thresholds(self) -> Thresholds:
         return Thresholds(self.balance_abs, self.balance_rel, self.min_match_ratio)
@@ -121,6 +128,7 @@ _CHOICE_FIELDS = (
     "prefix_index_blocks_per_endpoint",
     "prefix_index_blocks_total",
     "native",
+    "tilert_wait_s",
 )
 
 
@@ -151,6 +159,12 @@ class HealthChecks(_Strict):
     timeout_s: float = Field(default=1.0, gt=0)
     #: Consecutive failures (probes or transport errors) that eject an endpoint.
     failures_to_eject: int = Field(default=2, ge=1)
+    #: Consecutive probes that time out that eject it (never fewer than failures_to_eject). A probe
+    #: that times out reached a server that is slow, or a router too busy to read the answer in time
+    #: (both share a few cores in a local run): on a loaded host that says little about health, and
+    #: ejecting every node of a pool for one late round fails requests a slow node would have served.
+    #: An answer that says "not ready" or a refused connection still ejects after failures_to_eject.
+    timeouts_to_eject: int = Field(default=4, ge=1)
     #: Consecutive successful probes that bring an ejected endpoint back.
     successes_to_return: int = Field(default=1, ge=1)
 
@@ -343,6 +357,8 @@ def dump(config: RouterConfig) -> str:
     for name in _CHOICE_FIELDS:
         if data["policy"][name] == getattr(defaults_, name):
             del data["policy"][name]
+    if data["health"]["timeouts_to_eject"] == HealthChecks().timeouts_to_eject:
+        del data["health"]["timeouts_to_eject"]  # the same reason
     if data["tracing"] == Tracing().model_dump(mode="json"):
         # Off: left out, as the choice's defaults are, so that a router of the previous release reads it.
         del data["tracing"]

@@ -214,14 +214,17 @@ _BREAKER_KINDS = re.compile(r"connect|transport|timeout|stream_broken|truncated|
 
 
 def _note_failure(st: RouterState, err: UpstreamError) -> None:
-    """Passive health checking: transport failures count toward ejection like failed probes, and
-    toward the endpoint's circuit breaker; a refused connection (nothing listens there any more: a
+    """Passive health checking: refused and broken connections count toward ejection like failed
+    probes, and failures toward the endpoint's circuit breaker; a refused connection (nothing listens there any more: a
     killed or deleted server) opens it at once, so new requests avoid the endpoint from now on."""
     now = time.monotonic()
     for ep in st.pools.all():
         if ep.url != err.url:
             continue
-        if err.kind in ("connect", "transport", "timeout"):
+        # Not a timeout: requests that time out together under load are one slow spell, not N failures
+        # in a row, and would eject a pool's every node at once; the probes judge slowness
+        # (HealthChecks.timeouts_to_eject).
+        if err.kind in ("connect", "transport"):
             ep.record_failure(st.config.health, err.message)
         if err.kind == "connect" or (ep.pool != "tilert" and _BREAKER_KINDS.fullmatch(err.kind)):
             was = ep.breaker
@@ -247,6 +250,55 @@ def _count_unpaired(call: Call, want: str, tilert: str, native: str, route: str 
 
 
 async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admission | None, policy.Decision]:
+    """Decide the path (_choose_now). When that is a 503 for want of a TileRT node while one may come
+    back soon (Pools.tilert_may_return: ejected for a moment, failing its admission, the node list
+    being swapped), wait for a change to the pools and decide again, within `policy.tilert_wait_s` of
+    the request's first wait; only then the 503. A client that goes away cancels the wait; nothing is
+    held while waiting (no slot, no ticket)."""
+    st = call.state
+    m = st.metrics
+    waited = False
+    try:
+        while True:
+            try:
+                chosen = await _choose_now(call, want)
+            except RouterError as err:
+                left = _tilert_wait_left(call) if err.code == "tilert_unavailable" else 0.0
+                if left <= 0:
+                    if waited:
+                        m.tilert_waits.labels("timed_out").inc()
+                    raise
+                waited = True
+                m.tilert_waiting.inc()
+                try:
+                    # Inside the admission leg: its span's length includes the wait.
+                    await st.pools.changes.wait(left)
+                finally:
+                    m.tilert_waiting.dec()
+                continue
+            if waited:
+                m.tilert_waits.labels("resumed").inc()
+            return chosen
+    except asyncio.CancelledError:
+        if waited:
+            m.tilert_waits.labels("client_gone").inc()
+        raise
+
+
+def _tilert_wait_left(call: Call) -> float:
+    """How long the request may still wait for a TileRT node to come back: its bound's rest, or 0 when
+    no node may come back (Pools.tilert_may_return). The bound starts at its first wait."""
+    if not call.state.pools.tilert_may_return(call.exclude):
+        return 0.0
+    now = time.monotonic()
+    if call.tilert_wait_until is None:
+        call.tilert_wait_until = now + call.cfg.policy.tilert_wait_s
+    return call.tilert_wait_until - now
+
+
+async def _choose_now(
+    call: Call, want: str
+) -> tuple[Node | None, tilert_path.Admission | None, policy.Decision]:
     """Decide the path; on TileRT, reserve a slot and admit. A node that turns out full is skipped
     (bounded by the number of nodes); one that finds the request too long sends it native."""
     st, cfg = call.state, call.cfg

@@ -1,6 +1,8 @@
-"""Active health checks: probe every endpoint on an interval; eject after N failures, return after M
-successes (thresholds in the config). vLLM servers answer GET /health; TileRT nodes GET /ready, which
-is 503 while the node cannot take work (engine loading, receive buffers not registered).
+"""Active health checks: probe every endpoint on an interval; eject after N failures (more when they
+are all timeouts: a late answer on a loaded host is not a dead server), return after M successes
+(thresholds in the config); a change that lets requests through wakes those waiting for a node.
+vLLM servers answer GET /health; TileRT nodes GET /ready, which is 503 while the node cannot take
+work (engine loading, receive buffers not registered).
 
 The probes also feed the circuit breakers and the generation check: a vLLM server that refuses the
 connection opens its breaker at once, one that answers lets an open breaker try a request at once
@@ -71,11 +73,17 @@ def note_advertised(state: RouterState, ep: Endpoint, said: str | None) -> None:
         log.info("%s endpoint %s advertises its configured generation %s again", ep.pool, ep.url, said)
 
 
+def _usable(ep: Endpoint) -> tuple[bool, bool]:
+    """What a probe may change that lets a request through: routable, and not behind an open breaker."""
+    return ep.routable, ep.breaker != "open"
+
+
 async def probe(state: RouterState, ep: Endpoint) -> None:
     hc = state.config.health
     path = "/ready" if ep.pool == "tilert" else "/health"
     was = ep.healthy
-    refused = False
+    usable = _usable(ep)
+    refused = timed_out = False
     said: str | None = None
     try:
         async with state.http.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=hc.timeout_s)) as resp:
@@ -87,15 +95,19 @@ async def probe(state: RouterState, ep: Endpoint) -> None:
     except (TimeoutError, aiohttp.ClientError) as exc:
         ok, why = False, f"GET {path} failed: {type(exc).__name__} {exc}".strip()
         refused = isinstance(exc, aiohttp.ClientConnectorError)
+        timed_out = isinstance(exc, TimeoutError)
     if ok:
         ep.record_ok(hc)
         note_advertised(state, ep, said)
         if ep.pool != "tilert":
             ep.probe_answered(time.monotonic())
     else:
-        ep.record_failure(hc, why)
+        # A timeout is not a "no": on a loaded host the answer may just be late (timeouts_to_eject).
+        ep.record_failure(hc, why, timed_out=timed_out)
         if refused:
             ep.breaker_failed(time.monotonic(), why, at_once=True)
+    if _usable(ep) != usable:
+        state.pools.changes.notify()  # requests waiting for a node (handlers._choose) look again
     if was is not ep.healthy and ep.healthy is not None:
         log.info(
             "%s endpoint %s is now %s%s",

@@ -27,6 +27,7 @@ from tilert_serve.metric_defs import (
     histogram,
     values,
 )
+from tilert_serve.router.changes import WaitOutcome
 from tilert_serve.router.policy import Label, Route
 from tilert_serve.router.pools import PrefillChoice
 from tilert_serve.router.prefill_choice import REASONS, PrefillPolicy
@@ -108,6 +109,8 @@ OUTCOMES = Values(
 )
 #: A TileRT node's answer to an admission call (tilert_path.py).
 ADMISSION_RESULTS = values({"ok", "full", "too_long", "error"})
+#: How a wait for a TileRT node ended (handlers._choose).
+TILERT_WAIT_OUTCOMES = values(get_args(WaitOutcome), other=False)
 #: Why the router cancelled a TileRT ticket (tilert_path.py).
 CANCEL_REASONS = values({"failed", "aborted", "first token ends", "stop string"})
 #: How a handoff probe ended (canary.py): its own verdicts, the error type a node's generate call
@@ -231,6 +234,13 @@ _DECLS = (
           "decode path and kind."),
     _Decl("cancels", counter, "tilert_cancels_total", {"reason": CANCEL_REASONS},
           "Ticket cancels sent to TileRT nodes, by reason."),
+    _Decl("tilert_waits", counter, "tilert_waits_total", {"outcome": TILERT_WAIT_OUTCOMES},
+          "Requests that found no TileRT node they could use while one could come back soon "
+          "(ejected by a late probe, the node list being swapped) and waited for it "
+          "(policy.tilert_wait_s), by outcome: resumed (a node came back in time and the request "
+          "was routed), timed_out (answered 503 after the wait), client_gone."),
+    _Decl("tilert_waiting", gauge, "tilert_waiting_requests", {},
+          "Requests waiting now for a TileRT node to come back."),
     _Decl("inflight", gauge, "inflight_requests", _PATH, "Requests in flight, by decode path."),
     _Decl("slots", gauge, "tilert_slots_in_use", {"node": NODE}, "TileRT slots this router holds, by node."),
     _Decl("healthy", gauge, _HEALTHY, {"pool": POOLS, "endpoint": ENDPOINT},
@@ -284,6 +294,8 @@ class Metrics:
     compat_mismatches: Bounded
     stream_errors: Bounded
     cancels: Bounded
+    tilert_waits: Bounded
+    tilert_waiting: Gauge
     inflight: Bounded
     slots: Bounded
     healthy: Bounded

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from tilert_serve.router import pairing, prefill_choice, prefix_index
+from tilert_serve.router.changes import Changes
 from tilert_serve.router.config import CircuitBreaker, HealthChecks, RouterConfig, RoutingPolicy, TileRTNode
 from tilert_serve.router.config import Endpoint as EndpointSpec
 from tilert_serve.router.openai_request import ParsedRequest
@@ -29,6 +30,8 @@ class Endpoint:
     #: None until the first probe: routable (optimistic) but not counted as ready.
     healthy: bool | None = None
     fails: int = 0
+    #: The failures in a row so far were all timeouts (HealthChecks.timeouts_to_eject says why).
+    fails_timed_out: bool = True
     oks: int = 0
     inflight: int = 0
     #: Last failure, for /ready's reasons.
@@ -73,15 +76,20 @@ class Endpoint:
 
     def record_ok(self, hc: HealthChecks) -> None:
         self.fails = 0
+        self.fails_timed_out = True
         self.oks += 1
         if self.healthy is not True and (self.healthy is None or self.oks >= hc.successes_to_return):
             self.healthy = True
 
-    def record_failure(self, hc: HealthChecks, why: str) -> None:
+    def record_failure(self, hc: HealthChecks, why: str, *, timed_out: bool = False) -> None:
+        """Count a failed probe or call; `timed_out`: it got no answer in time (a slow server, or a
+        router too busy to read it), which ejects only after `timeouts_to_eject` in a row."""
         self.oks = 0
         self.fails += 1
+        self.fails_timed_out = self.fails_timed_out and timed_out
         self.last_error = why
-        if self.fails >= hc.failures_to_eject:
+        needed = max(hc.failures_to_eject, hc.timeouts_to_eject if self.fails_timed_out else 0)
+        if self.fails >= needed:
             if self.healthy is not False:
                 self.cache_epoch += 1
             self.healthy = False
@@ -235,6 +243,9 @@ class Pools:
         )
         #: Each prefill's cache_epoch when the index last learnt about it.
         self._epochs: dict[str, int] = {}
+        #: Told of every change that may let a waiting request through (a new endpoint list here; an
+        #: endpoint's health or breaker turning, by the health checks).
+        self.changes = Changes()
         self.apply(config)
 
     def apply(self, config: RouterConfig) -> None:
@@ -269,6 +280,7 @@ class Pools:
                 node.advertised = None
             node.compat = spec.compat
         self.tilert = nodes
+        self.changes.notify()
 
     def all(self) -> Iterable[Endpoint]:
         yield from self.prefill.values()
@@ -404,6 +416,17 @@ class Pools:
         node.take()
         node.in_use += 1
         return node
+
+    def tilert_may_return(self, exclude: set[str] | frozenset[str]) -> bool:
+        """Whether a TileRT node outside `exclude` (those that failed this request) may take it soon,
+        though none can now: one ejected by the health checks, or that failed this request's admission,
+        or half-open with another request's trial under way. A node behind an open breaker (its
+        handoffs failed, or nothing listened) or advertising another generation is not waited for:
+        those requests get their answer at once."""
+        return any(
+            n.url not in exclude and not n.compat_mismatch and n.breaker != "open"
+            for n in self.tilert.values()
+        )
 
     def tilert_path_up(self) -> bool:
         """Whether some TileRT node may take a request: probed healthy (or not probed yet) and not

@@ -226,12 +226,14 @@ async def _serve(call: Call, node: Node, adm: Admission, slot: _Slot) -> web.Str
     m = st.metrics
     prefill = st.pools.pick_prefill(call.exclude, node.generation, r, m.observe_prefill_choice)
     if prefill is None:
+        # With prefills configured, they changed while the node admitted this request (a generation
+        # change swapped them): deciding again pairs the request anew, before anything was sent.
         raise UpstreamError(
             "prefill",
             "-",
             "no_endpoint",
             f"no healthy prefill server of the node's generation ({node.generation})",
-            retryable=False,
+            retryable=bool(st.pools.prefill),
         )
 
     # 1. Prefill with the ticket: vLLM computes the prompt, samples the first token and, through the

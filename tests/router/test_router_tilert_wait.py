@@ -1,0 +1,247 @@
+"""A planned change loses no request: when every TileRT node is out for a moment (a generation change
+swaps the node list while the new nodes are ejected by a probe that came late on a loaded host), a
+request the TileRT path must serve waits for a node to come back (woken by the change, bounded by
+`policy.tilert_wait_s`) instead of failing at once with 503 tilert_unavailable; only after the bound
+does it get the 503. A client that goes away while waiting leaves nothing held. A probe that times
+out is weaker evidence than one answered "not ready": it ejects only after `timeouts_to_eject`.
+
+Each test fails without the wait (the 503 came at once) or without the health-check change."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from router_fakes import MODEL, until
+
+from tilert_serve.router import config, health
+from tilert_serve.router.pools import Endpoint
+
+#: The TileRT path is the only one (no native pool): a request with no node must wait or fail.
+ONLY_TILERT: dict[str, Any] = {"n_native": 0}
+BODY = {"model": MODEL, "prompt": "a", "max_tokens": 3}
+
+
+async def _complete(url: str) -> tuple[int, dict[str, str], Any]:
+    async with aiohttp.ClientSession() as http, http.post(url + "/v1/completions", json=BODY) as r:
+        return r.status, dict(r.headers), json.loads(await r.read())
+
+
+def _waits(s: Any, outcome: str) -> float:
+    return float(s.state.metrics.tilert_waits.labels(outcome)._value.get())
+
+
+def _waiting(s: Any) -> float:
+    return float(s.state.metrics.tilert_waiting._value.get())
+
+
+def _only_node(s: Any, index: int) -> None:
+    """The router's config moves to node `index` alone (the old generation leaves the list)."""
+    cfg = s.state.base_config
+    s.state.apply(cfg.model_copy(update={"tilert": [cfg.tilert[index]]}))
+
+
+@pytest.mark.parametrize("old_node_stopping", [False, True])
+async def test_a_list_swap_onto_nodes_ejected_for_a_moment_serves_the_request_once_one_is_back(
+    make_stack: Any, old_node_stopping: bool
+) -> None:
+    """t0 is the old generation, t1 the new one, ejected by a late probe just as the config moves to
+    it. With the old node still listed and stopping, its admission answers 503 not_ready (as a node
+    that stops does) and the request must not end on that either."""
+    s = await make_stack(node_slots=(1, 1), **ONLY_TILERT)
+    new = s.state.pools.tilert["t1"]
+    new.healthy = False  # ejected: its probes timed out under load
+    if old_node_stopping:
+        s.nodes[0].admit_status = 503
+    else:
+        _only_node(s, 1)
+    t0 = time.perf_counter()
+    request = asyncio.create_task(_complete(s.router_url))
+    await until(lambda: _waiting(s) == 1)
+    assert not request.done() and not s.nodes[1].admits
+    # The next probe reaches the node: it is back, and the waiting request goes on at once.
+    await health.probe(s.state, new)
+    status, headers, body = await request
+    took = time.perf_counter() - t0
+    print(f"\nserved after the node came back, {took * 1e3:.0f} ms after it arrived")
+    assert status == 200 and headers["X-PD-Route"] == "tilert", body
+    assert body["choices"][0]["text"] == " hello w0 w1"
+    assert len(s.nodes[1].admits) == 1 and s.nodes[1].completed == 1
+    assert _waits(s, "resumed") == 1 and _waits(s, "timed_out") == 0 and _waiting(s) == 0
+    await until(lambda: all(n.in_use == 0 for n in s.state.pools.tilert.values()))
+
+
+async def test_a_request_gives_up_with_the_503_after_the_bound(make_stack: Any) -> None:
+    bound = 0.4
+    s = await make_stack(**ONLY_TILERT, policy={"tilert_wait_s": bound, "retry_after_s": 2})
+    s.state.pools.tilert["t0"].healthy = False  # ejected, and it stays so
+    t0 = time.perf_counter()
+    status, headers, body = await _complete(s.router_url)
+    took = time.perf_counter() - t0
+    print(f"\n503 after waiting {took * 1e3:.0f} ms (bound {bound * 1e3:.0f} ms)")
+    assert status == 503 and body["error"]["code"] == "tilert_unavailable", body
+    assert headers["Retry-After"] == "2"
+    assert took >= bound
+    assert _waits(s, "timed_out") == 1 and _waits(s, "resumed") == 0 and _waiting(s) == 0
+    assert not s.node.admits
+
+
+async def test_a_change_that_does_not_help_does_not_end_the_wait_early(make_stack: Any) -> None:
+    """A wake-up by an unrelated change (a config reload naming the same ejected node) re-checks and
+    waits on, within the same bound."""
+    s = await make_stack(**ONLY_TILERT, policy={"tilert_wait_s": 30.0})
+    node = s.state.pools.tilert["t0"]
+    node.healthy = False
+    request = asyncio.create_task(_complete(s.router_url))
+    await until(lambda: _waiting(s) == 1)
+    s.state.apply(s.state.base_config)  # wakes every waiter; still no node
+    assert s.state.pools.changes._event is None  # the waiter was woken...
+    await until(lambda: s.state.pools.changes._event is not None)  # ...looked, and waits again
+    assert not request.done() and _waiting(s) == 1
+    node.healthy = True
+    s.state.pools.changes.notify()
+    status, _, body = await request
+    assert status == 200, body
+    assert _waits(s, "resumed") == 1
+
+
+async def test_no_wait_for_a_node_behind_an_open_breaker(make_stack: Any) -> None:
+    """Failed handoffs (or a refused connection) open the breaker: that is an answer, given at once."""
+    s = await make_stack(**ONLY_TILERT, breaker={"open_s": 60.0}, policy={"tilert_wait_s": 30.0})
+    s.state.pools.tilert["t0"].breaker_failed(time.monotonic(), "handoff_failed: scripted")
+    t0 = time.perf_counter()
+    status, _, body = await _complete(s.router_url)
+    assert status == 503 and body["error"]["code"] == "tilert_unavailable", body
+    assert time.perf_counter() - t0 < 15.0  # far below the bound: no wait began
+    assert _waits(s, "timed_out") == 0 and _waiting(s) == 0
+
+
+async def test_a_client_that_goes_away_while_waiting_leaves_nothing_held(make_stack: Any) -> None:
+    s = await make_stack(**ONLY_TILERT, policy={"tilert_wait_s": 30.0})
+    node = s.state.pools.tilert["t0"]
+    node.healthy = False
+    request = asyncio.create_task(_complete(s.router_url))
+    await until(lambda: _waiting(s) == 1)
+    request.cancel()  # the client disconnects
+    await until(lambda: _waits(s, "client_gone") == 1)
+    assert _waiting(s) == 0 and s.state.pools.changes.waiting == 0
+    assert node.in_use == 0 and not s.node.admits and not s.node.tickets
+    # Nothing of it is left behind: the node, back, serves the next request in full.
+    node.healthy = True
+    status, _, body = await _complete(s.router_url)
+    assert status == 200 and body["choices"][0]["text"] == " hello w0 w1", body
+    assert _waits(s, "resumed") == 0 and len(s.node.admits) == 1
+
+
+async def test_a_prefill_list_swapped_during_admission_is_retried_not_a_503(make_stack: Any) -> None:
+    """The node is admitted, then the prefills are swapped for ones of another generation before the
+    prefill is chosen (a generation change under way): nothing reached the client, so the request is
+    decided again and paired anew."""
+    s = await make_stack(node_slots=(1, 1), n_prefill=2, **ONLY_TILERT)
+    a, b = "aaaaaaaaaaaa", "bbbbbbbbbbbb"
+    cfg = s.state.base_config
+    s.state.apply(
+        cfg.model_copy(
+            update={
+                "prefill": [cfg.prefill[0].model_copy(update={"compat": a})],
+                "tilert": [
+                    cfg.tilert[0].model_copy(update={"compat": a}),
+                    cfg.tilert[1].model_copy(update={"compat": b}),
+                ],
+            }
+        )
+    )
+    swapped = s.state.base_config.model_copy(
+        update={"prefill": [cfg.prefill[1].model_copy(update={"compat": b})]}
+    )
+    s.nodes[0].on_admit = lambda: s.state.apply(swapped)
+    status, headers, body = await _complete(s.router_url)
+    assert status == 200, body
+    assert headers["X-PD-Attempts"] == "2" and headers["X-PD-Route"] == "tilert"
+    assert s.nodes[1].completed == 1 and not s.prefills[0].bodies and len(s.prefills[1].bodies) == 1
+    await until(lambda: all(n.in_use == 0 for n in s.state.pools.tilert.values()))
+
+
+# -- the health checks: a late probe is not a dead node ------------------------------------------------
+
+
+def test_timeouts_eject_only_after_timeouts_to_eject_and_a_no_after_failures_to_eject() -> None:
+    hc = config.HealthChecks(failures_to_eject=2, timeouts_to_eject=4)
+    ep = Endpoint("http://n", "tilert", healthy=True)
+    for _ in range(3):
+        ep.record_failure(hc, "GET /ready failed: TimeoutError", timed_out=True)
+    assert ep.healthy is True
+    ep.record_failure(hc, "GET /ready failed: TimeoutError", timed_out=True)
+    assert ep.healthy is False
+    ep.record_ok(hc)
+    assert ep.healthy is True
+    # A run with one real "no" in it is judged by failures_to_eject.
+    ep.record_failure(hc, "GET /ready failed: TimeoutError", timed_out=True)
+    ep.record_failure(hc, "GET /ready answered 503")
+    assert ep.healthy is False
+    # timeouts_to_eject below failures_to_eject does not make timeouts the stronger evidence.
+    hc = config.HealthChecks(failures_to_eject=3, timeouts_to_eject=1)
+    ep = Endpoint("http://n", "tilert", healthy=True)
+    ep.record_failure(hc, "t", timed_out=True)
+    ep.record_failure(hc, "t", timed_out=True)
+    assert ep.healthy is True
+
+
+async def _slow_ready(delay: asyncio.Event) -> tuple[web.AppRunner, str]:
+    """A node whose /ready answers only once `delay` is set (a node, or a router, too busy to answer)."""
+
+    async def ready(request: web.Request) -> web.Response:
+        await delay.wait()
+        return web.json_response({"ready": True})
+
+    app = web.Application()
+    app.add_routes([web.get("/ready", ready)])
+    runner = web.AppRunner(app, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_a_probe_that_times_out_is_not_counted_as_a_no(make_stack: Any) -> None:
+    s = await make_stack(
+        **ONLY_TILERT, health={"timeout_s": 0.05, "failures_to_eject": 2, "timeouts_to_eject": 3}
+    )
+    answer = asyncio.Event()
+    runner, url = await _slow_ready(answer)
+    try:
+        ep = Endpoint(url, "tilert", healthy=True)
+        await health.probe(s.state, ep)
+        await health.probe(s.state, ep)
+        assert ep.healthy is True and "TimeoutError" in ep.last_error  # two late answers: still in
+        await health.probe(s.state, ep)
+        assert ep.healthy is False  # silent for timeouts_to_eject probes: out
+        answer.set()
+        cfg = s.state.base_config
+        s.state.apply(cfg.model_copy(update={"health": cfg.health.model_copy(update={"timeout_s": 30.0})}))
+        await health.probe(s.state, ep)
+        assert ep.healthy is True
+    finally:
+        await runner.cleanup()
+
+
+async def test_requests_that_time_out_together_do_not_eject_a_node(make_stack: Any) -> None:
+    """Passive health: admissions that time out at once under load are one slow spell, not N
+    failures in a row; a refused connection still counts."""
+    from tilert_serve.router import handlers
+    from tilert_serve.router.upstream import UpstreamError
+
+    s = await make_stack(**ONLY_TILERT, health={"failures_to_eject": 2})
+    node = s.state.pools.tilert["t0"]
+    node.healthy = True
+    for _ in range(5):
+        handlers._note_failure(s.state, UpstreamError("tilert", node.url, "timeout", "no answer within 2 s"))
+    assert node.healthy is True
+    for _ in range(2):
+        handlers._note_failure(s.state, UpstreamError("tilert", node.url, "transport", "reset"))
+    assert node.healthy is False
