@@ -76,6 +76,25 @@ async def test_a_list_swap_onto_nodes_ejected_for_a_moment_serves_the_request_on
     await until(lambda: all(n.in_use == 0 for n in s.state.pools.tilert.values()))
 
 
+async def test_a_waiting_request_has_the_ejected_nodes_probed_at_once_not_at_the_next_round(
+    make_stack: Any,
+) -> None:
+    """The probe round may be seconds away (its interval; its slowest probe): a request that waits
+    asks for a probe of the nodes it waits for now, and one that answers serves it."""
+    s = await make_stack(
+        **ONLY_TILERT, health_checks=True, health={"interval_s": 60.0}, policy={"tilert_wait_s": 10.0}
+    )
+    node = s.state.pools.tilert["t0"]
+    await until(lambda: all(ep.healthy is True for ep in s.state.pools.all()))  # the first round
+    node.healthy = False  # a late probe ejected it; the next round is a minute away
+    t0 = time.perf_counter()
+    status, _, body = await _complete(s.router_url)
+    took = time.perf_counter() - t0
+    print(f"\nserved {took * 1e3:.0f} ms after it arrived (probe round interval 60 s, bound 10 s)")
+    assert status == 200, body
+    assert node.healthy is True and _waits(s, "resumed") == 1 and _waits(s, "timed_out") == 0
+
+
 async def test_a_request_gives_up_with_the_503_after_the_bound(make_stack: Any) -> None:
     bound = 0.4
     s = await make_stack(**ONLY_TILERT, policy={"tilert_wait_s": bound, "retry_after_s": 2})

@@ -73,6 +73,7 @@ def make_app(
     app.cleanup_ctx.append(_session_ctx)
     app.cleanup_ctx.append(_tracer_ctx)
     if health_checks:
+        state.health_checks = True
         app.cleanup_ctx.append(health.health_ctx)
         # Probes need probed endpoints (they run on healthy nodes only); off unless the config asks.
         app.cleanup_ctx.append(canary.canary_ctx)

@@ -11,6 +11,7 @@ from aiohttp import web
 
 from tilert_serve import httpserver, tracing, tracing_otel
 from tilert_serve.bearer import bearer_token
+from tilert_serve.router import health as health_checks
 from tilert_serve.router import metrics as metrics_mod
 from tilert_serve.router import native_path, openai_request, policy, tilert_path
 from tilert_serve.router.call import ATTEMPTS_HEADER, TRACER, Call, RequestTrace
@@ -269,6 +270,7 @@ async def _choose(call: Call, want: str) -> tuple[Node | None, tilert_path.Admis
                         m.tilert_waits.labels("timed_out").inc()
                     raise
                 waited = True
+                health_checks.probe_now(st, st.pools.tilert_may_return(call.exclude))
                 m.tilert_waiting.inc()
                 try:
                     # Inside the admission leg: its span's length includes the wait.

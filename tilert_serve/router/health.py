@@ -17,6 +17,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Iterable
 
 import aiohttp
 
@@ -79,6 +80,30 @@ def _usable(ep: Endpoint) -> tuple[bool, bool]:
 
 
 async def probe(state: RouterState, ep: Endpoint) -> None:
+    """Probe `ep` and record the verdict; nothing when a probe of it is already under way (the round's
+    and a waiting request's, probe_now, never count one silence twice)."""
+    if ep.checking:
+        return
+    ep.checking = True
+    try:
+        await _probe(state, ep)
+    finally:
+        ep.checking = False
+
+
+def probe_now(state: RouterState, eps: Iterable[Endpoint]) -> None:
+    """Probe these endpoints now if they are ejected, apart from the round: a request waits for one
+    of them (handlers._choose), and the round may be seconds away (its interval, and its slowest
+    probe: a leaving server's that times out). One that answers is back at once, and wakes the
+    request."""
+    if not state.health_checks:
+        return
+    for ep in eps:
+        if ep.healthy is False and not ep.checking:
+            state.spawn(probe(state, ep))
+
+
+async def _probe(state: RouterState, ep: Endpoint) -> None:
     hc = state.config.health
     path = "/ready" if ep.pool == "tilert" else "/health"
     was = ep.healthy

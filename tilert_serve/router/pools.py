@@ -54,6 +54,8 @@ class Endpoint:
     trial_at: float = 0.0
     #: Why the breaker last counted a failure (for /ready and /v1/status).
     breaker_error: str = ""
+    #: A health probe of it is under way (health.probe): one at a time, whoever asks.
+    checking: bool = False
     #: Bumped whenever the server may have lost its prefix cache (it was ejected, or refused a
     #: connection: nothing listened, so a process that comes back there is a new one); the prefix
     #: index forgets what it was sent when this moves.
@@ -417,16 +419,17 @@ class Pools:
         node.in_use += 1
         return node
 
-    def tilert_may_return(self, exclude: set[str] | frozenset[str]) -> bool:
-        """Whether a TileRT node outside `exclude` (those that failed this request) may take it soon,
-        though none can now: one ejected by the health checks, or that failed this request's admission,
-        or half-open with another request's trial under way. A node behind an open breaker (its
-        handoffs failed, or nothing listened) or advertising another generation is not waited for:
-        those requests get their answer at once."""
-        return any(
-            n.url not in exclude and not n.compat_mismatch and n.breaker != "open"
+    def tilert_may_return(self, exclude: set[str] | frozenset[str]) -> list[Node]:
+        """The TileRT nodes outside `exclude` (those that failed this request) that may take it soon,
+        when none can now: ejected by the health checks, failing this request's admission, or half-open
+        with another request's trial under way. A node behind an open breaker (its handoffs failed, or
+        nothing listened) or advertising another generation is not waited for: those requests get
+        their answer at once."""
+        return [
+            n
             for n in self.tilert.values()
-        )
+            if n.url not in exclude and not n.compat_mismatch and n.breaker != "open"
+        ]
 
     def tilert_path_up(self) -> bool:
         """Whether some TileRT node may take a request: probed healthy (or not probed yet) and not

@@ -68,6 +68,8 @@ class RouterState:
     tilert_full_at: float = -1e18
     #: Retries before the first byte, as a share of recent requests (retry_budget.py says why).
     retry_budget: RetryBudget = field(init=False)
+    #: The active health checks run (health.py); off, endpoints are judged only by the traffic.
+    health_checks: bool = False
 
     def __post_init__(self) -> None:
         self.base_config = self.config
