@@ -129,6 +129,30 @@ async def test_a_change_that_does_not_help_does_not_end_the_wait_early(make_stac
     assert _waits(s, "resumed") == 1
 
 
+async def test_a_request_waiting_behind_a_half_open_trial_goes_on_when_the_trial_decodes(
+    make_stack: Any,
+) -> None:
+    """The only node is half-open and another request's trial holds it: the next request waits, and
+    the trial's end (its handoff decoded, the breaker closed) wakes it, long before the bound."""
+    s = await make_stack(
+        node_slots=(2,), **ONLY_TILERT, breaker={"open_s": 0.05}, policy={"tilert_wait_s": 30.0}
+    )
+    node = s.state.pools.tilert["t0"]
+    node.breaker_failed(time.monotonic(), "handoff_failed: scripted")
+    await until(lambda: node.breaker == "half-open")
+    s.node.go.clear()  # the trial's decode waits
+    trial = asyncio.create_task(_complete(s.router_url))
+    await until(lambda: len(s.node.generates) == 1)
+    assert node.trial
+    waiting = asyncio.create_task(_complete(s.router_url))
+    await until(lambda: _waiting(s) == 1)
+    s.node.go.set()
+    assert (await trial)[0] == 200 and node.breaker == "closed"
+    status, _, body = await asyncio.wait_for(waiting, 15.0)  # well inside the 30 s bound
+    assert status == 200, body
+    assert _waits(s, "resumed") == 1
+
+
 async def test_no_wait_for_a_node_behind_an_open_breaker(make_stack: Any) -> None:
     """Failed handoffs (or a refused connection) open the breaker: that is an answer, given at once."""
     s = await make_stack(**ONLY_TILERT, breaker={"open_s": 60.0}, policy={"tilert_wait_s": 30.0})

@@ -24,7 +24,7 @@ import time
 import aiohttp
 
 from tilert_serve.router import sse
-from tilert_serve.router.pools import Node, Pools
+from tilert_serve.router.pools import Node
 from tilert_serve.router.state import RouterState, task_ctx
 from tilert_serve.router.upstream import UpstreamError, error_message, post_json, read_error_body
 
@@ -172,7 +172,7 @@ async def probe(state: RouterState, node: Node) -> bool:
         if ticket is not None:
             await _cancel(state, node, ticket, headers)
         node.probing = False
-        Pools.release(node)
+        state.pools.release(node)
         state.note_slots(node)
         m.probes.labels(node.spec.name, outcome).inc()
         if outcome == "ok":

@@ -436,9 +436,11 @@ class Pools:
         behind an open breaker."""
         return any(n.routable and n.breaker != "open" for n in self.tilert.values())
 
-    @staticmethod
-    def release(node: Node) -> None:
+    def release(self, node: Node) -> None:
         node.in_use = max(node.in_use - 1, 0)
         # A trial that ended without a handoff's verdict (node full, prefill failed, client gone)
         # leaves the node to the next request.
         node.trial = False
+        # A request waiting for a node may have one now (a trial over, its breaker closed by a decoded
+        # handoff); nothing to do while none waits.
+        self.changes.notify()

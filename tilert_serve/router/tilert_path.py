@@ -22,7 +22,7 @@ from aiohttp import web
 
 from tilert_serve.router import openai_response, sse
 from tilert_serve.router.call import Call
-from tilert_serve.router.pools import Node, Pools
+from tilert_serve.router.pools import Node
 from tilert_serve.router.stops import StopMatcher
 from tilert_serve.router.upstream import UpstreamError, error_message, post_json, read_error_body
 
@@ -66,7 +66,7 @@ class _Slot:
     def release(self) -> None:
         if not self.done:
             self.done = True
-            Pools.release(self.node)
+            self.call.state.pools.release(self.node)
             self.call.state.note_slots(self.node)
 
     def cancel(self, reason: str) -> asyncio.Task[None] | None:
