@@ -288,3 +288,21 @@ async def test_requests_that_time_out_together_do_not_eject_a_node(make_stack: A
     for _ in range(2):
         handlers._note_failure(s.state, UpstreamError("tilert", node.url, "transport", "reset"))
     assert node.healthy is False
+
+
+def test_dump_leaves_the_new_settings_out_at_their_defaults() -> None:
+    """A router of the previous release (which refuses unknown keys) still reads the file during a
+    rolling upgrade; a value that is set is written."""
+    import yaml
+
+    cfg = config.RouterConfig(model="m", prefill=["http://p"])
+    data = yaml.safe_load(config.dump(cfg))
+    assert "tilert_wait_s" not in data["policy"] and "timeouts_to_eject" not in data["health"]
+    cfg = cfg.model_copy(
+        update={
+            "policy": cfg.policy.model_copy(update={"tilert_wait_s": 2.5}),
+            "health": cfg.health.model_copy(update={"timeouts_to_eject": 6}),
+        }
+    )
+    back = config.RouterConfig.model_validate(yaml.safe_load(config.dump(cfg)))
+    assert back.policy.tilert_wait_s == 2.5 and back.health.timeouts_to_eject == 6

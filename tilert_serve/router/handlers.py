@@ -216,8 +216,9 @@ _BREAKER_KINDS = re.compile(r"connect|transport|timeout|stream_broken|truncated|
 
 def _note_failure(st: RouterState, err: UpstreamError) -> None:
     """Passive health checking: refused and broken connections count toward ejection like failed
-    probes, and failures toward the endpoint's circuit breaker; a refused connection (nothing listens there any more: a
-    killed or deleted server) opens it at once, so new requests avoid the endpoint from now on."""
+    probes, and failures toward the endpoint's circuit breaker; a refused connection (nothing listens
+    there any more: a killed or deleted server) opens it at once, so new requests avoid the endpoint
+    from now on."""
     now = time.monotonic()
     for ep in st.pools.all():
         if ep.url != err.url:
