@@ -172,6 +172,10 @@ class FakeNode(Fake):
         self.die_after: int | None = None  # drop the connection after this many token events
         self.stall_after: int | None = None  # stop sending (but keep the connection) after N events
         self.ready = True
+        #: Cleared, /ready answers only once it is set again: a node (or a host) too busy to answer
+        #: its probes in time.
+        self.ready_gate = asyncio.Event()
+        self.ready_gate.set()
         #: Answer every admission with this error status, as a node does that stops (503 not_ready).
         self.admit_status: int | None = None
         #: Called on each admission before it is answered (a test changes the world meanwhile).
@@ -357,6 +361,7 @@ class FakeNode(Fake):
         return web.json_response({"ok": True})
 
     async def readyz(self, request: web.Request) -> web.Response:
+        await self.ready_gate.wait()
         body: dict[str, Any] = {"ready": self.ready}
         if self.ready and self.compat is not None and self.compat_in_ready:
             body["compat"] = self.compat

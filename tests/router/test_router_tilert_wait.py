@@ -95,6 +95,48 @@ async def test_a_waiting_request_has_the_ejected_nodes_probed_at_once_not_at_the
     assert node.healthy is True and _waits(s, "resumed") == 1 and _waits(s, "timed_out") == 0
 
 
+async def test_under_load_a_swap_onto_nodes_whose_probes_time_out_loses_no_request(make_stack: Any) -> None:
+    """The docker runtime's generation change in small: clients keep sending while the config moves
+    from t0 (old generation) to t1 (new), whose probes time out just then (a loaded host), so the
+    health checks eject it. Every request is served; those that met the empty moment waited."""
+    s = await make_stack(
+        node_slots=(4, 4),
+        **ONLY_TILERT,
+        health_checks=True,
+        health={"interval_s": 0.05, "timeout_s": 0.1, "failures_to_eject": 1, "timeouts_to_eject": 2},
+        policy={"tilert_wait_s": 10.0},
+    )
+    old, new = s.state.pools.tilert["t0"], s.state.pools.tilert["t1"]
+    await until(lambda: old.healthy is True and new.healthy is True)
+    statuses: list[int] = []
+    stop = asyncio.Event()
+
+    async def client() -> None:
+        async with aiohttp.ClientSession() as http:
+            while not stop.is_set():
+                async with http.post(s.router_url + "/v1/completions", json=BODY) as r:
+                    await r.read()
+                    statuses.append(r.status)
+
+    clients = [asyncio.create_task(client()) for _ in range(4)]
+    try:
+        await until(lambda: len(statuses) >= 20)
+        s.nodes[1].ready_gate.clear()  # t1's probes time out from now on
+        await until(lambda: new.healthy is False)
+        _only_node(s, 1)  # the old generation leaves the list: no node can take a request
+        await until(lambda: _waiting(s) >= 1 or 503 in statuses)
+        s.nodes[1].ready_gate.set()  # the host catches up: the next probe brings t1 back
+        served = len(statuses)
+        await until(lambda: len(statuses) >= served + 20)
+    finally:
+        stop.set()
+        await asyncio.gather(*clients)
+    print(f"\n{len(statuses)} requests across the swap, {_waits(s, 'resumed'):.0f} waited for t1")
+    assert statuses and set(statuses) == {200}, sorted(set(statuses))
+    assert _waits(s, "resumed") >= 1 and _waits(s, "timed_out") == 0
+    assert s.nodes[1].completed >= 20
+
+
 async def test_a_request_gives_up_with_the_503_after_the_bound(make_stack: Any) -> None:
     bound = 0.4
     s = await make_stack(**ONLY_TILERT, policy={"tilert_wait_s": bound, "retry_after_s": 2})
