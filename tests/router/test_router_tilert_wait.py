@@ -315,6 +315,39 @@ async def test_a_probe_that_times_out_is_not_counted_as_a_no(make_stack: Any) ->
         await runner.cleanup()
 
 
+async def test_a_probe_whose_connect_times_out_is_a_plain_failure(make_stack: Any, monkeypatch: Any) -> None:
+    """An address nobody answers (a pod deleted with its network) is not a slow server: the probe's
+    connect gives up after health.CONNECT_S, and it ejects after failures_to_eject, not the more
+    patient timeouts_to_eject."""
+    import socket
+
+    monkeypatch.setattr(health, "CONNECT_S", 0.2)
+    s = await make_stack(
+        **ONLY_TILERT, health={"timeout_s": 5.0, "failures_to_eject": 2, "timeouts_to_eject": 4}
+    )
+    # A listener whose accept queue is full drops further SYNs, as a silent address does.
+    silent = socket.create_server(("127.0.0.1", 0), backlog=0)
+    port = silent.getsockname()[1]
+    fillers = []
+    for _ in range(3):
+        c = socket.socket()
+        c.setblocking(False)
+        c.connect_ex(("127.0.0.1", port))
+        fillers.append(c)
+    try:
+        ep = Endpoint(f"http://127.0.0.1:{port}", "tilert", healthy=True)
+        t0 = time.monotonic()
+        await health.probe(s.state, ep)
+        assert ep.healthy is True and "ConnectionTimeoutError" in ep.last_error, ep.last_error
+        await health.probe(s.state, ep)
+        assert ep.healthy is False  # out after failures_to_eject (2), not timeouts_to_eject (4)
+        assert time.monotonic() - t0 < 5.0  # each probe ended at its connect bound, not at timeout_s
+    finally:
+        for c in fillers:
+            c.close()
+        silent.close()
+
+
 async def test_requests_that_time_out_together_do_not_eject_a_node(make_stack: Any) -> None:
     """Passive health: admissions that time out at once under load are one slow spell, not N
     failures in a row; a refused connection still counts."""

@@ -74,6 +74,12 @@ def note_advertised(state: RouterState, ep: Endpoint, said: str | None) -> None:
         log.info("%s endpoint %s advertises its configured generation %s again", ep.pool, ep.url, said)
 
 
+#: Longest a probe's connect may take. A server's kernel completes the handshake however loaded its
+#: process is; only an address with nobody behind it (a pod deleted with its network, a lost machine)
+#: stays silent, and that counts as a plain failure, not as a slow answer (timeouts_to_eject).
+CONNECT_S = 2.0
+
+
 def _usable(ep: Endpoint) -> tuple[bool, bool]:
     """What a probe may change that lets a request through: routable, and not behind an open breaker."""
     return ep.routable, ep.breaker != "open"
@@ -111,7 +117,8 @@ async def _probe(state: RouterState, ep: Endpoint) -> None:
     refused = timed_out = False
     said: str | None = None
     try:
-        async with state.http.get(ep.url + path, timeout=aiohttp.ClientTimeout(total=hc.timeout_s)) as resp:
+        timeout = aiohttp.ClientTimeout(total=hc.timeout_s, sock_connect=min(hc.timeout_s, CONNECT_S))
+        async with state.http.get(ep.url + path, timeout=timeout) as resp:
             raw = await resp.read()
             ok = resp.status == 200
             why = f"GET {path} answered {resp.status}"
@@ -120,7 +127,8 @@ async def _probe(state: RouterState, ep: Endpoint) -> None:
     except (TimeoutError, aiohttp.ClientError) as exc:
         ok, why = False, f"GET {path} failed: {type(exc).__name__} {exc}".strip()
         refused = isinstance(exc, aiohttp.ClientConnectorError)
-        timed_out = isinstance(exc, TimeoutError)
+        # A connect that times out is not a late answer: the address is silent (the pod is gone).
+        timed_out = isinstance(exc, TimeoutError) and not isinstance(exc, aiohttp.ConnectionTimeoutError)
     if ok:
         ep.record_ok(hc)
         note_advertised(state, ep, said)
