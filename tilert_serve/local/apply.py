@@ -49,12 +49,14 @@ from tilert_operator.spec import PDClusterSpec
 from tilert_serve.local import plan as planmod
 from tilert_serve.local import rollout, runner
 from tilert_serve.router import config as router_config
-from tilert_serve.router.metrics import ENDPOINT_HEALTHY
+from tilert_serve.router.metrics import ENDPOINT_HEALTHY, NATIVE_PAIRS
 
 #: The router's gauge that has one series per endpoint of its current config (state.apply keeps
 #: exactly those): reading its label set back says which config the router runs.
 #: How long the router may take to load a rewritten config (it polls the file every couple of seconds).
 ROUTER_RELOAD_TIMEOUT_S = 60.0
+#: How long a rollout waits for the router to warm new (prefill, native) pairs before it goes on.
+WARM_TIMEOUT_S = 120.0
 
 
 class Stalled(RuntimeError):
@@ -226,6 +228,40 @@ def await_router(router: str, expected: set[str], what: str, say: Callable[[str]
     )
 
 
+def native_pairs(router: str, timeout: float = 5.0) -> dict[str, int] | None:
+    """The router's (prefill, native) pairs by state (router/native_pairs.py); None when it does not
+    answer or does not report them."""
+    try:
+        with urllib.request.urlopen(f"{router}/metrics", timeout=timeout) as r:
+            text = r.read().decode()
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+    for family in text_string_to_metric_families(text):
+        if family.name == NATIVE_PAIRS:
+            return {s.labels["state"]: int(s.value) for s in family.samples}
+    return None
+
+
+def await_warm(router: str, say: Callable[[str], None]) -> None:
+    """Wait (at most WARM_TIMEOUT_S) until the router has warmed every (prefill, native) pair of the
+    endpoints it has: a rollout goes on to remove an old pod only once the new one has met its peers,
+    or the pods that are left would pay the connector's first contact on users' requests (as
+    Kubernetes' minReadySeconds holds a rollout). Not a stall when it does not come: warm-ups are
+    retried, and the rollout must not hang on them."""
+    t0 = time.monotonic()
+    pairs = native_pairs(router)
+    while pairs and (pairs.get("cold", 0) or pairs.get("warming", 0)):
+        if time.monotonic() - t0 > WARM_TIMEOUT_S:
+            say(f"    router still warming native pairs after {WARM_TIMEOUT_S:.0f} s ({pairs}); going on")
+            return
+        time.sleep(0.2)
+        pairs = native_pairs(router)
+    if pairs and time.monotonic() - t0 > 0.5:
+        say(
+            f"    router warmed its native pairs ({pairs.get('warm', 0)} warm; {time.monotonic() - t0:.1f} s)"
+        )
+
+
 def record(
     run: runner.Running, r: rollout.Rendered, ordinal: int, revision: str, live: Live | None = None
 ) -> runner.Running:
@@ -368,6 +404,8 @@ class Processes:
             await_router(
                 r.ready_url.removesuffix("/ready"), {p.url for p in pods}, f"{len(pods)} endpoints", say
             )
+        for r in routers:  # and every one must have met the new pods
+            await_warm(r.ready_url.removesuffix("/ready"), say)
 
     def stop(self, pod: str, say: Callable[[str], None]) -> None:
         p = self._proc(pod)

@@ -15,7 +15,7 @@ from pathlib import Path
 from aiohttp import web
 
 from tilert_serve import httpserver, tracing, tracing_otel
-from tilert_serve.router import canary, discovery, handlers, health, reload, upstream
+from tilert_serve.router import canary, discovery, handlers, health, native_warmup, reload, upstream
 from tilert_serve.router.call import TRACER
 from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.errors import error_middleware
@@ -77,6 +77,8 @@ def make_app(
         app.cleanup_ctx.append(health.health_ctx)
         # Probes need probed endpoints (they run on healthy nodes only); off unless the config asks.
         app.cleanup_ctx.append(canary.canary_ctx)
+        # Warm-ups too: they go to pairs of probed-healthy endpoints only (off unless the config asks).
+        app.cleanup_ctx.append(native_warmup.warmup_ctx)
     app.cleanup_ctx.append(reload.reload_ctx)
     app.cleanup_ctx.append(discovery.discovery_ctx(resolver))
     app.add_routes(handlers.routes())

@@ -190,6 +190,19 @@ class HandoffProbe(_Strict):
     timeout_s: float = Field(default=60.0, gt=0)
 
 
+class NativeWarmup(_Strict):
+    """Warm-up requests for new (prefill, native decode) pairs (native_pairs.py): the first KV a native
+    decode pulls from a prefill pays the connector's first contact (seconds); one small request of the
+    router's own pays it before users do, and while some pair is warm native requests go through warm
+    pairs. Off unless asked for; the operator renders it on."""
+
+    enabled: bool = False
+    #: Bound on a warm-up's prefill and decode calls, each.
+    timeout_s: float = Field(default=60.0, gt=0)
+    #: After a failed warm-up, try the pair again this much later.
+    retry_s: float = Field(default=10.0, gt=0)
+
+
 class CircuitBreaker(_Strict):
     """Per TileRT node: after `failures_to_open` failed handoffs in a row (a user's or a probe's: the
     node's control port refusing, a state that never arrives), the node takes no request for `open_s`,
@@ -284,6 +297,7 @@ class RouterConfig(_Strict):
     tilert_api_token_file: str | None = None
     health: HealthChecks = HealthChecks()
     handoff_probe: HandoffProbe = HandoffProbe()
+    native_warmup: NativeWarmup = NativeWarmup()
     breaker: CircuitBreaker = CircuitBreaker()
     #: Per prefill and native decode server: refused connections, resets, 5xx answers and timeouts in
     #: a row (a refused connection opens it at once: nothing listens there any more).
@@ -359,6 +373,8 @@ def dump(config: RouterConfig) -> str:
             del data["policy"][name]
     if data["health"]["timeouts_to_eject"] == HealthChecks().timeouts_to_eject:
         del data["health"]["timeouts_to_eject"]  # the same reason
+    if data["native_warmup"] == NativeWarmup().model_dump(mode="json"):
+        del data["native_warmup"]  # the same reason
     if data["tracing"] == Tracing().model_dump(mode="json"):
         # Off: left out, as the choice's defaults are, so that a router of the previous release reads it.
         del data["tracing"]

@@ -562,6 +562,9 @@ async def metrics(request: web.Request) -> web.Response:
         state.metrics.breaker_open.labels(name).set(int(node.breaker != "closed"))
     for path, up in _paths(state).items():
         state.metrics.path_up.labels(path).set(-1 if up == "none" else int(up == "up"))
+    pools = state.pools
+    for pair_state, n in pools.pairs.counts(pools.prefill.values(), pools.native.values()).items():
+        state.metrics.native_pairs.labels(pair_state).set(n)
     return web.Response(body=state.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 

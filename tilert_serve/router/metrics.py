@@ -28,6 +28,7 @@ from tilert_serve.metric_defs import (
     values,
 )
 from tilert_serve.router.changes import WaitOutcome
+from tilert_serve.router.native_pairs import PairState
 from tilert_serve.router.policy import Label, Route
 from tilert_serve.router.pools import PrefillChoice
 from tilert_serve.router.prefill_choice import REASONS, PrefillPolicy
@@ -133,6 +134,9 @@ PROBE_OUTCOMES = Values(
     f"((prefill|native|tilert)_)?{_HTTP_KIND})",
     "POOL_KIND: a failed upstream call's pool and kind (as upstream_errors_total's), generate_http_NNN",
 )
+#: How a native pair's warm-up ended (native_warmup.py), and the states of a pair (native_pairs.py).
+WARMUP_OUTCOMES = values({"ok", "failed"}, other=False)
+PAIR_STATES = values(get_args(PairState), other=False)
 #: Why a request was retried before its first byte (handlers.retry_reason).
 RETRY_REASONS = values(
     {
@@ -167,6 +171,9 @@ PREFIX = "tilert_router_"
 _HEALTHY = "endpoint_healthy"
 #: Read by `tilert-pd local apply`, which waits until the router lists the endpoints it published.
 ENDPOINT_HEALTHY = PREFIX + _HEALTHY
+_PAIRS = "native_pairs"
+#: Read by `tilert-pd local apply`, which waits for the router's warm-ups before removing old pods.
+NATIVE_PAIRS = PREFIX + _PAIRS
 
 _latency = partial(histogram, buckets=_LATENCY_BUCKETS)
 _itl = partial(histogram, buckets=_ITL_BUCKETS)
@@ -241,6 +248,13 @@ _DECLS = (
           "was routed), timed_out (answered 503 after the wait), client_gone."),
     _Decl("tilert_waiting", gauge, "tilert_waiting_requests", {},
           "Requests waiting now for a TileRT node to come back."),
+    _Decl("native_warmups", counter, "native_warmups_total", {"outcome": WARMUP_OUTCOMES},
+          "Warm-up requests the router sent through (prefill, native decode) pairs that had not "
+          "moved KV yet (native_warmup.enabled), by outcome; not counted as requests."),
+    _Decl("native_pairs", gauge, _PAIRS, {"state": PAIR_STATES},
+          "Pairs of a prefill and a native decode server of one generation among the configured "
+          "endpoints, by state: cold (never moved KV, or a side restarted), warming, warm, failed (its warm-up "
+          "failed; tried again after native_warmup.retry_s)."),
     _Decl("inflight", gauge, "inflight_requests", _PATH, "Requests in flight, by decode path."),
     _Decl("slots", gauge, "tilert_slots_in_use", {"node": NODE}, "TileRT slots this router holds, by node."),
     _Decl("healthy", gauge, _HEALTHY, {"pool": POOLS, "endpoint": ENDPOINT},
@@ -296,6 +310,8 @@ class Metrics:
     cancels: Bounded
     tilert_waits: Bounded
     tilert_waiting: Gauge
+    native_warmups: Bounded
+    native_pairs: Bounded
     inflight: Bounded
     slots: Bounded
     healthy: Bounded

@@ -36,6 +36,7 @@ from tilert_serve import dataplane
 from tilert_serve.router import openai_response, sse
 from tilert_serve.router.call import Call
 from tilert_serve.router.pools import Endpoint
+from tilert_serve.router.state import RouterState
 from tilert_serve.router.upstream import UpstreamError, client_error, error_message, read_error_body
 
 log = logging.getLogger(__name__)
@@ -61,16 +62,16 @@ class MooncakeSource:
     dp_rank: int | None
 
 
-def nixl_prefill_body(call: Call) -> dict[str, Any]:
-    return call.prefill_body(dict(_NIXL_REMOTE_DECODE))
+def nixl_params() -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params with NixlConnector."""
+    return dict(_NIXL_REMOTE_DECODE)
 
 
-def mooncake_prefill_body(call: Call, transfer_id: str) -> dict[str, Any]:
-    # Without transfer_id the prefill frees the blocks at once (update_state_after_alloc warns
-    # "Missing transfer_id in kv_transfer_params from router!").
-    return call.prefill_body(
-        {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
-    )
+def mooncake_params(transfer_id: str) -> dict[str, Any]:
+    """The prefill leg's kv_transfer_params with MooncakeConnector. Without transfer_id the prefill
+    frees the blocks at once (update_state_after_alloc warns "Missing transfer_id in
+    kv_transfer_params from router!")."""
+    return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
 
 
 def mooncake_decode_params(
@@ -100,13 +101,13 @@ def bootstrap_addr(prefill_url: str, port: int) -> str:
     return dataplane.http_url(urlsplit(prefill_url).hostname or "", port)
 
 
-async def mooncake_source(call: Call, prefill: Endpoint) -> MooncakeSource:
+async def mooncake_source(state: RouterState, prefill: Endpoint) -> MooncakeSource:
     """Ask the prefill's bootstrap registry for its engine id. Asked on every request, not cached: a
     restarted prefill registers under a new engine id, and the decode finds only the current one."""
-    addr = bootstrap_addr(prefill.url, call.cfg.mooncake_bootstrap_port)
-    t = call.cfg.timeouts
+    addr = bootstrap_addr(prefill.url, state.config.mooncake_bootstrap_port)
+    t = state.config.timeouts
     try:
-        async with call.state.http.get(
+        async with state.http.get(
             addr + "/query", timeout=aiohttp.ClientTimeout(total=t.admit_s, sock_connect=t.connect_s)
         ) as resp:
             raw = await resp.read()
@@ -138,24 +139,27 @@ async def mooncake_source(call: Call, prefill: Endpoint) -> MooncakeSource:
 async def _handoff(call: Call, prefill: Endpoint) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run the prefill leg; return its answer and the kv_transfer_params for the decode (None: none)."""
     if call.cfg.native_connector == "MooncakeConnector":
-        src = await mooncake_source(call, prefill)
+        src = await mooncake_source(call.state, prefill)
         # Fresh per attempt: a retry on the same prefill must not find the first attempt's transfer,
         # and the client's X-Request-Id may repeat.
         transfer_id = f"xfer-{uuid.uuid4().hex}"
         headers = {"X-data-parallel-rank": str(src.dp_rank)} if src.dp_rank is not None else None
-        pj = await call.prefill(prefill, mooncake_prefill_body(call, transfer_id), headers)
+        pj = await call.prefill(prefill, call.prefill_body(mooncake_params(transfer_id)), headers)
         return pj, mooncake_decode_params(pj, src, transfer_id)
-    pj = await call.prefill(prefill, nixl_prefill_body(call))
+    pj = await call.prefill(prefill, call.prefill_body(nixl_params()))
     kvp = pj.get("kv_transfer_params")
     return pj, kvp if isinstance(kvp, dict) and kvp else None
 
 
 async def serve(call: Call) -> web.StreamResponse:
     st, cfg = call.state, call.cfg
-    # The decode first, among those a usable prefill can pair with; then a prefill of its generation.
+    # The decode first, among those a usable prefill can pair with; then a prefill of its generation
+    # (both preferring pairs that have moved KV before: native_pairs.py).
     decode = st.pools.pick_native(call.exclude, cfg.limits.native_max_inflight)
     prefill = (
-        st.pools.pick_prefill(call.exclude, decode.generation, call.req, st.metrics.observe_prefill_choice)
+        st.pools.pick_prefill(
+            call.exclude, decode.generation, call.req, st.metrics.observe_prefill_choice, native=decode
+        )
         if decode is not None
         else None
     )
@@ -172,7 +176,10 @@ async def serve(call: Call) -> web.StreamResponse:
         if kvp is not None:
             body["kv_transfer_params"] = kvp
         with call.leg("router.decode", endpoint=decode.url):
-            return await _decode(call, decode, body, cached)
+            resp = await _decode(call, decode, body, cached)
+        if kvp is not None:
+            st.pools.pairs.succeeded(prefill, decode)
+        return resp
     finally:
         decode.inflight -= 1
 

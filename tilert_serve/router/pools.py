@@ -17,6 +17,7 @@ from tilert_serve.router import pairing, prefill_choice, prefix_index
 from tilert_serve.router.changes import Changes
 from tilert_serve.router.config import CircuitBreaker, HealthChecks, RouterConfig, RoutingPolicy, TileRTNode
 from tilert_serve.router.config import Endpoint as EndpointSpec
+from tilert_serve.router.native_pairs import PairTable
 from tilert_serve.router.openai_request import ParsedRequest
 
 TileRTState = Literal["free", "full", "down"]
@@ -245,6 +246,10 @@ class Pools:
         )
         #: Each prefill's cache_epoch when the index last learnt about it.
         self._epochs: dict[str, int] = {}
+        #: Which (prefill, native) pairs have moved KV (native_pairs.py): native requests prefer warm
+        #: pairs while `native_warmup` is on.
+        self.pairs = PairTable()
+        self.warmup = False
         #: Told of every change that may let a waiting request through (a new endpoint list here; an
         #: endpoint's health or breaker turning, by the health checks).
         self.changes = Changes()
@@ -265,6 +270,8 @@ class Pools:
         self.prefixes.keep_only(self.prefill)
         self._epochs = {url: n for url, n in self._epochs.items() if url in self.prefill}
         self.native = _keep(self.native, config.native, "native", config.endpoint_breaker)
+        self.pairs.keep_only(self.prefill, self.native)
+        self.warmup = config.native_warmup.enabled
         # A node is its address: one found through DNS that the ConfigMap then names (another name, the
         # same pod) keeps the slots this router holds on it.
         by_url = {n.url: n for n in self.tilert.values()}
@@ -326,6 +333,7 @@ class Pools:
         decode: str | None = None,
         req: ParsedRequest | None = None,
         observe: ChoiceObserver | None = None,
+        native: Endpoint | None = None,
     ) -> Endpoint | None:
         """The usable prefill, of those that may hand a request to a decode of generation `decode`, that
         `policy.prefill` picks for `req` (prefill_choice.py). `exclude` (prefills that failed this
@@ -335,10 +343,13 @@ class Pools:
         The prompt is recorded as sent to the chosen prefill at once, not when its prefill succeeds: the
         next request with the same prefix, arriving while this one computes it, should go there too
         (vLLM shares the blocks, or finds them cached). A failed prefill leaves a false entry behind;
-        the retry excludes that prefill anyway, and the entry ages out of the LRU."""
+        the retry excludes that prefill anyway, and the entry ages out of the LRU. For a `native`
+        decode, prefills that have moved KV to it come first while warm-ups are on (native_pairs.py)."""
         live = _live(self.prefill.values())
         up = pairing.for_decode(decode, ((e.generation, e) for e in live))
         cands = [e for e in up if e.url not in exclude] or up
+        if native is not None and self.warmup:
+            cands = [e for e in cands if self.pairs.warm(e, native)] or cands
         if not cands:
             return None
         policy = self.policy.prefill if req is not None else "least_loaded"
@@ -369,6 +380,9 @@ class Pools:
         the less loaded of two drawn at random, or the least loaded."""
         gens = self.prefill_generations()
         live = [e for e in _live(self.native.values()) if pairing.pairable(e.generation, gens)]
+        if self.warmup:  # one that has met no live prefill yet waits for its warm-up, if another has
+            prefills = _live(self.prefill.values())
+            live = [e for e in live if any(self.pairs.warm(p, e) for p in prefills)] or live
         if self.policy.native == "least_loaded":
             return self._least_loaded(live, exclude, cap)
         up = [e for e in live if e.inflight < cap]

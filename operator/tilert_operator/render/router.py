@@ -67,6 +67,8 @@ def config(
         metrics_public=spec.router.metrics_public,
         # Probe idle TileRT nodes with a real handoff (HandoffReady; tilert_serve/router/canary.py).
         handoff_probe=router_config.HandoffProbe(interval_s=router_config.HANDOFF_PROBE_INTERVAL_S),
+        # Warm each new (prefill, native) pair before users need it (tilert_serve/router/native_pairs.py).
+        native_warmup=router_config.NativeWarmup(enabled=True),
         # Traces of each request (tilert_serve/tracing.py): off ("" endpoint) unless the spec sets one.
         tracing=router_config.Tracing(
             endpoint=spec.observability.tracing.endpoint,
