@@ -58,6 +58,44 @@ for case in ("handshake", "connect"):
 """
 
 
+_STREAMER = r"""
+import asyncio, sys
+from aiohttp import web
+async def stream(request):
+    resp = web.StreamResponse()
+    await resp.prepare(request)
+    await resp.write(b"data: first\n\n")
+    print("STREAMING", flush=True)
+    await asyncio.sleep(3600)  # the link is deleted under it
+    return resp
+app = web.Application()
+app.router.add_get("/stream", stream)
+app.router.add_get("/health", lambda request: web.Response(text="ok"))
+web.run_app(app, host=sys.argv[1], port=int(sys.argv[2]), print=None)
+"""
+
+_ROUTER_CLIENT = r"""
+import asyncio, json, sys, time
+import aiohttp
+from tilert_serve.router import upstream
+from tilert_serve.router.config import Limits
+async def main():
+    async with upstream.new_session(Limits()) as http:
+        timeout = aiohttp.ClientTimeout(total=None, sock_read=float(sys.argv[2]))
+        async with http.get(sys.argv[1], timeout=timeout) as resp:
+            await resp.content.readline()
+            print("FIRST", flush=True)
+            t0 = time.monotonic()
+            try:
+                await resp.content.read()
+                error = "none"
+            except Exception as exc:
+                error = type(exc).__name__ + " " + str(exc)
+            print("RESULT " + json.dumps({"error": error, "elapsed": time.monotonic() - t0}), flush=True)
+asyncio.run(main())
+"""
+
+
 def _wait_for_line(proc: bed.PodProcess, line: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while line not in proc.log.read_text(errors="replace"):
@@ -101,6 +139,40 @@ def test_a_node_gone_silent_is_given_up_within_seconds(
         assert handshake["elapsed"] < TIMEOUT_S / 2, handshake
         assert connect["reason"] == "unreachable" and "cannot reach" in connect["message"], connect
         assert connect["elapsed"] < TIMEOUT_S / 2, connect
+    finally:
+        for proc in procs:
+            proc.stop()
+        assert not b.close()
+
+
+def test_the_routers_stream_from_a_decode_gone_silent_ends_within_seconds(
+    netns_available: None, tmp_path: Path
+) -> None:
+    """The router's upstream connections (router/upstream.py) carry the same keepalive: a decode whose
+    pod vanished mid-stream ends the client's stream with an error within seconds, not after the
+    idle-stream bound (here 60 s)."""
+    b = bed.Bed("silentstream")
+    procs: list[bed.PodProcess] = []
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    try:
+        b.network("pod", {"router": "eth0", "node": "eth0", "other": "eth0"}, ["10.253.0.0/24"])
+        router, node = b.pods["router"], b.pods["node"]
+        url = f"http://{node.ip('eth0')}:{PORT}/stream"
+        server = bed.PodProcess(
+            node, "streamer", [sys.executable, "-c", _STREAMER, node.ip("eth0"), str(PORT)], env, tmp_path
+        )
+        procs.append(server)
+        bed.wait_http(router, f"http://{node.ip('eth0')}:{PORT}/health", 60, server)
+        client = bed.PodProcess(
+            router, "client", [sys.executable, "-c", _ROUTER_CLIENT, url, str(2 * TIMEOUT_S)], env, tmp_path
+        )
+        procs.append(client)
+        _wait_for_line(client, "FIRST", 60)
+        bed.ip("-n", node.ns, "link", "del", "eth0")
+        assert client.wait_exit(3 * TIMEOUT_S) == 0, client.tail()
+        (line,) = [x for x in client.log.read_text().splitlines() if x.startswith("RESULT ")]
+        result = json.loads(line.removeprefix("RESULT "))
+        assert result["error"] != "none" and result["elapsed"] < TIMEOUT_S / 2, result
     finally:
         for proc in procs:
             proc.stop()

@@ -38,7 +38,7 @@ import socket
 import struct
 from typing import Any, Final
 
-from tilert_serve import defaults
+from tilert_serve import defaults, keepalive
 from tilert_serve.handoff import auth, messages
 from tilert_serve.handoff.errors import FrameError, MessageError, SessionError, VersionMismatch
 
@@ -258,25 +258,6 @@ async def write_message(
 #: gone without a reset (deleted with its network, its machine lost), and every second waited there
 #: holds one of the prefill's staging regions that other requests' handoffs need.
 CONNECT_TIMEOUT_S: Final = 3.0
-#: An established control connection whose peer goes silent is dropped after about this long
-#: (TCP keepalive probes every second after one idle second, and unacknowledged data), where the
-#: message timeout alone would wait its full length: a handoff waiting on a dead node gives its
-#: staging region back within seconds.
-SILENT_PEER_S: Final = 4
-
-
-def _detect_silent_peer(sock: socket.socket) -> None:
-    # Linux names; elsewhere (a developer's laptop) the message timeout alone bounds the wait.
-    options = [
-        (socket.SOL_SOCKET, "SO_KEEPALIVE", 1),
-        (socket.IPPROTO_TCP, "TCP_KEEPIDLE", 1),
-        (socket.IPPROTO_TCP, "TCP_KEEPINTVL", 1),
-        (socket.IPPROTO_TCP, "TCP_KEEPCNT", SILENT_PEER_S - 1),
-        (socket.IPPROTO_TCP, "TCP_USER_TIMEOUT", SILENT_PEER_S * 1000),
-    ]
-    for level, name, value in options:
-        if hasattr(socket, name):
-            sock.setsockopt(level, getattr(socket, name), value)
 
 
 class SyncChannel:
@@ -291,12 +272,12 @@ class SyncChannel:
     def connect(
         cls, host: str, port: int, timeout: float, connect_timeout: float = CONNECT_TIMEOUT_S
     ) -> SyncChannel:
-        """`timeout`: the longest wait for one message. `connect_timeout` and the keepalive are
-        shorter: they tell a peer that is gone from one that is slow."""
+        """`timeout`: the longest wait for one message. `connect_timeout` and the keepalive
+        (tilert_serve/keepalive.py) are shorter: they tell a peer that is gone from one that is slow."""
         sock = socket.create_connection((host, port), timeout=min(connect_timeout, timeout))
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        _detect_silent_peer(sock)
+        keepalive.detect_silent_peer(sock)
         return cls(sock)
 
     def _recv_exactly(self, n: int) -> bytes:

@@ -160,7 +160,7 @@ class Sender:
         try:
             return self._send(chan, req, t0, error, layers)
         except TimeoutError as exc:
-            if exc.errno == errno.ETIMEDOUT:  # the keepalive's verdict, not our message timeout
+            if exc.errno == errno.ETIMEDOUT:  # keepalive.py's verdict, not our message timeout
                 return HandoffResult(
                     False,
                     "unreachable",

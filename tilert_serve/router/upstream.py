@@ -3,12 +3,17 @@
 from __future__ import annotations
 
 import json
-from typing import Any
+import socket
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
+from tilert_serve import keepalive
 from tilert_serve.router.config import Limits
 from tilert_serve.router.errors import RouterError
+
+if TYPE_CHECKING:
+    from aiohappyeyeballs import AddrInfoType  # aiohttp's own dependency: the type its socket_factory takes
 
 
 class UpstreamError(Exception):
@@ -38,9 +43,23 @@ def new_session(limits: Limits) -> aiohttp.ClientSession:
     # 5 s: a Service name that resolves to pod addresses (a headless Service) drops a leaving pod
     # within seconds, and a longer cache would keep sending new connections to it.
     connector = aiohttp.TCPConnector(
-        limit=0, limit_per_host=limits.connections_per_host, keepalive_timeout=60, ttl_dns_cache=5
+        limit=0,
+        limit_per_host=limits.connections_per_host,
+        keepalive_timeout=60,
+        ttl_dns_cache=5,
+        socket_factory=_socket,
     )
     return _session(connector)
+
+
+def _socket(addr_info: AddrInfoType) -> socket.socket:
+    """Every upstream connection drops within seconds when its peer goes silent (keepalive.py): a
+    decode whose pod vanished mid-stream ends the client's stream with an error then, not after the
+    idle-stream bound, and an admission to a vanished node fails over at once."""
+    family, type_, proto, _, _ = addr_info
+    sock = socket.socket(family=family, type=type_, proto=proto)
+    keepalive.detect_silent_peer(sock)
+    return sock
 
 
 def fresh_session() -> aiohttp.ClientSession:
@@ -48,7 +67,9 @@ def fresh_session() -> aiohttp.ClientSession:
     a new DNS answer, never a pooled connection to the pod that answered 5xx or reset (a vLLM shutting
     down still answers on its open keep-alive connections: "cannot schedule new futures after
     shutdown"), so that behind a Service name the retry reaches a pod that serves."""
-    return _session(aiohttp.TCPConnector(limit=0, force_close=True, use_dns_cache=False))
+    return _session(
+        aiohttp.TCPConnector(limit=0, force_close=True, use_dns_cache=False, socket_factory=_socket)
+    )
 
 
 def _session(connector: aiohttp.TCPConnector) -> aiohttp.ClientSession:
