@@ -82,6 +82,25 @@ def test_native_requests_go_through_warm_pairs_while_one_is_cold() -> None:
     assert {pools.pick_native(set(), 10).url for _ in range(40)} == {"http://n0", "http://n1"}
 
 
+def test_a_new_prefill_is_avoided_on_every_route_until_it_has_met_a_native_decode() -> None:
+    cfg = config.RouterConfig.model_validate(
+        {
+            "model": MODEL,
+            "prefill": ["http://p0", "http://p1"],
+            "native": ["http://n"],
+            "native_warmup": {"enabled": True},
+        }
+    )
+    pools = Pools(cfg)
+    p0, p1, n = pools.prefill["http://p0"], pools.prefill["http://p1"], pools.native["http://n"]
+    for e in (p0, p1, n):
+        e.healthy = True
+    pools.pairs.succeeded(p0, n)
+    assert {pools.pick_prefill(set()).url for _ in range(20)} == {"http://p0"}  # a TileRT request's choice
+    pools.pairs.succeeded(p1, n)
+    assert {pools.pick_prefill(set()).url for _ in range(20)} == {"http://p0", "http://p1"}
+
+
 def test_without_warm_ups_a_cold_pair_is_not_avoided() -> None:
     """Only the warm-ups make a cold pair warm without users: with them off, avoiding it would starve it."""
     pools, p, n0, _n1 = _pools(warmup=False)

@@ -343,13 +343,19 @@ class Pools:
         The prompt is recorded as sent to the chosen prefill at once, not when its prefill succeeds: the
         next request with the same prefix, arriving while this one computes it, should go there too
         (vLLM shares the blocks, or finds them cached). A failed prefill leaves a false entry behind;
-        the retry excludes that prefill anyway, and the entry ages out of the LRU. For a `native`
-        decode, prefills that have moved KV to it come first while warm-ups are on (native_pairs.py)."""
+        the retry excludes that prefill anyway, and the entry ages out of the LRU. While warm-ups are
+        on (native_pairs.py), prefills that have moved KV to the `native` decode come first; for
+        another route, prefills that have moved KV to any native decode."""
         live = _live(self.prefill.values())
         up = pairing.for_decode(decode, ((e.generation, e) for e in live))
         cands = [e for e in up if e.url not in exclude] or up
-        if native is not None and self.warmup:
+        if self.warmup and native is not None:
             cands = [e for e in cands if self.pairs.warm(e, native)] or cands
+        elif self.warmup and self.native:
+            # Any route: a prefill that has met no native decode yet is new, and its first requests pay
+            # its first contact and first forward; while one that has met one exists, it goes first.
+            natives = _live(self.native.values())
+            cands = [e for e in cands if any(self.pairs.warm(e, n) for n in natives)] or cands
         if not cands:
             return None
         policy = self.policy.prefill if req is not None else "least_loaded"
