@@ -57,6 +57,10 @@ from tilert_serve.router.metrics import ENDPOINT_HEALTHY, NATIVE_PAIRS
 ROUTER_RELOAD_TIMEOUT_S = 60.0
 #: How long a rollout waits for the router to warm new (prefill, native) pairs before it goes on.
 WARM_TIMEOUT_S = 120.0
+#: The pods whose first requests the router's warm-ups make (router/native_pairs.py): they stay at
+#: idle CPU priority until warmed, as their first forward would run on a cluster pod's own CPUs
+#: (on the 2-core box it took up to 30 s of the CPUs the serving pods share).
+WARMED = frozenset({constants.PREFILL, constants.NATIVE})
 
 
 class Stalled(RuntimeError):
@@ -382,8 +386,9 @@ class Processes:
                 "stalled Kubernetes rollout leaves them). Fix the spec and `tilert-pd local apply` again, "
                 "or `tilert-pd local down`."
             ) from exc
-        for p in procs:  # ready: it serves now, at the normal CPU policy
-            runner.promote(p)
+        for p in procs:  # ready: it serves now, at the normal CPU policy (a vLLM once warmed: publish)
+            if p.kind not in WARMED:
+                runner.promote(p)
 
     def publish(self, serving: set[str], say: Callable[[str], None]) -> None:
         pods = [p for p in self.procs if p.name in serving and p.kind != constants.ROUTER]
@@ -406,6 +411,9 @@ class Processes:
             )
         for r in routers:  # and every one must have met the new pods
             await_warm(r.ready_url.removesuffix("/ready"), say)
+        for p in pods:  # the warm-ups were the new vLLMs' own work, on "CPUs of their own" (idle)
+            if p.kind in WARMED:
+                runner.promote(p)
 
     def stop(self, pod: str, say: Callable[[str], None]) -> None:
         p = self._proc(pod)
