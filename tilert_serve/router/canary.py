@@ -20,10 +20,12 @@ import json
 import logging
 import secrets
 import time
+from typing import Any
 
 import aiohttp
 
 from tilert_serve.router import sse
+from tilert_serve.router.config import RouterConfig
 from tilert_serve.router.pools import Node
 from tilert_serve.router.state import RouterState, task_ctx
 from tilert_serve.router.upstream import UpstreamError, error_message, post_json, read_error_body
@@ -32,6 +34,18 @@ log = logging.getLogger(__name__)
 
 #: Request ids of probes start with this (the nodes' and vLLM's logs show them for what they are).
 PREFIX = "handoff-probe-"
+
+
+def probe_body(cfg: RouterConfig) -> dict[str, Any]:
+    """The router's own small request (a probe's, a native warm-up's): the probe prompt, one token."""
+    return {
+        "model": cfg.upstream_model or cfg.model,
+        "prompt": cfg.handoff_probe.prompt,
+        "max_tokens": 1,
+        "stream": False,
+        "temperature": 0.0,
+        "ignore_eos": True,
+    }
 
 
 def due(state: RouterState, node: Node, now: float) -> bool:
@@ -89,15 +103,7 @@ async def probe(state: RouterState, node: Node) -> bool:
             "tilert_ctrl_port": int(body.get("ctrl_port") or node.spec.ctrl_port),
             "tilert_ticket": ticket,
         }
-        req = {
-            "model": cfg.upstream_model or cfg.model,
-            "prompt": cfg.handoff_probe.prompt,
-            "max_tokens": 1,
-            "stream": False,
-            "temperature": 0.0,
-            "ignore_eos": True,
-            "kv_transfer_params": kvp,
-        }
+        req = {**probe_body(cfg), "kv_transfer_params": kvp}
         prefill.inflight += 1
         try:
             status, pj = await post_json(

@@ -62,15 +62,9 @@ class MooncakeSource:
     dp_rank: int | None
 
 
-def nixl_params() -> dict[str, Any]:
-    """The prefill leg's kv_transfer_params with NixlConnector."""
-    return dict(_NIXL_REMOTE_DECODE)
-
-
-def mooncake_params(transfer_id: str) -> dict[str, Any]:
-    """The prefill leg's kv_transfer_params with MooncakeConnector. Without transfer_id the prefill
-    frees the blocks at once (update_state_after_alloc warns "Missing transfer_id in
-    kv_transfer_params from router!")."""
+def _mooncake_params(transfer_id: str) -> dict[str, Any]:
+    # Without transfer_id the prefill frees the blocks at once (update_state_after_alloc warns
+    # "Missing transfer_id in kv_transfer_params from router!").
     return {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer_id}
 
 
@@ -136,19 +130,42 @@ async def mooncake_source(state: RouterState, prefill: Endpoint) -> MooncakeSour
     return MooncakeSource(addr, ranks[rank], rank)
 
 
+@dataclass(frozen=True)
+class PrefillLeg:
+    """The prefill leg of a native request, as the connector (`native_connector`) needs it: the
+    kv_transfer_params and headers the prefill gets, and the decode's params read from its answer."""
+
+    params: dict[str, Any]
+    headers: dict[str, str]
+    #: MooncakeConnector: the prefill engine the decode pulls from, and this transfer's id.
+    source: MooncakeSource | None = None
+    transfer_id: str = ""
+
+    def decode_params(self, answer: dict[str, Any]) -> dict[str, Any] | None:
+        """What the decode needs to pull the prompt's KV; None when the prefill kept none for it."""
+        if self.source is not None:
+            return mooncake_decode_params(answer, self.source, self.transfer_id)
+        kvp = answer.get("kv_transfer_params")  # NixlConnector: the prefill's own answer
+        return kvp if isinstance(kvp, dict) and kvp else None
+
+
+async def prefill_leg(state: RouterState, prefill: Endpoint) -> PrefillLeg:
+    """The prefill leg for `prefill` (a user's request and a warm-up alike, native_warmup.py)."""
+    if state.config.native_connector != "MooncakeConnector":
+        return PrefillLeg(dict(_NIXL_REMOTE_DECODE), {})
+    src = await mooncake_source(state, prefill)
+    # Fresh per attempt: a retry on the same prefill must not find the first attempt's transfer, and
+    # the client's X-Request-Id may repeat.
+    transfer_id = f"xfer-{uuid.uuid4().hex}"
+    headers = {"X-data-parallel-rank": str(src.dp_rank)} if src.dp_rank is not None else {}
+    return PrefillLeg(_mooncake_params(transfer_id), headers, src, transfer_id)
+
+
 async def _handoff(call: Call, prefill: Endpoint) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """Run the prefill leg; return its answer and the kv_transfer_params for the decode (None: none)."""
-    if call.cfg.native_connector == "MooncakeConnector":
-        src = await mooncake_source(call.state, prefill)
-        # Fresh per attempt: a retry on the same prefill must not find the first attempt's transfer,
-        # and the client's X-Request-Id may repeat.
-        transfer_id = f"xfer-{uuid.uuid4().hex}"
-        headers = {"X-data-parallel-rank": str(src.dp_rank)} if src.dp_rank is not None else None
-        pj = await call.prefill(prefill, call.prefill_body(mooncake_params(transfer_id)), headers)
-        return pj, mooncake_decode_params(pj, src, transfer_id)
-    pj = await call.prefill(prefill, call.prefill_body(nixl_params()))
-    kvp = pj.get("kv_transfer_params")
-    return pj, kvp if isinstance(kvp, dict) and kvp else None
+    leg = await prefill_leg(call.state, prefill)
+    pj = await call.prefill(prefill, call.prefill_body(leg.params), leg.headers or None)
+    return pj, leg.decode_params(pj)
 
 
 async def serve(call: Call) -> web.StreamResponse:

@@ -10,12 +10,11 @@ import asyncio
 import logging
 import secrets
 import time
-import uuid
 from typing import Any
 
 import aiohttp
 
-from tilert_serve.router import native_path
+from tilert_serve.router import canary, native_path
 from tilert_serve.router.pools import Endpoint
 from tilert_serve.router.state import RouterState, task_ctx
 from tilert_serve.router.upstream import UpstreamError, error_message, post_json
@@ -34,49 +33,20 @@ async def warm(state: RouterState, prefill: Endpoint, native: Endpoint) -> bool:
     rid = PREFIX + secrets.token_hex(6)
     headers = {"X-Request-Id": rid}
     timeout = aiohttp.ClientTimeout(total=w.timeout_s, sock_connect=t.connect_s)
-    body: dict[str, Any] = {
-        "model": cfg.upstream_model or cfg.model,
-        "prompt": cfg.handoff_probe.prompt,
-        "max_tokens": 1,
-        "stream": False,
-        "temperature": 0.0,
-        "ignore_eos": True,
-    }
+    body = canary.probe_body(cfg)
     table.started(prefill, native)
     prefill.inflight += 1
     native.inflight += 1
     outcome, message = "failed", ""
     try:
-        if cfg.native_connector == "MooncakeConnector":
-            src = await native_path.mooncake_source(state, prefill)
-            transfer_id = f"xfer-{uuid.uuid4().hex}"
-            kvp_in = native_path.mooncake_params(transfer_id)
-            pj = await _post(
-                state,
-                "prefill",
-                prefill,
-                {**body, "kv_transfer_params": kvp_in},
-                src.dp_rank,
-                headers,
-                timeout,
-            )
-            kvp = native_path.mooncake_decode_params(pj, src, transfer_id)
-        else:
-            pj = await _post(
-                state,
-                "prefill",
-                prefill,
-                {**body, "kv_transfer_params": native_path.nixl_params()},
-                None,
-                headers,
-                timeout,
-            )
-            found = pj.get("kv_transfer_params")
-            kvp = found if isinstance(found, dict) and found else None
+        leg = await native_path.prefill_leg(state, prefill)
+        prefill_body = {**body, "kv_transfer_params": leg.params}
+        pj = await _post(state, "prefill", prefill, prefill_body, {**headers, **leg.headers}, timeout)
+        kvp = leg.decode_params(pj)
         if kvp is None:
             message = f"prefill {prefill.url} kept no KV for the decode ({error_message(pj, 'no kv_transfer_params')})"
             return False
-        await _post(state, "native", native, {**body, "kv_transfer_params": kvp}, None, headers, timeout)
+        await _post(state, "native", native, {**body, "kv_transfer_params": kvp}, headers, timeout)
         outcome = "ok"
         return True
     except UpstreamError as exc:
@@ -98,12 +68,9 @@ async def _post(
     pool: str,
     ep: Endpoint,
     body: dict[str, Any],
-    dp_rank: int | None,
     headers: dict[str, str],
     timeout: aiohttp.ClientTimeout,
 ) -> dict[str, Any]:
-    if dp_rank is not None:
-        headers = {**headers, "X-data-parallel-rank": str(dp_rank)}
     status, answer = await post_json(
         state.http, pool, ep.url, "/v1/completions", body, headers=headers, timeout=timeout
     )
