@@ -38,6 +38,7 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
+from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
 from tilert_operator import constants, observe, status
@@ -199,16 +200,23 @@ def converge(
     return len(steps)
 
 
+def _router_metrics(router: str, timeout: float) -> list[Metric] | None:
+    """The metric families the router at `router` exposes; None when it does not answer."""
+    try:
+        with urllib.request.urlopen(f"{router}/metrics", timeout=timeout) as r:
+            return list(text_string_to_metric_families(r.read().decode()))
+    except (urllib.error.URLError, OSError, ValueError):
+        return None
+
+
 def router_endpoints(router: str, timeout: float = 5.0, pool: str | None = None) -> set[str] | None:
     """The endpoint URLs (of `pool`, else all) of the config the router at `router` runs now; None
     when it does not answer."""
-    try:
-        with urllib.request.urlopen(f"{router}/metrics", timeout=timeout) as r:
-            text = r.read().decode()
-    except (urllib.error.URLError, OSError, ValueError):
+    families = _router_metrics(router, timeout)
+    if families is None:
         return None
     out: set[str] = set()
-    for family in text_string_to_metric_families(text):
+    for family in families:
         if family.name == ENDPOINT_HEALTHY:
             out |= {s.labels["endpoint"] for s in family.samples if pool is None or s.labels["pool"] == pool}
     return out
@@ -235,12 +243,7 @@ def await_router(router: str, expected: set[str], what: str, say: Callable[[str]
 def native_pairs(router: str, timeout: float = 5.0) -> dict[str, int] | None:
     """The router's (prefill, native) pairs by state (router/native_pairs.py); None when it does not
     answer or does not report them."""
-    try:
-        with urllib.request.urlopen(f"{router}/metrics", timeout=timeout) as r:
-            text = r.read().decode()
-    except (urllib.error.URLError, OSError, ValueError):
-        return None
-    for family in text_string_to_metric_families(text):
+    for family in _router_metrics(router, timeout) or []:
         if family.name == NATIVE_PAIRS:
             return {s.labels["state"]: int(s.value) for s in family.samples}
     return None
